@@ -1,0 +1,224 @@
+"""Megatron-core actor and critic builders for a :class:`~megarl.models.spec.ModelSpec` on a TP x PP mesh.
+
+The actor is megatron-core's ``GPTModel``; the critic is the same trunk whose output layer is a scalar
+:class:`ValueHead`. Both use the local layer spec, or the Transformer Engine spec where TE is installed
+(``use_te=None`` picks). ``parallel_state`` must already be initialised
+(:func:`megarl.parallel.mesh.initialize_model_parallel`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from megarl.models.spec import ModelSpec, SpecError
+from megarl.parallel.mesh import ParallelLayout
+
+DEFAULT_VOCAB_DIVISIBLE_BY = 128
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron's padded vocab: the smallest multiple of ``lcm(divisible_by, tp)`` that holds ``vocab_size``.
+
+    Megatron-LM pads to a multiple of ``divisible_by * tp``; padding to the lcm instead keeps the padded size
+    the same for every power-of-two TP up to ``divisible_by``, so a distributed checkpoint saved at one TP
+    loads at another. Padded rows are zero and their logits are masked out of log-probs.
+    """
+    multiple = math.lcm(divisible_by, tp)
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
+    """Check that megatron-core can shard ``spec`` on ``layout``.
+
+    Raises:
+        SpecError: naming the model size that the TP or PP size does not divide, and the sizes that would.
+    """
+    fitting_tp = [t for t in range(1, spec.num_kv_heads + 1)
+                  if spec.num_kv_heads % t == 0 and spec.num_attention_heads % t == 0
+                  and spec.ffn_hidden_size % t == 0]
+    if spec.num_attention_heads % layout.tp:
+        raise SpecError(f"tp={layout.tp} does not divide num_attention_heads={spec.num_attention_heads}; "
+                        f"TP sizes that fit this model: {fitting_tp}")
+    if spec.num_kv_heads % layout.tp:
+        raise SpecError(f"tp={layout.tp} does not divide the query groups num_kv_heads={spec.num_kv_heads} "
+                        f"(megatron-core shards whole KV heads); TP sizes that fit this model: {fitting_tp}")
+    if spec.ffn_hidden_size % layout.tp:
+        raise SpecError(f"tp={layout.tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
+    if spec.num_layers % layout.pp:
+        raise SpecError(f"pp={layout.pp} does not divide num_layers={spec.num_layers}; PP sizes that fit: "
+                        f"{[p for p in range(1, spec.num_layers + 1) if spec.num_layers % p == 0]}")
+
+
+def have_transformer_engine() -> bool:
+    """True where Transformer Engine imports (GPU machines with TE installed)."""
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except ImportError:
+        return False
+    return bool(HAVE_TE) and torch.cuda.is_available()
+
+
+def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32,
+                       sequence_parallel: bool = False, recompute: bool = False):
+    """The megatron-core ``TransformerConfig`` of ``spec`` on ``layout``.
+
+    On a machine without a GPU it sets what megatron needs there: CPU initialisation, every fusion off and no
+    synchronisation after p2p. Dropout is off (RL fine-tuning).
+
+    Args:
+        params_dtype: dtype of the parameters (torch.float32 on CPU; torch.bfloat16 on GPU).
+        sequence_parallel: split LayerNorm/dropout activations over TP (needs tp > 1).
+        recompute: full activation recomputation of every layer.
+
+    Raises:
+        SpecError: from :func:`check_layout`.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    check_layout(spec, layout)
+    on_gpu = torch.cuda.is_available()
+    kwargs = {}
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        sequence_parallel=sequence_parallel and layout.tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        batch_p2p_sync=on_gpu,
+        **kwargs,
+    )
+
+
+def layer_spec(use_te: bool | None = None):
+    """megatron-core's GPT layer spec: Transformer Engine's where available (``use_te=None``), else local."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_te is None:
+        use_te = have_transformer_engine()
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+class ValueHead(torch.nn.Module):
+    """The critic's output layer: hidden state -> one scalar value per token.
+
+    Replicated on every TP rank (its input is identical there). Called like megatron's output layer.
+
+    Shapes:
+        input: ``[s, b, hidden]`` (``[s/tp, b, hidden]`` under sequence parallel), params dtype.
+        output: ``([s, b, 1], None)``.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:
+            self.weight.sequence_parallel = True
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        return F.linear(hidden_states, self.weight), None
+
+
+def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", "critic"] = "actor", *,
+                params_dtype: torch.dtype = torch.float32, use_te: bool | None = None,
+                sequence_parallel: bool = False, recompute: bool = False,
+                vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY):
+    """Build this rank's stage of the actor (``GPTModel``) or critic (same trunk + :class:`ValueHead`).
+
+    The model's parameters are initialised randomly (megatron's init); load weights with
+    :func:`megarl.models.checkpoint` helpers or the reshard engine.
+
+    Returns:
+        A ``GPTModel`` for this rank's pipeline stage. Its forward takes ``input_ids [b, s]`` (int64) and
+        ``position_ids [b, s]`` and returns, on the last stage, vocab-parallel logits
+        ``[b, s, padded_vocab/tp]`` (actor) or values ``[b, s, 1]`` (critic), and elsewhere the hidden states.
+
+    Raises:
+        SpecError: the layout does not fit the model (:func:`check_layout`), or an unknown role.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if role not in ("actor", "critic"):
+        raise SpecError(f"role must be 'actor' or 'critic', got {role!r}")
+    config = transformer_config(spec, layout, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
+                                recompute=recompute)
+    tied = spec.tie_word_embeddings and role == "actor"
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(use_te),
+        vocab_size=padded_vocab_size(spec.vocab_size, layout.tp, vocab_divisible_by),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
+    )
+    if hasattr(model, "rotary_pos_emb"):
+        _set_rope_frequencies(model.rotary_pos_emb, spec)
+    if role == "critic" and model.post_process:
+        model.output_layer = ValueHead(spec.hidden_size, params_dtype, config.sequence_parallel)
+    model.megarl_spec = spec
+    model.megarl_role = role
+    return model
+
+
+def _set_rope_frequencies(rotary, spec: ModelSpec) -> None:
+    """Set megatron's RoPE inverse frequencies from transformers' own ``ROPE_INIT_FUNCTIONS`` for the spec's
+    ``rope_type`` (default, linear, llama3), so positions match the HF model exactly."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = (spec.rope_scaling or {}).get("rope_type", "default")
+    hf_config = spec.to_hf_config()
+    if rope_type == "default":
+        base = spec.rope_theta
+        inv_freq = 1.0 / (base ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim))
+        scale = 1.0
+    else:
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    if scale != 1.0:
+        raise SpecError(f"rope_type={rope_type!r} scales attention by {scale}; megarl supports only RoPE "
+                        "variants that change the frequencies alone")
+    rotary.inv_freq = inv_freq.to(device=rotary.inv_freq.device, dtype=rotary.inv_freq.dtype)

@@ -1,0 +1,156 @@
+"""Parallel layouts (TP x PP x DP meshes) and the process-group set-up of one training world.
+
+Rank order follows megatron-core's default ``order="tp-cp-ep-dp-pp"`` (TP fastest, then DP, then PP), so
+the coordinates computed here are the ones ``parallel_state`` reports:
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+
+log = logging.getLogger(__name__)
+
+
+class LayoutError(ValueError):
+    """A parallel layout that does not fit the job or the model."""
+
+
+class RankCoords(NamedTuple):
+    """Position of one rank in a TP x PP x DP mesh."""
+
+    tp: int
+    pp: int
+    dp: int
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A Megatron mesh: tensor-, pipeline- and data-parallel sizes (world = tp * pp * dp).
+
+    Attributes:
+        tp: tensor-parallel size (splits heads, FFN and vocab).
+        pp: pipeline-parallel size (splits layers into stages).
+        dp: data-parallel size (replicas).
+        ranks_per_node: GPUs (or CPU processes) per node; the reshard planner prefers same-node peers.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ranks_per_node: int | None = None
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"parallel layout: {name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def coords(self, rank: int) -> RankCoords:
+        """Mesh coordinates of a global rank (megatron's tp-dp-pp order)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+        return RankCoords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+
+    def rank(self, tp: int, pp: int, dp: int) -> int:
+        """Global rank at mesh coordinates (inverse of :meth:`coords`)."""
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def node_of(self, rank: int) -> int:
+        """Node index of a rank (consecutive ranks share a node)."""
+        return rank // (self.ranks_per_node or self.world_size)
+
+    def stage_layers(self, num_layers: int, pp_rank: int) -> range:
+        """Global indices of the decoder layers on pipeline stage ``pp_rank`` (even split)."""
+        per = num_layers // self.pp
+        return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+class LaunchInfo(NamedTuple):
+    """Where this process sits in the job, from torchrun's or SLURM's environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def launch_info() -> LaunchInfo:
+    """Read rank, world size and rendezvous address from torchrun (``RANK``...) or SLURM (``SLURM_PROCID``...).
+
+    Without either, a single-process world on localhost. Under SLURM the master address is the first host of
+    ``SLURM_JOB_NODELIST`` (``scontrol show hostnames``) and the port is derived from the job id unless
+    ``MASTER_PORT`` is set.
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                          env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        addr = env.get("MASTER_ADDR")
+        if addr is None:
+            nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "127.0.0.1")
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True)
+            addr = out.stdout.split()[0] if out.returncode == 0 and out.stdout.strip() else "127.0.0.1"
+        port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        return LaunchInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                          addr, port)
+    return LaunchInfo(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
+
+
+def init_distributed(timeout_s: float = 1800.0) -> LaunchInfo:
+    """Initialise ``torch.distributed`` once (NCCL with a GPU, gloo without) from :func:`launch_info`.
+
+    Returns:
+        The launch info used. Idempotent: a second call returns without re-initialising.
+    """
+    info = launch_info()
+    if dist.is_initialized():
+        return info
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                            rank=info.rank, world_size=info.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return info
+
+
+def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
+    """Set megatron-core's ``parallel_state`` to ``layout`` and seed its RNG tracker.
+
+    Requires ``torch.distributed`` to be initialised with ``layout.world_size`` ranks; applies the CPU patches
+    first where no GPU exists.
+
+    Raises:
+        LayoutError: the world size differs from ``layout.world_size``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.parallel.megatron_cpu import apply_cpu_patches
+
+    world = dist.get_world_size()
+    if world != layout.world_size:
+        raise LayoutError(f"the job has {world} ranks but the layout tp={layout.tp} x pp={layout.pp} x "
+                        f"dp={layout.dp} needs {layout.world_size}")
+    apply_cpu_patches()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                             pipeline_model_parallel_size=layout.pp)
+    model_parallel_cuda_manual_seed(seed)
