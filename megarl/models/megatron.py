@@ -63,7 +63,7 @@ def have_transformer_engine() -> bool:
 
 
 def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32,
-                       sequence_parallel: bool = False, recompute: bool = False):
+                       sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True):
     """The megatron-core ``TransformerConfig`` of ``spec`` on ``layout``.
 
     On a machine without a GPU it sets what megatron needs there: CPU initialisation, every fusion off and no
@@ -73,6 +73,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         params_dtype: dtype of the parameters (torch.float32 on CPU; torch.bfloat16 on GPU).
         sequence_parallel: split LayerNorm/dropout activations over TP (needs tp > 1).
         recompute: full activation recomputation of every layer.
+        init_weights: run megatron's random init (off when weights are loaded right after).
 
     Raises:
         SpecError: from :func:`check_layout`.
@@ -109,6 +110,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
+        perform_initialization=init_weights,
         masked_softmax_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -161,12 +163,12 @@ class ValueHead(torch.nn.Module):
 
 def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", "critic"] = "actor", *,
                 params_dtype: torch.dtype = torch.float32, use_te: bool | None = None,
-                sequence_parallel: bool = False, recompute: bool = False,
+                sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True,
                 vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY):
     """Build this rank's stage of the actor (``GPTModel``) or critic (same trunk + :class:`ValueHead`).
 
-    The model's parameters are initialised randomly (megatron's init); load weights with
-    :func:`megarl.models.checkpoint` helpers or the reshard engine.
+    The model's parameters are initialised randomly (megatron's init) unless ``init_weights=False``; load
+    weights with :func:`megarl.models.checkpoint.load_weights`.
 
     Returns:
         A ``GPTModel`` for this rank's pipeline stage. Its forward takes ``input_ids [b, s]`` (int64) and
@@ -182,7 +184,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     if role not in ("actor", "critic"):
         raise SpecError(f"role must be 'actor' or 'critic', got {role!r}")
     config = transformer_config(spec, layout, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
-                                recompute=recompute)
+                                recompute=recompute, init_weights=init_weights)
     tied = spec.tie_word_embeddings and role == "actor"
     model = GPTModel(
         config=config,
@@ -200,9 +202,24 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         _set_rope_frequencies(model.rotary_pos_emb, spec)
     if role == "critic" and model.post_process:
         model.output_layer = ValueHead(spec.hidden_size, params_dtype, config.sequence_parallel)
+    _zero_vocab_padding(model, spec.vocab_size)
     model.megarl_spec = spec
     model.megarl_role = role
     return model
+
+
+def _zero_vocab_padding(model, vocab_size: int) -> None:
+    """Zero the rows of the padded vocab (beyond ``vocab_size``) held by this TP rank, so they carry no
+    random init into checkpoints or logits."""
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    for name, p in model.named_parameters():
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight") and p.shape[0] > 1:
+            lo = rank * p.shape[0]
+            if lo + p.shape[0] > vocab_size:
+                with torch.no_grad():
+                    p[max(0, vocab_size - lo):].zero_()
 
 
 def _set_rope_frequencies(rotary, spec: ModelSpec) -> None:

@@ -1,0 +1,194 @@
+"""Megatron distributed checkpoints: model import (HF/GGUF -> Megatron shards), save/load, HF export.
+
+A megarl checkpoint is a directory::
+
+    megarl.json          what it holds: {"format": "megarl", "hf_config": ..., "dtype": ..., "tokenizer": ...,
+                         plus whatever the trainer adds: step, dataloader state, ...}
+    model/               megatron-core dist checkpoint (torch_dist) of the actor ("model") and, when saved by
+                         the trainer, its optimizer and the critic
+
+Checkpoints are written atomically: into ``<dir>.tmp`` and renamed once every rank has finished, so a crash
+mid-save leaves the previous checkpoint intact. Because megatron's dist checkpoints are layout-free, one saved
+at TP=2 x PP=1 loads at TP=1 x PP=2 (megatron-core's resharding loader).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.hf_io import HFCheckpoint, open_hf_checkpoint
+from megarl.models.spec import ModelSpec, SpecError
+from megarl.models.weights import fill_local_tensors
+from megarl.parallel.mesh import ParallelLayout
+from megarl.reshard.layout import VALUE_HEAD, megatron_rank_tensors
+
+log = logging.getLogger(__name__)
+
+META_FILE = "megarl.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def is_megarl_checkpoint(path: str | os.PathLike) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``megarl.json`` of a checkpoint.
+
+    Raises:
+        FileNotFoundError: not a megarl checkpoint directory.
+    """
+    f = Path(path) / META_FILE
+    if not f.is_file():
+        raise FileNotFoundError(f"{path} is not a megarl checkpoint (no {META_FILE}); convert a Hugging Face "
+                                "checkpoint with `megarl convert`")
+    return json.loads(f.read_text())
+
+
+def checkpoint_spec(path: str | os.PathLike) -> ModelSpec:
+    """The model spec stored in a megarl checkpoint."""
+    return ModelSpec.from_hf_config(read_meta(path)["hf_config"])
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare ``GPTModel`` under megatron's DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _coords() -> tuple[ParallelLayout, int, int]:
+    from megatron.core import parallel_state as ps
+
+    mesh = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(),
+                          pp=ps.get_pipeline_model_parallel_world_size(),
+                          dp=ps.get_data_parallel_world_size())
+    return mesh, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+
+
+def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint, *, use_te: bool = False) -> None:
+    """Fill this rank's Megatron shard of ``model`` (actor or critic) from a Hugging Face checkpoint, reading
+    only the slices this rank holds. A critic built from a causal-LM checkpoint keeps its zero value head.
+
+    Raises:
+        SpecError: the checkpoint misses a tensor or has another shape than the model's spec.
+    """
+    bare = unwrap(model)
+    spec: ModelSpec = bare.megarl_spec
+    if ckpt.spec.hf_tensor_shapes() != spec.hf_tensor_shapes():
+        raise SpecError(f"checkpoint {ckpt.path} describes another model than the one built: "
+                        f"{ckpt.spec} vs {spec}")
+    mesh, tp_rank, pp_rank = _coords()
+    local = megatron_rank_tensors(spec, mesh, tp_rank, pp_rank, role=bare.megarl_role, use_te=use_te,
+                                  padded_vocab=bare.vocab_size)
+    if bare.megarl_role == "critic" and VALUE_HEAD not in ckpt.tensor_names:
+        local = {n: t for n, t in local.items() if not any(b.name == VALUE_HEAD for b in t.blocks)}
+    fill_local_tensors(local, dict(bare.named_parameters()), ckpt.read)
+
+
+def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta: dict[str, Any]) -> Path:
+    """Save a megatron sharded state dict and ``meta`` as a megarl checkpoint, atomically. Collective.
+
+    Args:
+        directory: final checkpoint directory (replaced if it exists).
+        sharded_state_dict: e.g. ``{"model": model.sharded_state_dict(), "optimizer": ...}``.
+        meta: JSON-serialisable description (must include ``hf_config``).
+
+    Returns:
+        The checkpoint directory.
+    """
+    from megatron.core import dist_checkpointing
+
+    final = Path(directory)
+    tmp = final.with_name(final.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "model").mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(sharded_state_dict, str(tmp / "model"))
+    dist.barrier()
+    if rank == 0:
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+        if final.exists():
+            old = final.with_name(final.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict) -> dict:
+    """Load a megatron sharded state dict from a megarl checkpoint (any TP/PP). Collective.
+
+    Raises:
+        FileNotFoundError: not a megarl checkpoint.
+    """
+    from megatron.core import dist_checkpointing
+
+    read_meta(directory)
+    return dist_checkpointing.load(sharded_state_dict, str(Path(directory) / "model"))
+
+
+def model_meta(spec: ModelSpec, dtype: torch.dtype, tokenizer: str | None, **extra) -> dict[str, Any]:
+    """The ``megarl.json`` content describing a model checkpoint."""
+    cfg = spec.to_hf_config().to_dict()
+    return {"format": "megarl", "hf_config": cfg, "dtype": dtype_name(dtype), "tokenizer": tokenizer, **extra}
+
+
+def save_model(directory: str | os.PathLike, model: torch.nn.Module, *, tokenizer: str | None = None,
+               **extra) -> Path:
+    """Save one model's weights (no optimizer) as a megarl checkpoint. Collective."""
+    bare = unwrap(model)
+    dtype = next(bare.parameters()).dtype
+    return save_checkpoint(directory, {"model": bare.sharded_state_dict()},
+                           model_meta(bare.megarl_spec, dtype, tokenizer, **extra))
+
+
+def load_model(directory: str | os.PathLike, model: torch.nn.Module, key: str = "model") -> None:
+    """Load one model's weights from a megarl checkpoint written at any TP/PP. Collective.
+
+    Raises:
+        SpecError: the checkpoint holds another model than ``model``'s spec.
+    """
+    bare = unwrap(model)
+    stored = checkpoint_spec(directory)
+    if stored.hf_tensor_shapes() != bare.megarl_spec.hf_tensor_shapes():
+        raise SpecError(f"checkpoint {directory} holds another model: {stored} vs {bare.megarl_spec}")
+    loaded = load_checkpoint(directory, {key: bare.sharded_state_dict()})
+    bare.load_state_dict(loaded[key], strict=False)
+
+
+def load_weights(model: torch.nn.Module, source: str | os.PathLike | None, *, use_te: bool = False) -> None:
+    """Load ``model``'s weights from a megarl checkpoint, a Hugging Face directory or a GGUF file."""
+    if source is not None and is_megarl_checkpoint(source):
+        load_model(source, model)
+    else:
+        load_hf_weights(model, open_hf_checkpoint(source), use_te=use_te)
+
+
+def source_spec(source: str | os.PathLike | None) -> tuple[ModelSpec, torch.dtype, str | None]:
+    """Spec, stored dtype and tokenizer location of a model source (megarl checkpoint, HF dir or GGUF)."""
+    if source is not None and is_megarl_checkpoint(source):
+        meta = read_meta(source)
+        return ModelSpec.from_hf_config(meta["hf_config"]), DTYPES[meta["dtype"]], meta.get("tokenizer")
+    ckpt = open_hf_checkpoint(source)
+    return ckpt.spec, ckpt.dtype, str(ckpt.path)

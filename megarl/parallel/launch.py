@@ -1,0 +1,76 @@
+"""Spawning a local multi-process world: one process per rank, gloo on CPU (NCCL where GPUs exist).
+
+Used by single-node tools (``megarl convert``, benchmarks) and by the tests, which start one world per test
+module and run many checks in it: a process start with torch and megatron-core imports costs ~5 s on a
+2-core CPU machine. Multi-node jobs are launched by torchrun or SLURM instead (:mod:`megarl.parallel.mesh`
+reads their environment)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        from megarl.parallel.mesh import init_distributed
+
+        init_distributed(timeout_s=300)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report every failure to the parent, which raises it
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn, world_size: int, *args, timeout_s: float = 900.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    ``fn`` must be a module-level function (it is pickled) and return something picklable.
+
+    Raises:
+        RuntimeError: with the failing rank's traceback, if any rank fails.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout_s)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
