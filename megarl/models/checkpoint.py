@@ -98,13 +98,15 @@ def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint, *, use_te: bool 
     fill_local_tensors(local, dict(bare.named_parameters()), ckpt.read)
 
 
-def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta: dict[str, Any]) -> Path:
+def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta: dict[str, Any], *,
+                    per_rank: dict[str, Any] | None = None) -> Path:
     """Save a megatron sharded state dict and ``meta`` as a megarl checkpoint, atomically. Collective.
 
     Args:
         directory: final checkpoint directory (replaced if it exists).
         sharded_state_dict: e.g. ``{"model": model.sharded_state_dict(), "optimizer": ...}``.
         meta: JSON-serialisable description (must include ``hf_config``).
+        per_rank: objects that differ between ranks (RNG states), saved as ``ranks/<name>_<rank>.pt``.
 
     Returns:
         The checkpoint directory.
@@ -120,6 +122,10 @@ def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta
         (tmp / "model").mkdir(parents=True)
     dist.barrier()
     dist_checkpointing.save(sharded_state_dict, str(tmp / "model"))
+    if per_rank:
+        (tmp / "ranks").mkdir(exist_ok=True)
+        for name, obj in per_rank.items():
+            torch.save(obj, tmp / "ranks" / f"{name}_{rank}.pt")
     dist.barrier()
     if rank == 0:
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
@@ -134,6 +140,12 @@ def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta
             tmp.rename(final)
     dist.barrier()
     return final
+
+
+def load_per_rank(directory: str | os.PathLike, name: str, rank: int) -> Any | None:
+    """The ``per_rank`` object ``name`` that ``rank`` saved, or None (another world size, or none saved)."""
+    f = Path(directory) / "ranks" / f"{name}_{rank}.pt"
+    return torch.load(f, weights_only=False) if f.is_file() else None
 
 
 def load_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict) -> dict:

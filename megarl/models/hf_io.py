@@ -11,6 +11,7 @@ package (its ``__init__`` needs the unrelated ``llm`` package).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -144,7 +145,7 @@ def open_hf_checkpoint(path: str | os.PathLike | None) -> HFCheckpoint:
     """
     p = resolve_model_path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return _open_gguf(p)
+        return _open_gguf(p.resolve())
     if p.is_file():
         raise FileNotFoundError(f"{p} is neither a .gguf file nor a directory")
     cfg_path = p / "config.json"
@@ -179,9 +180,13 @@ def _safetensors_index(directory: Path) -> dict[str, Path]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def _open_gguf(path: Path) -> HFCheckpoint:
+    """Dequantise a GGUF file once per process (its spec and its weights are read by several roles)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     log.info("dequantising GGUF %s with transformers", path)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     cfg = model.config.to_dict()

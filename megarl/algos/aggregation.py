@@ -1,0 +1,134 @@
+"""Masked reductions and loss aggregation over ``[B, T]`` token matrices.
+
+Mask semantics (every function here and in :mod:`megarl.algos`): ``mask`` is ``[B, T]`` bool, int or float,
+nonzero on the tokens that count (response tokens including EOS) and zero on padding (and any other excluded
+token). Values at masked-out positions never reach a result, even if they are inf or NaN (they are selected
+away with ``torch.where``, not multiplied by zero), and the losses of :mod:`megarl.algos.losses` give them a
+zero gradient (they select before computing); what the caller computed them from is the caller's affair.
+A "sequence" is a row of the matrix; a row with no valid token is not counted as a sequence.
+
+Split invariance (the contract with the distributed trainer)
+-----------------------------------------------------------
+The trainer splits a global mini-batch of ``B`` rows over data-parallel ranks and micro-batches, runs
+``backward`` on each micro-batch's loss and sums the gradients. Pass every micro-batch the normalisers of the
+whole mini-batch (``count_tokens_and_seqs`` of its mask summed over micro-batches, then all-reduced with SUM
+over the DP group)::
+
+    tokens, seqs = count_tokens_and_seqs(mini_batch_mask)          # summed over all DP ranks
+    loss_k = agg_loss(loss_mat_k, mask_k, mode, global_tokens=tokens, global_seqs=seqs)
+
+Then ``sum_k loss_k`` over all micro-batches of all ranks equals ``agg_loss(loss_mat, mask, mode)`` of the
+whole mini-batch (up to float rounding), for every mode, however the rows are split. The framework must
+therefore SUM micro-batch losses and gradients, not average them. Megatron-core 0.19 averages by default:
+``forward_backward_func`` divides the loss of a loss function returning ``(loss, stats)`` by the number of
+micro-batches, and DDP scales gradients by ``1 / dp_size``. With ``calculate_per_token_loss=True`` and a loss
+function returning ``(loss, num_tokens, stats)`` neither happens; otherwise multiply the loss by
+``num_microbatches * dp_size``.
+Without the ``global_*`` arguments, the normalisers are this call's own (a plain mean over this batch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``x`` over the valid positions of ``mask`` (same shape), float32; over ``dim`` or everything."""
+    x = torch.where(mask.bool(), x.float(), 0.0)
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over the valid positions of ``mask``, float32; 0 where there is no valid position."""
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """Normalise ``x`` to zero mean and unit variance over all valid positions of the batch.
+
+    ``(x - mean) / sqrt(var + eps)`` with the mean and the unbiased (Bessel-corrected) variance over the
+    valid positions; with ``shift_mean=False`` the mean is added back (scale only). Used for advantage
+    whitening (PPO; Hu 2025, REINFORCE++, global batch normalisation).
+
+    Args:
+        x: ``[B, T]`` float.
+        mask: ``[B, T]`` valid positions.
+        shift_mean: subtract the mean (True) or only divide by the standard deviation (False).
+        eps: added to the variance.
+
+    Returns:
+        ``[B, T]`` float32, 0 at masked-out positions. With fewer than two valid positions the variance is
+        taken as 0, so a single valid value becomes 0 (stays itself with ``shift_mean=False``).
+    """
+    m = mask.bool()
+    n = m.sum()
+    mean = masked_mean(x, m)
+    centred = torch.where(m, x.float() - mean, 0.0)
+    var = centred.square().sum() / (n - 1).clamp(min=1)
+    out = centred * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = torch.where(m, out + mean, 0.0)
+    return out
+
+
+def count_tokens_and_seqs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two normalisers of :func:`agg_loss` for a batch: valid tokens and sequences with a valid token.
+
+    Args:
+        mask: ``[B, T]`` valid tokens.
+
+    Returns:
+        ``(tokens, seqs)``, float32 scalars (sum them over micro-batches and DP ranks for ``global_*``).
+    """
+    m = mask.bool()
+    return m.sum().float(), m.any(-1).sum().float()
+
+
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,
+             global_tokens: torch.Tensor | float | None = None,
+             global_seqs: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Reduce a per-token loss matrix to a scalar (this batch's share of the mini-batch loss).
+
+    Modes (``N`` = valid tokens, ``S`` = sequences with a valid token, ``m`` the mask, ``l`` the loss):
+
+    - ``"token-mean"``: ``sum_{i,t} m l / N``; every token weighs the same (Yu et al. 2025, DAPO,
+      arXiv:2503.14476, "token-level policy gradient loss").
+    - ``"seq-mean-token-sum"``: ``sum_i (sum_t m l) / S``; a sequence weighs its length (Liu et al. 2025,
+      Dr. GRPO, arXiv:2503.20783, up to its constant length normaliser).
+    - ``"seq-mean-token-mean"``: ``sum_i (sum_t m l / sum_t m) / S``; every sequence weighs the same
+      (Shao et al. 2024, GRPO, arXiv:2402.03300, eq. 3).
+
+    Args:
+        loss_mat: ``[B, T]`` float per-token loss.
+        mask: ``[B, T]`` valid tokens.
+        mode: one of :data:`AGG_MODES`.
+        global_tokens: ``N`` of the whole mini-batch (all micro-batches, all DP ranks), for "token-mean";
+            default: this batch's own.
+        global_seqs: ``S`` of the whole mini-batch, for the "seq-mean-*" modes; default: this batch's own.
+            See the module docstring for the split-invariance contract.
+
+    Returns:
+        float32 scalar, differentiable w.r.t. ``loss_mat``; 0 when the normaliser is 0.
+
+    Raises:
+        ValueError: unknown ``mode`` or mismatched shapes.
+    """
+    if loss_mat.shape != mask.shape or loss_mat.dim() != 2:
+        raise ValueError(f"loss_mat and mask must both be [B, T], got {tuple(loss_mat.shape)} and "
+                         f"{tuple(mask.shape)}")
+    tokens, seqs = count_tokens_and_seqs(mask)
+    seq_sum = masked_sum(loss_mat, mask, dim=-1)
+    if mode == "token-mean":
+        total, denom = seq_sum.sum(), tokens if global_tokens is None else global_tokens
+    elif mode == "seq-mean-token-sum":
+        total, denom = seq_sum.sum(), seqs if global_seqs is None else global_seqs
+    elif mode == "seq-mean-token-mean":
+        total = (seq_sum / mask.bool().sum(-1).clamp(min=1)).sum()
+        denom = seqs if global_seqs is None else global_seqs
+    else:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; known: {list(AGG_MODES)}")
+    return total / torch.as_tensor(denom, dtype=torch.float32, device=total.device).clamp(min=1)

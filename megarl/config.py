@@ -1,0 +1,440 @@
+"""Run configuration: dataclasses with the CPU default embedded, YAML loading and validation.
+
+``megarl train [CONFIG.yaml] [key=value ...]`` merges, in order: the defaults below (the CPU default: GRPO on
+GSM8K with SmolLM2-135M-Instruct, transformers rollouts), the YAML file, and dotted overrides
+(``actor.optim.lr=1e-6``, OmegaConf syntax). Every field is type-checked by OmegaConf and validated by the
+dataclasses' ``__post_init__``; :func:`validate_for_world` then checks what depends on the job's world size.
+All of this happens before any model is built, and every error names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot run; the message names the field and the fix."""
+
+
+def _require(cond: bool, field_name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field_name}: {msg}")
+
+
+ALGORITHMS = ("grpo", "ppo", "rloo", "reinforce_plus_plus")  # the `algorithm.name` presets
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class RunConfig:
+    """Where the run writes and how it is seeded.
+
+    Attributes:
+        name: run name (folder under ``output_dir``).
+        output_dir: parent of the run folder (metrics.jsonl, checkpoints, summary.json).
+        seed: seeds data order, sampling and initialisation.
+    """
+
+    name: str = "smollm2-gsm8k-grpo"
+    output_dir: str = "runs"
+    seed: int = 1
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+@dataclass
+class ModelConfig:
+    """The model to train.
+
+    Attributes:
+        path: a Hugging Face directory, a ``.gguf`` file, a megarl checkpoint, or ``default`` (the
+            SmolLM2-135M-Instruct GGUF installed by build.sh).
+        tokenizer: tokenizer location; ``null`` = the model path.
+        dtype: parameter dtype of actor, critic and reference (float32 on CPU, bfloat16 on GPU).
+    """
+
+    path: str = "default"
+    tokenizer: Optional[str] = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        _require(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+
+
+@dataclass
+class ParallelConfig:
+    """A Megatron mesh; ``dp`` is derived as world_size / (tp * pp) when 0.
+
+    Attributes:
+        tp: tensor-parallel size. pp: pipeline-parallel size. dp: data-parallel size (0 = derive).
+        sequence_parallel: shard norm/dropout activations over TP (tp > 1).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 0
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        for name in ("tp", "pp"):
+            _require(getattr(self, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(self, name)}")
+        _require(self.dp >= 0, "parallel.dp", f"must be >= 0 (0 derives it), got {self.dp}")
+
+
+@dataclass
+class OptimConfig:
+    """megatron-core optimizer (Adam) and LR schedule.
+
+    Attributes:
+        lr: peak learning rate. min_lr: floor of the decay.
+        warmup_steps: linear warm-up, in optimizer steps.
+        decay: "constant", "linear" or "cosine" after warm-up (over ``trainer.steps`` RL steps' updates).
+        weight_decay, betas, eps: AdamW.
+        clip_grad: global gradient-norm clip (0 = off).
+        distributed: megatron's DistributedOptimizer (optimizer state sharded over DP).
+    """
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay: str = "constant"
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed: bool = True
+
+    def __post_init__(self):
+        _require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _require(self.decay in ("constant", "linear", "cosine"), "optim.decay",
+                 f"must be constant, linear or cosine, got {self.decay!r}")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _require(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0 (0 disables clipping)")
+
+
+@dataclass
+class ActorConfig:
+    """The policy being trained (and the critic, which has the same fields).
+
+    Attributes:
+        parallel: its Megatron mesh.
+        optim: optimizer and LR schedule.
+        micro_batch_size: sequences per forward/backward micro-batch, per DP rank.
+        ppo_mini_batch_size: sequences per optimizer step, global (over all DP ranks).
+        ppo_epochs: passes over the step's rollout batch.
+        recompute: full activation recomputation.
+        logprob_micro_batch_size: sequences per micro-batch for forward-only passes (0 = micro_batch_size).
+    """
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    micro_batch_size: int = 4
+    ppo_mini_batch_size: int = 16
+    ppo_epochs: int = 1
+    recompute: bool = False
+    logprob_micro_batch_size: int = 0
+
+    def __post_init__(self):
+        _require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        _require(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
+        _require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+
+
+@dataclass
+class CriticConfig(ActorConfig):
+    """The value model (PPO with GAE): the actor's trunk with a scalar head, its own optimizer.
+
+    Attributes:
+        warmup_steps: RL steps during which only the critic is updated (the actor is frozen).
+    """
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    warmup_steps: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    """Generation (the rollout engine) and its sampling.
+
+    Attributes:
+        engine: "hf" (transformers; CPU and tests) or "vllm" (GPU).
+        tp: the engine's tensor parallelism (vLLM).
+        n: samples per prompt (the GRPO/RLOO group size).
+        temperature, top_p, top_k: sampling (top_k -1 = off). Log-probs are of softmax(logits/temperature).
+        max_new_tokens: response length limit, tokens.
+        max_batch_size: sequences decoded at once per rank (hf engine), bounds memory.
+        gpu_memory_utilization: vLLM's KV-cache budget, fraction of the GPU.
+    """
+
+    engine: str = "hf"
+    tp: int = 1
+    n: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    max_batch_size: int = 64
+    gpu_memory_utilization: float = 0.5
+
+    def __post_init__(self):
+        _require(self.engine in ("hf", "vllm"), "rollout.engine", f"must be 'hf' or 'vllm', got {self.engine!r}")
+        _require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
+        _require(self.temperature > 0, "rollout.temperature",
+                 "must be > 0 for RL (log-probs of a greedy policy are not defined)")
+        _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        _require(self.tp >= 1, "rollout.tp", "must be >= 1")
+
+
+@dataclass
+class DataConfig:
+    """Prompt dataset.
+
+    Attributes:
+        train_files: jsonl or parquet files with one prompt per row.
+        prepare: if the train files are missing, prepare them first: "gsm8k" (from ``gsm8k_source``) or null.
+        gsm8k_source: a local GSM8K folder ({train,test}.jsonl) or "hub" (openai/gsm8k, online only);
+            "auto" tries ../shared/data/gsm8k, then the hub.
+        prompt_key / answer_key: row fields holding the prompt and the ground truth.
+        system_prompt / instruction: chat-template system message and text appended to each prompt.
+        max_prompt_length: longer prompts are dropped (and reported), tokens.
+        prompts_per_step: prompts per RL step (the rollout batch is prompts_per_step * rollout.n sequences).
+        shuffle: reshuffle each epoch (seeded by run.seed).
+    """
+
+    train_files: list[str] = field(default_factory=lambda: ["data/gsm8k/train.parquet"])
+    prepare: Optional[str] = "gsm8k"
+    gsm8k_source: str = "auto"
+    prompt_key: str = "question"
+    answer_key: str = "ground_truth"
+    system_prompt: Optional[str] = None
+    instruction: str = "Let's think step by step and output the final answer after \"####\"."
+    max_prompt_length: int = 256
+    prompts_per_step: int = 4
+    shuffle: bool = True
+
+    def __post_init__(self):
+        _require(len(self.train_files) > 0, "data.train_files", "list at least one jsonl or parquet file")
+        _require(self.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
+        _require(self.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
+        _require(self.prepare in (None, "gsm8k"), "data.prepare", f"must be null or 'gsm8k', got {self.prepare!r}")
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored.
+
+    Attributes:
+        fn: a registered reward name ("gsm8k") or a dotted path to a user function ("pkg.mod:fn").
+        kwargs: extra keyword arguments for the function (e.g. format_score).
+        model_path: a sequence-classification reward model (HF directory) instead of ``fn``.
+    """
+
+    fn: str = "gsm8k"
+    kwargs: dict[str, Any] = field(default_factory=lambda: {"format_score": 0.1})
+    model_path: Optional[str] = None
+
+
+@dataclass
+class KLConfig:
+    """KL to the reference policy.
+
+    Attributes:
+        coef: weight of the KL term (0 = no reference model is built).
+        estimator: k1, k2 or k3 (Schulman's estimators).
+        in_loss: add the KL to the loss (GRPO style) rather than subtract it from the token rewards (PPO style).
+        target: adaptive controller's target KL (null = fixed coefficient); horizon: its horizon, samples.
+    """
+
+    coef: float = 0.001
+    estimator: str = "k3"
+    in_loss: bool = True
+    target: Optional[float] = None
+    horizon: int = 10000
+
+    def __post_init__(self):
+        _require(self.coef >= 0, "algorithm.kl.coef", "must be >= 0")
+        _require(self.estimator in KL_ESTIMATORS, "algorithm.kl.estimator",
+                 f"must be one of {KL_ESTIMATORS}, got {self.estimator!r}")
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL algorithm: advantage estimator, policy/value losses, KL.
+
+    Attributes:
+        name: "grpo", "ppo" (GAE with a critic), "rloo" or "reinforce_plus_plus".
+        gamma / lam: discount and GAE lambda.
+        norm_adv_by_std: GRPO divides by the group std (Dr. GRPO: false).
+        clip_ratio_low / clip_ratio_high: PPO clip range [1 - low, 1 + high] (clip-higher when high > low).
+        clip_ratio_c: dual-clip bound for negative advantages (null = off; typical 3.0).
+        loss_agg_mode: token-mean, seq-mean-token-sum or seq-mean-token-mean.
+        entropy_coef: entropy bonus weight.
+        value_clip: PPO value clipping range; vf_coef: value-loss weight.
+    """
+
+    name: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool = True
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: Optional[float] = None
+    loss_agg_mode: str = "token-mean"
+    entropy_coef: float = 0.0
+    value_clip: float = 0.2
+    vf_coef: float = 1.0
+    kl: KLConfig = field(default_factory=KLConfig)
+
+    def __post_init__(self):
+        _require(self.name in ALGORITHMS, "algorithm.name", f"unknown algorithm {self.name!r}; choose one of "
+                 f"{ALGORITHMS}")
+        _require(self.loss_agg_mode in LOSS_AGG_MODES, "algorithm.loss_agg_mode",
+                 f"must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+        _require(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma/lam", "must be in [0, 1]")
+        _require(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0, "algorithm.clip_ratio_low/high",
+                 "must be >= 0")
+        _require(self.clip_ratio_c is None or self.clip_ratio_c > 1, "algorithm.clip_ratio_c",
+                 "must be > 1 (or null to disable dual-clip)")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.name == "ppo"
+
+    @property
+    def advantage(self) -> str:
+        """The advantage estimator's registry name."""
+        return "gae" if self.name == "ppo" else self.name
+
+
+@dataclass
+class ReshardConfig:
+    """The reshard engine. bucket_mb: staging bytes (send + receive) per rank per round, MiB."""
+
+    bucket_mb: float = 64.0
+
+    def __post_init__(self):
+        _require(self.bucket_mb > 0, "reshard.bucket_mb", "must be > 0")
+
+
+@dataclass
+class TrainerConfig:
+    """The RL loop.
+
+    Attributes:
+        steps: RL steps (each: reshard, generate, score, log-probs, advantages, updates).
+        save_every: checkpoint every N steps (0 = only at the end).
+        keep_checkpoints: newest checkpoints kept on disk.
+        resume: continue from the newest checkpoint in the run folder when one exists.
+        export_hf: also write a Hugging Face copy of the final actor.
+        progress: show a progress bar over the steps.
+    """
+
+    steps: int = 4
+    save_every: int = 2
+    keep_checkpoints: int = 2
+    resume: bool = False
+    export_hf: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        _require(self.steps >= 1, "trainer.steps", "must be >= 1")
+        _require(self.save_every >= 0, "trainer.save_every", "must be >= 0")
+
+
+@dataclass
+class Config:
+    """A whole run. Defaults: the CPU default (README's main job)."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reshard: ReshardConfig = field(default_factory=ReshardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the job needs: the actor's mesh with an explicit dp, else tp * pp (dp = 1)."""
+        p = self.actor.parallel
+        return p.tp * p.pp * max(p.dp, 1)
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Sequences per RL step."""
+        return self.data.prompts_per_step * self.rollout.n
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file, then ``key=value`` overrides; typed and validated.
+
+    Raises:
+        ConfigError: an unknown key, a wrong type or an invalid value, naming the field.
+        FileNotFoundError: the YAML file does not exist.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    base = OmegaConf.structured(Config)
+    try:
+        layers = [base]
+        if path is not None:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"config file {path} does not exist (see parallel_configs/)")
+            layers.append(OmegaConf.load(path))
+        if overrides:
+            bad = [o for o in overrides if "=" not in o]
+            if bad:
+                raise ConfigError(f"overrides must be key=value, got {bad}")
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
+
+
+def validate_for_world(cfg: Config, world_size: int) -> None:
+    """Check what depends on the number of ranks, before any model is built.
+
+    Raises:
+        ConfigError: a mesh that does not match the world, or batch sizes that the DP size does not divide.
+    """
+    roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.algorithm.uses_critic else [])
+    for role, rc in roles:
+        p = rc.parallel
+        _require(world_size % (p.tp * p.pp) == 0, f"{role}.parallel",
+                 f"tp={p.tp} x pp={p.pp} does not divide the world size {world_size}")
+        dp = world_size // (p.tp * p.pp)
+        _require(p.dp in (0, dp), f"{role}.parallel.dp", f"is {p.dp} but world {world_size} / (tp*pp) = {dp}; "
+                 "set it to 0 to derive it")
+        _require(cfg.rollout_batch_size % rc.ppo_mini_batch_size == 0, f"{role}.ppo_mini_batch_size",
+                 f"{rc.ppo_mini_batch_size} does not divide the rollout batch data.prompts_per_step * rollout.n "
+                 f"= {cfg.rollout_batch_size}")
+        _require(rc.ppo_mini_batch_size % (dp * rc.micro_batch_size) == 0, f"{role}.ppo_mini_batch_size",
+                 f"{rc.ppo_mini_batch_size} is not a multiple of dp ({dp}) x micro_batch_size "
+                 f"({rc.micro_batch_size}); use a multiple of {dp * rc.micro_batch_size}")
+        _require(cfg.rollout_batch_size % dp == 0, "data.prompts_per_step",
+                 f"the rollout batch ({cfg.rollout_batch_size} sequences) is not divisible by {role} dp={dp}")
+    if cfg.rollout.engine == "vllm":
+        _require(world_size % cfg.rollout.tp == 0, "rollout.tp",
+                 f"{cfg.rollout.tp} does not divide the world size {world_size}")
+    if cfg.algorithm.name in ("grpo", "rloo"):
+        _require(cfg.rollout.n >= 2, "rollout.n", f"{cfg.algorithm.name} compares samples of a prompt: use n >= 2")
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain data (for metrics, checkpoints and the summary)."""
+    return dataclasses.asdict(cfg)

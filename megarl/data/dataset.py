@@ -1,0 +1,123 @@
+"""Prompt datasets: rows from jsonl or parquet, templated, tokenised and filtered by length."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from megarl.data.template import DataError, PromptTemplate
+
+logger = logging.getLogger(__name__)
+
+
+def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a ``.jsonl`` (one JSON object per non-empty line) or ``.parquet`` file, in file order.
+
+    Raises:
+        DataError: a missing file, an unknown extension, or a jsonl line that is not a JSON object (with its
+            line number).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {str(path)!r} does not exist (for GSM8K, write it with "
+                        "`megarl data gsm8k --src DIR --out DIR`)")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix != ".jsonl":
+        raise DataError(f"data file {str(path)!r}: unknown format {path.suffix!r}; use .jsonl or .parquet")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{line_no}: expected a JSON object per line, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+class PromptDataset:
+    """Tokenised prompts with their metadata, in the source's order, without the too-long ones.
+
+    Args:
+        rows: the source rows (dicts), e.g. from :func:`read_rows`.
+        tokenizer: a Hugging Face tokenizer (with a chat template when ``template.use_chat_template``).
+        prompt_key: the field holding the prompt: a string, or a list of ``{"role", "content"}`` messages.
+        ground_truth_key: the field holding the ground truth (stored as a string), or None for none.
+        template: system prompt, instruction and chat template (:class:`PromptTemplate`).
+        max_prompt_length: drop prompts longer than this many tokens (after templating); None keeps all.
+            What was dropped is logged (count and row numbers) and kept in :attr:`dropped`.
+        source: the rows' origin, for messages.
+
+    Attributes:
+        input_ids: token ids of each kept prompt.
+        index: the row number (0-based, in the source) of each kept prompt.
+        raw_prompts: each kept prompt's text before templating (the last user message's for message lists).
+        ground_truths: each kept prompt's ground truth as a string, or None.
+        dropped: row numbers of the prompts dropped for length.
+
+    Raises:
+        DataError: no rows; a row without the prompt (or ground-truth) field, or with an empty or non-text
+            prompt (the message names the row, the field and the fix); no prompt left after filtering.
+    """
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, prompt_key: str = "question",
+                 ground_truth_key: str | None = "ground_truth", template: PromptTemplate = PromptTemplate(),
+                 max_prompt_length: int | None = None, source: str = "<rows>"):
+        if not rows:
+            raise DataError(f"{source}: no rows")
+        prompts = [_field(row, k, prompt_key, source, "prompt_key") for k, row in enumerate(rows)]
+        for k, p in enumerate(prompts):
+            if not (isinstance(p, str) and p.strip()) and not (isinstance(p, list) and p):
+                raise DataError(f"{source}: row {k} has an empty or non-text prompt in field {prompt_key!r}: "
+                                f"{p!r:.80}; fix or remove the row")
+        truths = [None if ground_truth_key is None else str(_field(row, k, ground_truth_key, source,
+                                                                   "ground_truth_key"))
+                  for k, row in enumerate(rows)]
+        ids = template.tokenize(tokenizer, prompts)
+        fits = [max_prompt_length is None or len(x) <= max_prompt_length for x in ids]
+        keep = [k for k, ok in enumerate(fits) if ok]
+        self.dropped = [k for k, ok in enumerate(fits) if not ok]
+        if not keep:
+            raise DataError(f"{source}: all {len(ids)} prompts are longer than max_prompt_length="
+                            f"{max_prompt_length} tokens (the shortest has {min(map(len, ids))}); raise "
+                            "max_prompt_length")
+        if self.dropped:
+            logger.warning("%s: dropped %d of %d prompts longer than max_prompt_length=%d tokens (rows %s%s)",
+                           source, len(self.dropped), len(ids), max_prompt_length, self.dropped[:20],
+                           " ..." if len(self.dropped) > 20 else "")
+        self.source = source
+        self.input_ids = [ids[k] for k in keep]
+        self.index = keep
+        self.raw_prompts = [_raw_text(prompts[k]) for k in keep]
+        self.ground_truths = [truths[k] for k in keep]
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, tokenizer: Any, **kwargs: Any) -> "PromptDataset":
+        """Load a ``.jsonl`` or ``.parquet`` file (:func:`read_rows`); ``kwargs`` as for the constructor."""
+        return cls(read_rows(path), tokenizer, source=str(path), **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def _field(row: Mapping[str, Any], k: int, key: str, source: str, setting: str) -> Any:
+    if key not in row or row[key] is None:
+        raise DataError(f"{source}: row {k} has no field {key!r} (its fields: {sorted(row)}); set {setting} to "
+                        "the field that holds it, or fix the row")
+    return row[key]
+
+
+def _raw_text(prompt: str | list[Mapping[str, Any]]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return next(m["content"] for m in reversed(prompt) if m["role"] == "user")

@@ -1,0 +1,117 @@
+"""Prepare GSM8K (Cobbe et al. 2021) as the parquet files the trainer reads.
+
+Sources: a local directory holding ``train.jsonl`` and ``test.jsonl`` (or ``.parquet``) with the fields
+``question`` and ``answer`` (e.g. our copy, ``/work/shared/data/gsm8k``, from github.com/openai/grade-school-math),
+or, where the machine is online, the Hugging Face hub dataset ``openai/gsm8k`` (config "main", downloaded with
+``huggingface_hub``; ``"hub"`` is short for it).
+
+Output: ``<out>/train.parquet`` and ``<out>/test.parquet``, one row per problem in source order, columns
+``index`` (int64, row number), ``question`` (the prompt), ``answer`` (the reference solution) and
+``ground_truth`` (the normalised final number after ``####``, what :mod:`megarl.rewards.gsm8k` compares with).
+
+Command line: ``megarl data gsm8k --src SRC --out DIR`` (:func:`main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from megarl.data.dataset import read_rows
+from megarl.data.template import DataError
+from megarl.rewards.gsm8k import ground_truth_number
+from megarl.rewards.registry import RewardError
+
+SPLITS = ("train", "test")
+HF_REPO = "openai/gsm8k"
+HF_FILES = {split: f"main/{split}-00000-of-00001.parquet" for split in SPLITS}
+
+
+def prepare_gsm8k(src: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Read GSM8K from ``src`` and write its train and test splits as parquet (module docstring).
+
+    Args:
+        src: a local directory with ``{train,test}.jsonl`` (or ``.parquet``), or a hub dataset id
+            ("openai/gsm8k", or "hub" for it).
+        out_dir: where to write ``train.parquet`` and ``test.parquet`` (created if missing).
+
+    Returns:
+        split name -> written file.
+
+    Raises:
+        DataError: ``src`` is neither a directory nor a reachable hub dataset, a split is missing, or a row
+            lacks ``question``/``answer`` or a number after ``####`` (the message names the file and row).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = HF_REPO if str(src) == "hub" else src
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for split in SPLITS:
+        source = _local_split(Path(src), split) if Path(src).is_dir() else _hub_split(str(src), split)
+        rows = read_rows(source)
+        questions, answers, truths = [], [], []
+        for k, row in enumerate(rows):
+            if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+                raise DataError(f"{source}: row {k} needs string fields 'question' and 'answer', has {sorted(row)}")
+            try:
+                truths.append(ground_truth_number(row["answer"]))
+            except RewardError as e:
+                raise DataError(f"{source}: row {k}: {e}") from None
+            questions.append(row["question"])
+            answers.append(row["answer"])
+        table = pa.table({"index": pa.array(range(len(rows)), pa.int64()), "question": questions,
+                          "answer": answers, "ground_truth": truths})
+        written[split] = out / f"{split}.parquet"
+        pq.write_table(table, written[split])
+    return written
+
+
+def _local_split(src: Path, split: str) -> Path:
+    for name in (f"{split}.jsonl", f"{split}.parquet"):
+        if (src / name).is_file():
+            return src / name
+    raise DataError(f"{src} has no {split}.jsonl or {split}.parquet; expected the GSM8K files "
+                    "train.jsonl and test.jsonl (from github.com/openai/grade-school-math, grade_school_math/data)")
+
+
+def _hub_split(repo_id: str, split: str) -> Path:
+    if repo_id.count("/") != 1:
+        raise DataError(f"--src {repo_id!r} is not a directory, nor a Hugging Face dataset id like {HF_REPO!r}")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(repo_id=repo_id, filename=HF_FILES[split], repo_type="dataset"))
+    except Exception as e:  # offline, unknown repo, missing huggingface_hub: one answer for all
+        raise DataError(f"cannot download {HF_FILES[split]} of the dataset {repo_id!r} from the Hugging Face hub "
+                        f"({type(e).__name__}: {e}); on an offline machine pass --src DIR, a directory with "
+                        "GSM8K's train.jsonl and test.jsonl") from e
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``megarl data gsm8k --src SRC --out DIR``: prepare GSM8K; prints the written files and their sizes.
+
+    Returns:
+        0 on success, 1 on a :class:`DataError` (printed to stderr).
+    """
+    parser = argparse.ArgumentParser(prog="megarl data gsm8k", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--src", required=True,
+                        help=f"directory with train.jsonl and test.jsonl, or a hub dataset id ({HF_REPO}; "
+                             "'hub' for it)")
+    parser.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
+    args = parser.parse_args(argv)
+    try:
+        written = prepare_gsm8k(args.src, args.out)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    import pyarrow.parquet as pq
+
+    for split, path in written.items():
+        print(f"{split}: {path} ({pq.read_metadata(path).num_rows} problems)")
+    return 0

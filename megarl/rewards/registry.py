@@ -1,0 +1,136 @@
+"""Reward functions by name (built-in) or by dotted path (user code), behind one calling convention.
+
+A reward function scores a batch of responses::
+
+    fn(prompts: list[str], responses: list[str], ground_truths: list[str | None], **params) -> Sequence[float]
+
+- ``prompts``: the raw prompt of each sample (the dataset's prompt text, before the chat template);
+- ``responses``: the decoded response text (special tokens stripped);
+- ``ground_truths``: the dataset's ground-truth field of each sample, or None where there is none;
+- ``**params``: the function's own keyword parameters, fixed for the run (from the config);
+- returns one finite float per sample (a list, a numpy array or a tensor).
+
+A batch at a time (not one sample) so that model-based rewards can batch their forward passes. A class whose
+instances are such callables may be registered too (e.g. :class:`~megarl.rewards.reward_model.RewardModel`);
+it is instantiated once with ``**params``.
+
+Built-in names: "gsm8k" (:mod:`megarl.rewards.gsm8k`), "reward_model" (:mod:`megarl.rewards.reward_model`).
+User functions: register with ``@register_reward("name")`` in a module imported before the trainer starts,
+or name them by path, ``"mypkg.mymod:fn"`` or ``"mypkg.mymod.fn"`` (importable from ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from megarl.algos.registry import Registry
+
+RewardFn = Callable[..., Sequence[float]]
+
+REWARDS: Registry[RewardFn] = Registry("reward function", "register_reward")
+register_reward = REWARDS.register
+
+
+class RewardError(ValueError):
+    """A reward function that cannot be found, built or called, or that returned unusable scores."""
+
+
+class LoadedReward:
+    """A reward function bound to its parameters; call it to score a batch.
+
+    Attributes:
+        name: the name or path it was loaded from.
+    """
+
+    def __init__(self, name: str, fn: Callable[[list[str], list[str], list[str | None]], Sequence[float]]):
+        self.name = name
+        self._fn = fn
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str],
+                 ground_truths: Sequence[str | None] | None = None) -> torch.Tensor:
+        """Score ``B`` responses.
+
+        Args:
+            prompts / responses: ``B`` strings each (module docstring).
+            ground_truths: ``B`` strings or Nones; None means no ground truth for any sample.
+
+        Returns:
+            ``[B]`` float32 scores.
+
+        Raises:
+            RewardError: inputs of different lengths, or the function returned the wrong number of scores or a
+                non-finite one.
+        """
+        b = len(responses)
+        truths = [None] * b if ground_truths is None else list(ground_truths)
+        if not len(prompts) == b == len(truths):
+            raise RewardError(f"reward {self.name!r}: got {len(prompts)} prompts, {b} responses and "
+                              f"{len(truths)} ground truths; they must match")
+        scores = torch.as_tensor(self._fn(list(prompts), list(responses), truths), dtype=torch.float32)
+        if scores.shape != (b,):
+            raise RewardError(f"reward {self.name!r} returned scores of shape {tuple(scores.shape)} for {b} "
+                              "responses; it must return one float per response")
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        if bad:
+            raise RewardError(f"reward {self.name!r} returned non-finite scores for samples {bad[:10]}: "
+                              f"{scores[bad[:10]].tolist()}")
+        return scores
+
+
+def load_reward_fn(spec: str, params: Mapping[str, Any] | None = None) -> LoadedReward:
+    """Find a reward function by registered name or dotted path and bind its parameters.
+
+    Args:
+        spec: a registered name ("gsm8k", "reward_model", ...) or ``"package.module:attr"`` /
+            ``"package.module.attr"``, where ``attr`` is a function or a class (module docstring).
+        params: keyword parameters: bound to a function (checked against its signature now), or passed to a
+            class's constructor.
+
+    Returns:
+        A :class:`LoadedReward`.
+
+    Raises:
+        RewardError: unknown name, a module that fails to import, a missing attribute, parameters that the
+            function does not accept, or a class whose construction fails.
+    """
+    params = dict(params or {})
+    obj = REWARDS.get(spec) if spec in REWARDS else _import(spec)
+    if inspect.isclass(obj):
+        try:
+            return LoadedReward(spec, obj(**params))
+        except TypeError as e:
+            raise RewardError(f"cannot build reward {spec!r} with parameters {sorted(params)}: {e}") from e
+    try:
+        inspect.signature(obj).bind([], [], [], **params)
+    except TypeError as e:
+        raise RewardError(f"reward function {spec!r} does not accept parameters {sorted(params)}: {e}; its "
+                          f"signature is {spec}{inspect.signature(obj)}") from e
+    return LoadedReward(spec, functools.partial(obj, **params))
+
+
+def _import(spec: str) -> Any:
+    if ":" in spec:
+        module_name, attr = spec.split(":", 1)
+    elif "." in spec:
+        module_name, attr = spec.rsplit(".", 1)
+    else:
+        raise RewardError(f"unknown reward function {spec!r}; built-in: {REWARDS.names()}; or give the path of "
+                          "your own, 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RewardError(f"cannot import module {module_name!r} for reward function {spec!r}: "
+                          f"{type(e).__name__}: {e}. Install the package or put its directory on PYTHONPATH") from e
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardError(f"reward function {spec!r} is a {type(obj).__name__}, not a function or class")
+    return obj

@@ -1,0 +1,60 @@
+"""Rollout data parallelism: each engine replica generates a contiguous share of the prompts, then every rank
+gets all samples back in prompt order.
+
+Samples are seeded by their global prompt index (:func:`megarl.rollout.base.sample_seed`), so the gathered
+output equals one engine generating every prompt (up to float rounding between batch shapes).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.distributed as dist
+
+from megarl.rollout.base import RolloutEngine, RolloutOutput, RolloutStats, SamplingConfig, check_prompts
+
+
+def shard_bounds(num_prompts: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``[start, stop)`` of the contiguous share of ``rank`` among ``world_size``: shares differ by at most one
+    prompt, the first ``num_prompts % world_size`` ranks taking one more (a share may be empty)."""
+    per, extra = divmod(num_prompts, world_size)
+    start = rank * per + min(rank, extra)
+    return start, start + per + (rank < extra)
+
+
+def gather_outputs(local: RolloutOutput, group=None) -> RolloutOutput:
+    """Concatenate every rank's output in rank order (``all_gather_object``), on every rank of ``group``.
+
+    Stats: tokens summed over ranks, seconds of the slowest rank.
+    """
+    parts: list[RolloutOutput | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, local, group=group)
+    return RolloutOutput(
+        samples=[s for part in parts for s in part.samples],
+        n=local.n,
+        stats=RolloutStats(prompt_tokens=sum(p.stats.prompt_tokens for p in parts),
+                           generated_tokens=sum(p.stats.generated_tokens for p in parts),
+                           seconds=max(p.stats.seconds for p in parts)),
+    )
+
+
+def generate_data_parallel(engine: RolloutEngine, prompt_token_ids: Sequence[Sequence[int]],
+                           sampling: SamplingConfig, group=None) -> RolloutOutput:
+    """Generate this rank's share of the prompts (:func:`shard_bounds` by its rank in ``group``) and gather
+    all samples, prompt-major over the whole prompt list, on every rank of ``group``.
+
+    Every rank of ``group`` must call this with the same prompts and sampling. With engines of TP > 1, pass
+    the group of ranks with the same TP rank across engines (one rank per engine).
+
+    Args:
+        group: the rollout data-parallel process group (default: the whole world).
+
+    Raises:
+        RolloutError: a bad prompt (checked on every rank before sharding, so all ranks raise), or from the
+            engine (sleeping, no weights).
+    """
+    check_prompts(prompt_token_ids, max_context=engine.spec.max_position_embeddings,
+                  vocab_size=engine.spec.vocab_size)
+    start, stop = shard_bounds(len(prompt_token_ids), dist.get_rank(group), dist.get_world_size(group))
+    local = engine.generate(list(prompt_token_ids[start:stop]), sampling, prompt_offset=start)
+    return gather_outputs(local, group)

@@ -1,0 +1,212 @@
+"""The transformers rollout engine: the CPU default and the reference the GPU engines are checked against.
+
+The Hugging Face model (``AutoModelForCausalLM.from_config(spec.to_hf_config())``, float32, eval mode) is
+built once from the :class:`~megarl.models.spec.ModelSpec`; its weights arrive only through
+:meth:`HFRolloutEngine.update_weights`, as whole canonical (HF) tensors
+(:func:`megarl.reshard.layout.hf_layout`). Generation is a decode loop around the model's forward with a KV
+cache (``DynamicCache``): prompts are left-padded into micro-batches of at most ``max_batch_size`` rows (one
+row per sample, rows sorted by prompt length to limit padding), prefilled in one forward, then decoded one
+token per forward; a row that samples an EOS/stop token or reaches its length limit leaves the batch (its
+KV-cache rows are dropped). Token selection and log-prob semantics: :mod:`megarl.rollout.sampler`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from megarl.models.spec import ModelSpec, SpecError
+from megarl.reshard.layout import Layout, hf_layout
+from megarl.rollout.base import (
+    RolloutError,
+    RolloutOutput,
+    RolloutStats,
+    Sample,
+    SamplingConfig,
+    WriteFn,
+    check_prompts,
+    sample_seed,
+)
+from megarl.rollout.sampler import sample_tokens
+
+
+class HFRolloutEngine:
+    """A :class:`~megarl.rollout.base.RolloutEngine` running the transformers model on CPU in float32.
+
+    Args:
+        spec: the model.
+        max_batch_size: rows (samples) per micro-batch, >= 1; bounds the KV cache at
+            ``2 * num_layers * max_batch_size * context * num_kv_heads * head_dim`` floats.
+
+    Attributes:
+        spec: the model.
+        model: the transformers model (its parameters are the engine's weights, written in place).
+        calls: ``generate`` calls so far; part of every sample's seed, so a resumed run restores it.
+
+    Raises:
+        RolloutError: ``max_batch_size < 1``.
+        SpecError: the transformers model's parameter names or shapes differ from the canonical tensors of
+            ``spec`` (the layout would not match the engine).
+    """
+
+    def __init__(self, spec: ModelSpec, *, max_batch_size: int = 32):
+        from transformers import AutoModelForCausalLM
+
+        if max_batch_size < 1:
+            raise RolloutError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.spec = spec
+        self.max_batch_size = max_batch_size
+        self.model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32).eval()
+        self.model.requires_grad_(False)
+        params = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        canonical = hf_layout(spec, [0]).canonical
+        if params != canonical:
+            diff = sorted(set(params.items()) ^ set(canonical.items()))
+            raise SpecError(f"the transformers model's parameters differ from the canonical tensors of the spec "
+                            f"(name, shape) in one but not the other: {diff[:6]}")
+        self.calls = 0
+        self._has_weights = False
+        self._asleep = False
+
+    # ------------------------------------------------------------------ weights and memory
+    def weight_layout(self, ranks: Iterable[int]) -> Layout:
+        """Whole canonical tensors under their HF names on every rank (:func:`~megarl.reshard.layout.hf_layout`);
+        with tied embeddings there is no ``lm_head.weight``."""
+        return hf_layout(self.spec, ranks)
+
+    def update_weights(self, write: WriteFn) -> Any:
+        """Call ``write({name: parameter})`` on the model's own parameters (float32, CPU), written in place.
+
+        Returns:
+            What ``write`` returns (e.g. the reshard executor's stats).
+
+        Raises:
+            RolloutError: the engine is asleep (call :meth:`wake_up` first).
+        """
+        if self._asleep:
+            raise RolloutError("update_weights on a sleeping engine: call wake_up() first")
+        result = write({n: p.detach() for n, p in self.model.named_parameters()})
+        self._has_weights = True
+        return result
+
+    def sleep(self, level: int = 1) -> None:
+        """Give memory back between rollout phases.
+
+        Level 1 frees nothing here: the KV cache lives only inside :meth:`generate` and the weights stay (on
+        CPU there is no faster memory to offload them from). Level 2 also frees the weights (every parameter
+        becomes an empty tensor); they must be written again by :meth:`update_weights` after :meth:`wake_up`.
+
+        Raises:
+            RolloutError: a level other than 1 or 2.
+        """
+        if level not in (1, 2):
+            raise RolloutError(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level}")
+        if level == 2:
+            for p in self.model.parameters():
+                p.data = torch.empty(0, dtype=p.dtype)
+            self._has_weights = False
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep`: after a level-2 sleep, parameters get (uninitialised) storage back."""
+        if self._asleep:
+            shapes = self.spec.hf_tensor_shapes()
+            for name, p in self.model.named_parameters():
+                if p.numel() == 0:
+                    p.data = torch.empty(shapes[name], dtype=p.dtype)
+        self._asleep = False
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                 prompt_offset: int = 0) -> RolloutOutput:
+        """Sample ``sampling.n`` responses per prompt (see :meth:`~megarl.rollout.base.RolloutEngine.generate`).
+
+        A response ends at the first token of ``spec.eos_token_ids`` or ``sampling.stop_token_ids``
+        (finish "stop", the token kept), or after ``min(max_new_tokens, context - prompt length)`` tokens
+        (finish "length"). Samples are seeded by :func:`~megarl.rollout.base.sample_seed` with this engine's
+        call counter, so results do not depend on ``max_batch_size`` or on how prompts are split into
+        ``prompt_offset`` shards (up to float rounding of the logits between batch shapes).
+
+        Returns:
+            Prompt-major samples: ``samples[k * n + j]`` is sample ``j`` of prompt ``prompt_offset + k``.
+
+        Raises:
+            RolloutError: a bad prompt (:func:`~megarl.rollout.base.check_prompts`), a sleeping engine, or
+                no weights loaded yet (:meth:`update_weights`).
+        """
+        if self._asleep:
+            raise RolloutError("generate on a sleeping engine: call wake_up() first")
+        if not self._has_weights:
+            raise RolloutError("the engine has no weights: call update_weights() before generate()")
+        prompts = check_prompts(prompt_token_ids, max_context=self.spec.max_position_embeddings,
+                                vocab_size=self.spec.vocab_size)
+        call = self.calls
+        self.calls += 1
+        start = time.perf_counter()
+        rows = [(k, j) for k in range(len(prompts)) for j in range(sampling.n)]
+        by_length = sorted(range(len(rows)), key=lambda r: len(prompts[rows[r][0]]))
+        results: list[tuple[list[int], list[float], str] | None] = [None] * len(rows)
+        with torch.inference_mode():
+            for lo in range(0, len(by_length), self.max_batch_size):
+                batch = by_length[lo:lo + self.max_batch_size]
+                seeds = [sample_seed(sampling.seed, call, prompt_offset + rows[r][0], rows[r][1]) for r in batch]
+                outs = self._generate_batch([prompts[rows[r][0]] for r in batch], seeds, sampling)
+                for r, out in zip(batch, outs):
+                    results[r] = out
+        samples = [Sample(prompt_offset + k, j, tuple(tokens), torch.tensor(logprobs, dtype=torch.float32), reason)
+                   for (k, j), (tokens, logprobs, reason) in zip(rows, results)]
+        stats = RolloutStats(prompt_tokens=sum(len(prompts[k]) for k, _ in rows),
+                             generated_tokens=sum(len(s.token_ids) for s in samples),
+                             seconds=time.perf_counter() - start)
+        return RolloutOutput(samples, sampling.n, stats)
+
+    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingConfig
+                        ) -> list[tuple[list[int], list[float], str]]:
+        """Decode one micro-batch; returns ``(tokens, logprobs, finish reason)`` per row."""
+        from transformers import DynamicCache
+
+        rows, width = len(prompts), max(len(p) for p in prompts)
+        pad = self.spec.pad_token_id if self.spec.pad_token_id is not None else 0
+        input_ids = torch.full((rows, width), pad, dtype=torch.int64)
+        mask = torch.zeros(rows, width, dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        budget = [min(sampling.max_new_tokens, self.spec.max_position_embeddings - len(p)) for p in prompts]
+        stop = set(self.spec.eos_token_ids) | set(sampling.stop_token_ids)
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        reasons = [""] * rows
+        active = list(range(rows))  # batch row -> prompt row
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        next_pos = positions[:, -1] + 1
+        while True:
+            picked, picked_lp = sample_tokens(logits, sampling, [generators[a] for a in active])
+            keep = []
+            for b, (a, t, lp) in enumerate(zip(active, picked.tolist(), picked_lp.tolist())):
+                tokens[a].append(t)
+                logprobs[a].append(lp)
+                if t in stop:
+                    reasons[a] = "stop"
+                elif len(tokens[a]) >= budget[a]:
+                    reasons[a] = "length"
+                else:
+                    keep.append(b)
+            if not keep:
+                return [(tokens[i], logprobs[i], reasons[i]) for i in range(rows)]
+            if len(keep) < len(active):
+                index = torch.tensor(keep)
+                cache.batch_select_indices(index)
+                mask, next_pos, picked = mask[index], next_pos[index], picked[index]
+                active = [active[b] for b in keep]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+            logits = self.model(input_ids=picked.unsqueeze(1), attention_mask=mask,
+                                position_ids=next_pos.unsqueeze(1), past_key_values=cache,
+                                use_cache=True).logits[:, -1]
+            next_pos = next_pos + 1

@@ -1,0 +1,111 @@
+"""Per-step metrics: a JSONL file, a progress bar with a one-line digest per step, and the end-of-run summary."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# (metric key, label, format) of the one-line digest printed after every step
+DIGEST = [
+    ("reward/mean", "reward", "{:.3f}"), ("reward/std", "±", "{:.3f}"), ("reward/accuracy", "acc", "{:.2f}"),
+    ("response/length_mean", "len", "{:.0f}"), ("actor/kl", "kl", "{:.4f}"), ("actor/entropy", "ent", "{:.3f}"),
+    ("actor/clipfrac", "clip", "{:.3f}"), ("actor/pg_loss", "pg", "{:+.4f}"), ("critic/vf_loss", "vf", "{:.4f}"),
+    ("actor/grad_norm", "gnorm", "{:.3f}"), ("actor/lr", "lr", "{:.2e}"),
+    ("throughput/generate_tokens_per_s", "gen tok/s", "{:.0f}"), ("time/step", "step s", "{:.1f}"),
+]
+
+
+def digest(step: int, total: int, m: dict[str, Any]) -> str:
+    """``step 3/4 | reward 0.125 ± 0.331 | ...`` from the metrics present."""
+    parts = [f"step {step}/{total}"]
+    for key, label, fmt in DIGEST:
+        if key in m and m[key] is not None and not (isinstance(m[key], float) and math.isnan(m[key])):
+            parts.append(f"{label} {fmt.format(m[key])}")
+    phases = [f"{k.removeprefix('time/')} {v:.1f}s" for k, v in m.items()
+              if k.startswith("time/") and k != "time/step"]
+    return " | ".join(parts) + ("  [" + ", ".join(phases) + "]" if phases else "")
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to ``path`` and shows progress; active on one rank only.
+
+    Args:
+        path: the JSONL file (appended to, so a resumed run continues it).
+        total_steps / start_step: for the progress bar.
+        enabled: False on every rank but the one that reports.
+        progress: show a tqdm bar (digest lines are printed either way).
+    """
+
+    def __init__(self, path: Path, total_steps: int, start_step: int, *, enabled: bool, progress: bool = True):
+        self.path, self.total, self.enabled = Path(path), total_steps, enabled
+        self.bar = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if start_step == 0 and self.path.exists():
+                self.path.unlink()  # a fresh run starts a fresh file
+            if progress:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step",
+                                dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        line = digest(step, self.total, metrics)
+        if self.bar is not None:
+            self.bar.write(line)
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All step records of a metrics JSONL file (the last record wins for a repeated step)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    if Path(path).exists():
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                by_step[rec["step"]] = rec
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Path | None,
+                 hf_export: Path | None, wall_s: float) -> str:
+    """A human-readable end-of-run summary: reward first vs last, throughput, where things were written."""
+    if not history:
+        return f"no steps were run; run folder {run_dir}"
+    first, last = history[0], history[-1]
+
+    def fmt(rec, key, f="{:.3f}"):
+        v = rec.get(key)
+        return "n/a" if v is None else f.format(v)
+
+    gen = [h.get("throughput/generate_tokens_per_s") for h in history if h.get("throughput/generate_tokens_per_s")]
+    lines = [
+        "=" * 72,
+        f"megarl run finished: {len(history)} steps recorded (up to step {last['step']}) in {wall_s:.0f} s",
+        f"  reward mean   first {fmt(first, 'reward/mean')}  ->  last {fmt(last, 'reward/mean')}",
+        f"  accuracy      first {fmt(first, 'reward/accuracy')}  ->  last {fmt(last, 'reward/accuracy')}",
+        f"  response len  first {fmt(first, 'response/length_mean', '{:.0f}')}  ->  last "
+        f"{fmt(last, 'response/length_mean', '{:.0f}')} tokens",
+        f"  KL to ref     last {fmt(last, 'actor/kl', '{:.5f}')}   entropy last {fmt(last, 'actor/entropy')}",
+        f"  generation    {sum(gen) / len(gen):.1f} tokens/s on average" if gen else "  generation    n/a",
+        f"  step time     {sum(h.get('time/step', 0) for h in history) / len(history):.1f} s on average",
+        f"  metrics       {run_dir / 'metrics.jsonl'}",
+        f"  checkpoint    {checkpoint if checkpoint else 'none written'}",
+    ]
+    if hf_export:
+        lines.append(f"  HF export     {hf_export}")
+    lines.append("=" * 72)
+    return "\n".join(lines)

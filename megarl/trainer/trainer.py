@@ -1,0 +1,383 @@
+"""The RL trainer: ``megarl train`` runs :func:`train` on every rank (SPMD, launched by torchrun or SLURM).
+
+One step (:meth:`Trainer.step`) reads top to bottom:
+
+    reshard actor -> rollout engine | generate | score | old, reference log-probs (values)
+    | advantages | critic update | actor update | metrics (| checkpoint)
+
+Every rank holds the whole step's batch (prompts and responses are small next to the models); the Megatron
+workers compute on their data-parallel shares and gather the results, so the advantage estimators see every
+sample of a group and every rank agrees on them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.algos.advantages import get_advantage_fn
+from megarl.algos.aggregation import masked_mean
+from megarl.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
+from megarl.bench.timers import PhaseTimer
+from megarl.config import Config, ConfigError, to_dict, validate_for_world
+from megarl.data.dataset import PromptDataset, read_rows
+from megarl.data.loader import PromptLoader
+from megarl.data.template import PromptTemplate
+from megarl.models import checkpoint as ck
+from megarl.models.hf_io import load_tokenizer
+from megarl.parallel.mesh import ParallelLayout, init_distributed, initialize_model_parallel
+from megarl.reshard.executor import execute_plan
+from megarl.reshard.layout import megatron_layout
+from megarl.reshard.planner import plan_reshard
+from megarl.rewards.registry import load_reward_fn
+from megarl.rollout.base import SamplingConfig
+from megarl.rollout.data_parallel import generate_data_parallel, shard_bounds
+from megarl.trainer.batch import RolloutBatch, build_batch
+from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
+from megarl.trainer.workers import CriticWorker, PolicyWorker
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "step_"
+
+
+def prepare_data(cfg: Config) -> list[str]:
+    """The train files, prepared first when missing and ``data.prepare`` says how (GSM8K).
+
+    Raises:
+        ConfigError: a missing train file and nothing to prepare it from.
+    """
+    missing = [f for f in cfg.data.train_files if not Path(f).is_file()]
+    if not missing:
+        return list(cfg.data.train_files)
+    if cfg.data.prepare != "gsm8k":
+        raise ConfigError(f"data.train_files: {missing} do not exist; create them or set data.prepare=gsm8k")
+    from megarl.data.gsm8k import prepare_gsm8k
+
+    out_dir = Path(missing[0]).parent
+    if dist.get_rank() == 0:
+        src = cfg.data.gsm8k_source
+        if src == "auto":
+            local = [p for p in (Path("../shared/data/gsm8k"), Path(__file__).parents[3] / "shared/data/gsm8k")
+                     if (p / "train.jsonl").is_file()]
+            src = str(local[0]) if local else "hub"
+        log.info("preparing GSM8K from %s into %s", src, out_dir)
+        prepare_gsm8k(src, out_dir)
+    dist.barrier()
+    still = [f for f in cfg.data.train_files if not Path(f).is_file()]
+    if still:
+        raise ConfigError(f"data.train_files: {still} still missing after preparing GSM8K into {out_dir}")
+    return list(cfg.data.train_files)
+
+
+def load_prompts(cfg: Config, tokenizer) -> PromptDataset:
+    """Tokenised, templated, length-filtered prompts of the train files."""
+    files = prepare_data(cfg)
+    rows = [row for f in files for row in read_rows(f)]
+    template = PromptTemplate(system_prompt=cfg.data.system_prompt, instruction=cfg.data.instruction)
+    return PromptDataset(rows, tokenizer, prompt_key=cfg.data.prompt_key, ground_truth_key=cfg.data.answer_key,
+                         template=template, max_prompt_length=cfg.data.max_prompt_length, source=",".join(files))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete ``step_*`` checkpoint of a run, or None."""
+    ckpts = sorted((p for p in (run_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*")
+                    if p.is_dir() and ck.is_megarl_checkpoint(p)), key=lambda p: int(p.name.split("_")[-1]))
+    return ckpts[-1] if ckpts else None
+
+
+class Trainer:
+    """The state of one RL run on this rank: workers, rollout engine, reshard engine, data and logger.
+
+    Raises:
+        ConfigError: from :func:`~megarl.config.validate_for_world` and data loading, before any model is
+            built.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        info = init_distributed()
+        self.rank, self.world = info.rank, info.world_size
+        validate_for_world(cfg, self.world)
+        self.run_dir = cfg.run.run_dir
+        self.spec, stored_dtype, tok_source = ck.source_spec(None if cfg.model.path == "default" else cfg.model.path)
+        self.tokenizer_source = cfg.model.tokenizer or tok_source
+        self.tokenizer = load_tokenizer(self.tokenizer_source)
+        self.prompts = load_prompts(cfg, self.tokenizer)  # bad data fails before any model is built
+        self.loader = PromptLoader(self.prompts, cfg.data.prompts_per_step, shuffle=cfg.data.shuffle,
+                                   seed=cfg.run.seed, epochs=max(1, math.ceil(cfg.trainer.steps * cfg.data.prompts_per_step
+                                                                              / len(self.prompts))))
+        self.reward_fn = load_reward_fn(cfg.reward.fn, cfg.reward.kwargs)
+        pad = self.spec.pad_token_id
+        self.pad_id = pad if pad is not None else self.spec.eos_token_ids[0]
+
+        # Megatron roles on the actor's mesh (critic on the same mesh; see validate_for_world)
+        p = cfg.actor.parallel
+        self.mesh = ParallelLayout(tp=p.tp, pp=p.pp, dp=self.world // (p.tp * p.pp))
+        initialize_model_parallel(self.mesh, seed=cfg.run.seed)
+        dtype = ck.DTYPES[cfg.model.dtype]
+        source = None if cfg.model.path == "default" else cfg.model.path
+        updates = cfg.trainer.steps * cfg.actor.ppo_epochs * (cfg.rollout_batch_size // cfg.actor.ppo_mini_batch_size)
+        self.actor = PolicyWorker(self.spec, self.mesh, "actor", source, dtype, cfg.actor, trainable=True,
+                                  total_updates=updates, temperature=cfg.rollout.temperature)
+        self.ref = None
+        if cfg.algorithm.kl.coef > 0:
+            self.ref = PolicyWorker(self.spec, self.mesh, "actor", source, dtype, cfg.actor, trainable=False,
+                                    temperature=cfg.rollout.temperature)
+        self.critic = None
+        if cfg.algorithm.uses_critic:
+            self.critic = CriticWorker(self.spec, self.mesh, "critic", source, dtype, cfg.critic, trainable=True,
+                                       total_updates=cfg.trainer.steps * cfg.critic.ppo_epochs
+                                       * (cfg.rollout_batch_size // cfg.critic.ppo_mini_batch_size))
+        kl = cfg.algorithm.kl
+        self.kl_ctl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.target
+                       else FixedKLController(kl.coef))
+
+        # rollout engine, fed by the reshard engine
+        self.engine = self._make_engine()
+        src_layout = megatron_layout(self.spec, self.mesh, role="actor",
+                                     padded_vocab=self.actor.bare.vocab_size)
+        dst_layout = self.engine.weight_layout(range(self.world))
+        self.reshard_plan = plan_reshard(src_layout, dst_layout)
+        self.sampling = dict(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                             top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
+                             stop_token_ids=tuple(self.spec.eos_token_ids))
+        self.timer = PhaseTimer()
+        self.step_idx = 0
+        self.last_checkpoint: Path | None = None
+        if cfg.trainer.resume:
+            self._resume()
+
+    def _make_engine(self):
+        cfg = self.cfg
+        if cfg.rollout.engine == "hf":
+            from megarl.rollout.hf_engine import HFRolloutEngine
+
+            return HFRolloutEngine(self.spec, max_batch_size=cfg.rollout.max_batch_size)
+        from megarl.rollout.vllm_engine import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(self.spec, tp=cfg.rollout.tp, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
+
+    # ------------------------------------------------------------------ one RL step
+    def step(self, prompts) -> dict[str, Any]:
+        """One RL step on a batch of prompts; returns its metrics (identical on every rank)."""
+        cfg, alg, t = self.cfg, self.cfg.algorithm, self.timer
+        step_start = time.perf_counter()
+
+        with t("reshard"):
+            self.engine.wake_up()
+            stats = self.engine.update_weights(lambda dst: execute_plan(
+                self.reshard_plan, self.actor.source_tensors(), dst,
+                bucket_bytes=int(cfg.reshard.bucket_mb * 2**20)))
+        with t("generate"):
+            out = generate_data_parallel(self.engine, prompts.input_ids,
+                                         SamplingConfig(seed=cfg.run.seed * 1_000_003 + self.step_idx,
+                                                        **self.sampling))
+            self.engine.sleep()
+        with t("reward"):
+            batch = self._score(prompts, out)
+        with t("old_logprobs"):
+            batch["old_logprobs"] = self.actor.compute_logprobs(batch)["logprobs"]
+        if self.ref is not None:
+            with t("reference"):
+                batch["ref_logprobs"] = self.ref.compute_logprobs(batch)["logprobs"]
+        if self.critic is not None:
+            with t("values"):
+                batch["values"] = self.critic.compute_values(batch)
+        with t("advantages"):
+            kl_metrics = self._advantages(batch)
+
+        metrics: dict[str, Any] = {}
+        seed = cfg.run.seed * 7919 + self.step_idx
+        if self.critic is not None:
+            with t("critic_update"):
+                metrics.update(_mean_over_updates("critic", self.critic.update(batch, alg, seed=seed)))
+        if self.critic is None or self.step_idx >= cfg.critic.warmup_steps:
+            with t("actor_update"):
+                metrics.update(_mean_over_updates("actor", self.actor.update(batch, alg, seed=seed)))
+
+        mask = batch["response_mask"]
+        scores = batch["scores"]
+        gen_tokens = out.stats.generated_tokens
+        step_s = time.perf_counter() - step_start
+        phases = t.reset()
+        metrics.update({
+            "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
+            "reward/accuracy": float(np.mean(batch.meta["correct"])),
+            "response/length_mean": mask.sum(-1).mean().item(), "response/length_max": mask.sum(-1).max().item(),
+            "response/clip_ratio": float(np.mean([r == "length" for r in batch.meta["finish_reason"]])),
+            "prompt/length_mean": batch["prompt_lens"].float().mean().item(),
+            **kl_metrics,
+            "actor/rollout_vs_old_logprob_diff": masked_mean((batch["rollout_logprobs"] - batch["old_logprobs"])
+                                                             .abs(), mask).item(),
+            "reshard/bytes_sent": getattr(stats, "bytes_sent", 0), "reshard/peak_extra_bytes":
+                getattr(stats, "peak_extra_bytes", 0),
+            **{f"time/{k}": v for k, v in phases.items()}, "time/step": step_s,
+            "throughput/generate_tokens_per_s": gen_tokens / max(phases.get("generate", 1e-9), 1e-9),
+            "throughput/tokens_per_s_per_rank": (int(mask.sum()) + int(batch["prompt_lens"].sum()))
+                                               / step_s / self.world,
+            "data/epoch": self.loader.epoch,
+        })
+        return metrics
+
+    def _score(self, prompts, out) -> RolloutBatch:
+        """Decode, score and pack the rollout into a batch (rewards of this rank's share, then gathered)."""
+        n = out.n
+        samples = out.samples
+        texts = self.tokenizer.batch_decode([list(s.token_ids) for s in samples], skip_special_tokens=True)
+        raw = [prompts.raw_prompt[s.prompt_index] for s in samples]
+        truths = [prompts.ground_truth[s.prompt_index] for s in samples]
+        lo, hi = shard_bounds(len(samples), self.rank, self.world)
+        local = self.reward_fn(raw[lo:hi], texts[lo:hi], truths[lo:hi])
+        parts = [torch.empty(0)] * self.world
+        dist.all_gather_object(parts, local)
+        scores = torch.cat(parts)
+        batch = build_batch([prompts.input_ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
+                            [s.logprobs for s in samples], [s.prompt_index for s in samples],
+                            pad_token_id=self.pad_id, seq_multiple=8 * self.mesh.tp,
+                            meta={"response": texts, "finish_reason": [s.finish_reason for s in samples],
+                                  "correct": (scores >= 1.0).tolist(), "index": [prompts.index[s.prompt_index]
+                                                                                  for s in samples]})
+        batch["scores"] = scores
+        assert len(batch) == len(prompts.input_ids) * n
+        return batch
+
+    def _advantages(self, batch: RolloutBatch) -> dict[str, float]:
+        """Token rewards (with the KL penalty when it is in the reward), advantages and returns."""
+        alg = self.cfg.algorithm
+        mask = batch["response_mask"]
+        metrics = {}
+        rewards = batch["scores"]
+        if "ref_logprobs" in batch:
+            kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], alg.kl.estimator)
+            metrics["actor/kl"] = masked_mean(kl, mask.bool()).item()
+            if not alg.kl.in_loss:
+                rewards, mean_kl = apply_kl_penalty(rewards, batch["old_logprobs"], batch["ref_logprobs"], mask,
+                                                    coef=self.kl_ctl.value, kind=alg.kl.estimator)
+                self.kl_ctl.update(float(mean_kl), len(batch))
+            metrics["actor/kl_coef"] = self.kl_ctl.value
+        params: dict[str, Any] = {}
+        if alg.advantage == "gae":
+            params = {"gamma": alg.gamma, "lam": alg.lam}
+        elif alg.advantage == "grpo":
+            params = {"norm_by_std": alg.norm_adv_by_std}
+        elif alg.advantage == "reinforce_plus_plus":
+            params = {"gamma": alg.gamma}
+        adv, ret = get_advantage_fn(alg.advantage)(rewards, mask, values=batch.tensors.get("values"),
+                                                   group_index=batch["group"], **params)
+        batch["advantages"], batch["returns"] = adv, ret
+        metrics["advantages/mean"] = masked_mean(adv, mask.bool()).item()
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self, is_loading: bool) -> dict[str, Any]:
+        state = {"actor": self.actor.sharded_state_dict(is_loading)}
+        if self.critic is not None:
+            state["critic"] = self.critic.sharded_state_dict(is_loading)
+        return state
+
+    def save(self) -> Path:
+        """Checkpoint actor (+ optimizer), critic, LR schedules, KL controller, data position and RNG states."""
+        path = self.run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{self.step_idx:06d}"
+        meta = ck.model_meta(self.spec, ck.DTYPES[self.cfg.model.dtype], self.tokenizer_source,
+                             step=self.step_idx, loader=self.loader.state_dict(), kl_ctl=self.kl_ctl.state_dict(),
+                             actor_scheduler=self.actor.scheduler.state_dict(),
+                             critic_scheduler=self.critic.scheduler.state_dict() if self.critic else None,
+                             config=to_dict(self.cfg), world_size=self.world)
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        ck.save_checkpoint(path, self._state(is_loading=False), meta, per_rank={"rng": rng})
+        self.last_checkpoint = path
+        if self.rank == 0:
+            old = sorted((self.run_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*"))
+            for p in old[:-self.cfg.trainer.keep_checkpoints]:
+                shutil.rmtree(p, ignore_errors=True)
+        dist.barrier()
+        return path
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            log.info("trainer.resume: no checkpoint in %s, starting from step 0", self.run_dir)
+            return
+        meta = ck.read_meta(path)
+        loaded = ck.load_checkpoint(path, self._state(is_loading=True))
+        self.actor.load_sharded_state(loaded["actor"])
+        self.actor.scheduler.load_state_dict(meta["actor_scheduler"])
+        if self.critic is not None:
+            self.critic.load_sharded_state(loaded["critic"])
+            self.critic.scheduler.load_state_dict(meta["critic_scheduler"])
+        self.loader.load_state_dict(meta["loader"])
+        self.kl_ctl.load_state_dict(meta["kl_ctl"])
+        rng = ck.load_per_rank(path, "rng", self.rank)
+        if rng is not None:
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+        self.step_idx = int(meta["step"])
+        self.engine.calls = self.step_idx  # one generate call per step: the sampling seeds continue
+        self.last_checkpoint = path
+        log.info("resumed from %s at step %d", path, self.step_idx)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, Any]:
+        """Run until ``trainer.steps``; returns the summary (also printed and written to summary.json)."""
+        cfg = self.cfg
+        start = time.perf_counter()
+        logger = MetricsLogger(self.run_dir / "metrics.jsonl", cfg.trainer.steps, self.step_idx,
+                               enabled=self.rank == 0, progress=cfg.trainer.progress)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+        batches = iter(self.loader)
+        try:
+            while self.step_idx < cfg.trainer.steps:
+                metrics = self.step(next(batches))
+                self.step_idx += 1
+                logger.log(self.step_idx, metrics)
+                every = cfg.trainer.save_every
+                if (every and self.step_idx % every == 0) or self.step_idx == cfg.trainer.steps:
+                    self.save()
+        finally:
+            logger.close()
+        hf_path = None
+        if cfg.trainer.export_hf and self.last_checkpoint is not None:
+            dist.barrier()
+            if self.rank == 0:
+                from megarl.models.convert import export_to_hf
+
+                hf_path = export_to_hf(str(self.last_checkpoint), str(self.run_dir / "hf"))
+        history = read_metrics(self.run_dir / "metrics.jsonl") if self.rank == 0 else []
+        text = summary_text(history, run_dir=self.run_dir, checkpoint=self.last_checkpoint, hf_export=hf_path,
+                            wall_s=time.perf_counter() - start)
+        summary = {"run_dir": str(self.run_dir), "checkpoint": str(self.last_checkpoint), "steps": self.step_idx,
+                   "hf_export": str(hf_path) if hf_path else None, "last": history[-1] if history else None}
+        if self.rank == 0:
+            print(text, flush=True)
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+def _mean_over_updates(prefix: str, history: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each metric over the step's optimizer updates, keyed ``prefix/name``."""
+    keys = history[0].keys() if history else []
+    return {f"{prefix}/{k}": float(np.mean([h[k] for h in history])) for k in keys}
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run RL training on this rank (call on every rank of the job)."""
+    torch.manual_seed(cfg.run.seed)
+    random.seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed)
+    os.makedirs(cfg.run.run_dir, exist_ok=True)
+    return Trainer(cfg).fit()

@@ -1,0 +1,304 @@
+"""The role workers of the RL step: actor (policy), reference policy and critic, each a Megatron model on the
+job's TP x PP x DP mesh.
+
+Every rank holds the whole step's :class:`~megarl.trainer.batch.RolloutBatch`; a worker computes on its
+data-parallel share (micro-batched through megatron's ``forward_backward_func``), then all-gathers the result
+over DP and broadcasts it from the last pipeline stage, so every rank again holds the whole batch. Updates split
+each global mini-batch over DP ranks and micro-batches; the loss is normalised by the mini-batch's global
+token (or sequence) count and scaled by ``num_microbatches * dp`` to undo megatron's averaging over
+micro-batches and DP ranks, so the gradient equals that of the whole mini-batch whatever the layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megarl.algos.aggregation import agg_loss
+from megarl.algos.losses import actor_loss, value_loss
+from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
+from megarl.models.checkpoint import load_weights, unwrap
+from megarl.models.logprobs import vocab_parallel_logprobs
+from megarl.models.megatron import build_model
+from megarl.models.pipeline import broadcast_from_last_stage, run_microbatches
+from megarl.models.spec import ModelSpec
+from megarl.parallel.mesh import ParallelLayout
+from megarl.trainer.batch import RolloutBatch, to_response_frame
+
+log = logging.getLogger(__name__)
+
+MODEL_INPUTS = ("input_ids", "prompt_lens", "response_mask")
+# megatron-core 0.19's default DistributedOptimizer format ("fully_sharded_model_space") builds ShardedTensors
+# with flattened ranges, which its own torch_dist saver refuses; "fully_reshardable" saves every optimizer state
+# in the model's layout, so a run can resume at another TP/PP/DP.
+OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def dp_share(batch: RolloutBatch, dp_rank: int, dp_size: int) -> RolloutBatch:
+    """Rows ``[dp_rank * B/dp, (dp_rank + 1) * B/dp)`` of the batch."""
+    per = len(batch) // dp_size
+    return batch.select(slice(dp_rank * per, (dp_rank + 1) * per))
+
+
+def reduce_to_all(values: dict[str, float] | None, keys: list[str], *, average_over: int = 1) -> dict[str, float]:
+    """Metrics computed on the last pipeline stage, summed over DP (divided by ``average_over``), on every rank.
+
+    ``values`` is read on ranks that are on the last stage with TP rank 0 (one per DP replica) and ignored
+    elsewhere; missing keys count as 0.
+    """
+    from megatron.core import parallel_state as ps
+
+    contributes = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    vec = torch.tensor([float((values or {}).get(k, 0.0)) if contributes else 0.0 for k in keys],
+                       dtype=torch.float64)
+    dist.all_reduce(vec)
+    return {k: v / average_over for k, v in zip(keys, vec.tolist())}
+
+
+class MegatronWorker:
+    """One role's Megatron model on this rank (and, when trainable, its DDP wrapper, optimizer and LR schedule).
+
+    Args:
+        spec / mesh: the model and its layout (``parallel_state`` already set to ``mesh``).
+        role: "actor" (actor and reference) or "critic".
+        source: weights to load (megarl checkpoint, HF directory, GGUF file or None = the default model).
+        dtype: parameter dtype.
+        rc: the role's config (micro-batch sizes, optimizer).
+        trainable: build DDP, optimizer and LR schedule; else a frozen model in eval mode (reference).
+        total_updates: optimizer steps over the whole run (for the LR decay).
+    """
+
+    def __init__(self, spec: ModelSpec, mesh: ParallelLayout, role: str, source, dtype: torch.dtype,
+                 rc: ActorConfig, *, trainable: bool, total_updates: int = 1):
+        from megatron.core import parallel_state as ps
+
+        self.spec, self.mesh, self.role, self.rc = spec, mesh, role, rc
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        model = build_model(spec, mesh, role, params_dtype=dtype, init_weights=False,
+                            sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute)
+        if torch.cuda.is_available():
+            model = model.cuda()
+        load_weights(model, source)
+        self.optimizer = self.scheduler = None
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        else:
+            model, self.optimizer, self.scheduler = self._make_trainable(model, rc.optim, total_updates)
+        self.model = model
+        self.device = next(unwrap(model).parameters()).device
+
+    @property
+    def bare(self) -> torch.nn.Module:
+        """The ``GPTModel`` of this rank's stage, without the DDP wrapper."""
+        return unwrap(self.model)
+
+    def source_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by Megatron name: the reshard engine's source tensors."""
+        return {n: p.detach() for n, p in self.bare.named_parameters()}
+
+    def _make_trainable(self, model, oc: OptimConfig, total_updates: int):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        config = model.config
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=oc.distributed),
+            model)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = ddp.no_sync
+        opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay, adam_beta1=oc.betas[0],
+            adam_beta2=oc.betas[1], adam_eps=oc.eps, clip_grad=oc.clip_grad, bf16=config.bf16, fp16=config.fp16,
+            params_dtype=config.params_dtype, use_distributed_optimizer=oc.distributed), [ddp])
+        sched = OptimizerParamScheduler(
+            opt, init_lr=0.0 if oc.warmup_steps else oc.lr, max_lr=oc.lr, min_lr=oc.min_lr,
+            lr_warmup_steps=oc.warmup_steps, lr_decay_steps=max(total_updates, oc.warmup_steps + 1),
+            lr_decay_style=oc.decay, start_wd=oc.weight_decay, end_wd=oc.weight_decay, wd_incr_steps=1,
+            wd_incr_style="constant")
+        return ddp, opt, sched
+
+    # ------------------------------------------------------------------ forward-only
+    def forward_response_frame(self, batch: RolloutBatch, fn: Callable, names: tuple[str, ...]
+                               ) -> dict[str, torch.Tensor]:
+        """Run ``fn(micro_batch, output) -> {name: [b, R] tensor}`` over this rank's DP share; return the
+        whole batch's ``{name: [B, R] float32}`` on every rank."""
+        share = dp_share(batch, self.dp_rank, self.dp_size)
+        width = batch["response_mask"].shape[1]
+        mbs = self.forward_micro_batch_size(len(share))
+        micro = [self._to_device(m) for m in share.micro_batches(mbs, MODEL_INPUTS)]
+        self.model.eval()
+        with torch.no_grad():
+            res = run_microbatches(self.model, micro, lambda mb, out: (out.sum() * 0, fn(mb, out)),
+                                   forward_only=True)
+        local = {n: torch.cat([r[n] for r in res]).float() for n in names} if res else None
+        shapes = {n: (len(share), width) for n in names}
+        local = broadcast_from_last_stage(local, shapes, device=self.device)
+        return {n: self._all_gather_dp(t).cpu() for n, t in local.items()}
+
+    def forward_micro_batch_size(self, share: int) -> int:
+        """The largest divisor of ``share`` not above the configured forward micro-batch size (every
+        micro-batch must have the same shape for the pipeline schedule)."""
+        want = self.rc.logprob_micro_batch_size or self.rc.micro_batch_size
+        return max(d for d in range(1, min(want, share) + 1) if share % d == 0)
+
+    def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+
+    def _all_gather_dp(self, t: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        if self.dp_size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.dp_size)]
+        dist.all_gather(parts, t.contiguous(), group=ps.get_data_parallel_group())
+        return torch.cat(parts)
+
+    # ------------------------------------------------------------------ training
+    def train_minibatches(self, batch: RolloutBatch, names: tuple[str, ...], loss_fn: Callable, *,
+                          epochs: int, seed: int, mean_keys: list[str], sum_keys: list[str]
+                          ) -> list[dict[str, float]]:
+        """PPO-style updates: ``epochs`` passes over ``batch`` in shuffled global mini-batches, one optimizer
+        step each.
+
+        Args:
+            loss_fn: ``(micro_batch, output, normalisers) -> (loss, metrics)``; ``normalisers`` holds the
+                mini-batch's ``global_tokens`` and ``global_seqs``.
+            seed: seeds the mini-batch shuffle (identical on every rank).
+            mean_keys / sum_keys: metrics averaged over micro-batches and DP / summed (loss shares).
+
+        Returns:
+            One metrics dict per optimizer step (with ``grad_norm`` and ``lr``), identical on every rank.
+        """
+        rc = self.rc
+        n_mini = len(batch) // rc.ppo_mini_batch_size
+        num_micro = rc.ppo_mini_batch_size // (self.dp_size * rc.micro_batch_size)
+        gen = torch.Generator().manual_seed(seed)
+        history = []
+        self.model.train()
+        for _ in range(epochs):
+            order = torch.randperm(len(batch), generator=gen)
+            for k in range(n_mini):
+                mini = batch.select(order[k * rc.ppo_mini_batch_size:(k + 1) * rc.ppo_mini_batch_size])
+                mask = mini["response_mask"]
+                norms = {"global_tokens": float(mask.sum()), "global_seqs": float((mask.sum(-1) > 0).sum())}
+                share = dp_share(mini, self.dp_rank, self.dp_size)
+                micro = [self._to_device(m) for m in share.micro_batches(rc.micro_batch_size, names)]
+                scale = num_micro * self.dp_size
+
+                def output_fn(mb, out):
+                    loss, metrics = loss_fn(mb, out, norms)
+                    return loss * scale, {k: float(v) for k, v in metrics.items()}
+
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                res = run_microbatches(self.model, micro, output_fn, forward_only=False)
+                _, grad_norm, _ = self.optimizer.step()
+                self.scheduler.step(increment=1)
+                local = None
+                if res:
+                    local = {k: sum(r.get(k, 0.0) for r in res) for k in sum_keys}
+                    local.update({k: sum(r.get(k, 0.0) for r in res) / len(res) for k in mean_keys})
+                m = reduce_to_all(local, sum_keys)
+                m.update(reduce_to_all(local, mean_keys, average_over=self.dp_size))
+                m["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+                m["lr"] = self.optimizer.param_groups[0]["lr"]
+                history.append(m)
+        return history
+
+    # ------------------------------------------------------------------ checkpoint state
+    def sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
+        model_sd = unwrap(self.model).sharded_state_dict()
+        out = {"model": model_sd}
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                                 metadata=OPTIMIZER_CKPT_METADATA)
+        return out
+
+    def load_sharded_state(self, state: dict[str, Any]) -> None:
+        unwrap(self.model).load_state_dict(state["model"], strict=False)
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+class PolicyWorker(MegatronWorker):
+    """The actor (trainable) or the reference policy (frozen): per-token log-probs and the PPO update."""
+
+    def __init__(self, *args, temperature: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.temperature = temperature
+
+    def _logprobs(self, mb, logits, with_entropy: bool):
+        labels = torch.roll(mb["input_ids"], shifts=-1, dims=1)
+        logp, ent = vocab_parallel_logprobs(logits, labels, vocab_size=self.spec.vocab_size,
+                                            temperature=self.temperature, with_entropy=with_entropy)
+        width = mb["response_mask"].shape[1]
+        logp = to_response_frame(logp, mb["prompt_lens"], width)
+        return logp, (to_response_frame(ent, mb["prompt_lens"], width) if with_entropy else None)
+
+    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """``{"logprobs": [B, R]}`` (and ``"entropy"``) of the batch's responses under this policy, fp32."""
+        names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
+
+        def fn(mb, logits):
+            logp, ent = self._logprobs(mb, logits, with_entropy)
+            return {"logprobs": logp, "entropy": ent} if with_entropy else {"logprobs": logp}
+
+        return self.forward_response_frame(batch, fn, names)
+
+    def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int) -> list[dict[str, float]]:
+        """PPO-clip updates of the actor on ``batch`` (needs old_logprobs, advantages, and ref_logprobs when
+        the KL is in the loss). Returns per-optimizer-step metrics: pg_loss, entropy, kl_loss, clipfrac,
+        ppo_kl, grad_norm, lr."""
+        kl_in_loss = alg.kl.in_loss and alg.kl.coef > 0
+        names = MODEL_INPUTS + ("old_logprobs", "advantages") + (("ref_logprobs",) if kl_in_loss else ())
+        params = {"clip_ratio_low": alg.clip_ratio_low, "clip_ratio_high": alg.clip_ratio_high,
+                  "clip_ratio_c": alg.clip_ratio_c}
+
+        def loss_fn(mb, logits, norms):
+            logp, ent = self._logprobs(mb, logits, with_entropy=True)
+            loss, metrics = actor_loss(
+                logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"], policy_loss="ppo",
+                policy_loss_params=params, agg_mode=alg.loss_agg_mode, entropy=ent,
+                entropy_coeff=alg.entropy_coef, ref_logprob=mb.get("ref_logprobs"),
+                kl_coef=alg.kl.coef if kl_in_loss else 0.0, kl_kind=alg.kl.estimator, **norms)
+            metrics["entropy"] = agg_loss(ent.detach(), mb["response_mask"], "token-mean",
+                                          global_tokens=norms["global_tokens"])
+            return loss, metrics
+
+        return self.train_minibatches(batch, names, loss_fn, epochs=self.rc.ppo_epochs, seed=seed,
+                                      sum_keys=["pg_loss", "kl_loss", "entropy"],
+                                      mean_keys=["clipfrac", "clipfrac_lower", "ppo_kl", "approx_kl"])
+
+
+class CriticWorker(MegatronWorker):
+    """The value model: per-token values ``V(s_t)`` (the state before each response token) and its update."""
+
+    @staticmethod
+    def _values(mb, out):
+        return to_response_frame(out.float(), mb["prompt_lens"], mb["response_mask"].shape[1])
+
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        """``[B, R]`` float32 values of the batch's response positions."""
+        return self.forward_response_frame(batch, lambda mb, out: {"values": self._values(mb, out)},
+                                           ("values",))["values"]
+
+    def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int) -> list[dict[str, float]]:
+        """Clipped value-loss updates on ``batch`` (needs values (old), returns). Returns per-step metrics:
+        vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr."""
+        names = MODEL_INPUTS + ("values", "returns")
+
+        def loss_fn(mb, out, norms):
+            loss, metrics = value_loss(self._values(mb, out), mb["values"], mb["returns"], mb["response_mask"],
+                                       cliprange_value=alg.value_clip, agg_mode=alg.loss_agg_mode, **norms)
+            return loss * alg.vf_coef, metrics
+
+        return self.train_minibatches(batch, names, loss_fn, epochs=self.rc.ppo_epochs, seed=seed,
+                                      sum_keys=["vf_loss"], mean_keys=["vf_clipfrac", "vpred_mean"])

@@ -1,0 +1,194 @@
+"""GSM8K rule reward, the reward registry (names and dotted paths) and reward-model scoring."""
+
+import json
+import pathlib
+import textwrap
+
+import pytest
+import torch
+
+from megarl.rewards import RewardError, load_reward_fn
+from megarl.rewards.gsm8k import extract_answer, ground_truth_number, gsm8k_reward, normalize_number
+from megarl.rewards.reward_model import RewardModel
+
+GSM8K_TEST = pathlib.Path("/work/shared/data/gsm8k/test.jsonl")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("72", "72"), (" $1,234.50 ", "1234.5"), ("72.0", "72"), ("-0", "0"), ("50%", "50"), ("18.", "18"),
+    ("\u22125", "-5"), ("0.250", "0.25"), ("100", "100"), ("abc", None), ("", None), ("nan", None),
+])
+def test_normalize_number(text, expected):
+    assert normalize_number(text) == expected
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("She sold 48 + 24 = 72 clips.\n#### 72", ("72", True)),
+    ("####72", ("72", True)),
+    ("#### $1,234 in total", ("1234", True)),
+    ("#### 5\nWait, no.\n#### 6", ("5", True)),                          # the first stated answer counts
+    ("#### -3.50", ("-3.5", True)),
+    ("So the answer is \\boxed{18 \\text{ dollars}}. Check: 9 * 2", ("18", False)),
+    ("\\boxed{1} then \\boxed{\\frac{3}{4}}", ("3", False)),               # the last box
+    ("3 apples and 4 pears make 7.", ("7", False)),                       # the last number
+    ("It costs 1,000 dollars", ("1000", False)),
+    ("5-3=2", ("2", False)),
+    ("The answer is \u22124", ("-4", False)),
+    ("#### unknown", (None, False)),
+    ("no numbers here", (None, False)),
+])
+def test_extract_answer(response, expected):
+    assert extract_answer(response) == expected
+
+
+def test_extract_answer_strict_accepts_only_the_hash_format():
+    assert extract_answer("the answer is 72", strict=True) == (None, False)
+    assert extract_answer("\\boxed{72}", strict=True) == (None, False)
+    assert extract_answer("#### 72", strict=True) == ("72", True)
+
+
+def test_gsm8k_reward_scores():
+    responses = ["#### 72", "The total is 72 clips.", "#### 71", "I don't know.", "#### 1,000.00", "#### 7"]
+    truths = ["72", "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72", "72", "72", "1000", "7"]
+    assert gsm8k_reward([""] * 6, responses, truths) == [1.0, 1.0, 0.1, 0.0, 1.0, 1.0]
+    assert gsm8k_reward([""] * 6, responses, truths, format_score=0.0, strict=True, correct_score=2.0) == \
+        [2.0, 0.0, 0.0, 0.0, 2.0, 2.0]
+    with pytest.raises(RewardError, match="sample 1 has no ground truth"):
+        gsm8k_reward(["", ""], ["#### 1", "#### 2"], ["1", None])
+    with pytest.raises(RewardError, match="no number"):
+        ground_truth_number("#### many")
+
+
+@pytest.mark.skipif(not GSM8K_TEST.exists(), reason="GSM8K copy not present")
+def test_every_reference_solution_of_the_test_split_scores_one():
+    rows = [json.loads(line) for line in GSM8K_TEST.read_text().splitlines()]
+    truths = [ground_truth_number(r["answer"]) for r in rows]
+    assert len(rows) == 1319 and all(t.lstrip("-").replace(".", "").isdigit() for t in truths)
+    assert gsm8k_reward([""] * len(rows), [r["answer"] for r in rows], truths) == [1.0] * len(rows)
+
+
+# ---------------------------------------------------------------------------------------------- registry
+def test_load_builtin_by_name_returns_a_tensor_and_binds_params():
+    fn = load_reward_fn("gsm8k", {"format_score": 0.25})
+    torch.testing.assert_close(fn(["q", "q"], ["#### 3", "#### 4"], ["4", "4"]), torch.tensor([0.25, 1.0]))
+    with pytest.raises(RewardError, match="does not accept parameters \\['fmt'\\].*format_score"):
+        load_reward_fn("gsm8k", {"fmt": 0.1})
+    with pytest.raises(RewardError, match="got 1 prompts, 2 responses"):
+        fn(["q"], ["a", "b"], ["1", "2"])
+
+
+def test_unknown_name_lists_the_builtins():
+    with pytest.raises(ValueError, match=r"unknown reward function 'gsm9k'.*'gsm8k'.*'reward_model'"):
+        load_reward_fn("gsm9k")
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        def length_reward(prompts, responses, ground_truths, scale=1.0):
+            return [scale * len(r) for r in responses]
+
+        def wrong_count(prompts, responses, ground_truths):
+            return [0.0]
+
+        def nan_reward(prompts, responses, ground_truths):
+            return [float("nan")] * len(responses)
+
+        class Constant:
+            def __init__(self, value):
+                self.value = value
+
+            def __call__(self, prompts, responses, ground_truths):
+                return [self.value] * len(responses)
+    """))
+    (tmp_path / "broken_rewards.py").write_text("import package_that_does_not_exist\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_rewards"
+
+
+@pytest.mark.parametrize("spec", ["my_rewards:length_reward", "my_rewards.length_reward"])
+def test_user_function_by_dotted_path(user_module, spec):
+    fn = load_reward_fn(spec, {"scale": 0.5})
+    torch.testing.assert_close(fn(["p", "p"], ["abcd", "ab"], None), torch.tensor([2.0, 1.0]))
+
+
+def test_user_class_by_path_is_instantiated_with_params(user_module):
+    fn = load_reward_fn("my_rewards:Constant", {"value": 3.0})
+    torch.testing.assert_close(fn(["p"], ["r"], [None]), torch.tensor([3.0]))
+
+
+def test_user_path_errors(user_module):
+    with pytest.raises(RewardError, match="cannot import module 'broken_rewards'.*package_that_does_not_exist"):
+        load_reward_fn("broken_rewards:fn")
+    with pytest.raises(RewardError, match="cannot import module 'no_such_module'.*PYTHONPATH"):
+        load_reward_fn("no_such_module.fn")
+    with pytest.raises(RewardError, match="has no attribute 'missing'"):
+        load_reward_fn("my_rewards:missing")
+    with pytest.raises(RewardError, match="one float per response"):
+        load_reward_fn("my_rewards:wrong_count")(["p", "p"], ["a", "b"], None)
+    with pytest.raises(RewardError, match="non-finite scores for samples \\[0, 1\\]"):
+        load_reward_fn("my_rewards:nan_reward")(["p", "p"], ["a", "b"], None)
+    with pytest.raises(RewardError, match="cannot build reward"):
+        load_reward_fn("my_rewards:Constant", {"val": 1})
+
+
+# ---------------------------------------------------------------------------------------------- reward model
+WORDS = ["<pad>", "<unk>", "<s>"] + "user assistant : what is 1 2 3 4 5 the answer yes no ok".split()
+
+
+def tiny_tokenizer(chat_template=None):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>")
+    out.chat_template = chat_template
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_rm_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
+    path = tmp_path_factory.mktemp("tiny_rm")
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_reward_model_batched_scores_equal_unpadded_forwards(tiny_rm_dir):
+    prompts = ["what is 1 2", "what is", "the answer", "what is 5"]
+    responses = [" yes", " 3 4 5 ok no", " no", " 2"]
+    fn = load_reward_fn("reward_model", {"model": str(tiny_rm_dir), "batch_size": 3})
+    scores = fn(prompts, responses, None)
+    rm = RewardModel(str(tiny_rm_dir))
+    expected = []
+    for p, r in zip(prompts, responses):
+        ids = rm.tokenizer(p + r)["input_ids"]
+        expected.append(rm.model(input_ids=torch.tensor([ids])).logits[0, 0].item())
+    torch.testing.assert_close(scores, torch.tensor(expected))
+    assert len(set(expected)) == len(expected)                     # the scores depend on the text
+    short = RewardModel(str(tiny_rm_dir), max_length=2)(prompts[:1], responses[:1])
+    last_two = rm.tokenizer(prompts[0] + responses[0])["input_ids"][-2:]
+    assert short == pytest.approx([rm.model(input_ids=torch.tensor([last_two])).logits[0, 0].item()])
+
+
+def test_reward_model_chat_template_and_errors(tiny_rm_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir)
+    template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    rm = RewardModel(model, tiny_tokenizer(template))
+    assert rm.texts(["what is 2"], ["yes"]) == ["user : what is 2 assistant : yes "]
+    ids = rm.tokenizer("user : what is 2 assistant : yes ", add_special_tokens=False)["input_ids"]
+    assert rm(["what is 2"], ["yes"]) == pytest.approx([model(input_ids=torch.tensor([ids])).logits[0, 0].item()])
+    with pytest.raises(RewardError, match="needs its tokenizer"):
+        RewardModel(model)
+    with pytest.raises(RewardError, match="no chat template"):
+        RewardModel(model, tiny_tokenizer(), chat_template=True)
+    with pytest.raises(RewardError, match="label_index=1 but the reward model has 1 labels"):
+        RewardModel(model, tiny_tokenizer(), label_index=1)
