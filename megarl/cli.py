@@ -31,7 +31,7 @@ def _quiet() -> None:
 def _train(argv: list[str]) -> int:
     import argparse
 
-    from megarl.config import load_config
+    from megarl.config import load_config, validate_for_world
 
     p = argparse.ArgumentParser(prog="megarl train", description="RL post-training (PPO, GRPO, RLOO, REINFORCE++)")
     p.add_argument("config", nargs="?", help="YAML file (parallel_configs/...); omitted: the CPU default")
@@ -44,6 +44,8 @@ def _train(argv: list[str]) -> int:
     overrides = list(a.overrides) + (["trainer.resume=true"] if a.resume else [])
     cfg = load_config(a.config, overrides)  # fails here, before any process or model, on a bad config
     launched = "RANK" in os.environ or "SLURM_PROCID" in os.environ
+    if not launched:
+        validate_for_world(cfg, cfg.world_size)
     if not launched and cfg.world_size > 1:
         from torch.distributed.run import main as torchrun
 

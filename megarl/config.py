@@ -205,6 +205,7 @@ class DataConfig:
             "auto" tries ../shared/data/gsm8k, then the hub.
         prompt_key / answer_key: row fields holding the prompt and the ground truth.
         system_prompt / instruction: chat-template system message and text appended to each prompt.
+        use_chat_template: render prompts with the tokenizer's chat template (false: plain text, base models).
         max_prompt_length: longer prompts are dropped (and reported), tokens.
         prompts_per_step: prompts per RL step (the rollout batch is prompts_per_step * rollout.n sequences).
         shuffle: reshuffle each epoch (seeded by run.seed).
@@ -217,6 +218,7 @@ class DataConfig:
     answer_key: str = "ground_truth"
     system_prompt: Optional[str] = None
     instruction: str = "Let's think step by step and output the final answer after \"####\"."
+    use_chat_template: bool = True
     max_prompt_length: int = 256
     prompts_per_step: int = 4
     shuffle: bool = True
@@ -234,12 +236,13 @@ class RewardConfig:
 
     Attributes:
         fn: a registered reward name ("gsm8k") or a dotted path to a user function ("pkg.mod:fn").
-        kwargs: extra keyword arguments for the function (e.g. format_score).
+        kwargs: keyword arguments for the function (gsm8k: correct_score, format_score (default 0.1: a wrong
+            answer in the "#### N" format), strict).
         model_path: a sequence-classification reward model (HF directory) instead of ``fn``.
     """
 
     fn: str = "gsm8k"
-    kwargs: dict[str, Any] = field(default_factory=lambda: {"format_score": 0.1})
+    kwargs: dict[str, Any] = field(default_factory=dict)
     model_path: Optional[str] = None
 
 

@@ -85,7 +85,8 @@ def load_prompts(cfg: Config, tokenizer) -> PromptDataset:
     """Tokenised, templated, length-filtered prompts of the train files."""
     files = prepare_data(cfg)
     rows = [row for f in files for row in read_rows(f)]
-    template = PromptTemplate(system_prompt=cfg.data.system_prompt, instruction=cfg.data.instruction)
+    template = PromptTemplate(system_prompt=cfg.data.system_prompt, instruction=cfg.data.instruction,
+                              use_chat_template=cfg.data.use_chat_template)
     return PromptDataset(rows, tokenizer, prompt_key=cfg.data.prompt_key, ground_truth_key=cfg.data.answer_key,
                          template=template, max_prompt_length=cfg.data.max_prompt_length, source=",".join(files))
 

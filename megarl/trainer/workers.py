@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 
 MODEL_INPUTS = ("input_ids", "prompt_lens", "response_mask")
 # megatron-core 0.19's default DistributedOptimizer format ("fully_sharded_model_space") builds ShardedTensors
-# with flattened ranges, which its own torch_dist saver refuses; "fully_reshardable" saves every optimizer state
-# in the model's layout, so a run can resume at another TP/PP/DP.
-OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# with flattened ranges, which its own torch_dist saver refuses, and "fully_reshardable" loses torch Adam's
+# per-parameter "step" without TE/apex; "dp_reshardable" works everywhere but resumes at the same TP x PP only.
+OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def dp_share(batch: RolloutBatch, dp_rank: int, dp_size: int) -> RolloutBatch:
@@ -215,17 +215,51 @@ class MegatronWorker:
 
     # ------------------------------------------------------------------ checkpoint state
     def sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
-        model_sd = unwrap(self.model).sharded_state_dict()
+        """Model (and optimizer) state for megatron's dist checkpointing. The critic's checkpoint keys carry
+        the prefix ``critic.`` so that both models fit one checkpoint; the actor's have none, so converted
+        model checkpoints and trainer checkpoints load alike."""
+        model_sd = unwrap(self.model).sharded_state_dict(prefix=self.ckpt_prefix)
         out = {"model": model_sd}
         if self.optimizer is not None:
+            if is_loading:
+                self._materialize_optimizer_state()
             out["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                                  metadata=OPTIMIZER_CKPT_METADATA)
         return out
 
+    def _materialize_optimizer_state(self) -> None:
+        """Without TE or apex, torch's Adam has no state before its first step, and megatron's
+        DistributedOptimizer cannot describe an empty state for loading (``state_dict`` asserts one ``step``).
+        Create it the way megatron does for its FSDP checkpoints: one step on zero gradients (the parameters
+        are loaded from the checkpoint right after)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()
+
+    def _restore_adam_steps(self) -> None:
+        """megatron-core 0.19's DistributedOptimizer, with torch's Adam (no TE/apex), restores the step count
+        into each param group's "step" but leaves the per-parameter "step" of torch's Adam state at its
+        pre-load value, which Adam's bias correction reads. Copy the group's step into every parameter's."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                if group.get("step") is None:
+                    continue
+                for p in group["params"]:
+                    if p in inner.state and "step" in inner.state[p]:
+                        inner.state[p]["step"] = torch.tensor(float(group["step"]))
+
+    @property
+    def ckpt_prefix(self) -> str:
+        return "critic." if self.role == "critic" else ""
+
     def load_sharded_state(self, state: dict[str, Any]) -> None:
-        unwrap(self.model).load_state_dict(state["model"], strict=False)
+        p = self.ckpt_prefix
+        unwrap(self.model).load_state_dict({k.removeprefix(p): v for k, v in state["model"].items()}, strict=False)
         if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            with torch.no_grad():  # megatron copies into the fp32 main parameters in place
+                self.optimizer.load_state_dict(state["optimizer"])
+            self._restore_adam_steps()
 
 
 class PolicyWorker(MegatronWorker):

@@ -1,0 +1,48 @@
+"""Configs: every shipped YAML loads and validates for its world; the CPU default YAML is the embedded default;
+README's test command is what CI runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megarl.config import ConfigError, load_config, validate_for_world
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "parallel_configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    validate_for_world(cfg, cfg.world_size)
+
+
+def test_cpu_default_yaml_is_the_embedded_default():
+    assert load_config(ROOT / "parallel_configs/cpu_smollm2_grpo.yaml") == load_config(None)
+
+
+def test_overrides_apply_in_order_and_unknown_keys_fail():
+    cfg = load_config(ROOT / "parallel_configs/cpu_smollm2_ppo.yaml", ["critic.optim.lr=3e-5", "rollout.n=2"])
+    assert cfg.algorithm.name == "ppo" and cfg.critic.optim.lr == 3e-5 and cfg.rollout.n == 2
+    with pytest.raises(ConfigError, match="actor.optimizer"):
+        load_config(None, ["actor.optimizer.lr=1"])
+    with pytest.raises(ConfigError, match="rollout.n"):
+        validate_for_world(load_config(None, ["algorithm.name=grpo", "rollout.n=1", "actor.ppo_mini_batch_size=4"]),
+                           1)
+
+
+def test_world_size_checks_name_the_field():
+    cfg = load_config(None, ["actor.parallel.tp=2"])
+    with pytest.raises(ConfigError, match="actor.parallel"):
+        validate_for_world(cfg, 3)
+    with pytest.raises(ConfigError, match="actor.parallel.dp"):
+        validate_for_world(load_config(None, ["actor.parallel.dp=4"]), 2)
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = [ln.strip() for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("    ./build.sh")]
+    assert len(readme) == 2 and "megarl train" in readme[0]
+    ci = [ln.strip() for ln in (ROOT / ".ci/run").read_text().splitlines() if ln.strip().startswith("./build.sh")]
+    assert ci == [readme[1]]
