@@ -339,6 +339,7 @@ class TrainerConfig:
         resume: continue from the newest checkpoint in the run folder when one exists.
         export_hf: also write a Hugging Face copy of the final actor.
         progress: show a progress bar over the steps.
+        log_samples: responses per step written to ``samples.jsonl`` (prompt, response, score).
     """
 
     steps: int = 4
@@ -347,6 +348,7 @@ class TrainerConfig:
     resume: bool = False
     export_hf: bool = False
     progress: bool = True
+    log_samples: int = 2
 
     def __post_init__(self):
         _require(self.steps >= 1, "trainer.steps", "must be >= 1")

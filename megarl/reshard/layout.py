@@ -108,6 +108,13 @@ def canonical_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple[in
 
 
 # ----------------------------------------------------------------------------------------- helpers
+def _shape_key(spec: ModelSpec) -> tuple:
+    """The fields of ``spec`` that decide tensor names and shapes: the part of a layout's key that describes
+    the model (hashable even where ``spec.rope_scaling`` is a dict, which makes ``hash(spec)`` fail)."""
+    return (spec.family, spec.vocab_size, spec.hidden_size, spec.num_layers, spec.num_attention_heads,
+            spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size, spec.tie_word_embeddings)
+
+
 def _whole(name: str, shape: tuple[int, ...], local: str | None = None) -> LocalTensor:
     zeros = (0,) * len(shape)
     return LocalTensor(local or name, shape, (Block(name, zeros, zeros, shape),))
@@ -224,10 +231,28 @@ def megatron_layout(spec: ModelSpec, mesh: ParallelLayout, *, ranks: Iterable[in
                                                    padded_vocab=padded_vocab)
         out[g] = per_stage[key]
     return Layout("megatron", spec, canonical_shapes(spec, role), out,
-                  ("megatron", spec, mesh, tuple(ranks), role, use_te, padded_vocab))
+                  ("megatron", _shape_key(spec), mesh.tp, mesh.pp, mesh.dp, tuple(ranks), role, use_te,
+                   padded_vocab))
 
 
 # ----------------------------------------------------------------------------------------- vLLM
+# Checked against vLLM 0.24.0's source (vllm/model_executor/...; read 2026-11-29, the version GPU.md pins):
+# - layers/vocab_parallel_embedding.py: VocabParallelEmbedding.__init__ pads the vocab with pad_vocab_size(
+#   vocab, DEFAULT_VOCAB_PADDING_SIZE=64) (no added LoRA vocab for Llama/Qwen2: org_vocab_size == vocab) and gives
+#   every TP rank divide(padded, tp) rows; _get_indices puts rank r on rows [r * padded/tp, (r+1) * padded/tp)
+#   clipped to org_vocab_size; weight_loader copies those canonical rows to the shard's first rows and zero-fills
+#   the rest. The reshard leaves padding rows untouched: layers/logits_processor.py cuts logits to
+#   org_vocab_size, so they are never read. ParallelLMHead shards the same way.
+# - layers/linear.py: QKVParallelLinear.__init__ has num_heads = divide(total_heads, tp) and, when
+#   tp >= total_kv_heads, one KV head per rank with num_kv_head_replicas = divide(tp, total_kv_heads), else
+#   divide(total_kv_heads, tp) heads; weight_loader places q, k, v at offsets 0, q, q + kv and takes KV heads
+#   from shard_rank = tp_rank // num_kv_head_replicas. MergedColumnParallelLinear (gate_up_proj, output_sizes
+#   [ffn, ffn]) places each half's rank-r slice at sum(output_sizes[:i]) // tp. RowParallelLinear (o_proj,
+#   down_proj) splits the input dim.
+# - models/llama.py and models/qwen2.py: the attention asserts heads % tp == 0 and kv % tp == 0 or tp % kv == 0;
+#   with tie_word_embeddings, LlamaForCausalLM ties lm_head to embed_tokens' Parameter (ParallelLMHead.
+#   tie_weights) and Qwen2ForCausalLM sets lm_head = model.embed_tokens, so named_parameters() lists only
+#   model.embed_tokens.weight; load_weights maps q/k/v_proj -> qkv_proj and gate/up_proj -> gate_up_proj.
 def vllm_padded_vocab(vocab_size: int) -> int:
     """vLLM's padded vocab: a multiple of 64 (``pad_vocab_size(vocab, DEFAULT_VOCAB_PADDING_SIZE)``)."""
     return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
@@ -302,7 +327,7 @@ def vllm_layout(spec: ModelSpec, tp: int, ranks: Iterable[int]) -> Layout:
         raise SpecError(f"vLLM layout: tp={tp} does not divide the {len(ranks)} rollout ranks")
     per_tp = [vllm_rank_tensors(spec, tp, r) for r in range(tp)]
     return Layout("vllm", spec, canonical_shapes(spec), {g: per_tp[i % tp] for i, g in enumerate(ranks)},
-                  ("vllm", spec, tp, tuple(ranks)))
+                  ("vllm", _shape_key(spec), tp, tuple(ranks)))
 
 
 # ----------------------------------------------------------------------------------------- HF
@@ -311,4 +336,4 @@ def hf_layout(spec: ModelSpec, ranks: Iterable[int], role: str = "actor") -> Lay
     shapes = canonical_shapes(spec, role)
     tensors = {n: _whole(n, s) for n, s in shapes.items()}
     ranks = tuple(ranks)
-    return Layout("hf", spec, shapes, {g: tensors for g in ranks}, ("hf", spec, ranks, role))
+    return Layout("hf", spec, shapes, {g: tensors for g in ranks}, ("hf", _shape_key(spec), ranks, role))

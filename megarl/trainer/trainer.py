@@ -188,6 +188,7 @@ class Trainer:
             self.engine.sleep()
         with t("reward"):
             batch = self._score(prompts, out)
+        self._log_samples(prompts, batch)
         with t("old_logprobs"):
             batch["old_logprobs"] = self.actor.compute_logprobs(batch)["logprobs"]
         if self.ref is not None:
@@ -253,6 +254,20 @@ class Trainer:
         batch["scores"] = scores
         assert len(batch) == len(prompts.input_ids) * n
         return batch
+
+    def _log_samples(self, prompts, batch: RolloutBatch) -> None:
+        """Append the step's first ``trainer.log_samples`` responses to ``samples.jsonl`` (rank 0)."""
+        k = min(self.cfg.trainer.log_samples, len(batch))
+        if self.rank != 0 or k == 0:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with (self.run_dir / "samples.jsonl").open("a") as f:
+            for i in range(k):
+                g = int(batch["group"][i])
+                f.write(json.dumps({"step": self.step_idx + 1, "prompt": prompts.raw_prompt[g],
+                                    "response": batch.meta["response"][i], "score": float(batch["scores"][i]),
+                                    "ground_truth": prompts.ground_truth[g],
+                                    "finish_reason": batch.meta["finish_reason"][i]}) + "\n")
 
     def _advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Token rewards (with the KL penalty when it is in the reward), advantages and returns."""
@@ -339,6 +354,8 @@ class Trainer:
                                enabled=self.rank == 0, progress=cfg.trainer.progress)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.step_idx == 0:
+                (self.run_dir / "samples.jsonl").unlink(missing_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
         batches = iter(self.loader)
         try:

@@ -1,0 +1,102 @@
+"""Forward + backward of megarl's Megatron actor builder on one GPU (or the CPU), bf16 on GPU.
+
+    python perf/bench_models.py --model qwen2.5-0.5b --micro-batch 8 --seq 2048 --steps 5 [--json OUT]
+
+Builds the named model shape (random init) with :func:`megarl.models.megatron.build_model` on a TP=1 x PP=1
+mesh, runs ``--steps`` timed forward+backward passes (after one warm-up) through megatron's
+``forward_backward_func`` with the token-mean log-prob loss the trainer uses, and reports seconds per pass,
+tokens/s, model TFLOP/s and MFU (6 x params x tokens plus attention, against ``--peak-tflops``, 989 for an
+H200's dense bf16), peak memory, and that the loss and gradients are finite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from megarl.models.logprobs import vocab_parallel_logprobs
+from megarl.models.megatron import build_model
+from megarl.models.pipeline import run_microbatches
+from megarl.models.spec import preset
+from megarl.parallel.launch import run_world
+from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+
+
+def _bench(rank, world, a):
+    spec = preset(a.model)
+    if a.layers:
+        spec = spec.replace(num_layers=a.layers)
+    mesh = ParallelLayout()
+    initialize_model_parallel(mesh)
+    gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if gpu else torch.float32
+    model = build_model(spec, mesh, params_dtype=dtype, recompute=a.recompute)
+    if gpu:
+        model = model.cuda()
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab_size, (a.micro_batch, a.seq), generator=g).to(device)
+
+    def loss_fn(mb, logits):
+        labels = torch.roll(mb["input_ids"], -1, dims=1)
+        logp, _ = vocab_parallel_logprobs(logits, labels, vocab_size=spec.vocab_size)
+        loss = -logp.mean()
+        return loss, {"loss": loss.detach().float()}
+
+    def once():
+        for p in model.parameters():
+            p.grad = None
+        return run_microbatches(model, [{"input_ids": tokens}], loss_fn, forward_only=False)
+
+    once()  # warm-up
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        out = once()
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    grads_finite = all(torch.isfinite(p.grad).all().item() for p in model.parameters() if p.grad is not None)
+    n_tok = a.micro_batch * a.seq
+    sec = sorted(times)[len(times) // 2]
+    flops = 3 * spec.flops_per_token(a.seq) * n_tok  # forward + backward = 3 x forward
+    res = {
+        "model": a.model, "layers": spec.num_layers, "params": spec.num_params(), "dtype": str(dtype),
+        "device": torch.cuda.get_device_name() if gpu else "cpu", "micro_batch": a.micro_batch, "seq": a.seq,
+        "recompute": a.recompute, "seconds_per_fwd_bwd_median": sec, "tokens_per_s": n_tok / sec,
+        "model_tflops_per_s": flops / sec / 1e12, "mfu": flops / sec / 1e12 / a.peak_tflops,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+        "loss": float(out[0]["loss"]), "loss_finite": bool(torch.isfinite(out[0]["loss"])),
+        "grads_finite": grads_finite,
+    }
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-0.5b")
+    p.add_argument("--layers", type=int, default=0, help="cut the model to this many layers (0 = all)")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--recompute", action="store_true")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU, TFLOP/s")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    res = run_world(_bench, 1, a)[0]
+    for k, v in res.items():
+        print(f"{k:28s} {v}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0 if res["loss_finite"] and res["grads_finite"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
