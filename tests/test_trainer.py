@@ -54,12 +54,16 @@ def test_grpo_learns_the_task(task):
 
 
 def test_ppo_with_gae_learns_the_task(task):
-    history = _run(task, "ppo", extra=LEARN + ["algorithm.name=ppo", "algorithm.lam=0.95", "critic.optim.lr=1e-2",
-                                               "critic.ppo_mini_batch_size=32", "critic.micro_batch_size=16"])[0]
+    ppo = LEARN + ["algorithm.name=ppo", "algorithm.lam=0.95", "critic.optim.lr=1e-2",
+                   "critic.ppo_mini_batch_size=32", "critic.micro_batch_size=16"]
+    history = _run(task, "ppo", extra=ppo)[0]
     rewards = [h["reward/mean"] for h in history]
     assert rewards[0] < 0.3, rewards
     assert max(rewards[-3:]) > 0.8, rewards
     assert all("critic/vf_loss" in h for h in history)
+    # actor and critic (and both optimizers) share one checkpoint; a resumed run loads both and goes on
+    resumed = _run(task, "ppo", extra=ppo + ["trainer.steps=13", "trainer.resume=true"])[0]
+    assert [h["step"] for h in resumed] == list(range(1, 14)) and resumed[-1]["reward/mean"] > 0.8
 
 
 RESUME = ["data.prompts_per_step=4", "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4",

@@ -118,6 +118,16 @@ def _check_group_index(group_index: torch.Tensor | None, batch: int, name: str) 
     return group_index
 
 
+def _grouped_scores(rewards: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor | None,
+                    name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-response scores ``R`` ``[B]`` (sum of token rewards), the checked group index ``[B]``, and each
+    response's group sum and group size ``[B]``."""
+    scores = as_token_rewards(rewards, response_mask).sum(-1)
+    group_index = _check_group_index(group_index, scores.shape[0], name)
+    sums, counts = _group_sum(scores, group_index)
+    return scores, group_index, sums, counts
+
+
 def _broadcast(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(response_mask.bool(), scores[:, None], 0.0)
 
@@ -193,10 +203,7 @@ def grpo_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *, values
     Raises:
         ValueError: no or malformed ``group_index``, mismatched shapes.
     """
-    token_rewards = as_token_rewards(rewards, response_mask)
-    scores = token_rewards.sum(-1)
-    group_index = _check_group_index(group_index, scores.shape[0], "grpo")
-    sums, counts = _group_sum(scores, group_index)
+    scores, group_index, sums, counts = _grouped_scores(rewards, response_mask, group_index, "grpo")
     mean = sums / counts
     var = _group_sum((scores - mean).square(), group_index)[0] / (counts - 1).clamp(min=1)
     single = counts == 1
@@ -230,9 +237,7 @@ def rloo_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *, values
     Raises:
         ValueError: no or malformed ``group_index``, mismatched shapes.
     """
-    token_rewards = as_token_rewards(rewards, response_mask)
-    scores = token_rewards.sum(-1)
-    sums, counts = _group_sum(scores, _check_group_index(group_index, scores.shape[0], "rloo"))
+    scores, _, sums, counts = _grouped_scores(rewards, response_mask, group_index, "rloo")
     baseline = torch.where(counts > 1, (sums - scores) / (counts - 1).clamp(min=1), 0.0)
     adv = _broadcast(scores - baseline, response_mask)
     return adv, adv
@@ -290,10 +295,7 @@ def reinforce_plus_plus_baseline_advantage(rewards: torch.Tensor, response_mask:
     Raises:
         ValueError: no or malformed ``group_index``, mismatched shapes.
     """
-    token_rewards = as_token_rewards(rewards, response_mask)
-    scores = token_rewards.sum(-1)
-    sums, counts = _group_sum(scores, _check_group_index(group_index, scores.shape[0],
-                                                         "reinforce_plus_plus_baseline"))
+    scores, _, sums, counts = _grouped_scores(rewards, response_mask, group_index, "reinforce_plus_plus_baseline")
     centred = scores - torch.where(counts > 1, sums / counts, 0.0)
     adv = masked_whiten(_broadcast(centred, response_mask), response_mask)
     return adv, adv

@@ -218,13 +218,17 @@ class MegatronWorker:
         """Model (and optimizer) state for megatron's dist checkpointing. The critic's checkpoint keys carry
         the prefix ``critic.`` so that both models fit one checkpoint; the actor's have none, so converted
         model checkpoints and trainer checkpoints load alike."""
-        model_sd = unwrap(self.model).sharded_state_dict(prefix=self.ckpt_prefix)
+        from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+        model_sd = unwrap(self.model).sharded_state_dict()
         out = {"model": model_sd}
         if self.optimizer is not None:
             if is_loading:
                 self._materialize_optimizer_state()
             out["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                                  metadata=OPTIMIZER_CKPT_METADATA)
+        if self.role == "critic":
+            add_prefix_for_sharding(out, "critic.")
         return out
 
     def _materialize_optimizer_state(self) -> None:
@@ -249,13 +253,8 @@ class MegatronWorker:
                     if p in inner.state and "step" in inner.state[p]:
                         inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
-    @property
-    def ckpt_prefix(self) -> str:
-        return "critic." if self.role == "critic" else ""
-
     def load_sharded_state(self, state: dict[str, Any]) -> None:
-        p = self.ckpt_prefix
-        unwrap(self.model).load_state_dict({k.removeprefix(p): v for k, v in state["model"].items()}, strict=False)
+        unwrap(self.model).load_state_dict(state["model"], strict=False)
         if self.optimizer is not None and "optimizer" in state:
             with torch.no_grad():  # megatron copies into the fp32 main parameters in place
                 self.optimizer.load_state_dict(state["optimizer"])

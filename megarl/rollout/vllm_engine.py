@@ -1,0 +1,287 @@
+"""The vLLM rollout engine (GPU): vLLM 0.24.0 running in the training process, its weights written in place.
+
+Construction. The engine writes ``spec.to_hf_config()`` (config.json only) into a temporary directory and
+starts ``vllm.LLM`` on it with dummy weights, no tokenizer (prompts and responses are token ids) and sleep
+mode, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that the model is a Python object here
+(``llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()``) and the reshard executor
+writes the actor's shards straight into its parameters (:meth:`VLLMRolloutEngine.update_weights`). Its
+sampled-token log-probs are those of :mod:`megarl.rollout.base` (``logprobs_mode="processed_logprobs"``, see
+:mod:`megarl.rollout.sampler`).
+
+Engines and ranks (``distributed_executor_backend="external_launcher"``, read in vLLM 0.24.0's source). Every
+rank of the job's ``torch.distributed`` world runs one engine and joins it with its own ``RANK`` and
+``LOCAL_RANK`` (``vllm/v1/executor/uniproc_executor.py``: ``ExecutorWithExternalLauncher._distributed_args``).
+vLLM takes the world as initialised (``vllm/distributed/parallel_state.py``: ``init_distributed_environment``
+skips ``init_process_group`` when torch.distributed is up, and ``_WORLD`` spans ``get_world_size()`` ranks) and
+lays it out as ``arange(world).reshape(-1, dp, pp, pcp, tp)`` (``initialize_model_parallel``): the leading
+dimension is the "ExternalDP" of independent engines, so with ``data_parallel_size=1`` (the default, kept
+here) the TP groups are consecutive blocks of ``tp`` ranks and ``world / tp`` engines generate independently,
+which is what :func:`~megarl.reshard.layout.vllm_layout` assumes; ``world == tp * pp * dp`` is not required
+(``ParallelConfig.world_size`` stays ``tp * pp``; only vLLM's own DP, ``data_parallel_size > 1``, would put
+engines in lockstep and multiply it in). The ranks of one engine must make the same calls with the same
+prompts (every rank runs the same deterministic scheduler); requests are seeded, so they sample alike.
+Construction is collective: every rank of the world builds its engine at the same time (vLLM creates its
+process groups and takes the minimum free memory over the world).
+
+Generation: one vLLM request per (prompt, sample), ``n=1``, seeded by
+:func:`~megarl.rollout.base.sample_seed`, asking for the sampled token's log-prob only (``logprobs=0``; the
+sampler puts the sampled token first, ``vllm/v1/engine/logprobs.py``). A stop token is kept in the response:
+the scheduler appends every sampled token before checking ``stop_token_ids`` (``vllm/v1/core/sched/utils.py:
+check_stop``) and, without a tokenizer, the output keeps all of them (``vllm/v1/engine/detokenizer.py``).
+
+Memory: ``sleep(1)`` moves the weights to CPU and drops the KV cache; ``sleep(2)`` drops both. vLLM's
+``CuMemAllocator`` keeps the virtual addresses, so the parameter tensors held here stay valid across sleeps.
+One engine per process: vLLM's parallel state is process-global.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.spec import ModelSpec, SpecError
+from megarl.reshard.layout import Layout, check_vllm_tp, vllm_layout, vllm_rank_tensors
+from megarl.rollout.base import (
+    RolloutError,
+    RolloutOutput,
+    RolloutStats,
+    Sample,
+    SamplingConfig,
+    WriteFn,
+    check_prompts,
+    sample_seed,
+)
+
+# Set before vllm is imported (vllm.envs reads them): in-process engine core (the model is reachable here and
+# external_launcher needs deterministic in-process scheduling), no FlashInfer sampler JIT (nothing to download
+# on the GPU machine), offline, no usage reports; NVLink SHARP (NVLS) off for NCCL (GPU.md).
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1", "NCCL_NVLS_ENABLE": "0"}
+FINISH_REASONS = ("stop", "length")
+
+
+def prepare_environment(rank: int, local_rank: int) -> None:
+    """Set :data:`VLLM_ENV` and the ``RANK`` / ``LOCAL_RANK`` that vLLM's external launcher reads.
+
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` and the two ranks are forced (the engine cannot work otherwise); the
+    other variables keep a value the user set.
+    """
+    for key, value in VLLM_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", RANK=str(rank), LOCAL_RANK=str(local_rank))
+
+
+def request_params(prompt: Sequence[int], sampling: SamplingConfig, *, context: int, stop_token_ids: list[int],
+                   seed: int) -> dict[str, Any]:
+    """The ``vllm.SamplingParams`` keyword arguments of one sample of ``prompt``.
+
+    ``n=1``; temperature 0 is greedy in vLLM too; top-k -1 (off) becomes vLLM's 0 (off); ``max_tokens`` is
+    ``min(sampling.max_new_tokens, context - len(prompt))`` tokens; ``logprobs=0`` returns the sampled token's
+    log-prob alone; no detokenisation (there is no tokenizer).
+    """
+    return dict(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=0 if sampling.top_k == -1 else sampling.top_k,
+                max_tokens=min(sampling.max_new_tokens, context - len(prompt)), stop_token_ids=stop_token_ids,
+                seed=seed, logprobs=0, detokenize=False)
+
+
+def completion_to_sample(completion, prompt_index: int, sample_index: int) -> Sample:
+    """A :class:`~megarl.rollout.base.Sample` from a vLLM ``CompletionOutput`` (``token_ids``, ``logprobs``:
+    one ``{token id: Logprob}`` per token, ``finish_reason``).
+
+    Raises:
+        RolloutError: a finish reason other than "stop" / "length" (an aborted or failed request), or
+            log-probs missing for some tokens.
+    """
+    tokens = tuple(int(t) for t in completion.token_ids)
+    reason = completion.finish_reason
+    if reason not in FINISH_REASONS:
+        raise RolloutError(f"vLLM request for prompt {prompt_index} sample {sample_index} ended with "
+                           f"finish_reason={reason!r}, expected one of {FINISH_REASONS}")
+    logprobs = completion.logprobs or []
+    if len(logprobs) != len(tokens):
+        raise RolloutError(f"vLLM returned {len(logprobs)} log-probs for {len(tokens)} tokens (prompt "
+                           f"{prompt_index} sample {sample_index})")
+    values = torch.tensor([position[t].logprob for position, t in zip(logprobs, tokens)], dtype=torch.float32)
+    return Sample(prompt_index, sample_index, tokens, values, reason)
+
+
+class VLLMRolloutEngine:
+    """A :class:`~megarl.rollout.base.RolloutEngine` running vLLM 0.24.0 (bf16) on this rank's GPU.
+
+    Args:
+        spec: the model (Llama, Mistral or Qwen2 family).
+        tp: vLLM tensor parallelism; engine ``k`` is world ranks ``[k * tp, (k + 1) * tp)``; must divide the
+            world size.
+        gpu_memory_utilization: fraction of the GPU's total memory that vLLM may use (weights, activations
+            and KV cache), in (0, 1]; that much must be free when the engine starts (vLLM raises otherwise).
+        enforce_eager: no CUDA graphs and no torch.compile (starts faster; False decodes faster).
+        max_model_len: context length of the engine (prompt + response), tokens, in [2,
+            ``spec.max_position_embeddings``]; None = ``spec.max_position_embeddings``.
+        seed: vLLM's global seed (it seeds Python's, numpy's and torch's global RNGs at construction).
+
+    Attributes:
+        spec: the model, with ``max_position_embeddings`` cut to ``max_model_len``: the context that prompts
+            are checked against (:func:`~megarl.rollout.data_parallel.generate_data_parallel` reads it).
+        tp / tp_rank: the engine's TP size and this rank's place in it.
+        llm: the ``vllm.LLM``.
+        model: vLLM's model on this rank (its parameters are the engine's weights, written in place).
+        calls: ``generate`` calls so far; part of every sample's seed, so a resumed run restores it.
+
+    Raises:
+        RolloutError: no CUDA device, bad sizes, or vLLM's TP group is not the expected block of ranks.
+        SpecError: the model does not split at TP=``tp`` (:func:`~megarl.reshard.layout.check_vllm_tp`), or
+            vLLM's parameter names or shapes differ from :func:`~megarl.reshard.layout.vllm_rank_tensors`.
+        ImportError: vllm is not installed.
+    """
+
+    def __init__(self, spec: ModelSpec, *, tp: int = 1, gpu_memory_utilization: float = 0.5,
+                 enforce_eager: bool = True, max_model_len: int | None = None, seed: int = 0):
+        from megarl.parallel.mesh import init_distributed
+
+        if not torch.cuda.is_available():
+            raise RolloutError("the vLLM engine needs a CUDA GPU; use rollout.engine=hf on a CPU machine")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise RolloutError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        context = spec.max_position_embeddings if max_model_len is None else max_model_len
+        if not 2 <= context <= spec.max_position_embeddings:
+            raise RolloutError(f"max_model_len must be in [2, {spec.max_position_embeddings}] (the model's "
+                               f"max_position_embeddings), got {max_model_len}")
+        check_vllm_tp(spec, tp)
+        init_distributed()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world % tp:
+            raise RolloutError(f"vLLM tp={tp} does not divide the world size {world}")
+        prepare_environment(rank, torch.cuda.current_device())
+        import vllm
+        from vllm.distributed.parallel_state import get_tp_group
+
+        self.spec = spec.replace(max_position_embeddings=context)
+        self.tp, self.tp_rank = tp, rank % tp
+        self._config_dir = tempfile.TemporaryDirectory(prefix="megarl-vllm-")
+        spec.to_hf_config().save_pretrained(self._config_dir.name)
+        self.llm = vllm.LLM(model=self._config_dir.name, skip_tokenizer_init=True, load_format="dummy",
+                            dtype="bfloat16", enforce_eager=enforce_eager, enable_sleep_mode=True,
+                            tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
+                            gpu_memory_utilization=gpu_memory_utilization, seed=seed, max_model_len=context,
+                            logprobs_mode="processed_logprobs")
+        group = get_tp_group().ranks
+        first = rank - self.tp_rank
+        if list(group) != list(range(first, first + tp)):
+            raise RolloutError(f"vLLM put rank {rank} in the TP group {group}, expected ranks "
+                               f"[{first}, {first + tp}) (consecutive blocks of tp={tp})")
+        self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+        self._params = {n: p.detach() for n, p in self.model.named_parameters()}
+        self._check_parameters()
+        self.calls = 0
+        self._has_weights = False
+        self._asleep = False
+
+    def _check_parameters(self) -> None:
+        """Raise SpecError where vLLM's parameters (names, shapes) differ from this rank's layout entry."""
+        have = {n: tuple(p.shape) for n, p in self._params.items()}
+        want = {n: lt.shape for n, lt in vllm_rank_tensors(self.spec, self.tp, self.tp_rank).items()}
+        if have != want:
+            diff = sorted(set(have.items()) ^ set(want.items()))
+            raise SpecError(f"vLLM's parameters on TP rank {self.tp_rank} differ from megarl's vLLM layout "
+                            f"(name, shape) in one but not the other: {diff[:6]}")
+
+    # ------------------------------------------------------------------ weights and memory
+    def weight_layout(self, ranks: Iterable[int]) -> Layout:
+        """vLLM's TP shards on ``ranks`` (:func:`~megarl.reshard.layout.vllm_layout`): engine ``k`` is
+        ``ranks[k*tp:(k+1)*tp]``; with tied embeddings there is no ``lm_head.weight``."""
+        return vllm_layout(self.spec, self.tp, ranks)
+
+    def update_weights(self, write: WriteFn) -> Any:
+        """Call ``write({name: parameter})`` on this rank's vLLM parameters (bf16, on this GPU), written in
+        place, then drop the prefix cache (its KV entries were computed with the old weights).
+
+        Returns:
+            What ``write`` returns (e.g. the reshard executor's stats).
+
+        Raises:
+            RolloutError: the engine is asleep (call :meth:`wake_up` first), or vLLM could not reset its
+                prefix cache.
+        """
+        if self._asleep:
+            raise RolloutError("update_weights on a sleeping engine: call wake_up() first")
+        result = write(self._params)
+        if not self.llm.reset_prefix_cache():
+            raise RolloutError("vLLM could not reset its prefix cache after the weight update (requests "
+                               "still running?); its cached KV would belong to the old weights")
+        self._has_weights = True
+        return result
+
+    def sleep(self, level: int = 1) -> None:
+        """Give GPU memory back for the training phase (vLLM sleep mode; a sleeping engine stays asleep).
+
+        Level 1 drops the KV cache and moves the weights to CPU (restored by :meth:`wake_up`); level 2 drops
+        both, and :meth:`update_weights` must run after :meth:`wake_up`.
+
+        Raises:
+            RolloutError: a level other than 1 or 2.
+        """
+        if level not in (1, 2):
+            raise RolloutError(f"sleep level must be 1 (KV cache; weights to CPU) or 2 (KV cache and weights), "
+                               f"got {level}")
+        if self._asleep:
+            return
+        self.llm.sleep(level=level)
+        if level == 2:
+            self._has_weights = False
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep`: GPU memory back (weights restored after level 1, uninitialised after level 2)."""
+        if self._asleep:
+            self.llm.wake_up()
+        self._asleep = False
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                 prompt_offset: int = 0) -> RolloutOutput:
+        """Sample ``sampling.n`` responses per prompt (see :meth:`~megarl.rollout.base.RolloutEngine.generate`).
+
+        A response ends at the first token of ``spec.eos_token_ids`` or ``sampling.stop_token_ids`` (finish
+        "stop", the token kept with its log-prob), or after ``min(max_new_tokens, max_model_len - prompt
+        length)`` tokens (finish "length"). All ranks of one engine (TP group) must call this together with the
+        same arguments.
+
+        Returns:
+            Prompt-major samples: ``samples[k * n + j]`` is sample ``j`` of prompt ``prompt_offset + k``;
+            log-probs float32 on CPU.
+
+        Raises:
+            RolloutError: a bad prompt (:func:`~megarl.rollout.base.check_prompts` against ``max_model_len``),
+                a sleeping engine, no weights loaded yet (:meth:`update_weights`), or a request that vLLM
+                aborted.
+        """
+        from vllm import SamplingParams, TokensPrompt
+
+        if self._asleep:
+            raise RolloutError("generate on a sleeping engine: call wake_up() first")
+        if not self._has_weights:
+            raise RolloutError("the engine has no weights: call update_weights() before generate()")
+        context = self.spec.max_position_embeddings
+        prompts = check_prompts(prompt_token_ids, max_context=context, vocab_size=self.spec.vocab_size)
+        call = self.calls
+        self.calls += 1
+        start = time.perf_counter()
+        stop = sorted(set(self.spec.eos_token_ids) | set(sampling.stop_token_ids))
+        rows = [(k, j) for k in range(len(prompts)) for j in range(sampling.n)]
+        params = [SamplingParams(**request_params(prompts[k], sampling, context=context, stop_token_ids=stop,
+                                                  seed=sample_seed(sampling.seed, call, prompt_offset + k, j)))
+                  for k, j in rows]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
+                                    use_tqdm=False) if rows else []
+        samples = [completion_to_sample(out.outputs[0], prompt_offset + k, j) for (k, j), out in zip(rows, outputs)]
+        stats = RolloutStats(prompt_tokens=sum(len(prompts[k]) for k, _ in rows),
+                             generated_tokens=sum(len(s.token_ids) for s in samples),
+                             seconds=time.perf_counter() - start)
+        return RolloutOutput(samples, sampling.n, stats)
