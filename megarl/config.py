@@ -171,7 +171,13 @@ class RolloutConfig:
         temperature, top_p, top_k: sampling (top_k -1 = off). Log-probs are of softmax(logits/temperature).
         max_new_tokens: response length limit, tokens.
         max_batch_size: sequences decoded at once per rank (hf engine), bounds memory.
-        gpu_memory_utilization: vLLM's KV-cache budget, fraction of the GPU.
+        gpu_memory_utilization: fraction of the GPU's total memory that vLLM may use for its weights,
+            activations and KV cache, in (0, 1]; that much must be free when the engine starts (after the
+            actor, reference and critic are on the GPU).
+        enforce_eager: vLLM without CUDA graphs or torch.compile (faster start; false decodes faster).
+        max_model_len: vLLM's context (prompt + response), tokens; null = the model's
+            max_position_embeddings. vLLM refuses to start when its KV cache cannot hold one sequence of this
+            length; data.max_prompt_length + max_new_tokens is enough for RL.
     """
 
     engine: str = "hf"
@@ -183,6 +189,8 @@ class RolloutConfig:
     max_new_tokens: int = 128
     max_batch_size: int = 64
     gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    max_model_len: Optional[int] = None
 
     def __post_init__(self):
         _require(self.engine in ("hf", "vllm"), "rollout.engine", f"must be 'hf' or 'vllm', got {self.engine!r}")
@@ -192,6 +200,10 @@ class RolloutConfig:
         _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         _require(self.tp >= 1, "rollout.tp", "must be >= 1")
+        _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+                 f"must be in (0, 1] (a fraction of the GPU's memory), got {self.gpu_memory_utilization}")
+        _require(self.max_model_len is None or self.max_model_len >= 2, "rollout.max_model_len",
+                 f"must be null (the model's context) or >= 2 tokens, got {self.max_model_len}")
 
 
 @dataclass

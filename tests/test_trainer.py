@@ -89,6 +89,7 @@ def test_tp2_and_pp2_match_tp1_at_step_1(task):
     tp2 = _run(task, "tp2", world=2, extra=LAYOUT + ["actor.parallel.tp=2"])[0][0]
     pp2 = _run(task, "pp2", world=2, extra=LAYOUT + ["actor.parallel.pp=2"])[0][0]
     assert ref["actor/ppo_kl"] != 0  # the second mini-batch ran after an update: the losses are not trivial
+    assert ref["actor/kl"] == 0.0  # the reference policy starts as an exact copy of the actor
     for other in (tp2, pp2):
         for key in COMPARED:
             assert other[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key

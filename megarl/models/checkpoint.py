@@ -189,16 +189,36 @@ def load_model(directory: str | os.PathLike, model: torch.nn.Module, key: str = 
     bare.load_state_dict(loaded[key], strict=False)
 
 
+PRESET_PREFIX = "preset:"
+
+
+def is_preset(source) -> bool:
+    """``preset:NAME``: a named shape of :data:`megarl.models.spec.PRESETS` with random weights (benchmarks)."""
+    return isinstance(source, str) and source.startswith(PRESET_PREFIX)
+
+
 def load_weights(model: torch.nn.Module, source: str | os.PathLike | None, *, use_te: bool = False) -> None:
-    """Load ``model``'s weights from a megarl checkpoint, a Hugging Face directory or a GGUF file."""
+    """Load ``model``'s weights from a megarl checkpoint, a Hugging Face directory or a GGUF file (a
+    ``preset:NAME`` source keeps the model's random init)."""
+    if is_preset(source):
+        return
     if source is not None and is_megarl_checkpoint(source):
         load_model(source, model)
     else:
         load_hf_weights(model, open_hf_checkpoint(source), use_te=use_te)
 
 
-def source_spec(source: str | os.PathLike | None) -> tuple[ModelSpec, torch.dtype, str | None]:
-    """Spec, stored dtype and tokenizer location of a model source (megarl checkpoint, HF dir or GGUF)."""
+def source_spec(source: str | os.PathLike | None) -> tuple[ModelSpec, torch.dtype | None, str | None]:
+    """Spec, stored dtype and tokenizer location of a model source (megarl checkpoint, HF dir, GGUF file, or
+    ``preset:NAME``, which has neither stored dtype nor tokenizer).
+
+    Raises:
+        SpecError: unknown preset or architecture. FileNotFoundError: a path that does not exist.
+    """
+    if is_preset(source):
+        from megarl.models.spec import preset
+
+        return preset(source[len(PRESET_PREFIX):]), None, None
     if source is not None and is_megarl_checkpoint(source):
         meta = read_meta(source)
         return ModelSpec.from_hf_config(meta["hf_config"]), DTYPES[meta["dtype"]], meta.get("tokenizer")

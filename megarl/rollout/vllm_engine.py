@@ -36,7 +36,6 @@ One engine per process: vLLM's parallel state is process-global.
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 import time
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.spec import ModelSpec, SpecError
+from megarl.parallel.mesh import init_distributed
 from megarl.reshard.layout import Layout, check_vllm_tp, vllm_layout, vllm_rank_tensors
 from megarl.rollout.base import (
     RolloutError,
@@ -143,8 +143,6 @@ class VLLMRolloutEngine:
 
     def __init__(self, spec: ModelSpec, *, tp: int = 1, gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, max_model_len: int | None = None, seed: int = 0):
-        from megarl.parallel.mesh import init_distributed
-
         if not torch.cuda.is_available():
             raise RolloutError("the vLLM engine needs a CUDA GPU; use rollout.engine=hf on a CPU machine")
         if not 0 < gpu_memory_utilization <= 1:

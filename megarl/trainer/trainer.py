@@ -112,8 +112,10 @@ class Trainer:
         self.rank, self.world = info.rank, info.world_size
         validate_for_world(cfg, self.world)
         self.run_dir = cfg.run.run_dir
-        self.spec, stored_dtype, tok_source = ck.source_spec(None if cfg.model.path == "default" else cfg.model.path)
+        self.spec, _, tok_source = ck.source_spec(None if cfg.model.path == "default" else cfg.model.path)
         self.tokenizer_source = cfg.model.tokenizer or tok_source
+        if self.tokenizer_source is None:
+            raise ConfigError(f"model.tokenizer: {cfg.model.path} has no tokenizer; name a tokenizer directory")
         self.tokenizer = load_tokenizer(self.tokenizer_source)
         self.prompts = load_prompts(cfg, self.tokenizer)  # bad data fails before any model is built
         self.loader = PromptLoader(self.prompts, cfg.data.prompts_per_step, shuffle=cfg.data.shuffle,
@@ -134,7 +136,7 @@ class Trainer:
                                   total_updates=updates, temperature=cfg.rollout.temperature)
         self.ref = None
         if cfg.algorithm.kl.coef > 0:
-            self.ref = PolicyWorker(self.spec, self.mesh, "actor", source, dtype, cfg.actor, trainable=False,
+            self.ref = PolicyWorker(self.spec, self.mesh, "actor", self.actor, dtype, cfg.actor, trainable=False,
                                     temperature=cfg.rollout.temperature)
         self.critic = None
         if cfg.algorithm.uses_critic:
@@ -161,14 +163,19 @@ class Trainer:
             self._resume()
 
     def _make_engine(self):
-        cfg = self.cfg
-        if cfg.rollout.engine == "hf":
+        """The rollout engine of ``rollout.engine``: transformers on this rank's CPU, or vLLM on its GPU
+        (built after the Megatron roles, so its memory budget sees them on the GPU; its weights arrive by
+        reshard from the actor's GPU shards)."""
+        r = self.cfg.rollout
+        if r.engine == "hf":
             from megarl.rollout.hf_engine import HFRolloutEngine
 
-            return HFRolloutEngine(self.spec, max_batch_size=cfg.rollout.max_batch_size)
+            return HFRolloutEngine(self.spec, max_batch_size=r.max_batch_size)
         from megarl.rollout.vllm_engine import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(self.spec, tp=cfg.rollout.tp, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
+        return VLLMRolloutEngine(self.spec, tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization,
+                                 enforce_eager=r.enforce_eager, max_model_len=r.max_model_len,
+                                 seed=self.cfg.run.seed)
 
     # ------------------------------------------------------------------ one RL step
     def step(self, prompts) -> dict[str, Any]:

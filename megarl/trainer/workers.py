@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megarl.algos.aggregation import agg_loss
 from megarl.algos.losses import actor_loss, value_loss
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
-from megarl.models.checkpoint import load_weights, unwrap
+from megarl.models.checkpoint import is_preset, load_weights, unwrap
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.megatron import build_model
 from megarl.models.pipeline import broadcast_from_last_stage, run_microbatches
@@ -65,7 +65,9 @@ class MegatronWorker:
     Args:
         spec / mesh: the model and its layout (``parallel_state`` already set to ``mesh``).
         role: "actor" (actor and reference) or "critic".
-        source: weights to load (megarl checkpoint, HF directory, GGUF file or None = the default model).
+        source: weights to load (megarl checkpoint, HF directory, GGUF file, None = the default model, or
+            ``preset:NAME`` = random init), or another worker of the same role and mesh to copy them from (the
+            reference policy starts as a copy of the actor).
         dtype: parameter dtype.
         rc: the role's config (micro-batch sizes, optimizer).
         trainable: build DDP, optimizer and LR schedule; else a frozen model in eval mode (reference).
@@ -79,11 +81,14 @@ class MegatronWorker:
         self.spec, self.mesh, self.role, self.rc = spec, mesh, role, rc
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
-        model = build_model(spec, mesh, role, params_dtype=dtype, init_weights=False,
+        model = build_model(spec, mesh, role, params_dtype=dtype, init_weights=is_preset(source),
                             sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute)
         if torch.cuda.is_available():
             model = model.cuda()
-        load_weights(model, source)
+        if isinstance(source, MegatronWorker):
+            model.load_state_dict(source.bare.state_dict(), strict=False)
+        else:
+            load_weights(model, source)
         self.optimizer = self.scheduler = None
         if not trainable:
             model.requires_grad_(False)
