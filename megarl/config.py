@@ -445,6 +445,11 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
                  f"({rc.micro_batch_size}); use a multiple of {dp * rc.micro_batch_size}")
         _require(cfg.rollout_batch_size % dp == 0, "data.prompts_per_step",
                  f"the rollout batch ({cfg.rollout_batch_size} sequences) is not divisible by {role} dp={dp}")
+    if cfg.algorithm.uses_critic:
+        a, c = cfg.actor.parallel, cfg.critic.parallel
+        _require((c.tp, c.pp, c.dp) == (a.tp, a.pp, a.dp), "critic.parallel",
+                 f"the critic runs on the actor's mesh: set tp={a.tp}, pp={a.pp}, dp={a.dp} (got tp={c.tp}, "
+                 f"pp={c.pp}, dp={c.dp})")
     if cfg.rollout.engine == "vllm":
         _require(world_size % cfg.rollout.tp == 0, "rollout.tp",
                  f"{cfg.rollout.tp} does not divide the world size {world_size}")

@@ -84,13 +84,14 @@ LAYOUT = ["trainer.steps=1", "trainer.save_every=0", "data.prompts_per_step=4", 
           "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=2", "actor.optim.lr=1e-2"]
 
 
-def test_tp2_and_pp2_match_tp1_at_step_1(task):
+def test_tp2_pp2_and_sequence_parallel_match_tp1_at_step_1(task):
     ref = _run(task, "tp1dp2", world=2, extra=LAYOUT)[0][0]
     tp2 = _run(task, "tp2", world=2, extra=LAYOUT + ["actor.parallel.tp=2"])[0][0]
     pp2 = _run(task, "pp2", world=2, extra=LAYOUT + ["actor.parallel.pp=2"])[0][0]
+    sp = _run(task, "tp2sp", world=2, extra=LAYOUT + ["actor.parallel.tp=2", "actor.parallel.sequence_parallel=true"])
     assert ref["actor/ppo_kl"] != 0  # the second mini-batch ran after an update: the losses are not trivial
     assert ref["actor/kl"] == 0.0  # the reference policy starts as an exact copy of the actor
-    for other in (tp2, pp2):
+    for other in (tp2, pp2, sp[0][0]):
         for key in COMPARED:
             assert other[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
 

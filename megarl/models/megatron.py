@@ -203,9 +203,20 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     if role == "critic" and model.post_process:
         model.output_layer = ValueHead(spec.hidden_size, params_dtype, config.sequence_parallel)
     _zero_vocab_padding(model, spec.vocab_size)
+    _cast_parameters(model, params_dtype)
     model.megarl_spec = spec
     model.megarl_role = role
     return model
+
+
+def _cast_parameters(model, dtype: torch.dtype) -> None:
+    """Give every parameter ``dtype``. The local spec's torch RMSNorm ignores ``params_dtype`` and keeps fp32
+    weights (Megatron-LM casts the whole model with its Float16Module); left so, a bf16 model mixes dtypes in
+    one DDP buffer, which breaks megatron's optimizer checkpoints and the fused RMSNorm kernel. Buffers (RoPE
+    frequencies) keep their dtype."""
+    for p in model.parameters():
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def _zero_vocab_padding(model, vocab_size: int) -> None:

@@ -118,9 +118,9 @@ class Trainer:
             raise ConfigError(f"model.tokenizer: {cfg.model.path} has no tokenizer; name a tokenizer directory")
         self.tokenizer = load_tokenizer(self.tokenizer_source)
         self.prompts = load_prompts(cfg, self.tokenizer)  # bad data fails before any model is built
+        epochs = max(1, math.ceil(cfg.trainer.steps * cfg.data.prompts_per_step / len(self.prompts)))
         self.loader = PromptLoader(self.prompts, cfg.data.prompts_per_step, shuffle=cfg.data.shuffle,
-                                   seed=cfg.run.seed, epochs=max(1, math.ceil(cfg.trainer.steps * cfg.data.prompts_per_step
-                                                                              / len(self.prompts))))
+                                   seed=cfg.run.seed, epochs=epochs)
         self.reward_fn = load_reward_fn(cfg.reward.fn, cfg.reward.kwargs)
         pad = self.spec.pad_token_id
         self.pad_id = pad if pad is not None else self.spec.eos_token_ids[0]
@@ -165,12 +165,20 @@ class Trainer:
     def _make_engine(self):
         """The rollout engine of ``rollout.engine``: transformers on this rank's CPU, or vLLM on its GPU
         (built after the Megatron roles, so its memory budget sees them on the GPU; its weights arrive by
-        reshard from the actor's GPU shards)."""
+        reshard from the actor's GPU shards).
+
+        Raises:
+            ConfigError: rollout.tp > 1 (:meth:`step` shards prompts over the whole world, but the ranks of one
+                TP engine must generate the same prompts).
+        """
         r = self.cfg.rollout
         if r.engine == "hf":
             from megarl.rollout.hf_engine import HFRolloutEngine
 
             return HFRolloutEngine(self.spec, max_batch_size=r.max_batch_size)
+        if r.tp > 1:
+            raise ConfigError(f"rollout.tp={r.tp}: the trainer generates over the whole world, one prompt share "
+                              "per rank, which splits a TP engine's ranks; use rollout.tp=1")
         from megarl.rollout.vllm_engine import VLLMRolloutEngine
 
         return VLLMRolloutEngine(self.spec, tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization,
@@ -192,7 +200,7 @@ class Trainer:
             out = generate_data_parallel(self.engine, prompts.input_ids,
                                          SamplingConfig(seed=cfg.run.seed * 1_000_003 + self.step_idx,
                                                         **self.sampling))
-            self.engine.sleep()
+            self.engine.sleep(level=2)  # the next reshard rewrites every weight: nothing to keep
         with t("reward"):
             batch = self._score(prompts, out)
         self._log_samples(prompts, batch)

@@ -53,8 +53,9 @@ def reduce_to_all(values: dict[str, float] | None, keys: list[str], *, average_o
     from megatron.core import parallel_state as ps
 
     contributes = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     vec = torch.tensor([float((values or {}).get(k, 0.0)) if contributes else 0.0 for k in keys],
-                       dtype=torch.float64)
+                       dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(vec)
     return {k: v / average_over for k, v in zip(keys, vec.tolist())}
 

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The vLLM rollout engine on the GPU machine, in one command, from the repo root:   bash perf/gpu_vllm.sh
+#
+# Before it, the vLLM 0.24.0 wheels must be in /tmp/whl (GPU.md, "Bringing packages over"): one upload per chunk
+# folder made by ../shared/tools/gpu-wheels/stage.sh (here .gpu/vllm/cNN), back to back on one kept machine:
+#   mkdir -p /tmp/whl && cp .gpu/vllm/c01/* /tmp/whl/        (carry .gpu/vllm/c01; then c02, ...)
+# This command (carry .whl: megatron-core and omegaconf wheels) then
+#   1. installs the wheels of /tmp/whl and .whl/ into /tmp/site (skipped when vllm, megatron.core and omegaconf
+#      already import from there: a kept machine);
+#   2. builds the megarl._C extension in place (CUDA; skipped when built from the same sources);
+#   3. runs tests/test_gpu_vllm.py (greedy parity with the Megatron actor, log-prob agreement, in-place weight
+#      updates, sleep mode);
+#   4. trains the tiny synthetic task of tests/rl_tasks.py for 3 GRPO steps with rollout.engine=vllm in bf16 on
+#      this GPU (python3 -m megarl.cli train) and checks its metrics.
+# Logs, the task and the run folder go to $OUT (default runs/gpu_vllm). Each stage prints PASS or FAIL (with the
+# tail of its log); the last line is "gpu_vllm: PASS" or "gpu_vllm: FAIL", the exit status 0 or 1. Stages share a
+# budget of 470 s of wall time (each is cut at what is left), so the whole run ends within 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_vllm}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+export OUT SITE=/tmp/site
+export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+       NCCL_NVLS_ENABLE=0
+BUDGET_S=470
+START=$SECONDS
+failed=0
+
+install_wheels() {
+  if python3 -c "import vllm, megatron.core, omegaconf" 2>/dev/null; then
+    echo "already installed in $SITE"
+  else
+    [ -f /tmp/whl/reassemble.sh ] || { echo "no /tmp/whl/reassemble.sh: upload the vLLM chunk folders first" \
+      "(mkdir -p /tmp/whl && cp .gpu/vllm/cNN/* /tmp/whl/, one upload per folder)"; return 1; }
+    bash /tmp/whl/reassemble.sh /tmp/whl "$SITE" || return 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || return 1
+  fi
+  python3 -c "import vllm, megatron.core, omegaconf, pytest; print('vllm', vllm.__version__, '| megatron-core', \
+megatron.core.__version__)"
+}
+
+build_extension() {
+  local want have
+  want=$(cat setup.py csrc/* | sha256sum | cut -d' ' -f1)
+  have=$(cat /tmp/megarl_C.sha256 2>/dev/null || true)
+  if [ "$want" != "$have" ] || ! ls megarl/_C*.so >/dev/null 2>&1; then
+    MAX_JOBS=16 python3 setup.py -q build_ext --inplace || return 1
+    echo "$want" > /tmp/megarl_C.sha256
+  fi
+  python3 -c "import torch, megarl._C; print('megarl._C built, CUDA', torch.version.cuda)"
+}
+
+train_tiny() {
+  local task=$OUT/task
+  rm -rf "$task" && mkdir -p "$task"
+  python3 - "$task" > "$task/overrides.txt" <<'EOF' || return 1
+import sys
+from pathlib import Path
+
+from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
+
+root = Path(sys.argv[1])
+model = make_tiny_model(root / "model")
+data = write_prompts(root / "prompts.jsonl", 64)
+print("\n".join(task_overrides(model, data, root / "runs", "vllm-tiny")))
+EOF
+  local overrides
+  mapfile -t overrides < "$task/overrides.txt"
+  python3 -m megarl.cli train "${overrides[@]}" rollout.engine=vllm model.dtype=bfloat16 \
+    rollout.gpu_memory_utilization=0.3 trainer.steps=3 trainer.save_every=0 data.prompts_per_step=8 rollout.n=8 \
+    actor.ppo_mini_batch_size=32 actor.micro_batch_size=16 actor.optim.lr=3e-3 || return 1
+  python3 - "$task/runs/vllm-tiny" <<'EOF'
+import json
+import math
+import sys
+from pathlib import Path
+
+run = Path(sys.argv[1])
+history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+assert [h["step"] for h in history] == [1, 2, 3], [h["step"] for h in history]
+bad = {k: v for h in history for k, v in h.items() if isinstance(v, float) and not math.isfinite(v)}
+assert not bad, f"non-finite metrics: {bad}"
+for h in history:
+    print(f"step {h['step']}: reward {h['reward/mean']:.3f}, |rollout - old log-prob| "
+          f"{h['actor/rollout_vs_old_logprob_diff']:.4f}, generate {h['time/generate']:.2f} s "
+          f"({h['throughput/generate_tokens_per_s']:.0f} tokens/s), reshard {h['time/reshard'] * 1e3:.1f} ms, "
+          f"step {h['time/step']:.2f} s")
+worst = max(h["actor/rollout_vs_old_logprob_diff"] for h in history)
+assert worst < 0.05, f"vLLM's sampled-token log-probs differ from the actor's by {worst} on average"
+assert json.loads((run / "summary.json").read_text())["steps"] == 3
+EOF
+}
+
+export -f install_wheels build_extension train_tiny
+
+stage() {  # stage NAME LIMIT_S FUNCTION: run it within min(LIMIT_S, budget left), log to $OUT/NAME.log
+  local name=$1 limit=$2 fn=$3 t=$SECONDS rc
+  local left=$(( BUDGET_S - (SECONDS - START) ))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 0 ]; then echo "FAIL $name (no time left of the ${BUDGET_S} s budget)"; failed=1; return; fi
+  timeout "$limit" bash -c "$fn" > "$OUT/$name.log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    echo "PASS $name ($(( SECONDS - t )) s): $(tail -n 1 "$OUT/$name.log")"
+  else
+    [ $rc -eq 124 ] && echo "(timed out after $limit s)" >> "$OUT/$name.log"
+    echo "FAIL $name (exit $rc, $(( SECONDS - t )) s); last lines of $OUT/$name.log:"
+    tail -n 40 "$OUT/$name.log" | sed 's/^/    /'
+    failed=1
+  fi
+}
+
+stage install 200 install_wheels
+[ $failed -eq 0 ] && stage build 200 build_extension
+if [ $failed -eq 0 ]; then  # both run, so that one GPU session reports on both
+  stage test_gpu_vllm 240 "python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_vllm.py"
+  stage train_tiny 240 train_tiny
+fi
+grep -h "vLLM engine on GPU" "$OUT/test_gpu_vllm.log" 2>/dev/null
+grep -h "^step [0-9]*:" "$OUT/train_tiny.log" 2>/dev/null
+if [ $failed -eq 0 ]; then echo "gpu_vllm: PASS ($(( SECONDS - START )) s)"; exit 0; fi
+echo "gpu_vllm: FAIL ($(( SECONDS - START )) s; logs in $OUT)"
+exit 1
