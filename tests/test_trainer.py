@@ -122,3 +122,21 @@ def test_missing_dataset_field_fails_before_any_model(task):
     r = _cli(*task_overrides(model, bad, root / "runs", "bad"))
     assert r.returncode == 2, r.stderr[-2000:]
     assert "no field 'question'" in r.stderr and "prompt_key" in r.stderr, r.stderr[-2000:]
+
+
+SMOLLM2 = ["trainer.steps=1", "trainer.save_every=0", "trainer.progress=false", "data.prompts_per_step=2",
+           "data.train_files=[data/gsm8k/test.parquet]", "rollout.n=2", "rollout.max_new_tokens=12",
+           "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=1", "actor.optim.lr=1e-5",
+           "reward.fn=tests.rl_tasks:digit_share"]
+
+
+def test_cpu_default_pp2_matches_dp2_at_step_1(tmp_path):
+    """The CPU default itself (SmolLM2-135M from its GGUF, GSM8K prompts, chat template, GRPO; a dense reward
+    instead of GSM8K's, which 12-token answers never earn) at PP=2 against the same two ranks as data
+    parallelism (SmolLM2's 9 heads admit no TP=2)."""
+    runs = [f"run.output_dir={tmp_path}"]
+    dp2 = run_world(_train, 2, SMOLLM2 + runs + ["run.name=dp2"])[0][0]
+    pp2 = run_world(_train, 2, SMOLLM2 + runs + ["run.name=pp2", "actor.parallel.pp=2"])[0][0]
+    assert dp2["actor/ppo_kl"] != 0  # the second mini-batch ran after an update
+    for key in COMPARED:
+        assert pp2[key] == pytest.approx(dp2[key], rel=1e-4, abs=1e-6), key

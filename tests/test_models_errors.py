@@ -1,0 +1,67 @@
+"""Clear errors for models megarl cannot build or layouts that do not fit (no process world needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
+from megarl.models.megatron import check_layout, padded_vocab_size
+from megarl.models.spec import PRESETS, ModelSpec, SpecError
+from megarl.parallel.mesh import ParallelLayout
+
+SMOL = PRESETS["smollm2-135m"]
+
+
+def test_unknown_architecture_is_named():
+    with pytest.raises(SpecError, match="unknown architecture.*GPT2LMHeadModel"):
+        ModelSpec.from_hf_config({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+
+
+@pytest.mark.parametrize("tp,pp,match", [
+    (2, 1, r"tp=2 does not divide num_attention_heads=9; TP sizes that fit this model: \[1, 3\]"),
+    (1, 4, r"pp=4 does not divide num_layers=30; PP sizes that fit: \[1, 2, 3, 5, 6, 10, 15, 30\]"),
+])
+def test_layout_that_does_not_divide_names_sizes_and_fix(tp, pp, match):
+    with pytest.raises(SpecError, match=match):
+        check_layout(SMOL, ParallelLayout(tp=tp, pp=pp))
+
+
+def test_tp_that_divides_heads_but_not_query_groups():
+    spec = SMOL.replace(num_attention_heads=12, num_kv_heads=3)
+    with pytest.raises(SpecError, match="tp=2 does not divide the query groups num_kv_heads=3"):
+        check_layout(spec, ParallelLayout(tp=2))
+
+
+def test_padded_vocab_is_the_same_for_every_power_of_two_tp():
+    assert {padded_vocab_size(151_655, tp) for tp in (1, 2, 4, 8)} == {151_680}
+    assert padded_vocab_size(49_152, 3) == 49_152 and padded_vocab_size(1001, 3) % 3 == 0
+
+
+def test_missing_and_mismatched_checkpoint_tensors(tmp_path):
+    spec = SMOL.replace(vocab_size=64, hidden_size=32, num_layers=1, num_attention_heads=4, num_kv_heads=2,
+                        head_dim=8, ffn_hidden_size=48)
+    tensors = {n: torch.zeros(s) for n, s in spec.hf_tensor_shapes().items()}
+    path = save_hf_checkpoint(tmp_path / "ok", spec, tensors)
+    ckpt = open_hf_checkpoint(path)
+    ckpt.check_complete()
+    with pytest.raises(SpecError, match="missing tensors"):
+        save_hf_checkpoint(tmp_path / "bad", spec, {k: v for k, v in tensors.items() if "norm" not in k})
+    # a config that promises a bigger FFN than the stored tensors
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["intermediate_size"] = 64
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecError, match=r"mlp.gate_proj.weight.*\(48, 32\).*\(64, 32\)"):
+        open_hf_checkpoint(path).read("model.layers.0.mlp.gate_proj.weight")
+    with pytest.raises(SpecError, match="does not match its config"):
+        open_hf_checkpoint(path).check_complete()
+
+
+def test_missing_model_path_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        open_hf_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        open_hf_checkpoint(tmp_path / "empty")
