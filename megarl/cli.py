@@ -12,20 +12,8 @@ several ranks, it relaunches itself with ``torchrun --nproc_per_node=<world size
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-import warnings
-
-
-def _quiet() -> None:
-    """Silence the import-time chatter of megatron-core and transformers that says nothing to a user."""
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl|DTensor|ShardedTensor).*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    for name in ("megatron", "megatron.core", "transformers", "torch.distributed", "accelerate"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _train(argv: list[str]) -> int:
@@ -73,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    _quiet()
+    from megarl.console import quiet_libraries
+
+    quiet_libraries()
     try:
         return _dispatch(argv)
     except (ValueError, FileNotFoundError) as e:  # config, spec, data and layout errors name the fix

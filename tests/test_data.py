@@ -202,7 +202,7 @@ def test_prepare_gsm8k_errors(tmp_path, capsys):
     (src / "test.jsonl").unlink()
     with pytest.raises(DataError, match="has no test.jsonl or test.parquet"):
         prepare_gsm8k(src, tmp_path / "out")
-    with pytest.raises(DataError, match="is not a directory, nor a Hugging Face dataset id"):
+    with pytest.raises(DataError, match="is not a directory .* nor a hub dataset id"):
         prepare_gsm8k(tmp_path / "no" / "such" / "dir", tmp_path / "out")
     assert gsm8k_main(["--src", str(src), "--out", str(tmp_path / "out")]) == 1
     assert "error: " in capsys.readouterr().err

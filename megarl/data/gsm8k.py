@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -49,6 +50,9 @@ def prepare_gsm8k(src: str | os.PathLike, out_dir: str | os.PathLike) -> dict[st
     import pyarrow.parquet as pq
 
     src = HF_REPO if str(src) == "hub" else src
+    if not Path(src).is_dir() and not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", str(src)):
+        raise DataError(f"GSM8K source {str(src)!r} is not a directory (expected one holding train.jsonl and "
+                        "test.jsonl) nor a hub dataset id like openai/gsm8k; pass --src DIR or --src hub")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = {}
@@ -81,8 +85,6 @@ def _local_split(src: Path, split: str) -> Path:
 
 
 def _hub_split(repo_id: str, split: str) -> Path:
-    if repo_id.count("/") != 1:
-        raise DataError(f"--src {repo_id!r} is not a directory, nor a Hugging Face dataset id like {HF_REPO!r}")
     try:
         from huggingface_hub import hf_hub_download
 

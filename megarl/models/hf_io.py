@@ -248,6 +248,10 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Map
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in tmp.iterdir():  # safetensors writes 0600 files; give them the umask's mode like the others
+        f.chmod(0o666 & ~umask)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

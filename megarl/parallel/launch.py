@@ -20,6 +20,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _exit_with_parent() -> None:
+    """End this rank when the process that spawned it is gone (an interrupted test run or tool), instead of
+    spinning on by itself: a daemon thread polls the parent's pid every 2 s."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(2)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="megarl-exit-with-parent").start()
+
+
 def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
     threads = max(1, (os.cpu_count() or 1) // world_size)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -27,6 +43,11 @@ def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
     import torch
 
     torch.set_num_threads(threads)
+    _exit_with_parent()
+    from megarl.console import QUIET_ENV, quiet_libraries
+
+    if os.environ.get(QUIET_ENV):
+        quiet_libraries()
     try:
         from megarl.parallel.mesh import init_distributed
 

@@ -81,31 +81,40 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Path | None,
-                 hf_export: Path | None, wall_s: float) -> str:
-    """A human-readable end-of-run summary: reward first vs last, throughput, where things were written."""
+                 hf_export: Path | None, wall_s: float, steps_this_session: int) -> str:
+    """A human-readable end-of-run summary: reward and accuracy by step, throughput, where things were
+    written."""
     if not history:
         return f"no steps were run; run folder {run_dir}"
-    first, last = history[0], history[-1]
+    last = history[-1]
 
-    def fmt(rec, key, f="{:.3f}"):
-        v = rec.get(key)
+    def by_step(key: str, fmt: str = "{:.3f}") -> str:
+        values = [h[key] for h in history if h.get(key) is not None]
+        if not values:
+            return "n/a"
+        shown = values if len(values) <= 12 else values[:6] + ["..."] + values[-5:]
+        text = " ".join(v if isinstance(v, str) else fmt.format(v) for v in shown)
+        return f"{text}   (mean {sum(values) / len(values):.3f})"
+
+    def fmt(key, f="{:.3f}"):
+        v = last.get(key)
         return "n/a" if v is None else f.format(v)
 
-    gen = [h.get("throughput/generate_tokens_per_s") for h in history if h.get("throughput/generate_tokens_per_s")]
+    gen = [h["throughput/generate_tokens_per_s"] for h in history if h.get("throughput/generate_tokens_per_s")]
     lines = [
         "=" * 72,
-        f"megarl run finished: {len(history)} steps recorded (up to step {last['step']}) in {wall_s:.0f} s",
-        f"  reward mean   first {fmt(first, 'reward/mean')}  ->  last {fmt(last, 'reward/mean')}",
-        f"  accuracy      first {fmt(first, 'reward/accuracy')}  ->  last {fmt(last, 'reward/accuracy')}",
-        f"  response len  first {fmt(first, 'response/length_mean', '{:.0f}')}  ->  last "
-        f"{fmt(last, 'response/length_mean', '{:.0f}')} tokens",
-        f"  KL to ref     last {fmt(last, 'actor/kl', '{:.5f}')}   entropy last {fmt(last, 'actor/entropy')}",
-        f"  generation    {sum(gen) / len(gen):.1f} tokens/s on average" if gen else "  generation    n/a",
-        f"  step time     {sum(h.get('time/step', 0) for h in history) / len(history):.1f} s on average",
-        f"  metrics       {run_dir / 'metrics.jsonl'}",
-        f"  checkpoint    {checkpoint if checkpoint else 'none written'}",
+        f"megarl run finished at step {last['step']} ({steps_this_session} steps in this session, {wall_s:.0f} s)",
+        f"  reward by step     {by_step('reward/mean')}",
+        f"  accuracy by step   {by_step('reward/accuracy', '{:.2f}')}",
+        f"  last step          response length {fmt('response/length_mean', '{:.0f}')} tokens "
+        f"({fmt('response/clip_ratio', '{:.0%}')} cut at rollout.max_new_tokens), KL to ref "
+        f"{fmt('actor/kl', '{:.5f}')}, entropy {fmt('actor/entropy')}",
+        f"  generation         {sum(gen) / len(gen):.1f} tokens/s on average" if gen else "  generation    n/a",
+        f"  step time          {sum(h.get('time/step', 0) for h in history) / len(history):.1f} s on average",
+        f"  metrics            {run_dir / 'metrics.jsonl'} (samples: {run_dir / 'samples.jsonl'})",
+        f"  checkpoint         {checkpoint if checkpoint else 'none written'}",
     ]
     if hf_export:
-        lines.append(f"  HF export     {hf_export}")
+        lines.append(f"  HF export          {hf_export}")
     lines.append("=" * 72)
     return "\n".join(lines)

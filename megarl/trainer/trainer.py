@@ -373,6 +373,7 @@ class Trainer:
                 (self.run_dir / "samples.jsonl").unlink(missing_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
         batches = iter(self.loader)
+        first_step = self.step_idx
         try:
             while self.step_idx < cfg.trainer.steps:
                 metrics = self.step(next(batches))
@@ -392,7 +393,7 @@ class Trainer:
                 hf_path = export_to_hf(str(self.last_checkpoint), str(self.run_dir / "hf"))
         history = read_metrics(self.run_dir / "metrics.jsonl") if self.rank == 0 else []
         text = summary_text(history, run_dir=self.run_dir, checkpoint=self.last_checkpoint, hf_export=hf_path,
-                            wall_s=time.perf_counter() - start)
+                            wall_s=time.perf_counter() - start, steps_this_session=self.step_idx - first_step)
         summary = {"run_dir": str(self.run_dir), "checkpoint": str(self.last_checkpoint), "steps": self.step_idx,
                    "hf_export": str(hf_path) if hf_path else None, "last": history[-1] if history else None}
         if self.rank == 0:

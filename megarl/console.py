@@ -1,0 +1,34 @@
+"""What a user sees on the console: megarl's own log lines, without the import-time chatter of the libraries
+it drives (megatron-core's missing-TE/apex notices and deprecations, transformers' tokenizer notes)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+QUIET_ENV = "MEGARL_QUIET"  # set by the CLI so that every process it starts (torchrun, spawn) is quiet too
+
+_NOISE = [  # (message regex, category)
+    (r".*(Transformer Engine|Apex|apex|absl|DTensor|ShardedTensor|MimoModelConfig|full scope is deprecated).*",
+     UserWarning),
+    (r".*\.grad attribute of a Tensor that is not a leaf.*", UserWarning),  # megatron reads .grad of views
+    (r".*", FutureWarning),
+]
+_LOGGERS = ("megatron", "megatron.core", "transformers", "torch.distributed", "torch.utils.cpp_extension",
+            "accelerate")
+
+
+def quiet_libraries() -> None:
+    """Filter the known third-party warnings and raise third-party loggers to ERROR, in this process and (by
+    :data:`QUIET_ENV`) in the processes it starts."""
+    os.environ[QUIET_ENV] = "1"
+    for message, category in _NOISE:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for name in _LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
