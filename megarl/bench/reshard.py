@@ -42,7 +42,7 @@ from megarl.models.spec import ModelSpec, preset
 from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard.boxcopy import Box, BoxBatch, extension_available
 from megarl.reshard.executor import DEFAULT_BUCKET_BYTES, execute_plan
-from megarl.reshard.layout import (Block, Layout, canonical_shapes, hf_layout, megatron_layout,
+from megarl.reshard.layout import (Layout, canonical_shapes, hf_layout, megatron_layout,
                                    megatron_rank_tensors, vllm_layout)
 from megarl.reshard.planner import plan_reshard
 
@@ -68,11 +68,6 @@ class BaselineStats:
     seconds: float = 0.0
 
 
-def _box(block: Block, which: str) -> tuple[slice, ...]:
-    start = block.src if which == "src" else block.dst
-    return tuple(slice(s, s + n) for s, n in zip(start, block.size))
-
-
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
@@ -81,7 +76,7 @@ def _slice_into(dst_tensors: Mapping[str, torch.Tensor], name: str, full: torch.
                 by_canonical: Mapping[str, list]) -> None:
     """Copy every destination block of canonical tensor ``name`` out of ``full`` (what ``load_weights`` does)."""
     for local, block in by_canonical.get(name, ()):
-        dst_tensors[local][_box(block, "dst")].copy_(full[_box(block, "src")])
+        dst_tensors[local][block.dst_box].copy_(full[block.src_box])
 
 
 def _blocks_by_canonical(tensors: Mapping) -> dict[str, list]:
@@ -131,7 +126,7 @@ def gather_full_then_slice(src: Layout, dst: Layout, src_tensors: Mapping[str, t
             offset += n
             for b in lt.blocks:
                 if (b.name, b.src, b.size) not in filled:
-                    full[b.name][_box(b, "src")] = local[_box(b, "dst")]
+                    full[b.name][b.src_box] = local[b.dst_box]
                     filled.add((b.name, b.src, b.size))
     by_canonical = _blocks_by_canonical(dst.tensors(rank))
     for name, tensor in full.items():
@@ -214,7 +209,7 @@ def per_tensor_allgather(spec: ModelSpec, groups: MeshGroups, dst: Layout, src_t
             full = {n: torch.empty(shapes[n], dtype=dtype, device=device) for n in canonical}
             for t in range(mesh.tp):
                 for b in per_tp[t][name].blocks:
-                    full[b.name][_box(b, "src")] = shards[t][_box(b, "dst")]
+                    full[b.name][b.src_box] = shards[t][b.dst_box]
             extra += sum(f.numel() for f in full.values()) * es
             stats.peak_extra_bytes = max(stats.peak_extra_bytes, extra)
             for n, f in full.items():
@@ -244,7 +239,7 @@ def _fill_synthetic(tensors: Mapping, dtype: torch.dtype, device: torch.device |
     for name, lt in tensors.items():
         t = torch.zeros(lt.shape, dtype=dtype, device=device)
         for b in lt.blocks:
-            t[_box(b, "dst")] = synthetic_box(b.name, _box(b, "src"), dtype, device)
+            t[b.dst_box] = synthetic_box(b.name, b.src_box, dtype, device)
         out[name] = t
     return out
 
@@ -252,9 +247,9 @@ def _fill_synthetic(tensors: Mapping, dtype: torch.dtype, device: torch.device |
 def _exact(tensors: Mapping, dst_tensors: Mapping[str, torch.Tensor], src_dtype: torch.dtype) -> bool:
     for name, lt in tensors.items():
         for b in lt.blocks:
-            want = synthetic_box(b.name, _box(b, "src"), src_dtype, dst_tensors[name].device).to(
+            want = synthetic_box(b.name, b.src_box, src_dtype, dst_tensors[name].device).to(
                 dst_tensors[name].dtype)
-            if not torch.equal(dst_tensors[name][_box(b, "dst")], want):
+            if not torch.equal(dst_tensors[name][b.dst_box], want):
                 return False
     return True
 

@@ -105,7 +105,7 @@ class HFCheckpoint:
         Raises:
             SpecError: the checkpoint has no such tensor, or its shape differs from the spec's.
         """
-        expected = self.expected_shapes().get(name)
+        expected = self.expected_shapes.get(name)
         if name not in self._files and (self._tensors is None or name not in self._tensors):
             raise SpecError(f"checkpoint {self.path} has no tensor {name!r} (it has {len(self.tensor_names)} "
                             "tensors; is it the model its config describes?)")
@@ -118,7 +118,9 @@ class HFCheckpoint:
         sl = self._handle(name).get_slice(name)
         return sl[:] if box is None else sl[box]
 
+    @functools.cached_property
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Canonical name -> shape of every tensor the spec implies."""
         return self.spec.hf_tensor_shapes()
 
     def check_complete(self) -> None:
@@ -128,8 +130,8 @@ class HFCheckpoint:
             SpecError: listing the missing or mismatched tensors.
         """
         names = set(self.tensor_names)
-        missing = [n for n in self.expected_shapes() if n not in names]
-        wrong = [f"{n}: {self.shape(n)} != {s}" for n, s in self.expected_shapes().items()
+        missing = [n for n in self.expected_shapes if n not in names]
+        wrong = [f"{n}: {self.shape(n)} != {s}" for n, s in self.expected_shapes.items()
                  if n in names and self.shape(n) != s]
         if missing or wrong:
             raise SpecError(f"checkpoint {self.path} does not match its config: missing {missing[:8]}"

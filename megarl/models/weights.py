@@ -11,12 +11,7 @@ from typing import Callable, Mapping
 import torch
 
 from megarl.models.spec import SpecError
-from megarl.reshard.layout import Block, LocalTensor
-
-
-def _box(block: Block, which: str) -> tuple[slice, ...]:
-    start = block.src if which == "src" else block.dst
-    return tuple(slice(s, s + n) for s, n in zip(start, block.size))
+from megarl.reshard.layout import LocalTensor
 
 
 def fill_local_tensors(local: Mapping[str, LocalTensor], params: Mapping[str, torch.Tensor],
@@ -41,8 +36,8 @@ def fill_local_tensors(local: Mapping[str, LocalTensor], params: Mapping[str, to
             if tuple(dst.shape) != lt.shape:
                 raise SpecError(f"parameter {name!r} has shape {tuple(dst.shape)}, layout expects {lt.shape}")
             for block in lt.blocks:
-                src = read_canonical(block.name, _box(block, "src"))
-                dst[_box(block, "dst")].copy_(src)
+                src = read_canonical(block.name, block.src_box)
+                dst[block.dst_box].copy_(src)
 
 
 def state_dict_reader(state_dict: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]):
@@ -84,7 +79,7 @@ def assemble_canonical(local: Mapping[str, LocalTensor], params: Mapping[str, to
                 covered[block.name] = 0
             elif covered[block.name] >= out[block.name].numel():
                 continue  # a replica (tied embedding copy) of a tensor already complete
-            out[block.name][_box(block, "src")].copy_(src[_box(block, "dst")])
+            out[block.name][block.src_box].copy_(src[block.dst_box])
             covered[block.name] += block.numel
     incomplete = [n for n, s in shapes.items() if covered.get(n, 0) != torch.Size(s).numel()]
     if incomplete:

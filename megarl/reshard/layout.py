@@ -49,6 +49,16 @@ class Block(NamedTuple):
     def numel(self) -> int:
         return math.prod(self.size)
 
+    @property
+    def src_box(self) -> tuple[slice, ...]:
+        """The box in the canonical tensor, as slices."""
+        return tuple(slice(s, s + n) for s, n in zip(self.src, self.size))
+
+    @property
+    def dst_box(self) -> tuple[slice, ...]:
+        """The box in the local tensor, as slices."""
+        return tuple(slice(s, s + n) for s, n in zip(self.dst, self.size))
+
 
 @dataclass(frozen=True)
 class LocalTensor:
