@@ -141,6 +141,14 @@ class RolloutOutput:
     n: int
     stats: RolloutStats
 
+    @classmethod
+    def collect(cls, samples: list[Sample], n: int, prompts: Sequence[Sequence[int]],
+                seconds: float) -> "RolloutOutput":
+        """The output of a call that generated ``samples`` (``n`` per prompt of ``prompts``) in ``seconds``."""
+        stats = RolloutStats(prompt_tokens=n * sum(len(p) for p in prompts),
+                             generated_tokens=sum(len(s.token_ids) for s in samples), seconds=seconds)
+        return cls(samples, n, stats)
+
     @property
     def num_prompts(self) -> int:
         """Prompts of the call (``len(samples) / n``)."""
@@ -234,6 +242,23 @@ def check_prompts(prompt_token_ids: Sequence[Sequence[int]], *, max_context: int
             raise RolloutError(f"prompt {i} has token ids outside the vocab [0, {vocab_size}): {bad[:5]}")
         out.append(ids)
     return out
+
+
+def check_ready(asleep: bool, has_weights: bool) -> None:
+    """An engine can generate only awake and with weights.
+
+    Raises:
+        RolloutError: naming the call that fixes it (``wake_up`` or ``update_weights``).
+    """
+    if asleep:
+        raise RolloutError("generate on a sleeping engine: call wake_up() first")
+    if not has_weights:
+        raise RolloutError("the engine has no weights: call update_weights() before generate()")
+
+
+def sample_rows(num_prompts: int, n: int) -> list[tuple[int, int]]:
+    """``(prompt k, sample j)`` of every sample of a call, prompt-major (the order of ``RolloutOutput``)."""
+    return [(k, j) for k in range(num_prompts) for j in range(n)]
 
 
 def sample_seed(seed: int, call: int, prompt_index: int, sample_index: int) -> int:

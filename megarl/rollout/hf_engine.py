@@ -22,11 +22,12 @@ from megarl.reshard.layout import Layout, hf_layout
 from megarl.rollout.base import (
     RolloutError,
     RolloutOutput,
-    RolloutStats,
     Sample,
     SamplingConfig,
     WriteFn,
     check_prompts,
+    check_ready,
+    sample_rows,
     sample_seed,
 )
 from megarl.rollout.sampler import sample_tokens
@@ -136,16 +137,13 @@ class HFRolloutEngine:
             RolloutError: a bad prompt (:func:`~megarl.rollout.base.check_prompts`), a sleeping engine, or
                 no weights loaded yet (:meth:`update_weights`).
         """
-        if self._asleep:
-            raise RolloutError("generate on a sleeping engine: call wake_up() first")
-        if not self._has_weights:
-            raise RolloutError("the engine has no weights: call update_weights() before generate()")
+        check_ready(self._asleep, self._has_weights)
         prompts = check_prompts(prompt_token_ids, max_context=self.spec.max_position_embeddings,
                                 vocab_size=self.spec.vocab_size)
         call = self.calls
         self.calls += 1
         start = time.perf_counter()
-        rows = [(k, j) for k in range(len(prompts)) for j in range(sampling.n)]
+        rows = sample_rows(len(prompts), sampling.n)
         by_length = sorted(range(len(rows)), key=lambda r: len(prompts[rows[r][0]]))
         results: list[tuple[list[int], list[float], str] | None] = [None] * len(rows)
         with torch.inference_mode():
@@ -157,10 +155,7 @@ class HFRolloutEngine:
                     results[r] = out
         samples = [Sample(prompt_offset + k, j, tuple(tokens), torch.tensor(logprobs, dtype=torch.float32), reason)
                    for (k, j), (tokens, logprobs, reason) in zip(rows, results)]
-        stats = RolloutStats(prompt_tokens=sum(len(prompts[k]) for k, _ in rows),
-                             generated_tokens=sum(len(s.token_ids) for s in samples),
-                             seconds=time.perf_counter() - start)
-        return RolloutOutput(samples, sampling.n, stats)
+        return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)
 
     def _generate_batch(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingConfig
                         ) -> list[tuple[list[int], list[float], str]]:

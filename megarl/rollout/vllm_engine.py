@@ -50,11 +50,12 @@ from megarl.reshard.layout import Layout, check_vllm_tp, vllm_layout, vllm_rank_
 from megarl.rollout.base import (
     RolloutError,
     RolloutOutput,
-    RolloutStats,
     Sample,
     SamplingConfig,
     WriteFn,
     check_prompts,
+    check_ready,
+    sample_rows,
     sample_seed,
 )
 
@@ -262,24 +263,18 @@ class VLLMRolloutEngine:
         """
         from vllm import SamplingParams, TokensPrompt
 
-        if self._asleep:
-            raise RolloutError("generate on a sleeping engine: call wake_up() first")
-        if not self._has_weights:
-            raise RolloutError("the engine has no weights: call update_weights() before generate()")
+        check_ready(self._asleep, self._has_weights)
         context = self.spec.max_position_embeddings
         prompts = check_prompts(prompt_token_ids, max_context=context, vocab_size=self.spec.vocab_size)
         call = self.calls
         self.calls += 1
         start = time.perf_counter()
         stop = sorted(set(self.spec.eos_token_ids) | set(sampling.stop_token_ids))
-        rows = [(k, j) for k in range(len(prompts)) for j in range(sampling.n)]
+        rows = sample_rows(len(prompts), sampling.n)
         params = [SamplingParams(**request_params(prompts[k], sampling, context=context, stop_token_ids=stop,
                                                   seed=sample_seed(sampling.seed, call, prompt_offset + k, j)))
                   for k, j in rows]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
                                     use_tqdm=False) if rows else []
         samples = [completion_to_sample(out.outputs[0], prompt_offset + k, j) for (k, j), out in zip(rows, outputs)]
-        stats = RolloutStats(prompt_tokens=sum(len(prompts[k]) for k, _ in rows),
-                             generated_tokens=sum(len(s.token_ids) for s in samples),
-                             seconds=time.perf_counter() - start)
-        return RolloutOutput(samples, sampling.n, stats)
+        return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)
