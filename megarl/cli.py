@@ -1,4 +1,4 @@
-"""The ``megarl`` command.
+"""The ``megarl`` command: one argparse tree of subcommands.
 
     megarl train [CONFIG.yaml] [key=value ...] [--resume]   RL training (no config: the CPU default)
     megarl convert SRC OUT [--tp T] [--pp P] [--dtype D]    HF directory / GGUF -> megarl checkpoint
@@ -6,93 +6,209 @@
     megarl data gsm8k --src DIR|hub --out DIR               prepare GSM8K parquet files
     megarl bench reshard ...                                reshard benchmark (see --help)
 
+Each subcommand registers itself with :func:`command` (its arguments and the function that runs it); a new
+one adds a ``@command`` function below, not a parser of its own. Bad input ends in one line,
+``megarl: error: <what> ...``, naming the flag or config field, before any process or model starts.
+
 ``megarl train`` runs under torchrun or SLURM's srun as given; started plainly for a config whose mesh needs
 several ranks, it relaunches itself with ``torchrun --nproc_per_node=<world size>`` on this node.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from typing import Callable
 
 
-def _train(argv: list[str]) -> int:
-    import argparse
+class UsageError(ValueError):
+    """Bad command-line input; the message names the flag and the fix."""
 
-    from megarl.config import load_config, validate_for_world
 
-    p = argparse.ArgumentParser(prog="megarl train", description="RL post-training (PPO, GRPO, RLOO, REINFORCE++)")
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors as one ``megarl: error:`` line (no usage dump), raised so :func:`main` prints it."""
+
+    def error(self, message: str):  # noqa: D102 (argparse API)
+        where = self.prog.removeprefix("megarl").strip()
+        raise UsageError(f"{where + ': ' if where else ''}{message} (see {self.prog} --help)")
+
+
+def positive_int(flag: str) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer >= 1 whose error names ``flag``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {value}")
+        return value
+    return parse
+
+
+def positive_float(flag: str) -> Callable[[str], float]:
+    """An argparse ``type`` for a number > 0 whose error names ``flag``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number > 0, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be > 0, got {value}")
+        return value
+    return parse
+
+
+_COMMANDS: list[tuple[tuple[str, ...], str, Callable]] = []
+
+
+def command(*path: str, help: str):
+    """Register ``fn(parser)`` as the builder of subcommand ``path`` (e.g. ``("bench", "reshard")``); the
+    builder adds the arguments and returns the function ``run(args) -> int`` that executes the command."""
+    def register(fn: Callable[[argparse.ArgumentParser], Callable[[argparse.Namespace], int]]):
+        _COMMANDS.append((path, help, fn))
+        return fn
+    return register
+
+
+def split_config_and_overrides(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """``megarl CMD [CONFIG.yaml] [key=value ...]``: a first positional with ``=`` is an override."""
+    if config and "=" in config:
+        return None, [config, *overrides]
+    return config, list(overrides)
+
+
+# ------------------------------------------------------------------------------------------------ commands
+@command("train", help="RL post-training (PPO, GRPO, RLOO, REINFORCE++)")
+def _train(p: argparse.ArgumentParser):
     p.add_argument("config", nargs="?", help="YAML file (parallel_configs/...); omitted: the CPU default")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=2 actor.optim.lr=1e-6")
     p.add_argument("--resume", action="store_true", help="continue from the run's newest checkpoint")
-    a = p.parse_args(argv)
-    if a.config and "=" in a.config:  # only overrides given
-        a.overrides.insert(0, a.config)
-        a.config = None
-    overrides = list(a.overrides) + (["trainer.resume=true"] if a.resume else [])
-    cfg = load_config(a.config, overrides)  # fails here, before any process or model, on a bad config
-    launched = "RANK" in os.environ or "SLURM_PROCID" in os.environ
-    if not launched:
-        validate_for_world(cfg, cfg.world_size)
-    if not launched and cfg.world_size > 1:
-        from torch.distributed.run import main as torchrun
 
-        args = [f"--nproc_per_node={cfg.world_size}", "--standalone", "-m", "megarl.cli", "train", *argv]
-        print(f"megarl: launching {cfg.world_size} processes with torchrun", flush=True)
-        torchrun(args)
+    def run(a: argparse.Namespace) -> int:
+        from megarl.config import load_config, validate_for_world
+
+        config, overrides = split_config_and_overrides(a.config, a.overrides)
+        overrides += ["trainer.resume=true"] if a.resume else []
+        cfg = load_config(config, overrides)  # fails here, before any process or model, on a bad config
+        launched = "RANK" in os.environ or "SLURM_PROCID" in os.environ
+        if not launched:
+            validate_for_world(cfg, cfg.world_size)
+        if not launched and cfg.world_size > 1:
+            from torch.distributed.run import main as torchrun
+
+            args = [f"--nproc_per_node={cfg.world_size}", "--standalone", "-m", "megarl.cli", "train", *a.argv]
+            print(f"megarl: launching {cfg.world_size} processes with torchrun", flush=True)
+            torchrun(args)
+            return 0
+        from megarl.trainer.trainer import train
+
+        train(cfg)
         return 0
-    from megarl.trainer.trainer import train
-
-    train(cfg)
-    return 0
+    return run
 
 
-def _data(argv: list[str]) -> int:
-    if not argv or argv[0] != "gsm8k":
-        print("usage: megarl data gsm8k --src DIR|hub --out DIR", file=sys.stderr)
-        return 2
-    from megarl.data.gsm8k import main
+@command("convert", help="HF directory / GGUF -> megarl (Megatron dist) checkpoint")
+def _convert(p: argparse.ArgumentParser):
+    p.add_argument("src", help="Hugging Face directory, .gguf file, or 'default' (SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("out", help="output megarl checkpoint directory")
+    p.add_argument("--tp", type=positive_int("--tp"), default=1, help="tensor-parallel size of the conversion world")
+    p.add_argument("--pp", type=positive_int("--pp"), default=1,
+                   help="pipeline-parallel size of the conversion world")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
 
-    return main(argv[1:])
+    def run(a: argparse.Namespace) -> int:
+        from megarl.models.convert import convert_to_megarl
+
+        path = convert_to_megarl(None if a.src == "default" else a.src, a.out, tp=a.tp, pp=a.pp, dtype=a.dtype)
+        print(f"wrote megarl checkpoint {path}")
+        return 0
+    return run
+
+
+@command("export", help="megarl checkpoint -> Hugging Face directory")
+def _export(p: argparse.ArgumentParser):
+    p.add_argument("ckpt", help="megarl checkpoint directory (from `megarl convert` or `megarl train`)")
+    p.add_argument("out", help="output Hugging Face directory")
+
+    def run(a: argparse.Namespace) -> int:
+        from megarl.models.convert import export_to_hf
+
+        print(f"wrote Hugging Face checkpoint {export_to_hf(a.ckpt, a.out)}")
+        return 0
+    return run
+
+
+@command("data", "gsm8k", help="prepare GSM8K (train/test parquet files)")
+def _data_gsm8k(p: argparse.ArgumentParser):
+    from megarl.data.gsm8k import HF_REPO
+
+    p.add_argument("--src", required=True,
+                   help=f"directory with train.jsonl and test.jsonl, or a hub dataset id ({HF_REPO}; 'hub' for it)")
+    p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
+
+    def run(a: argparse.Namespace) -> int:
+        import pyarrow.parquet as pq
+
+        from megarl.data.gsm8k import prepare_gsm8k
+
+        for split, path in prepare_gsm8k(a.src, a.out).items():
+            print(f"{split}: {path} ({pq.read_metadata(path).num_rows} problems)")
+        return 0
+    return run
+
+
+@command("bench", "reshard", help="reshard benchmark against two baselines")
+def _bench_reshard(p: argparse.ArgumentParser):
+    from megarl.bench import reshard
+
+    reshard.add_arguments(p)
+    return reshard.run
+
+
+# ------------------------------------------------------------------------------------------------ the tree
+def build_parser() -> argparse.ArgumentParser:
+    """The whole ``megarl`` argument tree (every registered :func:`command`)."""
+    root = _Parser(prog="megarl", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    root_sub = root.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    groups: dict[tuple[str, ...], argparse._SubParsersAction] = {(): root_sub}
+    for path, help_text, build in _COMMANDS:
+        for depth in range(1, len(path)):
+            prefix = path[:depth]
+            if prefix not in groups:
+                g = groups[prefix[:-1]].add_parser(prefix[-1], help=f"{prefix[-1]} subcommands")
+                groups[prefix] = g.add_subparsers(dest=f"command_{depth}", metavar="SUBCOMMAND", required=True,
+                                                  parser_class=_Parser)
+        p = groups[path[:-1]].add_parser(path[-1], help=help_text, description=help_text)
+        p.set_defaults(run=build(p))
+    return root
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    from megarl.console import quiet_libraries
+    from megarl.config import ConfigError
 
-    quiet_libraries()
     try:
-        return _dispatch(argv)
-    except (ValueError, FileNotFoundError) as e:  # config, spec, data and layout errors name the fix
+        parser = build_parser()
+        if not argv:
+            parser.print_help()
+            return 0
+        args = parser.parse_args(argv)
+        if getattr(args, "run", None) is None:
+            parser.print_help()
+            return 0
+        args.argv = argv[1:]
+        from megarl.console import quiet_libraries
+
+        quiet_libraries()
+        return args.run(args)
+    except (UsageError, ConfigError, ValueError, FileNotFoundError) as e:  # errors that name the fix
         if os.environ.get("MEGARL_TRACEBACK"):
             raise
         print(f"megarl: error: {e}", file=sys.stderr)
         return 2
-
-
-def _dispatch(argv: list[str]) -> int:
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "train":
-        return _train(rest)
-    if cmd == "convert":
-        from megarl.models.convert import main_convert
-
-        return main_convert(rest)
-    if cmd == "export":
-        from megarl.models.convert import main_export
-
-        return main_export(rest)
-    if cmd == "data":
-        return _data(rest)
-    if cmd == "bench" and rest[:1] == ["reshard"]:
-        from megarl.bench.reshard import main as bench_reshard
-
-        return bench_reshard(rest[1:])
-    print(f"megarl: unknown command {' '.join(argv[:2])!r}\n{__doc__}", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megarl.data import DataError, PromptDataset, PromptLoader, PromptTemplate, prepare_gsm8k, read_rows
-from megarl.data.gsm8k import main as gsm8k_main
+from megarl.cli import main as megarl_main
 from megarl.rewards.gsm8k import GSM8K_INSTRUCTION
 
 GSM8K_DIR = pathlib.Path("/work/shared/data/gsm8k")
@@ -190,7 +190,7 @@ def test_prepare_gsm8k_from_local_dir(tmp_path, capsys):
     assert train.to_pylist()[1] == {"index": 1, "question": GSM_ROWS[1]["question"],
                                     "answer": GSM_ROWS[1]["answer"], "ground_truth": "1200"}
     assert pq.read_table(written["test"]).column("ground_truth").to_pylist() == ["72"]
-    assert gsm8k_main(["--src", str(tmp_path / "src"), "--out", str(tmp_path / "out2")]) == 0
+    assert megarl_main(["data", "gsm8k", "--src", str(tmp_path / "src"), "--out", str(tmp_path / "out2")]) == 0
     assert "train: " in capsys.readouterr().out
 
 
@@ -204,8 +204,9 @@ def test_prepare_gsm8k_errors(tmp_path, capsys):
         prepare_gsm8k(src, tmp_path / "out")
     with pytest.raises(DataError, match="is not a directory .* nor a hub dataset id"):
         prepare_gsm8k(tmp_path / "no" / "such" / "dir", tmp_path / "out")
-    assert gsm8k_main(["--src", str(src), "--out", str(tmp_path / "out")]) == 1
-    assert "error: " in capsys.readouterr().err
+    assert megarl_main(["data", "gsm8k", "--src", str(src), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megarl: error: ") and err.count("\n") == 1
 
 
 def test_prepare_gsm8k_from_the_hub(tmp_path, monkeypatch):

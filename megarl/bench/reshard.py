@@ -430,10 +430,8 @@ def _micro_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``megarl bench reshard``."""
-    p = argparse.ArgumentParser(prog="megarl bench reshard", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``megarl bench reshard`` (registered in :mod:`megarl.cli`)."""
     p.add_argument("mode", nargs="?", choices=("layout", "micro"), default="layout")
     p.add_argument("--model", default="smollm2-135m", help="a PRESETS shape (smollm2-135m, qwen2.5-0.5b, "
                    "qwen2.5-7b, llama-3-8b, ...)")
@@ -455,13 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-baselines", dest="baselines", action="store_false")
     g = p.add_argument_group("micro mode")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print the table; write ``--json``. Returns the exit status (1 if a result is not
     exact)."""
-    args = build_parser().parse_args(argv)
     result = _run_micro(args) if args.mode == "micro" else _run_layout(args)
     if not result:  # a torchrun rank other than 0
         return 0
@@ -475,5 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if exact else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m megarl.bench.reshard ... (e.g. under torchrun)
+    from megarl.cli import main
+
+    sys.exit(main(["bench", "reshard", *sys.argv[1:]]))

@@ -9,17 +9,14 @@ Output: ``<out>/train.parquet`` and ``<out>/test.parquet``, one row per problem 
 ``index`` (int64, row number), ``question`` (the prompt), ``answer`` (the reference solution) and
 ``ground_truth`` (the normalised final number after ``####``, what :mod:`megarl.rewards.gsm8k` compares with).
 
-Command line: ``megarl data gsm8k --src SRC --out DIR`` (:func:`main`).
+Command line: ``megarl data gsm8k --src SRC --out DIR`` (:mod:`megarl.cli`).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
-import sys
 from pathlib import Path
-from typing import Sequence
 
 from megarl.data.dataset import read_rows
 from megarl.data.template import DataError
@@ -93,27 +90,3 @@ def _hub_split(repo_id: str, split: str) -> Path:
         raise DataError(f"cannot download {HF_FILES[split]} of the dataset {repo_id!r} from the Hugging Face hub "
                         f"({type(e).__name__}: {e}); on an offline machine pass --src DIR, a directory with "
                         "GSM8K's train.jsonl and test.jsonl") from e
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``megarl data gsm8k --src SRC --out DIR``: prepare GSM8K; prints the written files and their sizes.
-
-    Returns:
-        0 on success, 1 on a :class:`DataError` (printed to stderr).
-    """
-    parser = argparse.ArgumentParser(prog="megarl data gsm8k", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--src", required=True,
-                        help=f"directory with train.jsonl and test.jsonl, or a hub dataset id ({HF_REPO}; "
-                             "'hub' for it)")
-    parser.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
-    args = parser.parse_args(argv)
-    try:
-        written = prepare_gsm8k(args.src, args.out)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    import pyarrow.parquet as pq
-
-    for split, path in written.items():
-        print(f"{split}: {path} ({pq.read_metadata(path).num_rows} problems)")
-    return 0

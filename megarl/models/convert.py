@@ -9,7 +9,6 @@ reproduces every HF tensor bit for bit when the dtype is kept.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 
@@ -99,28 +98,3 @@ def export_to_hf(ckpt_dir: str, out: str) -> Path:
 
     read_meta(ckpt_dir)
     return Path(run_world(_export_rank, 1, ckpt_dir, out)[0])
-
-
-def main_convert(argv: list[str] | None = None) -> int:
-    """CLI: ``megarl convert SRC OUT [--tp T] [--pp P] [--dtype D]``."""
-    p = argparse.ArgumentParser(prog="megarl convert", description=__doc__.splitlines()[0])
-    p.add_argument("src", help="Hugging Face directory, .gguf file, or 'default' (SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("out", help="output megarl checkpoint directory")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the conversion world")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the conversion world")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    a = p.parse_args(argv)
-    path = convert_to_megarl(None if a.src == "default" else a.src, a.out, tp=a.tp, pp=a.pp, dtype=a.dtype)
-    print(f"wrote megarl checkpoint {path}")
-    return 0
-
-
-def main_export(argv: list[str] | None = None) -> int:
-    """CLI: ``megarl export CKPT OUT``."""
-    p = argparse.ArgumentParser(prog="megarl export", description="megarl checkpoint -> Hugging Face directory")
-    p.add_argument("ckpt", help="megarl checkpoint directory (from `megarl convert` or `megarl train`)")
-    p.add_argument("out", help="output Hugging Face directory")
-    a = p.parse_args(argv)
-    print(f"wrote Hugging Face checkpoint {export_to_hf(a.ckpt, a.out)}")
-    return 0
-
