@@ -5,6 +5,8 @@
     megarl export CKPT OUT                                  megarl checkpoint -> HF directory
     megarl data gsm8k --src DIR|hub --out DIR               prepare GSM8K parquet files
     megarl bench reshard ...                                reshard benchmark (see --help)
+    megarl bench step [CONFIG.yaml] [key=value ...] --steps N --warmup K [--json PATH]
+                                                            RL step benchmark: per-phase tokens/s/GPU, MFU
 
 Each subcommand registers itself with :func:`command` (its arguments and the function that runs it); a new
 one adds a ``@command`` function below, not a parser of its own. Bad input ends in one line,
@@ -34,17 +36,22 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{where + ': ' if where else ''}{message} (see {self.prog} --help)")
 
 
-def positive_int(flag: str) -> Callable[[str], int]:
-    """An argparse ``type`` for an integer >= 1 whose error names ``flag``."""
+def int_at_least(flag: str, low: int) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer >= ``low`` whose error names ``flag``."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {value}")
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {low}, got {value}")
         return value
     return parse
+
+
+def positive_int(flag: str) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer >= 1 whose error names ``flag``."""
+    return int_at_least(flag, 1)
 
 
 def positive_float(flag: str) -> Callable[[str], float]:
@@ -79,6 +86,28 @@ def split_config_and_overrides(config: str | None, overrides: list[str]) -> tupl
     return config, list(overrides)
 
 
+def relaunch_world(cfg, argv: list[str]) -> bool:
+    """Under torchrun or SLURM: False (this process is one rank). Started plainly: check ``cfg`` against its
+    world size, and when that is more than one rank, run ``megarl ARGV`` under ``torchrun
+    --nproc_per_node=<world size>`` on this node and return True once it has finished.
+
+    Raises:
+        ConfigError: from :func:`~megarl.config.validate_for_world`, before any process starts.
+    """
+    from megarl.config import validate_for_world
+
+    if "RANK" in os.environ or "SLURM_PROCID" in os.environ:
+        return False
+    validate_for_world(cfg, cfg.world_size)
+    if cfg.world_size == 1:
+        return False
+    from torch.distributed.run import main as torchrun
+
+    print(f"megarl: launching {cfg.world_size} processes with torchrun", flush=True)
+    torchrun([f"--nproc_per_node={cfg.world_size}", "--standalone", "-m", "megarl.cli", *argv])
+    return True
+
+
 # ------------------------------------------------------------------------------------------------ commands
 @command("train", help="RL post-training (PPO, GRPO, RLOO, REINFORCE++)")
 def _train(p: argparse.ArgumentParser):
@@ -87,20 +116,12 @@ def _train(p: argparse.ArgumentParser):
     p.add_argument("--resume", action="store_true", help="continue from the run's newest checkpoint")
 
     def run(a: argparse.Namespace) -> int:
-        from megarl.config import load_config, validate_for_world
+        from megarl.config import load_config
 
         config, overrides = split_config_and_overrides(a.config, a.overrides)
         overrides += ["trainer.resume=true"] if a.resume else []
         cfg = load_config(config, overrides)  # fails here, before any process or model, on a bad config
-        launched = "RANK" in os.environ or "SLURM_PROCID" in os.environ
-        if not launched:
-            validate_for_world(cfg, cfg.world_size)
-        if not launched and cfg.world_size > 1:
-            from torch.distributed.run import main as torchrun
-
-            args = [f"--nproc_per_node={cfg.world_size}", "--standalone", "-m", "megarl.cli", "train", *a.argv]
-            print(f"megarl: launching {cfg.world_size} processes with torchrun", flush=True)
-            torchrun(args)
+        if relaunch_world(cfg, ["train", *a.argv]):
             return 0
         from megarl.trainer.trainer import train
 
@@ -165,6 +186,34 @@ def _bench_reshard(p: argparse.ArgumentParser):
 
     reshard.add_arguments(p)
     return reshard.run
+
+
+@command("bench", "step", help="RL steps phase by phase: time, tokens/s/GPU, MFU, peak memory, utilisation")
+def _bench_step(p: argparse.ArgumentParser):
+    p.add_argument("config", nargs="?", help="YAML file (parallel_configs/...); omitted: the CPU default")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.path=preset:qwen2.5-1.5b")
+    p.add_argument("--steps", type=positive_int("--steps"), default=3, help="measured RL steps (default 3)")
+    p.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1,
+                   help="RL steps run first and not measured (default 1)")
+    p.add_argument("--json", default=None, help="report file (default: <run folder>/bench_step.json)")
+    p.add_argument("--peak-tflops", type=positive_float("--peak-tflops"), default=None,
+                   help="peak TFLOP/s per GPU for MFU (default: the device's datasheet dense bf16 peak)")
+    p.add_argument("--sample-interval", type=positive_float("--sample-interval"), default=0.1,
+                   help="seconds between utilisation samples (default 0.1)")
+
+    def run(a: argparse.Namespace) -> int:
+        from megarl.config import load_config
+
+        config, overrides = split_config_and_overrides(a.config, a.overrides)
+        cfg = load_config(config, overrides)
+        if relaunch_world(cfg, ["bench", *a.argv]):
+            return 0
+        from megarl.bench.step import bench_step
+
+        report = bench_step(cfg, steps=a.steps, warmup=a.warmup, json_path=a.json, peak_tflops=a.peak_tflops,
+                            sample_interval_s=a.sample_interval, config_path=config, overrides=overrides)
+        return 0 if report["status"] == "ok" else 1
+    return run
 
 
 # ------------------------------------------------------------------------------------------------ the tree

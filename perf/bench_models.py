@@ -5,8 +5,9 @@
 Builds the named model shape (random init) with :func:`megarl.models.megatron.build_model` on a TP=1 x PP=1
 mesh, runs ``--steps`` timed forward+backward passes (after one warm-up) through megatron's
 ``forward_backward_func`` with the token-mean log-prob loss the trainer uses, and reports seconds per pass,
-tokens/s, model TFLOP/s and MFU (6 x params x tokens plus attention, against ``--peak-tflops``, 989 for an
-H200's dense bf16), peak memory, and that the loss and gradients are finite.
+tokens/s, model TFLOP/s and MFU (:func:`megarl.bench.flops.train_flops`: 6 x matmul params x tokens plus
+causal attention, against ``--peak-tflops``, 989 for an H200's dense bf16), peak memory, and that the loss and
+gradients are finite.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from megarl.bench.flops import train_flops
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.megatron import build_model
 from megarl.models.pipeline import run_microbatches
@@ -65,7 +67,7 @@ def _bench(rank, world, a):
     grads_finite = all(torch.isfinite(p.grad).all().item() for p in model.parameters() if p.grad is not None)
     n_tok = a.micro_batch * a.seq
     sec = sorted(times)[len(times) // 2]
-    flops = 3 * spec.flops_per_token(a.seq) * n_tok  # forward + backward = 3 x forward
+    flops = train_flops(spec, [a.seq] * a.micro_batch)  # forward + backward, causal attention
     res = {
         "model": a.model, "layers": spec.num_layers, "params": spec.num_params(), "dtype": str(dtype),
         "device": torch.cuda.get_device_name() if gpu else "cpu", "micro_batch": a.micro_batch, "seq": a.seq,

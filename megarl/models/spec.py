@@ -123,12 +123,6 @@ class ModelSpec:
         """Number of parameters of the unpadded HF model (tied embeddings counted once)."""
         return sum(math.prod(s) for s in self.hf_tensor_shapes().values())
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs per token (2 per multiply-add) at context ``seq_len``: weights plus attention."""
-        dense = 2 * (self.num_params() - self.vocab_size * self.hidden_size * (not self.tie_word_embeddings))
-        attn = 2 * 2 * self.num_layers * seq_len * self.q_size
-        return float(dense + attn)
-
     # ------------------------------------------------------------------ canonical tensors
     def hf_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every canonical (Hugging Face) tensor, in ``state_dict`` order."""

@@ -13,7 +13,8 @@ DIGEST = [
     ("response/length_mean", "len", "{:.0f}"), ("actor/kl", "kl", "{:.4f}"), ("actor/entropy", "ent", "{:.3f}"),
     ("actor/clipfrac", "clip", "{:.3f}"), ("actor/pg_loss", "pg", "{:+.4f}"), ("critic/vf_loss", "vf", "{:.4f}"),
     ("actor/grad_norm", "gnorm", "{:.3f}"), ("actor/lr", "lr", "{:.2e}"),
-    ("throughput/generate_tokens_per_s", "gen tok/s", "{:.0f}"), ("time/step", "step s", "{:.1f}"),
+    ("throughput/generate_tokens_per_s", "gen tok/s", "{:.0f}"), ("perf/tokens_per_s_per_gpu", "tok/s/GPU", "{:.0f}"),
+    ("perf/mfu", "MFU", "{:.1%}"), ("time/step", "step s", "{:.1f}"),
 ]
 
 

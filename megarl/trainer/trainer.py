@@ -29,6 +29,8 @@ import torch.distributed as dist
 from megarl.algos.advantages import get_advantage_fn
 from megarl.algos.aggregation import masked_mean
 from megarl.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
+from megarl.bench.flops import peak_bf16_flops
+from megarl.bench.throughput import step_perf_metrics
 from megarl.bench.timers import PhaseTimer
 from megarl.config import Config, ConfigError, to_dict, validate_for_world
 from megarl.data.dataset import PromptDataset, read_rows
@@ -157,6 +159,7 @@ class Trainer:
                              top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
                              stop_token_ids=tuple(self.spec.eos_token_ids))
         self.timer = PhaseTimer()
+        self.peak_flops = peak_bf16_flops()  # MFU's denominator per GPU; None on the CPU
         self.step_idx = 0
         self.last_checkpoint: Path | None = None
         if cfg.trainer.resume:
@@ -245,8 +248,17 @@ class Trainer:
             "throughput/tokens_per_s_per_rank": (int(mask.sum()) + int(batch["prompt_lens"].sum()))
                                                / step_s / self.world,
             "data/epoch": self.loader.epoch,
+            **self._perf_metrics(batch, phases, step_s),
         })
         return metrics
+
+    def _perf_metrics(self, batch: RolloutBatch, phases: dict[str, float], step_s: float) -> dict[str, float]:
+        """Tokens/s/GPU, MFU and peak memory of the step and of each phase (:mod:`megarl.bench.throughput`)."""
+        return step_perf_metrics(self.spec, batch["prompt_lens"], batch["response_lens"], seconds=phases,
+                                 peak_bytes=self.timer.reset_peaks(), step_s=step_s, world=self.world,
+                                 epochs={"actor_update": self.cfg.actor.ppo_epochs,
+                                         "critic_update": self.cfg.critic.ppo_epochs},
+                                 peak_flops=self.peak_flops)
 
     def _score(self, prompts, out) -> RolloutBatch:
         """Decode, score and pack the rollout into a batch (rewards of this rank's share, then gathered)."""

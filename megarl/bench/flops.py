@@ -1,0 +1,114 @@
+"""Model FLOPs of the RL step's model passes, and the peak rates that MFU divides them by.
+
+Counting (model FLOPs, the numerator of MFU: what the model needs, not what the hardware did; no activation
+recomputation, no padding). A decoder-only transformer with ``L`` layers, width ``h``, query width
+``q = heads * head_dim``, key/value width ``k = kv_heads * head_dim``, SwiGLU width ``f`` and vocab ``V``
+(unpadded) runs one sequence of ``s`` tokens. One multiply-add is 2 FLOPs.
+
+- Weights: ``2 * N_mm * s`` FLOPs forward, with ``N_mm = L * (2*h*q + 2*h*k + 3*h*f) + V_out*h`` the matmul
+  weights (Q, K, V, O; gate, up, down; the output layer, ``V_out = V`` for a policy, 1 for a value head). The
+  embedding lookup is a gather and biases and norms are elementwise: none is counted. This is the ``2N`` per
+  token of Kaplan et al. 2020 (arXiv:2001.08361, table 1) and of PaLM (Chowdhery et al. 2022,
+  arXiv:2204.02311, appendix B), with N the matmul parameters.
+- Causal attention: token ``t`` (0-based) attends to ``t + 1`` positions, and ``Q K^T`` and ``A V`` each cost
+  ``q * (t + 1)`` multiply-adds per layer, so a sequence costs ``2 * 2 * L * q * sum_t (t + 1)
+  = 2 * L * q * s * (s + 1)`` FLOPs forward. PaLM's appendix B counts ``6 * L * H * Q * T`` FLOPs per token
+  (``12 L H Q T`` for training), ``H * Q = q``, over the full ``T x T`` score matrix; a causal mask needs half
+  of it, which is what this counts (``12 * L * q * s^2 / 2`` per sequence for training, plus the diagonal).
+- Training = 3 x forward: the backward pass costs twice the forward (gradients of the inputs and of the
+  weights); Narayanan et al. 2021 (Megatron-LM, arXiv:2104.04473, section 5.1: ``72 B s l h^2 (1 + s/(6h) +
+  V/(12 l h))``, which is this count for ``f = 4h``, ``k = q = h``, full attention and no recomputation).
+
+MFU = model FLOPs / (seconds * GPUs * peak FLOP/s). The peak is the dense bf16 tensor-core rate of the
+device's datasheet (:data:`PEAK_BF16_TFLOPS`); :data:`MEASURED_BF16_TFLOPS` holds what a bf16 matmul on random
+data reached on our machines (GPU.md), the ceiling that issue targets are stated against.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from megarl.models.spec import ModelSpec
+
+# Dense bf16 tensor-core peaks, TFLOP/s (vendor datasheets, without sparsity), matched as substrings of
+# torch.cuda.get_device_name() in this order (the first match wins).
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200 NVL", 835.0), ("GH200", 989.4), ("H200", 989.4), ("H100 NVL", 835.0), ("H100 PCIe", 756.0),
+    ("H100", 989.4), ("H800", 989.4), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+)
+# bf16 matmul on random data, TFLOP/s, measured on our machines (../shared/docs/GPU.md, 2026-11-29).
+MEASURED_BF16_TFLOPS: tuple[tuple[str, float], ...] = (("H200", 794.0),)
+
+
+def matmul_params(spec: ModelSpec, output_rows: int | None = None) -> int:
+    """``N_mm``: the matmul weights of the model (see the module docstring), output layer included.
+
+    Args:
+        output_rows: rows of the output layer (None = the vocab: a policy; 1 = a value head).
+    """
+    h, q, k, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
+    out = spec.vocab_size if output_rows is None else output_rows
+    return spec.num_layers * (2 * h * q + 2 * h * k + 3 * h * f) + out * h
+
+
+def forward_flops(spec: ModelSpec, seq_lens: Iterable[int] | torch.Tensor, output_rows: int | None = None
+                  ) -> float:
+    """Model FLOPs of one forward pass over sequences of the given lengths (causal attention).
+
+    Args:
+        spec: the model shape.
+        seq_lens: real tokens of each sequence (prompt + response; padding excluded).
+        output_rows: rows of the output layer (None = the vocab; 1 for the critic's value head).
+
+    Returns:
+        ``sum_i 2 * N_mm * s_i + 2 * L * q * s_i * (s_i + 1)`` FLOPs (float).
+
+    Raises:
+        ValueError: a negative length.
+    """
+    lens = torch.as_tensor(list(seq_lens) if not isinstance(seq_lens, torch.Tensor) else seq_lens,
+                           dtype=torch.float64)
+    if (lens < 0).any():
+        raise ValueError(f"sequence lengths must be >= 0, got {lens.min().item()}")
+    dense = 2.0 * matmul_params(spec, output_rows) * lens.sum()
+    attention = 2.0 * spec.num_layers * spec.q_size * (lens * (lens + 1)).sum()
+    return float(dense + attention)
+
+
+def train_flops(spec: ModelSpec, seq_lens: Iterable[int] | torch.Tensor, output_rows: int | None = None
+                ) -> float:
+    """Model FLOPs of one forward + backward pass: 3 x :func:`forward_flops` (no recomputation counted)."""
+    return 3.0 * forward_flops(spec, seq_lens, output_rows)
+
+
+def _lookup(table: tuple[tuple[str, float], ...], device_name: str) -> float | None:
+    for key, tflops in table:
+        if key.lower() in device_name.lower():
+            return tflops * 1e12
+    return None
+
+
+def device_name() -> str:
+    """``torch.cuda.get_device_name()`` of this rank's GPU, or "cpu"."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def peak_bf16_flops(name: str | None = None) -> float | None:
+    """The datasheet's dense bf16 peak of device ``name`` (default: this rank's), FLOP/s; None when unknown
+    (the CPU, or a GPU missing from :data:`PEAK_BF16_TFLOPS`)."""
+    return _lookup(PEAK_BF16_TFLOPS, device_name() if name is None else name)
+
+
+def measured_bf16_flops(name: str | None = None) -> float | None:
+    """The bf16 matmul rate measured on device ``name`` (:data:`MEASURED_BF16_TFLOPS`), FLOP/s, or None."""
+    return _lookup(MEASURED_BF16_TFLOPS, device_name() if name is None else name)
+
+
+def mfu(flops: float, seconds: float, gpus: int, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation: ``flops / (seconds * gpus * peak_flops)``, a fraction in [0, 1] (None when the
+    peak is unknown or no time passed)."""
+    if not peak_flops or seconds <= 0:
+        return None
+    return flops / (seconds * gpus * peak_flops)

@@ -1,0 +1,227 @@
+"""``megarl bench step CONFIG.yaml [key=value ...] --steps N --warmup K [--json PATH]``: the RL step, phase by phase.
+
+Builds the real :class:`~megarl.trainer.trainer.Trainer` from the config (random weights with
+``model.path=preset:NAME``, or a real model), runs ``K`` warm-up steps and ``N`` measured steps, and reports
+per phase (reshard, generate, reward, old log-probs, reference, values, advantages, critic update, actor
+update): seconds per step, tokens per step, tokens/s and tokens/s/GPU, MFU for the model passes and peak
+memory. Tokens and model FLOPs of each phase are those of :mod:`megarl.bench.throughput` (real sequence
+lengths, causal attention, formulas and sources in :mod:`megarl.bench.flops`); MFU is reported against the
+device's datasheet dense bf16 peak (``mfu``; H100/H200 SXM: 989.4 TFLOP/s) and, where one was measured,
+against the measured bf16 matmul rate (``mfu_vs_measured``; H200: 794 TFLOP/s, GPU.md). ``--peak-tflops``
+replaces the datasheet figure (a device missing from the table, or the CPU). Peak memory is
+``torch.cuda.max_memory_allocated`` per phase on a GPU (torch's tensors; vLLM's own mappings are not in it)
+and the process's peak resident memory on the CPU, the maximum over ranks. GPU utilisation and device memory
+are sampled with NVML in a background thread during the measured steps (CPU use and resident memory of the
+process on the CPU).
+
+Output: a table on the console and one JSON (``--json``; default ``<run folder>/bench_step.json``), written
+by rank 0, that ``megarl sweep`` collects. Its keys:
+
+- ``status``: "ok", "oom" (CUDA out of memory) or "error" (then ``error`` holds the message);
+- ``config``: ``path``, ``overrides``, ``layout`` (tp, pp, dp, world size, rollout engine and tp, model,
+  dtype, batch sizes) and ``resolved`` (the whole config);
+- ``world_size``, ``device``, ``peak_tflops`` (``datasheet``, ``measured``: per GPU), ``steps``, ``warmup``;
+- ``step_time_s`` (mean over the measured steps), ``tokens_per_s`` and ``tokens_per_s_per_gpu`` (prompt +
+  response tokens of the batch over the step), ``generate_tokens_per_s``, ``mfu``, ``mfu_vs_measured`` (all
+  model FLOPs of the step over the step), ``peak_memory_bytes`` (largest phase peak);
+- ``phases``: ``{name: {time_s, tokens, tokens_per_s, tokens_per_s_per_gpu, flops, mfu, mfu_vs_measured,
+  peak_memory_bytes}}``, ``time_s`` and ``tokens`` per step (means), rates over the measured steps (sums over
+  sums); ``tokens``/rates/``flops``/``mfu`` are null for phases without them (reshard, advantages);
+- ``gpu_util``: ``source`` ("nvml" or "proc"), ``util_mean_pct``, ``util_max_pct``, ``memory_max_bytes``
+  (over ranks) and ``per_rank`` (each rank's summary, :meth:`~megarl.bench.monitor.Samples.summary`);
+- ``per_step``: the seconds of every phase of every measured step.
+
+Units: seconds, tokens, FLOPs, bytes, percent for utilisation, fractions (0-1) for MFU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.bench.flops import device_name, measured_bf16_flops, mfu, peak_bf16_flops
+from megarl.bench.monitor import UtilizationSampler
+from megarl.config import Config, to_dict
+
+PHASE_ORDER = ("reshard", "generate", "reward", "old_logprobs", "reference", "values", "advantages",
+               "critic_update", "actor_update")
+
+
+def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.PathLike | None = None,
+               peak_tflops: float | None = None, sample_interval_s: float = 0.1, config_path: str | None = None,
+               overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run ``warmup + steps`` RL steps of ``cfg`` on this rank (call on every rank) and report the measured ones.
+
+    Returns:
+        The report (see the module docstring), on every rank; rank 0 prints the table and writes the JSON.
+
+    Raises:
+        Whatever the trainer raises (after rank 0 wrote a report with status "oom" or "error").
+    """
+    from megarl.trainer.trainer import Trainer
+
+    cfg.trainer.steps = warmup + steps  # the loader's epochs cover every step
+    cfg.trainer.log_samples = 0
+    cfg.trainer.resume = False
+    path = Path(json_path) if json_path else cfg.run.run_dir / "bench_step.json"
+    report: dict[str, Any] = {"status": "ok", "config": _config_section(cfg, config_path, overrides),
+                              "world_size": cfg.world_size, "device": device_name(), "steps": steps,
+                              "warmup": warmup}
+    try:
+        trainer = Trainer(cfg)
+        report["world_size"] = trainer.world
+        batches = iter(trainer.loader)
+        for _ in range(warmup):
+            _one_step(trainer, batches)
+        with UtilizationSampler(sample_interval_s) as sampler:
+            history = [_one_step(trainer, batches) for _ in range(steps)]
+        peaks = {"datasheet": peak_tflops * 1e12 if peak_tflops else peak_bf16_flops(),
+                 "measured": measured_bf16_flops()}
+        report.update(summarize(history, trainer.world, peaks))
+        report["gpu_util"] = _gather_utilization(sampler.samples.summary())
+        report["peak_memory_bytes"] = max((p["peak_memory_bytes"] for p in report["phases"].values()), default=0)
+    except Exception as e:
+        oom = isinstance(e, torch.cuda.OutOfMemoryError)
+        report.update(status="oom" if oom else "error", error=f"{type(e).__name__}: {e}")
+        _write(report, path)
+        raise
+    _write(report, path)
+    if _rank() == 0:
+        print(format_table(report), flush=True)
+        print(f"bench step: report written to {path}", flush=True)
+    return report
+
+
+def _one_step(trainer, batches) -> dict[str, Any]:
+    metrics = trainer.step(next(batches))
+    trainer.step_idx += 1
+    return metrics
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _write(report: dict[str, Any], path: Path) -> None:
+    if _rank() != 0:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str))
+
+
+def _config_section(cfg: Config, config_path: str | None, overrides: list[str] | None) -> dict[str, Any]:
+    p = cfg.actor.parallel
+    world = cfg.world_size
+    layout = {"tp": p.tp, "pp": p.pp, "dp": world // (p.tp * p.pp), "world_size": world,
+              "sequence_parallel": p.sequence_parallel, "rollout_engine": cfg.rollout.engine,
+              "rollout_tp": cfg.rollout.tp, "model": cfg.model.path, "dtype": cfg.model.dtype,
+              "prompts_per_step": cfg.data.prompts_per_step, "n": cfg.rollout.n,
+              "max_new_tokens": cfg.rollout.max_new_tokens, "micro_batch_size": cfg.actor.micro_batch_size,
+              "logprob_micro_batch_size": cfg.actor.logprob_micro_batch_size,
+              "ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size}
+    return {"path": config_path, "overrides": list(overrides or []), "layout": layout, "resolved": to_dict(cfg)}
+
+
+def summarize(history: list[dict[str, Any]], world: int, peaks: dict[str, float | None]) -> dict[str, Any]:
+    """The report's throughput sections from the trainer's per-step metrics of the measured steps.
+
+    Args:
+        history: :meth:`~megarl.trainer.trainer.Trainer.step`'s metrics of each measured step (``time/*``,
+            ``perf/*``, ``memory/*``; the memory peaks of this rank).
+        world: GPUs (ranks).
+        peaks: ``{"datasheet": FLOP/s or None, "measured": FLOP/s or None}`` per GPU.
+
+    Returns:
+        ``step_time_s``, ``tokens_per_s``, ``tokens_per_s_per_gpu``, ``generate_tokens_per_s``, ``mfu``,
+        ``mfu_vs_measured``, ``peak_tflops``, ``phases`` and ``per_step`` (see the module docstring); memory
+        peaks are the maximum over ranks when torch.distributed is initialised.
+    """
+    n = len(history)
+    seen = {k.removeprefix("time/") for h in history for k in h if k.startswith("time/") and k != "time/step"}
+    names = [p for p in PHASE_ORDER if p in seen] + sorted(seen - set(PHASE_ORDER))
+    peak_mem = _max_over_ranks({p: max(int(h.get(f"memory/{p}/peak_bytes", 0)) for h in history) for p in names})
+
+    def total(key: str) -> float:
+        return float(sum(h.get(key, 0.0) for h in history))
+
+    phases, all_flops = {}, 0.0
+    for p in names:
+        secs, tokens, flops = total(f"time/{p}"), total(f"perf/{p}/tokens"), total(f"perf/{p}/flops")
+        has_tokens = any(f"perf/{p}/tokens" in h for h in history)
+        all_flops += flops
+        phases[p] = {
+            "time_s": secs / n,
+            "tokens": tokens / n if has_tokens else None,
+            "tokens_per_s": tokens / secs if has_tokens and secs > 0 else None,
+            "tokens_per_s_per_gpu": tokens / secs / world if has_tokens and secs > 0 else None,
+            "flops": flops / n if flops else None,
+            "mfu": mfu(flops, secs, world, peaks["datasheet"]) if flops else None,
+            "mfu_vs_measured": mfu(flops, secs, world, peaks["measured"]) if flops else None,
+            "peak_memory_bytes": peak_mem[p],
+        }
+    step_s = total("time/step")
+    tokens = total("perf/tokens")
+    gen = phases.get("generate", {})
+    return {
+        "step_time_s": step_s / n,
+        "tokens_per_s": tokens / step_s,
+        "tokens_per_s_per_gpu": tokens / step_s / world,
+        "generate_tokens_per_s": gen.get("tokens_per_s"),
+        "mfu": mfu(all_flops, step_s, world, peaks["datasheet"]),
+        "mfu_vs_measured": mfu(all_flops, step_s, world, peaks["measured"]),
+        "peak_tflops": {k: v / 1e12 if v else None for k, v in peaks.items()},
+        "phases": phases,
+        "per_step": [{"step_time_s": h["time/step"], **{p: h.get(f"time/{p}") for p in names}} for h in history],
+    }
+
+
+def _max_over_ranks(values: dict[str, int]) -> dict[str, int]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    parts: list[dict[str, int]] = [{}] * dist.get_world_size()
+    dist.all_gather_object(parts, values)
+    return {k: max(p.get(k, 0) for p in parts) for k in values}
+
+
+def _gather_utilization(local: dict[str, Any]) -> dict[str, Any]:
+    parts = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+    utils = [p["util_mean_pct"] for p in parts if p["util_mean_pct"] is not None]
+    mems = [p["memory_max_bytes"] for p in parts if p["memory_max_bytes"] is not None]
+    return {"source": local["source"], "util_mean_pct": sum(utils) / len(utils) if utils else None,
+            "util_max_pct": max((p["util_max_pct"] for p in parts if p["util_max_pct"] is not None), default=None),
+            "memory_max_bytes": max(mems) if mems else None, "per_rank": parts}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as a console table: one row per phase, then the step."""
+    def num(v, fmt):
+        return "-" if v is None else fmt.format(v)
+
+    rows = [("phase", "s/step", "tokens/step", "tokens/s", "tokens/s/GPU", "MFU", "MFU(meas.)", "peak GiB")]
+    for name, p in report["phases"].items():
+        rows.append((name, num(p["time_s"], "{:.3f}"), num(p["tokens"], "{:,.0f}"), num(p["tokens_per_s"], "{:,.0f}"),
+                     num(p["tokens_per_s_per_gpu"], "{:,.0f}"), num(p["mfu"], "{:.1%}"),
+                     num(p["mfu_vs_measured"], "{:.1%}"), num(p["peak_memory_bytes"] / 2**30, "{:.2f}")))
+    rows.append(("step", num(report["step_time_s"], "{:.3f}"), "", num(report["tokens_per_s"], "{:,.0f}"),
+                 num(report["tokens_per_s_per_gpu"], "{:,.0f}"), num(report["mfu"], "{:.1%}"),
+                 num(report["mfu_vs_measured"], "{:.1%}"), num(report["peak_memory_bytes"] / 2**30, "{:.2f}")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    u = report.get("gpu_util") or {}
+    peak = report["peak_tflops"]
+    lines.append(f"{report['device']} x {report['world_size']}, {report['steps']} measured steps after "
+                 f"{report['warmup']} warm-up; MFU vs {num(peak['datasheet'], '{:g}')} TFLOP/s (datasheet), "
+                 f"{num(peak['measured'], '{:g}')} (measured); utilisation ({u.get('source')}) mean "
+                 f"{num(u.get('util_mean_pct'), '{:.0f}')}%, max memory "
+                 f"{num((u.get('memory_max_bytes') or 0) / 2**30, '{:.2f}')} GiB")
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""``megarl bench step`` on the CPU (tiny model, synthetic task): the report's fields and units, never its
+times; and the FLOP formula of :mod:`megarl.bench.flops` against a count by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megarl.bench.flops import forward_flops, mfu, peak_bf16_flops, train_flops
+from megarl.models.spec import ModelSpec
+from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
+
+TINY = ModelSpec("llama", vocab_size=10, hidden_size=4, num_layers=2, num_attention_heads=2, num_kv_heads=1,
+                 head_dim=2, ffn_hidden_size=6, tie_word_embeddings=True, eos_token_ids=(1,))
+
+
+def _hand_forward_flops(spec: ModelSpec, s: int, out_rows: int) -> int:
+    """Multiply-adds of every matmul of one causal forward pass, counted one product at a time, times 2."""
+    h, q, k, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
+    macs = 0
+    for _ in range(spec.num_layers):
+        for _t in range(s):
+            macs += h * q + h * k + h * k  # Q, K, V projections of one token
+            macs += q * h  # output projection
+            macs += 2 * h * f + f * h  # gate, up, down
+        for t in range(s):  # causal attention: token t sees positions 0..t
+            for _j in range(t + 1):
+                macs += q  # one score per query head channel (q_size products) ...
+                macs += q  # ... and the weighted value sum
+    macs += s * h * out_rows  # output layer
+    return 2 * macs
+
+
+def test_flops_equal_a_count_by_hand():
+    for s in (1, 3, 7):
+        assert forward_flops(TINY, [s]) == _hand_forward_flops(TINY, s, TINY.vocab_size)
+        assert forward_flops(TINY, [s], output_rows=1) == _hand_forward_flops(TINY, s, 1)
+    assert forward_flops(TINY, torch.tensor([3, 7])) == forward_flops(TINY, [3]) + forward_flops(TINY, [7])
+    assert train_flops(TINY, [5]) == 3 * forward_flops(TINY, [5])
+    assert mfu(2e12, 2.0, 2, 1e12) == 0.5 and mfu(1.0, 1.0, 1, None) is None
+    assert peak_bf16_flops("NVIDIA H200") == pytest.approx(989.4e12)
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == pytest.approx(756e12)
+    assert peak_bf16_flops("cpu") is None
+    with pytest.raises(ValueError, match="lengths"):
+        forward_flops(TINY, [-1])
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    model = make_tiny_model(root / "model")
+    data = write_prompts(root / "prompts.jsonl", 32)
+    out = root / "bench.json"
+    args = [sys.executable, "-m", "megarl.cli", "bench", "step", *task_overrides(model, data, root / "runs", "b"),
+            "data.prompts_per_step=4", "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4",
+            "--steps", "2", "--warmup", "1", "--peak-tflops", "0.001", "--json", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_bench_step_report_fields_and_units(report):
+    r, stdout = report
+    assert r["status"] == "ok" and r["steps"] == 2 and r["warmup"] == 1 and r["world_size"] == 1
+    assert r["device"] == "cpu"
+    assert r["config"]["layout"]["tp"] == 1 and r["config"]["layout"]["dp"] == 1
+    assert "data.prompts_per_step=4" in r["config"]["overrides"]
+    assert r["config"]["resolved"]["rollout"]["n"] == 4
+    assert r["peak_tflops"]["datasheet"] == pytest.approx(0.001)
+    phases = r["phases"]
+    assert list(phases)[:5] == ["reshard", "generate", "reward", "old_logprobs", "reference"]
+    assert "actor_update" in phases
+    assert len(r["per_step"]) == 2
+    # one batch: 4 prompts x 4 samples of 3-5 prompt words and 1-3 response tokens (max_new_tokens=3)
+    gen, old, upd = phases["generate"], phases["old_logprobs"], phases["actor_update"]
+    assert 16 <= gen["tokens"] <= 16 * 3 and float(gen["tokens"]).is_integer()
+    assert old["tokens"] == upd["tokens"] == phases["reference"]["tokens"]
+    assert gen["tokens"] + 16 * 3 <= old["tokens"] <= gen["tokens"] + 16 * 5
+    assert phases["reshard"]["tokens"] is None and phases["reshard"]["mfu"] is None
+    for name in ("old_logprobs", "actor_update"):
+        p = phases[name]
+        assert p["tokens_per_s"] == pytest.approx(p["tokens"] / p["time_s"])  # rates are per second
+        assert p["tokens_per_s_per_gpu"] == pytest.approx(p["tokens_per_s"])  # one rank
+        assert p["mfu"] == pytest.approx(p["flops"] / p["time_s"] / 1e9)  # a fraction of 0.001 TFLOP/s
+    assert upd["flops"] == pytest.approx(3 * old["flops"])  # one epoch of forward + backward
+    assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"])
+    assert r["step_time_s"] >= sum(p["time_s"] for p in phases.values()) - 1e-6
+    assert r["mfu_vs_measured"] is None  # no measured peak for the CPU
+    assert r["peak_memory_bytes"] == max(p["peak_memory_bytes"] for p in phases.values()) > 10 * 2**20
+    u = r["gpu_util"]
+    assert u["source"] == "proc" and u["per_rank"][0]["samples"] >= 1
+    assert 0 <= u["util_mean_pct"] and u["memory_max_bytes"] > 10 * 2**20  # bytes, not KiB or GiB
+    assert all(math.isfinite(p["time_s"]) and p["time_s"] >= 0 for p in phases.values())
+    assert "actor_update" in stdout and "tokens/s/GPU" in stdout
+
+
+def test_bench_step_bad_flag_is_one_error_line():
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "bench", "step", "--warmup", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["megarl: error: bench step: argument --warmup: --warmup must be "
+                                                ">= 0, got -1 (see megarl bench step --help)"]
