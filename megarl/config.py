@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from megarl.algos.registry import ADVANTAGES, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot run; the message names the field and the fix."""
@@ -25,9 +27,6 @@ def _require(cond: bool, field_name: str, msg: str) -> None:
         raise ConfigError(f"{field_name}: {msg}")
 
 
-ALGORITHMS = ("grpo", "ppo", "rloo", "reinforce_plus_plus")  # the `algorithm.name` presets
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -266,8 +265,10 @@ class KLConfig:
 
     Attributes:
         coef: weight of the KL term (0 = no reference model is built).
-        estimator: k1, k2 or k3 (Schulman's estimators).
+        estimator: a registered KL estimator: k1, k2, k3 (Schulman's) or k3+ (k3's value, k2's gradient).
         in_loss: add the KL to the loss (GRPO style) rather than subtract it from the token rewards (PPO style).
+            As a loss only the estimator's gradient counts: k1's estimates no KL gradient and is refused
+            (see megarl.algos.kl).
         target: adaptive controller's target KL (null = fixed coefficient); horizon: its horizon, samples.
     """
 
@@ -280,17 +281,30 @@ class KLConfig:
     def __post_init__(self):
         _require(self.coef >= 0, "algorithm.kl.coef", "must be >= 0")
         _require(self.estimator in KL_ESTIMATORS, "algorithm.kl.estimator",
-                 f"must be one of {KL_ESTIMATORS}, got {self.estimator!r}")
+                 f"must be one of {KL_ESTIMATORS.names()}, got {self.estimator!r}")
+        if self.in_loss and self.coef > 0:
+            fit = [n for n in KL_ESTIMATORS.names() if KL_ESTIMATORS.entry(n).loss_gradient]
+            _require(self.estimator in fit, "algorithm.kl.estimator",
+                     f"{self.estimator!r} in the loss (algorithm.kl.in_loss=true): its gradient does not estimate the "
+                     "gradient of a KL (k1's is zero in expectation: it does not pull the policy towards the "
+                     f"reference; see megarl.algos.kl); use one of {fit} in the loss, or set "
+                     f"algorithm.kl.in_loss=false to subtract {self.estimator} from the reward")
 
 
 @dataclass
 class AlgorithmConfig:
     """The RL algorithm: advantage estimator, policy/value losses, KL.
 
+    Each advantage estimator and policy loss takes its parameters from these fields, as its registry entry
+    says (``megarl.algos.registry``).
+
     Attributes:
-        name: "grpo", "ppo" (GAE with a critic), "rloo" or "reinforce_plus_plus".
+        name: the advantage estimator (registry names): "grpo", "ppo" (= "gae": GAE with a critic), "rloo",
+            "reinforce_plus_plus", "reinforce_plus_plus_baseline", or one registered by the user.
+        policy_loss: the registered policy loss ("ppo": the clipped surrogate).
         gamma / lam: discount and GAE lambda.
-        norm_adv_by_std: GRPO divides by the group std (Dr. GRPO: false).
+        whiten_advantages: GAE whitens the advantages over the batch.
+        norm_adv_by_std: GRPO divides by the group std (Dr. GRPO: false); norm_adv_eps: added to that std.
         clip_ratio_low / clip_ratio_high: PPO clip range [1 - low, 1 + high] (clip-higher when high > low).
         clip_ratio_c: dual-clip bound for negative advantages (null = off; typical 3.0).
         loss_agg_mode: token-mean, seq-mean-token-sum or seq-mean-token-mean.
@@ -299,9 +313,12 @@ class AlgorithmConfig:
     """
 
     name: str = "grpo"
+    policy_loss: str = "ppo"
     gamma: float = 1.0
     lam: float = 1.0
+    whiten_advantages: bool = True
     norm_adv_by_std: bool = True
+    norm_adv_eps: float = 1e-6
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: Optional[float] = None
@@ -312,10 +329,13 @@ class AlgorithmConfig:
     kl: KLConfig = field(default_factory=KLConfig)
 
     def __post_init__(self):
-        _require(self.name in ALGORITHMS, "algorithm.name", f"unknown algorithm {self.name!r}; choose one of "
-                 f"{ALGORITHMS}")
-        _require(self.loss_agg_mode in LOSS_AGG_MODES, "algorithm.loss_agg_mode",
-                 f"must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+        _require(self.name in ADVANTAGES, "algorithm.name", f"unknown algorithm {self.name!r}; choose one of "
+                 f"{ADVANTAGES.names()}")
+        _require(self.policy_loss in POLICY_LOSSES, "algorithm.policy_loss",
+                 f"unknown policy loss {self.policy_loss!r}; choose one of {POLICY_LOSSES.names()}")
+        _require(self.loss_agg_mode in AGG_MODES, "algorithm.loss_agg_mode",
+                 f"must be one of {AGG_MODES}, got {self.loss_agg_mode!r}")
+        _require(self.norm_adv_eps >= 0, "algorithm.norm_adv_eps", f"must be >= 0, got {self.norm_adv_eps}")
         _require(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma/lam", "must be in [0, 1]")
         _require(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0, "algorithm.clip_ratio_low/high",
                  "must be >= 0")
@@ -324,12 +344,8 @@ class AlgorithmConfig:
 
     @property
     def uses_critic(self) -> bool:
-        return self.name == "ppo"
-
-    @property
-    def advantage(self) -> str:
-        """The advantage estimator's registry name."""
-        return "gae" if self.name == "ppo" else self.name
+        """The advantage estimator needs a critic's values."""
+        return "values" in ADVANTAGES.entry(self.name).needs
 
 
 @dataclass
@@ -455,7 +471,7 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
     if cfg.rollout.engine == "vllm":
         _require(world_size % cfg.rollout.tp == 0, "rollout.tp",
                  f"{cfg.rollout.tp} does not divide the world size {world_size}")
-    if cfg.algorithm.name in ("grpo", "rloo"):
+    if "group_index" in ADVANTAGES.entry(cfg.algorithm.name).needs:
         _require(cfg.rollout.n >= 2, "rollout.n", f"{cfg.algorithm.name} compares samples of a prompt: use n >= 2")
 
 

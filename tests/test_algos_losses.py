@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from megarl.algos.aggregation import AGG_MODES, agg_loss, count_tokens_and_seqs, masked_whiten
 from megarl.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
 from megarl.algos.losses import actor_loss, get_policy_loss_fn, value_loss
+from megarl.algos.registry import KL_ESTIMATORS
+from megarl.config import ConfigError, load_config
 
 NAN = float("nan")
 
@@ -101,6 +103,54 @@ def test_k3_clamps_and_straight_through_gradient():
     close(lp.grad, [[0.5, -1.0]])                                       # ... with k2's gradient lp - ref
     with pytest.raises(ValueError, match="unknown KL estimator 'k4'.*'k3'"):
         kl_penalty(LP, REF, "k4")
+
+
+def expected_loss_gradient(kind, logits, ref_logp):
+    """``E_{y ~ pi}[grad_logits kl(log pi(y), log pi_ref(y))]``, exactly: the sum over every outcome weighted by
+    its (detached) probability, the expectation of the gradient that a KL loss on sampled tokens follows."""
+    logp = logits.log_softmax(-1)
+    loss = (logp.exp().detach() * kl_penalty(logp, ref_logp, kind)).sum()
+    return torch.autograd.grad(loss, logits)[0]
+
+
+@pytest.mark.parametrize("kind", KL_ESTIMATORS.names())
+def test_kl_loss_gradients_are_what_the_registry_states(kind):
+    """Each estimator's registry entry says which divergence's gradient its gradient estimates as a loss
+    (megarl.algos.kl); check it exactly on random categorical policies (k1: none, its expectation is 0)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        logits = torch.randn(6, dtype=torch.float64, generator=g).requires_grad_()
+        ref_logp = (torch.randn(6, dtype=torch.float64, generator=g)).log_softmax(-1)
+        logp = logits.log_softmax(-1)
+        p, ref = logp.exp(), ref_logp.exp()
+        reverse = torch.autograd.grad((p * (logp - ref_logp)).sum(), logits, retain_graph=True)[0]
+        forward = torch.autograd.grad((ref * (ref_logp - logp)).sum(), logits)[0]
+        got = expected_loss_gradient(kind, logits, ref_logp)
+        want = {"KL(pi || pi_ref)": reverse, "KL(pi_ref || pi)": forward, None: torch.zeros(6, dtype=torch.float64)}
+        torch.testing.assert_close(got, want[KL_ESTIMATORS.entry(kind).loss_gradient])
+        assert reverse.abs().max() > 1e-2 and (forward - reverse).abs().max() > 1e-3  # the cases differ
+
+
+def test_k1_as_kl_loss_is_refused_and_allowed_in_the_reward():
+    with pytest.raises(ConfigError, match=r"algorithm.kl.estimator: 'k1' in the loss.*\['k2', 'k3', 'k3\+'\].*"
+                                          r"algorithm.kl.in_loss=false"):
+        load_config(None, ["algorithm.kl.estimator=k1"])
+    assert load_config(None, ["algorithm.kl.estimator=k1", "algorithm.kl.in_loss=false"]).algorithm.kl.estimator == "k1"
+    load_config(None, ["algorithm.kl.estimator=k1", "algorithm.kl.coef=0"])  # no KL at all
+    for kind in ("k2", "k3", "k3+"):
+        load_config(None, [f"algorithm.kl.estimator={kind}"])
+
+
+def test_k1_as_kl_loss_drifts_away_from_the_reference():
+    """What the refusal prevents (issue 8): SGD on a sampled-token k1 loss keeps lowering the sampled token's
+    log-prob below the reference's; k2 and k3+ pull it to the reference."""
+    ref = torch.tensor([[-1.5]])
+    for kind, lands_near_ref in (("k1", False), ("k2", True), ("k3+", True)):
+        logprob = torch.tensor([[-1.0]], requires_grad=True)
+        for _ in range(20):
+            (grad,) = torch.autograd.grad(kl_penalty(logprob, ref, kind).sum(), logprob)
+            logprob = (logprob - 0.5 * grad).detach().requires_grad_()
+        assert (abs(logprob.item() + 1.5) < 0.01) == lands_near_ref, (kind, logprob.item())
 
 
 def test_apply_kl_penalty_hand_computed():

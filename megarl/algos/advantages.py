@@ -20,7 +20,9 @@ Estimators see the whole batch: group statistics need every sample of a group, a
 valid tokens of the batch, so call them before the batch is split over data-parallel ranks (or on a batch
 gathered from them).
 
-Add one with ``@register_advantage("name")``; look one up with :func:`get_advantage_fn`.
+The built-ins are declared in :data:`megarl.algos.registry.ADVANTAGES` (with the config fields each takes and
+whether it needs a critic or groups); add one with ``@register_advantage("name", params=..., needs=...)``;
+look one up with :func:`get_advantage_fn`.
 """
 
 from __future__ import annotations
@@ -30,11 +32,10 @@ from typing import Callable
 import torch
 
 from megarl.algos.aggregation import masked_whiten
-from megarl.algos.registry import Registry
+from megarl.algos.registry import ADVANTAGES
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator", "register_advantage")
 register_advantage = ADVANTAGES.register
 get_advantage_fn = ADVANTAGES.get
 
@@ -132,7 +133,6 @@ def _broadcast(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tenso
     return torch.where(response_mask.bool(), scores[:, None], 0.0)
 
 
-@register_advantage("gae")
 def gae_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *, values: torch.Tensor | None = None,
                   group_index: torch.Tensor | None = None, gamma: float = 1.0, lam: float = 1.0,
                   whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +176,6 @@ def gae_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *, values:
     return advantages, returns
 
 
-@register_advantage("grpo")
 def grpo_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *, values: torch.Tensor | None = None,
                    group_index: torch.Tensor | None = None, norm_by_std: bool = True,
                    eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,7 +213,6 @@ def grpo_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *, values
     return adv, adv
 
 
-@register_advantage("rloo")
 def rloo_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *, values: torch.Tensor | None = None,
                    group_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out (Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!";
@@ -243,7 +241,6 @@ def rloo_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *, values
     return adv, adv
 
 
-@register_advantage("reinforce_plus_plus")
 def reinforce_plus_plus_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *,
                                   values: torch.Tensor | None = None, group_index: torch.Tensor | None = None,
                                   gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,7 +269,6 @@ def reinforce_plus_plus_advantage(rewards: torch.Tensor, response_mask: torch.Te
     return masked_whiten(returns, response_mask), returns
 
 
-@register_advantage("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *,
                                            values: torch.Tensor | None = None,
                                            group_index: torch.Tensor | None = None

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+from megarl.algos.registry import AGG_MODES
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -5,16 +5,37 @@ the log-probs of the sampled tokens under the policy (``logprob``, log pi) and t
 log pi_ref); with ``r = pi_ref / pi`` and tokens sampled from pi, each estimates ``KL(pi || pi_ref)``:
 
 - ``"k1"``: ``-log r = logprob - ref_logprob`` (unbiased, high variance, can be negative);
-- ``"k2"``: ``(log r)^2 / 2`` (biased, low variance; its gradient is the gradient of the KL on-policy);
+- ``"k2"``: ``(log r)^2 / 2`` (biased, low variance);
 - ``"k3"``: ``(r - 1) - log r`` (unbiased, low variance, >= 0), with ``log r`` clamped to [-20, 20] and the
   result to [-10, 10] against overflow (as in verl's "low_var_kl");
-- a ``"+"`` suffix (``"k3+"``): the value of the estimator with the gradient of ``k2`` (straight-through), for
-  the KL loss, where k3's own gradient is not that of ``KL(pi || pi_ref)``.
+- ``"k3+"``: k3's value with k2's gradient (straight-through), for the KL loss.
+
+**As a loss** (the KL in the actor's loss, GRPO style), what matters is the gradient, not the value: the
+samples come from pi but the loss is differentiated only through ``logprob`` (Tang & Munos 2025, "On a few
+pitfalls in KL divergence gradient estimation for RL", arXiv:2506.09477). With ``g = grad log pi(y)``
+and ``E_pi[g] = 0``, the expected gradient of each estimator is (per token, derivation below, checked exactly
+on categorical distributions in ``tests/test_algos_losses.py``):
+
+- k1: ``E_pi[g] = 0``: its gradient estimates nothing (zero-mean noise that lowers the log-prob of whatever
+  was sampled), so it does **not** pull the policy towards the reference. Refused as a loss by the config;
+  it is the usual estimator for the reward penalty (:func:`apply_kl_penalty`), where only its value counts.
+- k2: ``E_pi[log(pi / pi_ref) g] = grad KL(pi || pi_ref)``: the gradient of the KL it estimates (Tang & Munos
+  2025).
+- k3: ``E_pi[(1 - pi_ref / pi) g] = -E_pi_ref[g] = grad KL(pi_ref || pi)``: the gradient of the *other*
+  direction (the forward KL), also zero at ``pi = pi_ref`` and pulling towards the reference; what GRPO's KL
+  loss uses (Shao et al. 2024, arXiv:2402.03300, eq. 4).
+- k3+: k2's gradient, so ``grad KL(pi || pi_ref)`` with k3's low-variance, non-negative value as the metric.
+
+Each statement is the ``loss_gradient`` of the estimator's registry entry
+(:data:`megarl.algos.registry.KL_ESTIMATORS`). All of them are per-token: summed over a response they give the
+gradient of the per-token KLs at the sampled contexts, not the part of the sequence KL's gradient that flows
+through how earlier tokens change later contexts (Tang & Munos 2025: a "partial gradient"); the KL in
+the reward (``algorithm.kl.in_loss=false``) has no such gap.
 
 The KL either penalises the reward (:func:`apply_kl_penalty`, PPO/REINFORCE++ style; coefficient from a
 :class:`FixedKLController` or :class:`AdaptiveKLController`) or enters the loss (GRPO style:
 ``kl_coef * agg_loss(kl_penalty(logprob, ref_logprob, "k3"), mask, ...)``, see
-:func:`megarl.algos.losses.actor_loss`). Add an estimator with ``@register_kl("name")``:
+:func:`megarl.algos.losses.actor_loss`). Add an estimator with ``@register_kl("name", loss_gradient=...)``:
 ``fn(logprob [B, T] float32, ref_logprob [B, T] float32) -> [B, T] float32``.
 """
 
@@ -27,32 +48,34 @@ import torch
 
 from megarl.algos.advantages import as_token_rewards
 from megarl.algos.aggregation import masked_mean
-from megarl.algos.registry import Registry
+from megarl.algos.registry import KL_ESTIMATORS
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator", "register_kl")
 register_kl = KL_ESTIMATORS.register
 
 
-@register_kl("k1")
 def kl_k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     """k1 = ``logprob - ref_logprob`` (module docstring)."""
     return logprob - ref_logprob
 
 
-@register_kl("k2")
 def kl_k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     """k2 = ``(logprob - ref_logprob)^2 / 2`` (module docstring)."""
     return 0.5 * (logprob - ref_logprob).square()
 
 
-@register_kl("k3")
 def kl_k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     """k3 = ``exp(d) - d - 1`` with ``d = ref_logprob - logprob`` clamped to [-20, 20], result clamped to
     [-10, 10] (module docstring)."""
     log_ratio = (ref_logprob - logprob).clamp(-20.0, 20.0)
     return (log_ratio.exp() - log_ratio - 1).clamp(-10.0, 10.0)
+
+
+def kl_k3_plus(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """k3+ = k3's value with k2's gradient (straight-through: ``k2 - k2.detach() + k3.detach()``)."""
+    surrogate = kl_k2(logprob, ref_logprob)
+    return surrogate - surrogate.detach() + kl_k3(logprob, ref_logprob).detach()
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -61,8 +84,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "k3
     Args:
         logprob: ``[B, T]`` float log-probs of the sampled tokens under the policy (nats).
         ref_logprob: ``[B, T]`` float log-probs of the same tokens under the reference policy.
-        kind: a registered estimator ("k1", "k2", "k3"), optionally with a "+" suffix (the estimator's value,
-            k2's gradient).
+        kind: a registered estimator ("k1", "k2", "k3", "k3+").
 
     Returns:
         ``[B, T]`` float32, every position (mask it yourself: :func:`~megarl.algos.aggregation.agg_loss` or
@@ -74,14 +96,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "k3
     if logprob.shape != ref_logprob.shape:
         raise ValueError(f"logprob and ref_logprob must have the same shape, got {tuple(logprob.shape)} and "
                          f"{tuple(ref_logprob.shape)}")
-    straight_through = kind.endswith("+")
-    estimator = KL_ESTIMATORS.get(kind[:-1] if straight_through else kind)
-    logprob, ref_logprob = logprob.float(), ref_logprob.float()
-    value = estimator(logprob, ref_logprob)
-    if not straight_through:
-        return value
-    surrogate = kl_k2(logprob, ref_logprob)
-    return surrogate - surrogate.detach() + value.detach()
+    return KL_ESTIMATORS.get(kind)(logprob.float(), ref_logprob.float())
 
 
 def apply_kl_penalty(rewards: torch.Tensor, logprob: torch.Tensor, ref_logprob: torch.Tensor,

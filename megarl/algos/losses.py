@@ -16,7 +16,8 @@ A policy loss is registered by name and has the signature::
   :func:`~megarl.algos.aggregation.agg_loss`, and ``metrics``: name -> detached float32 scalar, means over
   this batch's valid tokens.
 
-Add one with ``@register_policy_loss("name")``; :func:`actor_loss` looks it up by name.
+The built-ins are declared in :data:`megarl.algos.registry.POLICY_LOSSES` (with the config fields each takes);
+add one with ``@register_policy_loss("name", params=...)``; :func:`actor_loss` looks it up by name.
 """
 
 from __future__ import annotations
@@ -27,16 +28,14 @@ import torch
 
 from megarl.algos.aggregation import agg_loss, masked_mean
 from megarl.algos.kl import kl_penalty
-from megarl.algos.registry import Registry
+from megarl.algos.registry import POLICY_LOSSES
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "register_policy_loss")
 register_policy_loss = POLICY_LOSSES.register
 get_policy_loss_fn = POLICY_LOSSES.get
 
 
-@register_policy_loss("ppo")
 def ppo_clip_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
                   response_mask: torch.Tensor, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                   clip_ratio_c: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -120,8 +119,8 @@ def actor_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: tor
         entropy_coeff: weight of the entropy bonus (>= 0 rewards exploration).
         ref_logprob: ``[B, T]`` float reference log-probs, needed when ``kl_coef != 0``.
         kl_coef: weight of the KL loss.
-        kl_kind: KL estimator for the loss (see :func:`~megarl.algos.kl.kl_penalty`; "k3+" for an unbiased
-            gradient).
+        kl_kind: KL estimator for the loss (see :func:`~megarl.algos.kl.kl_penalty`; what each one's gradient
+            estimates is in :mod:`megarl.algos.kl`: "k2" or "k3+" for the gradient of KL(pi || pi_ref)).
 
     Returns:
         ``(loss, metrics)``: ``loss`` a float32 scalar with grad; ``metrics`` detached float32 scalars:

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.algos.advantages import get_advantage_fn
 from megarl.algos.aggregation import masked_mean
 from megarl.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
+from megarl.algos.registry import ADVANTAGES
 from megarl.bench.flops import peak_bf16_flops
 from megarl.bench.throughput import step_perf_metrics
 from megarl.bench.timers import PhaseTimer
@@ -310,15 +310,8 @@ class Trainer:
                                                     coef=self.kl_ctl.value, kind=alg.kl.estimator)
                 self.kl_ctl.update(float(mean_kl), len(batch))
             metrics["actor/kl_coef"] = self.kl_ctl.value
-        params: dict[str, Any] = {}
-        if alg.advantage == "gae":
-            params = {"gamma": alg.gamma, "lam": alg.lam}
-        elif alg.advantage == "grpo":
-            params = {"norm_by_std": alg.norm_adv_by_std}
-        elif alg.advantage == "reinforce_plus_plus":
-            params = {"gamma": alg.gamma}
-        adv, ret = get_advantage_fn(alg.advantage)(rewards, mask, values=batch.tensors.get("values"),
-                                                   group_index=batch["group"], **params)
+        estimator = ADVANTAGES.bind(alg.name, alg)  # with its parameters from the config
+        adv, ret = estimator(rewards, mask, values=batch.tensors.get("values"), group_index=batch["group"])
         batch["advantages"], batch["returns"] = adv, ret
         metrics["advantages/mean"] = masked_mean(adv, mask.bool()).item()
         return metrics

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megarl.algos.aggregation import agg_loss
 from megarl.algos.losses import actor_loss, value_loss
+from megarl.algos.registry import POLICY_LOSSES
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
 from megarl.models.checkpoint import is_preset, load_weights, unwrap
 from megarl.models.logprobs import vocab_parallel_logprobs
@@ -298,13 +299,12 @@ class PolicyWorker(MegatronWorker):
         ppo_kl, grad_norm, lr."""
         kl_in_loss = alg.kl.in_loss and alg.kl.coef > 0
         names = MODEL_INPUTS + ("old_logprobs", "advantages") + (("ref_logprobs",) if kl_in_loss else ())
-        params = {"clip_ratio_low": alg.clip_ratio_low, "clip_ratio_high": alg.clip_ratio_high,
-                  "clip_ratio_c": alg.clip_ratio_c}
+        params = POLICY_LOSSES.entry(alg.policy_loss).config_params(alg)
 
         def loss_fn(mb, logits, norms):
             logp, ent = self._logprobs(mb, logits, with_entropy=True)
             loss, metrics = actor_loss(
-                logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"], policy_loss="ppo",
+                logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"], policy_loss=alg.policy_loss,
                 policy_loss_params=params, agg_mode=alg.loss_agg_mode, entropy=ent,
                 entropy_coeff=alg.entropy_coef, ref_logprob=mb.get("ref_logprobs"),
                 kl_coef=alg.kl.coef if kl_in_loss else 0.0, kl_kind=alg.kl.estimator, **norms)
