@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # RL step throughput on one GPU with vLLM rollouts: GRPO on a random-weight model shape (preset:NAME) and a
 # synthetic prompt set (tests/rl_tasks.py's word-level tokenizer; responses run to max_new_tokens), so every
-# phase (reshard, generate, log-probs, update) is timed at a realistic size. Needs the wheels of gpu_vllm.sh.
+# phase (reshard, generate, log-probs, update) is timed at a realistic size. Needs the wheels of gpu_vllm.sh;
+# builds and imports the megarl._C extension first (perf/build_C.sh), so the reshard never runs on the
+# pure-torch fallback.
 #   bash perf/gpu_rl_step.sh [MODEL] [STEPS]        e.g. bash perf/gpu_rl_step.sh qwen2.5-0.5b 3
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +11,7 @@ MODEL=${1:-qwen2.5-0.5b}; STEPS=${2:-3}; OUT=${OUT:-runs/gpu_rl_step}
 export PYTHONPATH=/tmp/site:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
        VLLM_NO_USAGE_STATS=1 NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"
+bash perf/build_C.sh
 python3 -c "
 from pathlib import Path
 from tests.rl_tasks import make_tiny_model, write_prompts

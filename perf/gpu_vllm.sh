@@ -41,14 +41,7 @@ megatron.core.__version__)"
 }
 
 build_extension() {
-  local want have
-  want=$(cat setup.py csrc/* | sha256sum | cut -d' ' -f1)
-  have=$(cat /tmp/megarl_C.sha256 2>/dev/null || true)
-  if [ "$want" != "$have" ] || ! ls megarl/_C*.so >/dev/null 2>&1; then
-    MAX_JOBS=16 python3 setup.py -q build_ext --inplace || return 1
-    echo "$want" > /tmp/megarl_C.sha256
-  fi
-  python3 -c "import torch, megarl._C; print('megarl._C built, CUDA', torch.version.cuda)"
+  bash perf/build_C.sh
 }
 
 train_tiny() {

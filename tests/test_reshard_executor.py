@@ -212,6 +212,11 @@ def test_the_missing_extension_is_reported_once(monkeypatch, caplog):
         batch.run({"a": a, "b": b}, use_extension=True)
 
 
+def test_the_missing_extension_on_a_gpu_is_a_warning_with_its_cost():
+    with pytest.warns(boxcopy.FallbackWarning, match=r"one torch copy_ per box \(410 kernel launches.*~8x longer"):
+        boxcopy.warn_fallback(torch.device("cuda", 0), 410)
+
+
 @needs_ext
 def test_the_extension_refuses_boxes_outside_their_tensors():
     a, b = torch.zeros(4, 5), torch.zeros(10)
