@@ -54,15 +54,17 @@ def positive_int(flag: str) -> Callable[[str], int]:
     return int_at_least(flag, 1)
 
 
-def positive_float(flag: str) -> Callable[[str], float]:
-    """An argparse ``type`` for a number > 0 whose error names ``flag``."""
+def positive_float(flag: str, minimum: float | None = None) -> Callable[[str], float]:
+    """An argparse ``type`` for a finite number > 0 (>= ``minimum`` when given) whose error names ``flag``."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} must be a number > 0, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be > 0, got {value}")
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} must be a finite number > 0, got {text}")
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {minimum:g}, got {text}")
         return value
     return parse
 
@@ -88,17 +90,19 @@ def split_config_and_overrides(config: str | None, overrides: list[str]) -> tupl
 
 def relaunch_world(cfg, argv: list[str]) -> bool:
     """Under torchrun or SLURM: False (this process is one rank). Started plainly: check ``cfg`` against its
-    world size, and when that is more than one rank, run ``megarl ARGV`` under ``torchrun
-    --nproc_per_node=<world size>`` on this node and return True once it has finished.
+    world size and its model (:func:`megarl.trainer.preflight.preflight`), and when that is more than one rank,
+    run ``megarl ARGV`` under ``torchrun --nproc_per_node=<world size>`` on this node and return True once it
+    has finished.
 
     Raises:
-        ConfigError: from :func:`~megarl.config.validate_for_world`, before any process starts.
+        ConfigError: from :func:`~megarl.trainer.preflight.preflight`, naming the field, before any process
+            starts.
     """
-    from megarl.config import validate_for_world
-
     if "RANK" in os.environ or "SLURM_PROCID" in os.environ:
         return False
-    validate_for_world(cfg, cfg.world_size)
+    from megarl.trainer.preflight import preflight
+
+    preflight(cfg, cfg.world_size)
     if cfg.world_size == 1:
         return False
     from torch.distributed.run import main as torchrun
@@ -140,7 +144,7 @@ def _convert(p: argparse.ArgumentParser):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
 
     def run(a: argparse.Namespace) -> int:
-        from megarl.models.convert import convert_to_megarl
+        from megarl.launch.convert import convert_to_megarl
 
         path = convert_to_megarl(None if a.src == "default" else a.src, a.out, tp=a.tp, pp=a.pp, dtype=a.dtype)
         print(f"wrote megarl checkpoint {path}")
@@ -154,7 +158,7 @@ def _export(p: argparse.ArgumentParser):
     p.add_argument("out", help="output Hugging Face directory")
 
     def run(a: argparse.Namespace) -> int:
-        from megarl.models.convert import export_to_hf
+        from megarl.launch.convert import export_to_hf
 
         print(f"wrote Hugging Face checkpoint {export_to_hf(a.ckpt, a.out)}")
         return 0

@@ -28,6 +28,7 @@ def _require(cond: bool, field_name: str, msg: str) -> None:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+MIN_BUCKET_MB = 1.0  # the smallest reshard bucket, MiB (reshard.bucket_mb, megarl bench reshard --bucket-mb)
 
 
 @dataclass
@@ -350,12 +351,15 @@ class AlgorithmConfig:
 
 @dataclass
 class ReshardConfig:
-    """The reshard engine. bucket_mb: staging bytes (send + receive) per rank per round, MiB."""
+    """The reshard engine. bucket_mb: staging bytes (send + receive) per rank per round, MiB, at least
+    :data:`MIN_BUCKET_MB` (smaller buckets cut the weights into so many rounds that each round's
+    synchronisation costs more than the memory saved)."""
 
     bucket_mb: float = 64.0
 
     def __post_init__(self):
-        _require(self.bucket_mb > 0, "reshard.bucket_mb", "must be > 0")
+        _require(self.bucket_mb >= MIN_BUCKET_MB, "reshard.bucket_mb",
+                 f"must be >= {MIN_BUCKET_MB} MiB, got {self.bucket_mb}")
 
 
 @dataclass
@@ -473,6 +477,24 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
                  f"{cfg.rollout.tp} does not divide the world size {world_size}")
     if "group_index" in ADVANTAGES.entry(cfg.algorithm.name).needs:
         _require(cfg.rollout.n >= 2, "rollout.n", f"{cfg.algorithm.name} compares samples of a prompt: use n >= 2")
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """A copy of ``cfg`` whose paths are absolute (``model.path``, ``model.tokenizer``, ``data.train_files``,
+    ``data.gsm8k_source``, ``run.output_dir``), so that what a run records (its config.json, its checkpoints)
+    means the same from any working folder. Names that are not paths (``default``, ``preset:NAME``, ``auto``,
+    ``hub``) are kept."""
+    def absolute(p: str | None) -> str | None:
+        if p is None or p in ("default", "auto", "hub") or p.startswith("preset:"):
+            return p
+        return str(Path(p).expanduser().resolve())
+
+    return dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(cfg.run, output_dir=absolute(cfg.run.output_dir)),
+        model=dataclasses.replace(cfg.model, path=absolute(cfg.model.path), tokenizer=absolute(cfg.model.tokenizer)),
+        data=dataclasses.replace(cfg.data, train_files=[absolute(f) for f in cfg.data.train_files],
+                                 gsm8k_source=absolute(cfg.data.gsm8k_source)))
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -38,11 +38,13 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from megarl.models.spec import ModelSpec, preset
+from megarl.config import MIN_BUCKET_MB
+from megarl.models.megatron import check_layout
+from megarl.models.spec import ModelSpec, SpecError, preset
 from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard.boxcopy import Box, BoxBatch, extension_available
 from megarl.reshard.executor import DEFAULT_BUCKET_BYTES, execute_plan
-from megarl.reshard.layout import (Layout, canonical_shapes, hf_layout, megatron_layout,
+from megarl.reshard.layout import (Layout, canonical_shapes, check_vllm_tp, hf_layout, megatron_layout,
                                    megatron_rank_tensors, vllm_layout)
 from megarl.reshard.planner import plan_reshard
 
@@ -254,10 +256,52 @@ def _exact(tensors: Mapping, dst_tensors: Mapping[str, torch.Tensor], src_dtype:
     return True
 
 
+def bench_spec(args: argparse.Namespace) -> ModelSpec:
+    """The benchmarked model: preset ``--model`` cut to ``--layers``.
+
+    Raises:
+        ValueError: an unknown ``--model`` (listing the known ones).
+    """
+    try:
+        spec = preset(args.model)
+    except SpecError as e:
+        raise ValueError(f"--model: {e}") from None
+    return spec.replace(num_layers=args.layers) if args.layers else spec
+
+
+def check_layout_args(args: argparse.Namespace, world: int) -> None:
+    """Check the layout mode's flags against the world and the model, before any rank starts.
+
+    Raises:
+        ValueError: naming the flag (``--nproc``, ``--src-tp``, ``--src-pp``, ``--layers``, ``--dst-tp``,
+            ``--hf-ranks``, ``--ranks-per-node``), what does not divide or fit, and the sizes that would.
+    """
+    spec = bench_spec(args)
+    for flag, layout in (("--src-tp", ParallelLayout(tp=args.src_tp)), ("--src-pp", ParallelLayout(pp=args.src_pp))):
+        try:
+            check_layout(spec, layout)
+        except SpecError as e:
+            raise ValueError(f"{flag} (model {args.model}{f', --layers {args.layers}' if args.layers else ''}): "
+                             f"{e}") from None
+    if world % (args.src_tp * args.src_pp):
+        raise ValueError(f"--nproc: {world} ranks are not a multiple of --src-tp x --src-pp = {args.src_tp} x "
+                         f"{args.src_pp} (the source's DP fills the world)")
+    if args.dst == "vllm":
+        if world % args.dst_tp:
+            raise ValueError(f"--dst-tp {args.dst_tp} does not divide the {world} ranks (vLLM engines fill the world)")
+        try:
+            check_vllm_tp(spec, args.dst_tp)
+        except SpecError as e:
+            raise ValueError(f"--dst-tp: {e}") from None
+    bad = [r for r in args.hf_ranks if not 0 <= r < world]
+    if args.dst == "hf" and bad:
+        raise ValueError(f"--hf-ranks: {bad} are not ranks of the world (0..{world - 1})")
+    if args.ranks_per_node is not None and world % args.ranks_per_node:
+        raise ValueError(f"--ranks-per-node {args.ranks_per_node} does not divide the {world} ranks")
+
+
 def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
-    spec = preset(args.model)
-    if args.layers:
-        spec = spec.replace(num_layers=args.layers)
+    spec = bench_spec(args)
     mesh = ParallelLayout(args.src_tp, args.src_pp, world // (args.src_tp * args.src_pp))
     src = megatron_layout(spec, mesh)
     dst = vllm_layout(spec, args.dst_tp, range(world)) if args.dst == "vllm" else hf_layout(spec, args.hf_ranks)
@@ -271,7 +315,7 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     dst_tensors = {n: torch.zeros(lt.shape, dtype=dst_dtype, device=device) for n, lt in dst.tensors(rank).items()}
     dst_bytes = sum(t.numel() * t.element_size() for t in dst_tensors.values())
     methods = {
-        "reshard": lambda: execute_plan(plan, src_tensors, dst_tensors, rank=rank, bucket_bytes=args.bucket_mb << 20,
+        "reshard": lambda: execute_plan(plan, src_tensors, dst_tensors, rank=rank, bucket_bytes=int(args.bucket_mb * 2**20),
                                         wire_dtype=dtype, profile=True),
         "gather_full": lambda: gather_full_then_slice(src, dst, src_tensors, dst_tensors, rank=rank, dtype=dtype),
         "per_tensor_allgather": lambda: per_tensor_allgather(spec, groups, dst, src_tensors, dst_tensors, rank=rank,
@@ -322,9 +366,7 @@ def _layout_table(results: list[dict]) -> str:
 
 def _run_layout(args: argparse.Namespace) -> dict:
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
-    if world % (args.src_tp * args.src_pp) or (args.dst == "vllm" and world % args.dst_tp):
-        raise SystemExit(f"megarl bench reshard: {world} ranks are not a multiple of src tp x pp = "
-                         f"{args.src_tp} x {args.src_pp} (source DP fills the world) and of dst tp = {args.dst_tp}")
+    check_layout_args(args, world)
     if "RANK" in os.environ or args.nproc == 1:
         from megarl.parallel.mesh import init_distributed
 
@@ -365,9 +407,7 @@ def _timed(fn, device: torch.device, iters: int) -> float:
 def _run_micro(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
-    spec = preset(args.model)
-    if args.layers:
-        spec = spec.replace(num_layers=args.layers)
+    spec = bench_spec(args)
     src = megatron_layout(spec, ParallelLayout())
     tensors = {("src", n): torch.randn(lt.shape, device=device).to(dtype) for n, lt in src.tensors(0).items()}
     cases = {}
@@ -431,25 +471,33 @@ def _micro_table(result: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The arguments of ``megarl bench reshard`` (registered in :mod:`megarl.cli`)."""
+    """The arguments of ``megarl bench reshard`` (registered in :mod:`megarl.cli`, whose argparse types name the
+    flag in their errors). The defaults run on any machine: SmolLM2-135M (9 heads, 3 KV heads) at TP=3 on 3
+    local ranks, resharded into vLLM TP=1 engines (every rank gathers the whole model)."""
+    from megarl.cli import int_at_least, positive_float, positive_int
+
     p.add_argument("mode", nargs="?", choices=("layout", "micro"), default="layout")
     p.add_argument("--model", default="smollm2-135m", help="a PRESETS shape (smollm2-135m, qwen2.5-0.5b, "
                    "qwen2.5-7b, llama-3-8b, ...)")
-    p.add_argument("--layers", type=int, default=0, help="cut the model to this many layers (0: all)")
+    p.add_argument("--layers", type=int_at_least("--layers", 0), default=0,
+                   help="cut the model to this many layers (0: all)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="source dtype")
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=positive_int("--iters"), default=5)
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     g = p.add_argument_group("layout mode")
-    g.add_argument("--nproc", type=int, default=4, help="local processes to spawn (ignored under torchrun)")
-    g.add_argument("--src-tp", type=int, default=2)
-    g.add_argument("--src-pp", type=int, default=1)
+    g.add_argument("--nproc", type=positive_int("--nproc"), default=3,
+                   help="local processes to spawn (ignored under torchrun)")
+    g.add_argument("--src-tp", type=positive_int("--src-tp"), default=3, help="Megatron TP of the source")
+    g.add_argument("--src-pp", type=positive_int("--src-pp"), default=1, help="Megatron PP of the source")
     g.add_argument("--dst", choices=("vllm", "hf"), default="vllm")
-    g.add_argument("--dst-tp", type=int, default=2, help="vLLM TP (engines fill the world)")
+    g.add_argument("--dst-tp", type=positive_int("--dst-tp"), default=1, help="vLLM TP (engines fill the world)")
     g.add_argument("--hf-ranks", type=int, nargs="+", default=[0], help="ranks that get whole HF tensors")
     g.add_argument("--dst-dtype", choices=sorted(DTYPES), default=None, help="destination dtype (default: --dtype)")
-    g.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_BYTES >> 20)
-    g.add_argument("--ranks-per-node", type=int, default=None)
-    g.add_argument("--warmup", type=int, default=1)
+    g.add_argument("--bucket-mb", type=positive_float("--bucket-mb", minimum=MIN_BUCKET_MB),
+                   default=DEFAULT_BUCKET_BYTES / 2**20, help=f"staging bytes per rank per round, MiB (>= "
+                   f"{MIN_BUCKET_MB:g})")
+    g.add_argument("--ranks-per-node", type=positive_int("--ranks-per-node"), default=None)
+    g.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1)
     g.add_argument("--no-baselines", dest="baselines", action="store_false")
     g = p.add_argument_group("micro mode")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -457,7 +505,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print the table; write ``--json``. Returns the exit status (1 if a result is not
-    exact)."""
+    exact).
+
+    Raises:
+        ValueError: flags that do not fit the world or the model (:func:`check_layout_args`), before any rank
+            starts; a ``--device`` that this machine lacks.
+    """
+    if args.mode == "micro" and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no GPU here; use --device cpu")
     result = _run_micro(args) if args.mode == "micro" else _run_layout(args)
     if not result:  # a torchrun rank other than 0
         return 0

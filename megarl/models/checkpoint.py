@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.models.hf_io import HFCheckpoint, open_hf_checkpoint
+from megarl.models.hf_io import HFCheckpoint, open_hf_checkpoint, read_hf_config, resolve_model_path
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.models.weights import fill_local_tensors
 from megarl.parallel.mesh import ParallelLayout
@@ -209,8 +209,9 @@ def load_weights(model: torch.nn.Module, source: str | os.PathLike | None, *, us
 
 
 def source_spec(source: str | os.PathLike | None) -> tuple[ModelSpec, torch.dtype | None, str | None]:
-    """Spec, stored dtype and tokenizer location of a model source (megarl checkpoint, HF dir, GGUF file, or
-    ``preset:NAME``, which has neither stored dtype nor tokenizer).
+    """Spec, stored dtype and tokenizer location (an absolute path) of a model source (megarl checkpoint, HF
+    dir, GGUF file, or ``preset:NAME``, which has neither stored dtype nor tokenizer), read from its config
+    alone: no weight is loaded (a GGUF file is not dequantised).
 
     Raises:
         SpecError: unknown preset or architecture. FileNotFoundError: a path that does not exist.
@@ -222,5 +223,19 @@ def source_spec(source: str | os.PathLike | None) -> tuple[ModelSpec, torch.dtyp
     if source is not None and is_megarl_checkpoint(source):
         meta = read_meta(source)
         return ModelSpec.from_hf_config(meta["hf_config"]), DTYPES[meta["dtype"]], meta.get("tokenizer")
-    ckpt = open_hf_checkpoint(source)
+    path = resolve_model_path(source)
+    if path.suffix == ".gguf":
+        return ModelSpec.from_hf_config(read_hf_config(path)), torch.float32, str(path)
+    ckpt = open_hf_checkpoint(path)
     return ckpt.spec, ckpt.dtype, str(ckpt.path)
+
+
+def source_config(source: str | os.PathLike | None) -> dict[str, Any] | None:
+    """The Hugging Face config a model came from, as its source wrote it (``config.json`` or GGUF metadata;
+    for a megarl checkpoint the one it recorded), so an export gives it back unchanged; None for a preset."""
+    if is_preset(source):
+        return None
+    if source is not None and is_megarl_checkpoint(source):
+        meta = read_meta(source)
+        return meta.get("source_config") or meta["hf_config"]
+    return read_hf_config(source)

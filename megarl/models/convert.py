@@ -1,23 +1,48 @@
-"""``megarl convert`` (HF directory or GGUF -> megarl/Megatron dist checkpoint) and ``megarl export`` (back).
+"""The per-rank work of ``megarl convert`` (HF directory or GGUF -> megarl/Megatron dist checkpoint) and
+``megarl export`` (back), and the checks they make before any rank starts.
 
-Both run a local world (one process per rank; gloo on CPU) through :func:`megarl.parallel.launch.run_world`.
-Convert builds the Megatron model at the requested TP x PP, each rank reading only the safetensors slices it
-holds, and saves a layout-free dist checkpoint. Export loads that checkpoint at TP=1 x PP=1 (megatron-core
-reshards on load), assembles the canonical tensors and writes config.json + safetensors: the round trip
-reproduces every HF tensor bit for bit when the dtype is kept.
+:func:`convert_rank` builds the Megatron model at the world's TP x PP, each rank reading only the safetensors
+slices it holds, and saves a layout-free dist checkpoint that records the source's own config. :func:`export_rank`
+loads that checkpoint at TP=1 x PP=1 (megatron-core reshards on load), assembles the canonical tensors and
+writes them with the source's config (:func:`export_config`): the round trip reproduces every HF tensor bit
+for bit when the dtype is kept, and the config as it was. :mod:`megarl.launch.convert` starts the ranks.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-
-from megarl.parallel.launch import run_world
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 
-def _convert_rank(rank: int, world: int, src: str, out: str, tp: int, pp: int, dtype_name: str | None) -> str:
+def check_conversion(src: str | None, tp: int, pp: int, dtype: str | None) -> None:
+    """What :func:`convert_rank` needs, checked from the source's config alone (no weight is read).
+
+    Raises:
+        ValueError: an unknown ``dtype``. SpecError: unknown architecture, or a TP/PP that does not fit the
+            model (naming ``--tp``/``--pp`` and the sizes that would). FileNotFoundError: no such source.
+    """
+    from megarl.models.checkpoint import DTYPES, source_spec
+    from megarl.models.megatron import check_layout
+    from megarl.models.spec import SpecError
+    from megarl.parallel.mesh import ParallelLayout
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    spec, _, _ = source_spec(src)
+    for flag, layout in (("--tp", ParallelLayout(tp=tp)), ("--pp", ParallelLayout(pp=pp))):
+        try:
+            check_layout(spec, layout)
+        except SpecError as e:
+            raise SpecError(f"{flag} {getattr(layout, flag[2:])}: {e}") from None
+
+
+def convert_rank(rank: int, world: int, src: str | None, out: str, tp: int, pp: int, dtype_name: str | None
+                 ) -> str:
+    """One rank of a conversion world of ``tp * pp`` ranks (``torch.distributed`` initialised); returns the
+    checkpoint directory."""
     from megarl.models import checkpoint as ck
     from megarl.models.hf_io import open_hf_checkpoint
     from megarl.models.megatron import build_model
@@ -30,32 +55,35 @@ def _convert_rank(rank: int, world: int, src: str, out: str, tp: int, pp: int, d
     initialize_model_parallel(mesh)
     model = build_model(ckpt.spec, mesh, params_dtype=dtype, init_weights=False)
     ck.load_hf_weights(model, ckpt)
-    return str(ck.save_model(out, model, tokenizer=str(ckpt.path), source=str(ckpt.path)))
+    return str(ck.save_model(out, model, tokenizer=str(ckpt.path), source=str(ckpt.path),
+                             source_config=ckpt.hf_config))
 
 
-def convert_to_megarl(src: str | None, out: str, *, tp: int = 1, pp: int = 1, dtype: str | None = None) -> Path:
-    """Import a Hugging Face directory or GGUF file (``None``: the default SmolLM2 GGUF) into a megarl
-    checkpoint, sharded by a TP x PP world of local processes.
-
-    Args:
-        dtype: "float32", "bfloat16" or "float16"; default: the checkpoint's own (float32 for GGUF).
+def export_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` of an export: the source's config as it was (``eos_token_id: null`` stays null,
+    ``sliding_window`` and every other field are kept), with the checkpoint's ``dtype``; checkpoints without a
+    recorded source config give the spec's config.
 
     Raises:
-        SpecError: unknown architecture, a TP that does not divide heads/query groups, a PP that does not
-            divide layers, missing or mismatched tensors (raised before any process starts where possible).
+        SpecError: the recorded source config describes other tensor shapes than the checkpoint holds.
     """
-    from megarl.models.checkpoint import DTYPES, source_spec
-    from megarl.models.megatron import check_layout
-    from megarl.parallel.mesh import ParallelLayout
+    from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    spec, _, _ = source_spec(src)
-    check_layout(spec, ParallelLayout(tp=tp, pp=pp))
-    return Path(run_world(_convert_rank, tp * pp, src, out, tp, pp, dtype)[0])
+    spec = ModelSpec.from_hf_config(meta["hf_config"])
+    cfg = dict(meta.get("source_config") or spec.to_hf_config().to_dict())
+    if ModelSpec.from_hf_config(cfg).hf_tensor_shapes() != spec.hf_tensor_shapes():
+        raise SpecError("the checkpoint's source_config describes another model than its hf_config")
+    cfg.pop("_name_or_path", None)
+    if not cfg.get("architectures"):  # GGUF metadata names no architecture class
+        cfg["architectures"] = [FAMILIES[spec.family].hf_architecture]
+    cfg["dtype"] = meta["dtype"]
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = meta["dtype"]
+    return cfg
 
 
-def _export_rank(rank: int, world: int, ckpt_dir: str, out: str) -> str:
+def export_rank(rank: int, world: int, ckpt_dir: str, out: str) -> str:
+    """The one rank of an export world; returns the Hugging Face directory."""
     from megarl.models import checkpoint as ck
     from megarl.models.hf_io import save_hf_checkpoint
     from megarl.models.megatron import build_model
@@ -71,7 +99,7 @@ def _export_rank(rank: int, world: int, ckpt_dir: str, out: str) -> str:
     ck.load_model(ckpt_dir, model)
     tensors = assemble_canonical(megatron_rank_tensors(spec, mesh, 0, 0, padded_vocab=model.vocab_size),
                                  dict(model.named_parameters()), spec.hf_tensor_shapes())
-    path = save_hf_checkpoint(out, spec, tensors)
+    path = save_hf_checkpoint(out, spec, tensors, config=export_config(meta))
     _copy_tokenizer(meta.get("tokenizer"), path)
     return str(path)
 
@@ -86,15 +114,3 @@ def _copy_tokenizer(source: str | None, out_dir: Path) -> None:
         load_tokenizer(source).save_pretrained(str(out_dir))
     except (OSError, ValueError) as e:
         log.warning("exported weights without a tokenizer: could not load one from %s (%s)", source, e)
-
-
-def export_to_hf(ckpt_dir: str, out: str) -> Path:
-    """Write a megarl checkpoint (any TP/PP it was saved at) as a Hugging Face directory.
-
-    Raises:
-        FileNotFoundError: ``ckpt_dir`` is not a megarl checkpoint.
-    """
-    from megarl.models.checkpoint import read_meta
-
-    read_meta(ckpt_dir)
-    return Path(run_world(_export_rank, 1, ckpt_dir, out)[0])

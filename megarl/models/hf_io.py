@@ -49,7 +49,8 @@ def default_model_path() -> Path:
 
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
-    """``None`` or ``"default"`` -> :func:`default_model_path`; anything else must exist.
+    """``None`` or ``"default"`` -> :func:`default_model_path`; anything else must exist. The result is
+    absolute, so a path recorded from it (a checkpoint's tokenizer) means the same from any working folder.
 
     Raises:
         FileNotFoundError: naming the path and what was expected there.
@@ -60,7 +61,28 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     if not p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} does not exist (expected a Hugging Face directory with "
                                 "config.json and *.safetensors, a .gguf file, or a megarl checkpoint)")
-    return p
+    return p.resolve()
+
+
+def read_hf_config(path: str | os.PathLike | None) -> dict:
+    """The Hugging Face config of a directory (its ``config.json``) or of a GGUF file (from its metadata),
+    without reading any weight.
+
+    Raises:
+        FileNotFoundError: no such path, or a directory without config.json.
+    """
+    p = resolve_model_path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
+        cfg.pop("quantization_config", None)
+        return cfg
+    if p.is_file():
+        raise FileNotFoundError(f"{p} is neither a .gguf file nor a directory")
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{p} has no config.json (a Hugging Face checkpoint directory needs one)")
+    return json.loads((p / "config.json").read_text())
 
 
 @dataclass
@@ -147,13 +169,8 @@ def open_hf_checkpoint(path: str | os.PathLike | None) -> HFCheckpoint:
     """
     p = resolve_model_path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return _open_gguf(p.resolve())
-    if p.is_file():
-        raise FileNotFoundError(f"{p} is neither a .gguf file nor a directory")
-    cfg_path = p / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{p} has no config.json (a Hugging Face checkpoint directory needs one)")
-    cfg = json.loads(cfg_path.read_text())
+        return _open_gguf(p)
+    cfg = read_hf_config(p)
     spec = ModelSpec.from_hf_config(cfg)
     files = _safetensors_index(p)
     ckpt = HFCheckpoint(p, spec, cfg, torch.float32, _files=files)
@@ -209,9 +226,12 @@ def load_tokenizer(path: str | os.PathLike | None):
 
 
 def save_hf_checkpoint(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Mapping[str, torch.Tensor],
-                       *, max_shard_bytes: int = 5 * 2**30) -> Path:
+                       *, max_shard_bytes: int = 5 * 2**30, config: dict | None = None) -> Path:
     """Write canonical tensors as a Hugging Face directory (config.json + safetensors, sharded above
     ``max_shard_bytes`` with an index), atomically (a temporary directory renamed at the end).
+
+    Args:
+        config: the ``config.json`` content (e.g. the source model's own config); default: the spec's.
 
     Raises:
         SpecError: a canonical tensor of the spec is missing or has another shape.
@@ -228,7 +248,10 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Map
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    spec.to_hf_config().save_pretrained(str(tmp))
+    if config is None:
+        spec.to_hf_config().save_pretrained(str(tmp))
+    else:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in shapes:

@@ -85,6 +85,8 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
     kwargs = {}
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if spec.sliding_window is not None:  # HF's window of w tokens: the w - 1 before a token, and itself
+        kwargs.update(window_size=(spec.sliding_window - 1, 0))
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,

@@ -67,6 +67,8 @@ class ModelSpec:
         tie_word_embeddings: output layer shares the embedding weight.
         max_position_embeddings: context length, tokens.
         bos_token_id / eos_token_ids / pad_token_id: special token ids from the config (eos may be several).
+        sliding_window: Mistral's sliding-window attention on every layer: each token attends to itself and the
+            ``sliding_window - 1`` tokens before it (None: full causal attention).
     """
 
     family: str
@@ -85,6 +87,7 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    sliding_window: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -94,6 +97,9 @@ class ModelSpec:
                      "head_dim", "ffn_hidden_size"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sliding_window is not None and (self.family != "mistral" or self.sliding_window < 1):
+            raise SpecError(f"sliding_window={self.sliding_window}: megarl runs sliding-window attention on Mistral "
+                            "models (every layer, a window >= 1 token) only")
         if self.num_attention_heads % self.num_kv_heads:
             raise SpecError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                             f"num_kv_heads={self.num_kv_heads}")
@@ -155,7 +161,7 @@ class ModelSpec:
 
         Raises:
             SpecError: unknown architecture/model_type, or a feature megarl does not support
-                (MLP bias, sliding-window attention on a layer, unsupported RoPE scaling).
+                (MLP bias, Qwen2's sliding-window attention on some layers, unsupported RoPE scaling).
         """
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         model_type = cfg.get("model_type")
@@ -170,12 +176,13 @@ class ModelSpec:
             raise SpecError("mlp_bias=True is not supported (Llama/Qwen2 MLPs have no bias)")
         if family == "llama" and cfg.get("attention_bias"):
             raise SpecError("attention_bias=True on a Llama model is not supported")
-        if cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
-            raise SpecError("sliding-window attention is not supported (set use_sliding_window=false)")
-        if family == "mistral" and cfg.get("sliding_window") not in (None, 0) and \
-                cfg.get("sliding_window", 0) < cfg.get("max_position_embeddings", 0):
-            raise SpecError(f"Mistral sliding_window={cfg['sliding_window']} is shorter than the context; "
-                            "sliding-window attention is not supported")
+        if family != "mistral" and cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
+            raise SpecError(f"sliding-window attention on some layers of a {family} model (use_sliding_window="
+                            "true) is not supported; megarl runs it on Mistral models, where every layer has it. "
+                            "Set use_sliding_window=false in config.json to train with full attention")
+        window = cfg.get("sliding_window") if family == "mistral" else None
+        if window is not None and window >= cfg.get("max_position_embeddings", 4096):
+            window = None  # a window as long as the context: full causal attention
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -203,6 +210,7 @@ class ModelSpec:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"),
+            sliding_window=window,
         )
 
     def to_hf_config(self):
@@ -234,8 +242,10 @@ class ModelSpec:
         )
         if self.family == "llama":
             kwargs.update(attention_bias=False, mlp_bias=False)
-        if self.family in ("qwen2", "mistral"):
+        if self.family == "qwen2":
             kwargs.update(use_sliding_window=False, sliding_window=None)
+        if self.family == "mistral":
+            kwargs.update(sliding_window=self.sliding_window)
         return config_cls(**kwargs)
 
     def replace(self, **changes) -> "ModelSpec":

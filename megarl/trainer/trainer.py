@@ -32,12 +32,13 @@ from megarl.algos.registry import ADVANTAGES
 from megarl.bench.flops import peak_bf16_flops
 from megarl.bench.throughput import step_perf_metrics
 from megarl.bench.timers import PhaseTimer
-from megarl.config import Config, ConfigError, to_dict, validate_for_world
+from megarl.config import Config, ConfigError, absolute_paths, to_dict, validate_for_world
 from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.loader import PromptLoader
 from megarl.data.template import PromptTemplate
 from megarl.models import checkpoint as ck
 from megarl.models.hf_io import load_tokenizer
+from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout, init_distributed, initialize_model_parallel
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.layout import megatron_layout
@@ -47,6 +48,7 @@ from megarl.rollout.base import SamplingConfig
 from megarl.rollout.data_parallel import generate_data_parallel, shard_bounds
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
+from megarl.trainer.preflight import validate_for_model
 from megarl.trainer.workers import CriticWorker, PolicyWorker
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,25 @@ def load_prompts(cfg: Config, tokenizer) -> PromptDataset:
                          template=template, max_prompt_length=cfg.data.max_prompt_length, source=",".join(files))
 
 
+def eos_from_tokenizer(spec: ModelSpec, tokenizer, source: str) -> ModelSpec:
+    """``spec`` with the tokenizer's end-of-sequence token where the model's config names none
+    (``eos_token_id: null``, e.g. a checkpoint saved without generation settings), said in a warning.
+
+    Raises:
+        ConfigError: naming ``model.path`` and the fix, when neither the config nor the tokenizer names one.
+    """
+    if spec.eos_token_ids:
+        return spec
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ConfigError(f"model.path: neither the config of {source} (eos_token_id: null) nor its tokenizer "
+                          "names an end-of-sequence token, so responses could not end; set eos_token_id in its "
+                          "config.json or eos_token in its tokenizer_config.json")
+    log.warning("the config of %s has no eos_token_id: responses end at the tokenizer's EOS %r (id %d)", source,
+                tokenizer.eos_token, eos)
+    return spec.replace(eos_token_ids=(int(eos),))
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete ``step_*`` checkpoint of a run, or None."""
     ckpts = sorted((p for p in (run_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*")
@@ -109,16 +130,19 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        self.cfg = cfg = absolute_paths(cfg)  # what the run records resolves the same from any folder
         info = init_distributed()
         self.rank, self.world = info.rank, info.world_size
         validate_for_world(cfg, self.world)
         self.run_dir = cfg.run.run_dir
         self.spec, _, tok_source = ck.source_spec(None if cfg.model.path == "default" else cfg.model.path)
+        validate_for_model(cfg, self.spec)
+        self.source_config = ck.source_config(None if cfg.model.path == "default" else cfg.model.path)
         self.tokenizer_source = cfg.model.tokenizer or tok_source
         if self.tokenizer_source is None:
             raise ConfigError(f"model.tokenizer: {cfg.model.path} has no tokenizer; name a tokenizer directory")
         self.tokenizer = load_tokenizer(self.tokenizer_source)
+        self.spec = eos_from_tokenizer(self.spec, self.tokenizer, cfg.model.path)
         self.prompts = load_prompts(cfg, self.tokenizer)  # bad data fails before any model is built
         epochs = max(1, math.ceil(cfg.trainer.steps * cfg.data.prompts_per_step / len(self.prompts)))
         self.loader = PromptLoader(self.prompts, cfg.data.prompts_per_step, shuffle=cfg.data.shuffle,
@@ -330,7 +354,7 @@ class Trainer:
                              step=self.step_idx, loader=self.loader.state_dict(), kl_ctl=self.kl_ctl.state_dict(),
                              actor_scheduler=self.actor.scheduler.state_dict(),
                              critic_scheduler=self.critic.scheduler.state_dict() if self.critic else None,
-                             config=to_dict(self.cfg), world_size=self.world)
+                             config=to_dict(self.cfg), world_size=self.world, source_config=self.source_config)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         ck.save_checkpoint(path, self._state(is_loading=False), meta, per_rank={"rng": rng})
         self.last_checkpoint = path
@@ -393,9 +417,10 @@ class Trainer:
         if cfg.trainer.export_hf and self.last_checkpoint is not None:
             dist.barrier()
             if self.rank == 0:
-                from megarl.models.convert import export_to_hf
+                from megarl.models.convert import export_rank
+                from megarl.parallel.launch import run_world
 
-                hf_path = export_to_hf(str(self.last_checkpoint), str(self.run_dir / "hf"))
+                hf_path = Path(run_world(export_rank, 1, str(self.last_checkpoint), str(self.run_dir / "hf"))[0])
         history = read_metrics(self.run_dir / "metrics.jsonl") if self.rank == 0 else []
         text = summary_text(history, run_dir=self.run_dir, checkpoint=self.last_checkpoint, hf_export=hf_path,
                             wall_s=time.perf_counter() - start, steps_this_session=self.step_idx - first_step)

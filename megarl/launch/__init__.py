@@ -1,0 +1,1 @@
+"""Starting work: local worlds for single-node tools (:mod:`megarl.launch.convert`)."""

@@ -1,0 +1,136 @@
+"""Bad configs and command lines end in one ``megarl: error:`` line that names the field or flag, before any
+process or model starts and before anything is written.
+
+Every case runs ``megarl.cli.main`` in this process with the world launchers (``run_world``, torchrun) and the
+trainer replaced by functions that fail the test if called, and a working folder that must stay empty.
+Model-dependent checks use the 2-layer, 4-head, 2-KV-head tiny Llama of :mod:`tests.rl_tasks` (context 64).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megarl.cli import main
+from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model = make_tiny_model(root / "model")
+    data = write_prompts(root / "prompts.jsonl", 8)
+    # a Qwen2 config with sliding-window attention on some layers (megarl runs none of them)
+    windowed = root / "windowed"
+    windowed.mkdir()
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8,
+               max_window_layers=1)
+    (windowed / "config.json").write_text(json.dumps(cfg))
+    return model, data, windowed
+
+
+def _started(*_, **__):
+    raise AssertionError("a process, world or model was started for a bad input")
+
+
+@pytest.fixture
+def run_cli(monkeypatch, tmp_path, capsys):
+    """``main(argv)`` in an empty working folder with every launcher replaced; returns (status, stderr)."""
+    import torch.distributed.run
+
+    import megarl.launch.convert
+    import megarl.parallel.launch
+    import megarl.trainer.trainer
+
+    monkeypatch.setattr(megarl.parallel.launch, "run_world", _started)
+    monkeypatch.setattr(megarl.launch.convert, "run_world", _started)
+    monkeypatch.setattr(torch.distributed.run, "main", _started)
+    monkeypatch.setattr(megarl.trainer.trainer, "train", _started)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+
+    def run(argv):
+        status = main(argv)
+        err = capsys.readouterr().err
+        assert list(work.iterdir()) == [], "a bad input wrote files"
+        return status, err
+    return run
+
+
+def _tiny_train(tiny, *extra):
+    model, data, _ = tiny
+    return ["train", *task_overrides(model, data, "runs", "bad"), *extra]
+
+
+# (argv, what the one error line must name); "TINY" marks a train command on the tiny model
+CASES = [
+    # config values (dataclass validation and OmegaConf types)
+    (["train", "algorithm.name=ppo2"], "algorithm.name"),
+    (["train", "actor.optim.lr=fast"], "actor.optim.lr"),
+    (["train", "actor.optimizer.lr=1"], "actor.optimizer"),
+    (["train", "rollout.top_p=1.5"], "rollout.top_p"),
+    (["train", "rollout.temperature=0"], "rollout.temperature"),
+    (["train", "rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization"),
+    (["train", "model.dtype=fp8"], "model.dtype"),
+    (["train", "algorithm.kl.estimator=k4"], "algorithm.kl.estimator"),
+    (["train", "trainer.steps=0"], "trainer.steps"),
+    (["train", "reshard.bucket_mb=0.00001"], "reshard.bucket_mb"),
+    (["train", "data.train_files=[]"], "data.train_files"),
+    (["train", "no_such_config.yaml"], "no_such_config.yaml does not exist"),
+    # what the world size determines
+    (["train", "actor.ppo_mini_batch_size=6"], "actor.ppo_mini_batch_size"),
+    (["train", "algorithm.name=grpo", "rollout.n=1", "actor.ppo_mini_batch_size=4"], "rollout.n"),
+    (["train", "algorithm.name=ppo", "critic.parallel.pp=2"], "critic.parallel"),
+    # what the model's config determines (checked in the launching process, before torchrun)
+    (["TINY", "actor.parallel.pp=4"], "actor.parallel.pp: pp=4 does not divide num_layers=2"),
+    (["TINY", "actor.parallel.tp=3", "actor.ppo_mini_batch_size=12", "actor.micro_batch_size=4",
+      "data.prompts_per_step=3"], "actor.parallel.tp: tp=3 does not divide num_attention_heads=4"),
+    (["TINY", "rollout.engine=vllm", "rollout.tp=3", "actor.parallel.dp=3", "data.prompts_per_step=3",
+      "actor.ppo_mini_batch_size=12", "actor.micro_batch_size=4"], "rollout.tp: vLLM tp=3"),
+    (["TINY", "rollout.max_model_len=128"], "rollout.max_model_len: 128 exceeds"),
+    (["TINY", "rollout.max_new_tokens=60"], "rollout.max_new_tokens"),
+    (["train", "model.path=no/such/model"], "model.path: model path"),
+    (["WINDOWED"], "model.path: sliding-window attention"),
+    # command-line flags
+    (["bench", "reshard", "--dst-tp", "2"], "--dst-tp"),
+    (["bench", "reshard", "--src-tp", "2"], "--src-tp"),
+    (["bench", "reshard", "--src-pp", "4"], "--src-pp"),
+    (["bench", "reshard", "--bucket-mb", "0"], "--bucket-mb"),
+    (["bench", "reshard", "--bucket-mb", "0.5"], "--bucket-mb must be >= 1"),
+    (["bench", "reshard", "--nproc", "4"], "--nproc: 4 ranks"),
+    (["bench", "reshard", "--nproc", "0"], "--nproc"),
+    (["bench", "reshard", "--model", "gpt5"], "--model: unknown model preset 'gpt5'"),
+    (["bench", "reshard", "--dst", "hf", "--hf-ranks", "5"], "--hf-ranks"),
+    (["bench", "reshard", "--iters", "0"], "--iters"),
+    (["bench", "reshard", "--layers", "-1"], "--layers"),
+    (["convert", "TINYMODEL", "out", "--tp", "3"], "--tp 3: tp=3 does not divide num_attention_heads=4"),
+    (["convert", "TINYMODEL", "out", "--pp", "3"], "--pp 3: pp=3 does not divide num_layers=2"),
+    (["convert", "TINYMODEL", "out", "--dtype", "fp8"], "--dtype"),
+    (["convert", "no/such/model", "out"], "no/such/model"),
+    (["export", "no/such/ckpt", "out"], "not a megarl checkpoint"),
+    (["data", "gsm8k", "--out", "x"], "--src"),
+    (["trian"], "invalid choice: 'trian'"),
+]
+
+
+@pytest.mark.parametrize("argv,names", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
+def test_bad_input_is_one_error_line_naming_the_field(tiny, run_cli, argv, names):
+    if argv[0] == "TINY":
+        argv = _tiny_train(tiny, *argv[1:])
+    elif argv[0] == "WINDOWED":
+        argv = _tiny_train(tiny, f"model.path={tiny[2]}")
+    argv = [str(tiny[0]) if a == "TINYMODEL" else a for a in argv]
+    status, err = run_cli(argv)
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, err
+    assert lines[0].startswith("megarl: error:") and names in lines[0], lines[0]
+
+
+def test_bucket_mb_takes_fractions():
+    from megarl.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "reshard", "--bucket-mb", "1.5"])
+    assert args.bucket_mb == 1.5
