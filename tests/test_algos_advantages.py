@@ -5,9 +5,12 @@ import statistics
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megarl.algos.advantages import (ADVANTAGES, as_token_rewards, discounted_cumsum, get_advantage_fn,
                                      register_advantage)
+from megarl.algos.aggregation import group_deviations, masked_whiten
 
 NAN = float("nan")
 
@@ -53,6 +56,80 @@ def test_grpo_sums_token_rewards_and_equal_scores_give_zero():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     adv, _ = get_advantage_fn("grpo")(token_rewards, mask, group_index=torch.tensor([0, 0]))
     close(adv, [[0, 0, 0], [0, 0, 0]])
+
+
+GROUPED = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+@pytest.mark.parametrize("n, value", [(8, 0.7), (6, 2.6), (16, 0.1)])  # issue 14's groups
+def test_tied_group_gets_exactly_zero_advantage(n, value):
+    scores = torch.full((n,), value)
+    assert scores.sum() / n - scores[0] != 0  # the fp32 mean is inexact here: the naive estimate is not 0
+    mask = torch.ones(n, 3)
+    for name in GROUPED:
+        for params in ({}, {"norm_by_std": False}) if name == "grpo" else ({},):
+            adv, _ = get_advantage_fn(name)(scores, mask, group_index=torch.zeros(n, dtype=torch.int64), **params)
+            assert torch.equal(adv, torch.zeros(n, 3)), (name, params, adv[:, 0])
+
+
+def reference_group_advantages(scores, groups):
+    """float64 per-group loop: GRPO (mean, unbiased std, eps 1e-6), RLOO and the centred scores."""
+    grpo, rloo, centred = [], [], []
+    for i, s in enumerate(scores):
+        members = [x for x, g in zip(scores, groups) if g == groups[i]]
+        n, mean = len(members), statistics.fmean(members)
+        grpo.append((s - mean) / (statistics.stdev(members) + 1e-6))
+        rloo.append(s - (sum(members) - s) / (n - 1))
+        centred.append(s - mean)
+    return grpo, rloo, centred
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(2, 64), value=st.integers(-10**6, 10**6).map(lambda k: k / 1000), seed=st.integers(0, 2**31),
+       tied_first=st.booleans())
+def test_tied_groups_are_exactly_zero_for_any_size_and_value(n, value, seed, tied_first):
+    """A tied group of any size 2..64 and any value (mostly not representable in binary) next to a group with
+    spread: the tied one gets exactly 0 in every grouped estimator, the other matches a float64 reference."""
+    g = torch.Generator().manual_seed(seed)
+    tied = [value] * n
+    spread = (torch.randn(n, generator=g, dtype=torch.float64) * 3).tolist()
+    scores64 = tied + spread if tied_first else spread + tied
+    groups = torch.tensor([0] * n + [1] * n if tied_first else [1] * n + [0] * n)
+    order = torch.randperm(2 * n, generator=g)  # interleave the groups
+    scores, groups = torch.tensor(scores64, dtype=torch.float32)[order], groups[order]
+    scores64 = [float(torch.tensor(scores64, dtype=torch.float32)[i]) for i in order]  # the fp32 inputs
+    mask = torch.ones(2 * n, 2)
+    is_tied = groups == 0
+    expected = dict(zip(("grpo", "rloo"), reference_group_advantages(scores64, groups.tolist())))
+    for name in GROUPED:
+        adv, _ = get_advantage_fn(name)(scores, mask, group_index=groups)
+        assert torch.equal(adv[is_tied], torch.zeros(n, 2)), name
+        if name in expected:
+            want = torch.tensor(expected[name], dtype=torch.float32)[~is_tied]
+            torch.testing.assert_close(adv[~is_tied, 0], want, rtol=1e-4, atol=1e-4)
+    deviations, sizes = group_deviations(scores, groups)
+    assert torch.equal(deviations[is_tied], torch.zeros(n)) and torch.equal(sizes, torch.full((2 * n,), n * 1.0))
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(2, 64), value=st.integers(-10**6, 10**6).map(lambda k: k / 1000), width=st.integers(1, 4))
+def test_whitening_a_batch_of_equal_values_gives_exact_zeros(n, value, width):
+    """REINFORCE++ returns, GAE advantages and the REINFORCE++-baseline batch normalisation whiten with exact
+    deviations: equal values (every group tied, every return equal) give 0, not O(1e-4) noise."""
+    lengths = torch.randint(1, width + 1, (n,), generator=torch.Generator().manual_seed(n))
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    x = torch.where(mask, torch.tensor(value), float("nan"))
+    assert torch.equal(masked_whiten(x, mask), torch.zeros(n, width))
+    scores = torch.full((n,), value)
+    adv, _ = get_advantage_fn("reinforce_plus_plus")(scores, torch.ones(n, 1), gamma=1.0)
+    assert torch.equal(adv, torch.zeros(n, 1))
+    token_rewards = torch.where(mask, torch.tensor(value), 0.0)
+    adv, _ = get_advantage_fn("gae")(token_rewards, mask, values=token_rewards * 0, gamma=0.0, lam=1.0)
+    assert torch.equal(adv, torch.zeros(n, width))
+    for name in GROUPED:
+        groups = torch.arange(n) % max(1, n // 2)
+        adv, _ = get_advantage_fn(name)(scores, mask, group_index=groups)
+        assert torch.equal(adv, torch.zeros(n, width)), name
 
 
 def test_rloo_hand_computed():
@@ -126,9 +203,11 @@ def test_reinforce_plus_plus_baseline_hand_computed():
     scores = torch.tensor([1.0, 0.0, 2.0, 2.0])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 1]])
     adv, _ = get_advantage_fn("reinforce_plus_plus_baseline")(scores, mask, group_index=torch.tensor([0, 0, 1, 1]))
-    # centred scores .5 -.5 0 0, broadcast to 2 + 1 + 1 + 3 tokens, whitened over those 7 tokens
-    w = whiten([0.5, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0])
-    close(adv, [[w[0], w[1], 0], [w[2], 0, 0], [w[3], 0, 0], [w[4], w[5], w[6]]])
+    # centred scores .5 -.5 0 0, broadcast to 2 + 1 + 1 + 3 tokens, divided by the std over those 7 tokens
+    # (not shifted again: group 1 is tied and stays 0)
+    tokens = [0.5, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0]
+    s = math.sqrt(statistics.variance(tokens) + 1e-8)
+    close(adv, [[0.5 / s, 0.5 / s, 0], [-0.5 / s, 0, 0], [0, 0, 0], [0, 0, 0]])
 
 
 def test_discounted_cumsum_skips_holes():

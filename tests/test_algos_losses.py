@@ -253,6 +253,54 @@ def test_value_loss_hand_computed():
     close(metrics["vf_clipfrac"], 0.0)
 
 
+def test_vf_clipfrac_issue_case_is_not_clipped():
+    """Issue 14: v_old = 0.05, v = 0.01, return 0, c = 0.2 is well inside the range: nothing is clipped."""
+    values = torch.tensor([[0.01]], requires_grad=True)
+    loss, metrics = value_loss(values, torch.tensor([[0.05]]), torch.tensor([[0.0]]), torch.ones(1, 1),
+                               cliprange_value=0.2)
+    assert metrics["vf_clipfrac"].item() == 0.0
+    loss.backward()
+    assert values.grad.item() == pytest.approx(0.01)  # the unclipped term's gradient, (v - R)
+
+
+def test_vf_clipfrac_inside_at_and_outside_the_bounds():
+    c, v_old = 0.2, torch.tensor(0.05)
+    lo, hi = (v_old - c).item(), (v_old + c).item()  # the bounds as fp32 computes them
+    # (v, return, clipped?): inside or at a bound never clips; outside, the clipped term counts where it is
+    # the larger one (the prediction moved away from the old one towards the return, past the range)
+    cases = [(0.01, 0.0, False), (hi, 1.0, False), (lo, -1.0, False), (hi, -1.0, False),
+             (0.3, 1.0, True), (-0.3, -1.0, True), (0.3, -1.0, False), (-0.3, 1.0, False)]
+    values = torch.tensor([[v for v, _, _ in cases]])
+    returns = torch.tensor([[r for _, r, _ in cases]])
+    mask = torch.ones_like(values)
+    for i, (_, _, clipped) in enumerate(cases):
+        _, metrics = value_loss(values[:, i:i + 1], v_old.view(1, 1), returns[:, i:i + 1], mask[:, i:i + 1],
+                                cliprange_value=c)
+        assert metrics["vf_clipfrac"].item() == float(clipped), cases[i]
+    _, metrics = value_loss(values, v_old.expand_as(values), returns, mask, cliprange_value=c)
+    close(metrics["vf_clipfrac"], 2 / len(cases))
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2 ** 31), c=st.sampled_from([0.05, 0.1, 0.2, 0.5, 1.0]),
+       scale=st.sampled_from([0.01, 1.0, 100.0]))
+def test_vf_clipfrac_is_zero_inside_the_range(seed, c, scale):
+    """Random predictions strictly inside [v_old - c, v_old + c] (about 1% were counted as clipped before):
+    none is clipped and the loss and its gradient are the unclipped ones."""
+    g = torch.Generator().manual_seed(seed)
+    v_old = torch.randn(8, 16, generator=g) * scale
+    # drawn in float64, then rounded to fp32 (as a critic's output is): v - v_old is then often inexact
+    offsets = (torch.rand(8, 16, generator=g, dtype=torch.float64) * 2 - 1) * 0.99 * c
+    values = (v_old.double() + offsets).float().requires_grad_()
+    returns = torch.randn(8, 16, generator=g) * scale
+    mask = torch.ones(8, 16)
+    loss, metrics = value_loss(values, v_old, returns, mask, cliprange_value=c)
+    assert metrics["vf_clipfrac"].item() == 0.0
+    plain, _ = value_loss(values, v_old, returns, mask)
+    assert loss.item() == plain.item()
+    torch.testing.assert_close(torch.autograd.grad(loss, values)[0], torch.autograd.grad(plain, values)[0])
+
+
 def test_actor_loss_composes_terms_and_is_split_invariant():
     g = torch.Generator().manual_seed(1)
     b, t = 6, 5

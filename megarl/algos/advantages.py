@@ -12,6 +12,8 @@ Every estimator has the signature::
 - ``values``: ``[B, T]`` float critic values V(s_t) of the state before each response token (GAE only).
 - ``group_index``: ``[B]`` int64, the prompt each response answers; responses with equal index form a group
   (GRPO, RLOO, REINFORCE++-baseline). A group of one has baseline 0 (and standard deviation 1), as in verl.
+  Group statistics use exact deviations (:func:`~megarl.algos.aggregation.group_deviations`): a group whose
+  scores are all equal carries no signal and gets advantage exactly 0, whatever its size and score.
 - ``**params``: the estimator's own keyword parameters, from the config (an unknown one is a ``TypeError``).
 - returns: ``advantages [B, T]`` and ``returns [B, T]`` (the critic's regression target; for critic-free
   estimators the advantages themselves, or the discounted returns), float32, 0 at masked positions.
@@ -31,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from megarl.algos.aggregation import masked_whiten
+from megarl.algos.aggregation import group_deviations, group_sum, masked_var, masked_whiten
 from megarl.algos.registry import ADVANTAGES
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -102,13 +104,6 @@ def _next_valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.float(), x.new_zeros(b, 1, dtype=torch.float32)], dim=1).gather(1, nxt)
 
 
-def _group_sum(x: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sample: the sum of ``x [B]`` over its group and the group's size (both ``[B]`` float32)."""
-    _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
-    sums = torch.zeros(counts.numel(), dtype=torch.float32, device=x.device).index_add_(0, inverse, x.float())
-    return sums[inverse], counts[inverse].float()
-
-
 def _check_group_index(group_index: torch.Tensor | None, batch: int, name: str) -> torch.Tensor:
     if group_index is None:
         raise ValueError(f"advantage estimator {name!r} needs group_index ([B] int64 prompt ids: responses to "
@@ -120,13 +115,13 @@ def _check_group_index(group_index: torch.Tensor | None, batch: int, name: str) 
 
 
 def _grouped_scores(rewards: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor | None,
-                    name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-response scores ``R`` ``[B]`` (sum of token rewards), the checked group index ``[B]``, and each
-    response's group sum and group size ``[B]``."""
+                    name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per response ``[B]``: its score ``R`` (the sum of its token rewards), ``R`` minus its group's mean
+    (exactly 0 in a tied group) and its group's size (float32)."""
     scores = as_token_rewards(rewards, response_mask).sum(-1)
     group_index = _check_group_index(group_index, scores.shape[0], name)
-    sums, counts = _group_sum(scores, group_index)
-    return scores, group_index, sums, counts
+    deviations, counts = group_deviations(scores, group_index)
+    return scores, deviations, counts
 
 
 def _broadcast(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -186,7 +181,9 @@ def grpo_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *, values
     unbiased standard deviation, every token of response ``i`` gets ``A_i = (R_i - mean) / (std + eps)``, or
     ``A_i = R_i - mean`` with ``norm_by_std=False`` (Liu et al. 2025, "Understanding R1-Zero-Like Training: A
     Critical Perspective" (Dr. GRPO), arXiv:2503.20783, which removes the question-difficulty bias of the
-    std).
+    std). ``R_i - mean`` is exact (:func:`~megarl.algos.aggregation.group_deviations`) and the std is built
+    from it, so a group whose scores are all equal gets exactly 0 (with a plain fp32 mean, eight scores of 0.7
+    would get +0.056 each: a std of ~1e-8 below ``eps`` amplifies the mean's rounding).
 
     Args:
         rewards: ``[B, T]`` token rewards or ``[B]`` scores.
@@ -202,13 +199,12 @@ def grpo_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *, values
     Raises:
         ValueError: no or malformed ``group_index``, mismatched shapes.
     """
-    scores, group_index, sums, counts = _grouped_scores(rewards, response_mask, group_index, "grpo")
-    mean = sums / counts
-    var = _group_sum((scores - mean).square(), group_index)[0] / (counts - 1).clamp(min=1)
+    scores, deviations, counts = _grouped_scores(rewards, response_mask, group_index, "grpo")
     single = counts == 1
-    adv = scores - torch.where(single, 0.0, mean)
+    adv = torch.where(single, scores, deviations)
     if norm_by_std:
-        adv = adv / (torch.where(single, 1.0, var.sqrt()) + eps)
+        std = (group_sum(deviations.square(), group_index)[0] / (counts - 1).clamp(min=1)).sqrt()
+        adv = adv / (torch.where(single, 1.0, std) + eps)
     adv = _broadcast(adv, response_mask)
     return adv, adv
 
@@ -235,9 +231,10 @@ def rloo_advantage(rewards: torch.Tensor, response_mask: torch.Tensor, *, values
     Raises:
         ValueError: no or malformed ``group_index``, mismatched shapes.
     """
-    scores, _, sums, counts = _grouped_scores(rewards, response_mask, group_index, "rloo")
-    baseline = torch.where(counts > 1, (sums - scores) / (counts - 1).clamp(min=1), 0.0)
-    adv = _broadcast(scores - baseline, response_mask)
+    scores, deviations, counts = _grouped_scores(rewards, response_mask, group_index, "rloo")
+    # R_i - (n mean - R_i) / (n - 1) = n / (n - 1) * (R_i - mean): exact deviations, so a tied group gives 0
+    adv = torch.where(counts > 1, deviations * (counts / (counts - 1).clamp(min=1)), scores)
+    adv = _broadcast(adv, response_mask)
     return adv, adv
 
 
@@ -276,8 +273,11 @@ def reinforce_plus_plus_baseline_advantage(rewards: torch.Tensor, response_mask:
     """REINFORCE++ with baseline (Hu et al. 2025, REINFORCE++, arXiv:2501.03262, the group-sampling variant
     for several samples per prompt): subtract the group mean score, then normalise over the whole batch.
 
-    ``A_i = R_i - mean_group(R)`` on every token of response ``i`` (baseline 0 for a group of one), then
-    whitened over all valid tokens of the batch.
+    ``A_i = R_i - mean_group(R)`` on every token of response ``i`` (baseline 0 for a group of one, exact 0 for
+    a tied group), then divided by the standard deviation of these advantages over all valid tokens of the
+    batch (``sqrt(var + 1e-8)``). The batch mean is not subtracted again (verl's ``masked_whiten`` does): the
+    group baseline already centred the scores, and that mean, 0 up to rounding for equal lengths and a length
+    weighting otherwise, would give a tied group, which carries no signal, a non-zero advantage.
 
     Args:
         rewards: ``[B, T]`` token rewards or ``[B]`` scores.
@@ -291,7 +291,8 @@ def reinforce_plus_plus_baseline_advantage(rewards: torch.Tensor, response_mask:
     Raises:
         ValueError: no or malformed ``group_index``, mismatched shapes.
     """
-    scores, _, sums, counts = _grouped_scores(rewards, response_mask, group_index, "reinforce_plus_plus_baseline")
-    centred = scores - torch.where(counts > 1, sums / counts, 0.0)
-    adv = masked_whiten(_broadcast(centred, response_mask), response_mask)
+    scores, deviations, counts = _grouped_scores(rewards, response_mask, group_index,
+                                                 "reinforce_plus_plus_baseline")
+    centred = _broadcast(torch.where(counts > 1, deviations, scores), response_mask)
+    adv = centred * torch.rsqrt(masked_var(centred, response_mask) + 1e-8)
     return adv, adv

@@ -46,13 +46,70 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked_sum(x, mask, dim) / count.clamp(min=1)
 
 
+def group_sum(x: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per element: the sum of ``x`` over its group and the group's size.
+
+    Args:
+        x: ``[N]`` float.
+        group_index: ``[N]`` integer; equal ids form a group (any values, in any order).
+
+    Returns:
+        ``(sums [N] float32, sizes [N] float32)``.
+    """
+    _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
+    sums = torch.zeros(counts.numel(), dtype=torch.float32, device=x.device).index_add_(0, inverse, x.float())
+    return sums[inverse], counts[inverse].float()
+
+
+def group_deviations(x: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each element minus the mean of its group, exactly 0 for every element of a group of equal values.
+
+    ``x - mean`` with the mean computed as ``sum / n`` is not 0 in float arithmetic when the values are all
+    equal (eight fp32 copies of 0.7 sum to 5.6000004, so the deviations are ~6e-8 and a later division by a
+    standard deviation of the same size turns them into O(0.1)). Here each group is first shifted by its own
+    minimum, which is exact and 0 for equal values, and the mean is taken of the shifted values:
+    ``d = (x - min) - mean(x - min)``; a tied group gives exact zeros, any other group the same deviations up
+    to rounding. Statistics built from ``d`` (variance, standard deviation) are then exactly 0 for a tied
+    group: such a group has no spread and carries no signal.
+
+    Args:
+        x: ``[N]`` float.
+        group_index: ``[N]`` integer group ids (see :func:`group_sum`).
+
+    Returns:
+        ``(deviations [N] float32, group sizes [N] float32)``; a group of one has deviation 0.
+    """
+    x = x.float()
+    _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
+    lowest = x.new_full((counts.numel(),), float("inf")).scatter_reduce_(0, inverse, x, "amin")
+    shifted = x - lowest[inverse]
+    sums, sizes = group_sum(shifted, group_index)
+    return shifted - sums / sizes, sizes
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unbiased (Bessel-corrected) variance of ``x`` over the valid positions of ``mask``, float32 scalar,
+    from exact deviations (:func:`group_deviations`): exactly 0 when the valid values are all equal, and 0
+    with fewer than two valid positions."""
+    centred = _masked_deviations(x, mask.bool())
+    return centred.square().sum() / (mask.bool().sum() - 1).clamp(min=1)
+
+
+def _masked_deviations(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` float32: ``x`` minus its mean over the valid positions (exact), 0 elsewhere."""
+    valid = x.float()[m]
+    deviations, _ = group_deviations(valid, torch.zeros_like(valid, dtype=torch.int64))
+    return torch.zeros(m.shape, dtype=torch.float32, device=x.device).masked_scatter_(m, deviations)
+
+
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True,
                   eps: float = 1e-8) -> torch.Tensor:
     """Normalise ``x`` to zero mean and unit variance over all valid positions of the batch.
 
     ``(x - mean) / sqrt(var + eps)`` with the mean and the unbiased (Bessel-corrected) variance over the
     valid positions; with ``shift_mean=False`` the mean is added back (scale only). Used for advantage
-    whitening (PPO; Hu 2025, REINFORCE++, global batch normalisation).
+    whitening (PPO; Hu 2025, REINFORCE++, global batch normalisation). The deviations from the mean are exact
+    (:func:`group_deviations`), so a batch whose valid values are all equal whitens to exactly 0.
 
     Args:
         x: ``[B, T]`` float.
@@ -65,13 +122,10 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = Tru
         taken as 0, so a single valid value becomes 0 (stays itself with ``shift_mean=False``).
     """
     m = mask.bool()
-    n = m.sum()
-    mean = masked_mean(x, m)
-    centred = torch.where(m, x.float() - mean, 0.0)
-    var = centred.square().sum() / (n - 1).clamp(min=1)
-    out = centred * torch.rsqrt(var + eps)
+    centred = _masked_deviations(x, m)
+    out = centred * torch.rsqrt(centred.square().sum() / (m.sum() - 1).clamp(min=1) + eps)
     if not shift_mean:
-        out = torch.where(m, out + mean, 0.0)
+        out = torch.where(m, out + masked_mean(x, m), 0.0)
     return out
 
 

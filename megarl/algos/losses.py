@@ -160,8 +160,10 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     """The critic's clipped squared error (PPO2 value clipping: OpenAI baselines ``ppo2``; discussed in
     Engstrom et al. 2020, "Implementation Matters in Deep Policy Gradients", arXiv:2005.12729, sec. 3).
 
-    ``l = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)`` per token, or ``0.5 * (V - R)^2``
-    without clipping, then aggregated like the actor's loss.
+    ``l = 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)`` per token, or ``0.5 * (V - R)^2``
+    without clipping, then aggregated like the actor's loss. The clipped prediction is ``V`` itself inside
+    the range (``V_old + clip(V - V_old, -c, c)``, the usual spelling, is not exactly ``V`` in float
+    arithmetic, and the rounding would decide which term is larger and count the token as clipped).
 
     Args:
         values: ``[B, T]`` float predictions of the critic being trained (with grad).
@@ -173,8 +175,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
     Returns:
         ``(loss, metrics)``: ``loss`` a float32 scalar with grad; ``metrics`` detached: ``vf_loss`` (this
-        micro-batch's share), ``vf_clipfrac`` (fraction of valid tokens where the clipped term is larger;
-        0 without clipping) and ``vpred_mean`` (mean prediction).
+        micro-batch's share), ``vf_clipfrac`` (fraction of valid tokens where the clipped term is larger,
+        which needs ``V`` outside ``[V_old - c, V_old + c]``; 0 without clipping) and ``vpred_mean`` (mean
+        prediction).
 
     Raises:
         ValueError: ``cliprange_value <= 0``, mismatched shapes.
@@ -190,7 +193,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     clipped_active = torch.zeros_like(mask)
     if cliprange_value is not None:
         v_old = torch.where(mask, old_values.float(), 0.0)
-        clipped = (v_old + (v - v_old).clamp(-cliprange_value, cliprange_value) - target).square()
+        clipped = (v.clamp(v_old - cliprange_value, v_old + cliprange_value) - target).square()
         clipped_active = clipped > loss_mat
         loss_mat = torch.maximum(loss_mat, clipped)
     loss = agg_loss(0.5 * loss_mat, mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.algos.aggregation import masked_mean
+from megarl.algos.aggregation import masked_mean, masked_var
 from megarl.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
 from megarl.algos.registry import ADVANTAGES
 from megarl.bench.flops import peak_bf16_flops
@@ -257,7 +257,8 @@ class Trainer:
         step_s = time.perf_counter() - step_start
         phases = t.reset()
         metrics.update({
-            "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
+            "reward/mean": scores.mean().item(),
+            "reward/std": masked_var(scores[None], torch.ones(1, len(scores))).sqrt().item(),  # 0 when tied
             "reward/accuracy": float(np.mean(batch.meta["correct"])),
             "response/length_mean": mask.sum(-1).mean().item(), "response/length_max": mask.sum(-1).max().item(),
             "response/clip_ratio": float(np.mean([r == "length" for r in batch.meta["finish_reason"]])),
