@@ -95,7 +95,8 @@ class OptimConfig:
 
     Attributes:
         lr: peak learning rate. min_lr: floor of the decay.
-        warmup_steps: linear warm-up, in optimizer steps.
+        warmup_steps: linear warm-up W, in optimizer updates: update k = 1..W runs at lr * k / W (the first
+            already learns; megatron's and HF's schedules run the first at 0), update W at lr.
         decay: "constant", "linear" or "cosine" after warm-up (over ``trainer.steps`` RL steps' updates).
         weight_decay, betas, eps: AdamW.
         clip_grad: global gradient-norm clip (0 = off).

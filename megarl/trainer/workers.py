@@ -125,9 +125,13 @@ class MegatronWorker:
             optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay, adam_beta1=oc.betas[0],
             adam_beta2=oc.betas[1], adam_eps=oc.eps, clip_grad=oc.clip_grad, bf16=config.bf16, fp16=config.fp16,
             params_dtype=config.params_dtype, use_distributed_optimizer=oc.distributed), [ddp])
+        # The scheduler is stepped after each update, so update k runs at its step k - 1. Megatron's warm-up
+        # goes linearly from init_lr at step 0 to lr at step lr_warmup_steps: starting at lr / W and reaching
+        # lr at step W - 1 makes update k (1-based) of the warm-up run at lr * k / W, none at 0.
+        warm = max(oc.warmup_steps - 1, 0)
         sched = OptimizerParamScheduler(
-            opt, init_lr=0.0 if oc.warmup_steps else oc.lr, max_lr=oc.lr, min_lr=oc.min_lr,
-            lr_warmup_steps=oc.warmup_steps, lr_decay_steps=max(total_updates, oc.warmup_steps + 1),
+            opt, init_lr=oc.lr / max(oc.warmup_steps, 1), max_lr=oc.lr, min_lr=oc.min_lr,
+            lr_warmup_steps=warm, lr_decay_steps=max(total_updates, warm + 1),
             lr_decay_style=oc.decay, start_wd=oc.weight_decay, end_wd=oc.weight_decay, wd_incr_steps=1,
             wd_incr_style="constant")
         return ddp, opt, sched
@@ -182,7 +186,8 @@ class MegatronWorker:
             mean_keys / sum_keys: metrics averaged over micro-batches and DP / summed (loss shares).
 
         Returns:
-            One metrics dict per optimizer step (with ``grad_norm`` and ``lr``), identical on every rank.
+            One metrics dict per optimizer step (with ``grad_norm`` and ``lr``, the learning rate the step
+            used), identical on every rank.
         """
         rc = self.rc
         n_mini = len(batch) // rc.ppo_mini_batch_size
@@ -207,6 +212,7 @@ class MegatronWorker:
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 res = run_microbatches(self.model, micro, output_fn, forward_only=False)
+                lr = self.optimizer.param_groups[0]["lr"]  # what this update uses
                 _, grad_norm, _ = self.optimizer.step()
                 self.scheduler.step(increment=1)
                 local = None
@@ -216,7 +222,7 @@ class MegatronWorker:
                 m = reduce_to_all(local, sum_keys)
                 m.update(reduce_to_all(local, mean_keys, average_over=self.dp_size))
                 m["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
-                m["lr"] = self.optimizer.param_groups[0]["lr"]
+                m["lr"] = lr
                 history.append(m)
         return history
 
