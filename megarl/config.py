@@ -169,7 +169,10 @@ class RolloutConfig:
         engine: "hf" (transformers; CPU and tests) or "vllm" (GPU).
         tp: the engine's tensor parallelism (vLLM).
         n: samples per prompt (the GRPO/RLOO group size).
-        temperature, top_p, top_k: sampling (top_k -1 = off). Log-probs are of softmax(logits/temperature).
+        temperature, top_p, top_k: sampling. Log-probs are of softmax(logits/temperature) over the whole
+            vocab, as the actor's are; truncated sampling (top_p < 1, top_k != -1) is refused: the samples
+            would come from the renormalised kept tokens (whose log-probs vLLM reports), not from the policy
+            the actor's log-probs describe, and the PPO ratio would be biased (below 1 on fresh data).
         max_new_tokens: response length limit, tokens.
         max_batch_size: sequences decoded at once per rank (hf engine), bounds memory.
         gpu_memory_utilization: fraction of the GPU's total memory that vLLM may use for its weights,
@@ -199,6 +202,13 @@ class RolloutConfig:
         _require(self.temperature > 0, "rollout.temperature",
                  "must be > 0 for RL (log-probs of a greedy policy are not defined)")
         _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        truncation = ("the rollout would sample from the distribution renormalised over the kept tokens (and vLLM "
+                      "report its log-probs) while the actor's log-probs are over the whole vocab, which biases the "
+                      "PPO importance ratio")
+        _require(self.top_p == 1, "rollout.top_p", f"{self.top_p} < 1: {truncation}; set rollout.top_p=1.0 "
+                 "(use rollout.temperature to sharpen sampling)")
+        _require(self.top_k == -1, "rollout.top_k", f"{self.top_k} truncates sampling: {truncation}; set "
+                 "rollout.top_k=-1 (use rollout.temperature to sharpen sampling)")
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         _require(self.tp >= 1, "rollout.tp", "must be >= 1")
         _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",

@@ -41,6 +41,18 @@ def test_world_size_checks_name_the_field():
         validate_for_world(load_config(None, ["actor.parallel.dp=4"]), 2)
 
 
+def test_truncated_sampling_is_refused_naming_the_field_and_the_fix():
+    """rollout.top_p < 1 / top_k: the samples would not come from the policy whose log-probs the actor
+    computes (issue 8), so the importance ratio would be biased."""
+    with pytest.raises(ConfigError, match=r"rollout.top_p: 0.8 < 1: .*biases the PPO importance ratio.*"
+                                          r"set rollout.top_p=1.0"):
+        load_config(None, ["rollout.top_p=0.8"])
+    with pytest.raises(ConfigError, match=r"rollout.top_k: 50 truncates.*set rollout.top_k=-1"):
+        load_config(None, ["rollout.top_k=50"])
+    cfg = load_config(None, ["rollout.top_p=1.0", "rollout.top_k=-1", "rollout.temperature=0.7"])
+    assert (cfg.rollout.top_p, cfg.rollout.top_k) == (1.0, -1)
+
+
 def test_readme_test_command_is_what_ci_runs():
     readme = [ln.strip() for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("    ./build.sh")]
     assert len(readme) == 2 and "megarl train" in readme[0]
