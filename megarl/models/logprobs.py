@@ -29,10 +29,14 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab
         vocab_size: the real (unpadded) vocab; columns at or beyond it are masked out.
         temperature: sampling temperature (> 0) the logits are divided by.
         with_entropy: also return the entropy (nats).
-        tp_group / tp_rank / tp_size: the tensor-parallel group; default: megatron's ``parallel_state``.
+        tp_group: the tensor-parallel process group; default: megatron's ``parallel_state``.
+        tp_rank / tp_size: this rank's place in ``tp_group`` and its size; default: read from the group.
 
     Returns:
         ``(logprobs [b, s] float32, entropy [b, s] float32 or None)``, differentiable w.r.t. ``logits``.
+
+    Raises:
+        ValueError: ``temperature <= 0``.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -41,8 +45,10 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp_rank is None:
+        tp_rank = torch.distributed.get_rank(tp_group)
+    if tp_size is None:
+        tp_size = torch.distributed.get_world_size(tp_group)
     v_local = logits.shape[-1]
     lo = tp_rank * v_local
     z = logits.float()
