@@ -23,7 +23,7 @@ def _check(rank, world):
     from megarl.models.pipeline import run_microbatches
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.reshard.layout import megatron_rank_tensors
+    from megarl.models.layout import megatron_rank_tensors
 
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(SPEC.to_hf_config(), dtype=torch.bfloat16).cuda().eval()

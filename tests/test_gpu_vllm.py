@@ -74,7 +74,7 @@ def _check(rank, world):
     from megarl.models.megatron import build_model
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.reshard.executor import execute_plan
-    from megarl.reshard.layout import megatron_layout
+    from megarl.models.layout import megatron_layout
     from megarl.reshard.planner import plan_reshard
     from megarl.rollout.base import RolloutError, SamplingConfig
     from megarl.rollout.vllm_engine import VLLMRolloutEngine

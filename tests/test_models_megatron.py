@@ -59,7 +59,7 @@ def _world(rank, world, tmp):
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.reshard.layout import megatron_rank_tensors
+    from megarl.models.layout import megatron_rank_tensors
 
     out = {"logits": {}, "critic": {}, "tmp": tmp}
     tokens = torch.randint(0, 1000, (3, 24), generator=torch.Generator().manual_seed(7))
@@ -177,7 +177,7 @@ def _sliding_window_world(rank, world):
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.reshard.layout import megatron_rank_tensors
+    from megarl.models.layout import megatron_rank_tensors
 
     tokens = torch.randint(0, MISTRAL.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     ref = hf_model(MISTRAL, 5)

@@ -5,7 +5,7 @@ For every source Megatron mesh with TP in {1, 2, 4}, PP in {1, 2} and DP filling
 with 2 KV heads stop at TP=2; the MHA models reach TP=4), and every destination (vLLM TP in {1, 2, 4} with engines on all 8 ranks,
 or whole HF tensors on some ranks), every destination tensor must equal, bitwise, the tensor cut directly from
 random HF weights by the reference slicer below. The reference is written from scratch with plain torch ops
-(it does not use megarl.reshard.layout) and also builds the Megatron source shards, so a wrong layout rule
+(it does not use megarl.models.layout) and also builds the Megatron source shards, so a wrong layout rule
 on either side is caught. Models: GQA with fewer KV heads than the destination TP (tied, and untied with
 Q/K/V bias), MHA (untied with bias, and tied), vocab sizes that no TP divides.
 
@@ -168,7 +168,7 @@ def _world(rank: int, world: int) -> dict:
     from megarl.models.spec import ModelSpec
     from megarl.parallel.mesh import ParallelLayout
     from megarl.reshard.executor import execute_plan
-    from megarl.reshard.layout import hf_layout, megatron_layout, vllm_layout
+    from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
     from megarl.reshard.planner import plan_reshard
 
     results: dict[str, object] = {}

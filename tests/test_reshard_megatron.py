@@ -23,7 +23,7 @@ def _world(rank: int, world: int) -> dict:
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.reshard.executor import execute_plan
-    from megarl.reshard.layout import hf_layout, megatron_layout, vllm_layout
+    from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
     from megarl.reshard.planner import plan_reshard
 
     out = {}

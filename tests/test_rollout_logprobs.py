@@ -48,7 +48,7 @@ def _world(rank, world):
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.reshard.layout import megatron_rank_tensors
+    from megarl.models.layout import megatron_rank_tensors
     from megarl.rollout.data_parallel import generate_data_parallel
 
     weights = random_state_dict(TINY, seed=1)

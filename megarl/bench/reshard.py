@@ -44,7 +44,7 @@ from megarl.models.spec import ModelSpec, SpecError, preset
 from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard.boxcopy import Box, BoxBatch, extension_available
 from megarl.reshard.executor import DEFAULT_BUCKET_BYTES, execute_plan
-from megarl.reshard.layout import (Layout, canonical_shapes, check_vllm_tp, hf_layout, megatron_layout,
+from megarl.models.layout import (Layout, canonical_shapes, check_vllm_tp, hf_layout, megatron_layout,
                                    megatron_rank_tensors, vllm_layout)
 from megarl.reshard.planner import plan_reshard
 

@@ -28,7 +28,7 @@ from megarl.models.hf_io import HFCheckpoint, open_hf_checkpoint, read_hf_config
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.models.weights import fill_local_tensors
 from megarl.parallel.mesh import ParallelLayout
-from megarl.reshard.layout import VALUE_HEAD, megatron_rank_tensors
+from megarl.models.layout import VALUE_HEAD, megatron_rank_tensors
 
 log = logging.getLogger(__name__)
 

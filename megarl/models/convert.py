@@ -89,7 +89,7 @@ def export_rank(rank: int, world: int, ckpt_dir: str, out: str) -> str:
     from megarl.models.megatron import build_model
     from megarl.models.weights import assemble_canonical
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.reshard.layout import megatron_rank_tensors
+    from megarl.models.layout import megatron_rank_tensors
 
     meta = ck.read_meta(ckpt_dir)
     spec = ck.checkpoint_spec(ckpt_dir)

@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 import torch
 
 from megarl.models.spec import SpecError
-from megarl.reshard.layout import LocalTensor
+from megarl.models.layout import LocalTensor
 
 
 def fill_local_tensors(local: Mapping[str, LocalTensor], params: Mapping[str, torch.Tensor],

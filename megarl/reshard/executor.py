@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.reshard.boxcopy import Box, BoxBatch
-from megarl.reshard.layout import LocalTensor
+from megarl.models.layout import LocalTensor
 from megarl.reshard.planner import Plan, Transfer
 
 log = logging.getLogger(__name__)

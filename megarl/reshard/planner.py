@@ -1,7 +1,7 @@
-"""The reshard planner: from a source and a destination :class:`~megarl.reshard.layout.Layout` to the list of
+"""The reshard planner: from a source and a destination :class:`~megarl.models.layout.Layout` to the list of
 point-to-point box transfers that turns the one into the other.
 
-Both layouts describe their local tensors as boxes (:class:`~megarl.reshard.layout.Block`) of canonical
+Both layouts describe their local tensors as boxes (:class:`~megarl.models.layout.Block`) of canonical
 (Hugging Face) tensors. For every canonical tensor the planner groups the source boxes into replica sets
 (identical boxes held by several ranks: DP copies, the tied embeddings of the first and last PP stage),
 checks that distinct source boxes do not overlap, intersects every destination block with the source boxes,
@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from megarl.reshard.layout import Block, Layout
+from megarl.models.layout import Block, Layout
 
 
 class PlanError(ValueError):
@@ -207,9 +207,9 @@ def plan_reshard(src: Layout, dst: Layout, ranks_per_node: int | None = None) ->
     """Plan the transfers that fill every local tensor of ``dst`` from the local tensors of ``src``.
 
     Args:
-        src: where the weights are (e.g. :func:`~megarl.reshard.layout.megatron_layout`).
-        dst: where they must go (e.g. :func:`~megarl.reshard.layout.vllm_layout`,
-            :func:`~megarl.reshard.layout.hf_layout`); may share ranks with ``src`` (colocated) or not.
+        src: where the weights are (e.g. :func:`~megarl.models.layout.megatron_layout`).
+        dst: where they must go (e.g. :func:`~megarl.models.layout.vllm_layout`,
+            :func:`~megarl.models.layout.hf_layout`); may share ranks with ``src`` (colocated) or not.
         ranks_per_node: ranks per node, for the same-node preference among replicas
             (:attr:`megarl.parallel.mesh.ParallelLayout.ranks_per_node`); None: all ranks on one node.
 

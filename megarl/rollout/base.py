@@ -29,7 +29,7 @@ import torch
 
 from megarl.models.spec import ModelSpec
 from megarl.models.weights import fill_local_tensors, state_dict_reader
-from megarl.reshard.layout import Layout
+from megarl.models.layout import Layout
 
 FinishReason = Literal["stop", "length"]
 WriteFn = Callable[[dict[str, torch.Tensor]], Any]

@@ -3,7 +3,7 @@
 The Hugging Face model (``AutoModelForCausalLM.from_config(spec.to_hf_config())``, float32, eval mode) is
 built once from the :class:`~megarl.models.spec.ModelSpec`; its weights arrive only through
 :meth:`HFRolloutEngine.update_weights`, as whole canonical (HF) tensors
-(:func:`megarl.reshard.layout.hf_layout`). Generation is a decode loop around the model's forward with a KV
+(:func:`megarl.models.layout.hf_layout`). Generation is a decode loop around the model's forward with a KV
 cache (``DynamicCache``): prompts are left-padded into micro-batches of at most ``max_batch_size`` rows (one
 row per sample, rows sorted by prompt length to limit padding), prefilled in one forward, then decoded one
 token per forward; a row that samples an EOS/stop token or reaches its length limit leaves the batch (its
@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from megarl.models.spec import ModelSpec, SpecError
-from megarl.reshard.layout import Layout, hf_layout
+from megarl.models.layout import Layout, hf_layout
 from megarl.rollout.base import (
     RolloutError,
     RolloutOutput,
@@ -73,7 +73,7 @@ class HFRolloutEngine:
 
     # ------------------------------------------------------------------ weights and memory
     def weight_layout(self, ranks: Iterable[int]) -> Layout:
-        """Whole canonical tensors under their HF names on every rank (:func:`~megarl.reshard.layout.hf_layout`);
+        """Whole canonical tensors under their HF names on every rank (:func:`~megarl.models.layout.hf_layout`);
         with tied embeddings there is no ``lm_head.weight``."""
         return hf_layout(self.spec, ranks)
 

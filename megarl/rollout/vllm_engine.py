@@ -16,7 +16,7 @@ skips ``init_process_group`` when torch.distributed is up, and ``_WORLD`` spans 
 lays it out as ``arange(world).reshape(-1, dp, pp, pcp, tp)`` (``initialize_model_parallel``): the leading
 dimension is the "ExternalDP" of independent engines, so with ``data_parallel_size=1`` (the default, kept
 here) the TP groups are consecutive blocks of ``tp`` ranks and ``world / tp`` engines generate independently,
-which is what :func:`~megarl.reshard.layout.vllm_layout` assumes; ``world == tp * pp * dp`` is not required
+which is what :func:`~megarl.models.layout.vllm_layout` assumes; ``world == tp * pp * dp`` is not required
 (``ParallelConfig.world_size`` stays ``tp * pp``; only vLLM's own DP, ``data_parallel_size > 1``, would put
 engines in lockstep and multiply it in). The ranks of one engine must make the same calls with the same
 prompts (every rank runs the same deterministic scheduler); requests are seeded, so they sample alike.
@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import init_distributed
-from megarl.reshard.layout import Layout, check_vllm_tp, vllm_layout, vllm_rank_tensors
+from megarl.models.layout import Layout, check_vllm_tp, vllm_layout, vllm_rank_tensors
 from megarl.rollout.base import (
     RolloutError,
     RolloutOutput,
@@ -137,8 +137,8 @@ class VLLMRolloutEngine:
 
     Raises:
         RolloutError: no CUDA device, bad sizes, or vLLM's TP group is not the expected block of ranks.
-        SpecError: the model does not split at TP=``tp`` (:func:`~megarl.reshard.layout.check_vllm_tp`), or
-            vLLM's parameter names or shapes differ from :func:`~megarl.reshard.layout.vllm_rank_tensors`.
+        SpecError: the model does not split at TP=``tp`` (:func:`~megarl.models.layout.check_vllm_tp`), or
+            vLLM's parameter names or shapes differ from :func:`~megarl.models.layout.vllm_rank_tensors`.
         ImportError: vllm is not installed.
     """
 
@@ -193,7 +193,7 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ weights and memory
     def weight_layout(self, ranks: Iterable[int]) -> Layout:
-        """vLLM's TP shards on ``ranks`` (:func:`~megarl.reshard.layout.vllm_layout`): engine ``k`` is
+        """vLLM's TP shards on ``ranks`` (:func:`~megarl.models.layout.vllm_layout`): engine ``k`` is
         ``ranks[k*tp:(k+1)*tp]``; with tied embeddings there is no ``lm_head.weight``."""
         return vllm_layout(self.spec, self.tp, ranks)
 

@@ -15,7 +15,7 @@ from megarl.models.checkpoint import source_spec
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
-from megarl.reshard.layout import check_vllm_tp
+from megarl.models.layout import check_vllm_tp
 
 
 def model_spec(cfg: Config) -> ModelSpec:

@@ -15,6 +15,10 @@ weight``, shape ``[num_heads * head_dim, hidden]``). A :class:`Layout` lists, fo
 
 Tensors are at most 2-D; a block is a box given by its start in the canonical tensor, its start in the local
 tensor and its size (one entry per dim).
+
+Layouts sit in ``models`` because loading Hugging Face weights into a Megatron model is itself a layout
+change (:mod:`megarl.models.weights`); the reshard's planner and executor (:mod:`megarl.reshard`) build on
+them, so ``reshard`` imports ``models`` and never the other way.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
+from megarl.models.megatron import check_layout, padded_vocab_size
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 
@@ -172,8 +177,6 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
     Args:
         padded_vocab: Megatron's padded vocab (:func:`megarl.models.megatron.padded_vocab_size`).
     """
-    from megarl.models.megatron import check_layout, padded_vocab_size
-
     check_layout(spec, mesh)
     t, r = mesh.tp, tp_rank
     h, hd = spec.hidden_size, spec.head_dim
