@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from megarl.cli import main
 from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
@@ -97,6 +98,13 @@ CASES = [
     (["TINY", "rollout.max_model_len=128"], "rollout.max_model_len: 128 exceeds"),
     (["TINY", "rollout.max_new_tokens=60"], "rollout.max_new_tokens"),
     (["train", "model.path=no/such/model"], "model.path: model path"),
+    # the data, the reward function and this machine
+    (["TINY", "data.train_files=[no/such.jsonl]"], "data.train_files: ['"),
+    (["TINY", "reward.fn=no_such_reward"], "reward.fn: unknown reward function 'no_such_reward'"),
+    (["TINY", "reward.fn=tests.rl_tasks:no_such_fn"], "reward.fn: reward function 'tests.rl_tasks:no_such_fn'"),
+    (["TINY", "reward.fn=gsm8k", "reward.kwargs.bogus=1"], "reward.fn: reward function 'gsm8k' does not accept"),
+    pytest.param(["TINY", "rollout.engine=vllm"], "rollout.engine: vllm generates on a GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
     (["WINDOWED"], "model.path: sliding-window attention"),
     # command-line flags
     (["bench", "reshard", "--dst-tp", "2"], "--dst-tp"),
@@ -120,7 +128,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("argv,names", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
+def _id(case) -> str:
+    argv = case.values[0] if hasattr(case, "values") else case[0]
+    return " ".join(argv)[:60]
+
+
+@pytest.mark.parametrize("argv,names", CASES, ids=[_id(c) for c in CASES])
 def test_bad_input_is_one_error_line_naming_the_field(tiny, run_cli, argv, names):
     if argv[0] == "TINY":
         argv = _tiny_train(tiny, *argv[1:])

@@ -100,7 +100,7 @@ def load_reward_fn(spec: str, params: Mapping[str, Any] | None = None) -> Loaded
             function does not accept, or a class whose construction fails.
     """
     params = dict(params or {})
-    obj = REWARDS.get(spec) if spec in REWARDS else _import(spec)
+    obj = find_reward(spec)
     if inspect.isclass(obj):
         try:
             return LoadedReward(spec, obj(**params))
@@ -112,6 +112,15 @@ def load_reward_fn(spec: str, params: Mapping[str, Any] | None = None) -> Loaded
         raise RewardError(f"reward function {spec!r} does not accept parameters {sorted(params)}: {e}; its "
                           f"signature is {spec}{inspect.signature(obj)}") from e
     return LoadedReward(spec, functools.partial(obj, **params))
+
+
+def find_reward(spec: str) -> Any:
+    """The function or class that ``spec`` names (a registered name or a dotted path), not yet bound or built.
+
+    Raises:
+        RewardError: unknown name, a module that fails to import, a missing attribute, not callable.
+    """
+    return REWARDS.get(spec) if spec in REWARDS else _import(spec)
 
 
 def _import(spec: str) -> Any:

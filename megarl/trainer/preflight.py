@@ -10,12 +10,19 @@ at the PP size, whether the rollout engine's TP fits it, whether its context hol
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+from pathlib import Path
+
+import torch
+
 from megarl.config import Config, ConfigError, validate_for_world
 from megarl.models.checkpoint import source_spec
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 from megarl.models.layout import check_vllm_tp
+from megarl.rewards.registry import RewardError, find_reward, load_reward_fn
 
 
 def model_spec(cfg: Config) -> ModelSpec:
@@ -63,9 +70,43 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
                           "tokens; shorten one of them")
 
 
+def check_train_files(cfg: Config) -> None:
+    """Raises ConfigError naming ``data.train_files`` when one is missing and ``data.prepare`` cannot make it."""
+    missing = [f for f in cfg.data.train_files if not Path(f).is_file()]
+    if missing and cfg.data.prepare is None:
+        raise ConfigError(f"data.train_files: {missing} do not exist; create them or set data.prepare=gsm8k")
+
+
+def check_reward(cfg: Config) -> None:
+    """Find ``reward.fn`` and, for a function, bind ``reward.kwargs`` to it (a class is built on the ranks).
+
+    Raises:
+        ConfigError: naming ``reward.fn``: unknown name, unimportable path, parameters it does not take.
+    """
+    try:
+        if not inspect.isclass(find_reward(cfg.reward.fn)):
+            load_reward_fn(cfg.reward.fn, cfg.reward.kwargs)
+    except RewardError as e:
+        raise ConfigError(f"reward.fn: {e}") from None
+
+
+def check_this_machine(cfg: Config) -> None:
+    """What this machine must have for a job of its own ranks: vLLM rollouts need vLLM and a GPU.
+
+    Raises:
+        ConfigError: naming ``rollout.engine`` and the fix.
+    """
+    if cfg.rollout.engine == "vllm" and not torch.cuda.is_available():
+        raise ConfigError("rollout.engine: vllm generates on a GPU and this machine has none; use "
+                          "rollout.engine=hf on a CPU")
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.engine: vllm is not installed (MEGARL_EXTRAS=gpu ./build.sh installs it)")
+
+
 def preflight(cfg: Config, world_size: int) -> ModelSpec:
-    """Every check that needs no process group or model: :func:`~megarl.config.validate_for_world` and
-    :func:`validate_for_model`. Returns the model's spec.
+    """Every check that needs no process group or model, made by the process that starts a job's ranks on this
+    machine: :func:`~megarl.config.validate_for_world`, the model (:func:`validate_for_model`), the train
+    files, the reward function and what this machine must have. Returns the model's spec.
 
     Raises:
         ConfigError: naming the field.
@@ -73,4 +114,7 @@ def preflight(cfg: Config, world_size: int) -> ModelSpec:
     validate_for_world(cfg, world_size)
     spec = model_spec(cfg)
     validate_for_model(cfg, spec)
+    check_train_files(cfg)
+    check_reward(cfg)
+    check_this_machine(cfg)
     return spec

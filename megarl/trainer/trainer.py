@@ -48,7 +48,7 @@ from megarl.rollout.base import SamplingConfig
 from megarl.rollout.data_parallel import generate_data_parallel, shard_bounds
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
-from megarl.trainer.preflight import validate_for_model
+from megarl.trainer.preflight import check_train_files, validate_for_model
 from megarl.trainer.workers import CriticWorker, PolicyWorker
 
 log = logging.getLogger(__name__)
@@ -62,11 +62,10 @@ def prepare_data(cfg: Config) -> list[str]:
     Raises:
         ConfigError: a missing train file and nothing to prepare it from.
     """
+    check_train_files(cfg)
     missing = [f for f in cfg.data.train_files if not Path(f).is_file()]
     if not missing:
         return list(cfg.data.train_files)
-    if cfg.data.prepare != "gsm8k":
-        raise ConfigError(f"data.train_files: {missing} do not exist; create them or set data.prepare=gsm8k")
     from megarl.data.gsm8k import prepare_gsm8k
 
     out_dir = Path(missing[0]).parent
