@@ -133,6 +133,10 @@ class ActorConfig:
         ppo_epochs: passes over the step's rollout batch.
         recompute: full activation recomputation.
         logprob_micro_batch_size: sequences per micro-batch for forward-only passes (0 = micro_batch_size).
+        max_tokens_per_micro_batch: micro-batches by token count (dynamic batch size) for the log-prob,
+            value and update passes: rows of similar length packed up to this many padded tokens (rows x
+            longest row) per micro-batch, each cut to its longest row (:mod:`megarl.trainer.packing`); 0 = off
+            (``micro_batch_size`` / ``logprob_micro_batch_size`` rows as wide as the batch). Needs pp = 1.
     """
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -142,9 +146,12 @@ class ActorConfig:
     ppo_epochs: int = 1
     recompute: bool = False
     logprob_micro_batch_size: int = 0
+    max_tokens_per_micro_batch: int = 0
 
     def __post_init__(self):
         _require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        _require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
+                 f"must be >= 0 (0 = fixed-size micro-batches), got {self.max_tokens_per_micro_batch}")
         _require(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
         _require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
 
@@ -476,6 +483,9 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
         _require(rc.ppo_mini_batch_size % (dp * rc.micro_batch_size) == 0, f"{role}.ppo_mini_batch_size",
                  f"{rc.ppo_mini_batch_size} is not a multiple of dp ({dp}) x micro_batch_size "
                  f"({rc.micro_batch_size}); use a multiple of {dp * rc.micro_batch_size}")
+        _require(not (rc.max_tokens_per_micro_batch and p.pp > 1), f"{role}.max_tokens_per_micro_batch",
+                 f"needs {role}.parallel.pp=1 (megatron's pipeline schedule sends one activation shape for every "
+                 "micro-batch); set it to 0 or use pp=1")
         _require(cfg.rollout_batch_size % dp == 0, "data.prompts_per_step",
                  f"the rollout batch ({cfg.rollout_batch_size} sequences) is not divisible by {role} dp={dp}")
     if cfg.algorithm.uses_critic:

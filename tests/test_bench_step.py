@@ -58,6 +58,7 @@ def report(tmp_path_factory):
     out = root / "bench.json"
     args = [sys.executable, "-m", "megarl.cli", "bench", "step", *task_overrides(model, data, root / "runs", "b"),
             "data.prompts_per_step=4", "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4",
+            "actor.max_tokens_per_micro_batch=32",  # the trainer's path with micro-batches by token count
             "--steps", "2", "--warmup", "1", "--peak-tflops", "0.001", "--json", str(out)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -39,6 +39,10 @@ def test_world_size_checks_name_the_field():
         validate_for_world(cfg, 3)
     with pytest.raises(ConfigError, match="actor.parallel.dp"):
         validate_for_world(load_config(None, ["actor.parallel.dp=4"]), 2)
+    with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch: needs actor.parallel.pp=1"):
+        validate_for_world(load_config(None, ["actor.parallel.pp=2", "actor.max_tokens_per_micro_batch=4096"]), 2)
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
+        load_config(None, ["actor.max_tokens_per_micro_batch=-1"])
 
 
 def test_truncated_sampling_is_refused_naming_the_field_and_the_fix():

@@ -2,8 +2,11 @@
 
 One entry point serves inference (log-probs, values) and training: the pipeline schedule (1F1B when PP > 1,
 no pipelining otherwise) calls the model on each micro-batch and, on the last stage, ``output_fn`` on its
-output. Sequences are right-padded to one length so every micro-batch has the same shape (the pipeline's
-p2p buffers need it); no attention mask is passed: attention is causal and padding sits after every real token.
+output. Sequences are right-padded; no attention mask is passed: attention is causal and padding sits after
+every real token. With PP > 1 every micro-batch of a call has the same ``[b, s]`` (the schedule's p2p buffers
+have one shape); without pipelining each micro-batch may have its own (micro-batches by token count,
+:mod:`megarl.trainer.packing`; megatron's ``forward_backward_no_pipelining`` ignores ``seq_length`` and
+``micro_batch_size``).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
 
     Args:
         model: this rank's stage (a ``GPTModel``, possibly DDP-wrapped), in train or eval mode as wanted.
-        micro_batches: dicts with at least ``input_ids`` ``[b, s]`` int64 (same ``b`` and ``s`` for all);
-            every stage receives the whole dict, so the last stage can read labels, masks and advantages.
+        micro_batches: dicts with at least ``input_ids`` ``[b, s]`` int64 (same ``b`` and ``s`` for all when
+            PP > 1); every stage receives the whole dict, so the last stage can read labels, masks and
+            advantages.
         output_fn: ``(micro_batch, output) -> (loss, metrics)``, run on the last pipeline stage, where
             ``output`` is the model output ``[b, s, v/tp]`` (actor) or ``[b, s, 1]`` (critic). For training,
             ``loss`` is backpropagated after megatron divides it by ``len(micro_batches)``; ``metrics`` is
@@ -30,19 +34,26 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
 
     Returns:
         The ``metrics`` dicts of every micro-batch, in order, on the last pipeline stage; ``[]`` elsewhere.
+
+    Raises:
+        ValueError: micro-batches of different shapes with PP > 1.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
         return []
     b, s = micro_batches[0]["input_ids"].shape
-    for i, mb in enumerate(micro_batches):
-        if tuple(mb["input_ids"].shape) != (b, s):
-            raise ValueError(f"micro-batch {i} has shape {tuple(mb['input_ids'].shape)}, expected {(b, s)}")
-    position_ids = torch.arange(s, device=micro_batches[0]["input_ids"].device).unsqueeze(0).expand(b, s)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        for i, mb in enumerate(micro_batches):
+            if tuple(mb["input_ids"].shape) != (b, s):
+                raise ValueError(f"micro-batch {i} has shape {tuple(mb['input_ids'].shape)}, expected {(b, s)} "
+                                 "(the pipeline schedule needs one shape)")
 
     def forward_step(data_iterator, stage):
         mb = next(data_iterator)
+        rows, width = mb["input_ids"].shape
+        position_ids = torch.arange(width, device=mb["input_ids"].device).unsqueeze(0).expand(rows, width)
         output = stage(mb["input_ids"], position_ids, None)
 
         def loss_func(out):

@@ -29,6 +29,7 @@ from megarl.models.pipeline import broadcast_from_last_stage, run_microbatches
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
 from megarl.trainer.batch import RolloutBatch, to_response_frame
+from megarl.trainer.packing import pack_shares, trim_to_longest
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +144,12 @@ class MegatronWorker:
         whole batch's ``{name: [B, R] float32}`` on every rank."""
         share = dp_share(batch, self.dp_rank, self.dp_size)
         width = batch["response_mask"].shape[1]
-        mbs = self.forward_micro_batch_size(len(share))
-        micro = [self._to_device(m) for m in share.micro_batches(mbs, MODEL_INPUTS)]
+        micro, order = self._micro_batches(batch, MODEL_INPUTS, self.forward_micro_batch_size(len(share)))
         self.model.eval()
         with torch.no_grad():
             res = run_microbatches(self.model, micro, lambda mb, out: (out.sum() * 0, fn(mb, out)),
                                    forward_only=True)
-        local = {n: torch.cat([r[n] for r in res]).float() for n in names} if res else None
+        local = {n: _unpermute(torch.cat([r[n] for r in res]).float(), order) for n in names} if res else None
         shapes = {n: (len(share), width) for n in names}
         local = broadcast_from_last_stage(local, shapes, device=self.device)
         return {n: self._all_gather_dp(t).cpu() for n, t in local.items()}
@@ -159,6 +159,27 @@ class MegatronWorker:
         micro-batch must have the same shape for the pipeline schedule)."""
         want = self.rc.logprob_micro_batch_size or self.rc.micro_batch_size
         return max(d for d in range(1, min(want, share) + 1) if share % d == 0)
+
+    def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int
+                       ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
+        """This rank's DP share of ``batch`` cut into micro-batches of tensors ``names``, on the device.
+
+        ``rc.max_tokens_per_micro_batch == 0``: consecutive micro-batches of ``size`` rows, each as wide as the
+        batch; the order is None. Otherwise micro-batches by token count (:mod:`megarl.trainer.packing`),
+        each cut to its longest row, as many on every DP rank; the order is the share's row index of every
+        row of the micro-batches, concatenated.
+        """
+        share = dp_share(batch, self.dp_rank, self.dp_size)
+        budget = self.rc.max_tokens_per_micro_batch
+        if not budget:
+            return [self._to_device(m) for m in share.micro_batches(size, names)], None
+        multiple = 8 * self.mesh.tp  # the trainer's sequence padding (build_batch's seq_multiple)
+        lengths = batch["prompt_lens"] + batch["response_lens"]
+        groups = pack_shares(lengths, self.dp_size, budget, multiple=multiple)[self.dp_rank]
+        share_lengths = share["prompt_lens"] + share["response_lens"]
+        micro = [self._to_device(trim_to_longest({k: share[k][idx] for k in names}, share_lengths[idx], multiple))
+                 for idx in groups]
+        return micro, torch.cat(groups)
 
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
@@ -191,7 +212,6 @@ class MegatronWorker:
         """
         rc = self.rc
         n_mini = len(batch) // rc.ppo_mini_batch_size
-        num_micro = rc.ppo_mini_batch_size // (self.dp_size * rc.micro_batch_size)
         gen = torch.Generator().manual_seed(seed)
         history = []
         self.model.train()
@@ -201,9 +221,8 @@ class MegatronWorker:
                 mini = batch.select(order[k * rc.ppo_mini_batch_size:(k + 1) * rc.ppo_mini_batch_size])
                 mask = mini["response_mask"]
                 norms = {"global_tokens": float(mask.sum()), "global_seqs": float((mask.sum(-1) > 0).sum())}
-                share = dp_share(mini, self.dp_rank, self.dp_size)
-                micro = [self._to_device(m) for m in share.micro_batches(rc.micro_batch_size, names)]
-                scale = num_micro * self.dp_size
+                micro, _ = self._micro_batches(mini, names, rc.micro_batch_size)
+                scale = len(micro) * self.dp_size  # the same number of micro-batches on every DP rank
 
                 def output_fn(mb, out):
                     loss, metrics = loss_fn(mb, out, norms)
@@ -272,6 +291,15 @@ class MegatronWorker:
             with torch.no_grad():  # megatron copies into the fp32 main parameters in place
                 self.optimizer.load_state_dict(state["optimizer"])
             self._restore_adam_steps()
+
+
+def _unpermute(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Rows of ``x`` back in share order: row ``k`` of ``x`` belongs to share row ``order[k]`` (None: as is)."""
+    if order is None:
+        return x
+    out = torch.empty_like(x)
+    out[order.to(x.device)] = x
+    return out
 
 
 class PolicyWorker(MegatronWorker):

@@ -1,0 +1,89 @@
+"""Micro-batches by token count (dynamic batch size) for the log-prob, value and update passes.
+
+With a token budget ``T`` (``actor.max_tokens_per_micro_batch``), a data-parallel share's rows are sorted by
+length, longest first, and cut greedily into micro-batches whose padded size ``rows * padded_len(longest)``
+stays within ``T``; each micro-batch is then cut to its own longest sequence (:func:`trim_to_longest`)
+instead of the batch's. Rows of similar length end up together, so the padding left is small; a row longer
+than ``T`` gets a micro-batch of its own. Same idea as verl's ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``
+and Megatron-LM's sequence packing without the packed (THD) attention kernels: rows stay right-padded, so the
+plain causal attention of the local layer spec serves.
+
+megatron-core's constraints, and what follows from them:
+
+- the pipeline schedule (PP > 1) sends activations of one ``[s, b, h]`` shape for every micro-batch of a
+  ``forward_backward_func`` call, so micro-batches of different shapes need PP = 1 (checked by
+  :func:`megarl.config.validate_for_world`); without pipelining each micro-batch runs on its own.
+- megatron divides each micro-batch's loss by the number of micro-batches and DDP averages over DP ranks; the
+  trainer undoes both with one factor ``num_microbatches * dp`` (:mod:`megarl.algos.aggregation`), which needs
+  the same number of micro-batches on every DP rank. :func:`pack_shares` gives every share the largest count
+  of any share, splitting its micro-batches with the most rows where it has fewer. The loss normalisers stay
+  those of the whole mini-batch, so the gradient equals the fixed-size path's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """Columns a sequence of ``length`` tokens takes: one spare label column, rounded up to ``multiple``
+    (as :func:`~megarl.trainer.batch.build_batch` pads)."""
+    return -(-(length + 1) // multiple) * multiple
+
+
+def pack_by_tokens(lengths: torch.Tensor, budget: int, *, multiple: int = 1, min_count: int = 1
+                   ) -> list[torch.Tensor]:
+    """Cut rows into micro-batches of at most ``budget`` padded tokens, rows of similar length together.
+
+    Args:
+        lengths: ``[n]`` int, real tokens of each row (prompt + response).
+        budget: padded tokens per micro-batch (rows x padded length of its longest row), >= 1.
+        multiple: sequence lengths are padded to a multiple of this (8 x TP for sequence parallelism).
+        min_count: split the micro-batches with the most rows until there are at least this many (at most
+            ``n``).
+
+    Returns:
+        Row indices (int64) of each micro-batch, longest rows first; every row in exactly one.
+
+    Raises:
+        ValueError: ``budget < 1``, or ``min_count`` above the number of rows.
+    """
+    if budget < 1:
+        raise ValueError(f"the token budget per micro-batch must be >= 1, got {budget}")
+    n = len(lengths)
+    if min_count > n:
+        raise ValueError(f"cannot cut {n} rows into {min_count} micro-batches")
+    order = torch.argsort(torch.as_tensor(lengths), descending=True, stable=True).tolist()
+    groups: list[list[int]] = []
+    width = 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * width <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            width = padded_length(int(lengths[i]), multiple)
+    while len(groups) < min_count:
+        k = max(range(len(groups)), key=lambda j: len(groups[j]))
+        g = groups.pop(k)
+        groups[k:k] = [g[:len(g) // 2], g[len(g) // 2:]]
+    return [torch.tensor(g, dtype=torch.int64) for g in groups]
+
+
+def pack_shares(lengths: torch.Tensor, dp_size: int, budget: int, *, multiple: int = 1) -> list[list[torch.Tensor]]:
+    """:func:`pack_by_tokens` of each data-parallel share (rows ``[r * n/dp, (r + 1) * n/dp)``), with the same
+    number of micro-batches for every share.
+
+    Returns:
+        Per DP rank, the micro-batches' row indices within that rank's share.
+    """
+    per = len(lengths) // dp_size
+    shares = [lengths[r * per:(r + 1) * per] for r in range(dp_size)]
+    count = max(len(pack_by_tokens(s, budget, multiple=multiple)) for s in shares)
+    return [pack_by_tokens(s, budget, multiple=multiple, min_count=count) for s in shares]
+
+
+def trim_to_longest(micro: dict[str, torch.Tensor], lengths: torch.Tensor, multiple: int) -> dict[str, torch.Tensor]:
+    """Cut ``input_ids [b, S]`` of a micro-batch to ``padded_length`` of its longest row (never above ``S``);
+    other tensors stay as they are (the response frame keeps the batch's width)."""
+    width = min(padded_length(int(lengths.max()), multiple), micro["input_ids"].shape[1])
+    return {**micro, "input_ids": micro["input_ids"][:, :width]}
