@@ -19,11 +19,11 @@ SPEC = ModelSpec("qwen2", vocab_size=4096, hidden_size=512, num_layers=4, num_at
 def _check(rank, world):
     from transformers import AutoModelForCausalLM
 
+    from megarl.models.layout import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.pipeline import run_microbatches
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.models.layout import megatron_rank_tensors
 
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(SPEC.to_hf_config(), dtype=torch.bfloat16).cuda().eval()

@@ -71,10 +71,10 @@ def _teacher_forced(model, prompt: list[int], response: tuple[int, ...]) -> torc
 def _check(rank, world):
     import time
 
+    from megarl.models.layout import megatron_layout
     from megarl.models.megatron import build_model
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.reshard.executor import execute_plan
-    from megarl.models.layout import megatron_layout
     from megarl.reshard.planner import plan_reshard
     from megarl.rollout.base import RolloutError, SamplingConfig
     from megarl.rollout.vllm_engine import VLLMRolloutEngine

@@ -56,10 +56,10 @@ def _world(rank, world, tmp):
 
     from megarl.models import checkpoint as ck
     from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
+    from megarl.models.layout import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.models.layout import megatron_rank_tensors
 
     out = {"logits": {}, "critic": {}, "tmp": tmp}
     tokens = torch.randint(0, 1000, (3, 24), generator=torch.Generator().manual_seed(7))
@@ -174,10 +174,10 @@ MISTRAL = ModelSpec("mistral", vocab_size=500, hidden_size=64, num_layers=2, num
 def _sliding_window_world(rank, world):
     from megatron.core import parallel_state as ps
 
+    from megarl.models.layout import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.models.layout import megatron_rank_tensors
 
     tokens = torch.randint(0, MISTRAL.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     ref = hf_model(MISTRAL, 5)

@@ -11,12 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard import boxcopy
 from megarl.reshard.boxcopy import Box, BoxBatch
 from megarl.reshard.executor import _rank_rounds, _schedule, execute_plan
-from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
 from megarl.reshard.planner import plan_reshard
 from tests.test_reshard_exact import MODELS, hf_weights, ref_megatron, ref_vllm
 

@@ -18,12 +18,12 @@ CASES = [("gqa_tied", 2, 2, 1), ("gqa_untied_bias", 2, 2, 1), ("gqa_untied_bias"
 
 
 def _world(rank: int, world: int) -> dict:
+    from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
     from megarl.models.megatron import build_model
     from megarl.models.spec import ModelSpec
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.reshard.executor import execute_plan
-    from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
     from megarl.reshard.planner import plan_reshard
 
     out = {}

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megarl.models.spec import ModelSpec, SpecError
-from megarl.parallel.mesh import ParallelLayout
 from megarl.models.layout import (Block, Layout, LocalTensor, hf_layout, megatron_layout, vllm_layout,
                                    vllm_padded_vocab)
+from megarl.models.spec import ModelSpec, SpecError
+from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard.planner import PlanError, plan_reshard
 
 

@@ -45,10 +45,10 @@ def actor_logprobs(model, spec, prompts, out, temperature: float) -> list[torch.
 def _world(rank, world):
     from megatron.core import parallel_state as ps
 
+    from megarl.models.layout import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.models.layout import megatron_rank_tensors
     from megarl.rollout.data_parallel import generate_data_parallel
 
     weights = random_state_dict(TINY, seed=1)

@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import MIN_BUCKET_MB
+from megarl.models.layout import (Layout, canonical_shapes, check_vllm_tp, hf_layout, megatron_layout,
+                                   megatron_rank_tensors, vllm_layout)
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError, preset
 from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard.boxcopy import Box, BoxBatch, extension_available
 from megarl.reshard.executor import DEFAULT_BUCKET_BYTES, execute_plan
-from megarl.models.layout import (Layout, canonical_shapes, check_vllm_tp, hf_layout, megatron_layout,
-                                   megatron_rank_tensors, vllm_layout)
 from megarl.reshard.planner import plan_reshard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

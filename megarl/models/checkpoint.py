@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.hf_io import HFCheckpoint, open_hf_checkpoint, read_hf_config, resolve_model_path
+from megarl.models.layout import VALUE_HEAD, megatron_rank_tensors
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.models.weights import fill_local_tensors
 from megarl.parallel.mesh import ParallelLayout
-from megarl.models.layout import VALUE_HEAD, megatron_rank_tensors
 
 log = logging.getLogger(__name__)
 

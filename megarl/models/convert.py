@@ -86,10 +86,10 @@ def export_rank(rank: int, world: int, ckpt_dir: str, out: str) -> str:
     """The one rank of an export world; returns the Hugging Face directory."""
     from megarl.models import checkpoint as ck
     from megarl.models.hf_io import save_hf_checkpoint
+    from megarl.models.layout import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import assemble_canonical
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.models.layout import megatron_rank_tensors
 
     meta = ck.read_meta(ckpt_dir)
     spec = ck.checkpoint_spec(ckpt_dir)

@@ -10,8 +10,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from megarl.models.spec import SpecError
 from megarl.models.layout import LocalTensor
+from megarl.models.spec import SpecError
 
 
 def fill_local_tensors(local: Mapping[str, LocalTensor], params: Mapping[str, torch.Tensor],

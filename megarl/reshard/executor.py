@@ -28,8 +28,8 @@ from typing import Mapping, NamedTuple
 import torch
 import torch.distributed as dist
 
-from megarl.reshard.boxcopy import Box, BoxBatch
 from megarl.models.layout import LocalTensor
+from megarl.reshard.boxcopy import Box, BoxBatch
 from megarl.reshard.planner import Plan, Transfer
 
 log = logging.getLogger(__name__)

@@ -27,9 +27,9 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Protocol, Sequence
 import numpy as np
 import torch
 
+from megarl.models.layout import Layout
 from megarl.models.spec import ModelSpec
 from megarl.models.weights import fill_local_tensors, state_dict_reader
-from megarl.models.layout import Layout
 
 FinishReason = Literal["stop", "length"]
 WriteFn = Callable[[dict[str, torch.Tensor]], Any]

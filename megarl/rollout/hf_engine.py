@@ -17,8 +17,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from megarl.models.spec import ModelSpec, SpecError
 from megarl.models.layout import Layout, hf_layout
+from megarl.models.spec import ModelSpec, SpecError
 from megarl.rollout.base import (
     RolloutError,
     RolloutOutput,

@@ -44,9 +44,9 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from megarl.models.layout import Layout, check_vllm_tp, vllm_layout, vllm_rank_tensors
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import init_distributed
-from megarl.models.layout import Layout, check_vllm_tp, vllm_layout, vllm_rank_tensors
 from megarl.rollout.base import (
     RolloutError,
     RolloutOutput,

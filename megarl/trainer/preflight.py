@@ -18,10 +18,10 @@ import torch
 
 from megarl.config import Config, ConfigError, validate_for_world
 from megarl.models.checkpoint import source_spec
+from megarl.models.layout import check_vllm_tp
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
-from megarl.models.layout import check_vllm_tp
 from megarl.rewards.registry import RewardError, find_reward, load_reward_fn
 
 

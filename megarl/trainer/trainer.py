@@ -38,10 +38,10 @@ from megarl.data.loader import PromptLoader
 from megarl.data.template import PromptTemplate
 from megarl.models import checkpoint as ck
 from megarl.models.hf_io import load_tokenizer
+from megarl.models.layout import megatron_layout
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout, init_distributed, initialize_model_parallel
 from megarl.reshard.executor import execute_plan
-from megarl.models.layout import megatron_layout
 from megarl.reshard.planner import plan_reshard
 from megarl.rewards.registry import load_reward_fn
 from megarl.rollout.base import SamplingConfig
