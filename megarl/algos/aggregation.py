@@ -65,7 +65,7 @@ def group_deviations(x: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.
     """Each element minus the mean of its group, exactly 0 for every element of a group of equal values.
 
     ``x - mean`` with the mean computed as ``sum / n`` is not 0 in float arithmetic when the values are all
-    equal (eight fp32 copies of 0.7 sum to 5.6000004, so the deviations are ~6e-8 and a later division by a
+    equal (eight fp32 copies of 0.7 sum to 5.5999994, so the deviations are ~6e-8 and a later division by a
     standard deviation of the same size turns them into O(0.1)). Here each group is first shifted by its own
     minimum, which is exact and 0 for equal values, and the mean is taken of the shifted values:
     ``d = (x - min) - mean(x - min)``; a tied group gives exact zeros, any other group the same deviations up
