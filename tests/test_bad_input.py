@@ -151,3 +151,11 @@ def test_bucket_mb_takes_fractions():
 
     args = build_parser().parse_args(["bench", "reshard", "--bucket-mb", "1.5"])
     assert args.bucket_mb == 1.5
+
+
+def test_bench_reshard_defaults_fit_their_world_and_model():
+    from megarl.bench.reshard import check_layout_args
+    from megarl.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "reshard"])
+    check_layout_args(args, args.nproc)  # raises on a default that cannot run (it was TP=2 on 9 heads)
