@@ -8,7 +8,8 @@ with its parameters, without a branch per algorithm::
     estimator = ADVANTAGES.bind(cfg.algorithm.name, cfg.algorithm)       # fn with gamma=..., lam=... set
     advantages, returns = estimator(token_rewards, mask, values=..., group_index=...)
 
-This module imports no torch, so :mod:`megarl.config` can ask it: the built-in algorithms are declared below
+This module imports neither torch nor anything of megarl, so it sits at the bottom of the import order (with
+``config``) and :mod:`megarl.config` asks it for the allowed names: the built-in algorithms are declared below
 by import path (``"module:function"``) and imported on first use. A user adds one with a decorator in a module
 imported before the config is loaded::
 
