@@ -7,6 +7,8 @@
     megarl bench reshard ...                                reshard benchmark (see --help)
     megarl bench step [CONFIG.yaml] [key=value ...] --steps N --warmup K [--json PATH]
                                                             RL step benchmark: per-phase tokens/s/GPU, MFU
+    megarl submit [CONFIG.yaml] [key=value ...] --nodes N --gpus-per-node G [--dry-run] [--resume]
+                                                            a training run as one SLURM batch job
 
 Each subcommand registers itself with :func:`command` (its arguments and the function that runs it); a new
 one adds a ``@command`` function below, not a parser of its own. Bad input ends in one line,
@@ -217,6 +219,18 @@ def _bench_step(p: argparse.ArgumentParser):
         report = bench_step(cfg, steps=a.steps, warmup=a.warmup, json_path=a.json, peak_tflops=a.peak_tflops,
                             sample_interval_s=a.sample_interval, config_path=config, overrides=overrides)
         return 0 if report["status"] == "ok" else 1
+    return run
+
+
+@command("submit", help="a training run as one SLURM batch job (sbatch)")
+def _submit(p: argparse.ArgumentParser):
+    from megarl.launch import submit
+
+    submit.add_arguments(p)
+
+    def run(a: argparse.Namespace) -> int:
+        a.config, a.overrides = split_config_and_overrides(a.config, a.overrides)
+        return submit.run(a)
     return run
 
 

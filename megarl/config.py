@@ -407,6 +407,37 @@ class TrainerConfig:
         _require(self.save_every >= 0, "trainer.save_every", "must be >= 0")
 
 
+# The environment of every rank of a SLURM job (``megarl submit``, ``megarl sweep --slurm``), exported by the
+# batch script before ``srun``. One place for these defaults; a config overrides one with
+# ``launch.env.NAME=VALUE`` and unsets one with ``launch.env.NAME=null``.
+LAUNCH_ENV: dict[str, Optional[str]] = {
+    "NCCL_DEBUG": "WARN",
+    "NCCL_NVLS_ENABLE": "0",                   # NVLink multicast (NVLS) off: it fails on some fabrics/MIG
+    "NCCL_IB_TIMEOUT": "22",                   # InfiniBand retry timeout (4.096 us * 2^22 ~ 17 s)
+    "NCCL_IB_RETRY_CNT": "13",
+    "NCCL_IB_HCA": None,                       # e.g. "mlx5": which InfiniBand adapters NCCL uses (NCCL picks)
+    "NCCL_SOCKET_IFNAME": None,                # e.g. "^lo,docker": interfaces for NCCL's bootstrap (NCCL picks)
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",    # a failed collective ends the job instead of hanging it
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",        # megatron-core's TP/SP communication overlap needs one queue
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+@dataclass
+class LaunchConfig:
+    """How SLURM jobs start the ranks (``megarl submit``, ``megarl sweep --slurm``).
+
+    Attributes:
+        env: environment variables of every rank (defaults :data:`LAUNCH_ENV`); a null value is not exported.
+    """
+
+    env: dict[str, Optional[str]] = field(default_factory=lambda: dict(LAUNCH_ENV))
+
+    def __post_init__(self):
+        for name in self.env:
+            _require(name.isidentifier(), f"launch.env.{name}", "is not a valid environment variable name")
+
+
 @dataclass
 class Config:
     """A whole run. Defaults: the CPU default (README's main job)."""
@@ -421,6 +452,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reshard: ReshardConfig = field(default_factory=ReshardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
     def world_size(self) -> int:

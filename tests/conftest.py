@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.slurm_cluster import slurm_cluster  # noqa: F401  (session fixture: one SLURM cluster for all tests)
+
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -14,3 +16,4 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+

@@ -40,7 +40,7 @@ from megarl.models import checkpoint as ck
 from megarl.models.hf_io import load_tokenizer
 from megarl.models.layout import megatron_layout
 from megarl.models.spec import ModelSpec
-from megarl.parallel.mesh import ParallelLayout, init_distributed, initialize_model_parallel
+from megarl.parallel.mesh import ParallelLayout, init_distributed, initialize_model_parallel, launch_info
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 from megarl.rewards.registry import load_reward_fn
@@ -130,9 +130,9 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg = absolute_paths(cfg)  # what the run records resolves the same from any folder
+        validate_for_world(cfg, launch_info().world_size)  # before the rendezvous: a wrong world stops here
         info = init_distributed()
         self.rank, self.world = info.rank, info.world_size
-        validate_for_world(cfg, self.world)
         self.run_dir = cfg.run.run_dir
         self.spec, _, tok_source = ck.source_spec(None if cfg.model.path == "default" else cfg.model.path)
         validate_for_model(cfg, self.spec)

@@ -1,0 +1,266 @@
+"""``megarl submit``: a training run as one SLURM batch job.
+
+    megarl submit CONFIG.yaml [key=value ...] --nodes N --gpus-per-node G [--partition P] [--time T] ...
+
+The batch script is written into the run folder (``<run.output_dir>/<run.name>/job.sbatch``, so the job can be
+re-submitted by hand with ``sbatch``) and submitted; the command prints the job id and the log path. The
+script:
+
+1. asks for ``N`` nodes with one task per GPU (``--ntasks-per-node=G --gpus-per-node=G``; with
+   ``--gpus-per-node 0``, CPU ranks: ``--ntasks-per-node``), its log in ``<run folder>/logs/<job name>-<job
+   id>.out``, and the submitting directory as its working directory (relative config paths keep working);
+2. exports the ranks' environment, the config's ``launch.env`` (NCCL/torch defaults in
+   :data:`megarl.config.LAUNCH_ENV`);
+3. sets the rendezvous: ``MASTER_ADDR`` = the first host of ``scontrol show hostnames $SLURM_JOB_NODELIST``,
+   ``MASTER_PORT`` = 20000 + job id mod 20000 (two jobs sharing a node get different ports);
+4. ``srun`` starts ``megarl train`` once per rank; each rank reads ``SLURM_PROCID``/``SLURM_NTASKS``/
+   ``SLURM_LOCALID`` (:func:`megarl.parallel.mesh.launch_info`).
+
+Before anything is written or submitted, the config is validated against the job's shape (nodes x ranks per
+node must be the actor's TP x PP x DP, the batch sizes must fit every role: :func:`check_job_shape`).
+``--resume`` re-submits a run from the newest checkpoint in its folder (``trainer.resume=true``; raise
+``trainer.steps`` to add steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megarl.config import Config, ConfigError, load_config, validate_for_world
+
+SCRIPT_NAME = "job.sbatch"
+PORT_BASE, PORT_SPAN = 20000, 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN (as megarl.parallel.mesh)
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """The ranks of a job: ``nodes`` x ``gpus_per_node`` GPU ranks, or ``nodes`` x ``ntasks_per_node`` CPU
+    ranks when ``gpus_per_node`` is 0.
+
+    Raises:
+        ConfigError: a size below 1 (naming the flag), or ``--ntasks-per-node`` differing from the GPUs.
+    """
+
+    nodes: int = 1
+    gpus_per_node: int = 0
+    ntasks_per_node: int | None = None
+
+    def __post_init__(self):
+        if self.nodes < 1:
+            raise ConfigError(f"--nodes: must be >= 1, got {self.nodes}")
+        if self.gpus_per_node < 0:
+            raise ConfigError(f"--gpus-per-node: must be >= 0 (0: CPU ranks), got {self.gpus_per_node}")
+        if self.ntasks_per_node is not None and self.ntasks_per_node < 1:
+            raise ConfigError(f"--ntasks-per-node: must be >= 1, got {self.ntasks_per_node}")
+        if self.gpus_per_node and self.ntasks_per_node not in (None, self.gpus_per_node):
+            raise ConfigError(f"--ntasks-per-node {self.ntasks_per_node}: a GPU job runs one rank per GPU "
+                              f"(--gpus-per-node {self.gpus_per_node}); omit --ntasks-per-node")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.gpus_per_node or self.ntasks_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def describe(self) -> str:
+        per = f"{self.gpus_per_node} GPUs" if self.gpus_per_node else f"{self.ranks_per_node} CPU ranks"
+        return f"{self.nodes} node{'s' if self.nodes > 1 else ''} x {per} = {self.world_size} ranks"
+
+    def flags(self) -> str:
+        per = (f"--gpus-per-node {self.gpus_per_node}" if self.gpus_per_node
+               else f"--ntasks-per-node {self.ranks_per_node}")
+        return f"--nodes {self.nodes} x {per}"
+
+
+@dataclass
+class SbatchOptions:
+    """sbatch's choices for a job (each ``None`` is left to the cluster's defaults).
+
+    Attributes:
+        job_name: ``--job-name`` (also names the log file).
+        partition, account, time, qos: the sbatch options of the same names (``time``: e.g. ``04:00:00``).
+        cpus_per_task: ``--cpus-per-task`` (also the ranks' ``OMP_NUM_THREADS``; default 1 thread).
+        container_image, container_mounts: pyxis's ``srun --container-image/--container-mounts``.
+        extra: further ``#SBATCH`` arguments, verbatim (``--exclusive``, ``--mem=0``, ...).
+    """
+
+    job_name: str
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    qos: str | None = None
+    cpus_per_task: int | None = None
+    container_image: str | None = None
+    container_mounts: str | None = None
+    extra: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise ConfigError(f"--cpus-per-task: must be >= 1, got {self.cpus_per_task}")
+
+
+def check_job_shape(cfg: Config, shape: JobShape) -> None:
+    """The config runs on this job: nodes x ranks per node = the actor's TP x PP x DP (DP derived when
+    ``actor.parallel.dp`` is 0), and every role's batch sizes fit (:func:`megarl.config.validate_for_world`).
+
+    Raises:
+        ConfigError: naming the config fields and the job's flags.
+    """
+    p = cfg.actor.parallel
+    if shape.world_size % (p.tp * p.pp) or (p.dp and p.tp * p.pp * p.dp != shape.world_size):
+        need = f"tp={p.tp} x pp={p.pp}" + (f" x dp={p.dp} = {p.tp * p.pp * p.dp}" if p.dp else
+                                            f" = {p.tp * p.pp} (times dp)")
+        raise ConfigError(f"actor.parallel.tp/pp/dp: the job has {shape.flags()} = {shape.world_size} ranks, but "
+                          f"the actor's mesh needs {need}; change --nodes/--gpus-per-node or the mesh")
+    validate_for_world(cfg, shape.world_size)
+
+
+def rank_environment(cfg: Config) -> list[str]:
+    """The ``export`` lines of the config's ``launch.env`` (a null value becomes a comment)."""
+    return [f"export {k}={shlex.quote(v)}" if v is not None else f"# {k} not set (launch.env.{k})"
+            for k, v in cfg.launch.env.items()]
+
+
+def batch_script(cfg: Config, shape: JobShape, opts: SbatchOptions, *, cwd: str, output: str, title: str,
+                 body: list[str], array: str | None = None) -> str:
+    """A batch script: ``#SBATCH`` lines of ``shape``/``opts``, the ranks' environment, the rendezvous, then
+    ``body`` (shell lines that call :func:`srun_prefix`).
+
+    Args:
+        cwd: the job's working directory (``--chdir``). output: its log path (``%x`` job name, ``%j`` id,
+            ``%A``/``%a`` array job/task).
+        title: the first comment lines (what the job runs). array: ``--array`` (e.g. ``0-5``) or None.
+    """
+    sb = [f"--job-name={opts.job_name}", f"--nodes={shape.nodes}", f"--ntasks-per-node={shape.ranks_per_node}"]
+    sb += [f"--gpus-per-node={shape.gpus_per_node}"] if shape.gpus_per_node else []
+    sb += [f"--cpus-per-task={opts.cpus_per_task}"] if opts.cpus_per_task else []
+    sb += [f"--{k}={v}" for k, v in (("partition", opts.partition), ("account", opts.account),
+                                      ("time", opts.time), ("qos", opts.qos)) if v]
+    sb += [f"--array={array}"] if array else []
+    sb += [f"--output={output}", f"--chdir={cwd}", *opts.extra]
+    lines = ["#!/bin/bash", *(f"# {t}" for t in title.splitlines()), *(f"#SBATCH {s}" for s in sb),
+             "set -euo pipefail", "",
+             "# the ranks' environment: the config's launch.env (override: launch.env.NAME=VALUE, or =null)",
+             'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"', *rank_environment(cfg), "",
+             "# rendezvous: the job's first node, a port derived from the job id",
+             'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+             f"export MASTER_PORT=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))",
+             'echo "megarl: job $SLURM_JOB_ID: $SLURM_NTASKS ranks on $SLURM_JOB_NODELIST, '
+             'rendezvous $MASTER_ADDR:$MASTER_PORT"', "", *body]
+    return "\n".join(lines) + "\n"
+
+
+def srun_prefix(opts: SbatchOptions, cwd: str) -> str:
+    """``srun`` with one task per rank of the allocation (the ``#SBATCH`` lines), ending the job when a rank
+    fails, inside the pyxis container when one is given."""
+    args = ["srun", "--kill-on-bad-exit=1"]
+    if opts.container_image:
+        args += [f"--container-image={opts.container_image}", f"--container-workdir={cwd}"]
+        args += [f"--container-mounts={opts.container_mounts}"] if opts.container_mounts else []
+    return shlex.join(args)
+
+
+def train_script(cfg: Config, config: str | None, overrides: list[str], shape: JobShape, opts: SbatchOptions,
+                 *, python: str, cwd: str) -> str:
+    """The batch script of ``megarl train CONFIG overrides`` on ``shape`` (see the module docstring)."""
+    run_dir = cfg.run.run_dir
+    train = shlex.join([python, "-m", "megarl.cli", "train", *([config] if config else []), *overrides])
+    title = (f"megarl submit: {shape.describe()} of megarl train {shlex.join([config or '(defaults)', *overrides])}"
+             f"\nre-submit by hand: sbatch {run_dir / SCRIPT_NAME}")
+    return batch_script(cfg, shape, opts, cwd=cwd, output=str(run_dir / "logs" / "%x-%j.out"), title=title,
+                        body=[f"{srun_prefix(opts, cwd)} {train}"])
+
+
+def sbatch(script: Path) -> str:
+    """Submit a batch script; returns the job id.
+
+    Raises:
+        ConfigError: sbatch is not installed here, or refused the job (its message included).
+    """
+    if shutil.which("sbatch") is None:
+        raise ConfigError("sbatch not found: submit from a SLURM login node (or see the script with --dry-run)")
+    r = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ConfigError(f"sbatch refused {script}: {r.stderr.strip() or r.stdout.strip()}")
+    return r.stdout.strip().split(";")[0]
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+def add_sbatch_arguments(p: argparse.ArgumentParser) -> None:
+    """sbatch's flags, shared by ``megarl submit`` and ``megarl sweep --slurm``."""
+    g = p.add_argument_group("sbatch")
+    g.add_argument("--partition")
+    g.add_argument("--account")
+    g.add_argument("--time", help="time limit, e.g. 04:00:00")
+    g.add_argument("--qos")
+    g.add_argument("--job-name", help="default: megarl-<run.name> (megarl-sweep-<name> for a sweep)")
+    g.add_argument("--cpus-per-task", type=int, default=None, help="CPU cores per rank (its OMP_NUM_THREADS)")
+    g.add_argument("--container-image", help="pyxis: run the ranks in this container image")
+    g.add_argument("--container-mounts", help="pyxis: SRC:DST[,...] mounted into the container")
+    g.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="any other sbatch argument, verbatim (repeatable), e.g. --sbatch-arg=--exclusive")
+    g.add_argument("--python", default=None, help="the ranks' interpreter (default: this one; in a container: "
+                   "python)")
+
+
+def sbatch_options_from_args(a: argparse.Namespace, default_name: str) -> tuple[SbatchOptions, str]:
+    """The sbatch options and the ranks' interpreter of the parsed :func:`add_sbatch_arguments` flags."""
+    opts = SbatchOptions(job_name=a.job_name or default_name, partition=a.partition, account=a.account,
+                         time=a.time, qos=a.qos, cpus_per_task=a.cpus_per_task, container_image=a.container_image,
+                         container_mounts=a.container_mounts, extra=list(a.sbatch_arg))
+    return opts, a.python or ("python" if a.container_image else sys.executable)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``megarl submit`` (registered in :mod:`megarl.cli`)."""
+    p.add_argument("config", nargs="?", help="YAML file (parallel_configs/...); omitted: the CPU default")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=2")
+    p.add_argument("--resume", action="store_true", help="re-submit the run from its newest checkpoint")
+    p.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
+    g = p.add_argument_group("job shape")
+    g.add_argument("--nodes", type=int, default=1)
+    g.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node, one rank each (0: CPU ranks)")
+    g.add_argument("--ntasks-per-node", type=int, default=None,
+                   help="CPU ranks per node (with --gpus-per-node 0; default 1)")
+    add_sbatch_arguments(p)
+
+
+def run(a: argparse.Namespace) -> int:
+    """Validate, write the batch script into the run folder, submit it, print the job id and log path."""
+    config, overrides = a.config, list(a.overrides) + (["trainer.resume=true"] if a.resume else [])
+    cfg = load_config(config, overrides)
+    shape = JobShape(a.nodes, a.gpus_per_node, a.ntasks_per_node)
+    opts, python = sbatch_options_from_args(a, f"megarl-{cfg.run.name}")
+    check_job_shape(cfg, shape)
+    cwd = os.getcwd()
+    script = train_script(cfg, config, overrides, shape, opts, python=python, cwd=cwd)
+    if a.dry_run:
+        print(script, end="")
+        return 0
+    run_dir = Path(cwd) / cfg.run.run_dir
+    if a.resume:
+        from megarl.trainer.trainer import latest_checkpoint
+
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise ConfigError(f"--resume: {run_dir} has no checkpoint yet; submit without --resume")
+        print(f"resuming from {ckpt}")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    path = run_dir / SCRIPT_NAME
+    path.write_text(script)
+    job = sbatch(path)
+    print(f"submitted job {job}: {shape.describe()}\n"
+          f"  script   {path}\n"
+          f"  log      {run_dir / 'logs' / f'{opts.job_name}-{job}.out'}\n"
+          f"  metrics  {run_dir / 'metrics.jsonl'} (summary: {run_dir / 'summary.json'})\n"
+          f"  follow with: squeue -j {job}; cancel with: scancel {job}")
+    return 0
