@@ -9,6 +9,7 @@
                                                             RL step benchmark: per-phase tokens/s/GPU, MFU
     megarl submit [CONFIG.yaml] [key=value ...] --nodes N --gpus-per-node G [--dry-run] [--resume]
                                                             a training run as one SLURM batch job
+    megarl sweep SWEEP.yaml (--slurm | --local | --plan)    benchmark a grid of layouts (SLURM job array)
 
 Each subcommand registers itself with :func:`command` (its arguments and the function that runs it); a new
 one adds a ``@command`` function below, not a parser of its own. Bad input ends in one line,
@@ -232,6 +233,14 @@ def _submit(p: argparse.ArgumentParser):
         a.config, a.overrides = split_config_and_overrides(a.config, a.overrides)
         return submit.run(a)
     return run
+
+
+@command("sweep", help="a config over a grid of values: one benchmark per point, table, CSV and plot")
+def _sweep(p: argparse.ArgumentParser):
+    from megarl.launch import sweep
+
+    sweep.add_arguments(p)
+    return sweep.run
 
 
 # ------------------------------------------------------------------------------------------------ the tree

@@ -255,6 +255,10 @@ class ModelSpec:
 
 # Named shapes for benchmarks, GPU configs and tests (weights are random or loaded separately).
 PRESETS: dict[str, ModelSpec] = {
+    # a tiny Llama with SmolLM2's vocabulary (use its tokenizer: model.tokenizer=default), for CPU sweeps
+    "tiny-llama": ModelSpec("llama", 49152, 64, 4, 4, 2, 16, 128, rope_theta=10000.0, rms_norm_eps=1e-5,
+                            tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=1,
+                            eos_token_ids=(2,), pad_token_id=2),
     "smollm2-135m": ModelSpec("llama", 49152, 576, 30, 9, 3, 64, 1536, rope_theta=100000.0,
                               rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=8192,
                               bos_token_id=1, eos_token_ids=(2,), pad_token_id=2),

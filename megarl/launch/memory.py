@@ -1,0 +1,169 @@
+"""Per-rank memory estimate of an RL run, from the model shape and the layout (``megarl sweep`` drops the
+points whose estimate exceeds the device's memory before anything starts).
+
+For the busiest rank (the pipeline stage holding the most parameters), in bytes:
+
+- **params**: the actor's share: ``layers/pp`` decoder layers with attention and FFN split over TP, the
+  embedding (vocab padded to ``lcm(128, tp)``, split over TP) on the first stage, the output layer (or the tied
+  embedding's copy) on the last stage; norms replicated. Element size of ``model.dtype``.
+- **grads**: megatron-core's DDP keeps one fp32 gradient buffer of the rank's parameters
+  (``grad_reduce_in_fp32``): 4 bytes per parameter.
+- **optimizer**: Adam's two fp32 moments, plus fp32 master weights for bf16/fp16 parameters: 8 or 12 bytes per
+  parameter, divided by DP under ``actor.optim.distributed`` (megatron's DistributedOptimizer).
+- **reference** (``algorithm.kl.coef > 0``): a frozen copy of the actor's parameters.
+  **critic** (PPO): parameters, gradients and optimizer like the actor's (its output layer is one column).
+- **activations**: one micro-batch of ``data.max_prompt_length + rollout.max_new_tokens`` tokens through the
+  stage's layers, times the micro-batches in flight on the first stage of a 1F1B pipeline (``min(pp, micro-
+  batches per mini-batch)``). Per token and layer, elements kept for the backward (SwiGLU, GQA, unfused
+  softmax; after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+  Sec. 4, adapted to SwiGLU/GQA): ``2h`` replicated (norm inputs; split over TP with sequence parallelism) +
+  ``(4h + 4*kv_size + 3*ffn + 2*heads*s) / tp``; with ``actor.recompute`` only each layer's input ``h`` is kept
+  (plus one layer's full set while it is recomputed). The last stage adds the logits of the micro-batch in
+  fp32, three copies (logits, log-softmax, its gradient) of ``vocab/tp`` per token.
+- **rollout**: vLLM reserves ``rollout.gpu_memory_utilization`` of the whole GPU; the transformers engine
+  (CPU) holds a full fp32 copy of the model plus the KV cache and last logits of ``rollout.max_batch_size``
+  sequences, and frees its weights while the actor trains, so the peak is ``static + max(training,
+  rollout)``.
+- **runtime**: what the process holds besides tensors: the CUDA context and NCCL buffers on a GPU, the
+  Python interpreter with torch/megatron/transformers loaded on the CPU (:data:`RUNTIME_BYTES`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from megarl.config import Config
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# measured: RSS of one CPU rank after imports and process-group start, before any model (perf/RESULTS.md);
+# on a GPU, the CUDA context plus NCCL's buffers beyond torch's allocator
+RUNTIME_BYTES = {"cpu": int(0.9 * GIB), "gpu": int(1.5 * GIB)}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak bytes of the busiest rank, by part (see the module docstring)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    reference: int
+    critic: int
+    activations: int
+    rollout: int
+    runtime: int
+    colocated_rollout: bool  # True: vLLM reserves its share for the whole run (added, not overlapped)
+
+    @property
+    def total(self) -> int:
+        static = self.params + self.grads + self.optimizer + self.reference + self.critic + self.runtime
+        if self.colocated_rollout:
+            return static + self.activations + self.rollout
+        return static + max(self.activations, self.rollout)
+
+    @property
+    def tensors(self) -> int:
+        """The part in torch's allocator on a GPU (``torch.cuda.max_memory_allocated``): the total without the
+        runtime and without vLLM's reservation (its own memory pool)."""
+        return self.total - self.runtime - (self.rollout if self.colocated_rollout else 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return {**{k: v for k, v in asdict(self).items() if k != "colocated_rollout"}, "total": self.total,
+                "tensors": self.tensors}
+
+    def describe(self) -> str:
+        parts = [f"{k} {v / GIB:.2f}" for k, v in self.as_dict().items() if v and k not in ("total", "tensors")]
+        return f"{self.total / GIB:.2f} GiB ({', '.join(parts)})"
+
+
+def stage_params(spec, tp: int, pp: int, *, value_head: bool = False) -> int:
+    """Parameters held by the busiest pipeline stage of a TP x PP actor (``value_head``: a critic, whose
+    output layer is one column).
+
+    Raises:
+        megarl.models.spec.SpecError: TP or PP does not fit the model
+            (:func:`megarl.models.megatron.check_layout`).
+    """
+    from megarl.models.megatron import padded_vocab_size
+
+    h, f, kv = spec.hidden_size, spec.ffn_hidden_size, spec.kv_size
+    layer = (h * (spec.q_size + 2 * kv) + spec.q_size * h + 3 * h * f) // tp + 2 * h
+    layer += (spec.q_size + 2 * kv) // tp if spec.qkv_bias else 0
+    embed = padded_vocab_size(spec.vocab_size, tp) * h // tp
+    output = h if value_head else embed  # tied embeddings: the last stage holds a copy for the output layer
+    layers = spec.num_layers // pp * layer
+    if pp == 1:
+        return layers + embed + h + (output if value_head or not spec.tie_word_embeddings else 0)
+    return max(layers + embed, layers + output + h)
+
+
+def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
+    """Activations of the busiest stage during an update (micro-batches in flight x per-micro-batch bytes)."""
+    a = cfg.actor
+    s = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    tokens = a.micro_batch_size * s
+    e = DTYPE_BYTES[cfg.model.dtype]
+    h = spec.hidden_size
+    full = (2 * h / (tp if a.parallel.sequence_parallel else 1)
+            + (4 * h + 4 * spec.kv_size + 3 * spec.ffn_hidden_size + 2 * spec.num_attention_heads * s) / tp)
+    layers = spec.num_layers // pp
+    per_micro = tokens * e * ((h + full / layers) if a.recompute else full) * layers
+    in_flight = min(pp, max(1, a.ppo_mini_batch_size // (dp * a.micro_batch_size)))
+    logits = tokens * 3 * 4 * math.ceil(spec.vocab_size / tp)
+    # the first stage holds the micro-batches in flight; the last one micro-batch and its logits (pp=1: both)
+    return int(max(per_micro * in_flight, per_micro + logits))
+
+
+def rollout_bytes(cfg: Config, spec, device_bytes: int, gpu: bool) -> int:
+    """The rollout engine's share on one rank."""
+    r = cfg.rollout
+    if r.engine == "vllm":
+        return int(r.gpu_memory_utilization * device_bytes) if gpu else 0
+    s = cfg.data.max_prompt_length + r.max_new_tokens
+    weights = spec.num_params() * 4
+    kv_cache = 2 * spec.num_layers * spec.kv_size * s * r.max_batch_size * 4
+    logits = r.max_batch_size * spec.vocab_size * 4 * 2
+    return weights + kv_cache + logits
+
+
+def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_bytes: int = 0) -> MemoryEstimate:
+    """The per-rank peak memory of ``cfg`` with model ``spec`` on ``world_size`` ranks.
+
+    Args:
+        gpu: estimate for a GPU rank (vLLM's reservation, the CUDA runtime) rather than a CPU rank.
+        device_bytes: the device's memory (vLLM reserves a fraction of it); unused on the CPU.
+
+    Raises:
+        megarl.models.spec.SpecError: TP or PP does not fit the model.
+    """
+    from megarl.models.megatron import check_layout
+    from megarl.parallel.mesh import ParallelLayout
+
+    p = cfg.actor.parallel
+    dp = max(1, world_size // (p.tp * p.pp))
+    check_layout(spec, ParallelLayout(p.tp, p.pp, dp))
+    n = stage_params(spec, p.tp, p.pp)
+    e = DTYPE_BYTES[cfg.model.dtype]
+    opt_per_param = 8 + (4 if e < 4 else 0)
+
+    def optimizer(params: int, distributed: bool) -> int:
+        return params * opt_per_param // (dp if distributed else 1)
+
+    critic = 0
+    if cfg.algorithm.uses_critic:
+        c = stage_params(spec, p.tp, p.pp, value_head=True)
+        critic = c * (e + 4) + optimizer(c, cfg.critic.optim.distributed)
+    return MemoryEstimate(
+        params=n * e, grads=n * 4, optimizer=optimizer(n, cfg.actor.optim.distributed),
+        reference=n * e if cfg.algorithm.kl.coef > 0 else 0, critic=critic,
+        activations=activation_bytes(cfg, spec, p.tp, p.pp, dp),
+        rollout=rollout_bytes(cfg, spec, device_bytes, gpu), runtime=RUNTIME_BYTES["gpu" if gpu else "cpu"],
+        colocated_rollout=cfg.rollout.engine == "vllm")
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (the CPU ranks' device)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,424 @@
+"""``megarl sweep SWEEP.yaml (--slurm | --local)``: a base config over a grid of config values, one
+``megarl bench step`` per point, then a table, a CSV and a plot of throughput per layout.
+
+A sweep file (``parallel_configs/sweep_*.yaml``)::
+
+    name: cpu-tiny                     # results go to <output>/<name>/ (output default: runs/sweeps)
+    base: null                         # a config YAML, or null (the defaults)
+    overrides: [model.path=..., ...]   # applied to every point
+    grid:                              # config key -> values; the points are the product
+      actor.parallel.tp: [1, 2, 4]
+      actor.parallel.pp: [1, 2]
+    points: []                         # extra points, each a {key: value} mapping (hand-picked layouts)
+    job: {nodes: 1, gpus_per_node: 0, ntasks_per_node: 2}   # every point runs on this job shape
+    device_memory_gib: null            # per rank; null: the local GPU's, or host memory / ranks per node
+    bench: {steps: 2, warmup: 1}
+
+Before anything starts, every point is checked and the ones that cannot run are dropped, each with its
+reason: a bad value (the config's own validation), TP/PP that does not divide the model's heads, KV heads or
+layers, a mesh that does not match the job's world, batch sizes that the DP size does not divide, and an
+estimated per-rank memory (:mod:`megarl.launch.memory`) above the device's. Points whose result file exists
+are skipped (``--retry-failed`` re-runs the failed ones). The rest run as one SLURM job array (``--slurm``;
+the command waits for it) or one after another on this machine (``--local``). Each point's ``megarl bench
+step`` writes ``results/<point>.json``; a point that ends without one (an error, OOM, the time limit) is
+recorded there as failed with the reason, and the sweep goes on. At the end: ``results.csv``, ``results.md``
+(the table sorted by tokens/s, then the dropped points with their reasons) and ``throughput.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from megarl.config import Config, ConfigError, load_config
+from megarl.launch.memory import GIB, estimate_memory, host_memory_bytes
+from megarl.launch.submit import (JobShape, SbatchOptions, add_sbatch_arguments, batch_script, check_job_shape,
+                                  sbatch, sbatch_options_from_args, srun_prefix)
+
+
+@dataclass
+class SweepJob:
+    """The job shape of every point (see :class:`megarl.launch.submit.JobShape`)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0
+    ntasks_per_node: Optional[int] = None
+
+
+@dataclass
+class BenchSettings:
+    """``megarl bench step``'s measured and warm-up steps per point."""
+
+    steps: int = 2
+    warmup: int = 1
+
+
+@dataclass
+class SweepSpec:
+    """A sweep file (see the module docstring)."""
+
+    name: str = "sweep"
+    output: str = "runs/sweeps"
+    base: Optional[str] = None
+    overrides: list[str] = field(default_factory=list)
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    points: list[dict[str, Any]] = field(default_factory=list)
+    job: SweepJob = field(default_factory=SweepJob)
+    device_memory_gib: Optional[float] = None
+    bench: BenchSettings = field(default_factory=BenchSettings)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.output) / self.name
+
+
+@dataclass
+class Point:
+    """One point of the sweep: its name, its overrides (on top of the sweep's), and what became of it."""
+
+    name: str
+    values: dict[str, Any]
+    overrides: list[str]
+    reason: str | None = None           # why it was dropped before running
+    estimate: dict[str, int] | None = None
+
+
+def load_sweep(path: str | os.PathLike) -> SweepSpec:
+    """Read and type-check a sweep file.
+
+    Raises:
+        ConfigError: an unknown key or a wrong type, naming it; an empty grid.
+        FileNotFoundError: no such file.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"sweep file {path} does not exist (see parallel_configs/sweep_*.yaml)")
+    try:
+        spec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SweepSpec), OmegaConf.load(path)))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {getattr(e, 'full_key', None) or 'sweep'}: {str(e).splitlines()[0]}") from None
+    if not spec.grid and not spec.points:
+        raise ConfigError(f"{path}: grid: list at least one config key with its values (or points)")
+    for key, values in spec.grid.items():
+        if not values:
+            raise ConfigError(f"{path}: grid.{key}: give at least one value")
+    return spec
+
+
+def _value_text(v: Any) -> str:
+    return json.dumps(v) if isinstance(v, (dict, list)) else ("null" if v is None else str(v).lower()
+                                                              if isinstance(v, bool) else str(v))
+
+
+def point_names(keys: list[str]) -> dict[str, str]:
+    """The shortest dotted suffix of each key that no other key ends with (``actor.parallel.tp`` -> ``tp``,
+    unless ``rollout.tp`` is also swept: then ``parallel.tp`` and ``rollout.tp``)."""
+    short = {}
+    for k in keys:
+        parts = k.split(".")
+        for n in range(1, len(parts) + 1):
+            suffix = ".".join(parts[-n:])
+            if not any(o != k and (o == suffix or o.endswith("." + suffix)) for o in keys):
+                short[k] = suffix
+                break
+        else:
+            short[k] = k
+    return short
+
+
+def expand(spec: SweepSpec) -> list[Point]:
+    """The grid's product and the extra points, in order, each named by its values (``tp1_pp2``)."""
+    combos = [dict(zip(spec.grid, vals)) for vals in itertools.product(*spec.grid.values())] if spec.grid else []
+    combos += [dict(p) for p in spec.points]
+    short = point_names(sorted({k for c in combos for k in c}))
+    points, seen = [], set()
+    for values in combos:
+        name = "_".join(f"{short[k]}{_value_text(v)}" for k, v in values.items()).replace("/", "-") or "base"
+        if name in seen:
+            continue
+        seen.add(name)
+        points.append(Point(name, values, [f"{k}={_value_text(v)}" for k, v in values.items()]))
+    return points
+
+
+def device_memory(spec: SweepSpec, shape: JobShape) -> int:
+    """Bytes one rank may use: ``device_memory_gib``, else the local GPU's, else host memory per rank.
+
+    Raises:
+        ConfigError: a GPU sweep without ``device_memory_gib`` on a machine without a GPU.
+    """
+    if spec.device_memory_gib:
+        return int(spec.device_memory_gib * GIB)
+    if shape.gpus_per_node:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device_memory_gib: a GPU sweep planned on a machine without a GPU needs the "
+                              "GPU's memory, e.g. device_memory_gib: 140 (H200)")
+        return torch.cuda.get_device_properties(0).total_memory
+    return host_memory_bytes() // shape.ranks_per_node
+
+
+def check_point(spec: SweepSpec, point: Point, shape: JobShape, memory: int) -> Config | None:
+    """Validate one point; set ``point.reason`` and return None if it cannot run, else its config.
+
+    The checks, in order: the config itself; TP/PP against the model's heads, KV heads and layers; the mesh
+    against the job's world and the batch sizes against DP; the memory estimate against ``memory``.
+    """
+    from megarl.models import checkpoint as ck
+    from megarl.models.spec import SpecError
+
+    try:
+        cfg = load_config(spec.base, spec.overrides + point.overrides)
+        model, _, _ = ck.source_spec(None if cfg.model.path == "default" else cfg.model.path)
+        p = cfg.actor.parallel
+        if shape.world_size % (p.tp * p.pp) == 0 and not p.dp:
+            point.overrides.append(f"actor.parallel.dp={shape.world_size // (p.tp * p.pp)}")
+            cfg.actor.parallel.dp = shape.world_size // (p.tp * p.pp)
+        est = estimate_memory(cfg, model, shape.world_size, gpu=shape.gpus_per_node > 0, device_bytes=memory)
+        check_job_shape(cfg, shape)
+    except (ConfigError, SpecError) as e:
+        point.reason = str(e)
+        return None
+    point.estimate = est.as_dict()
+    if est.total > memory:
+        point.reason = (f"estimated memory {est.describe()} per rank is over the device's "
+                        f"{memory / GIB:.1f} GiB")
+        return None
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------ running
+def bench_command(spec: SweepSpec, point: Point, python: str, result: Path) -> list[str]:
+    """``megarl bench step`` of one point (run once per rank under srun, or plainly: it starts torchrun)."""
+    return [python, "-m", "megarl.cli", "bench", "step", *([spec.base] if spec.base else []), *spec.overrides,
+            *point.overrides, "--steps", str(spec.bench.steps), "--warmup", str(spec.bench.warmup),
+            "--json", str(result)]
+
+
+def _result(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _error_line(log: Path) -> str:
+    """The last line of a log that reads like the error (``megarl: error:``, ``...Error: ...``)."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    hits = [ln for ln in lines if "megarl: error:" in ln or "Error:" in ln or "error:" in ln
+            or "CANCELLED" in ln or "DUE TO TIME LIMIT" in ln or "oom" in ln.lower()]
+    return (hits or lines or [""])[-1][-400:]
+
+
+def record_failure(point: Point, result: Path, why: str, log: Path) -> None:
+    """Write the failed point's result file (keeping ``megarl bench step``'s own error when it wrote one)."""
+    got = _result(result) or {}
+    reason = got.get("error") or _error_line(log) or "no result written"
+    got.update(status="failed" if got.get("status", "ok") == "ok" else got["status"], point=point.name,
+               reason=f"{why}: {reason}", config={"overrides": point.overrides, **got.get("config", {})})
+    result.write_text(json.dumps(got, indent=2, default=str))
+
+
+def run_local(spec: SweepSpec, todo: list[Point], python: str) -> None:
+    """Run the points one after another on this machine (``megarl bench step`` starts torchrun)."""
+    out = spec.out_dir
+    for point in todo:
+        result, log = out / "results" / f"{point.name}.json", out / "logs" / f"{point.name}.out"
+        print(f"sweep: running {point.name}", flush=True)
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+        with log.open("w") as f:
+            rc = subprocess.run(bench_command(spec, point, python, result), stdout=f, stderr=subprocess.STDOUT,
+                                env=env).returncode
+        if rc != 0 or (_result(result) or {}).get("status") != "ok":
+            record_failure(point, result, f"exit code {rc}", log)
+
+
+def array_script(spec: SweepSpec, cfg: Config, todo: list[Point], shape: JobShape, opts: SbatchOptions,
+                 python: str, cwd: str) -> str:
+    """One job array: task ``i`` runs point ``todo[i]`` with one srun task per rank."""
+    out = spec.out_dir
+    body = ['case "$SLURM_ARRAY_TASK_ID" in']
+    for i, point in enumerate(todo):
+        cmd = shlex.join(bench_command(spec, point, python, out / "results" / f"{point.name}.json"))
+        body.append(f"  {i}) echo 'megarl sweep: point {point.name}'; {srun_prefix(opts, cwd)} {cmd} ;;")
+    body.append("esac")
+    return batch_script(cfg, shape, opts, cwd=cwd, output=str(out / "logs" / "%x-%A_%a.out"),
+                        title=f"megarl sweep {spec.name}: {len(todo)} points as a job array, {shape.describe()} "
+                              "each", body=body, array=f"0-{len(todo) - 1}")
+
+
+def job_states(job: str) -> dict[int, str]:
+    """``{array task: "STATE exit N:S"}`` of a finished job array, from ``scontrol show job``."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
+    states = {}
+    for line in out.splitlines():
+        f = dict(w.split("=", 1) for w in line.split() if "=" in w)
+        if "ArrayTaskId" in f and f["ArrayTaskId"].isdigit():
+            states[int(f["ArrayTaskId"])] = f"{f.get('JobState', '?')} (exit {f.get('ExitCode', '?')})"
+    return states
+
+
+def run_slurm(spec: SweepSpec, cfg: Config, todo: list[Point], shape: JobShape, opts: SbatchOptions,
+              python: str, poll_s: float = 2.0) -> None:
+    """Submit the points as one job array, wait for it (``squeue``), record the points that wrote no result."""
+    out = spec.out_dir
+    script = out / "sweep.sbatch"
+    script.write_text(array_script(spec, cfg, todo, shape, opts, python, os.getcwd()))
+    job = sbatch(script)
+    print(f"sweep: submitted job array {job} ({len(todo)} points); logs in {out / 'logs'}", flush=True)
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        time.sleep(poll_s)
+    states = job_states(job)
+    for i, point in enumerate(todo):
+        result = out / "results" / f"{point.name}.json"
+        if (_result(result) or {}).get("status") != "ok":
+            record_failure(point, result, f"job {job}_{i} {states.get(i, 'ended')}",
+                           out / "logs" / f"{opts.job_name}-{job}_{i}.out")
+
+
+# ------------------------------------------------------------------------------------------------ report
+# peak_memory_gib: megarl bench step's peak (torch's allocator on a GPU, resident memory on the CPU);
+# device_memory_used_gib: NVML's device memory in use (everything on the GPU); estimated_*: megarl.launch.memory
+COLUMNS = ["point", "status", "world_size", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu",
+           "peak_memory_gib", "device_memory_used_gib", "estimated_memory_gib", "estimated_tensors_gib", "reason"]
+
+
+def collect(spec: SweepSpec, points: list[Point]) -> list[dict[str, Any]]:
+    """One row per point that ran (or failed): its swept values and benchmark figures, best first."""
+    rows = []
+    for p in points:
+        r = _result(spec.out_dir / "results" / f"{p.name}.json")
+        if p.reason or r is None:
+            continue
+        util = r.get("gpu_util") or {}
+        used = util.get("memory_max_bytes") if util.get("source") == "nvml" else None
+        rows.append({"point": p.name, **p.values, "status": r.get("status"), "world_size": r.get("world_size"),
+                     "step_time_s": r.get("step_time_s"), "tokens_per_s": r.get("tokens_per_s"),
+                     "tokens_per_s_per_gpu": r.get("tokens_per_s_per_gpu"),
+                     "peak_memory_gib": _gib(r.get("peak_memory_bytes")), "device_memory_used_gib": _gib(used),
+                     "estimated_memory_gib": _gib(p.estimate["total"]) if p.estimate else None,
+                     "estimated_tensors_gib": _gib(p.estimate["tensors"]) if p.estimate else None,
+                     "reason": r.get("reason") or r.get("error")})
+    return sorted(rows, key=lambda row: (row["status"] != "ok", -(row["tokens_per_s"] or 0)))
+
+
+def _gib(v: int | None) -> float | None:
+    return v / GIB if v else None
+
+
+def _fmt(v: Any) -> str:
+    return "" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v).replace("|", "\\|")
+
+
+def write_report(spec: SweepSpec, points: list[Point]) -> dict[str, Path]:
+    """``results.csv``, ``results.md`` (sorted by tokens/s; dropped points and reasons below) and
+    ``throughput.png`` (tokens/s/GPU per point) in the sweep's folder."""
+    out = spec.out_dir
+    rows = collect(spec, points)
+    swept = list(dict.fromkeys(k for p in points for k in p.values))
+    cols = ["point", *swept, *COLUMNS[1:]]
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    md = [f"# Sweep {spec.name}: {len(rows)} points ran, {sum(r['status'] == 'ok' for r in rows)} finished", "",
+          "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    md += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    dropped = [p for p in points if p.reason]
+    md += ["", f"## Dropped before running ({len(dropped)})", ""]
+    md += [f"- `{p.name}`: {p.reason}" for p in dropped] or ["none"]
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    _plot(rows, out / "throughput.png", spec.name)
+    return {"csv": out / "results.csv", "markdown": out / "results.md", "plot": out / "throughput.png"}
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["point"] for r in rows][::-1]
+    values = [r["tokens_per_s_per_gpu"] or 0.0 for r in rows][::-1]
+    colors = ["tab:blue" if r["status"] == "ok" else "tab:red" for r in rows][::-1]
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.4 * max(1, len(rows))))
+    ax.barh(names, values, color=colors)
+    for y, (v, c) in enumerate(zip(values, colors)):
+        ax.text(v, y, " failed" if c == "tab:red" else f" {v:.3g}", va="center", fontsize=8)
+    ax.set_xlabel("tokens/s per GPU (rank)")
+    ax.set_title(f"sweep {title}: throughput per layout (red: failed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``megarl sweep`` (registered in :mod:`megarl.cli`)."""
+    p.add_argument("sweep", help="sweep file (parallel_configs/sweep_*.yaml)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--slurm", action="store_true", help="run the points as one SLURM job array and wait")
+    mode.add_argument("--local", action="store_true", help="run the points one after another on this machine")
+    mode.add_argument("--plan", action="store_true", help="list the points and the dropped ones; run nothing")
+    p.add_argument("--retry-failed", action="store_true", help="run the points recorded as failed again")
+    add_sbatch_arguments(p)
+
+
+def run(a: argparse.Namespace) -> int:
+    """Expand, prune, run what has no result yet, and write the table, CSV and plot."""
+    spec = load_sweep(a.sweep)
+    shape = JobShape(spec.job.nodes, spec.job.gpus_per_node, spec.job.ntasks_per_node)
+    opts, python = sbatch_options_from_args(a, f"megarl-sweep-{spec.name}")
+    memory = device_memory(spec, shape)
+    points = expand(spec)
+    configs = {p.name: check_point(spec, p, shape, memory) for p in points}
+    valid = [p for p in points if p.reason is None]
+    print(f"sweep {spec.name}: {len(points)} points, {len(valid)} valid on {shape.describe()} "
+          f"({memory / GIB:.1f} GiB per rank), {len(points) - len(valid)} dropped:", flush=True)
+    for p in points:
+        if p.reason:
+            print(f"  dropped {p.name}: {p.reason}", flush=True)
+    if a.plan:
+        for p in valid:
+            print(f"  valid {p.name}: estimated {p.estimate['total'] / GIB:.2f} GiB per rank ("
+                  + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.estimate.items() if v and k != "total") + ")")
+        return 0
+    out = spec.out_dir
+    for d in ("results", "logs"):
+        (out / d).mkdir(parents=True, exist_ok=True)
+
+    def done(p: Point) -> bool:
+        r = _result(out / "results" / f"{p.name}.json")
+        return r is not None and (r.get("status") == "ok" or not a.retry_failed)
+
+    todo = [p for p in valid if not done(p)]
+    print(f"sweep {spec.name}: {len(valid) - len(todo)} points already have results, {len(todo)} to run",
+          flush=True)
+    if todo and a.slurm:
+        run_slurm(spec, configs[todo[0].name], todo, shape, opts, python)
+    elif todo:
+        run_local(spec, todo, python)
+    (out / "sweep.json").write_text(json.dumps(
+        {"name": spec.name, "job": shape.describe(), "device_memory_bytes": memory,
+         "points": [{"name": p.name, "values": p.values, "overrides": p.overrides, "dropped": p.reason,
+                     "estimate": p.estimate} for p in points]}, indent=2, default=str))
+    files = write_report(spec, points)
+    print((out / "results.md").read_text(), end="")
+    print("sweep: wrote " + ", ".join(str(f) for f in files.values()), flush=True)
+    return 0

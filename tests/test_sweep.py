@@ -1,0 +1,100 @@
+"""``megarl sweep``: pruning with reasons (model shape, world, batch sizes, memory), the memory estimate's
+parameter count, and a sweep of a tiny model through a real SLURM cluster as one job array (table, CSV, plot,
+a failing point recorded while the others finish, a second run that starts no job)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
+
+ROOT = Path(__file__).parents[1]
+
+
+def _sweep(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "megarl.cli", "sweep", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout)
+
+
+def test_stage_params_count_every_weight_once():
+    """At TP=1 x PP=1 the estimate's parameter count is the model's (independently: the HF tensor shapes);
+    TP shards divide the split weights, PP stages hold their layers plus the embedding or the output layer."""
+    from megarl.launch.memory import stage_params
+    from megarl.models.spec import preset
+
+    for name in ("smollm2-135m", "qwen2.5-7b", "tiny-llama"):
+        spec = preset(name)
+        assert stage_params(spec, 1, 1) == spec.num_params(), name
+    spec = preset("qwen2.5-7b")  # untied, vocab 152064 = 1188 x 128: no padding at TP <= 128
+    n, h, v = spec.num_params(), spec.hidden_size, spec.vocab_size
+    norms = (2 * spec.num_layers + 1) * h  # replicated on every TP rank
+    assert stage_params(spec, 4, 1) == (n - norms) // 4 + norms
+    layer = (n - 2 * v * h - h) // spec.num_layers
+    assert stage_params(spec, 1, 2) == 14 * layer + v * h + h  # the last stage: output layer and final norm
+
+
+def test_plan_drops_points_with_reasons():
+    """The 64-GPU 7B sweep, planned: TP=8 cannot split 28 heads, and layouts without recompute at TP=1 are
+    estimated over the H200's memory; nothing runs."""
+    r = _sweep("parallel_configs/sweep_gpu_64xh200_qwen2.5-7b.yaml", "--plan")
+    assert r.returncode == 0, r.stderr
+    dropped = {line.split(":")[0].split()[-1]: line for line in r.stdout.splitlines() if "dropped " in line}
+    assert "tp8_pp1_recomputetrue" in dropped and "num_attention_heads=28" in dropped["tp8_pp1_recomputetrue"]
+    assert "estimated memory" in dropped["tp1_pp1_recomputefalse"]
+    assert "tp4_pp2_recomputetrue" not in dropped  # the shipped 64-GPU layout fits
+    assert "24 points" in r.stdout
+
+
+@pytest.mark.slow
+def test_sweep_of_a_tiny_model_as_a_job_array(slurm_cluster, tmp_path):
+    model = make_tiny_model(tmp_path / "model")
+    data = write_prompts(tmp_path / "prompts.jsonl", 32)
+    sweep = {
+        "name": "tiny", "output": str(tmp_path / "sweeps"),
+        "overrides": task_overrides(model, data, tmp_path / "runs", "sweep")
+        + ["data.prompts_per_step=4", "rollout.n=2", "actor.ppo_mini_batch_size=4"],
+        "grid": {"actor.parallel.tp": [1, 2, 4], "actor.parallel.pp": [1, 2], "actor.micro_batch_size": [1, 2, 3]},
+        # a point that passes every check but fails when it runs: no prompt is as short as 2 tokens
+        "points": [{"actor.parallel.tp": 1, "actor.parallel.pp": 2, "actor.micro_batch_size": 1,
+                    "data.max_prompt_length": 2}],
+        "job": {"nodes": 1, "gpus_per_node": 0, "ntasks_per_node": 2},
+        "bench": {"steps": 1, "warmup": 0},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    r = _sweep(str(path), "--slurm")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "sweeps" / "tiny"
+    assert "submitted job array" in r.stdout and "19 points, 7 valid" in r.stdout, r.stdout
+
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    by_name = {row["point"]: row for row in rows}
+    assert len(rows) == 7
+    failed = by_name["tp1_pp2_micro_batch_size1_max_prompt_length2"]
+    assert failed["status"] != "ok" and "max_prompt_length" in failed["reason"], failed
+    ok = [row for row in rows if row["status"] == "ok"]
+    assert len(ok) == 6 and all(float(row["tokens_per_s"]) > 0 for row in ok), rows
+    speeds = [float(row["tokens_per_s"]) for row in ok]
+    assert speeds == sorted(speeds, reverse=True)  # best first
+    assert {row["world_size"] for row in ok} == {"2"}
+
+    md = (out / "results.md").read_text()
+    assert "## Dropped before running (12)" in md
+    assert "`tp4_pp1_micro_batch_size1`: tp=4 does not divide the query groups num_kv_heads=2" in md
+    assert "`tp2_pp2_micro_batch_size1`: actor.parallel.tp/pp/dp" in md  # 4 ranks on a 2-rank job
+    assert "`tp1_pp2_micro_batch_size3`: actor.ppo_mini_batch_size" in md  # 4 sequences, micro-batch 3
+    assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for row in ok:
+        res = json.loads((out / "results" / f"{row['point']}.json").read_text())
+        assert res["status"] == "ok" and res["phases"]["generate"]["time_s"] > 0
+
+    again = _sweep(str(path), "--slurm")
+    assert again.returncode == 0, again.stderr
+    assert "7 points already have results, 0 to run" in again.stdout and "submitted" not in again.stdout
