@@ -2,7 +2,8 @@
 
 The session fixture :func:`slurm_cluster` runs ``tests/slurm/start.sh`` (installs slurm-wlm and munge with
 apt-get when missing, writes ``/etc/slurm/slurm.conf`` from ``tests/slurm/slurm.conf.template`` for this host,
-starts the daemons, waits for a probe job: ~3 s when installed) and ``tests/slurm/stop.sh`` at the end. It
+starts the daemons, waits for a probe job: ~3 s when installed) and ``tests/slurm/stop.sh`` at the end (unless
+the cluster was already running: another session may be using it). It
 skips, with the reason, where it cannot: not root, or neither SLURM nor apt-get installed. A start that fails
 on a machine that can run it fails the tests that need the cluster (with the daemons' logs).
 """
@@ -50,4 +51,5 @@ def slurm_cluster():
     if r.returncode != 0:
         pytest.fail(f"could not start the SLURM cluster (tests/slurm/start.sh):\n{r.stdout}\n{r.stderr}")
     yield STATE
-    subprocess.run(["bash", str(HERE / "stop.sh")], capture_output=True, env=env, timeout=120)
+    if "already running" not in r.stderr:  # stop only a cluster that this session started
+        subprocess.run(["bash", str(HERE / "stop.sh")], capture_output=True, env=env, timeout=120)

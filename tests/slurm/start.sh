@@ -30,8 +30,9 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
 fi
 
 # already up?
+RUNNING=0
 if alive "$(pid_of "$STATE/slurmctld.pid")" slurmctld && alive "$(pid_of "$STATE/slurmd.pid")" slurmd; then
-  log "slurmctld/slurmd already running (state $STATE)"
+  log "slurmctld/slurmd already running (state $STATE)"; RUNNING=1
 else
   if alive "$(pid_of "$STATE/slurmctld.pid")" slurmctld || alive "$(pid_of "$STATE/slurmd.pid")" slurmd; then
     log "cluster only partly running; stopping it first"; "$HERE/stop.sh"
@@ -85,7 +86,8 @@ fi
 # 5. wait for the node
 HOST="$(hostname -s)"
 deadline=$(( $(date +%s) + WAIT_S ))
-until [ "$(sinfo -h -n "$HOST" -o %T 2>/dev/null)" = idle ]; do
+# (a cluster that was already running may be busy with jobs: then any working state will do)
+until case "$(sinfo -h -n "$HOST" -o %T 2>/dev/null)" in idle) true;; mixed|allocated) [ "$RUNNING" = 1 ];; *) false;; esac; do
   if [ "$(date +%s)" -ge "$deadline" ]; then
     log "node $HOST not idle after ${WAIT_S}s: $(sinfo -h -N -o '%N %T %E' 2>&1)"
     tail -n 20 "$STATE/log/slurmctld.log" "$STATE/log/slurmd.log" >&2 || true
@@ -95,7 +97,7 @@ until [ "$(sinfo -h -n "$HOST" -o %T 2>/dev/null)" = idle ]; do
 done
 # 6. probe: one batch job that also launches a step. Verifies munge creds, batch launch, srun I/O.
 #    Also absorbs the ~3 s after slurmctld start before its first batch scheduling pass.
-if [ "${SLURM_PROBE:-1}" = 1 ]; then
+if [ "${SLURM_PROBE:-1}" = 1 ] && [ "$RUNNING" = 0 ]; then
   pj=$(sbatch --parsable -J slurm-local-probe -o "$STATE/log/probe.out" --wrap 'srun -n1 true && echo probe-ok')
   until ! squeue -h -j "$pj" 2>/dev/null | grep -q .; do
     [ "$(date +%s)" -lt "$deadline" ] || { log "probe job $pj did not finish"; squeue >&2; exit 1; }; sleep 0.1; done
