@@ -26,6 +26,16 @@ def _megarl(*args, cwd=ROOT, env=None, timeout=300):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def _submit_here(args, capsys, monkeypatch) -> tuple[int, str, str]:
+    """``megarl submit ARGS`` in this process (from the checkout's root), its exit status, stdout and stderr."""
+    from megarl.cli import main
+
+    monkeypatch.chdir(ROOT)
+    rc = main(["submit", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 def _normalised(script: str) -> str:
     """The script with this checkout's paths replaced, so the golden files hold on any machine."""
     return script.replace(sys.executable, "@PYTHON@").replace(str(ROOT), "@ROOT@")
@@ -41,10 +51,10 @@ def _normalised(script: str) -> str:
       "--container-image", "nvcr.io/nvidia/pytorch:25.10-py3", "--container-mounts", "/lustre:/lustre",
       "--sbatch-arg=--exclusive", "--sbatch-arg=--mem=0"]),
 ])
-def test_dry_run_scripts_match_the_golden_files(name, args):
-    r = _megarl("submit", *args, "--dry-run")
-    assert r.returncode == 0, r.stderr
-    script = _normalised(r.stdout)
+def test_dry_run_scripts_match_the_golden_files(name, args, capsys, monkeypatch):
+    rc, out, err = _submit_here([*args, "--dry-run"], capsys, monkeypatch)
+    assert rc == 0, err
+    script = _normalised(out)
     if os.environ.get("MEGARL_UPDATE_GOLDEN"):
         (GOLDEN / name).write_text(script)
     assert script == (GOLDEN / name).read_text()
@@ -67,12 +77,14 @@ def test_dry_run_scripts_match_the_golden_files(name, args):
     ([], ["--nodes", "0"], ["--nodes", ">= 1"]),
     ([], ["--gpus-per-node", "8", "--ntasks-per-node", "2"], ["--ntasks-per-node 2", "one rank per GPU"]),
 ])
-def test_a_job_that_does_not_fit_the_config_fails_before_submitting(args, flags, fields, tmp_path):
-    r = _megarl("submit", *args, f"run.output_dir={tmp_path}", *flags, env={"PATH": "/nonexistent"})  # no sbatch
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert r.stderr.startswith("megarl: error:"), r.stderr
+def test_a_job_that_does_not_fit_the_config_fails_before_submitting(args, flags, fields, tmp_path, capsys,
+                                                                     monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no sbatch either
+    rc, out, err = _submit_here([*args, f"run.output_dir={tmp_path}", *flags], capsys, monkeypatch)
+    assert rc == 2, out + err
+    assert err.startswith("megarl: error:"), err
     for f in fields:
-        assert f in r.stderr, r.stderr
+        assert f in err, err
     assert not any(tmp_path.iterdir())  # no run folder, no script
 
 
