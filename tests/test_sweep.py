@@ -43,7 +43,7 @@ def test_stage_params_count_every_weight_once():
 def test_plan_drops_points_with_reasons():
     """The 64-GPU 7B sweep, planned: TP=8 cannot split 28 heads, and layouts without recompute at TP=1 are
     estimated over the H200's memory; nothing runs."""
-    r = _sweep("parallel_configs/sweep_gpu_64xh200_qwen2.5-7b.yaml", "--plan")
+    r = _sweep("parallel_configs/sweeps/gpu_64xh200_qwen2.5-7b.yaml", "--plan")
     assert r.returncode == 0, r.stderr
     dropped = {line.split(":")[0].split()[-1]: line for line in r.stdout.splitlines() if "dropped " in line}
     assert "tp8_pp1_recomputetrue" in dropped and "num_attention_heads=28" in dropped["tp8_pp1_recomputetrue"]
@@ -87,7 +87,7 @@ def test_sweep_of_a_tiny_model_as_a_job_array(slurm_cluster, tmp_path):
 
     md = (out / "results.md").read_text()
     assert "## Dropped before running (9)" in md
-    assert "`tp4_pp1_micro_batch_size1`: tp=4 does not divide the query groups num_kv_heads=2" in md
+    assert "`tp4_pp1_micro_batch_size1`: actor.parallel.tp: tp=4 does not divide the query groups num_kv_heads=2" in md
     assert "`tp2_pp2_micro_batch_size1`: actor.parallel.tp/pp/dp" in md  # 4 ranks on a 2-rank job
     assert "`tp1_pp2_micro_batch_size3`: actor.ppo_mini_batch_size" in md  # 4 sequences, micro-batch 3
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

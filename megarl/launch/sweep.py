@@ -1,7 +1,7 @@
 """``megarl sweep SWEEP.yaml (--slurm | --local)``: a base config over a grid of config values, one
 ``megarl bench step`` per point, then a table, a CSV and a plot of throughput per layout.
 
-A sweep file (``parallel_configs/sweep_*.yaml``)::
+A sweep file (``parallel_configs/sweeps/``)::
 
     name: cpu-tiny                     # results go to <output>/<name>/ (output default: runs/sweeps)
     base: null                         # a config YAML, or null (the defaults)
@@ -104,7 +104,7 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     from omegaconf.errors import OmegaConfBaseException
 
     if not Path(path).is_file():
-        raise FileNotFoundError(f"sweep file {path} does not exist (see parallel_configs/sweep_*.yaml)")
+        raise FileNotFoundError(f"sweep file {path} does not exist (see parallel_configs/sweeps/)")
     try:
         spec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SweepSpec), OmegaConf.load(path)))
     except OmegaConfBaseException as e:
@@ -177,18 +177,19 @@ def check_point(spec: SweepSpec, point: Point, shape: JobShape, memory: int) -> 
     The checks, in order: the config itself; TP/PP against the model's heads, KV heads and layers; the mesh
     against the job's world and the batch sizes against DP; the memory estimate against ``memory``.
     """
-    from megarl.models import checkpoint as ck
     from megarl.models.spec import SpecError
+    from megarl.trainer.preflight import model_spec, validate_for_model
 
     try:
         cfg = load_config(spec.base, spec.overrides + point.overrides)
-        model, _, _ = ck.source_spec(None if cfg.model.path == "default" else cfg.model.path)
+        model = model_spec(cfg)
+        validate_for_model(cfg, model)
         p = cfg.actor.parallel
         if shape.world_size % (p.tp * p.pp) == 0 and not p.dp:
             point.overrides.append(f"actor.parallel.dp={shape.world_size // (p.tp * p.pp)}")
             cfg.actor.parallel.dp = shape.world_size // (p.tp * p.pp)
-        est = estimate_memory(cfg, model, shape.world_size, gpu=shape.gpus_per_node > 0, device_bytes=memory)
         check_job_shape(cfg, shape)
+        est = estimate_memory(cfg, model, shape.world_size, gpu=shape.gpus_per_node > 0, device_bytes=memory)
     except (ConfigError, SpecError) as e:
         point.reason = str(e)
         return None
@@ -371,7 +372,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 # ------------------------------------------------------------------------------------------------ the CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``megarl sweep`` (registered in :mod:`megarl.cli`)."""
-    p.add_argument("sweep", help="sweep file (parallel_configs/sweep_*.yaml)")
+    p.add_argument("sweep", help="sweep file (parallel_configs/sweeps/)")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--slurm", action="store_true", help="run the points as one SLURM job array and wait")
     mode.add_argument("--local", action="store_true", help="run the points one after another on this machine")
