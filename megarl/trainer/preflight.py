@@ -4,8 +4,10 @@
 :func:`validate_for_model` adds what the model's own config (``config.json``, GGUF metadata or a preset)
 determines: whether its heads, query groups, FFN and vocab split at each role's TP, whether its layers split
 at the PP size, whether the rollout engine's TP fits it, whether its context holds a prompt and a response.
-``megarl train`` runs :func:`preflight` in the launching process, before torchrun starts any rank; the
-:class:`~megarl.trainer.trainer.Trainer` runs it again on every rank (a job started by torchrun or srun).
+:func:`preflight` adds the train files, the reward function and what this machine needs, and is what
+``megarl train`` (and ``megarl bench step``) run in the launching process, before torchrun starts any rank.
+The :class:`~megarl.trainer.trainer.Trainer` runs :func:`validate_for_model` again on every rank (a job
+started by torchrun or srun), before it builds a model.
 """
 
 from __future__ import annotations
