@@ -28,7 +28,10 @@ def _require(cond: bool, field_name: str, msg: str) -> None:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-MIN_BUCKET_MB = 1.0  # the smallest reshard bucket, MiB (reshard.bucket_mb, megarl bench reshard --bucket-mb)
+# The smallest reshard bucket, MiB (reshard.bucket_mb, megarl bench reshard --bucket-mb): 64 KiB, a floor that
+# catches a size given in the wrong unit; buckets of a few MiB and less already spend most of each round on
+# the round's synchronisation, not on moving bytes.
+MIN_BUCKET_MB = 1 / 16
 
 
 @dataclass
@@ -369,15 +372,14 @@ class AlgorithmConfig:
 
 @dataclass
 class ReshardConfig:
-    """The reshard engine. bucket_mb: staging bytes (send + receive) per rank per round, MiB, at least
-    :data:`MIN_BUCKET_MB` (smaller buckets cut the weights into so many rounds that each round's
-    synchronisation costs more than the memory saved)."""
+    """The reshard engine. bucket_mb: staging bytes (send + receive) per rank per round, MiB (fractions allowed),
+    at least :data:`MIN_BUCKET_MB` (64 KiB)."""
 
     bucket_mb: float = 64.0
 
     def __post_init__(self):
         _require(self.bucket_mb >= MIN_BUCKET_MB, "reshard.bucket_mb",
-                 f"must be >= {MIN_BUCKET_MB} MiB, got {self.bucket_mb}")
+                 f"must be >= {MIN_BUCKET_MB:g} MiB (64 KiB; the unit is MiB), got {self.bucket_mb:g}")
 
 
 @dataclass

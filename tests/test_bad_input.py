@@ -111,7 +111,7 @@ CASES = [
     (["bench", "reshard", "--src-tp", "2"], "--src-tp"),
     (["bench", "reshard", "--src-pp", "4"], "--src-pp"),
     (["bench", "reshard", "--bucket-mb", "0"], "--bucket-mb"),
-    (["bench", "reshard", "--bucket-mb", "0.5"], "--bucket-mb must be >= 1"),
+    (["bench", "reshard", "--bucket-mb", "0.01"], "--bucket-mb must be >= 0.0625"),
     (["bench", "reshard", "--nproc", "4"], "--nproc: 4 ranks"),
     (["bench", "reshard", "--nproc", "0"], "--nproc"),
     (["bench", "reshard", "--model", "gpt5"], "--model: unknown model preset 'gpt5'"),
@@ -149,8 +149,11 @@ def test_bad_input_is_one_error_line_naming_the_field(tiny, run_cli, argv, names
 def test_bucket_mb_takes_fractions():
     from megarl.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "reshard", "--bucket-mb", "1.5"])
-    assert args.bucket_mb == 1.5
+    from megarl.config import load_config
+
+    args = build_parser().parse_args(["bench", "reshard", "--bucket-mb", "0.5"])
+    assert args.bucket_mb == 0.5
+    assert load_config(None, ["reshard.bucket_mb=0.5"]).reshard.bucket_mb == 0.5
 
 
 def test_bench_reshard_defaults_fit_their_world_and_model():
