@@ -207,18 +207,25 @@ def _bench_step(p: argparse.ArgumentParser):
                    help="peak TFLOP/s per GPU for MFU (default: the device's datasheet dense bf16 peak)")
     p.add_argument("--sample-interval", type=positive_float("--sample-interval"), default=0.1,
                    help="seconds between utilisation samples (default 0.1)")
+    p.add_argument("--standalone-vllm", action="store_true",
+                   help="then generate the measured batches on a plain vLLM on the same GPU and report the ratio "
+                        "(rollout.engine=vllm)")
 
     def run(a: argparse.Namespace) -> int:
         from megarl.config import load_config
 
         config, overrides = split_config_and_overrides(a.config, a.overrides)
         cfg = load_config(config, overrides)
+        if a.standalone_vllm and cfg.rollout.engine != "vllm":
+            raise UsageError(f"bench step: --standalone-vllm compares with vLLM rollouts; rollout.engine is "
+                             f"{cfg.rollout.engine!r}: set rollout.engine=vllm or drop the flag")
         if relaunch_world(cfg, ["bench", *a.argv]):
             return 0
         from megarl.bench.step import bench_step
 
         report = bench_step(cfg, steps=a.steps, warmup=a.warmup, json_path=a.json, peak_tflops=a.peak_tflops,
-                            sample_interval_s=a.sample_interval, config_path=config, overrides=overrides)
+                            sample_interval_s=a.sample_interval, standalone_vllm=a.standalone_vllm,
+                            config_path=config, overrides=overrides)
         return 0 if report["status"] == "ok" else 1
     return run
 

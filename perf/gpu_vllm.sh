@@ -28,16 +28,7 @@ START=$SECONDS
 failed=0
 
 install_wheels() {
-  if python3 -c "import vllm, megatron.core, omegaconf" 2>/dev/null; then
-    echo "already installed in $SITE"
-  else
-    [ -f /tmp/whl/reassemble.sh ] || { echo "no /tmp/whl/reassemble.sh: upload the vLLM chunk folders first" \
-      "(mkdir -p /tmp/whl && cp .gpu/vllm/cNN/* /tmp/whl/, one upload per folder)"; return 1; }
-    bash /tmp/whl/reassemble.sh /tmp/whl "$SITE" || return 1
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || return 1
-  fi
-  python3 -c "import vllm, megatron.core, omegaconf, pytest; print('vllm', vllm.__version__, '| megatron-core', \
-megatron.core.__version__)"
+  bash perf/install_wheels.sh && python3 -c "import pytest"
 }
 
 build_extension() {

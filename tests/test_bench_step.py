@@ -106,3 +106,10 @@ def test_bench_step_bad_flag_is_one_error_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["megarl: error: bench step: argument --warmup: --warmup must be "
                                                 ">= 0, got -1 (see megarl bench step --help)"]
+
+
+def test_standalone_vllm_needs_vllm_rollouts():
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "bench", "step", "--standalone-vllm",
+                           "rollout.engine=hf"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--standalone-vllm compares with vLLM rollouts" in proc.stderr and "rollout.engine" in proc.stderr

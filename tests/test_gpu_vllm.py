@@ -1,11 +1,12 @@
 """GPU checks of the vLLM rollout engine (marked ``gpu``; skipped without CUDA or without vllm): a Megatron actor
 resharded into vLLM 0.24.0 in one process decodes like the actor, reports the actor's log-probs, takes weight
-updates in place and survives sleep mode.
+updates in place and survives sleep mode, eager and with CUDA graphs.
 
-One 1-rank world and one vLLM start (~35-50 s) for all checks. The actor is a small Qwen2-shaped Megatron model
-in bf16 on the GPU with random weights whose embeddings are scaled by 3, so that its logits are peaked (with
-flat random logits, bf16 rounding flips near-ties and the comparison says nothing; GPU.md). The vocab (4000)
-is padded differently by Megatron (4096) and vLLM (4032), so the reshard's vocab blocks are exercised too.
+One 1-rank world and one vLLM start (~35-60 s) for all checks, per mode. The actor is a small Qwen2-shaped
+Megatron model in bf16 on the GPU with random weights whose embeddings are scaled by 3, so that its logits are
+peaked (with flat random logits, bf16 rounding flips near-ties and the comparison says nothing; GPU.md). The
+vocab (4000) is padded differently by Megatron (4096) and vLLM (4032), so the reshard's vocab blocks are
+exercised too.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _teacher_forced(model, prompt: list[int], response: tuple[int, ...]) -> torc
     return logp[0, len(prompt) - 1:len(ids) - 1].float().cpu()
 
 
-def _check(rank, world):
+def _check(rank, world, enforce_eager):
     import time
 
     from megarl.models.layout import megatron_layout
@@ -85,7 +86,7 @@ def _check(rank, world):
     with torch.no_grad():
         actor.embedding.word_embeddings.weight.mul_(3)  # peaked logits (tied: the output layer too)
     start = time.perf_counter()
-    engine = VLLMRolloutEngine(SPEC, tp=1, gpu_memory_utilization=0.3, seed=0)
+    engine = VLLMRolloutEngine(SPEC, tp=1, gpu_memory_utilization=0.3, seed=0, enforce_eager=enforce_eager)
     r = {"init_s": time.perf_counter() - start}
     plan = plan_reshard(megatron_layout(SPEC, mesh, padded_vocab=actor.vocab_size), engine.weight_layout([0]))
     src = {n: p.detach() for n, p in actor.named_parameters()}
@@ -166,10 +167,14 @@ def _check(rank, world):
     return r
 
 
-@pytest.fixture(scope="module")
-def result():
-    r = run_world(_check, 1, timeout_s=600)[0]
-    print(f"\nvLLM engine on GPU: init {r['init_s']:.1f} s, reshard {r['reshard_s'] * 1e3:.2f} ms, "
+# eager, and with CUDA graphs (captured once at start: sleep(2) unmaps the weights and the KV cache but vLLM's
+# CuMemAllocator maps them back at the same addresses on wake_up, and the reshard writes the weights in place,
+# so the captured graphs read the new weights; every check below must hold for both)
+@pytest.fixture(scope="module", params=[True, False], ids=["eager", "cuda_graphs"])
+def result(request):
+    r = run_world(_check, 1, request.param, timeout_s=600)[0]
+    mode = "eager" if request.param else "CUDA graphs"
+    print(f"\nvLLM engine on GPU ({mode}): init {r['init_s']:.1f} s, reshard {r['reshard_s'] * 1e3:.2f} ms, "
           f"log-prob |vLLM - actor| mean {r['logprob_mean_diff']:.4f} max {r['logprob_max_diff']:.4f} over "
           f"{r['logprob_tokens']} tokens, sleep(1) freed {r['sleep1_freed_gib']:.1f} GiB, "
           f"{r['tokens_per_s']:.0f} tokens/s, resampled {r['resampled_same']}/{r['resampled_total']} alike")

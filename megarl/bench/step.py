@@ -29,15 +29,24 @@ by rank 0, that ``megarl sweep`` collects. Its keys:
   sums); ``tokens``/rates/``flops``/``mfu`` are null for phases without them (reshard, advantages);
 - ``gpu_util``: ``source`` ("nvml" or "proc"), ``util_mean_pct``, ``util_max_pct``, ``memory_max_bytes``
   (over ranks) and ``per_rank`` (each rank's summary, :meth:`~megarl.bench.monitor.Samples.summary`);
-- ``per_step``: the seconds of every phase of every measured step.
+- ``per_step``: the seconds of every phase of every measured step;
+- with ``--standalone-vllm`` (vLLM rollouts), ``standalone_vllm``: rank 0's generate calls of the measured
+  steps run again on a plain vLLM on the same GPU (:mod:`megarl.bench.vllm_standalone`): ``status``,
+  ``init_s``, ``tokens``, ``seconds``, ``tokens_per_s``, ``rl_generate_call_tokens_per_s`` (the engine's own
+  calls), ``rl_generate_phase_tokens_per_s_per_gpu`` (the phase, its sleep included), ``ratio`` (RL call /
+  standalone) and ``ratio_generate_phase``; null on the other ranks.
 
 Units: seconds, tokens, FLOPs, bytes, percent for utilisation, fractions (0-1) for MFU.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +55,7 @@ import torch.distributed as dist
 
 from megarl.bench.flops import device_name, measured_bf16_flops, mfu, peak_bf16_flops
 from megarl.bench.monitor import UtilizationSampler
+from megarl.bench.vllm_standalone import GenerateRecorder
 from megarl.config import Config, to_dict
 
 PHASE_ORDER = ("reshard", "generate", "reward", "old_logprobs", "reference", "values", "advantages",
@@ -53,9 +63,13 @@ PHASE_ORDER = ("reshard", "generate", "reward", "old_logprobs", "reference", "va
 
 
 def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.PathLike | None = None,
-               peak_tflops: float | None = None, sample_interval_s: float = 0.1, config_path: str | None = None,
-               overrides: list[str] | None = None) -> dict[str, Any]:
+               peak_tflops: float | None = None, sample_interval_s: float = 0.1, standalone_vllm: bool = False,
+               config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """Run ``warmup + steps`` RL steps of ``cfg`` on this rank (call on every rank) and report the measured ones.
+
+    Args:
+        standalone_vllm: afterwards, generate rank 0's batches of the measured steps again on a plain vLLM
+            (:mod:`megarl.bench.vllm_standalone`) and report the ratio (``standalone_vllm`` in the report).
 
     Returns:
         The report (see the module docstring), on every rank; rank 0 prints the table and writes the JSON.
@@ -63,8 +77,6 @@ def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.Path
     Raises:
         Whatever the trainer raises (after rank 0 wrote a report with status "oom" or "error").
     """
-    from megarl.trainer.trainer import Trainer
-
     cfg.trainer.steps = warmup + steps  # the loader's epochs cover every step
     cfg.trainer.log_samples = 0
     cfg.trainer.resume = False
@@ -73,18 +85,15 @@ def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.Path
                               "world_size": cfg.world_size, "device": device_name(), "steps": steps,
                               "warmup": warmup}
     try:
-        trainer = Trainer(cfg)
-        report["world_size"] = trainer.world
-        batches = iter(trainer.loader)
-        for _ in range(warmup):
-            _one_step(trainer, batches)
-        with UtilizationSampler(sample_interval_s) as sampler:
-            history = [_one_step(trainer, batches) for _ in range(steps)]
+        run = _measure(cfg, steps, warmup, sample_interval_s, record=standalone_vllm)  # the trainer is gone after
         peaks = {"datasheet": peak_tflops * 1e12 if peak_tflops else peak_bf16_flops(),
                  "measured": measured_bf16_flops()}
-        report.update(summarize(history, trainer.world, peaks))
-        report["gpu_util"] = _gather_utilization(sampler.samples.summary())
+        report["world_size"] = run["world"]
+        report.update(summarize(run["history"], run["world"], peaks))
+        report["gpu_util"] = _gather_utilization(run["utilization"])
         report["peak_memory_bytes"] = max((p["peak_memory_bytes"] for p in report["phases"].values()), default=0)
+        if standalone_vllm:
+            report["standalone_vllm"] = _standalone_vllm(cfg, run, report)
     except Exception as e:
         oom = isinstance(e, torch.cuda.OutOfMemoryError)
         report.update(status="oom" if oom else "error", error=f"{type(e).__name__}: {e}")
@@ -97,10 +106,77 @@ def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.Path
     return report
 
 
+def _measure(cfg: Config, steps: int, warmup: int, sample_interval_s: float, *, record: bool) -> dict[str, Any]:
+    """Build the trainer, run the steps, and return what the report needs (the trainer is dropped on return,
+    so that its GPU memory can be given back)."""
+    from megarl.trainer.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    recorder = None
+    if record:
+        recorder = trainer.engine = GenerateRecorder(trainer.engine)
+    batches = iter(trainer.loader)
+    for _ in range(warmup):
+        _one_step(trainer, batches)
+    with UtilizationSampler(sample_interval_s) as sampler:
+        if recorder is not None:
+            recorder.recording = True
+        history = [_one_step(trainer, batches) for _ in range(steps)]
+    return {"history": history, "world": trainer.world, "utilization": sampler.samples.summary(),
+            "spec": trainer.engine.spec, "recorded": recorder.recorded if recorder is not None else []}
+
+
 def _one_step(trainer, batches) -> dict[str, Any]:
     metrics = trainer.step(next(batches))
     trainer.step_idx += 1
     return metrics
+
+
+def _standalone_vllm(cfg: Config, run: dict[str, Any], report: dict[str, Any]) -> dict[str, Any] | None:
+    """Rank 0 runs :mod:`megarl.bench.vllm_standalone` in a child process on its GPU on its recorded calls
+    (the other ranks wait); returns the child's result with the RL rates and their ratios to it."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    result = None
+    if _rank() == 0:
+        with tempfile.TemporaryDirectory(prefix="megarl-standalone-") as tmp:
+            run["spec"].to_hf_config().save_pretrained(tmp)
+            r = cfg.rollout
+            request = {"model_dir": tmp, "calls": run["recorded"],
+                       "engine": {"enforce_eager": r.enforce_eager, "gpu_memory_utilization": r.gpu_memory_utilization,
+                                  "max_model_len": run["spec"].max_position_embeddings, "seed": cfg.run.seed}}
+            Path(tmp, "request.json").write_text(json.dumps(request))
+            free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+            proc = subprocess.run([sys.executable, "-m", "megarl.bench.vllm_standalone", f"{tmp}/request.json",
+                                   f"{tmp}/result.json"], env=_child_env(), capture_output=True, text=True)
+            out = Path(tmp, "result.json")
+            result = json.loads(out.read_text()) if out.exists() else {
+                "status": "error", "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
+        result["free_memory_bytes_at_start"] = free
+        tokens = sum(sum(c["lengths"]) for c in run["recorded"])
+        seconds = sum(c["seconds"] for c in run["recorded"])
+        result["rl_generate_call_tokens_per_s"] = tokens / seconds if seconds else None
+        result["rl_generate_phase_tokens_per_s_per_gpu"] = report["phases"]["generate"]["tokens_per_s_per_gpu"]
+        if result["status"] == "ok" and seconds:
+            result["ratio"] = result["rl_generate_call_tokens_per_s"] / result["tokens_per_s"]
+            result["ratio_generate_phase"] = result["rl_generate_phase_tokens_per_s_per_gpu"] / result["tokens_per_s"]
+    if dist.is_initialized():
+        dist.barrier()
+    return result
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment for a one-GPU child: without torchrun's rank variables, with only this
+    rank's GPU visible."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "GROUP_RANK")}
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[device] if visible else str(device)
+    return env
 
 
 def _rank() -> int:
