@@ -63,7 +63,7 @@ class Samples:
     """What a sampler saw: one entry per sample.
 
     Attributes:
-        source: "nvml" (this rank's GPU) or "proc" (this process on the CPU).
+        source: "nvml" (this rank's GPU) or "proc" (this process; on a GPU machine with the reason NVML failed).
         util_pct: GPU utilisation, percent; or CPU use of this process, percent of one core.
         memory_bytes: device memory in use (GPU) or resident memory (CPU), bytes.
     """
@@ -90,8 +90,8 @@ class UtilizationSampler:
             ...
         s.samples.summary()
 
-    Raises:
-        pynvml.NVMLError: NVML cannot be initialised on a machine where torch sees a GPU.
+    Where torch sees a GPU but NVML cannot be initialised, it samples the process instead and says why in
+    ``samples.source``.
     """
 
     def __init__(self, interval_s: float = 0.1):
@@ -101,12 +101,17 @@ class UtilizationSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handle = None
+        source = "proc"
         if torch.cuda.is_available():
             import pynvml
 
-            pynvml.nvmlInit()
-            self._handle = _nvml_handle(pynvml, torch.cuda.current_device())
-        self.samples = Samples("nvml" if self._handle is not None else "proc")
+            try:
+                pynvml.nvmlInit()
+                self._handle = _nvml_handle(pynvml, torch.cuda.current_device())
+                source = "nvml"
+            except pynvml.NVMLError as e:  # a benchmark does not stop for its monitor
+                source = f"proc (NVML unavailable: {e})"
+        self.samples = Samples(source)
 
     def _read(self, last: tuple[float, float]) -> tuple[float, float]:
         if self._handle is not None:
