@@ -101,6 +101,10 @@ def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Pa
         v = last.get(key)
         return "n/a" if v is None else f.format(v)
 
+    def mean(key, f):
+        values = [h[key] for h in history if h.get(key) is not None]
+        return f.format(sum(values) / len(values)) if values else "n/a"
+
     gen = [h["throughput/generate_tokens_per_s"] for h in history if h.get("throughput/generate_tokens_per_s")]
     lines = [
         "=" * 72,
@@ -112,6 +116,8 @@ def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Pa
         f"{fmt('actor/kl', '{:.5f}')}, entropy {fmt('actor/entropy')}",
         f"  generation         {sum(gen) / len(gen):.1f} tokens/s on average" if gen else "  generation    n/a",
         f"  step time          {sum(h.get('time/step', 0) for h in history) / len(history):.1f} s on average",
+        f"  throughput         {mean('perf/tokens_per_s_per_gpu', '{:.0f}')} tokens/s/GPU (prompt + response), "
+        f"MFU {mean('perf/mfu', '{:.1%}')} on average",
         f"  metrics            {run_dir / 'metrics.jsonl'} (samples: {run_dir / 'samples.jsonl'})",
         f"  checkpoint         {checkpoint if checkpoint else 'none written'}",
     ]

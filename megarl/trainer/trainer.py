@@ -269,8 +269,6 @@ class Trainer:
                 getattr(stats, "peak_extra_bytes", 0),
             **{f"time/{k}": v for k, v in phases.items()}, "time/step": step_s,
             "throughput/generate_tokens_per_s": gen_tokens / max(phases.get("generate", 1e-9), 1e-9),
-            "throughput/tokens_per_s_per_rank": (int(mask.sum()) + int(batch["prompt_lens"].sum()))
-                                               / step_s / self.world,
             "data/epoch": self.loader.epoch,
             **self._perf_metrics(batch, phases, step_s),
         })
