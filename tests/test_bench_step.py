@@ -100,6 +100,24 @@ def test_bench_step_report_fields_and_units(report):
     assert "actor_update" in stdout and "tokens/s/GPU" in stdout
 
 
+def test_bench_step_on_two_ranks(tmp_path):
+    model = make_tiny_model(tmp_path / "model")
+    data = write_prompts(tmp_path / "prompts.jsonl", 32)
+    out = tmp_path / "bench.json"
+    args = [sys.executable, "-m", "megarl.cli", "bench", "step", *task_overrides(model, data, tmp_path / "runs", "b"),
+            "actor.parallel.dp=2", "data.prompts_per_step=4", "rollout.n=2", "actor.ppo_mini_batch_size=8",
+            "actor.micro_batch_size=2", "--steps", "1", "--warmup", "0", "--json", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)  # relaunched under torchrun
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["status"] == "ok" and r["world_size"] == 2 and r["config"]["layout"]["dp"] == 2
+    assert len(r["gpu_util"]["per_rank"]) == 2
+    assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
+    upd = r["phases"]["actor_update"]
+    assert upd["tokens_per_s_per_gpu"] == pytest.approx(upd["tokens"] / upd["time_s"] / 2)
+    assert r["mfu"] is None  # no peak on the CPU
+
+
 def test_bench_step_bad_flag_is_one_error_line():
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", "bench", "step", "--warmup", "-1"],
                           capture_output=True, text=True, timeout=120)

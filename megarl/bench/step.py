@@ -88,7 +88,9 @@ def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.Path
         run = _measure(cfg, steps, warmup, sample_interval_s, record=standalone_vllm)  # the trainer is gone after
         peaks = {"datasheet": peak_tflops * 1e12 if peak_tflops else peak_bf16_flops(),
                  "measured": measured_bf16_flops()}
-        report["world_size"] = run["world"]
+        report["world_size"] = run["world"]  # under torchrun with dp=0 the config alone does not know it
+        layout = report["config"]["layout"]
+        layout.update(world_size=run["world"], dp=run["world"] // (layout["tp"] * layout["pp"]))
         report.update(summarize(run["history"], run["world"], peaks))
         report["gpu_util"] = _gather_utilization(run["utilization"])
         report["peak_memory_bytes"] = max((p["peak_memory_bytes"] for p in report["phases"].values()), default=0)
