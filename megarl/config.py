@@ -382,6 +382,61 @@ class ReshardConfig:
                  f"must be >= {MIN_BUCKET_MB:g} MiB (64 KiB; the unit is MiB), got {self.bucket_mb:g}")
 
 
+ROLES = ("actor", "critic", "reference", "reward", "rollout")
+MEGATRON_ROLES = ("actor", "critic", "reference")
+
+
+@dataclass
+class PlacementConfig:
+    """Which global ranks hold which role (:mod:`megarl.parallel.placement` builds their process groups).
+
+    Roles on one pool take turns (the rollout engine sleeps while the Megatron roles compute); roles on
+    disjoint pools work at the same time where the data flow allows (the reference scores a batch while the
+    actor pool computes its old log-probs). The default puts every role on every rank.
+
+    Attributes:
+        pools: named sets of global ranks, each a list of ranks or ``all`` (the whole world); the pool
+            ``all`` always exists.
+        actor / critic / reference / reward / rollout: the pool of each role (``reward``: the reward function,
+            e.g. an in-process reward model, scores on its pool's ranks).
+        reference_parallel: the reference policy's Megatron layout on its pool; null = the actor's tp and pp,
+            dp derived from the pool. The other roles' layouts: ``actor.parallel``, ``critic.parallel``,
+            ``rollout.tp``.
+    """
+
+    pools: dict[str, Any] = field(default_factory=lambda: {"all": "all"})
+    actor: str = "all"
+    critic: str = "all"
+    reference: str = "all"
+    reward: str = "all"
+    rollout: str = "all"
+    reference_parallel: Optional[ParallelConfig] = None
+
+    def __post_init__(self):
+        _require(self.pools.get("all", "all") == "all", "placement.pools.all",
+                 f"is the whole world, got {self.pools.get('all')!r}; give your pool another name")
+        self.pools.setdefault("all", "all")
+        for name, ranks in self.pools.items():
+            ok = ranks == "all" or (isinstance(ranks, (list, tuple)) and len(ranks) > 0
+                                    and all(isinstance(r, int) and r >= 0 for r in ranks))
+            _require(ok, f"placement.pools.{name}", f"must be 'all' or a non-empty list of global ranks >= 0, "
+                     f"got {ranks!r}")
+            _require(ranks == "all" or len(set(ranks)) == len(ranks), f"placement.pools.{name}",
+                     f"lists a rank twice: {list(ranks)}")
+        for role in ROLES:
+            _require(getattr(self, role) in self.pools, f"placement.{role}",
+                     f"unknown pool {getattr(self, role)!r}; placement.pools defines {sorted(self.pools)}")
+
+    def ranks(self, pool: str, world_size: int) -> list[int]:
+        """Global ranks of ``pool`` in a world of ``world_size`` ranks (``all``: every rank)."""
+        ranks = self.pools[pool]
+        return list(range(world_size)) if ranks == "all" else sorted(ranks)
+
+    def explicit_world(self) -> int:
+        """The fewest ranks that hold every listed pool (0 when every pool is ``all``)."""
+        return max((max(r) + 1 for r in self.pools.values() if r != "all"), default=0)
+
+
 @dataclass
 class TrainerConfig:
     """The RL loop.
@@ -453,14 +508,16 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reshard: ReshardConfig = field(default_factory=ReshardConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
     def world_size(self) -> int:
-        """Ranks the job needs: the actor's mesh with an explicit dp, else tp * pp (dp = 1)."""
+        """Ranks the job needs: the actor's mesh with an explicit dp, else tp * pp (dp = 1); at least every rank
+        that ``placement.pools`` lists."""
         p = self.actor.parallel
-        return p.tp * p.pp * max(p.dp, 1)
+        return max(p.tp * p.pp * max(p.dp, 1), self.placement.explicit_world())
 
     @property
     def rollout_batch_size(self) -> int:
@@ -497,20 +554,122 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
 
 
+@dataclass(frozen=True)
+class RoleLayout:
+    """Where one role runs: its pool's name and global ranks, and its layout there (``pp = dp = 1`` and no
+    optimizer for the reward function; ``pp = 1`` for the rollout engine, whose ``dp`` is its replicas)."""
+
+    role: str
+    pool: str
+    ranks: tuple[int, ...]
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def describe(self) -> str:
+        """``pool 'NAME' ranks 0-3 tp=.. pp=.. dp=..`` (the layout as it applies to the role)."""
+        r = self.ranks
+        span = f"{r[0]}-{r[-1]}" if len(r) > 1 and list(r) == list(range(r[0], r[-1] + 1)) else ",".join(map(str, r))
+        layout = {"reward": "", "rollout": f" tp={self.tp} dp={self.dp}"}.get(
+            self.role, f" tp={self.tp} pp={self.pp} dp={self.dp}")
+        return f"pool {self.pool!r} ranks {span}{layout}"
+
+
+def role_layouts(cfg: Config, world_size: int) -> dict[str, RoleLayout]:
+    """The layout of every role the run builds (the critic with a critic-based algorithm, the reference with
+    ``algorithm.kl.coef > 0``), in a world of ``world_size`` ranks.
+
+    Raises:
+        ConfigError: a pool larger than the world or naming ranks outside it; a layout that does not fit its
+            pool (tp * pp not dividing its size, or an explicit dp other than size / (tp * pp)); naming the
+            role, the pool and the sizes.
+    """
+    pl = cfg.placement
+    for name, ranks in pl.pools.items():
+        if ranks == "all":
+            continue
+        _require(len(ranks) <= world_size, f"placement.pools.{name}",
+                 f"has {len(ranks)} ranks but the world has {world_size}")
+        outside = [r for r in ranks if r >= world_size]
+        _require(not outside, f"placement.pools.{name}",
+                 f"ranks {outside} are outside the world of {world_size} ranks (0..{world_size - 1})")
+    megatron = {"actor": cfg.actor.parallel}
+    if cfg.algorithm.uses_critic:
+        megatron["critic"] = cfg.critic.parallel
+    if cfg.algorithm.kl.coef > 0:
+        megatron["reference"] = pl.reference_parallel or dataclasses.replace(cfg.actor.parallel, dp=0)
+    out = {}
+    for role, p in megatron.items():
+        ranks = pl.ranks(getattr(pl, role), world_size)
+        where = f"pool {getattr(pl, role)!r} (placement.{role}) has {len(ranks)} ranks"
+        field_name = "placement.reference_parallel" if role == "reference" else f"{role}.parallel"
+        _require(len(ranks) % (p.tp * p.pp) == 0, field_name,
+                 f"{role} layout tp={p.tp} x pp={p.pp} does not divide its pool: {where}")
+        dp = len(ranks) // (p.tp * p.pp)
+        _require(p.dp in (0, dp), f"{field_name}.dp", f"{role} dp={p.dp} but tp={p.tp} x pp={p.pp} x dp={p.dp} "
+                 f"= {p.tp * p.pp * p.dp} != {len(ranks)}: {where}; set dp to {dp} or 0 to derive it")
+        out[role] = RoleLayout(role, getattr(pl, role), tuple(ranks), p.tp, p.pp, dp)
+    out["reward"] = RoleLayout("reward", pl.reward, tuple(pl.ranks(pl.reward, world_size)))
+    ranks = pl.ranks(pl.rollout, world_size)
+    tp = cfg.rollout.tp
+    _require(len(ranks) % tp == 0, "rollout.tp", f"{tp} does not divide the rollout's pool {pl.rollout!r} "
+             f"(placement.rollout) of {len(ranks)} ranks")
+    out["rollout"] = RoleLayout("rollout", pl.rollout, tuple(ranks), tp, 1, len(ranks) // tp)
+    return out
+
+
+def check_turns(layouts: dict[str, RoleLayout]) -> None:
+    """Megatron roles whose pools share ranks must take turns in one layout (megatron-core holds one model-
+    parallel state per process): the same ranks and the same tp, pp, dp.
+
+    Raises:
+        ConfigError: naming both roles, their pools, ranks and layouts.
+    """
+    roles = [layouts[r] for r in MEGATRON_ROLES if r in layouts]
+    for i, a in enumerate(roles):
+        for b in roles[i + 1:]:
+            shared = sorted(set(a.ranks) & set(b.ranks))
+            if shared and (a.ranks, a.tp, a.pp, a.dp) != (b.ranks, b.tp, b.pp, b.dp):
+                raise ConfigError(
+                    f"placement.{b.role}: {b.role} ({b.describe()}) and {a.role} ({a.describe()}) share ranks {shared} but not one "
+                    f"layout: roles on shared ranks take turns only on the same pool with the same tp, pp and dp "
+                    f"(megatron-core holds one model-parallel layout per process); put {b.role} on "
+                    f"{a.role}'s pool with its layout, or on a pool of other ranks")
+
+
+def check_runnable(layouts: dict[str, RoleLayout], world_size: int) -> None:
+    """What the trainer runs so far: the rollout engine and every Megatron role on the whole world (the reward
+    function may score on any pool).
+
+    Raises:
+        ConfigError: naming the role, its pool and its ranks.
+    """
+    world = tuple(range(world_size))
+    for role in ("rollout",) + MEGATRON_ROLES:
+        lay = layouts.get(role)
+        _require(lay is None or lay.ranks == world, f"placement.{role}",
+                 f"{role} on {lay and lay.describe()}: the trainer runs it on the whole world of {world_size} ranks "
+                 f"only; set placement.{role}=all")
+
+
+def placement_summary(layouts: dict[str, RoleLayout]) -> str:
+    """The run's start-up lines: which ranks hold which role, in which layout."""
+    return "placement:\n" + "\n".join(f"  {lay.role:<9} {lay.describe()}" for lay in layouts.values())
+
+
 def validate_for_world(cfg: Config, world_size: int) -> None:
     """Check what depends on the number of ranks, before any model is built.
 
     Raises:
-        ConfigError: a mesh that does not match the world, or batch sizes that the DP size does not divide.
+        ConfigError: a pool or a mesh that does not fit the world (:func:`role_layouts`), roles that cannot take
+            turns (:func:`check_turns`), or batch sizes that a DP size does not divide.
     """
+    layouts = role_layouts(cfg, world_size)
+    check_turns(layouts)
+    check_runnable(layouts, world_size)
     roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.algorithm.uses_critic else [])
     for role, rc in roles:
-        p = rc.parallel
-        _require(world_size % (p.tp * p.pp) == 0, f"{role}.parallel",
-                 f"tp={p.tp} x pp={p.pp} does not divide the world size {world_size}")
-        dp = world_size // (p.tp * p.pp)
-        _require(p.dp in (0, dp), f"{role}.parallel.dp", f"is {p.dp} but world {world_size} / (tp*pp) = {dp}; "
-                 "set it to 0 to derive it")
+        p, dp = rc.parallel, layouts[role].dp
         _require(cfg.rollout_batch_size % rc.ppo_mini_batch_size == 0, f"{role}.ppo_mini_batch_size",
                  f"{rc.ppo_mini_batch_size} does not divide the rollout batch data.prompts_per_step * rollout.n "
                  f"= {cfg.rollout_batch_size}")
@@ -520,16 +679,22 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
         _require(not (rc.max_tokens_per_micro_batch and p.pp > 1), f"{role}.max_tokens_per_micro_batch",
                  f"needs {role}.parallel.pp=1 (megatron's pipeline schedule sends one activation shape for every "
                  "micro-batch); set it to 0 or use pp=1")
-        _require(cfg.rollout_batch_size % dp == 0, "data.prompts_per_step",
-                 f"the rollout batch ({cfg.rollout_batch_size} sequences) is not divisible by {role} dp={dp}")
+    for role in MEGATRON_ROLES:
+        if role in layouts:
+            lay = layouts[role]
+            _require(cfg.rollout_batch_size % lay.dp == 0, "data.prompts_per_step",
+                     f"the rollout batch ({cfg.rollout_batch_size} sequences) is not divisible by {role} "
+                     f"dp={lay.dp} (pool {lay.pool!r})")
     if cfg.algorithm.uses_critic:
-        a, c = cfg.actor.parallel, cfg.critic.parallel
-        _require((c.tp, c.pp, c.dp) == (a.tp, a.pp, a.dp), "critic.parallel",
-                 f"the critic runs on the actor's mesh: set tp={a.tp}, pp={a.pp}, dp={a.dp} (got tp={c.tp}, "
-                 f"pp={c.pp}, dp={c.dp})")
-    if cfg.rollout.engine == "vllm":
-        _require(world_size % cfg.rollout.tp == 0, "rollout.tp",
-                 f"{cfg.rollout.tp} does not divide the world size {world_size}")
+        a, c = layouts["actor"], layouts["critic"]
+        _require((c.ranks, c.tp, c.pp, c.dp) == (a.ranks, a.tp, a.pp, a.dp), "critic.parallel",
+                 f"the critic runs on the actor's ranks and mesh: set placement.critic={a.pool!r} and tp={a.tp}, "
+                 f"pp={a.pp}, dp={a.dp} (got {c.describe()})")
+    ro = layouts["rollout"]
+    _require(cfg.rollout.tp == 1 or cfg.data.prompts_per_step % ro.dp == 0, "data.prompts_per_step",
+             f"{cfg.data.prompts_per_step} prompts are not divisible by the rollout's dp={ro.dp} (pool "
+             f"{ro.pool!r} of {len(ro.ranks)} ranks / rollout.tp={ro.tp}); megarl pads no batch: use a multiple "
+             f"of {ro.dp}")
     if "group_index" in ADVANTAGES.entry(cfg.algorithm.name).needs:
         _require(cfg.rollout.n >= 2, "rollout.n", f"{cfg.algorithm.name} compares samples of a prompt: use n >= 2")
 

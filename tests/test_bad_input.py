@@ -89,6 +89,8 @@ CASES = [
     (["train", "actor.ppo_mini_batch_size=6"], "actor.ppo_mini_batch_size"),
     (["train", "algorithm.name=grpo", "rollout.n=1", "actor.ppo_mini_batch_size=4"], "rollout.n"),
     (["train", "algorithm.name=ppo", "critic.parallel.pp=2"], "critic.parallel"),
+    (["train", "placement.pools.three=[0,1,2]", "placement.actor=three", "actor.parallel.tp=2"],
+     "actor.parallel: actor layout tp=2 x pp=1 does not divide its pool: pool 'three' (placement.actor) has 3"),
     # what the model's config determines (checked in the launching process, before torchrun)
     (["TINY", "actor.parallel.pp=4"], "actor.parallel.pp: pp=4 does not divide num_layers=2"),
     (["TINY", "actor.parallel.tp=3", "actor.ppo_mini_batch_size=12", "actor.micro_batch_size=4",

@@ -32,7 +32,8 @@ from megarl.algos.registry import ADVANTAGES
 from megarl.bench.flops import peak_bf16_flops
 from megarl.bench.throughput import step_perf_metrics
 from megarl.bench.timers import PhaseTimer
-from megarl.config import Config, ConfigError, absolute_paths, to_dict, validate_for_world
+from megarl.config import (Config, ConfigError, absolute_paths, placement_summary, role_layouts, to_dict,
+                           validate_for_world)
 from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.loader import PromptLoader
 from megarl.data.template import PromptTemplate
@@ -133,6 +134,9 @@ class Trainer:
         validate_for_world(cfg, launch_info().world_size)  # before the rendezvous: a wrong world stops here
         info = init_distributed()
         self.rank, self.world = info.rank, info.world_size
+        self.layouts = role_layouts(cfg, self.world)
+        if self.rank == 0:
+            log.info("%s", placement_summary(self.layouts))
         self.run_dir = cfg.run.run_dir
         self.spec, _, tok_source = ck.source_spec(None if cfg.model.path == "default" else cfg.model.path)
         validate_for_model(cfg, self.spec)
@@ -146,7 +150,8 @@ class Trainer:
         epochs = max(1, math.ceil(cfg.trainer.steps * cfg.data.prompts_per_step / len(self.prompts)))
         self.loader = PromptLoader(self.prompts, cfg.data.prompts_per_step, shuffle=cfg.data.shuffle,
                                    seed=cfg.run.seed, epochs=epochs)
-        self.reward_fn = load_reward_fn(cfg.reward.fn, cfg.reward.kwargs)
+        self.reward_ranks = self.layouts["reward"].ranks  # a reward model is loaded on its pool only
+        self.reward_fn = load_reward_fn(cfg.reward.fn, cfg.reward.kwargs) if self.rank in self.reward_ranks else None
         pad = self.spec.pad_token_id
         self.pad_id = pad if pad is not None else self.spec.eos_token_ids[0]
 
@@ -283,14 +288,17 @@ class Trainer:
                                  peak_flops=self.peak_flops)
 
     def _score(self, prompts, out) -> RolloutBatch:
-        """Decode, score and pack the rollout into a batch (rewards of this rank's share, then gathered)."""
+        """Decode, score and pack the rollout into a batch (the reward pool's ranks score a share each, then
+        every rank gathers all scores)."""
         n = out.n
         samples = out.samples
         texts = self.tokenizer.batch_decode([list(s.token_ids) for s in samples], skip_special_tokens=True)
         raw = [prompts.raw_prompt[s.prompt_index] for s in samples]
         truths = [prompts.ground_truth[s.prompt_index] for s in samples]
-        lo, hi = shard_bounds(len(samples), self.rank, self.world)
-        local = self.reward_fn(raw[lo:hi], texts[lo:hi], truths[lo:hi])
+        local = torch.empty(0)
+        if self.rank in self.reward_ranks:  # the reward pool scores, each rank a share; every rank gets all
+            lo, hi = shard_bounds(len(samples), self.reward_ranks.index(self.rank), len(self.reward_ranks))
+            local = self.reward_fn(raw[lo:hi], texts[lo:hi], truths[lo:hi])
         parts = [torch.empty(0)] * self.world
         dist.all_gather_object(parts, local)
         scores = torch.cat(parts)
