@@ -76,9 +76,10 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab
     logprobs = label_shifted - log_norm
     entropy = None
     if with_entropy:
-        probs = exp / sum_exp.unsqueeze(-1)
-        # entropy = log Z - E_p[z]; padded columns have p = 0 and z = -inf: use 0 there.
-        p_shifted = allreduce_sum((probs * torch.where(torch.isfinite(shifted), shifted,
-                                                       torch.zeros_like(shifted))).sum(dim=-1))
+        # entropy = log Z - E_p[z] with E_p[z] = sum(exp * z) / Z; padded columns have exp = 0 and z = -inf: use
+        # 0 there. Divide by Z after the all-reduce: dividing each rank's share first would leave the other
+        # ranks' terms out of the gradient through Z (the all-reduce's backward is the identity).
+        p_shifted = allreduce_sum((exp * torch.where(torch.isfinite(shifted), shifted,
+                                                     torch.zeros_like(shifted))).sum(dim=-1)) / sum_exp
         entropy = log_norm - p_shifted
     return logprobs, entropy
