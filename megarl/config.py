@@ -124,6 +124,35 @@ class OptimConfig:
         _require(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0 (0 disables clipping)")
 
 
+ATTENTION_KERNELS = ("sdpa", "local")
+
+
+@dataclass
+class KernelsConfig:
+    """Fast paths of the training phase (the top-level ``kernels`` package); each equals the plain path within
+    floating-point rounding (tests/test_kernels_*.py).
+
+    Attributes:
+        chunked_logprob: the output layer, log-probs and entropy computed ``logprob_chunk_tokens`` tokens at a
+            time (``kernels.chunked_logprobs``; Triton on the GPU), so the batch's ``[b, s, vocab/tp]`` logits
+            are never held; false = the model's full logits, then ``vocab_parallel_logprobs``.
+        logprob_chunk_tokens: tokens per chunk (memory: about this many rows of vocab/tp logits at once).
+        attention: core attention of the local layer spec: "sdpa" (torch's ``scaled_dot_product_attention``:
+            flash/cuDNN on the GPU, no ``[b, heads, s, s]`` scores) or "local" (megatron's
+            ``DotProductAttention``). Where Transformer Engine is installed its own spec is used instead.
+    """
+
+    chunked_logprob: bool = True
+    logprob_chunk_tokens: int = 4096
+    attention: str = "sdpa"
+
+    def __post_init__(self):
+        _require(self.logprob_chunk_tokens >= 1, "kernels.logprob_chunk_tokens",
+                 f"must be >= 1, got {self.logprob_chunk_tokens}")
+        _require(self.attention in ATTENTION_KERNELS, "kernels.attention",
+                 f"must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
+
+
 @dataclass
 class ActorConfig:
     """The policy being trained (and the critic, which has the same fields).
@@ -140,6 +169,7 @@ class ActorConfig:
             value and update passes: rows of similar length packed up to this many padded tokens (rows x
             longest row) per micro-batch, each cut to its longest row (:mod:`megarl.trainer.packing`); 0 = off
             (``micro_batch_size`` / ``logprob_micro_batch_size`` rows as wide as the batch). Needs pp = 1.
+        kernels: fast paths (chunked log-probs, SDPA attention).
     """
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -150,6 +180,7 @@ class ActorConfig:
     recompute: bool = False
     logprob_micro_batch_size: int = 0
     max_tokens_per_micro_batch: int = 0
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
     def __post_init__(self):
         _require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")

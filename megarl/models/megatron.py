@@ -124,18 +124,33 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
     )
 
 
-def layer_spec(use_te: bool | None = None):
-    """megatron-core's GPT layer spec: Transformer Engine's where available (``use_te=None``), else local."""
+def layer_spec(use_te: bool | None = None, attention: str = "local"):
+    """megatron-core's GPT layer spec: Transformer Engine's where available (``use_te=None``), else local.
+
+    Args:
+        attention: the local spec's core attention: "local" (megatron's ``DotProductAttention``) or "sdpa"
+            (:class:`kernels.attention.SDPAttention`, torch's fused attention). The TE spec keeps its own.
+
+    Raises:
+        SpecError: an unknown ``attention``.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    if attention not in ("local", "sdpa"):
+        raise SpecError(f"attention must be 'local' or 'sdpa', got {attention!r}")
     if use_te is None:
         use_te = have_transformer_engine()
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "sdpa":
+        from kernels.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 class ValueHead(torch.nn.Module):
@@ -166,11 +181,12 @@ class ValueHead(torch.nn.Module):
 def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", "critic"] = "actor", *,
                 params_dtype: torch.dtype = torch.float32, use_te: bool | None = None,
                 sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True,
-                vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY):
+                vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, attention: str = "local"):
     """Build this rank's stage of the actor (``GPTModel``) or critic (same trunk + :class:`ValueHead`).
 
     The model's parameters are initialised randomly (megatron's init) unless ``init_weights=False``; load
-    weights with :func:`megarl.models.checkpoint.load_weights`.
+    weights with :func:`megarl.models.checkpoint.load_weights`. ``attention`` picks the local spec's core
+    attention (:func:`layer_spec`).
 
     Returns:
         A ``GPTModel`` for this rank's pipeline stage. Its forward takes ``input_ids [b, s]`` (int64) and
@@ -190,7 +206,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     tied = spec.tie_word_embeddings and role == "actor"
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te),
+        transformer_layer_spec=layer_spec(use_te, attention),
         vocab_size=padded_vocab_size(spec.vocab_size, layout.tp, vocab_divisible_by),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

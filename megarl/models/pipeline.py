@@ -19,7 +19,8 @@ OutputFn = Callable[[Mapping[str, torch.Tensor], torch.Tensor], tuple[torch.Tens
 
 
 def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, torch.Tensor]],
-                     output_fn: OutputFn, *, forward_only: bool) -> list[dict[str, Any]]:
+                     output_fn: OutputFn, *, forward_only: bool,
+                     model_kwargs: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """Forward (and backward unless ``forward_only``) ``model`` over ``micro_batches``.
 
     Args:
@@ -28,9 +29,12 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
             PP > 1); every stage receives the whole dict, so the last stage can read labels, masks and
             advantages.
         output_fn: ``(micro_batch, output) -> (loss, metrics)``, run on the last pipeline stage, where
-            ``output`` is the model output ``[b, s, v/tp]`` (actor) or ``[b, s, 1]`` (critic). For training,
+            ``output`` is the model output ``[b, s, v/tp]`` (actor) or ``[b, s, 1]`` (critic), or what an
+            ``output_processor`` in ``model_kwargs`` returns (e.g. :class:`kernels.chunked_logprobs.LogprobOutput`'s
+            ``(logprobs, entropy)``). For training,
             ``loss`` is backpropagated after megatron divides it by ``len(micro_batches)``; ``metrics`` is
             collected.
+        model_kwargs: extra keyword arguments of every model call (``GPTModel.forward``'s).
 
     Returns:
         The ``metrics`` dicts of every micro-batch, in order, on the last pipeline stage; ``[]`` elsewhere.
@@ -54,7 +58,7 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
         mb = next(data_iterator)
         rows, width = mb["input_ids"].shape
         position_ids = torch.arange(width, device=mb["input_ids"].device).unsqueeze(0).expand(rows, width)
-        output = stage(mb["input_ids"], position_ids, None)
+        output = stage(mb["input_ids"], position_ids, None, **(model_kwargs or {}))
 
         def loss_func(out):
             loss, metrics = output_fn(mb, out)

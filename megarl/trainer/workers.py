@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from kernels.chunked_logprobs import LogprobOutput
 from megarl.algos.aggregation import agg_loss
 from megarl.algos.losses import actor_loss, value_loss
 from megarl.algos.registry import POLICY_LOSSES
@@ -85,7 +86,8 @@ class MegatronWorker:
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         model = build_model(spec, mesh, role, params_dtype=dtype, init_weights=is_preset(source),
-                            sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute)
+                            sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
+                            attention=rc.kernels.attention)
         if torch.cuda.is_available():
             model = model.cuda()
         if isinstance(source, MegatronWorker):
@@ -138,17 +140,18 @@ class MegatronWorker:
         return ddp, opt, sched
 
     # ------------------------------------------------------------------ forward-only
-    def forward_response_frame(self, batch: RolloutBatch, fn: Callable, names: tuple[str, ...]
-                               ) -> dict[str, torch.Tensor]:
-        """Run ``fn(micro_batch, output) -> {name: [b, R] tensor}`` over this rank's DP share; return the
-        whole batch's ``{name: [B, R] float32}`` on every rank."""
+    def forward_response_frame(self, batch: RolloutBatch, fn: Callable, names: tuple[str, ...],
+                               model_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """Run ``fn(micro_batch, output) -> {name: [b, R] tensor}`` over this rank's DP share (``model_kwargs``:
+        extra model arguments); return the whole batch's ``{name: [B, R] float32}`` on every rank."""
         share = dp_share(batch, self.dp_rank, self.dp_size)
         width = batch["response_mask"].shape[1]
         micro, order = self._micro_batches(batch, MODEL_INPUTS, self.forward_micro_batch_size(len(share)))
         self.model.eval()
         with torch.no_grad():
-            res = run_microbatches(self.model, micro, lambda mb, out: (out.sum() * 0, fn(mb, out)),
-                                   forward_only=True)
+            res = run_microbatches(self.model, micro,
+                                   lambda mb, out: (torch.zeros((), device=self.device), fn(mb, out)),
+                                   forward_only=True, model_kwargs=model_kwargs)
         local = {n: _unpermute(torch.cat([r[n] for r in res]).float(), order) for n in names} if res else None
         shapes = {n: (len(share), width) for n in names}
         local = broadcast_from_last_stage(local, shapes, device=self.device)
@@ -195,8 +198,8 @@ class MegatronWorker:
 
     # ------------------------------------------------------------------ training
     def train_minibatches(self, batch: RolloutBatch, names: tuple[str, ...], loss_fn: Callable, *,
-                          epochs: int, seed: int, mean_keys: list[str], sum_keys: list[str]
-                          ) -> list[dict[str, float]]:
+                          epochs: int, seed: int, mean_keys: list[str], sum_keys: list[str],
+                          model_kwargs: dict[str, Any] | None = None) -> list[dict[str, float]]:
         """PPO-style updates: ``epochs`` passes over ``batch`` in shuffled global mini-batches, one optimizer
         step each.
 
@@ -205,6 +208,7 @@ class MegatronWorker:
                 mini-batch's ``global_tokens`` and ``global_seqs``.
             seed: seeds the mini-batch shuffle (identical on every rank).
             mean_keys / sum_keys: metrics averaged over micro-batches and DP / summed (loss shares).
+            model_kwargs: extra model arguments (an ``output_processor``).
 
         Returns:
             One metrics dict per optimizer step (with ``grad_norm`` and ``lr``, the learning rate the step
@@ -230,7 +234,7 @@ class MegatronWorker:
 
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                res = run_microbatches(self.model, micro, output_fn, forward_only=False)
+                res = run_microbatches(self.model, micro, output_fn, forward_only=False, model_kwargs=model_kwargs)
                 lr = self.optimizer.param_groups[0]["lr"]  # what this update uses
                 _, grad_norm, _ = self.optimizer.step()
                 self.scheduler.step(increment=1)
@@ -309,10 +313,24 @@ class PolicyWorker(MegatronWorker):
         super().__init__(*args, **kwargs)
         self.temperature = temperature
 
-    def _logprobs(self, mb, logits, with_entropy: bool):
-        labels = torch.roll(mb["input_ids"], shifts=-1, dims=1)
-        logp, ent = vocab_parallel_logprobs(logits, labels, vocab_size=self.spec.vocab_size,
-                                            temperature=self.temperature, with_entropy=with_entropy)
+    def _model_kwargs(self, with_entropy: bool) -> dict[str, Any] | None:
+        """With ``kernels.chunked_logprob`` the model itself returns ``(logprobs, entropy)``, computed in chunks
+        of tokens from its last hidden states (:class:`kernels.chunked_logprobs.LogprobOutput`)."""
+        k = self.rc.kernels
+        if not k.chunked_logprob:
+            return None
+        return {"output_processor": LogprobOutput(vocab_size=self.spec.vocab_size, temperature=self.temperature,
+                                                  with_entropy=with_entropy, chunk_tokens=k.logprob_chunk_tokens)}
+
+    def _logprobs(self, mb, out, with_entropy: bool):
+        """Response-frame ``[b, R]`` log-probs (and entropy) from the model output: vocab-parallel logits, or
+        the ``(logprobs, entropy)`` of :meth:`_model_kwargs`' output processor."""
+        if isinstance(out, tuple):
+            logp, ent = out
+        else:
+            labels = torch.roll(mb["input_ids"], shifts=-1, dims=1)
+            logp, ent = vocab_parallel_logprobs(out, labels, vocab_size=self.spec.vocab_size,
+                                                temperature=self.temperature, with_entropy=with_entropy)
         width = mb["response_mask"].shape[1]
         logp = to_response_frame(logp, mb["prompt_lens"], width)
         return logp, (to_response_frame(ent, mb["prompt_lens"], width) if with_entropy else None)
@@ -325,7 +343,7 @@ class PolicyWorker(MegatronWorker):
             logp, ent = self._logprobs(mb, logits, with_entropy)
             return {"logprobs": logp, "entropy": ent} if with_entropy else {"logprobs": logp}
 
-        return self.forward_response_frame(batch, fn, names)
+        return self.forward_response_frame(batch, fn, names, self._model_kwargs(with_entropy))
 
     def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int) -> list[dict[str, float]]:
         """PPO-clip updates of the actor on ``batch`` (needs old_logprobs, advantages, and ref_logprobs when
@@ -348,7 +366,8 @@ class PolicyWorker(MegatronWorker):
 
         return self.train_minibatches(batch, names, loss_fn, epochs=self.rc.ppo_epochs, seed=seed,
                                       sum_keys=["pg_loss", "kl_loss", "entropy"],
-                                      mean_keys=["clipfrac", "clipfrac_lower", "ppo_kl", "approx_kl"])
+                                      mean_keys=["clipfrac", "clipfrac_lower", "ppo_kl", "approx_kl"],
+                                      model_kwargs=self._model_kwargs(with_entropy=True))
 
 
 class CriticWorker(MegatronWorker):
