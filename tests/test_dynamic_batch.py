@@ -1,5 +1,6 @@
-"""Micro-batches by token count (``actor.max_tokens_per_micro_batch``): the packing's invariants, and on a DP=2
-gloo world the same log-probs, loss and gradient norm as the fixed-size micro-batches on the same batch."""
+"""Micro-batches by token count (``actor.max_tokens_per_micro_batch``): the packing's invariants, and on 2-rank
+gloo worlds (DP=2; TP=2 with sequence parallelism) the same log-probs, loss and gradient norm as the fixed-size
+micro-batches on the same batch."""
 
 from __future__ import annotations
 
@@ -56,15 +57,17 @@ def _batch():
     return batch
 
 
-def _compare(rank, world, agg, budget):
-    from megarl.config import ActorConfig, AlgorithmConfig, KLConfig
+def _compare(rank, world, agg, budget, tp):
+    from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, ParallelConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.trainer.workers import PolicyWorker
 
-    mesh = ParallelLayout(dp=world)
+    mesh = ParallelLayout(tp=tp, dp=world // tp)
     initialize_model_parallel(mesh, seed=0)
-    fixed_rc = ActorConfig(micro_batch_size=2, ppo_mini_batch_size=8)
-    dynamic_rc = ActorConfig(micro_batch_size=2, ppo_mini_batch_size=8, max_tokens_per_micro_batch=budget)
+    parallel = ParallelConfig(tp=tp, sequence_parallel=tp > 1)
+    fixed_rc = ActorConfig(parallel=parallel, micro_batch_size=2, ppo_mini_batch_size=8)
+    dynamic_rc = ActorConfig(parallel=parallel, micro_batch_size=2, ppo_mini_batch_size=8,
+                             max_tokens_per_micro_batch=budget)
     fixed = PolicyWorker(SPEC, mesh, "actor", "preset:random", torch.float32, fixed_rc, trainable=True,
                          temperature=1.0)
     dynamic = PolicyWorker(SPEC, mesh, "actor", fixed, torch.float32, dynamic_rc, trainable=True, temperature=1.0)
@@ -81,11 +84,11 @@ def _compare(rank, world, agg, budget):
     return out
 
 
-# budget 1: one row per micro-batch, twice the fixed path's count (the loss scale must follow the count);
-# budget 96: rows of similar length packed together
-@pytest.mark.parametrize("agg,budget", [("token-mean", 1), ("seq-mean-token-mean", 96)])
-def test_dynamic_micro_batches_equal_the_fixed_size_path(agg, budget):
-    for r in run_world(_compare, 2, agg, budget):
+# DP=2, budget 1: one row per micro-batch, twice the fixed path's count (the loss scale must follow the count);
+# TP=2 with sequence parallelism, budget 96: rows of similar length packed together, cut to multiples of 8 x TP
+@pytest.mark.parametrize("agg,budget,tp", [("token-mean", 1, 1), ("seq-mean-token-mean", 96, 2)])
+def test_dynamic_micro_batches_equal_the_fixed_size_path(agg, budget, tp):
+    for r in run_world(_compare, 2, agg, budget, tp):
         (lf, ld), (uf, ud) = r["logprobs"], r["updates"]
         for key in ("logprobs", "entropy"):
             torch.testing.assert_close(torch.from_numpy(ld[key]), torch.from_numpy(lf[key]), rtol=0, atol=1e-5)
