@@ -13,8 +13,9 @@
 #   grpo-1.5b-fast  the same step with CUDA graphs and larger micro-batches (target <= 12.2 s, 1.5x faster),
 #                 and standalone vLLM on the same batches for the generation ratio (target >= 0.95)
 #   smollm2       parallel_configs/gpu_1xh200_smollm2_gsm8k.yaml: GRPO on GSM8K with the SmolLM2-135M GGUF
-#                 (SMOL_GGUF, default /tmp/smol.gguf; GSM8K from GSM8K_DIR, default /tmp/gsm8k with
-#                 train.jsonl and test.jsonl), with standalone vLLM (target: step <= 8 s)
+#                 (SMOL_GGUF, default /tmp/smol.gguf, else joined from /tmp/smol.gguf.part-aa and -ab: the two
+#                 uploads of .gpu/smol/p1 and p2), GSM8K from GSM8K_DIR (default /tmp/gsm8k, else the carried
+#                 .gpu/smol/p2/gsm8k), with standalone vLLM (target: step <= 8 s)
 # The random-weight cases use the word-level tokenizer and synthetic prompts of tests/rl_tasks.py (3-5 words);
 # a random model rarely samples its EOS, so responses run to max_new_tokens.
 # Prints the bench table; the last line is "gpu_bench_step CASE: PASS|FAIL (N s)".
@@ -60,6 +61,10 @@ case $CASE in
               actor.micro_batch_size=32 actor.logprob_micro_batch_size=64 "$@" --steps 3 --warmup 1 \
               --standalone-vllm ;;
   smollm2) GSM8K_DIR=${GSM8K_DIR:-/tmp/gsm8k}; SMOL_GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
+           if [ ! -f "$SMOL_GGUF" ] && [ -f /tmp/smol.gguf.part-aa ] && [ -f /tmp/smol.gguf.part-ab ]; then
+             cat /tmp/smol.gguf.part-aa /tmp/smol.gguf.part-ab > "$SMOL_GGUF"  # the two uploads of .gpu/smol
+           fi
+           [ -f "$GSM8K_DIR/train.jsonl" ] || [ ! -f .gpu/smol/p2/gsm8k/train.jsonl ] || GSM8K_DIR=$PWD/.gpu/smol/p2/gsm8k
            [ -f "$SMOL_GGUF" ] || { echo "no $SMOL_GGUF: upload the SmolLM2 GGUF (GPU.md) or set SMOL_GGUF"; exit 1; }
            [ -f "$GSM8K_DIR/train.jsonl" ] || { echo "no $GSM8K_DIR/train.jsonl: carry GSM8K or set GSM8K_DIR"; exit 1; }
            export SMOL_GGUF
