@@ -572,17 +572,57 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         if path is not None:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"config file {path} does not exist (see parallel_configs/)")
-            layers.append(OmegaConf.load(path))
+            layers.append(_load_yaml(path))
         if overrides:
             bad = [o for o in overrides if "=" not in o]
             if bad:
                 raise ConfigError(f"overrides must be key=value, got {bad}")
             layers.append(OmegaConf.from_dotlist(list(overrides)))
+        for layer in layers[1:]:
+            _check_sections(base, layer)
         merged = OmegaConf.merge(*layers)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
+
+
+def _load_yaml(path: str | os.PathLike):
+    """A YAML config file as an OmegaConf mapping.
+
+    Raises:
+        ConfigError: naming the file: not YAML, or not a mapping of sections.
+    """
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
+
+    try:
+        layer = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"{path}: a config file maps sections (run, model, actor, ...) to their fields; this one "
+                          f"holds a {type(layer).__name__.removesuffix('Config').lower()}")
+    return layer
+
+
+def _check_sections(base, layer, prefix: str = "") -> None:
+    """Refuse a plain value where the config has a section (``actor.parallel: 3``), naming the key (OmegaConf's
+    own merge error names no key).
+
+    Raises:
+        ConfigError: naming the dotted key and the section's fields.
+    """
+    from omegaconf import OmegaConf
+
+    for key, value in layer.items_ex(resolve=False):
+        if key not in base or not OmegaConf.is_dict(base[key]):
+            continue  # unknown keys and wrong values are named by OmegaConf's merge
+        fields = list(base[key].keys())
+        if not OmegaConf.is_dict(value):
+            raise ConfigError(f"{prefix}{key}: is a section (fields {fields}), not a value; set a field, e.g. "
+                              f"{prefix}{key}.{fields[0] if fields else 'name'}=...")
+        _check_sections(base[key], value, f"{prefix}{key}.")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ def tiny(tmp_path_factory):
     cfg.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8,
                max_window_layers=1)
     (windowed / "config.json").write_text(json.dumps(cfg))
+    for name, text in YAML_FILES.items():
+        (root / name).write_text(text)
     return model, data, windowed
 
 
@@ -66,7 +68,9 @@ def _tiny_train(tiny, *extra):
     return ["train", *task_overrides(model, data, "runs", "bad"), *extra]
 
 
-# (argv, what the one error line must name); "TINY" marks a train command on the tiny model
+YAML_FILES = {"syntax.yaml": "actor: [1, 2\n", "list.yaml": "- 1\n- 2\n", "section.yaml": "actor:\n  parallel: 3\n"}
+
+# (argv, what the one error line must name); "TINY" marks a train command on the tiny model, "YAML:" a file
 CASES = [
     # config values (dataclass validation and OmegaConf types)
     (["train", "algorithm.name=ppo2"], "algorithm.name"),
@@ -85,6 +89,10 @@ CASES = [
     (["train", "reshard.bucket_mb=0.00001"], "reshard.bucket_mb"),
     (["train", "data.train_files=[]"], "data.train_files"),
     (["train", "no_such_config.yaml"], "no_such_config.yaml does not exist"),
+    (["train", "YAML:syntax.yaml"], "syntax.yaml: not valid YAML"),
+    (["train", "YAML:list.yaml"], "list.yaml: a config file maps sections"),
+    (["train", "YAML:section.yaml"], "actor.parallel: is a section"),
+    (["train", "algorithm.kl=2"], "algorithm.kl: is a section"),
     # what the world size determines
     (["train", "actor.ppo_mini_batch_size=6"], "actor.ppo_mini_batch_size"),
     (["train", "algorithm.name=grpo", "rollout.n=1", "actor.ppo_mini_batch_size=4"], "rollout.n"),
@@ -142,6 +150,7 @@ def test_bad_input_is_one_error_line_naming_the_field(tiny, run_cli, argv, names
     elif argv[0] == "WINDOWED":
         argv = _tiny_train(tiny, f"model.path={tiny[2]}")
     argv = [str(tiny[0]) if a == "TINYMODEL" else a for a in argv]
+    argv = [str(tiny[0].parent / a[5:]) if a.startswith("YAML:") else a for a in argv]
     status, err = run_cli(argv)
     lines = err.strip().splitlines()
     assert status == 2 and len(lines) == 1, err
