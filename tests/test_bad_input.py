@@ -173,3 +173,16 @@ def test_bench_reshard_defaults_fit_their_world_and_model():
 
     args = build_parser().parse_args(["bench", "reshard"])
     check_layout_args(args, args.nproc)  # raises on a default that cannot run (it was TP=2 on 9 heads)
+
+
+def test_every_megatron_mesh_is_checked_against_the_model():
+    """The reference's own layout too (placement.reference_parallel), which the world checks cannot reach
+    while the trainer runs every role on the whole world."""
+    from megarl.config import ConfigError, load_config
+    from megarl.models.spec import PRESETS
+    from megarl.trainer.preflight import validate_for_model
+
+    cfg = load_config(None, ["placement.reference_parallel.tp=2"])
+    with pytest.raises(ConfigError, match=r"placement.reference_parallel.tp: tp=2 does not divide .*=9"):
+        validate_for_model(cfg, PRESETS["smollm2-135m"])
+    validate_for_model(load_config(None, ["placement.reference_parallel.tp=3"]), PRESETS["smollm2-135m"])

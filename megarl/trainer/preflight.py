@@ -44,17 +44,20 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
 
     Raises:
         ConfigError: naming the field (``actor.parallel.tp``, ``actor.parallel.pp``, ``critic.parallel.tp``,
-            ``rollout.tp``, ``rollout.max_model_len``, ``rollout.max_new_tokens``), what does not divide or
+            ``placement.reference_parallel.tp``, ``rollout.tp``, ``rollout.max_model_len``, ``rollout.max_new_tokens``), what does not divide or
             fit, and the sizes that would.
     """
-    roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.algorithm.uses_critic else [])
-    for role, rc in roles:
-        p = rc.parallel
+    meshes = [("actor.parallel", cfg.actor.parallel)]
+    if cfg.algorithm.uses_critic:
+        meshes.append(("critic.parallel", cfg.critic.parallel))
+    if cfg.algorithm.kl.coef > 0 and cfg.placement.reference_parallel is not None:
+        meshes.append(("placement.reference_parallel", cfg.placement.reference_parallel))
+    for field_name, p in meshes:
         for name, layout in (("tp", ParallelLayout(tp=p.tp)), ("pp", ParallelLayout(pp=p.pp))):
             try:
                 check_layout(spec, layout)
             except SpecError as e:
-                raise ConfigError(f"{role}.parallel.{name}: {e}") from None
+                raise ConfigError(f"{field_name}.{name}: {e}") from None
     r = cfg.rollout
     if r.engine == "vllm":
         try:
