@@ -16,7 +16,9 @@ one adds a ``@command`` function below, not a parser of its own. Bad input ends 
 ``megarl: error: <what> ...``, naming the flag or config field, before any process or model starts.
 
 ``megarl train`` runs under torchrun or SLURM's srun as given; started plainly for a config whose mesh needs
-several ranks, it relaunches itself with ``torchrun --nproc_per_node=<world size>`` on this node.
+several ranks, it relaunches itself with ``torchrun --nproc_per_node=<world size>`` on this node; those ranks
+end with it, SIGKILL included (:mod:`megarl.parallel.lifecycle`), and a run folder has one run at a time
+(:mod:`megarl.trainer.run_lock`).
 """
 
 from __future__ import annotations
@@ -95,24 +97,39 @@ def relaunch_world(cfg, argv: list[str]) -> bool:
     """Under torchrun or SLURM: False (this process is one rank). Started plainly: check ``cfg`` against its
     world size and its model (:func:`megarl.trainer.preflight.preflight`), and when that is more than one rank,
     run ``megarl ARGV`` under ``torchrun --nproc_per_node=<world size>`` on this node and return True once it
-    has finished.
+    has finished (its ranks end with this process, SIGKILL included: :mod:`megarl.parallel.lifecycle`).
 
     Raises:
         ConfigError: from :func:`~megarl.trainer.preflight.preflight`, naming the field, before any process
             starts.
     """
-    if "RANK" in os.environ or "SLURM_PROCID" in os.environ:
+    if is_rank():
         return False
     from megarl.trainer.preflight import preflight
 
     preflight(cfg, cfg.world_size)
     if cfg.world_size == 1:
         return False
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    from megarl.parallel.lifecycle import mark_children
+
+    mark_children()  # the ranks end with this process, SIGKILL included
     print(f"megarl: launching {cfg.world_size} processes with torchrun", flush=True)
-    torchrun([f"--nproc_per_node={cfg.world_size}", "--standalone", "-m", "megarl.cli", *argv])
+    try:
+        torchrun([f"--nproc_per_node={cfg.world_size}", "--standalone", "-m", "megarl.cli", *argv])
+    except ChildFailedError as e:
+        failed = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in e.failures.items())
+        print(f"megarl: error: megarl {argv[0]} failed on {failed}; see the ranks' messages above",
+              file=sys.stderr)
+        raise SystemExit(1) from None
     return True
+
+
+def is_rank() -> bool:
+    """Whether this process is one rank of a job (started by torchrun or SLURM), not a launcher."""
+    return "RANK" in os.environ or "SLURM_PROCID" in os.environ
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -128,6 +145,10 @@ def _train(p: argparse.ArgumentParser):
         config, overrides = split_config_and_overrides(a.config, a.overrides)
         overrides += ["trainer.resume=true"] if a.resume else []
         cfg = load_config(config, overrides)  # fails here, before any process or model, on a bad config
+        if not is_rank():
+            from megarl.trainer.run_lock import check_free
+
+            check_free(cfg.run.run_dir)  # another run owns the folder: stop before starting any process
         if relaunch_world(cfg, ["train", *a.argv]):
             return 0
         from megarl.trainer.trainer import train
@@ -270,8 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megarl.parallel.lifecycle import bind_to_launcher
+
+    bind_to_launcher()  # a rank (torchrun relaunch, torchrun, srun) ends with the process that started it
     argv = list(sys.argv[1:] if argv is None else argv)
     from megarl.config import ConfigError
+    from megarl.parallel.lifecycle import PeerLostError
+    from megarl.trainer.run_lock import RunLockedError
 
     try:
         parser = build_parser()
@@ -287,11 +313,16 @@ def main(argv: list[str] | None = None) -> int:
 
         quiet_libraries()
         return args.run(args)
-    except (UsageError, ConfigError, ValueError, FileNotFoundError) as e:  # errors that name the fix
+    except (UsageError, ConfigError, ValueError, FileNotFoundError, RunLockedError) as e:  # errors naming the fix
         if os.environ.get("MEGARL_TRACEBACK"):
             raise
         print(f"megarl: error: {e}", file=sys.stderr)
         return 2
+    except PeerLostError as e:  # one rank's view of a failed job: what it lost, and where
+        if os.environ.get("MEGARL_TRACEBACK"):
+            raise
+        print(f"megarl: error: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -480,6 +480,8 @@ class TrainerConfig:
         export_hf: also write a Hugging Face copy of the final actor.
         progress: show a progress bar over the steps.
         log_samples: responses per step written to ``samples.jsonl`` (prompt, response, score).
+        timeout_s: seconds a collective waits for its peers before the run stops with an error naming the
+            rank and phase (a peer that stalled); a peer that died is reported at once.
     """
 
     steps: int = 4
@@ -489,9 +491,11 @@ class TrainerConfig:
     export_hf: bool = False
     progress: bool = True
     log_samples: int = 2
+    timeout_s: float = 1800.0
 
     def __post_init__(self):
         _require(self.steps >= 1, "trainer.steps", "must be >= 1")
+        _require(self.timeout_s > 0, "trainer.timeout_s", "must be > 0 (seconds)")
         _require(self.save_every >= 0, "trainer.save_every", "must be >= 0")
 
 

@@ -8,6 +8,8 @@ from contextlib import contextmanager
 import torch
 
 from megarl.bench.monitor import peak_rss_bytes, reset_peak_rss
+from megarl.parallel.faults import fault_point
+from megarl.parallel.lifecycle import phase
 
 
 class PhaseTimer:
@@ -17,7 +19,9 @@ class PhaseTimer:
     phase that launched them, and the phase's peak memory is ``torch.cuda.max_memory_allocated()`` (bytes of
     tensors allocated by torch on this rank's device, after resetting the peak at the phase's start; memory
     that vLLM maps itself is not in it). On the CPU it is the process's peak resident memory (``VmHWM``, reset
-    at the phase's start where the kernel allows it, see :mod:`megarl.bench.monitor`).
+    at the phase's start where the kernel allows it, see :mod:`megarl.bench.monitor`). Each phase is
+    also this rank's :func:`~megarl.parallel.lifecycle.phase` (named when a collective fails) and the fault
+    point ``phase.<name>`` (:mod:`megarl.parallel.faults`).
 
     Attributes:
         seconds: phase -> seconds since the last :meth:`reset` (summed over repeated entries).
@@ -38,7 +42,9 @@ class PhaseTimer:
             reset_peak_rss()
         start = time.perf_counter()
         try:
-            yield
+            with phase(name):
+                fault_point(f"phase.{name}")
+                yield
         finally:
             if gpu:
                 torch.cuda.synchronize()

@@ -28,6 +28,7 @@ from megarl.models.hf_io import HFCheckpoint, open_hf_checkpoint, read_hf_config
 from megarl.models.layout import VALUE_HEAD, megatron_rank_tensors
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.models.weights import fill_local_tensors
+from megarl.parallel.faults import fault_point
 from megarl.parallel.mesh import ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta
     dist.barrier()
     if rank == 0:
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+        fault_point("checkpoint.before_rename")
         if final.exists():
             old = final.with_name(final.name + ".old")
             if old.exists():
@@ -139,6 +141,7 @@ def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta
         else:
             tmp.rename(final)
     dist.barrier()
+    fault_point("checkpoint.saved")
     return final
 
 

@@ -13,6 +13,8 @@ import traceback
 
 import torch.multiprocessing as mp
 
+from megarl.parallel.lifecycle import exit_with_parent, peer_failures_named, record_peers
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -20,30 +22,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _exit_with_parent() -> None:
-    """End this rank when the process that spawned it is gone (an interrupted test run or tool), instead of
-    spinning on by itself: a daemon thread polls the parent's pid every 2 s."""
-    import threading
-    import time
-
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(2)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="megarl-exit-with-parent").start()
-
-
-def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
+def _worker(rank: int, world_size: int, port: int, parent: int, fn, args, queue) -> None:
+    os.setpgid(0, 0)  # a group of its own, which ends with it (and its helper processes with it)
+    exit_with_parent(parent)  # an interrupted test run or tool takes its ranks with it, SIGKILL included
     threads = max(1, (os.cpu_count() or 1) // world_size)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
     import torch
 
     torch.set_num_threads(threads)
-    _exit_with_parent()
     from megarl.console import QUIET_ENV, quiet_libraries
 
     if os.environ.get(QUIET_ENV):
@@ -52,7 +39,9 @@ def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
         from megarl.parallel.mesh import init_distributed
 
         init_distributed(timeout_s=300)
-        result = fn(rank, world_size, *args)
+        record_peers()
+        with peer_failures_named(timeout_s=300):
+            result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # report every failure to the parent, which raises it
         queue.put((rank, "error", traceback.format_exc()))
@@ -74,7 +63,8 @@ def run_world(fn, world_size: int, *args, timeout_s: float = 900.0) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, os.getpid(), fn, args, queue))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

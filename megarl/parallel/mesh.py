@@ -130,8 +130,9 @@ def init_distributed(timeout_s: float = 1800.0) -> LaunchInfo:
     return info
 
 
-def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
-    """Set megatron-core's ``parallel_state`` to ``layout`` and seed its RNG tracker.
+def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 1800.0) -> None:
+    """Set megatron-core's ``parallel_state`` to ``layout`` and seed its RNG tracker; its process groups
+    time out after ``timeout_s`` seconds.
 
     Requires ``torch.distributed`` to be initialised with ``layout.world_size`` ranks; applies the CPU patches
     first where no GPU exists.
@@ -152,5 +153,6 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
-                                             pipeline_model_parallel_size=layout.pp)
+                                             pipeline_model_parallel_size=layout.pp,
+                                             distributed_timeout_minutes=timeout_s / 60)
     model_parallel_cuda_manual_seed(seed)

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ from megarl.models import checkpoint as ck
 from megarl.models.hf_io import load_tokenizer
 from megarl.models.layout import megatron_layout
 from megarl.models.spec import ModelSpec
+from megarl.parallel.lifecycle import peer_failures_named, phase, record_peers
 from megarl.parallel.mesh import ParallelLayout, init_distributed, initialize_model_parallel, launch_info
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
@@ -50,6 +52,7 @@ from megarl.rollout.data_parallel import generate_data_parallel, shard_bounds
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
 from megarl.trainer.preflight import check_train_files, validate_for_model
+from megarl.trainer.run_lock import RunLock
 from megarl.trainer.workers import CriticWorker, PolicyWorker
 
 log = logging.getLogger(__name__)
@@ -114,11 +117,18 @@ def eos_from_tokenizer(spec: ModelSpec, tokenizer, source: str) -> ModelSpec:
     return spec.replace(eos_token_ids=(int(eos),))
 
 
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete ``step_<N>`` checkpoints, oldest first (a ``step_<N>.tmp`` left by a save that
+    died is never one of them)."""
+    found = [p for p in (run_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*")
+             if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name) and p.is_dir() and ck.is_megarl_checkpoint(p)]
+    return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete ``step_*`` checkpoint of a run, or None."""
-    ckpts = sorted((p for p in (run_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*")
-                    if p.is_dir() and ck.is_megarl_checkpoint(p)), key=lambda p: int(p.name.split("_")[-1]))
-    return ckpts[-1] if ckpts else None
+    """The newest complete checkpoint of a run, or None."""
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
 
 
 class Trainer:
@@ -132,7 +142,8 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg = absolute_paths(cfg)  # what the run records resolves the same from any folder
         validate_for_world(cfg, launch_info().world_size)  # before the rendezvous: a wrong world stops here
-        info = init_distributed()
+        info = init_distributed(timeout_s=cfg.trainer.timeout_s)
+        record_peers()
         self.rank, self.world = info.rank, info.world_size
         self.layouts = role_layouts(cfg, self.world)
         if self.rank == 0:
@@ -158,7 +169,7 @@ class Trainer:
         # Megatron roles on the actor's mesh (critic on the same mesh; see validate_for_world)
         p = cfg.actor.parallel
         self.mesh = ParallelLayout(tp=p.tp, pp=p.pp, dp=self.world // (p.tp * p.pp))
-        initialize_model_parallel(self.mesh, seed=cfg.run.seed)
+        initialize_model_parallel(self.mesh, seed=cfg.run.seed, timeout_s=cfg.trainer.timeout_s)
         dtype = ck.DTYPES[cfg.model.dtype]
         source = None if cfg.model.path == "default" else cfg.model.path
         updates = cfg.trainer.steps * cfg.actor.ppo_epochs * (cfg.rollout_batch_size // cfg.actor.ppo_mini_batch_size)
@@ -362,11 +373,11 @@ class Trainer:
                              critic_scheduler=self.critic.scheduler.state_dict() if self.critic else None,
                              config=to_dict(self.cfg), world_size=self.world, source_config=self.source_config)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        ck.save_checkpoint(path, self._state(is_loading=False), meta, per_rank={"rng": rng})
+        with phase("checkpoint"):
+            ck.save_checkpoint(path, self._state(is_loading=False), meta, per_rank={"rng": rng})
         self.last_checkpoint = path
         if self.rank == 0:
-            old = sorted((self.run_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*"))
-            for p in old[:-self.cfg.trainer.keep_checkpoints]:
+            for p in checkpoints(self.run_dir)[:-self.cfg.trainer.keep_checkpoints]:
                 shutil.rmtree(p, ignore_errors=True)
         dist.barrier()
         return path
@@ -377,7 +388,8 @@ class Trainer:
             log.info("trainer.resume: no checkpoint in %s, starting from step 0", self.run_dir)
             return
         meta = ck.read_meta(path)
-        loaded = ck.load_checkpoint(path, self._state(is_loading=True))
+        with phase("resume"):
+            loaded = ck.load_checkpoint(path, self._state(is_loading=True))
         self.actor.load_sharded_state(loaded["actor"])
         self.actor.scheduler.load_state_dict(meta["actor_scheduler"])
         if self.critic is not None:
@@ -445,9 +457,24 @@ def _mean_over_updates(prefix: str, history: list[dict[str, float]]) -> dict[str
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    """Run RL training on this rank (call on every rank of the job)."""
+    """Run RL training on this rank (call on every rank of the job).
+
+    Rank 0 holds the run folder's lock (:mod:`megarl.trainer.run_lock`) for the whole run, taken before the
+    process group is set up (the other ranks wait for rank 0 there), so no rank writes into a folder that
+    another run owns.
+
+    Raises:
+        RunLockedError: another run owns the run folder (rank 0).
+        PeerLostError: a collective failed because a peer died or stalled past ``trainer.timeout_s``.
+    """
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)
-    os.makedirs(cfg.run.run_dir, exist_ok=True)
-    return Trainer(cfg).fit()
+    lock = RunLock(cfg.run.run_dir).acquire() if launch_info().rank == 0 else None
+    try:
+        os.makedirs(cfg.run.run_dir, exist_ok=True)
+        with peer_failures_named(cfg.trainer.timeout_s):
+            return Trainer(cfg).fit()
+    finally:
+        if lock is not None:
+            lock.release()

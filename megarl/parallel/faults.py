@@ -1,0 +1,47 @@
+"""Fault injection for the fault tests: a rank kills itself or stalls at a named point of a run.
+
+Set ``MEGARL_FAULT`` to one or more comma-separated ``POINT[@N]:ACTION[:RANK]``:
+
+    POINT   a name passed to :func:`fault_point`: ``phase.<name>`` at the start of each step phase
+            (``phase.reward``, ``phase.actor_update``, ...; see :class:`megarl.bench.timers.PhaseTimer`),
+            ``checkpoint.before_rename`` (every shard and ``megarl.json`` written, the directory still
+            ``step_N.tmp``), ``checkpoint.saved`` (the checkpoint complete)
+    N       act on the N-th time this process reaches the point (default 1)
+    ACTION  ``kill`` (SIGKILL itself, as ``kill -9`` would) or ``sleep`` (stall for an hour)
+    RANK    only on this global rank (default: every rank)
+
+e.g. ``MEGARL_FAULT=phase.actor_update@2:kill:1`` kills rank 1 in the second step's actor update. Unset (the
+normal case) every point is a dictionary look-up and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+FAULT_ENV = "MEGARL_FAULT"
+_reached: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    """Act on the :data:`FAULT_ENV` entries naming this point (see the module docstring)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    _reached[name] = _reached.get(name, 0) + 1
+    for entry in spec.split(","):
+        point, action, *rank = entry.strip().split(":")
+        point, _, nth = point.partition("@")
+        if point != name or _reached[name] != int(nth or 1):
+            continue
+        if rank and int(rank[0]) != int(os.environ.get("RANK", 0)):
+            continue
+        print(f"megarl: fault injected: {action} at {name} (#{_reached[name]}, rank "
+              f"{os.environ.get('RANK', 0)}, pid {os.getpid()})", flush=True)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "sleep":
+            time.sleep(3600)
+        else:
+            raise ValueError(f"{FAULT_ENV}: unknown action {action!r} in {entry!r}; use kill or sleep")

@@ -1,0 +1,247 @@
+"""Process lifetime: every process megarl starts ends with the process that started it, and a rank that loses
+its peers stops with an error naming them.
+
+Children. Every rank megarl starts calls :func:`exit_with_parent` first thing, which asks Linux to SIGKILL
+it when its parent dies (``prctl(PR_SET_PDEATHSIG)``: it holds when the parent is SIGKILLed and needs no
+cooperation from it), then checks that the parent is still the one expected (it may have died before the
+``prctl``), and starts a thread that polls the parent's pid as a fallback (other systems, a failed ``prctl``).
+``run_world`` passes its pid to its ranks; the torchrun relaunch of ``megarl train`` calls
+:func:`mark_children` (its pid in :data:`PARENT_ENV`, consumed by the child so that grandchildren are not bound
+by mistake) and its ranks call :func:`bind_to_launcher` in ``megarl.cli.main``, which also binds the ranks of
+a torchrun or ``srun`` that the user started. What the kernel's rule implies: the signal fires when the parent
+*thread* that started the child ends (torchrun and ``run_world`` start them from the main thread), and it is
+not inherited across ``fork``. So processes that libraries start inside a rank (megatron-core's checkpoint
+writer starts a ``multiprocessing`` manager per rank) are covered another way: a rank that leads its process
+group has a watchdog kill that group when the rank ends.
+
+torchrun starts each worker in its own session; when a worker fails or the agent is stopped, the agent
+signals the worker's whole process group (``os.killpg``), so a worker's own children (which stay in its
+group) end with it.
+
+Peers. :func:`record_peers` notes every rank's host and pid once the process group is up, and :func:`phase`
+marks what a rank is doing (the trainer's step phases, ``checkpoint``, ...). :func:`peer_failure` turns a
+failed collective (gloo raises when a peer's socket closes, or when ``trainer.timeout_s`` passes without an
+answer) into a :class:`PeerLostError` naming this rank, its phase and the peers at fault (gone, or stalled),
+instead of a bare gloo message or a hang.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+PARENT_ENV = "MEGARL_PARENT_PID"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because a peer rank died, stalled or cannot be reached."""
+
+
+def mark_children() -> None:
+    """Name this process, in :data:`PARENT_ENV`, as the parent that the processes it starts next must not
+    outlive (they call :func:`exit_with_parent`)."""
+    os.environ[PARENT_ENV] = str(os.getpid())
+
+
+def exit_with_parent(parent_pid: int | None = None, poll_s: float = 1.0) -> None:
+    """End this process (SIGKILL) as soon as ``parent_pid`` is gone.
+
+    Args:
+        parent_pid: the expected parent; None reads (and removes) :data:`PARENT_ENV` and returns when it is
+            unset (a process not started by a megarl launcher).
+        poll_s: period of the fallback parent watch, seconds.
+    """
+    if parent_pid is None:
+        value = os.environ.pop(PARENT_ENV, None)
+        if not value:
+            return
+        parent_pid = int(value)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watch thread below still applies
+    if os.getppid() != parent_pid:  # the parent died before prctl: no signal will ever come
+        os._exit(1)
+    _kill_group_on_exit()
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="megarl-exit-with-parent").start()
+
+
+def bind_to_launcher() -> None:
+    """:func:`exit_with_parent` for a rank of ``megarl train``, called first thing: bound to megarl's launcher
+    when it marked this process (:data:`PARENT_ENV`), else to whatever started it when that is torchrun's
+    agent (a torchrun the user started) or SLURM's step daemon (``srun``)."""
+    if PARENT_ENV in os.environ:
+        exit_with_parent()
+    elif "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_STEP_ID" in os.environ:
+        exit_with_parent(os.getppid())
+
+
+_group_watch: list = []  # the watchdog's Popen, kept so its stdin pipe stays open for this process's life
+
+
+def _kill_group_on_exit() -> None:
+    """When this process ends, however it ends, SIGKILL its process group: the helpers that libraries start
+    and do not bind to it (megatron-core's checkpoint writer starts a ``multiprocessing`` manager process
+    per rank) go with it. Only for a process that leads its group (a torchrun worker, a ``run_world`` rank),
+    so that nothing else is ever in it. The watchdog is ``sh`` in a session of its own, reading a pipe whose
+    only writer is this process: end of file means this process is gone."""
+    if os.getpgrp() != os.getpid() or _group_watch:
+        return
+    import subprocess
+
+    _group_watch.append(subprocess.Popen(
+        ["/bin/sh", "-c", f"read _; kill -s KILL -- -{os.getpid()} 2>/dev/null"], stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) still runs; a zombie (ended, not yet reaped) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): kill(0) said it exists
+
+
+# ------------------------------------------------------------------------------------------------ peers
+_peers: list[tuple[str, int]] = []  # (host, pid) by rank, from record_peers
+_phase = ["setup"]  # what this rank is doing, for error messages and the peers' reports
+_BOARD = "megarl/phase/"  # store keys: each rank's current phase
+_TIMED_OUT = "megarl/timed_out/"  # store keys: ranks whose collective timed out
+
+
+def _store():
+    """The job's key-value store (the process group's TCPStore: hosted by torchrun's agent, or by rank 0),
+    or None before initialisation. It answers while a rank's Python is stalled (a server thread)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def record_peers() -> None:
+    """Note every rank's (host, pid) for :func:`peer_failure`. Collective (call once the process group is
+    initialised)."""
+    import torch.distributed as dist
+
+    table: list = [None] * dist.get_world_size()
+    dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
+    _peers[:] = table
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Mark what this rank does inside the block (e.g. ``actor_update``, ``checkpoint``), for the error of a
+    failed collective; the name stays in force when the block raises. Publishes it on the job's store when
+    the peers are recorded (one small write per phase)."""
+    previous = _phase[0]
+    _set_phase(name)
+    yield
+    _set_phase(previous)
+
+
+def _set_phase(name: str) -> None:
+    _phase[0] = name
+    if _peers:
+        try:
+            _store().set(f"{_BOARD}{_rank()}", name)
+        except Exception:  # noqa: BLE001 (best effort: the report below does without it)
+            pass
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+_COMM_FAILURE = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
+                 "timeout", "connection refused", "socket")
+
+
+def peer_failure(exc: BaseException, timeout_s: float | None = None, wait_s: float = 5.0) -> PeerLostError | None:
+    """A :class:`PeerLostError` explaining ``exc`` when it is a failed collective, else None.
+
+    The message names this rank, its phase, and the peers at fault: on this host, peers whose process is gone
+    ("lost"); after a timeout, peers that are alive but never timed out themselves, so were not waiting in a
+    collective ("stalled", with the phase they published). Ranks whose collective timed out mark it on the
+    job's store; this rank waits up to ``wait_s`` seconds for its peers' marks before judging.
+
+    Args:
+        exc: what the failing call raised (``torch.distributed.DistError`` or gloo's ``RuntimeError``).
+        timeout_s: the collective timeout in force (``trainer.timeout_s``), named in the message.
+        wait_s: seconds to wait for the peers' timeout marks.
+    """
+    import torch.distributed as dist
+
+    text = str(exc)
+    if not _peers or not (isinstance(exc, dist.DistError) or (
+            isinstance(exc, RuntimeError) and any(k in text.lower() for k in _COMM_FAILURE))):
+        return None
+    rank, where, host = _rank(), _phase[0], socket.gethostname()
+    first = (text.strip().splitlines() or [type(exc).__name__])[0][:300]
+    peers = [r for r in range(len(_peers)) if r != rank]
+    gone = [r for r in peers if _peers[r][0] == host and not process_alive(_peers[r][1])]
+    if gone:
+        who = ", ".join(f"rank {r} (pid {_peers[r][1]})" for r in gone)
+        return PeerLostError(f"rank {rank} lost peer(s) {who} during phase '{where}': the process is gone "
+                             f"[{first}]")
+    timed_out = any(k in text.lower() for k in ("timed out", "timeout"))
+    within = f"within trainer.timeout_s={timeout_s:g} s" if timeout_s else "within the collective timeout"
+    stalled: list[str] = []
+    store = _store()
+    if timed_out and store is not None:
+        try:
+            store.set(f"{_TIMED_OUT}{rank}", where)
+            deadline = time.monotonic() + wait_s
+            waiting = peers
+            while waiting and time.monotonic() < deadline:
+                time.sleep(0.2)
+                waiting = [r for r in waiting if not store.check([f"{_TIMED_OUT}{r}"])]
+            for r in waiting:
+                their = store.get(f"{_BOARD}{r}").decode() if store.check([f"{_BOARD}{r}"]) else "?"
+                stalled.append(f"rank {r} (pid {_peers[r][1]} on {_peers[r][0]}, in phase '{their}')")
+        except Exception:  # noqa: BLE001 (the store itself is gone: report what is known)
+            stalled = []
+    if stalled:
+        return PeerLostError(f"rank {rank} lost peer(s) {', '.join(stalled)} during phase '{where}': no answer "
+                             f"{within}, the peer stalled [{first}]")
+    remote = [f"rank {r} ({_peers[r][0]})" for r in peers if _peers[r][0] != host]
+    why = f"no answer {within}" if timed_out else "a peer's connection failed"
+    suspects = f"; not checked from here: {', '.join(remote)}" if remote else ""
+    return PeerLostError(f"rank {rank} lost its peers during phase '{where}': {why}{suspects} [{first}]")
+
+
+@contextmanager
+def peer_failures_named(timeout_s: float | None = None) -> Iterator[None]:
+    """Re-raise a failed collective inside the block as :func:`peer_failure`'s :class:`PeerLostError`."""
+    try:
+        yield
+    except Exception as e:
+        err = peer_failure(e, timeout_s)
+        if err is None:
+            raise
+        raise err from e

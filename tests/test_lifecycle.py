@@ -1,0 +1,240 @@
+"""Process lifetime, run-folder ownership and faults, on real 2-rank runs (``megarl train``, PP=2, CPU).
+
+Each run is the tiny model and task of :mod:`tests.rl_tasks`, 2 steps with a checkpoint after each, started
+as a user would (``python -m megarl.cli train ...``, which relaunches itself with torchrun). Faults are
+injected with ``MEGARL_FAULT`` (:mod:`megarl.parallel.faults`): a rank SIGKILLs itself or stalls at a named
+point, so every run fails at the same place each time. One uninterrupted run is the reference that every
+resumed run must equal at the step after its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megarl.parallel.lifecycle import PeerLostError, phase, process_alive
+from megarl.trainer.metrics import read_metrics
+from tests.distributed import run_world
+from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = ["data.prompts_per_step=4", "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4",
+       "actor.optim.lr=1e-3", "actor.parallel.pp=2", "trainer.steps=2", "trainer.save_every=1"]
+COMPARED = ["reward/mean", "response/length_mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
+            "actor/kl", "actor/clipfrac", "actor/ppo_kl"]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lifecycle")
+    return root, make_tiny_model(root / "model"), write_prompts(root / "prompts.jsonl", 32)
+
+
+def _args(task, name, *extra):
+    root, model, data = task
+    return [sys.executable, "-m", "megarl.cli", "train", *task_overrides(model, data, root / "runs", name), *RUN,
+            *extra]
+
+
+def _env(fault: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "MEGARL_FAULT"}
+    return env | {"MEGARL_FAULT": fault} if fault else env
+
+
+def _cli(task, name, *extra, fault=None):
+    """Run ``megarl train`` to its end; stdout and stderr together."""
+    r = subprocess.run(_args(task, name, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=240, cwd=REPO, env=_env(fault))
+    return r.returncode, r.stdout
+
+
+def _run_dir(task, name) -> Path:
+    return task[0] / "runs" / name
+
+
+def _metrics(task, name) -> list[dict]:
+    return read_metrics(_run_dir(task, name) / "metrics.jsonl")
+
+
+def _assert_step_equals(history, reference, step):
+    got, want = history[step - 1], reference[step - 1]
+    assert got["step"] == want["step"] == step
+    for key in COMPARED:
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.fixture(scope="module")
+def reference(task):
+    """The uninterrupted run's metrics, by step."""
+    code, out = _cli(task, "reference")
+    assert code == 0, out[-3000:]
+    history = _metrics(task, "reference")
+    assert [h["step"] for h in history] == [1, 2]
+    assert history[0]["actor/pg_loss"] != history[1]["actor/pg_loss"]  # the steps differ: comparisons can fail
+    return history
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline and process_alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, theirs, ...)."""
+    parent_of = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent_of[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent_of.items() if pp in frontier and process_alive(p)]
+        found += kids
+        frontier = kids
+    return found
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _files(run_dir: Path) -> dict[str, tuple[int, int]]:
+    """Every file of a run folder: (size, mtime in ns)."""
+    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def _wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_launcher_sigkill_ends_its_ranks_and_a_second_run_is_refused_then_resume(task, reference):
+    """Issue 13: a SIGKILLed ``megarl train`` takes its ranks with it and nothing is written after the kill;
+    a second run on a folder in use stops at once naming the owner, touching nothing; ``--resume`` then
+    continues the killed run to the uninterrupted run's metrics."""
+    name = "killed"
+    run_dir = _run_dir(task, name)
+    first = subprocess.Popen(_args(task, name), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             cwd=REPO, env=_env("checkpoint.saved@1:sleep"))  # both ranks stall after step 1
+    try:
+        _wait_for(lambda: (run_dir / "checkpoints/step_000001/megarl.json").exists()
+                  and len(_metrics(task, name)) == 1, 180, "step 1's checkpoint")
+        time.sleep(1.0)  # both ranks are past the save, asleep
+        ranks = [p for p in _descendants(first.pid) if _parent(p) == first.pid]
+        assert len(ranks) == 2, ranks
+        started = _descendants(first.pid)  # the ranks, and what they started (megatron's checkpoint writer's
+        assert len(started) > 2, started   # multiprocessing manager: grandchildren that are not megarl code)
+        before = _files(run_dir)
+
+        code, out = _cli(task, name, "run.seed=2")  # a second run on the same folder
+        assert code == 2, out[-3000:]
+        owner = next(line for line in out.splitlines() if line.startswith("megarl: error:"))
+        assert "in use by pid" in owner and f"on host {socket.gethostname()}" in owner, owner
+        assert int(owner.split("in use by pid ")[1].split()[0]) in ranks, (owner, ranks)  # rank 0 owns it
+        assert "launching" not in out  # it stopped before starting any process
+        assert _files(run_dir) == before  # the first run's files are untouched
+
+        first.send_signal(signal.SIGKILL)  # the launcher alone: its ranks run in sessions of their own
+        killed_at = time.time_ns()
+        _wait_for(lambda: not any(process_alive(p) for p in started), 10, "the ranks and their children to end")
+        assert _processes_naming(str(run_dir)) == []  # no megarl process of this run is left
+        time.sleep(2.0)
+        after = _files(run_dir)
+        assert after == before, "a file was written after the kill"
+        assert all(mtime < killed_at for _, mtime in after.values())
+    finally:
+        for pid in [first.pid, *_descendants(first.pid), *_processes_naming(str(run_dir))]:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        first.stdout.close()
+        first.wait()
+
+    code, out = _cli(task, name, "--resume")
+    assert code == 0, out[-3000:]
+    assert "taking over the lock of pid" in out, out[-3000:]  # the dead run's lock, with a message
+    assert "resumed from" in out and "step_000001" in out
+    _assert_step_equals(_metrics(task, name), reference, 2)
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_mid_step_then_resume_matches_the_uninterrupted_run(task, reference):
+    """Issue 8: rank 1 SIGKILLed in step 2's actor update (PP=2) ends the run; ``--resume`` redoes step 2 from
+    step 1's checkpoint with the uninterrupted run's metrics."""
+    name = "rank_killed"
+    code, out = _cli(task, name, fault="phase.actor_update@2:kill:1")
+    assert code != 0 and "fault injected: kill at phase.actor_update" in out, out[-3000:]
+    assert sorted(p.name for p in (_run_dir(task, name) / "checkpoints").iterdir()) == ["step_000001"]
+    code, out = _cli(task, name, "--resume")
+    assert code == 0, out[-3000:]
+    _assert_step_equals(_metrics(task, name), reference, 2)
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_checkpoint_save_resumes_from_the_last_complete_one(task, reference):
+    """Issue 8: rank 0 SIGKILLed while saving step 2 (every shard and megarl.json written, not yet renamed):
+    ``--resume`` takes step 1's checkpoint, never the partial one, and step 2 then equals the reference."""
+    name = "save_killed"
+    code, out = _cli(task, name, fault="checkpoint.before_rename@2:kill:0")
+    assert code != 0 and "fault injected: kill at checkpoint.before_rename" in out, out[-3000:]
+    ckpts = _run_dir(task, name) / "checkpoints"
+    assert (ckpts / "step_000002.tmp" / "megarl.json").is_file()  # the partial save looks complete inside
+    assert not (ckpts / "step_000002").exists()
+    code, out = _cli(task, name, "--resume")
+    assert code == 0, out[-3000:]
+    assert f"resumed from {ckpts / 'step_000001'}" in out, out[-3000:]
+    _assert_step_equals(_metrics(task, name), reference, 2)
+    assert (ckpts / "step_000002" / "megarl.json").is_file() and not (ckpts / "step_000002.tmp").exists()
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_the_run_within_the_timeout_naming_rank_and_phase(task):
+    """Issue 8/13: rank 1 stalls at the start of step 1's reward phase; rank 0, waiting in the reward
+    all-gather, stops after ``trainer.timeout_s`` with an error naming rank 1 and the phase, never hangs."""
+    code, out = _cli(task, "stalled", "trainer.timeout_s=20", fault="phase.reward@1:sleep:1")
+    assert code == 1, out[-3000:]
+    error = next(line for line in out.splitlines() if line.startswith("megarl: error: rank 0"))
+    assert "lost peer(s) rank 1" in error and "in phase 'reward'" in error, error
+    assert "during phase 'reward'" in error and "trainer.timeout_s=20" in error, error
+    assert "megarl: error: megarl train failed on rank 0 (exit code 1)" in out  # the launcher too, naming it
+
+
+def _lose_a_peer(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    with phase("exchange"):
+        dist.all_reduce(torch.ones(1))
+        if rank == 1:
+            os._exit(3)  # a crash without a word
+        dist.all_reduce(torch.ones(1))
+    return "unreachable"
+
+
+def test_a_rank_whose_peer_dies_names_it_and_the_phase():
+    with pytest.raises(RuntimeError) as e:
+        run_world(_lose_a_peer, 2, timeout_s=120)
+    text = str(e.value)
+    assert PeerLostError.__name__ in text and "rank 0 lost peer(s) rank 1 (pid" in text, text[-3000:]
+    assert "during phase 'exchange'" in text, text[-3000:]
