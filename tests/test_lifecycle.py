@@ -238,3 +238,29 @@ def test_a_rank_whose_peer_dies_names_it_and_the_phase():
     text = str(e.value)
     assert PeerLostError.__name__ in text and "rank 0 lost peer(s) rank 1 (pid" in text, text[-3000:]
     assert "during phase 'exchange'" in text, text[-3000:]
+
+
+def _sleep_with_a_child(rank, world, pid_dir):
+    child = subprocess.Popen(["sleep", "600"])  # a process the rank starts (as libraries do)
+    (Path(pid_dir) / f"rank{rank}").write_text(f"{os.getpid()} {child.pid}")
+    time.sleep(600)
+
+
+def test_a_spawned_world_ends_with_its_parent_sigkill_included(tmp_path):
+    """Issue 13: the ranks of ``run_world`` (``megarl convert``, benchmarks, tests), and what they start, end
+    when the process that spawned them is SIGKILLed."""
+    script = ("from megarl.parallel.launch import run_world; from tests.test_lifecycle import _sleep_with_a_child; "
+              f"run_world(_sleep_with_a_child, 2, {str(tmp_path)!r})")
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
+    pids: list[int] = []
+    try:
+        _wait_for(lambda: len(list(tmp_path.glob("rank*"))) == 2, 120, "both ranks")
+        pids += [int(p) for f in tmp_path.glob("rank*") for p in f.read_text().split()]
+        assert all(process_alive(p) for p in pids)
+        parent.kill()
+        parent.wait()
+        _wait_for(lambda: not any(process_alive(p) for p in pids), 10, "the ranks and their children to end")
+    finally:
+        for pid in [parent.pid, *_descendants(parent.pid), *pids]:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)

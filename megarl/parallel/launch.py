@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, parent: int, fn, args, queue) -> None:
-    os.setpgid(0, 0)  # a group of its own, which ends with it (and its helper processes with it)
+    os.setsid()  # a session of its own, whose processes end with it (lifecycle's group watchdog)
     exit_with_parent(parent)  # an interrupted test run or tool takes its ranks with it, SIGKILL included
     threads = max(1, (os.cpu_count() or 1) // world_size)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),

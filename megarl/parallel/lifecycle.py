@@ -11,8 +11,8 @@ by mistake) and its ranks call :func:`bind_to_launcher` in ``megarl.cli.main``, 
 a torchrun or ``srun`` that the user started. What the kernel's rule implies: the signal fires when the parent
 *thread* that started the child ends (torchrun and ``run_world`` start them from the main thread), and it is
 not inherited across ``fork``. So processes that libraries start inside a rank (megatron-core's checkpoint
-writer starts a ``multiprocessing`` manager per rank) are covered another way: a rank that leads its process
-group has a watchdog kill that group when the rank ends.
+writer starts a ``multiprocessing`` manager per rank) are covered another way: a rank that leads its session
+has a watchdog kill its process group when the rank ends.
 
 torchrun starts each worker in its own session; when a worker fails or the agent is stopped, the agent
 signals the worker's whole process group (``os.killpg``), so a worker's own children (which stay in its
@@ -98,10 +98,11 @@ _group_watch: list = []  # the watchdog's Popen, kept so its stdin pipe stays op
 def _kill_group_on_exit() -> None:
     """When this process ends, however it ends, SIGKILL its process group: the helpers that libraries start
     and do not bind to it (megatron-core's checkpoint writer starts a ``multiprocessing`` manager process
-    per rank) go with it. Only for a process that leads its group (a torchrun worker, a ``run_world`` rank),
-    so that nothing else is ever in it. The watchdog is ``sh`` in a session of its own, reading a pipe whose
-    only writer is this process: end of file means this process is gone."""
-    if os.getpgrp() != os.getpid() or _group_watch:
+    per rank) go with it. Only for a process that leads its own session (a torchrun worker, a ``run_world``
+    rank), whose group holds nothing but what it started; not, say, for an ``srun`` task, whose group may
+    hold the step's other tasks. The watchdog is ``sh`` in a session of its own, reading a pipe whose only
+    writer is this process: end of file means this process is gone."""
+    if os.getsid(0) != os.getpid() or _group_watch:
         return
     import subprocess
 
@@ -178,10 +179,6 @@ def _rank() -> int:
     return dist.get_rank()
 
 
-_COMM_FAILURE = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
-                 "timeout", "connection refused", "socket")
-
-
 def peer_failure(exc: BaseException, timeout_s: float | None = None, wait_s: float = 5.0) -> PeerLostError | None:
     """A :class:`PeerLostError` explaining ``exc`` when it is a failed collective, else None.
 
@@ -198,9 +195,8 @@ def peer_failure(exc: BaseException, timeout_s: float | None = None, wait_s: flo
     import torch.distributed as dist
 
     text = str(exc)
-    if not _peers or not (isinstance(exc, dist.DistError) or (
-            isinstance(exc, RuntimeError) and any(k in text.lower() for k in _COMM_FAILURE))):
-        return None
+    if not _peers or not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in text)):
+        return None  # not a collective's failure (gloo's are RuntimeErrors naming its sources)
     rank, where, host = _rank(), _phase[0], socket.gethostname()
     first = (text.strip().splitlines() or [type(exc).__name__])[0][:300]
     peers = [r for r in range(len(_peers)) if r != rank]
