@@ -264,3 +264,34 @@ def test_a_spawned_world_ends_with_its_parent_sigkill_included(tmp_path):
         for pid in [parent.pid, *_descendants(parent.pid), *pids]:
             if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_run_lock_names_its_owner_and_takes_over_a_dead_ones(tmp_path, caplog):
+    import json
+
+    from megarl.trainer.run_lock import LOCK_FILE, RunLock, RunLockedError, check_free
+
+    run_dir = tmp_path / "run"
+    first = RunLock(run_dir).acquire()
+    with pytest.raises(RunLockedError, match=rf"in use by pid {os.getpid()} on host {socket.gethostname()}"):
+        RunLock(run_dir).acquire()  # another open file: flock refuses it, even in the same process
+    with pytest.raises(RunLockedError, match="run.name"):
+        check_free(run_dir)
+    first.release()
+    check_free(run_dir)
+    assert (run_dir / LOCK_FILE).read_text() == ""  # a clean end leaves no owner
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (run_dir / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": 0}))
+    with caplog.at_level("WARNING"):
+        lock = RunLock(run_dir).acquire()
+    assert f"taking over the lock of pid {dead.pid}" in caplog.text and "which is gone" in caplog.text
+    assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+
+    (run_dir / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": 0}))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        RunLock(run_dir).acquire().release()
+    assert "host elsewhere" in caplog.text and "may still be alive" in caplog.text
