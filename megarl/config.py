@@ -748,9 +748,13 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
         _require(cfg.rollout_batch_size % rc.ppo_mini_batch_size == 0, f"{role}.ppo_mini_batch_size",
                  f"{rc.ppo_mini_batch_size} does not divide the rollout batch data.prompts_per_step * rollout.n "
                  f"= {cfg.rollout_batch_size}")
-        _require(rc.ppo_mini_batch_size % (dp * rc.micro_batch_size) == 0, f"{role}.ppo_mini_batch_size",
-                 f"{rc.ppo_mini_batch_size} is not a multiple of dp ({dp}) x micro_batch_size "
-                 f"({rc.micro_batch_size}); use a multiple of {dp * rc.micro_batch_size}")
+        if rc.max_tokens_per_micro_batch:  # micro-batches by token count: any number of rows each
+            _require(rc.ppo_mini_batch_size % dp == 0, f"{role}.ppo_mini_batch_size",
+                     f"{rc.ppo_mini_batch_size} is not a multiple of dp ({dp})")
+        else:
+            _require(rc.ppo_mini_batch_size % (dp * rc.micro_batch_size) == 0, f"{role}.ppo_mini_batch_size",
+                     f"{rc.ppo_mini_batch_size} is not a multiple of dp ({dp}) x micro_batch_size "
+                     f"({rc.micro_batch_size}); use a multiple of {dp * rc.micro_batch_size}")
         _require(not (rc.max_tokens_per_micro_batch and p.pp > 1), f"{role}.max_tokens_per_micro_batch",
                  f"needs {role}.parallel.pp=1 (megatron's pipeline schedule sends one activation shape for every "
                  "micro-batch); set it to 0 or use pp=1")

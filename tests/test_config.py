@@ -43,6 +43,11 @@ def test_world_size_checks_name_the_field():
         validate_for_world(load_config(None, ["actor.parallel.pp=2", "actor.max_tokens_per_micro_batch=4096"]), 2)
     with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
         load_config(None, ["actor.max_tokens_per_micro_batch=-1"])
+    # with a token budget, micro_batch_size does not cut the mini-batch; dp still must divide it
+    validate_for_world(load_config(None, ["actor.micro_batch_size=64", "actor.max_tokens_per_micro_batch=4096"]), 1)
+    with pytest.raises(ConfigError, match="16 is not a multiple of dp \\(3\\)"):
+        validate_for_world(load_config(None, ["actor.max_tokens_per_micro_batch=4096", "actor.parallel.dp=3",
+                                              "data.prompts_per_step=12"]), 3)
 
 
 def test_truncated_sampling_is_refused_naming_the_field_and_the_fix():
