@@ -1,6 +1,7 @@
 """Forward + backward of megarl's Megatron actor builder on one GPU (or the CPU), bf16 on GPU.
 
     python perf/bench_models.py --model qwen2.5-0.5b --micro-batch 8 --seq 2048 --steps 5 [--json OUT]
+        [--attention sdpa|local] [--chunked-logprob|--no-chunked-logprob] [--compare-plain]
 
 Builds the named model shape (random init) with :func:`megarl.models.megatron.build_model` on a TP=1 x PP=1
 mesh, runs ``--steps`` timed forward+backward passes (after one warm-up) through megatron's
@@ -8,6 +9,12 @@ mesh, runs ``--steps`` timed forward+backward passes (after one warm-up) through
 tokens/s, model TFLOP/s and MFU (:func:`megarl.bench.flops.train_flops`: 6 x matmul params x tokens plus
 causal attention, against ``--peak-tflops``, 989 for an H200's dense bf16), peak memory, and that the loss and
 gradients are finite.
+
+The loss is ``-mean(log-prob) - 0.01 mean(entropy)`` (the actor update computes both). ``--attention`` and
+``--chunked-logprob`` pick the ``kernels/`` fast paths as the trainer's ``actor.kernels`` does (default: both on);
+``--compare-plain`` then also runs one forward+backward of the same weights and tokens (the first
+``--compare-rows`` rows) through the plain path (local attention, full logits + ``vocab_parallel_logprobs``) and
+reports the largest differences of log-probs, entropy and gradients.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import time
 
 import torch
 
+from kernels.chunked_logprobs import LogprobOutput
 from megarl.bench.flops import train_flops
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.megatron import build_model
@@ -25,6 +33,52 @@ from megarl.models.pipeline import run_microbatches
 from megarl.models.spec import preset
 from megarl.parallel.launch import run_world
 from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+
+
+def _fwd_bwd(model, tokens, spec, chunked: bool, chunk_tokens: int, backend: str = "auto"):
+    """One forward+backward of ``-mean(log-prob) - 0.01 mean(entropy)``; returns the metrics of the pass."""
+    kwargs = None
+    if chunked:
+        kwargs = {"output_processor": LogprobOutput(vocab_size=spec.vocab_size, with_entropy=True,
+                                                    chunk_tokens=chunk_tokens, backend=backend)}
+
+    def loss_fn(mb, out):
+        if chunked:
+            logp, ent = out
+        else:
+            labels = torch.roll(mb["input_ids"], -1, dims=1)
+            logp, ent = vocab_parallel_logprobs(out, labels, vocab_size=spec.vocab_size, with_entropy=True)
+        loss = -logp.mean() - 0.01 * ent.mean()
+        return loss, {"loss": loss.detach().float(), "logprobs": logp.detach(), "entropy": ent.detach()}
+
+    for p in model.parameters():
+        p.grad = None
+    return run_microbatches(model, [{"input_ids": tokens}], loss_fn, forward_only=False, model_kwargs=kwargs)[0]
+
+
+def _compare_plain(model, tokens, spec, a, mesh, dtype) -> dict:
+    """The kernels' pass against the plain path on the same weights and tokens: largest absolute differences
+    of log-probs and entropy, and of each gradient relative to that gradient's largest entry; on the GPU also
+    the chunked path's Triton kernels against its torch ops."""
+    plain = build_model(spec, mesh, params_dtype=dtype, recompute=a.recompute, attention="local",
+                        init_weights=False).to(tokens.device)
+    plain.load_state_dict(model.state_dict())
+    fast = _fwd_bwd(model, tokens, spec, a.chunked_logprob, a.chunk_tokens)
+    ref = _fwd_bwd(plain, tokens, spec, False, a.chunk_tokens)
+    grads = {n: (p.grad.float(), dict(model.named_parameters())[n].grad.float()) for n, p in plain.named_parameters()}
+    worst = max(grads, key=lambda n: float((grads[n][0] - grads[n][1]).abs().max() / grads[n][0].abs().max()))
+    g_ref, g_fast = grads[worst]
+    res = {"rows": tokens.shape[0], "max_abs_diff_logprobs": float((fast["logprobs"] - ref["logprobs"]).abs().max()),
+           "mean_abs_diff_logprobs": float((fast["logprobs"] - ref["logprobs"]).abs().mean()),
+           "max_abs_diff_entropy": float((fast["entropy"] - ref["entropy"]).abs().max()),
+           "max_rel_diff_grad": float((g_ref - g_fast).abs().max() / g_ref.abs().max()), "max_rel_diff_grad_param": worst,
+           "loss": [float(ref["loss"]), float(fast["loss"])]}
+    del plain, grads, g_ref, g_fast
+    if a.chunked_logprob and tokens.is_cuda:
+        torch_ops = _fwd_bwd(model, tokens, spec, True, a.chunk_tokens, backend="torch")
+        res["max_abs_diff_logprobs_triton_vs_torch"] = float((fast["logprobs"] - torch_ops["logprobs"]).abs().max())
+        res["max_abs_diff_entropy_triton_vs_torch"] = float((fast["entropy"] - torch_ops["entropy"]).abs().max())
+    return res
 
 
 def _bench(rank, world, a):
@@ -35,23 +89,15 @@ def _bench(rank, world, a):
     initialize_model_parallel(mesh)
     gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if gpu else torch.float32
-    model = build_model(spec, mesh, params_dtype=dtype, recompute=a.recompute)
+    model = build_model(spec, mesh, params_dtype=dtype, recompute=a.recompute, attention=a.attention)
     if gpu:
         model = model.cuda()
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (a.micro_batch, a.seq), generator=g).to(device)
 
-    def loss_fn(mb, logits):
-        labels = torch.roll(mb["input_ids"], -1, dims=1)
-        logp, _ = vocab_parallel_logprobs(logits, labels, vocab_size=spec.vocab_size)
-        loss = -logp.mean()
-        return loss, {"loss": loss.detach().float()}
-
     def once():
-        for p in model.parameters():
-            p.grad = None
-        return run_microbatches(model, [{"input_ids": tokens}], loss_fn, forward_only=False)
+        return _fwd_bwd(model, tokens, spec, a.chunked_logprob, a.chunk_tokens)
 
     once()  # warm-up
     if gpu:
@@ -74,9 +120,12 @@ def _bench(rank, world, a):
         "recompute": a.recompute, "seconds_per_fwd_bwd_median": sec, "tokens_per_s": n_tok / sec,
         "model_tflops_per_s": flops / sec / 1e12, "mfu": flops / sec / 1e12 / a.peak_tflops,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
-        "loss": float(out[0]["loss"]), "loss_finite": bool(torch.isfinite(out[0]["loss"])),
-        "grads_finite": grads_finite,
+        "loss": float(out["loss"]), "loss_finite": bool(torch.isfinite(out["loss"])),
+        "grads_finite": grads_finite, "attention": a.attention, "chunked_logprob": a.chunked_logprob,
+        "chunk_tokens": a.chunk_tokens,
     }
+    if a.compare_plain:
+        res["compare_plain"] = _compare_plain(model, tokens[:a.compare_rows], spec, a, mesh, dtype)
     return res
 
 
@@ -88,6 +137,13 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--recompute", action="store_true")
+    p.add_argument("--attention", choices=("sdpa", "local"), default="sdpa", help="core attention (kernels/)")
+    p.add_argument("--chunked-logprob", action=argparse.BooleanOptionalAction, default=True,
+                   help="output layer + log-prob/entropy in chunks of tokens (kernels/)")
+    p.add_argument("--chunk-tokens", type=int, default=4096, help="tokens per log-prob chunk")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="also report the differences to the plain path on the same weights")
+    p.add_argument("--compare-rows", type=int, default=2, help="rows of the batch that --compare-plain runs")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU, TFLOP/s")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The training-phase kernels (kernels/) on one H200, in one command from the repo root (carry .whl):
+#   bash perf/gpu_kernels.sh
+# 1. installs the megatron-core and omegaconf wheels of .whl/ into /tmp/site (no vLLM needed; skipped when they
+#    import from there already);
+# 2. runs the GPU tests of kernels/ (tests/test_gpu_kernels.py: Triton kernels vs torch ops, bf16 actor with the
+#    kernels vs the plain actor; prints the bf16 differences);
+# 3. perf/bench_models.py, actor forward+backward in bf16 with the kernels off (local attention, full logits)
+#    and on (SDPA attention, chunked log-probs; with --compare-plain: bf16 differences to the plain path):
+#    Qwen2.5-0.5B shape at 8 x 2048 tokens (targets: MFU >= 30%, peak <= 40 GiB) and Qwen2.5-1.5B at 4 x 2048
+#    (target: MFU >= 40%). MFU is against 989 TFLOP/s (datasheet dense bf16).
+# One JSON per run in $OUT (default runs/gpu_kernels); the last line is "gpu_kernels: PASS|FAIL (N s)".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_kernels}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+SITE=/tmp/site
+export PYTHONPATH=$SITE:$PWD NCCL_NVLS_ENABLE=0
+START=$SECONDS
+failed=0
+
+if ! python3 -c "import megatron.core, omegaconf" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl \
+    || { echo "gpu_kernels: FAIL (wheels of .whl/ did not install: carry .whl)"; exit 1; }
+fi
+python3 -c "import torch, triton, megatron.core; print('torch', torch.__version__, '| triton', triton.__version__, \
+'| megatron-core', megatron.core.__version__, '|', torch.cuda.get_device_name())"
+
+python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_kernels.py 2>&1 | grep -v -i warn \
+  | tee "$OUT/test_gpu_kernels.log" | tail -8
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+
+bench() {  # NAME ARGS...
+  local name=$1; shift
+  python3 perf/bench_models.py --steps 5 --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 \
+    || { echo "$name: FAIL"; tail -20 "$OUT/$name.log"; failed=1; return; }
+  python3 - "$OUT/$name.json" <<'EOF'
+import json
+import sys
+
+r = json.load(open(sys.argv[1]))
+line = (f"{r['model']:13s} {r['micro_batch']} x {r['seq']}  attention={r['attention']:5s} "
+        f"chunked_logprob={str(r['chunked_logprob']):5s}  {r['seconds_per_fwd_bwd_median']:.3f} s  "
+        f"MFU {r['mfu']:.1%}  peak {r['peak_memory_gib']:.1f} GiB")
+c = r.get("compare_plain")
+if c:
+    line += (f"\n    vs plain (bf16, {c['rows']} rows): |d logprob| max {c['max_abs_diff_logprobs']:.4f} mean "
+             f"{c['mean_abs_diff_logprobs']:.5f}, |d entropy| max {c['max_abs_diff_entropy']:.4f}, grad rel "
+             f"{c['max_rel_diff_grad']:.4f} ({c['max_rel_diff_grad_param']}); Triton vs torch ops: "
+             f"{c.get('max_abs_diff_logprobs_triton_vs_torch')}")
+print(line)
+EOF
+}
+bench qwen0.5b_off --model qwen2.5-0.5b --micro-batch 8 --seq 2048 --attention local --no-chunked-logprob
+bench qwen0.5b_on --model qwen2.5-0.5b --micro-batch 8 --seq 2048 --compare-plain
+bench qwen1.5b_off --model qwen2.5-1.5b --micro-batch 4 --seq 2048 --attention local --no-chunked-logprob
+bench qwen1.5b_on --model qwen2.5-1.5b --micro-batch 4 --seq 2048 --compare-plain
+
+[ $failed -eq 0 ] && echo "gpu_kernels: PASS ($(( SECONDS - START )) s)" && exit 0
+echo "gpu_kernels: FAIL ($(( SECONDS - START )) s)"
+exit 1
