@@ -8,14 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-qwen2.5-0.5b}; STEPS=${2:-3}; OUT=${OUT:-runs/gpu_rl_step}
-export PYTHONPATH=/tmp/site:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
-       VLLM_NO_USAGE_STATS=1 NCCL_NVLS_ENABLE=0
-mkdir -p "$OUT"
-bash perf/build_C.sh
-python3 -c "
-from pathlib import Path
-from tests.rl_tasks import make_tiny_model, write_prompts
-make_tiny_model(Path('$OUT/tok')); write_prompts(Path('$OUT/prompts.jsonl'), 4096)"
+source perf/gpu_synthetic_task.sh
 python3 -m megarl.cli train model.path=preset:$MODEL model.tokenizer=$OUT/tok model.dtype=bfloat16 \
   "data.train_files=[$OUT/prompts.jsonl]" data.prepare=null data.use_chat_template=false "data.instruction=''" \
   reward.fn=tests.rl_tasks:says_target rollout.engine=vllm rollout.gpu_memory_utilization=0.35 \

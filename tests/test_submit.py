@@ -73,7 +73,8 @@ def test_dry_run_scripts_match_the_golden_files(name, args, capsys, monkeypatch)
     (["parallel_configs/cpu_smollm2_pp2.yaml"], ["--ntasks-per-node", "3"],
      ["actor.parallel.tp/pp/dp", "--ntasks-per-node 3", "tp=1 x pp=2"]),
     (["parallel_configs/cpu_smollm2_pp2.yaml", "actor.parallel.pp=1", "actor.micro_batch_size=3"],
-     ["--ntasks-per-node", "2"], ["actor.ppo_mini_batch_size", "16 is not a multiple of dp (2) x micro_batch_size (3)"]),
+     ["--ntasks-per-node", "2"],
+     ["actor.ppo_mini_batch_size", "16 is not a multiple of dp (2) x micro_batch_size (3)"]),
     ([], ["--nodes", "0"], ["--nodes", ">= 1"]),
     ([], ["--gpus-per-node", "8", "--ntasks-per-node", "2"], ["--ntasks-per-node 2", "one rank per GPU"]),
 ])

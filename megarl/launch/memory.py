@@ -21,8 +21,9 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
   (plus one layer's full set while it is recomputed). The last stage adds the logits of the micro-batch in
   fp32, three copies (logits, log-softmax, its gradient) of ``vocab/tp`` per token.
 - **rollout**: vLLM reserves ``rollout.gpu_memory_utilization`` of the whole GPU; the transformers engine
-  (CPU) holds a full fp32 copy of the model plus the KV cache and last logits of ``rollout.max_batch_size``
-  sequences, and frees its weights while the actor trains, so the peak is ``static + max(training,
+  (CPU) holds a full fp32 copy of the model plus the KV cache and last logits of the sequences it decodes at
+  once (this rank's share of the step, at most ``rollout.max_batch_size``), and frees its weights while the
+  actor trains, so the peak is ``static + max(training,
   rollout)``.
 - **runtime**: what the process holds besides tensors: the CUDA context and NCCL buffers on a GPU, the
   Python interpreter with torch/megatron/transformers loaded on the CPU (:data:`RUNTIME_BYTES`).
@@ -117,15 +118,17 @@ def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
     return int(max(per_micro * in_flight, per_micro + logits))
 
 
-def rollout_bytes(cfg: Config, spec, device_bytes: int, gpu: bool) -> int:
-    """The rollout engine's share on one rank."""
+def rollout_bytes(cfg: Config, spec, world_size: int, device_bytes: int, gpu: bool) -> int:
+    """The rollout engine's share on one rank (the transformers engine decodes this rank's share of the step's
+    sequences, at most ``rollout.max_batch_size`` at once)."""
     r = cfg.rollout
     if r.engine == "vllm":
         return int(r.gpu_memory_utilization * device_bytes) if gpu else 0
     s = cfg.data.max_prompt_length + r.max_new_tokens
+    batch = min(r.max_batch_size, math.ceil(cfg.rollout_batch_size / world_size))
     weights = spec.num_params() * 4
-    kv_cache = 2 * spec.num_layers * spec.kv_size * s * r.max_batch_size * 4
-    logits = r.max_batch_size * spec.vocab_size * 4 * 2
+    kv_cache = 2 * spec.num_layers * spec.kv_size * s * batch * 4
+    logits = batch * spec.vocab_size * 4 * 2
     return weights + kv_cache + logits
 
 
@@ -160,7 +163,8 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
         params=n * e, grads=n * 4, optimizer=optimizer(n, cfg.actor.optim.distributed),
         reference=n * e if cfg.algorithm.kl.coef > 0 else 0, critic=critic,
         activations=activation_bytes(cfg, spec, p.tp, p.pp, dp),
-        rollout=rollout_bytes(cfg, spec, device_bytes, gpu), runtime=RUNTIME_BYTES["gpu" if gpu else "cpu"],
+        rollout=rollout_bytes(cfg, spec, world_size, device_bytes, gpu),
+        runtime=RUNTIME_BYTES["gpu" if gpu else "cpu"],
         colocated_rollout=cfg.rollout.engine == "vllm")
 
 

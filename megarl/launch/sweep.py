@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megarl.config import Config, ConfigError, load_config
-from megarl.launch.memory import GIB, estimate_memory, host_memory_bytes
+from megarl.launch.memory import GIB, MemoryEstimate, estimate_memory, host_memory_bytes
 from megarl.launch.submit import (JobShape, SbatchOptions, add_sbatch_arguments, batch_script, check_job_shape,
                                   sbatch, sbatch_options_from_args, srun_prefix)
 
@@ -90,7 +90,7 @@ class Point:
     values: dict[str, Any]
     overrides: list[str]
     reason: str | None = None           # why it was dropped before running
-    estimate: dict[str, int] | None = None
+    estimate: MemoryEstimate | None = None
 
 
 def load_sweep(path: str | os.PathLike) -> SweepSpec:
@@ -100,6 +100,7 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
         ConfigError: an unknown key or a wrong type, naming it; an empty grid.
         FileNotFoundError: no such file.
     """
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -109,6 +110,8 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
         spec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SweepSpec), OmegaConf.load(path)))
     except OmegaConfBaseException as e:
         raise ConfigError(f"{path}: {getattr(e, 'full_key', None) or 'sweep'}: {str(e).splitlines()[0]}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not spec.grid and not spec.points:
         raise ConfigError(f"{path}: grid: list at least one config key with its values (or points)")
     for key, values in spec.grid.items():
@@ -193,7 +196,7 @@ def check_point(spec: SweepSpec, point: Point, shape: JobShape, memory: int) -> 
     except (ConfigError, SpecError) as e:
         point.reason = str(e)
         return None
-    point.estimate = est.as_dict()
+    point.estimate = est
     if est.total > memory:
         point.reason = (f"estimated memory {est.describe()} per rank is over the device's "
                         f"{memory / GIB:.1f} GiB")
@@ -313,8 +316,8 @@ def collect(spec: SweepSpec, points: list[Point]) -> list[dict[str, Any]]:
                      "step_time_s": r.get("step_time_s"), "tokens_per_s": r.get("tokens_per_s"),
                      "tokens_per_s_per_gpu": r.get("tokens_per_s_per_gpu"),
                      "peak_memory_gib": _gib(r.get("peak_memory_bytes")), "device_memory_used_gib": _gib(used),
-                     "estimated_memory_gib": _gib(p.estimate["total"]) if p.estimate else None,
-                     "estimated_tensors_gib": _gib(p.estimate["tensors"]) if p.estimate else None,
+                     "estimated_memory_gib": _gib(p.estimate.total) if p.estimate else None,
+                     "estimated_tensors_gib": _gib(p.estimate.tensors) if p.estimate else None,
                      "reason": r.get("reason") or r.get("error")})
     return sorted(rows, key=lambda row: (row["status"] != "ok", -(row["tokens_per_s"] or 0)))
 
@@ -397,8 +400,7 @@ def run(a: argparse.Namespace) -> int:
             print(f"  dropped {p.name}: {p.reason}", flush=True)
     if a.plan:
         for p in valid:
-            print(f"  valid {p.name}: estimated {p.estimate['total'] / GIB:.2f} GiB per rank ("
-                  + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.estimate.items() if v and k != "total") + ")")
+            print(f"  valid {p.name}: estimated {p.estimate.describe()} per rank")
         return 0
     out = spec.out_dir
     for d in ("results", "logs"):
@@ -418,7 +420,8 @@ def run(a: argparse.Namespace) -> int:
     (out / "sweep.json").write_text(json.dumps(
         {"name": spec.name, "job": shape.describe(), "device_memory_bytes": memory,
          "points": [{"name": p.name, "values": p.values, "overrides": p.overrides, "dropped": p.reason,
-                     "estimate": p.estimate} for p in points]}, indent=2, default=str))
+                     "estimate": p.estimate.as_dict() if p.estimate else None} for p in points]},
+        indent=2, default=str))
     files = write_report(spec, points)
     print((out / "results.md").read_text(), end="")
     print("sweep: wrote " + ", ".join(str(f) for f in files.values()), flush=True)

@@ -8,16 +8,10 @@
 #      SLURM_PROBE=0 to skip the probe job.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-STATE="${SLURM_LOCAL_STATE:-/tmp/megarl-slurm/state}"
+source "$HERE/common.sh"
 TEMPLATE="${SLURM_CONF_TEMPLATE:-$HERE/slurm.conf.template}"
 CONF=/etc/slurm/slurm.conf          # default path compiled into Debian's slurm; no SLURM_CONF needed
 WAIT_S="${SLURM_WAIT_S:-60}"
-log() { echo "[slurm-local] $*" >&2; }
-alive() { [ -n "${1:-}" ] && [ "$(cat /proc/$1/comm 2>/dev/null)" = "$2" ] && ! grep -q '^State:[[:space:]]*Z' /proc/$1/status 2>/dev/null; }  # running, right name, not a zombie
-pid_of() { cat "$1" 2>/dev/null || true; }
-# kill a process and all its descendants (by PID, children first); used for orphaned slurmstepd of our cluster
-kill_tree() { local c; for c in $(ps -o pid= --ppid "$1" 2>/dev/null); do kill_tree "$c"; done; kill -KILL "$1" 2>/dev/null || true; }
-stray_stepds() { ps -eo pid=,stat=,comm= | awk '$3=="slurmstepd" && $2 !~ /^Z/ {print $1}' | paste -sd' '; }
 
 [ "$(id -u)" = 0 ] || { log "must run as root"; exit 1; }
 
