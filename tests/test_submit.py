@@ -95,7 +95,7 @@ def test_a_launch_whose_world_does_not_match_fails_before_any_model():
            "MASTER_PORT": "1"}
     r = _megarl("train", "parallel_configs/cpu_smollm2_pp2.yaml", env=env, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "megarl: error: actor.parallel" in r.stderr and "world size 3" in r.stderr, r.stderr
+    assert "megarl: error: actor.parallel" in r.stderr and "3 ranks" in r.stderr, r.stderr
     assert "dequantising" not in r.stderr
 
 

@@ -110,13 +110,15 @@ class SbatchOptions:
 
 def check_job_shape(cfg: Config, shape: JobShape) -> None:
     """The config runs on this job: nodes x ranks per node = the actor's TP x PP x DP (DP derived when
-    ``actor.parallel.dp`` is 0), and every role's batch sizes fit (:func:`megarl.config.validate_for_world`).
+    ``actor.parallel.dp`` is 0; with the actor on a pool of its own, its pool), and every role's layout and
+    batch sizes fit (:func:`megarl.config.validate_for_world`).
 
     Raises:
         ConfigError: naming the config fields and the job's flags.
     """
     p = cfg.actor.parallel
-    if shape.world_size % (p.tp * p.pp) or (p.dp and p.tp * p.pp * p.dp != shape.world_size):
+    on_all = cfg.placement.actor == "all"  # an actor on a pool of its own: validate_for_world checks the pool
+    if on_all and (shape.world_size % (p.tp * p.pp) or (p.dp and p.tp * p.pp * p.dp != shape.world_size)):
         need = f"tp={p.tp} x pp={p.pp}" + (f" x dp={p.dp} = {p.tp * p.pp * p.dp}" if p.dp else
                                             f" = {p.tp * p.pp} (times dp)")
         raise ConfigError(f"actor.parallel.tp/pp/dp: the job has {shape.flags()} = {shape.world_size} ranks, but "
