@@ -99,7 +99,11 @@ def _bench(rank, world, a):
     def once():
         return _fwd_bwd(model, tokens, spec, a.chunked_logprob, a.chunk_tokens)
 
-    once()  # warm-up
+    try:
+        once()  # warm-up
+    except torch.OutOfMemoryError as e:  # a result too: the plain path's fp32 logit copies do not fit
+        return {"model": a.model, "micro_batch": a.micro_batch, "seq": a.seq, "attention": a.attention,
+                "chunked_logprob": a.chunked_logprob, "status": "out of memory", "error": str(e).splitlines()[0]}
     if gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -122,7 +126,7 @@ def _bench(rank, world, a):
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
         "loss": float(out["loss"]), "loss_finite": bool(torch.isfinite(out["loss"])),
         "grads_finite": grads_finite, "attention": a.attention, "chunked_logprob": a.chunked_logprob,
-        "chunk_tokens": a.chunk_tokens,
+        "chunk_tokens": a.chunk_tokens, "status": "ok",
     }
     if a.compare_plain:
         res["compare_plain"] = _compare_plain(model, tokens[:a.compare_rows], spec, a, mesh, dtype)
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)
-    return 0 if res["loss_finite"] and res["grads_finite"] else 1
+    return 0 if res["status"] == "ok" and res["loss_finite"] and res["grads_finite"] else 1
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@
 #    import from there already);
 # 2. runs the GPU tests of kernels/ (tests/test_gpu_kernels.py: Triton kernels vs torch ops, bf16 actor with the
 #    kernels vs the plain actor; prints the bf16 differences);
-# 3. perf/bench_models.py, actor forward+backward in bf16 with the kernels off (local attention, full logits)
-#    and on (SDPA attention, chunked log-probs; with --compare-plain: bf16 differences to the plain path):
+# 3. perf/bench_models.py, actor forward+backward in bf16 (loss -mean(log-prob) - 0.01 mean(entropy)) for the
 #    Qwen2.5-0.5B shape at 8 x 2048 tokens (targets: MFU >= 30%, peak <= 40 GiB) and Qwen2.5-1.5B at 4 x 2048
-#    (target: MFU >= 40%). MFU is against 989 TFLOP/s (datasheet dense bf16).
-# One JSON per run in $OUT (default runs/gpu_kernels); the last line is "gpu_kernels: PASS|FAIL (N s)".
+#    (target: MFU >= 40%), each four ways: kernels off (local attention, full logits), SDPA attention only,
+#    chunked log-probs only, both on; the last two also run the plain path on the same weights and report the
+#    bf16 differences (--compare-plain). MFU is against 989 TFLOP/s (datasheet dense bf16). A run out of
+#    memory is recorded as such.
+# All runs in one JSON, $OUT/gpu_kernels.json (default runs/gpu_kernels), and a table; the last line is
+# "gpu_kernels: PASS|FAIL (N s)".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_kernels}
@@ -30,31 +33,41 @@ python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_kernels.py 2>&
   | tee "$OUT/test_gpu_kernels.log" | tail -8
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 
-bench() {  # NAME ARGS...
+RUNS=/tmp/gpu_kernels_runs
+rm -rf "$RUNS" && mkdir -p "$RUNS"
+bench() {  # NAME ARGS...: one bench_models.py run; a run out of memory is a result, not a failure
   local name=$1; shift
-  python3 perf/bench_models.py --steps 5 --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 \
-    || { echo "$name: FAIL"; tail -20 "$OUT/$name.log"; failed=1; return; }
-  python3 - "$OUT/$name.json" <<'EOF'
+  python3 perf/bench_models.py --steps 5 --json "$RUNS/$name.json" "$@" > "$RUNS/$name.log" 2>&1
+  [ -f "$RUNS/$name.json" ] || { echo "$name: FAIL"; tail -20 "$RUNS/$name.log"; cp "$RUNS/$name.log" "$OUT/"; failed=1; }
+}
+for shape in "qwen2.5-0.5b 8" "qwen2.5-1.5b 4"; do
+  set -- $shape
+  bench "$1_1off" --model "$1" --micro-batch "$2" --seq 2048 --attention local --no-chunked-logprob
+  bench "$1_2sdpa" --model "$1" --micro-batch "$2" --seq 2048 --attention sdpa --no-chunked-logprob
+  bench "$1_3chunked" --model "$1" --micro-batch "$2" --seq 2048 --attention local --chunked-logprob --compare-plain
+  bench "$1_4both" --model "$1" --micro-batch "$2" --seq 2048 --attention sdpa --chunked-logprob --compare-plain
+done
+python3 - "$RUNS" "$OUT/gpu_kernels.json" <<'EOF'
 import json
 import sys
+from pathlib import Path
 
-r = json.load(open(sys.argv[1]))
-line = (f"{r['model']:13s} {r['micro_batch']} x {r['seq']}  attention={r['attention']:5s} "
-        f"chunked_logprob={str(r['chunked_logprob']):5s}  {r['seconds_per_fwd_bwd_median']:.3f} s  "
-        f"MFU {r['mfu']:.1%}  peak {r['peak_memory_gib']:.1f} GiB")
-c = r.get("compare_plain")
-if c:
-    line += (f"\n    vs plain (bf16, {c['rows']} rows): |d logprob| max {c['max_abs_diff_logprobs']:.4f} mean "
-             f"{c['mean_abs_diff_logprobs']:.5f}, |d entropy| max {c['max_abs_diff_entropy']:.4f}, grad rel "
-             f"{c['max_rel_diff_grad']:.4f} ({c['max_rel_diff_grad_param']}); Triton vs torch ops: "
-             f"{c.get('max_abs_diff_logprobs_triton_vs_torch')}")
-print(line)
+runs = [json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*.json"))]
+Path(sys.argv[2]).write_text(json.dumps(runs, indent=2))
+for r in runs:
+    line = (f"{r['model']:13s} {r['micro_batch']} x {r['seq']}  attention={r['attention']:5s} "
+            f"chunked_logprob={str(r['chunked_logprob']):5s}  ")
+    if r["status"] != "ok":
+        print(line + r["status"])
+        continue
+    print(line + f"{r['seconds_per_fwd_bwd_median']:.3f} s  MFU {r['mfu']:.1%}  peak {r['peak_memory_gib']:.1f} GiB")
+    c = r.get("compare_plain")
+    if c:
+        print(f"    vs plain (bf16, {c['rows']} rows): |d logprob| max {c['max_abs_diff_logprobs']:.4f} mean "
+              f"{c['mean_abs_diff_logprobs']:.5f}, |d entropy| max {c['max_abs_diff_entropy']:.4f}, grad rel "
+              f"{c['max_rel_diff_grad']:.4f} ({c['max_rel_diff_grad_param']}); Triton vs torch ops: "
+              f"{c.get('max_abs_diff_logprobs_triton_vs_torch')}")
 EOF
-}
-bench qwen0.5b_off --model qwen2.5-0.5b --micro-batch 8 --seq 2048 --attention local --no-chunked-logprob
-bench qwen0.5b_on --model qwen2.5-0.5b --micro-batch 8 --seq 2048 --compare-plain
-bench qwen1.5b_off --model qwen2.5-1.5b --micro-batch 4 --seq 2048 --attention local --no-chunked-logprob
-bench qwen1.5b_on --model qwen2.5-1.5b --micro-batch 4 --seq 2048 --compare-plain
 
 [ $failed -eq 0 ] && echo "gpu_kernels: PASS ($(( SECONDS - START )) s)" && exit 0
 echo "gpu_kernels: FAIL ($(( SECONDS - START )) s)"
