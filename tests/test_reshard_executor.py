@@ -16,7 +16,7 @@ from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard import boxcopy
 from megarl.reshard.boxcopy import Box, BoxBatch
-from megarl.reshard.executor import _rank_rounds, _schedule, execute_plan
+from megarl.reshard.executor import ROUND_MIN_BYTES, STAGING, _rank_rounds, _schedule, execute_plan
 from megarl.reshard.planner import plan_reshard
 from tests.test_reshard_exact import MODELS, hf_weights, ref_megatron, ref_vllm
 
@@ -37,23 +37,31 @@ PLANS = {
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.sampled_from(sorted(PLANS)), st.sampled_from([64, 100, 256, 1000, 4096, 1 << 20]), st.sampled_from([2, 4]))
-def test_rounds_cover_every_remote_transfer_within_the_bucket(which, bucket, elem_size):
+@given(st.sampled_from(sorted(PLANS)), st.sampled_from([64, 100, 256, 1000, 4096, 1 << 20]), st.sampled_from([2, 4]),
+       st.sampled_from([None, 0, 64]))
+def test_rounds_cover_every_remote_transfer_within_the_bucket(which, bucket, elem_size, direct_min):
     plan = plan_reshard(*PLANS[which](_spec("gqa_untied_bias")))
-    rounds = _schedule(plan, elem_size, bucket)
+    rounds = _schedule(plan, elem_size, bucket, direct_min)
     cap = bucket // elem_size
+    vcap = cap if direct_min is None else max(bucket, ROUND_MIN_BYTES) // elem_size
     written = {}
     for pieces in rounds:
-        load = {}
-        for p in pieces:
-            assert p.numel <= max(1, cap // 2)
-            for r in (p.src_rank, p.dst_rank):
-                load[r] = load.get(r, 0) + p.numel
+        staged, moved = {}, {}
+        for piece in pieces:
+            p = piece.t
+            assert p.numel <= max(1, (vcap if piece.src_direct and piece.dst_direct else cap) // 2)
+            for r, direct in ((p.src_rank, piece.src_direct), (p.dst_rank, piece.dst_direct)):
+                moved[r] = moved.get(r, 0) + p.numel
+                staged[r] = staged.get(r, 0) + (0 if direct else p.numel)
             key = (p.dst_rank, p.dst_name)
             if key not in written:
                 written[key] = np.zeros(plan.dst.tensors(p.dst_rank)[p.dst_name].shape, dtype=np.int64)
             written[key][tuple(slice(s, s + n) for s, n in zip(p.dst_start, p.size))] += 1
-        assert max(load.values()) <= cap
+        assert max(staged.values()) <= cap and max(moved.values()) <= vcap
+    if direct_min is None:
+        assert not any(p.own_message for pieces in rounds for p in pieces)
+    elif direct_min == 0 and bucket >= 256:
+        assert any(p.src_direct and p.dst_direct for pieces in rounds for p in pieces)
     want = {}
     for t in plan.transfers:
         if t.src_rank != t.dst_rank:
@@ -63,10 +71,12 @@ def test_rounds_cover_every_remote_transfer_within_the_bucket(which, bucket, ele
     assert written.keys() == want.keys()
     for key in want:
         np.testing.assert_array_equal(written[key], want[key], err_msg=str(key))
-    # every rank's view: staging = its largest round's send + receive elements, at most the bucket
+    # every rank's view: staging = the staged elements of its round (messages through the staging buffer),
+    # at most the bucket; a rank's messages to or from one peer are in the peer's order
     for rank in range(8):
-        for rd in _rank_rounds(plan, rank, elem_size, bucket):
-            assert rd.staging == sum(n for _, _, n in rd.sends + rd.recvs) <= cap
+        for rd in _rank_rounds(plan, rank, elem_size, bucket, direct_min):
+            assert rd.staging == sum(m.elements for m in rd.messages if m.key == STAGING) <= cap
+            assert rd.staging == rd.pack.total_elements() + rd.unpack.total_elements()
 
 
 # ------------------------------------------------------------------------------------------ single rank

@@ -45,7 +45,7 @@ from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError, preset
 from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard.boxcopy import Box, BoxBatch, extension_available
-from megarl.reshard.executor import DEFAULT_BUCKET_BYTES, execute_plan
+from megarl.reshard.executor import DEFAULT_BUCKET_BYTES, DIRECT_MIN_BYTES, execute_plan
 from megarl.reshard.planner import plan_reshard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -314,9 +314,14 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     src_tensors = _fill_synthetic(src.tensors(rank), dtype, device)
     dst_tensors = {n: torch.zeros(lt.shape, dtype=dst_dtype, device=device) for n, lt in dst.tensors(rank).items()}
     dst_bytes = sum(t.numel() * t.element_size() for t in dst_tensors.values())
+    direct_min = None if args.no_direct else DIRECT_MIN_BYTES
+
+    def reshard(profile: bool = False):
+        return execute_plan(plan, src_tensors, dst_tensors, rank=rank, bucket_bytes=int(args.bucket_mb * 2**20),
+                            wire_dtype=dtype, direct_min_bytes=direct_min, profile=profile)
+
     methods = {
-        "reshard": lambda: execute_plan(plan, src_tensors, dst_tensors, rank=rank, bucket_bytes=int(args.bucket_mb * 2**20),
-                                        wire_dtype=dtype, profile=True),
+        "reshard": reshard,
         "gather_full": lambda: gather_full_then_slice(src, dst, src_tensors, dst_tensors, rank=rank, dtype=dtype),
         "per_tensor_allgather": lambda: per_tensor_allgather(spec, groups, dst, src_tensors, dst_tensors, rank=rank,
                                                              dtype=dtype),
@@ -342,10 +347,13 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
                 times.append(dt)
         wall = statistics.median(times)
         row = {"wall_s": wall, "exact": exact, "dst_GBps": dst_bytes / wall / 1e9}
-        if name == "reshard":
+        if name == "reshard":  # timed with overlap; the phases come from one more run without it
+            dist.barrier()
             row.update(bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
-                       bytes_copied_local=stats.bytes_copied_local, peak_extra_bytes=stats.peak_extra_bytes,
-                       peak_staging_bytes=stats.peak_staging_bytes, rounds=stats.rounds, phases_s=stats.times_s)
+                       bytes_copied_local=stats.bytes_copied_local, bytes_staged=stats.bytes_staged,
+                       direct=stats.direct, peak_extra_bytes=stats.peak_extra_bytes,
+                       peak_staging_bytes=stats.peak_staging_bytes, rounds=stats.rounds,
+                       phases_s=reshard(profile=True).times_s)
         else:
             row.update(bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
                        peak_extra_bytes=stats.peak_extra_bytes)
@@ -497,6 +505,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=DEFAULT_BUCKET_BYTES / 2**20, help=f"staging bytes per rank per round, MiB (>= "
                    f"{MIN_BUCKET_MB:g})")
     g.add_argument("--ranks-per-node", type=positive_int("--ranks-per-node"), default=None)
+    g.add_argument("--no-direct", action="store_true", help="stage every piece (no direct sends/receives)")
     g.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1)
     g.add_argument("--no-baselines", dest="baselines", action="store_false")
     g = p.add_argument_group("micro mode")

@@ -1,25 +1,39 @@
-"""The reshard executor: runs a :class:`~megarl.reshard.planner.Plan` on this rank, bucket by bucket.
+"""The reshard executor: runs a :class:`~megarl.reshard.planner.Plan` on this rank, bucket by bucket, with the
+transfers of one round overlapping the pack of the next and the unpack of the last.
 
 Every rank knows the whole plan, so every rank derives the same schedule without talking:
 
-- transfers whose source and destination are this rank are copied region to region (one batched box copy,
-  no staging buffer);
-- the other transfers are cut into pieces of at most ``bucket_bytes / 2`` and assigned, in plan order, to
-  rounds, first fit, such that in every round every rank sends plus receives at most ``bucket_bytes``;
-- in a round, a rank packs the pieces for each peer into one contiguous region of its staging buffer (one
-  batched box copy for all peers), moves them with ``torch.distributed.batch_isend_irecv`` (NCCL on GPU,
-  gloo on CPU) and unpacks what it received straight into the destination tensors (one batched box copy).
+- transfers whose source and destination are this rank are copied region to region (batched box copies, no
+  staging buffer), spread over the rounds so that they overlap the transfers too;
+- the other transfers are cut into pieces and assigned, in plan order, first fit, to rounds. A piece's end
+  (its box in the source or the destination tensor) is *direct* when the box is one contiguous run of
+  memory (whole rows, or one row) and the piece is at least ``direct_min_bytes``: it is sent straight from
+  the source tensor or received straight into the destination tensor, as one message of its own. Every
+  other end is *staged*: packed into (or unpacked out of) the rank's staging buffer, and the pieces staged
+  at both ends travel as one message per peer. In every round every rank stages at most ``bucket_bytes``
+  (sends plus receives; staged pieces are at most half of that) and moves at most
+  ``max(bucket_bytes, ROUND_MIN_BYTES)``;
+- a round is: one batched box copy packing every staged send end, the round's messages in one
+  ``torch.distributed.batch_isend_irecv`` (NCCL on GPU, gloo on CPU), one batched box copy unpacking every
+  staged receive end into the destination tensors.
 
-The extra memory of a rank is one staging buffer of at most ``bucket_bytes`` plus the descriptor tables of
-the copies (bookkeeping), accounted in :class:`ReshardStats`. Bytes travel in the wire dtype (the source
-tensors' dtype unless given); a destination of another dtype (e.g. fp32 master weights into a bf16 engine) is
-cast on unpack, by torch.
+Overlap (CUDA): packs, messages and unpacks run on three streams, round ``k`` in staging buffer ``k % 2``;
+the pack of round ``k + 1`` waits only for the unpack of round ``k - 1`` (its buffer's last user), so round
+``k``'s messages overlap the pack of ``k + 1`` and the unpack of ``k - 1``. On CPU (and with ``profile``) the
+same schedule runs in order.
+
+Extra memory of a rank: two staging buffers (one with a single round) of at most ``bucket_bytes`` each, plus
+the descriptor tables of the copies (bookkeeping), accounted in :class:`ReshardStats`. Bytes travel in the
+wire dtype (the source tensors' dtype unless given); a destination of another dtype (e.g. fp32 master weights
+into a bf16 engine) is cast on unpack, by torch, and then no end is direct (all ranks agree on that).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -36,7 +50,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 MIN_BUCKET_BYTES = 64
-_SCAN = 16  # rounds a piece may be placed back from the newest open one (bounds the schedule's cost)
+ROUND_MIN_BYTES = 128 << 20  # a round may move this much per rank through direct ends, whatever the bucket
+DIRECT_MIN_BYTES = 256 << 10  # smaller pieces travel staged, bundled per peer (one message each costs more)
+LOCAL_PARTS = 8  # the same-rank copies are issued in this many parts, spread over the rounds
+_SCAN = 32  # rounds a piece may be placed back from the newest open one (bounds the schedule's cost)
 
 # dtypes the executor can agree on across ranks (by index); extend when a new wire dtype appears
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
@@ -53,19 +70,24 @@ class ReshardStats:
         rank: global rank.
         bytes_sent / bytes_received: bytes this rank moved to / from other ranks (wire dtype).
         bytes_copied_local: bytes of same-rank region copies (destination dtype).
+        bytes_staged: bytes this rank packed plus unpacked (the rest of its traffic went direct).
         rounds: communication rounds this rank took part in.
-        peak_staging_bytes: size of this rank's staging buffer (send + receive regions of its largest
-            round); at most the bucket size.
-        bookkeeping_bytes: largest descriptor tables allocated for one batched copy (host and device).
+        direct: whether direct ends were used (all ranks agree).
+        peak_staging_bytes: bytes of this rank's staging buffers (two, double-buffered; one when it has one
+            round), each at most the bucket.
+        bookkeeping_bytes: largest descriptor tables allocated for the copies of one round (host and device).
         times_s: wall seconds per phase: ``"local"``, ``"pack"``, ``"comm"``, ``"unpack"`` (summed over
-            rounds; on CUDA exact only with ``profile=True``) and ``"total"`` (always exact).
+            rounds; exact only with ``profile=True``, which runs the phases one after the other) and
+            ``"total"`` (always exact).
     """
 
     rank: int
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_copied_local: int = 0
+    bytes_staged: int = 0
     rounds: int = 0
+    direct: bool = False
     peak_staging_bytes: int = 0
     bookkeeping_bytes: int = 0
     times_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
@@ -80,14 +102,43 @@ class ReshardStats:
 STAGING = "staging"  # the key of the staging buffer in the copy batches
 
 
+class Piece(NamedTuple):
+    """One scheduled piece of a remote transfer and how each of its ends travels.
+
+    Attributes:
+        t: the box (a transfer or a part of one).
+        src_direct / dst_direct: the end is sent from the source tensor / received into the destination
+            tensor as is (else packed / unpacked through the staging buffer).
+    """
+
+    t: Transfer
+    src_direct: bool
+    dst_direct: bool
+
+    @property
+    def own_message(self) -> bool:
+        """The piece travels as a message of its own (else bundled with the peer's other staged pieces)."""
+        return self.src_direct or self.dst_direct
+
+
+class Message(NamedTuple):
+    """One send or receive of a round on one rank: ``elements`` (wire dtype) at ``offset`` of the tensor bound
+    to ``key`` (the staging buffer, or a direct source / destination tensor taken flat)."""
+
+    send: bool
+    peer: int
+    key: object
+    offset: int
+    elements: int
+
+
 class _Round(NamedTuple):
-    """One round seen from one rank; offsets and sizes in wire elements of the staging buffer."""
+    """One round seen from one rank; offsets and sizes in wire elements."""
 
     pack: BoxBatch  # source boxes -> staging
     unpack: BoxBatch  # staging -> destination boxes
-    sends: tuple[tuple[int, int, int], ...]  # (peer, offset, elements), one per peer
-    recvs: tuple[tuple[int, int, int], ...]
-    staging: int  # elements
+    messages: tuple[Message, ...]  # per peer in order: the bundle of staged pieces, then pieces of their own
+    staging: int  # elements (packed plus unpacked)
 
 
 def _split(t: Transfer, max_elems: int) -> list[Transfer]:
@@ -110,81 +161,146 @@ def _split(t: Transfer, max_elems: int) -> list[Transfer]:
             for i in range(rows) for j in range(0, cols, max_elems)]
 
 
+def _contiguous(size: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """A box of ``size`` in a (row-major, contiguous) local tensor of ``shape`` is one run of memory."""
+    return len(shape) == 1 or size[0] == 1 or size[1] == shape[1]
+
+
+def _pieces(plan: Plan, t: Transfer, elem_size: int, cap: int, vcap: int, direct_min_bytes: int | None
+            ) -> list[Piece]:
+    """The pieces of a remote transfer: at most ``cap / 2`` elements where an end is staged, ``vcap / 2``
+    where both are direct."""
+    src_ok = dst_ok = False
+    if direct_min_bytes is not None and t.numel * elem_size >= direct_min_bytes:
+        src_ok = _contiguous(t.size, plan.src.tensors(t.src_rank)[t.src_name].shape)
+        dst_ok = _contiguous(t.size, plan.dst.tensors(t.dst_rank)[t.dst_name].shape)
+    if src_ok and dst_ok:
+        return [Piece(p, True, True) for p in _split(t, max(1, vcap // 2))]
+    src_shape = plan.src.tensors(t.src_rank)[t.src_name].shape
+    dst_shape = plan.dst.tensors(t.dst_rank)[t.dst_name].shape
+    return [Piece(p, src_ok and _contiguous(p.size, src_shape), dst_ok and _contiguous(p.size, dst_shape))
+            for p in _split(t, max(1, cap // 2))]
+
+
 @functools.lru_cache(maxsize=32)
-def _schedule(plan: Plan, elem_size: int, bucket_bytes: int) -> tuple[tuple[Transfer, ...], ...]:
+def _schedule(plan: Plan, elem_size: int, bucket_bytes: int, direct_min_bytes: int | None = None
+              ) -> tuple[tuple[Piece, ...], ...]:
     """Every rank's remote pieces assigned to rounds (the same on every rank), in plan order: each piece goes
-    to the first round where both its ranks still have room (each rank sends plus receives at most
-    ``bucket_bytes`` per round), looking at most ``_SCAN`` rounds past the first one still open to both, else
-    to a new round (the first open round of both then moves on by one)."""
+    to the first round where both its ranks still have room (each rank stages at most ``bucket_bytes`` and
+    moves at most ``max(bucket_bytes, ROUND_MIN_BYTES)`` per round; without direct ends both bounds are the
+    bucket), looking at most ``_SCAN`` rounds past the first one still open to both, else to a new round
+    (then the first open round of an end that had room in none of them moves on by one). A round is open to a rank's direct end while it can
+    move more, to a staged end while it can also stage more, so direct pieces fill the rounds whose staging is
+    full."""
     cap = bucket_bytes // elem_size
-    max_elems = max(1, cap // 2)
-    nearly_full = cap - max(1, max_elems // 16)
-    rounds: list[list[Transfer]] = []
-    used: list[dict[int, int]] = []
-    first_open: dict[int, int] = defaultdict(int)  # per rank: rounds before it have (almost) no room left
+    vcap = cap if direct_min_bytes is None else max(bucket_bytes, ROUND_MIN_BYTES) // elem_size
+    slack = max(1, cap // 32)
+    rounds: list[list[Piece]] = []
+    staged: list[dict[int, int]] = []
+    moved: list[dict[int, int]] = []
+    # per (rank, staged end?): the rounds before it have (almost) no room left for such an end
+    first_open: dict[tuple[int, bool], int] = defaultdict(int)
+
+    def room(k: int, end: tuple[int, bool], n: int) -> bool:
+        r, is_staged = end
+        return moved[k][r] + n <= vcap and (not is_staged or staged[k][r] + n <= cap)
+
     for t in plan.transfers:
         if t.src_rank == t.dst_rank:
             continue
-        for p in _split(t, max_elems):
-            n = p.numel
-            k = max(first_open[p.src_rank], first_open[p.dst_rank])
-            stop = min(len(rounds), k + _SCAN)
-            while k < stop and (used[k][p.src_rank] + n > cap or used[k][p.dst_rank] + n > cap):
+        for p in _pieces(plan, t, elem_size, cap, vcap, direct_min_bytes):
+            ends = ((p.t.src_rank, not p.src_direct), (p.t.dst_rank, not p.dst_direct))
+            start = max(first_open[e] for e in ends)
+            stop = min(len(rounds), start + _SCAN)
+            k = start
+            while k < stop and not (room(k, ends[0], p.t.numel) and room(k, ends[1], p.t.numel)):
                 k += 1
             if k == stop:
-                start = max(first_open[p.src_rank], first_open[p.dst_rank])
-                if start + _SCAN <= len(rounds):
-                    first_open[p.src_rank] = first_open[p.dst_rank] = start + 1
+                if start + _SCAN <= len(rounds):  # an end that had room in none of them: its pointer moves on
+                    for e in ends:
+                        if not any(room(j, e, p.t.numel) for j in range(start, stop)):
+                            first_open[e] = max(first_open[e], start + 1)
                 k = len(rounds)
                 rounds.append([])
-                used.append(defaultdict(int))
+                staged.append(defaultdict(int))
+                moved.append(defaultdict(int))
             rounds[k].append(p)
-            for r in (p.src_rank, p.dst_rank):
-                used[k][r] += n
-                while first_open[r] < len(rounds) and used[first_open[r]][r] > nearly_full:
-                    first_open[r] += 1
+            for r, is_staged in ends:
+                moved[k][r] += p.t.numel
+                staged[k][r] += p.t.numel if is_staged else 0
+                for kind in (False, True):
+                    e = (r, kind)
+                    while first_open[e] < len(rounds) and (moved[first_open[e]][r] > vcap - slack or
+                                                           (kind and staged[first_open[e]][r] > cap - slack)):
+                        first_open[e] += 1
     return tuple(tuple(r) for r in rounds)
 
 
+def _flat_offset(start: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    return start[0] if len(shape) == 1 else start[0] * shape[1] + start[1]
+
+
 @functools.lru_cache(maxsize=64)
-def _rank_rounds(plan: Plan, rank: int, elem_size: int, bucket_bytes: int) -> tuple[_Round, ...]:
-    """The rounds of :func:`_schedule` in which ``rank`` sends or receives, with its staging layout: send
-    regions by peer (ascending), then receive regions by peer, pieces in schedule order within a peer; its
-    pack and unpack copies compiled (cached with the plan)."""
+def _rank_rounds(plan: Plan, rank: int, elem_size: int, bucket_bytes: int, direct_min_bytes: int | None = None
+                 ) -> tuple[_Round, ...]:
+    """The rounds of :func:`_schedule` in which ``rank`` sends or receives: its staging layout (send ends by
+    peer ascending, each peer's bundle then its own-message pieces, then the receive ends likewise), its
+    messages and its pack and unpack copies compiled (cached with the plan)."""
     out = []
-    for pieces in _schedule(plan, elem_size, bucket_bytes):
-        to_peer: dict[int, list[Transfer]] = defaultdict(list)
-        from_peer: dict[int, list[Transfer]] = defaultdict(list)
+    src_shapes, dst_shapes = plan.src.tensors(rank), plan.dst.tensors(rank)
+    for pieces in _schedule(plan, elem_size, bucket_bytes, direct_min_bytes):
+        by_peer: dict[bool, dict[int, list[Piece]]] = {True: defaultdict(list), False: defaultdict(list)}
         for p in pieces:
-            if p.src_rank == rank:
-                to_peer[p.dst_rank].append(p)
-            elif p.dst_rank == rank:
-                from_peer[p.src_rank].append(p)
-        if not to_peer and not from_peer:
+            if p.t.src_rank == rank:
+                by_peer[True][p.t.dst_rank].append(p)
+            elif p.t.dst_rank == rank:
+                by_peer[False][p.t.src_rank].append(p)
+        if not by_peer[True] and not by_peer[False]:
             continue
         offset = 0
-        spans: dict[str, list[tuple[int, int, int]]] = {"send": [], "recv": []}
-        placed: dict[str, list[tuple[Transfer, int]]] = {"send": [], "recv": []}
-        for kind, by_peer in (("send", to_peer), ("recv", from_peer)):
-            for peer in sorted(by_peer):
-                start = offset
-                for p in by_peer[peer]:
-                    placed[kind].append((p, offset))
-                    offset += p.numel
-                spans[kind].append((peer, start, offset - start))
-        pack = BoxBatch([(Box(("src", p.src_name), p.src_start, p.size), Box(STAGING, (off,), p.size, True))
-                         for p, off in placed["send"]])
-        unpack = BoxBatch([(Box(STAGING, (off,), p.size, True), Box(("dst", p.dst_name), p.dst_start, p.size))
-                           for p, off in placed["recv"]])
-        out.append(_Round(pack, unpack, tuple(spans["send"]), tuple(spans["recv"]), offset))
+        messages: list[Message] = []
+        pack, unpack = [], []
+        for send in (True, False):
+            for peer in sorted(by_peer[send]):
+                mine = by_peer[send][peer]
+                bundle = [p for p in mine if not p.own_message]
+                if bundle:
+                    messages.append(Message(send, peer, STAGING, offset, sum(p.t.numel for p in bundle)))
+                for p in bundle + [p for p in mine if p.own_message]:
+                    t = p.t
+                    direct = p.src_direct if send else p.dst_direct
+                    if direct:
+                        name, start, shapes = (t.src_name, t.src_start, src_shapes) if send else \
+                            (t.dst_name, t.dst_start, dst_shapes)
+                        messages.append(Message(send, peer, ("src" if send else "dst", name),
+                                                _flat_offset(start, shapes[name].shape), t.numel))
+                        continue
+                    if p.own_message:
+                        messages.append(Message(send, peer, STAGING, offset, t.numel))
+                    staged = Box(STAGING, (offset,), t.size, True)
+                    if send:
+                        pack.append((Box(("src", t.src_name), t.src_start, t.size), staged))
+                    else:
+                        unpack.append((staged, Box(("dst", t.dst_name), t.dst_start, t.size)))
+                    offset += t.numel
+        out.append(_Round(BoxBatch(pack), BoxBatch(unpack), tuple(messages), offset))
     return tuple(out)
 
 
 @functools.lru_cache(maxsize=64)
-def _local_batch(plan: Plan, rank: int) -> BoxBatch:
-    """The same-rank copies of ``rank``, compiled (cached with the plan)."""
-    return BoxBatch([(Box(("src", t.src_name), t.src_start, t.size), Box(("dst", t.dst_name), t.dst_start, t.size))
-                     for t in plan.for_rank(rank).local])
+def _local_parts(plan: Plan, rank: int, parts: int) -> tuple[BoxBatch, ...]:
+    """The same-rank copies of ``rank`` in ``parts`` batches of about equal elements (whole transfers, plan
+    order), compiled (cached with the plan)."""
+    local = plan.for_rank(rank).local
+    total = sum(t.numel for t in local)
+    batches: list[list[tuple[Box, Box]]] = [[] for _ in range(parts)]
+    done = 0
+    for t in local:
+        part = min(parts - 1, done * parts // max(total, 1))
+        batches[part].append((Box(("src", t.src_name), t.src_start, t.size),
+                              Box(("dst", t.dst_name), t.dst_start, t.size)))
+        done += t.numel
+    return tuple(BoxBatch(b) for b in batches)
 
 
 def _check_tensors(given: Mapping[str, torch.Tensor], layout: Mapping[str, LocalTensor], names: set[str],
@@ -224,6 +340,14 @@ def _agree_wire_dtype(dtypes: set[torch.dtype], group, device: torch.device, ran
     return _WIRE_DTYPES[high - 1]
 
 
+def _agree_direct(ok: bool, group, device: torch.device) -> bool:
+    """True when every rank of the group can use its direct ends (one all-reduce of one int64)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag[0]) == 0
+
+
 def _device_of(tensors: list[torch.Tensor], group) -> torch.device:
     devices = {t.device for t in tensors}
     if len(devices) > 1:
@@ -235,15 +359,21 @@ def _device_of(tensors: list[torch.Tensor], group) -> torch.device:
     return torch.device("cpu")
 
 
+@functools.lru_cache(maxsize=8)
+def _streams(device: torch.device) -> tuple:
+    """The pack, message and unpack streams of a CUDA device (made once)."""
+    return tuple(torch.cuda.Stream(device) for _ in range(3))
+
+
 def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensors: Mapping[str, torch.Tensor], *,
                  rank: int | None = None, group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  wire_dtype: torch.dtype | None = None, use_extension: bool | None = None,
-                 profile: bool = False) -> ReshardStats:
+                 direct_min_bytes: int | None = DIRECT_MIN_BYTES, profile: bool = False) -> ReshardStats:
     """Run this rank's part of ``plan``: write every destination block of this rank, in place.
 
     Call it on every rank of ``group`` (SPMD; ranks in neither layout return at once when ``wire_dtype`` is
-    given). With NCCL, the group must have run one collective before (a ``batch_isend_irecv`` rule); the
-    wire-dtype agreement is one.
+    given and ``direct_min_bytes`` is None). With NCCL, the group must have run one collective before (a
+    ``batch_isend_irecv`` rule); the agreements on the wire dtype and on direct ends are such collectives.
 
     Args:
         plan: from :func:`~megarl.reshard.planner.plan_reshard`.
@@ -254,12 +384,16 @@ def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensor
             written in place; shapes as in ``plan.dst``, any dtype (cast where it differs from the source).
         rank: this process's global rank (default ``dist.get_rank()``).
         group: process group of the transfers (default: the world); ranks in the plan are global ranks.
-        bucket_bytes: bound on the bytes a rank sends plus receives in one round, hence on its staging buffer;
-            at least 64.
+        bucket_bytes: bound on the bytes a rank stages (packs for sending plus unpacks after receiving) in one
+            round, hence on each of its two staging buffers; at least 64.
         wire_dtype: dtype of the bytes on the wire; None: the source tensors' dtype, agreed by one all-reduce
             over ``group``.
         use_extension: None: ``megarl._C`` where built; False: the pure-torch copies (tests).
-        profile: on CUDA, synchronise after every phase so that ``times_s`` per phase is exact.
+        direct_min_bytes: pieces of at least this many bytes whose box is contiguous in a tensor are sent from
+            it or received into it without staging (when every rank's such tensors are contiguous and of the
+            wire dtype: one all-reduce decides); None: everything is staged.
+        profile: run the phases one after the other, synchronising after each on CUDA, so that ``times_s``
+            per phase is exact (no overlap: slower).
 
     Returns:
         This rank's :class:`ReshardStats`.
@@ -283,7 +417,17 @@ def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensor
     device = _device_of([src_tensors[n] for n in src_names] + [dst_tensors[n] for n in dst_names], group)
     if wire_dtype is None:
         wire_dtype = _agree_wire_dtype({src_tensors[t.src_name].dtype for t in mine.sends}, group, device, rank)
+    elem = torch.empty((), dtype=wire_dtype).element_size()
+    if direct_min_bytes is not None:
+        rounds = _rank_rounds(plan, rank, elem, bucket_bytes, direct_min_bytes)
+        given = {**{("src", n): t for n, t in src_tensors.items()}, **{("dst", n): t for n, t in dst_tensors.items()}}
+        ends = {given[m.key] for rd in rounds for m in rd.messages if m.key != STAGING}
+        if not _agree_direct(all(t.is_contiguous() and t.dtype == wire_dtype for t in ends), group, device):
+            direct_min_bytes = None
+    rounds = _rank_rounds(plan, rank, elem, bucket_bytes, direct_min_bytes)
+    stats.direct = direct_min_bytes is not None
     cuda = device.type == "cuda"
+    overlap = cuda and not profile and bool(rounds)
 
     def phase_end(name: str, t0: float) -> None:
         if cuda and profile:
@@ -297,39 +441,86 @@ def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensor
                  sorted({f"{a}->{b}" for a, b in casts if a != b}))
         _logged_cast = True
 
-    t0 = time.perf_counter()
     bound: dict = {("src", n): src_tensors[n] for n in src_names}
     bound.update({("dst", n): dst_tensors[n] for n in dst_names})
-    stats.bookkeeping_bytes = _local_batch(plan, rank).run(bound, use_extension)
+    flat = {key: bound[key].detach().view(-1).view(torch.uint8) for key in {m.key for rd in rounds for m in rd.messages}
+            if key != STAGING}
+    size = max((r.staging for r in rounds), default=0)
+    buffers = [torch.empty(size, dtype=wire_dtype, device=device) for _ in range(min(2, len(rounds)))]
+    stats.peak_staging_bytes = size * elem * len(buffers)
+    wires = [b.view(torch.uint8) for b in buffers]
+    parts = _local_parts(plan, rank, max(1, min(LOCAL_PARTS, len(rounds))))
     stats.bytes_copied_local = sum(t.numel * dst_tensors[t.dst_name].element_size() for t in mine.local)
-    phase_end("local", t0)
-
-    elem = torch.empty((), dtype=wire_dtype).element_size()
-    rounds = _rank_rounds(plan, rank, elem, bucket_bytes)
-    staging = torch.empty(max((r.staging for r in rounds), default=0), dtype=wire_dtype, device=device)
-    stats.peak_staging_bytes = staging.numel() * elem
-    bound[STAGING] = staging
-    wire = staging.view(torch.uint8)
-    for rd in rounds:
+    if not rounds:
         t0 = time.perf_counter()
-        stats.bookkeeping_bytes = max(stats.bookkeeping_bytes, rd.pack.run(bound, use_extension))
+        stats.bookkeeping_bytes = parts[0].run(bound, use_extension)
+        phase_end("local", t0)
+
+    if overlap:
+        pack_s, comm_s, unpack_s = _streams(device)
+        current = torch.cuda.current_stream(device)
+        for s in (pack_s, comm_s, unpack_s):
+            s.wait_stream(current)  # the source tensors were written on the current stream
+        packed, moved, free = ([torch.cuda.Event() for _ in buffers] for _ in range(3))
+        used = [False] * len(buffers)
+    on = (lambda s: torch.cuda.stream(s)) if overlap else (lambda s: contextlib.nullcontext())
+    next_part = 0
+    for k, rd in enumerate(rounds):
+        b = k % len(buffers)
+        bound[STAGING] = buffers[b]
+        booked = 0
+        t0 = time.perf_counter()
+        with on(pack_s if overlap else None):
+            if overlap and used[b]:
+                pack_s.wait_event(free[b])  # the unpack of the round before last, this buffer's last user
+            booked += rd.pack.run(bound, use_extension)
+            if overlap:
+                packed[b].record(pack_s)
         phase_end("pack", t0)
 
         t0 = time.perf_counter()
-        ops = [dist.P2POp(dist.isend, wire[off * elem:(off + n) * elem], peer, group) for peer, off, n in rd.sends]
-        ops += [dist.P2POp(dist.irecv, wire[off * elem:(off + n) * elem], peer, group) for peer, off, n in rd.recvs]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        with on(comm_s if overlap else None):
+            if overlap:
+                comm_s.wait_event(packed[b])
+            ops = []
+            for m in rd.messages:
+                buf = wires[b] if m.key == STAGING else flat[m.key]
+                ops.append(dist.P2POp(dist.isend if m.send else dist.irecv,
+                                      buf[m.offset * elem:(m.offset + m.elements) * elem], m.peer, group))
+                if m.send:
+                    stats.bytes_sent += m.elements * elem
+                else:
+                    stats.bytes_received += m.elements * elem
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()  # on CUDA: the message stream waits for NCCL's
+            if overlap:
+                moved[b].record(comm_s)
         phase_end("comm", t0)
 
         t0 = time.perf_counter()
-        stats.bookkeeping_bytes = max(stats.bookkeeping_bytes, rd.unpack.run(bound, use_extension))
+        with on(unpack_s if overlap else None):
+            if overlap:
+                unpack_s.wait_event(moved[b])
+            booked += rd.unpack.run(bound, use_extension)
+            if overlap:
+                free[b].record(unpack_s)
+                used[b] = True
         phase_end("unpack", t0)
-        stats.bytes_sent += sum(n for _, _, n in rd.sends) * elem
-        stats.bytes_received += sum(n for _, _, n in rd.recvs) * elem
+        stats.bytes_staged += rd.staging * elem
+
+        t0 = time.perf_counter()
+        while next_part < len(parts) and next_part * len(rounds) <= k * len(parts):
+            with on(unpack_s if overlap else None):  # between unpacks: overlaps the next round's messages
+                booked += parts[next_part].run(bound, use_extension)
+            next_part += 1
+        phase_end("local", t0)
+        stats.bookkeeping_bytes = max(stats.bookkeeping_bytes, booked)
     stats.rounds = len(rounds)
-    del staging, wire, bound
+    if overlap:
+        for s in (pack_s, comm_s, unpack_s):
+            current.wait_stream(s)
     if cuda:
         torch.cuda.synchronize(device)
+    del buffers, wires, bound, flat
     stats.times_s["total"] = time.perf_counter() - t_total
     return stats
