@@ -208,7 +208,8 @@ class RolloutConfig:
 
     Attributes:
         engine: "hf" (transformers; CPU and tests) or "vllm" (GPU).
-        tp: the engine's tensor parallelism (vLLM).
+        tp: the engine's tensor parallelism (vLLM): engines of tp consecutive ranks, world / tp of them
+            (rollout data parallelism); must divide the world size and fit the model's heads (vLLM's rules).
         n: samples per prompt (the GRPO/RLOO group size).
         temperature, top_p, top_k: sampling. Log-probs are of softmax(logits/temperature) over the whole
             vocab, as the actor's are; truncated sampling (top_p < 1, top_k != -1) is refused: the samples
@@ -252,6 +253,8 @@ class RolloutConfig:
                  "rollout.top_k=-1 (use rollout.temperature to sharpen sampling)")
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         _require(self.tp >= 1, "rollout.tp", "must be >= 1")
+        _require(self.engine == "vllm" or self.tp == 1, "rollout.tp",
+                 f"is {self.tp} but the hf engine runs TP=1 on every rank; use rollout.engine=vllm or rollout.tp=1")
         _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
                  f"must be in (0, 1] (a fraction of the GPU's memory), got {self.gpu_memory_utilization}")
         _require(self.max_model_len is None or self.max_model_len >= 2, "rollout.max_model_len",

@@ -97,6 +97,19 @@ def test_the_destination_rank_then_the_same_node_then_balance():
     assert max(load.values()) - min(load.values()) <= max(t.numel for t in plan.transfers)
 
 
+def test_ranks_per_node_comes_from_the_launcher(monkeypatch):
+    from megarl.parallel import mesh
+
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(mesh.torch.cuda, "is_available", lambda: False)
+    assert mesh.ranks_per_node(16) is None  # a CPU job without a launcher: one node
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x2)")
+    assert mesh.ranks_per_node(16) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's wins
+    assert mesh.ranks_per_node(16) == 4 and mesh.ranks_per_node(2) == 2
+
+
 def test_tied_embeddings_come_from_the_last_stage_copy_where_that_is_the_destination():
     spec = spec_of(tied=True)
     src = megatron_layout(spec, ParallelLayout(1, 2, 1))

@@ -112,6 +112,24 @@ def launch_info() -> LaunchInfo:
     return LaunchInfo(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
 
 
+def ranks_per_node(world_size: int | None = None) -> int | None:
+    """Ranks per node of this job, for the reshard planner's same-node preference: torchrun's
+    ``LOCAL_WORLD_SIZE``, else SLURM's ``SLURM_NTASKS_PER_NODE`` (its first count, e.g. ``8`` of ``8(x2)``),
+    else the GPUs this process sees; None without any of them (a CPU job: one node).
+
+    Args:
+        world_size: the job's ranks; the result is capped at it.
+    """
+    env = os.environ
+    value = env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0].split(",")[0]
+    count = int(value) if value.strip().isdigit() and int(value) > 0 else None
+    if count is None and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+    if count is not None and world_size is not None:
+        count = min(count, world_size)
+    return count
+
+
 def init_distributed(timeout_s: float = 1800.0) -> LaunchInfo:
     """Initialise ``torch.distributed`` once (NCCL with a GPU, gloo without) from :func:`launch_info`.
 

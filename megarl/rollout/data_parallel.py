@@ -38,6 +38,33 @@ def gather_outputs(local: RolloutOutput, group=None) -> RolloutOutput:
     )
 
 
+def rollout_dp_group(tp: int):
+    """This rank's rollout data-parallel group for engines of ``tp`` consecutive ranks (engine ``k`` is ranks
+    ``[k*tp, (k+1)*tp)``, as vLLM's external launcher lays them out): the ranks with this rank's TP rank, one
+    per engine (``{rank % tp + k*tp}``). The ranks of one engine generate the same prompts and get the same
+    samples, so prompts are split and samples gathered over this group only.
+
+    Collective (``dist.new_group``): every rank of the world calls it with the same ``tp``.
+
+    Returns:
+        The group, or None (the whole world) when ``tp == 1``.
+
+    Raises:
+        ValueError: ``tp`` does not divide the world size.
+    """
+    world = dist.get_world_size()
+    if tp < 1 or world % tp:
+        raise ValueError(f"rollout tp={tp} does not divide the world size {world}")
+    if tp == 1:
+        return None
+    mine = None
+    for tp_rank in range(tp):
+        group = dist.new_group(list(range(tp_rank, world, tp)))
+        if dist.get_rank() % tp == tp_rank:
+            mine = group
+    return mine
+
+
 def generate_data_parallel(engine: RolloutEngine, prompt_token_ids: Sequence[Sequence[int]],
                            sampling: SamplingConfig, group=None) -> RolloutOutput:
     """Generate this rank's share of the prompts (:func:`shard_bounds` by its rank in ``group``) and gather

@@ -43,12 +43,13 @@ from megarl.models.hf_io import load_tokenizer
 from megarl.models.layout import megatron_layout
 from megarl.models.spec import ModelSpec
 from megarl.parallel.lifecycle import peer_failures_named, phase, record_peers
-from megarl.parallel.mesh import ParallelLayout, init_distributed, initialize_model_parallel, launch_info
+from megarl.parallel.mesh import (ParallelLayout, init_distributed, initialize_model_parallel, launch_info,
+                                  ranks_per_node)
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 from megarl.rewards.registry import load_reward_fn
 from megarl.rollout.base import SamplingConfig
-from megarl.rollout.data_parallel import generate_data_parallel, shard_bounds
+from megarl.rollout.data_parallel import generate_data_parallel, rollout_dp_group, shard_bounds
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
 from megarl.trainer.preflight import check_train_files, validate_for_model
@@ -190,10 +191,11 @@ class Trainer:
 
         # rollout engine, fed by the reshard engine
         self.engine = self._make_engine()
+        self.rollout_group = rollout_dp_group(cfg.rollout.tp if cfg.rollout.engine == "vllm" else 1)
         src_layout = megatron_layout(self.spec, self.mesh, role="actor",
                                      padded_vocab=self.actor.bare.vocab_size)
         dst_layout = self.engine.weight_layout(range(self.world))
-        self.reshard_plan = plan_reshard(src_layout, dst_layout)
+        self.reshard_plan = plan_reshard(src_layout, dst_layout, ranks_per_node(self.world))
         self.sampling = dict(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                              top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
                              stop_token_ids=tuple(self.spec.eos_token_ids))
@@ -207,20 +209,14 @@ class Trainer:
     def _make_engine(self):
         """The rollout engine of ``rollout.engine``: transformers on this rank's CPU, or vLLM on its GPU
         (built after the Megatron roles, so its memory budget sees them on the GPU; its weights arrive by
-        reshard from the actor's GPU shards).
-
-        Raises:
-            ConfigError: rollout.tp > 1 (:meth:`step` shards prompts over the whole world, but the ranks of one
-                TP engine must generate the same prompts).
+        reshard from the actor's GPU shards). vLLM engines of ``rollout.tp`` consecutive ranks each; prompts are
+        split over the rollout data-parallel group (:func:`~megarl.rollout.data_parallel.rollout_dp_group`).
         """
         r = self.cfg.rollout
         if r.engine == "hf":
             from megarl.rollout.hf_engine import HFRolloutEngine
 
             return HFRolloutEngine(self.spec, max_batch_size=r.max_batch_size)
-        if r.tp > 1:
-            raise ConfigError(f"rollout.tp={r.tp}: the trainer generates over the whole world, one prompt share "
-                              "per rank, which splits a TP engine's ranks; use rollout.tp=1")
         from megarl.rollout.vllm_engine import VLLMRolloutEngine
 
         return VLLMRolloutEngine(self.spec, tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization,
@@ -241,7 +237,7 @@ class Trainer:
         with t("generate"):
             out = generate_data_parallel(self.engine, prompts.input_ids,
                                          SamplingConfig(seed=cfg.run.seed * 1_000_003 + self.step_idx,
-                                                        **self.sampling))
+                                                        **self.sampling), group=self.rollout_group)
             self.engine.sleep(level=2)  # the next reshard rewrites every weight: nothing to keep
         with t("reward"):
             batch = self._score(prompts, out)

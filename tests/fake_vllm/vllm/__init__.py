@@ -1,0 +1,228 @@
+"""A fake ``vllm`` (0.24.0's surface that :mod:`megarl.rollout.vllm_engine` uses) for CPU tests of the data flow
+around vLLM engines of TP > 1 in a gloo world: no GPU, no model forward.
+
+Like ``vllm.LLM(distributed_executor_backend="external_launcher")``, an :class:`LLM` joins the torch.distributed
+world as consecutive TP groups of ``tensor_parallel_size`` ranks and holds this rank's TP shard of every
+parameter (names and shapes of :func:`megarl.models.layout.vllm_rank_tensors`, zero until written). Its
+:meth:`LLM.generate` does what a TP engine needs of its ranks and what the tests check:
+
+- every rank of the TP group must make the call with the same requests (checked with one all-gather over the
+  group; a rank with other requests raises, as a real engine would hang or diverge);
+- the engine's model is the union of its ranks' shards: they are all-gathered over the group and assembled
+  into the canonical (HF) tensors, and a replicated block (KV heads where TP > KV heads) must agree on every
+  rank holding it;
+- the sampled tokens are a deterministic function of the assembled weights (:func:`fingerprint`), the prompt
+  and the request's seed (:func:`fake_completion`), so the ranks of one engine return the same samples and
+  an engine with any wrong weight returns other ones.
+
+:func:`install` puts this package first on ``sys.path`` and lets :class:`~megarl.rollout.vllm_engine.
+VLLMRolloutEngine` start without CUDA (it checks for a GPU before importing vllm).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__version__ = "0.24.0+fake"
+
+_TP_GROUP = None  # the group of the LLM built last (vLLM's parallel state is process-global too)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop_token_ids: list = field(default_factory=list)
+    seed: int | None = None
+    logprobs: int | None = None
+    detokenize: bool = True
+
+
+def TokensPrompt(prompt_token_ids):  # noqa: N802 (vLLM's name: a TypedDict)
+    return {"prompt_token_ids": list(prompt_token_ids)}
+
+
+@dataclass
+class Logprob:
+    logprob: float
+
+
+@dataclass
+class CompletionOutput:
+    token_ids: list
+    logprobs: list
+    finish_reason: str
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list
+    outputs: list
+
+
+def fingerprint(canonical: dict[str, torch.Tensor]) -> int:
+    """An int of the canonical tensors' names and values (as float32), stable across processes."""
+    h = hashlib.sha256()
+    for name in sorted(canonical):
+        h.update(name.encode())
+        h.update(canonical[name].detach().float().contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest()[:8], "little")
+
+
+def fake_completion(weights: int, prompt: list[int], params: SamplingParams, vocab_size: int) -> CompletionOutput:
+    """The engine's "sampling": tokens and log-probs drawn from a generator seeded by the weights' fingerprint,
+    the prompt and the request's seed; the response ends at a stop token (kept, finish "stop") or after
+    ``max_tokens`` (finish "length")."""
+    seed = int.from_bytes(hashlib.sha256(repr((weights, tuple(prompt), params.seed)).encode()).digest()[:7], "little")
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (params.max_tokens,), generator=g).tolist()
+    values = (-torch.rand(params.max_tokens, generator=g) * 3).tolist()
+    reason = "length"
+    for i, t in enumerate(tokens):
+        if t in params.stop_token_ids:
+            tokens, values, reason = tokens[:i + 1], values[:i + 1], "stop"
+            break
+    return CompletionOutput(tokens, [{t: Logprob(v)} for t, v in zip(tokens, values)], reason)
+
+
+class _Model:
+    """This rank's parameters, reachable as ``llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    .get_model()`` like vLLM's model object."""
+
+    def __init__(self, params: dict[str, torch.Tensor]):
+        self._params = params
+
+    def named_parameters(self):
+        return iter(self._params.items())
+
+    def get_model(self):
+        return self
+
+    def __getattr__(self, name):  # llm_engine.model_executor.driver_worker.worker.model_runner -> self
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self
+
+
+class _GroupCoordinator:
+    def __init__(self, ranks: list[int]):
+        self.ranks = ranks
+
+
+class LLM:
+    """One fake engine of ``tensor_parallel_size`` consecutive ranks (see the module docstring).
+
+    Attributes:
+        generated: the prompts of every :meth:`generate` call on this rank, in call order.
+        seen_weights: the :func:`fingerprint` of the assembled model at each call.
+    """
+
+    def __init__(self, model: str, *, tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
+                 dtype: str = "bfloat16", seed: int = 0, **kwargs: Any):
+        global _TP_GROUP
+        from megarl.models.spec import ModelSpec
+        from megarl.models.layout import vllm_rank_tensors
+
+        assert distributed_executor_backend == "external_launcher", distributed_executor_backend
+        assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        rank, world, tp = int(os.environ["RANK"]), dist.get_world_size(), tensor_parallel_size
+        assert rank == dist.get_rank(), (rank, dist.get_rank())
+        self.spec = ModelSpec.from_hf_config(json.loads((Path(model) / "config.json").read_text()))
+        self.tp, self.tp_rank = tp, rank % tp
+        first = rank - self.tp_rank
+        for start in range(0, world, tp):  # collective: every rank creates every engine's group
+            group = dist.new_group(list(range(start, start + tp)))
+            if start == first:
+                self.group = group
+        self.ranks = list(range(first, first + tp))
+        _TP_GROUP = _GroupCoordinator(self.ranks)
+        self.dtype = getattr(torch, dtype)
+        self.params = {n: torch.nn.Parameter(torch.zeros(lt.shape, dtype=self.dtype), requires_grad=False)
+                       for n, lt in vllm_rank_tensors(self.spec, tp, self.tp_rank).items()}
+        self.llm_engine = _Model(self.params)
+        self.generated: list[list[list[int]]] = []
+        self.seen_weights: list[int] = []
+        self.asleep = False
+
+    def _assemble(self) -> dict[str, torch.Tensor]:
+        """The canonical tensors from every TP rank's shard (all-gathered over the engine's group)."""
+        from megarl.models.layout import canonical_shapes, vllm_rank_tensors
+
+        shards = [None] * self.tp
+        dist.all_gather_object(shards, {n: p.detach().clone() for n, p in self.params.items()}, group=self.group)
+        full = {n: torch.full(s, float("nan"), dtype=self.dtype) for n, s in canonical_shapes(self.spec).items()}
+        for r, shard in enumerate(shards):
+            for name, lt in vllm_rank_tensors(self.spec, self.tp, r).items():
+                for b in lt.blocks:
+                    have, new = full[b.name][b.src_box], shard[name][b.dst_box]
+                    if not torch.isnan(have).all() and not torch.equal(have, new):
+                        raise RuntimeError(f"fake vLLM: TP ranks hold different copies of {b.name} {b.src_box}")
+                    full[b.name][b.src_box] = new
+        return full
+
+    def generate(self, prompts, sampling_params, use_tqdm: bool = False) -> list[RequestOutput]:
+        assert not self.asleep, "generate on a sleeping engine"
+        ids = [p["prompt_token_ids"] for p in prompts]
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(ids)
+        requests = [(p, (s.seed, s.max_tokens, tuple(s.stop_token_ids))) for p, s in zip(ids, params)]
+        everyone = [None] * self.tp
+        dist.all_gather_object(everyone, requests, group=self.group)
+        if any(other != requests for other in everyone):
+            raise RuntimeError(f"fake vLLM: the ranks {self.ranks} of one engine made different generate calls "
+                               f"(request counts {[len(o) for o in everyone]})")
+        weights = fingerprint(self._assemble())
+        self.generated.append(ids)
+        self.seen_weights.append(weights)
+        return [RequestOutput(p, [fake_completion(weights, p, s, self.spec.vocab_size)]) for p, s in zip(ids, params)]
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    def sleep(self, level: int = 1) -> None:
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        self.asleep = False
+
+
+@contextlib.contextmanager
+def _pretend_cuda():
+    saved = torch.cuda.is_available, torch.cuda.current_device
+    torch.cuda.is_available, torch.cuda.current_device = (lambda: True), (lambda: 0)
+    try:
+        yield
+    finally:
+        torch.cuda.is_available, torch.cuda.current_device = saved
+
+
+def install() -> None:
+    """Make ``import vllm`` find this fake and let :class:`~megarl.rollout.vllm_engine.VLLMRolloutEngine` start
+    on a CPU (CUDA pretended during its construction only). Call in each rank's process before building one."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from megarl.rollout import vllm_engine
+
+    init = vllm_engine.VLLMRolloutEngine.__init__
+    if getattr(init, "fake_cuda", False):
+        return
+
+    def patched(self, *args, **kwargs):
+        with _pretend_cuda():
+            init(self, *args, **kwargs)
+
+    patched.fake_cuda = True
+    vllm_engine.VLLMRolloutEngine.__init__ = patched
