@@ -67,3 +67,21 @@ def test_readme_test_command_is_what_ci_runs():
     assert len(readme) == 2 and "megarl train" in readme[0]
     ci = [ln.strip() for ln in (ROOT / ".ci/run").read_text().splitlines() if ln.strip().startswith("./build.sh")]
     assert ci == [readme[1]]
+
+
+def test_the_8_gpu_config_fits_qwen2_5_7b_and_its_reshard_stays_on_each_gpu():
+    from megarl.models.spec import preset
+    from megarl.parallel.mesh import ParallelLayout
+    from megarl.reshard.layout import check_vllm_tp, megatron_layout, vllm_layout
+    from megarl.reshard.planner import plan_reshard
+
+    cfg = load_config(ROOT / "parallel_configs/gpu_8xh200_qwen2.5-7b.yaml")
+    validate_for_world(cfg, 8)
+    spec = preset("qwen2.5-7b")
+    check_vllm_tp(spec, cfg.rollout.tp)
+    assert cfg.rollout.tp == 2 and cfg.rollout.max_model_len >= cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    p = cfg.actor.parallel
+    plan = plan_reshard(megatron_layout(spec, ParallelLayout(p.tp, p.pp, p.dp)),
+                        vllm_layout(spec, cfg.rollout.tp, range(8)), 8)
+    # actor TP=2 and rollout TP=2 hold the same heads, FFN rows and vocab rows on each GPU
+    assert all(plan.elements(r)["received"] == 0 and plan.elements(r)["local"] > 0 for r in range(8))
