@@ -70,16 +70,17 @@ def test_readme_test_command_is_what_ci_runs():
 
 
 def test_the_8_gpu_config_fits_qwen2_5_7b_and_its_reshard_stays_on_each_gpu():
+    from megarl.models.layout import megatron_layout, vllm_layout
     from megarl.models.spec import preset
     from megarl.parallel.mesh import ParallelLayout
-    from megarl.reshard.layout import check_vllm_tp, megatron_layout, vllm_layout
     from megarl.reshard.planner import plan_reshard
+    from megarl.trainer.preflight import validate_for_model
 
     cfg = load_config(ROOT / "parallel_configs/gpu_8xh200_qwen2.5-7b.yaml")
     validate_for_world(cfg, 8)
     spec = preset("qwen2.5-7b")
-    check_vllm_tp(spec, cfg.rollout.tp)
-    assert cfg.rollout.tp == 2 and cfg.rollout.max_model_len >= cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    validate_for_model(cfg, spec)  # heads, KV heads, FFN and vocab split at actor TP=2 and vLLM TP=2; context
+    assert cfg.rollout.tp == 2
     p = cfg.actor.parallel
     plan = plan_reshard(megatron_layout(spec, ParallelLayout(p.tp, p.pp, p.dp)),
                         vllm_layout(spec, cfg.rollout.tp, range(8)), 8)
