@@ -25,30 +25,24 @@ BUDGET_S=570
 START=$SECONDS
 failed=0
 
-install_wheels() {
-  if python3 -c "import megatron.core, omegaconf" 2>/dev/null; then
-    echo "megatron-core already installed in $SITE"
-  else
+source perf/gpu_lib.sh  # stage, finish
+
+install_wheels() {  # vLLM too where its wheels were uploaded (perf/install_wheels.sh), else megatron-core alone
+  bash perf/install_wheels.sh && return 0
+  echo "no vLLM: part (b) is skipped; installing the wheels of .whl/ alone"
+  python3 -c "import megatron.core, omegaconf" 2>/dev/null || \
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || return 1
-  fi
-  if ! python3 -c "import vllm" 2>/dev/null && [ -f /tmp/whl/reassemble.sh ]; then
-    bash /tmp/whl/reassemble.sh /tmp/whl "$SITE" || return 1
-  fi
-  python3 -c "import torch, megatron.core; print('torch', torch.__version__, '| GPUs', torch.cuda.device_count(), \
-'| megatron-core', megatron.core.__version__)"
-  python3 -c "import vllm; print('vllm', vllm.__version__)" 2>/dev/null || echo "no vllm: part (b) is skipped"
-  nvidia-smi topo -m 2>/dev/null | head -4
+  python3 -c "import megatron.core; print('megatron-core', megatron.core.__version__)"
 }
 
-build_extension() {
-  MAX_JOBS=16 python3 setup.py -q build_ext --inplace || return 1
-  python3 -c "import torch, megarl._C; assert megarl._C.cuda; print('megarl._C built, CUDA', torch.version.cuda)"
+build_extension() {  # megarl._C with its CUDA kernels
+  bash perf/build_C.sh && python3 -c "import megarl._C; assert megarl._C.cuda, 'megarl._C was built without CUDA'"
 }
 
 bench() {  # bench NAME ARGS...: one reshard benchmark, JSON to $OUT/bench_NAME.json
   local name=$1; shift
-  python3 -m megarl.bench.reshard --model qwen2.5-7b --dtype bf16 --nproc 2 --dst vllm --iters 5 \
-    --ranks-per-node 2 --json "$OUT/bench_$name.json" "$@"
+  python3 -m megarl.bench.reshard --model "${MODEL:-qwen2.5-7b}" --layers "${LAYERS:-0}" --dtype bf16 --nproc 2 \
+    --dst vllm --iters 5 --ranks-per-node 2 --json "$OUT/bench_$name.json" "$@"
 }
 
 reshard_bench() {
@@ -77,7 +71,7 @@ checks = {
     ">= 2x faster than gather_full": wall(b256, "gather_full") >= 2 * t256,
     ">= 2x faster than per_tensor_allgather": wall(b256, "per_tensor_allgather") >= 2 * t256,
     "16 MiB within 1.5x of 256 MiB": t16 <= 1.5 * t256,
-    "staging <= 2 buckets": all(r["methods"]["reshard"]["peak_staging_bytes"] <= 2 * run["config"]["bucket_mb"] << 20
+    "staging <= 2 buckets": all(r["methods"]["reshard"]["peak_staging_bytes"] <= 2 * run["config"]["bucket_mb"] * 2**20
                                 for run in runs.values() for r in run["ranks"]),
     "bytes received = the missing half": all(
         abs(r["methods"]["reshard"]["bytes_received"] - r["src_bytes"]) <= 0.01 * r["src_bytes"]
@@ -112,23 +106,6 @@ vllm_tp() {
 
 export -f install_wheels build_extension bench reshard_bench vllm_tp
 
-stage() {  # stage NAME LIMIT_S FUNCTION: run it within min(LIMIT_S, budget left), log to $OUT/NAME.log
-  local name=$1 limit=$2 fn=$3 t=$SECONDS rc
-  local left=$(( BUDGET_S - (SECONDS - START) ))
-  [ "$left" -lt "$limit" ] && limit=$left
-  if [ "$limit" -le 0 ]; then echo "FAIL $name (no time left of the ${BUDGET_S} s budget)"; failed=1; return; fi
-  timeout "$limit" bash -c "$fn" > "$OUT/$name.log" 2>&1
-  rc=$?
-  if [ $rc -eq 0 ]; then
-    echo "PASS $name ($(( SECONDS - t )) s): $(tail -n 1 "$OUT/$name.log")"
-  else
-    [ $rc -eq 124 ] && echo "(timed out after $limit s)" >> "$OUT/$name.log"
-    echo "FAIL $name (exit $rc, $(( SECONDS - t )) s); last lines of $OUT/$name.log:"
-    tail -n 40 "$OUT/$name.log" | sed 's/^/    /'
-    failed=1
-  fi
-}
-
 stage install 200 install_wheels
 [ $failed -eq 0 ] && stage build 150 build_extension
 if [ $failed -eq 0 ]; then
@@ -137,6 +114,4 @@ if [ $failed -eq 0 ]; then
 fi
 grep -hE "^(ok |NOT)|ms  " "$OUT/reshard_bench.log" 2>/dev/null
 grep -h "log-prob |vLLM - actor|" "$OUT/vllm_tp.log" 2>/dev/null
-if [ $failed -eq 0 ]; then echo "gpu_multi: PASS ($(( SECONDS - START )) s)"; exit 0; fi
-echo "gpu_multi: FAIL ($(( SECONDS - START )) s; logs in $OUT)"
-exit 1
+finish gpu_multi

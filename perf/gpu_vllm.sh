@@ -26,6 +26,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFF
 BUDGET_S=470
 START=$SECONDS
 failed=0
+source perf/gpu_lib.sh  # stage, finish
 
 install_wheels() {
   bash perf/install_wheels.sh && python3 -c "import pytest"
@@ -78,23 +79,6 @@ EOF
 
 export -f install_wheels build_extension train_tiny
 
-stage() {  # stage NAME LIMIT_S FUNCTION: run it within min(LIMIT_S, budget left), log to $OUT/NAME.log
-  local name=$1 limit=$2 fn=$3 t=$SECONDS rc
-  local left=$(( BUDGET_S - (SECONDS - START) ))
-  [ "$left" -lt "$limit" ] && limit=$left
-  if [ "$limit" -le 0 ]; then echo "FAIL $name (no time left of the ${BUDGET_S} s budget)"; failed=1; return; fi
-  timeout "$limit" bash -c "$fn" > "$OUT/$name.log" 2>&1
-  rc=$?
-  if [ $rc -eq 0 ]; then
-    echo "PASS $name ($(( SECONDS - t )) s): $(tail -n 1 "$OUT/$name.log")"
-  else
-    [ $rc -eq 124 ] && echo "(timed out after $limit s)" >> "$OUT/$name.log"
-    echo "FAIL $name (exit $rc, $(( SECONDS - t )) s); last lines of $OUT/$name.log:"
-    tail -n 40 "$OUT/$name.log" | sed 's/^/    /'
-    failed=1
-  fi
-}
-
 stage install 200 install_wheels
 [ $failed -eq 0 ] && stage build 200 build_extension
 if [ $failed -eq 0 ]; then  # both run, so that one GPU session reports on both
@@ -103,6 +87,4 @@ if [ $failed -eq 0 ]; then  # both run, so that one GPU session reports on both
 fi
 grep -h "vLLM engine on GPU" "$OUT/test_gpu_vllm.log" 2>/dev/null
 grep -h "^step [0-9]*:" "$OUT/train_tiny.log" 2>/dev/null
-if [ $failed -eq 0 ]; then echo "gpu_vllm: PASS ($(( SECONDS - START )) s)"; exit 0; fi
-echo "gpu_vllm: FAIL ($(( SECONDS - START )) s; logs in $OUT)"
-exit 1
+finish gpu_vllm

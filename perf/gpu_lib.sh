@@ -1,0 +1,25 @@
+# Shared by perf/gpu_vllm.sh and perf/gpu_multi.sh (sourced, from the repo root): stages within a budget of wall
+# time, and the last line. The caller sets OUT, BUDGET_S, START and failed=0.
+
+stage() {  # stage NAME LIMIT_S FUNCTION: run it within min(LIMIT_S, budget left), log to $OUT/NAME.log
+  local name=$1 limit=$2 fn=$3 t=$SECONDS rc
+  local left=$(( BUDGET_S - (SECONDS - START) ))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 0 ]; then echo "FAIL $name (no time left of the ${BUDGET_S} s budget)"; failed=1; return; fi
+  timeout "$limit" bash -c "$fn" > "$OUT/$name.log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    echo "PASS $name ($(( SECONDS - t )) s): $(tail -n 1 "$OUT/$name.log")"
+  else
+    [ $rc -eq 124 ] && echo "(timed out after $limit s)" >> "$OUT/$name.log"
+    echo "FAIL $name (exit $rc, $(( SECONDS - t )) s); last lines of $OUT/$name.log:"
+    tail -n 40 "$OUT/$name.log" | sed 's/^/    /'
+    failed=1
+  fi
+}
+
+finish() {  # finish NAME: the last line, "NAME: PASS" or "NAME: FAIL", and the exit status 0 or 1
+  if [ "$failed" -eq 0 ]; then echo "$1: PASS ($(( SECONDS - START )) s)"; exit 0; fi
+  echo "$1: FAIL ($(( SECONDS - START )) s; logs in $OUT)"
+  exit 1
+}
