@@ -175,7 +175,8 @@ def device_memory(spec: SweepSpec, shape: JobShape) -> int:
 
 
 def check_point(spec: SweepSpec, point: Point, shape: JobShape, memory: int) -> Config | None:
-    """Validate one point; set ``point.reason`` and return None if it cannot run, else its config.
+    """Validate one point; set ``point.reason`` and return None if it cannot run, else its config (and
+    ``point.estimate``; a derived DP size is added to ``point.overrides``, so every point names its layout).
 
     The checks, in order: the config itself; TP/PP against the model's heads, KV heads and layers; the mesh
     against the job's world and the batch sizes against DP; the memory estimate against ``memory``.
@@ -245,6 +246,7 @@ def run_local(spec: SweepSpec, todo: list[Point], python: str) -> None:
     for point in todo:
         result, log = out / "results" / f"{point.name}.json", out / "logs" / f"{point.name}.out"
         print(f"sweep: running {point.name}", flush=True)
+        result.unlink(missing_ok=True)  # a failed result being retried
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
         with log.open("w") as f:
             rc = subprocess.run(bench_command(spec, point, python, result), stdout=f, stderr=subprocess.STDOUT,
@@ -260,7 +262,8 @@ def array_script(spec: SweepSpec, cfg: Config, todo: list[Point], shape: JobShap
     body = ['case "$SLURM_ARRAY_TASK_ID" in']
     for i, point in enumerate(todo):
         cmd = shlex.join(bench_command(spec, point, python, out / "results" / f"{point.name}.json"))
-        body.append(f"  {i}) echo 'megarl sweep: point {point.name}'; {srun_prefix(opts, cwd)} {cmd} ;;")
+        note = shlex.quote(f"megarl sweep: point {point.name}")
+        body.append(f"  {i}) echo {note}; {srun_prefix(opts, cwd)} {cmd} ;;")
     body.append("esac")
     return batch_script(cfg, shape, opts, cwd=cwd, output=str(out / "logs" / "%x-%A_%a.out"),
                         title=f"megarl sweep {spec.name}: {len(todo)} points as a job array, {shape.describe()} "
@@ -284,6 +287,8 @@ def run_slurm(spec: SweepSpec, cfg: Config, todo: list[Point], shape: JobShape, 
     out = spec.out_dir
     script = out / "sweep.sbatch"
     script.write_text(array_script(spec, cfg, todo, shape, opts, python, os.getcwd()))
+    for point in todo:
+        (out / "results" / f"{point.name}.json").unlink(missing_ok=True)  # a failed result being retried
     job = sbatch(script)
     print(f"sweep: submitted job array {job} ({len(todo)} points); logs in {out / 'logs'}", flush=True)
     while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
