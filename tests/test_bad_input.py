@@ -106,6 +106,7 @@ CASES = [
     (["TINY", "rollout.engine=vllm", "rollout.tp=3", "actor.parallel.dp=3", "data.prompts_per_step=3",
       "actor.ppo_mini_batch_size=12", "actor.micro_batch_size=4"], "rollout.tp: vLLM tp=3"),
     (["TINY", "rollout.max_model_len=128"], "rollout.max_model_len: 128 exceeds"),
+    (["TINY", "actor.kernels.attention=flash"], "kernels.attention: must be one of ('sdpa', 'local')"),
     (["TINY", "rollout.max_new_tokens=60"], "rollout.max_new_tokens"),
     (["train", "model.path=no/such/model"], "model.path: model path"),
     # the data, the reward function and this machine

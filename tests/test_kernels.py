@@ -8,7 +8,9 @@ One 2-rank gloo world runs every check at TP=1 (DP=2) and TP=2:
   gradients of query, key and value;
 - whole ``GPTModel``s (tied and untied embeddings; TP=1, TP=2 and PP=2) with both switches on against the
   plain model with the same weights: log-probs, entropy and every parameter's gradient; the chunked path
-  saves no tensor with a vocab dimension for its backward.
+  saves no tensor with a vocab dimension for its backward;
+- the actor worker with ``actor.kernels`` on (the default) and off, TP=2 with sequence parallelism: the same
+  log-probs, entropy, PPO losses and gradient norm.
 """
 
 from __future__ import annotations
@@ -155,6 +157,38 @@ def _model_checks(spec: ModelSpec, tp: int, pp: int) -> dict:
     return out
 
 
+def _worker_checks() -> dict:
+    """PolicyWorker with the kernels on vs off (TP=2, sequence parallel): log-probs and one PPO update."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.config import ActorConfig, AlgorithmConfig, KernelsConfig, KLConfig, ParallelConfig
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+    from megarl.trainer.workers import PolicyWorker
+    from tests.test_dynamic_batch import SPEC, _batch
+
+    mesh = ParallelLayout(tp=2)
+    initialize_model_parallel(mesh, seed=0)
+    rc = {"parallel": ParallelConfig(tp=2, sequence_parallel=True), "micro_batch_size": 4, "ppo_mini_batch_size": 8}
+    fast = PolicyWorker(SPEC, mesh, "actor", "preset:random", torch.float32,
+                        ActorConfig(**rc, kernels=KernelsConfig(logprob_chunk_tokens=50)), trainable=True,
+                        temperature=0.9)
+    plain = PolicyWorker(SPEC, mesh, "actor", fast, torch.float32,
+                         ActorConfig(**rc, kernels=KernelsConfig(chunked_logprob=False, attention="local")),
+                         trainable=True, temperature=0.9)
+    batch = _batch()
+    mask = batch["response_mask"].bool()
+    lps = [w.compute_logprobs(batch, with_entropy=True) for w in (plain, fast)]
+    out = {k: _reldiff(torch.where(mask, lps[0][k], 0.0), torch.where(mask, lps[1][k], 0.0))
+           for k in ("logprobs", "entropy")}
+    batch["old_logprobs"] = lps[0]["logprobs"] + 0.05 * batch["advantages"]
+    alg = AlgorithmConfig(kl=KLConfig(coef=0.0), entropy_coef=0.01)
+    updates = [w.update(batch, alg, seed=5) for w in (plain, fast)]
+    out["update"] = max(abs(b[k] - a[k]) / max(abs(a[k]), 1e-6) for a, b in zip(*updates)
+                        for k in ("pg_loss", "entropy", "grad_norm"))
+    ps.destroy_model_parallel()
+    return out
+
+
 def _mesh(tp: int, pp: int):
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
 
@@ -180,6 +214,7 @@ def _world(rank, world):
     for spec in (LLAMA, QWEN2):
         for tp, pp in MESHES:
             out["model"][(spec.family, tp, pp)] = _model_checks(spec, tp, pp)
+    out["worker"] = _worker_checks()
     return out
 
 
@@ -225,3 +260,8 @@ def test_model_with_kernels_equals_plain_model(world, family, tp, pp):
         assert max(res["lp"], res["ent"]) <= 1e-5, res
         assert res["vocab_saved_plain"]  # the check can see a saved logits tensor...
         assert not res["vocab_saved_fast"], res  # ...and the chunked path saves none
+
+
+def test_actor_worker_with_kernels_equals_it_without(world):
+    for r in world:  # TP=2 with sequence parallelism: both ranks
+        assert max(r["worker"].values()) <= 1e-5, r["worker"]
