@@ -92,7 +92,8 @@ class LaunchInfo(NamedTuple):
 def launch_info() -> LaunchInfo:
     """Read rank, world size and rendezvous address from torchrun (``RANK``...) or SLURM (``SLURM_PROCID``...).
 
-    Without either, a single-process world on localhost. Under SLURM the master address is the first host of
+    Without either, a single-process world on localhost, on ``MASTER_PORT`` or a free port (so that plain runs
+    side by side do not collide on one port). Under SLURM the master address is the first host of
     ``SLURM_JOB_NODELIST`` (``scontrol show hostnames``) and the port is derived from the job id unless
     ``MASTER_PORT`` is set.
     """
@@ -109,7 +110,9 @@ def launch_info() -> LaunchInfo:
         port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
         return LaunchInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
                           addr, port)
-    return LaunchInfo(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
+    from megarl.parallel.launch import free_port
+
+    return LaunchInfo(0, 1, 0, "127.0.0.1", int(env["MASTER_PORT"]) if "MASTER_PORT" in env else free_port())
 
 
 def ranks_per_node(world_size: int | None = None) -> int | None:
