@@ -4,6 +4,8 @@
     megarl convert SRC OUT [--tp T] [--pp P] [--dtype D]    HF directory / GGUF -> megarl checkpoint
     megarl export CKPT OUT                                  megarl checkpoint -> HF directory
     megarl data gsm8k --src DIR|hub --out DIR               prepare GSM8K parquet files
+    megarl eval MODEL [CONFIG.yaml] [key=value ...]         held-out accuracy of a model or checkpoint
+    megarl report RUN_DIR                                   plots and a markdown page of a run
     megarl bench reshard ...                                reshard benchmark (see --help)
     megarl bench step [CONFIG.yaml] [key=value ...] --steps N --warmup K [--json PATH]
                                                             RL step benchmark: per-phase tokens/s/GPU, MFU
@@ -154,6 +156,48 @@ def _train(p: argparse.ArgumentParser):
         from megarl.trainer.trainer import train
 
         train(cfg)
+        return 0
+    return run
+
+
+@command("eval", help="evaluate a model on held-out prompts (the run's validation, outside a run)")
+def _eval(p: argparse.ArgumentParser):
+    p.add_argument("model", help="Hugging Face directory, .gguf file, megarl checkpoint, or 'default' (SmolLM2)")
+    p.add_argument("config", nargs="?", help="YAML file; omitted: the CPU default (validation.*, rollout.*, reward.*)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. validation.num_prompts=0 "
+                   "validation.max_new_tokens=512 rollout.engine=vllm")
+    p.add_argument("--out", help="output folder for eval.json and eval_samples.jsonl (default: "
+                   "<run.output_dir>/eval/<model name>)")
+
+    def run(a: argparse.Namespace) -> int:
+        from pathlib import Path
+
+        from megarl.config import load_config
+
+        config, overrides = split_config_and_overrides(a.config, a.overrides)
+        cfg = load_config(config, overrides + [f"model.path={a.model}"])
+        from megarl.trainer.evaluate import evaluate_model
+
+        out = a.out or Path(cfg.run.output_dir) / "eval" / Path(a.model.rstrip("/")).name
+        result = evaluate_model(cfg, out)
+        m = result["metrics"]
+        print(f"{a.model}: accuracy {m['val/accuracy']:.4f}, mean reward {m['val/reward_mean']:.4f}, response "
+              f"length {m['val/response_length_mean']:.0f} tokens, {m['val/clip_ratio']:.0%} cut at max_new_tokens "
+              f"({result['prompts']}); wrote {Path(out) / 'eval.json'} and eval_samples.jsonl")
+        return 0
+    return run
+
+
+@command("report", help="plots and a markdown page of a finished (or running) run")
+def _report(p: argparse.ArgumentParser):
+    p.add_argument("run_dir", help="a run folder, runs/<name> (metrics.jsonl, config.json, samples.jsonl)")
+
+    def run(a: argparse.Namespace) -> int:
+        try:
+            from megarl.trainer.report import write_report
+        except ImportError as e:
+            raise UsageError(f"megarl report needs matplotlib ({e}): pip install 'megarl[report]'") from None
+        print(f"wrote {write_report(a.run_dir)}")
         return 0
     return run
 

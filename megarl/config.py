@@ -32,6 +32,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # catches a size given in the wrong unit; buckets of a few MiB and less already spend most of each round on
 # the round's synchronisation, not on moving bytes.
 MIN_BUCKET_MB = 1 / 16
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")  # the names of trainer.loggers
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # loggers that need an optional package
 
 
 @dataclass
@@ -485,6 +487,11 @@ class TrainerConfig:
         log_samples: responses per step written to ``samples.jsonl`` (prompt, response, score).
         timeout_s: seconds a collective waits for its peers before the run stops with an error naming the
             rank and phase (a peer that stalled); a peer that died is reported at once.
+        loggers: where metrics go (rank 0): "console" (a line per step), "jsonl" (``metrics.jsonl``, which
+            the summary and ``megarl report`` read; required), "tensorboard" (event files in
+            ``<run>/tensorboard``; extra ``megarl[tensorboard]``), "wandb" (W&B offline run in
+            ``<run>/wandb``; extra ``megarl[wandb]``).
+        report: write ``report.md`` and its plots into the run folder at the end (``megarl report``).
     """
 
     steps: int = 4
@@ -495,11 +502,72 @@ class TrainerConfig:
     progress: bool = True
     log_samples: int = 2
     timeout_s: float = 1800.0
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    report: bool = True
 
     def __post_init__(self):
+        import importlib.util
+
         _require(self.steps >= 1, "trainer.steps", "must be >= 1")
         _require(self.timeout_s > 0, "trainer.timeout_s", "must be > 0 (seconds)")
         _require(self.save_every >= 0, "trainer.save_every", "must be >= 0")
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        _require(not unknown, "trainer.loggers", f"unknown {unknown}; choose from {list(LOGGERS)}")
+        _require("jsonl" in self.loggers, "trainer.loggers", "must include jsonl (the summary and `megarl report` "
+                 "read metrics.jsonl)")
+        for name in self.loggers:
+            package = LOGGER_PACKAGES.get(name)
+            _require(package is None or importlib.util.find_spec(package) is not None, "trainer.loggers",
+                     f"{name} needs the {package!r} package: pip install 'megarl[{name}]', or remove {name}")
+
+
+@dataclass
+class ValidationConfig:
+    """Held-out evaluation: responses to a fixed set of prompts, scored by ``reward.fn`` and logged under
+    ``val/`` (accuracy, mean reward, response length, share cut at ``max_new_tokens``); ``megarl eval`` runs
+    the same evaluation outside a run. Validation prompts never enter training: training prompts with the
+    same text are removed.
+
+    Attributes:
+        enabled: validate during ``megarl train``.
+        files: jsonl/parquet files of prompts, with the fields of ``data.prompt_key`` / ``data.answer_key`` and
+            the same template; the default, GSM8K's test split, is prepared with the train split
+            (``data.prepare``).
+        num_prompts: how many prompts (of those within ``data.max_prompt_length``): the first ones, or a
+            sample drawn with ``run.seed`` (``shuffle``), the same at every evaluation; 0 or -1 = all.
+        shuffle: a seeded sample instead of the first ``num_prompts``.
+        n: responses per prompt (accuracy is their mean, mean@n; with n > 1, pass@n is logged too).
+        temperature: 0 = greedy (then n must be 1); top_p: nucleus sampling.
+        max_new_tokens: response length limit, tokens; null = ``rollout.max_new_tokens``.
+        every: also validate after every ``every``-th step (0 = only before and after training).
+        before_train: validate before step 1 (logged as step 0). at_end: after the last step.
+    """
+
+    enabled: bool = True
+    files: list[str] = field(default_factory=lambda: ["data/gsm8k/test.parquet"])
+    num_prompts: int = 64
+    shuffle: bool = False
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: Optional[int] = None
+    every: int = 0
+    before_train: bool = True
+    at_end: bool = True
+
+    def __post_init__(self):
+        _require(len(self.files) > 0, "validation.files", "list at least one jsonl or parquet file")
+        _require(self.num_prompts >= -1, "validation.num_prompts", f"must be >= 1, or 0 / -1 for all prompts, "
+                 f"got {self.num_prompts}")
+        _require(self.n >= 1, "validation.n", f"must be >= 1, got {self.n}")
+        _require(self.temperature >= 0, "validation.temperature", "must be >= 0 (0 = greedy)")
+        _require(self.n == 1 or self.temperature > 0, "validation.n",
+                 f"greedy decoding (temperature 0) gives {self.n} identical responses; set validation.n=1 or "
+                 "validation.temperature > 0")
+        _require(0 < self.top_p <= 1, "validation.top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.max_new_tokens is None or self.max_new_tokens >= 1, "validation.max_new_tokens",
+                 "must be >= 1 or null (rollout.max_new_tokens)")
+        _require(self.every >= 0, "validation.every", "must be >= 0 (0 = only before and after training)")
 
 
 # The environment of every rank of a SLURM job (``megarl submit``, ``megarl sweep --slurm``), exported by the
@@ -549,6 +617,7 @@ class Config:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
     @property
     def world_size(self) -> int:

@@ -39,9 +39,10 @@ def make_tiny_model(path: Path, *, layers: int = 2, seed: int = 0, tied: bool = 
     return path
 
 
-def write_prompts(path: Path, n: int = 32, *, field: str = "question") -> Path:
-    """``n`` prompts of 3 to 5 random letters, each with the target as its ground truth, as jsonl."""
-    g = torch.Generator().manual_seed(1)
+def write_prompts(path: Path, n: int = 32, *, field: str = "question", seed: int = 1) -> Path:
+    """``n`` prompts of 3 to 5 random letters, each with the target as its ground truth, as jsonl (another
+    ``seed``: other prompts, e.g. held-out ones)."""
+    g = torch.Generator().manual_seed(seed)
     letters = WORDS[3:14]
     with path.open("w") as f:
         for _ in range(n):
@@ -61,7 +62,7 @@ def task_overrides(model_dir: Path, data_file: Path, run_dir: Path, name: str) -
     return [f"model.path={model_dir}", f"data.train_files=[{data_file}]", "data.prepare=null",
             "data.use_chat_template=false", "data.instruction=''", "data.max_prompt_length=16",
             "reward.fn=tests.rl_tasks:says_target", f"run.output_dir={run_dir}",
-            f"run.name={name}", "rollout.max_new_tokens=3", "trainer.progress=false"]
+            f"run.name={name}", "rollout.max_new_tokens=3", "trainer.progress=false", "validation.enabled=false"]
 
 
 def digit_share(prompts, responses, ground_truths):

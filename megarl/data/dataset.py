@@ -109,6 +109,22 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def remove(self, raw_prompts: set[str]) -> list[int]:
+        """Drop the prompts whose text (before templating) is in ``raw_prompts`` (e.g. held-out validation
+        prompts); returns their row numbers.
+
+        Raises:
+            DataError: no prompt would be left.
+        """
+        keep = [k for k, p in enumerate(self.raw_prompts) if p not in raw_prompts]
+        removed = [self.index[k] for k in range(len(self)) if self.raw_prompts[k] in raw_prompts]
+        if not keep:
+            raise DataError(f"{self.source}: every prompt is also a validation prompt; point validation.files "
+                            "at other data, or lower validation.num_prompts")
+        for name in ("input_ids", "index", "raw_prompts", "ground_truths"):
+            setattr(self, name, [getattr(self, name)[k] for k in keep])
+        return removed
+
 
 def _field(row: Mapping[str, Any], k: int, key: str, source: str, setting: str) -> Any:
     if key not in row or row[key] is None:

@@ -82,10 +82,20 @@ def export_config(meta: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def export_rank(rank: int, world: int, ckpt_dir: str, out: str) -> str:
-    """The one rank of an export world; returns the Hugging Face directory."""
+def load_canonical(ckpt_dir: str) -> dict:
+    """Every canonical (HF) tensor of a megarl checkpoint (saved at any TP/PP), loaded on this process as a
+    TP=1 x PP=1 Megatron model replicated over all ranks of the initialised world (megatron-core reshards on
+    load).
+
+    Returns:
+        canonical name -> tensor, in the checkpoint's dtype.
+
+    Raises:
+        FileNotFoundError: ``ckpt_dir`` is not a megarl checkpoint.
+    """
+    import torch.distributed as dist
+
     from megarl.models import checkpoint as ck
-    from megarl.models.hf_io import save_hf_checkpoint
     from megarl.models.layout import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import assemble_canonical
@@ -93,13 +103,21 @@ def export_rank(rank: int, world: int, ckpt_dir: str, out: str) -> str:
 
     meta = ck.read_meta(ckpt_dir)
     spec = ck.checkpoint_spec(ckpt_dir)
-    mesh = ParallelLayout()
+    mesh = ParallelLayout(dp=dist.get_world_size())
     initialize_model_parallel(mesh)
     model = build_model(spec, mesh, params_dtype=ck.DTYPES[meta["dtype"]], init_weights=False)
     ck.load_model(ckpt_dir, model)
-    tensors = assemble_canonical(megatron_rank_tensors(spec, mesh, 0, 0, padded_vocab=model.vocab_size),
-                                 dict(model.named_parameters()), spec.hf_tensor_shapes())
-    path = save_hf_checkpoint(out, spec, tensors, config=export_config(meta))
+    return assemble_canonical(megatron_rank_tensors(spec, mesh, 0, 0, padded_vocab=model.vocab_size),
+                              dict(model.named_parameters()), spec.hf_tensor_shapes())
+
+
+def export_rank(rank: int, world: int, ckpt_dir: str, out: str) -> str:
+    """The one rank of an export world; returns the Hugging Face directory."""
+    from megarl.models import checkpoint as ck
+    from megarl.models.hf_io import save_hf_checkpoint
+
+    meta = ck.read_meta(ckpt_dir)
+    path = save_hf_checkpoint(out, ck.checkpoint_spec(ckpt_dir), load_canonical(ckpt_dir), config=export_config(meta))
     _copy_tokenizer(meta.get("tokenizer"), path)
     return str(path)
 

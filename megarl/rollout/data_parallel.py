@@ -7,7 +7,7 @@ output equals one engine generating every prompt (up to float rounding between b
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -85,3 +85,19 @@ def generate_data_parallel(engine: RolloutEngine, prompt_token_ids: Sequence[Seq
     start, stop = shard_bounds(len(prompt_token_ids), dist.get_rank(group), dist.get_world_size(group))
     local = engine.generate(list(prompt_token_ids[start:stop]), sampling, prompt_offset=start)
     return gather_outputs(local, group)
+
+
+def map_data_parallel(fn: Callable[..., Any], *columns: Sequence[Any], ranks: Sequence[int] | None = None) -> list[Any]:
+    """Call ``fn`` on this rank's contiguous share (:func:`shard_bounds`) of equally long ``columns``, the
+    shares split over ``ranks`` (default: the whole world; the other ranks call nothing), and gather the
+    results of ``ranks``, in rank order, on every rank (all ranks of the world must call this), e.g. a reward
+    function over the samples: ``torch.cat(map_data_parallel(reward_fn, prompts, responses, truths))``."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ranks = list(range(world) if ranks is None else ranks)
+    local = None
+    if rank in ranks:
+        lo, hi = shard_bounds(len(columns[0]), ranks.index(rank), len(ranks))
+        local = fn(*(c[lo:hi] for c in columns))
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, local)
+    return [parts[r] for r in sorted(ranks)]

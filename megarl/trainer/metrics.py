@@ -1,11 +1,16 @@
-"""Per-step metrics: a JSONL file, a progress bar with a one-line digest per step, and the end-of-run summary."""
+"""Per-step metrics: a JSONL file, a progress bar with a one-line digest per step, TensorBoard and W&B, and the
+end-of-run summary.
+
+Step 0 holds the validation before the first step (its record has only ``val/`` metrics); validation after
+step ``k`` is part of step ``k``'s record.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 # (metric key, label, format) of the one-line digest printed after every step
 DIGEST = [
@@ -15,6 +20,8 @@ DIGEST = [
     ("actor/grad_norm", "gnorm", "{:.3f}"), ("actor/lr", "lr", "{:.2e}"),
     ("throughput/generate_tokens_per_s", "gen tok/s", "{:.0f}"), ("perf/tokens_per_s_per_gpu", "tok/s/GPU", "{:.0f}"),
     ("perf/mfu", "MFU", "{:.1%}"), ("time/step", "step s", "{:.1f}"),
+    ("val/accuracy", "val acc", "{:.3f}"), ("val/reward_mean", "val reward", "{:.3f}"),
+    ("val/seconds", "val s", "{:.1f}"),
 ]
 
 
@@ -29,24 +36,80 @@ def digest(step: int, total: int, m: dict[str, Any]) -> str:
     return " | ".join(parts) + ("  [" + ", ".join(phases) + "]" if phases else "")
 
 
-class MetricsLogger:
-    """Appends one JSON object per step to ``path`` and shows progress; active on one rank only.
+class TensorBoardWriter:
+    """Scalars as TensorBoard event files in ``log_dir`` (``torch.utils.tensorboard``; needs ``tensorboard``)."""
 
-    Args:
-        path: the JSONL file (appended to, so a resumed run continues it).
-        total_steps / start_step: for the progress bar.
-        enabled: False on every rank but the one that reports.
-        progress: show a tqdm bar (digest lines are printed either way).
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for key, value in scalars(metrics).items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbWriter:
+    """A W&B run in offline mode in ``<dir>/wandb`` (sync it later with ``wandb sync``).
+
+    Raises:
+        ImportError: wandb is not installed (``pip install 'megarl[wandb]'``).
     """
 
-    def __init__(self, path: Path, total_steps: int, start_step: int, *, enabled: bool, progress: bool = True):
+    def __init__(self, directory: Path, name: str, config: dict[str, Any] | None):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError("trainer.loggers has wandb, which is not installed: pip install 'megarl[wandb]'") from e
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project="megarl", name=name, dir=str(directory), mode="offline", config=config)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.run.log(scalars(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers among ``metrics`` (what TensorBoard and W&B plot)."""
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to ``path``, shows progress and feeds the other ``loggers``; active on
+    one rank only.
+
+    Args:
+        path: the JSONL file (appended to, so a resumed run continues it); TensorBoard and W&B write beside
+            it, in ``tensorboard/`` and ``wandb/``.
+        total_steps / start_step: for the progress bar.
+        enabled: False on every rank but the one that reports.
+        progress: show a tqdm bar (with "console").
+        loggers: names of ``trainer.loggers`` (console, jsonl, tensorboard, wandb).
+        config: the run's config, for W&B.
+    """
+
+    def __init__(self, path: Path, total_steps: int, start_step: int, *, enabled: bool, progress: bool = True,
+                 loggers: Sequence[str] = ("console", "jsonl"), config: dict[str, Any] | None = None):
         self.path, self.total, self.enabled = Path(path), total_steps, enabled
+        self.console = "console" in loggers
         self.bar = None
+        self.writers: list[TensorBoardWriter | WandbWriter] = []
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if start_step == 0 and self.path.exists():
                 self.path.unlink()  # a fresh run starts a fresh file
-            if progress:
+            if "tensorboard" in loggers:
+                self.writers.append(TensorBoardWriter(self.path.parent / "tensorboard"))
+            if "wandb" in loggers:
+                self.writers.append(WandbWriter(self.path.parent, self.path.parent.name, config))
+            if progress and self.console:
                 from tqdm import tqdm
 
                 self.bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step",
@@ -57,17 +120,24 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+        for writer in self.writers:
+            writer.log(step, metrics)
+        if not self.console:
+            return
         line = digest(step, self.total, metrics)
         if self.bar is not None:
             self.bar.write(line)
-            self.bar.update(1)
-            self.bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
+            if step > self.bar.n:
+                self.bar.update(step - self.bar.n)
+                self.bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
         else:
             print(line, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        for writer in self.writers:
+            writer.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -82,9 +152,12 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Path | None,
-                 hf_export: Path | None, wall_s: float, steps_this_session: int) -> str:
-    """A human-readable end-of-run summary: reward and accuracy by step, throughput, where things were
-    written."""
+                 hf_export: Path | None, wall_s: float, steps_this_session: int,
+                 validation: str | None = None) -> str:
+    """A human-readable end-of-run summary: reward and accuracy by step, validation accuracy by step (with
+    ``validation`` describing its prompts), throughput, where things were written."""
+    validated = [h for h in history if h.get("val/accuracy") is not None]
+    history = [h for h in history if h["step"] > 0]  # step 0: the validation before training
     if not history:
         return f"no steps were run; run folder {run_dir}"
     last = history[-1]
@@ -111,6 +184,8 @@ def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Pa
         f"megarl run finished at step {last['step']} ({steps_this_session} steps in this session, {wall_s:.0f} s)",
         f"  reward by step     {by_step('reward/mean')}",
         f"  accuracy by step   {by_step('reward/accuracy', '{:.2f}')}",
+        *([f"  val accuracy       " + "  ".join(f"step {h['step']}: {h['val/accuracy']:.3f}" for h in validated)
+           + f"   ({validation})"] if validated else []),
         f"  last step          response length {fmt('response/length_mean', '{:.0f}')} tokens "
         f"({fmt('response/clip_ratio', '{:.0%}')} cut at rollout.max_new_tokens), KL to ref "
         f"{fmt('actor/kl', '{:.5f}')}, entropy {fmt('actor/entropy')}",

@@ -4,7 +4,7 @@
 :func:`validate_for_model` adds what the model's own config (``config.json``, GGUF metadata or a preset)
 determines: whether its heads, query groups, FFN and vocab split at each role's TP, whether its layers split
 at the PP size, whether the rollout engine's TP fits it, whether its context holds a prompt and a response.
-:func:`preflight` adds the train files, the reward function and what this machine needs, and is what
+:func:`preflight` adds the train and validation files, the reward function and what this machine needs, and is what
 ``megarl train`` (and ``megarl bench step``) run in the launching process, before torchrun starts any rank.
 The :class:`~megarl.trainer.trainer.Trainer` runs :func:`validate_for_model` again on every rank (a job
 started by torchrun or srun), before it builds a model.
@@ -75,11 +75,16 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
                           "tokens; shorten one of them")
 
 
-def check_train_files(cfg: Config) -> None:
-    """Raises ConfigError naming ``data.train_files`` when one is missing and ``data.prepare`` cannot make it."""
-    missing = [f for f in cfg.data.train_files if not Path(f).is_file()]
-    if missing and cfg.data.prepare is None:
-        raise ConfigError(f"data.train_files: {missing} do not exist; create them or set data.prepare=gsm8k")
+def check_data_files(cfg: Config) -> None:
+    """Raises ConfigError naming ``data.train_files`` or ``validation.files`` when one is missing and
+    ``data.prepare`` cannot make it."""
+    fields = [("data.train_files", cfg.data.train_files, "")]
+    if cfg.validation.enabled:
+        fields.append(("validation.files", cfg.validation.files, " (or validation.enabled=false)"))
+    for field, files, alternative in fields:
+        missing = [f for f in files if not Path(f).is_file()]
+        if missing and cfg.data.prepare is None:
+            raise ConfigError(f"{field}: {missing} do not exist; create them or set data.prepare=gsm8k{alternative}")
 
 
 def check_reward(cfg: Config) -> None:
@@ -119,7 +124,7 @@ def preflight(cfg: Config, world_size: int) -> ModelSpec:
     validate_for_world(cfg, world_size)
     spec = model_spec(cfg)
     validate_for_model(cfg, spec)
-    check_train_files(cfg)
+    check_data_files(cfg)
     check_reward(cfg)
     check_this_machine(cfg)
     return spec

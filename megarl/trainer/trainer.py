@@ -3,7 +3,9 @@
 One step (:meth:`Trainer.step`) reads top to bottom:
 
     reshard actor -> rollout engine | generate | score | old, reference log-probs (values)
-    | advantages | critic update | actor update | metrics (| checkpoint)
+    | advantages | critic update | actor update | metrics (| validation | checkpoint)
+
+and :meth:`Trainer.fit` validates before the first step and after the last one (:mod:`.validation`).
 
 Every rank holds the whole step's batch (prompts and responses are small next to the models); the Megatron
 workers compute on their data-parallel shares and gather the results, so the advantage estimators see every
@@ -49,11 +51,12 @@ from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 from megarl.rewards.registry import load_reward_fn
 from megarl.rollout.base import SamplingConfig
-from megarl.rollout.data_parallel import generate_data_parallel, rollout_dp_group, shard_bounds
+from megarl.rollout.data_parallel import generate_data_parallel, map_data_parallel, rollout_dp_group
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
-from megarl.trainer.preflight import check_train_files, validate_for_model
+from megarl.trainer.preflight import check_data_files, validate_for_model
 from megarl.trainer.run_lock import RunLock
+from megarl.trainer.validation import Validation, append_samples
 from megarl.trainer.workers import CriticWorker, PolicyWorker
 
 log = logging.getLogger(__name__)
@@ -61,16 +64,17 @@ log = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "step_"
 
 
-def prepare_data(cfg: Config) -> list[str]:
-    """The train files, prepared first when missing and ``data.prepare`` says how (GSM8K).
+def prepare_data(cfg: Config, files: list[str], field: str = "data.train_files") -> list[str]:
+    """Data files (``field`` of the config), prepared first when missing and ``data.prepare`` says how (GSM8K:
+    both splits, train and test).
 
     Raises:
-        ConfigError: a missing train file and nothing to prepare it from.
+        ConfigError: a missing file and nothing to prepare it from.
     """
-    check_train_files(cfg)
-    missing = [f for f in cfg.data.train_files if not Path(f).is_file()]
+    check_data_files(cfg)
+    missing = [f for f in files if not Path(f).is_file()]
     if not missing:
-        return list(cfg.data.train_files)
+        return list(files)
     from megarl.data.gsm8k import prepare_gsm8k
 
     out_dir = Path(missing[0]).parent
@@ -83,15 +87,16 @@ def prepare_data(cfg: Config) -> list[str]:
         log.info("preparing GSM8K from %s into %s", src, out_dir)
         prepare_gsm8k(src, out_dir)
     dist.barrier()
-    still = [f for f in cfg.data.train_files if not Path(f).is_file()]
+    still = [f for f in files if not Path(f).is_file()]
     if still:
-        raise ConfigError(f"data.train_files: {still} still missing after preparing GSM8K into {out_dir}")
-    return list(cfg.data.train_files)
+        raise ConfigError(f"{field}: {still} still missing after preparing GSM8K into {out_dir}")
+    return list(files)
 
 
-def load_prompts(cfg: Config, tokenizer) -> PromptDataset:
-    """Tokenised, templated, length-filtered prompts of the train files."""
-    files = prepare_data(cfg)
+def load_prompts(cfg: Config, tokenizer, files: list[str] | None = None,
+                 field: str = "data.train_files") -> PromptDataset:
+    """Tokenised, templated, length-filtered prompts of ``files`` (default: the train files)."""
+    files = prepare_data(cfg, list(cfg.data.train_files if files is None else files), field)
     rows = [row for f in files for row in read_rows(f)]
     template = PromptTemplate(system_prompt=cfg.data.system_prompt, instruction=cfg.data.instruction,
                               use_chat_template=cfg.data.use_chat_template)
@@ -124,6 +129,32 @@ def checkpoints(run_dir: Path) -> list[Path]:
     found = [p for p in (run_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*")
              if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name) and p.is_dir() and ck.is_megarl_checkpoint(p)]
     return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
+
+
+def load_validation(cfg: Config, tokenizer, score, spec) -> Validation:
+    """The held-out evaluation of ``cfg.validation``, its prompts templated and filtered like the training
+    prompts (:func:`load_prompts`), scored by ``score(prompts, responses, ground_truths) -> [B] scores``."""
+    return Validation(cfg.validation, load_prompts(cfg, tokenizer, cfg.validation.files, "validation.files"),
+                      score=score, tokenizer=tokenizer, seed=cfg.run.seed,
+                      max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=tuple(spec.eos_token_ids))
+
+
+def make_engine(cfg: Config, spec):
+    """The rollout engine of ``rollout.engine``, without weights: transformers on this rank's CPU, or vLLM on
+    its GPU (the trainer builds it after the Megatron roles, so its memory budget sees them on the GPU; its
+    weights arrive by reshard from the actor's GPU shards). vLLM engines of ``rollout.tp`` consecutive ranks
+    each; prompts are split over the rollout data-parallel group
+    (:func:`~megarl.rollout.data_parallel.rollout_dp_group`).
+    """
+    r = cfg.rollout
+    if r.engine == "hf":
+        from megarl.rollout.hf_engine import HFRolloutEngine
+
+        return HFRolloutEngine(spec, max_batch_size=r.max_batch_size)
+    from megarl.rollout.vllm_engine import VLLMRolloutEngine
+
+    return VLLMRolloutEngine(spec, tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization,
+                             enforce_eager=r.enforce_eager, max_model_len=r.max_model_len, seed=cfg.run.seed)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -159,11 +190,15 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.tokenizer_source)
         self.spec = eos_from_tokenizer(self.spec, self.tokenizer, cfg.model.path)
         self.prompts = load_prompts(cfg, self.tokenizer)  # bad data fails before any model is built
+        self.reward_ranks = self.layouts["reward"].ranks  # a reward model is loaded on its pool only
+        self.reward_fn = load_reward_fn(cfg.reward.fn, cfg.reward.kwargs) if self.rank in self.reward_ranks else None
+        self.validation = None
+        if cfg.validation.enabled:
+            self.validation = load_validation(cfg, self.tokenizer, self._rewards, self.spec)
+            self.validation.hold_out(self.prompts)
         epochs = max(1, math.ceil(cfg.trainer.steps * cfg.data.prompts_per_step / len(self.prompts)))
         self.loader = PromptLoader(self.prompts, cfg.data.prompts_per_step, shuffle=cfg.data.shuffle,
                                    seed=cfg.run.seed, epochs=epochs)
-        self.reward_ranks = self.layouts["reward"].ranks  # a reward model is loaded on its pool only
-        self.reward_fn = load_reward_fn(cfg.reward.fn, cfg.reward.kwargs) if self.rank in self.reward_ranks else None
         pad = self.spec.pad_token_id
         self.pad_id = pad if pad is not None else self.spec.eos_token_ids[0]
 
@@ -190,7 +225,7 @@ class Trainer:
                        else FixedKLController(kl.coef))
 
         # rollout engine, fed by the reshard engine
-        self.engine = self._make_engine()
+        self.engine = make_engine(cfg, self.spec)
         self.rollout_group = rollout_dp_group(cfg.rollout.tp if cfg.rollout.engine == "vllm" else 1)
         src_layout = megatron_layout(self.spec, self.mesh, role="actor",
                                      padded_vocab=self.actor.bare.vocab_size)
@@ -206,23 +241,6 @@ class Trainer:
         if cfg.trainer.resume:
             self._resume()
 
-    def _make_engine(self):
-        """The rollout engine of ``rollout.engine``: transformers on this rank's CPU, or vLLM on its GPU
-        (built after the Megatron roles, so its memory budget sees them on the GPU; its weights arrive by
-        reshard from the actor's GPU shards). vLLM engines of ``rollout.tp`` consecutive ranks each; prompts are
-        split over the rollout data-parallel group (:func:`~megarl.rollout.data_parallel.rollout_dp_group`).
-        """
-        r = self.cfg.rollout
-        if r.engine == "hf":
-            from megarl.rollout.hf_engine import HFRolloutEngine
-
-            return HFRolloutEngine(self.spec, max_batch_size=r.max_batch_size)
-        from megarl.rollout.vllm_engine import VLLMRolloutEngine
-
-        return VLLMRolloutEngine(self.spec, tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization,
-                                 enforce_eager=r.enforce_eager, max_model_len=r.max_model_len,
-                                 seed=self.cfg.run.seed)
-
     # ------------------------------------------------------------------ one RL step
     def step(self, prompts) -> dict[str, Any]:
         """One RL step on a batch of prompts; returns its metrics (identical on every rank)."""
@@ -230,10 +248,7 @@ class Trainer:
         step_start = time.perf_counter()
 
         with t("reshard"):
-            self.engine.wake_up()
-            stats = self.engine.update_weights(lambda dst: execute_plan(
-                self.reshard_plan, self.actor.source_tensors(), dst,
-                bucket_bytes=int(cfg.reshard.bucket_mb * 2**20)))
+            stats = self._reshard_actor_to_engine()
         with t("generate"):
             out = generate_data_parallel(self.engine, prompts.input_ids,
                                          SamplingConfig(seed=cfg.run.seed * 1_000_003 + self.step_idx,
@@ -294,6 +309,32 @@ class Trainer:
                                          "critic_update": self.cfg.critic.ppo_epochs},
                                  peak_flops=self.peak_flops)
 
+    def _reshard_actor_to_engine(self):
+        """Wake the rollout engine and write the actor's current weights into it; returns the reshard stats."""
+        self.engine.wake_up()
+        return self.engine.update_weights(lambda dst: execute_plan(
+            self.reshard_plan, self.actor.source_tensors(), dst,
+            bucket_bytes=int(self.cfg.reshard.bucket_mb * 2**20)))
+
+    def validate(self) -> dict[str, Any]:
+        """Validation metrics (``val/...``) of the current actor; its responses go to ``val_samples.jsonl``.
+
+        The engine's call counter (part of every training sample's seed) is restored afterwards, so training
+        samples do not depend on when, or whether, the run validates.
+        """
+        calls = self.engine.calls
+        self._reshard_actor_to_engine()
+        metrics, records = self.validation.run(self.engine, group=self.rollout_group)
+        self.engine.sleep(level=2)
+        self.engine.calls = calls
+        if self.rank == 0:
+            append_samples(self.run_dir / "val_samples.jsonl", records, step=self.step_idx)
+        return metrics
+
+    def _rewards(self, prompts: list[str], responses: list[str], truths: list[str | None]) -> torch.Tensor:
+        """``[B]`` float32 scores of ``B`` responses on every rank: the reward pool scores, each rank a share."""
+        return torch.cat(map_data_parallel(self.reward_fn, prompts, responses, truths, ranks=self.reward_ranks))
+
     def _score(self, prompts, out) -> RolloutBatch:
         """Decode, score and pack the rollout into a batch (the reward pool's ranks score a share each, then
         every rank gathers all scores)."""
@@ -302,13 +343,7 @@ class Trainer:
         texts = self.tokenizer.batch_decode([list(s.token_ids) for s in samples], skip_special_tokens=True)
         raw = [prompts.raw_prompt[s.prompt_index] for s in samples]
         truths = [prompts.ground_truth[s.prompt_index] for s in samples]
-        local = torch.empty(0)
-        if self.rank in self.reward_ranks:  # the reward pool scores, each rank a share; every rank gets all
-            lo, hi = shard_bounds(len(samples), self.reward_ranks.index(self.rank), len(self.reward_ranks))
-            local = self.reward_fn(raw[lo:hi], texts[lo:hi], truths[lo:hi])
-        parts = [torch.empty(0)] * self.world
-        dist.all_gather_object(parts, local)
-        scores = torch.cat(parts)
+        scores = self._rewards(raw, texts, truths)
         batch = build_batch([prompts.input_ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
                             [s.logprobs for s in samples], [s.prompt_index for s in samples],
                             pad_token_id=self.pad_id, seq_multiple=8 * self.mesh.tp,
@@ -331,6 +366,7 @@ class Trainer:
                 f.write(json.dumps({"step": self.step_idx + 1, "prompt": prompts.raw_prompt[g],
                                     "response": batch.meta["response"][i], "score": float(batch["scores"][i]),
                                     "ground_truth": prompts.ground_truth[g],
+                                    "length": int(batch["response_lens"][i]),
                                     "finish_reason": batch.meta["finish_reason"][i]}) + "\n")
 
     def _advantages(self, batch: RolloutBatch) -> dict[str, float]:
@@ -404,23 +440,32 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step_idx)
 
     # ------------------------------------------------------------------ the loop
+    def _validation_due(self) -> bool:
+        return self.validation is not None and self.validation.due(self.step_idx, self.cfg.trainer.steps)
+
     def fit(self) -> dict[str, Any]:
         """Run until ``trainer.steps``; returns the summary (also printed and written to summary.json)."""
         cfg = self.cfg
         start = time.perf_counter()
         logger = MetricsLogger(self.run_dir / "metrics.jsonl", cfg.trainer.steps, self.step_idx,
-                               enabled=self.rank == 0, progress=cfg.trainer.progress)
+                               enabled=self.rank == 0, progress=cfg.trainer.progress, loggers=cfg.trainer.loggers,
+                               config=to_dict(cfg))
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if self.step_idx == 0:
                 (self.run_dir / "samples.jsonl").unlink(missing_ok=True)
+                (self.run_dir / "val_samples.jsonl").unlink(missing_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
         batches = iter(self.loader)
         first_step = self.step_idx
         try:
+            if self.step_idx == 0 and self._validation_due():
+                logger.log(0, self.validate())
             while self.step_idx < cfg.trainer.steps:
                 metrics = self.step(next(batches))
                 self.step_idx += 1
+                if self._validation_due():
+                    metrics.update(self.validate())
                 logger.log(self.step_idx, metrics)
                 every = cfg.trainer.save_every
                 if (every and self.step_idx % every == 0) or self.step_idx == cfg.trainer.steps:
@@ -437,13 +482,25 @@ class Trainer:
                 hf_path = Path(run_world(export_rank, 1, str(self.last_checkpoint), str(self.run_dir / "hf"))[0])
         history = read_metrics(self.run_dir / "metrics.jsonl") if self.rank == 0 else []
         text = summary_text(history, run_dir=self.run_dir, checkpoint=self.last_checkpoint, hf_export=hf_path,
-                            wall_s=time.perf_counter() - start, steps_this_session=self.step_idx - first_step)
+                            wall_s=time.perf_counter() - start, steps_this_session=self.step_idx - first_step,
+                            validation=self.validation.describe() if self.validation else None)
         summary = {"run_dir": str(self.run_dir), "checkpoint": str(self.last_checkpoint), "steps": self.step_idx,
                    "hf_export": str(hf_path) if hf_path else None, "last": history[-1] if history else None}
         if self.rank == 0:
             print(text, flush=True)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            if cfg.trainer.report:
+                self._write_report()
         return summary
+
+    def _write_report(self) -> None:
+        """``report.md`` and its plots in the run folder (:mod:`.report`; skipped without matplotlib)."""
+        try:
+            from megarl.trainer.report import write_report
+        except ImportError as e:
+            log.warning("no report written (%s): pip install 'megarl[report]' for matplotlib", e)
+            return
+        print(f"report: {write_report(self.run_dir)}", flush=True)
 
 
 def _mean_over_updates(prefix: str, history: list[dict[str, float]]) -> dict[str, float]:
