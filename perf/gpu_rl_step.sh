@@ -14,4 +14,5 @@ python3 -m megarl.cli train model.path=preset:$MODEL model.tokenizer=$OUT/tok mo
   reward.fn=tests.rl_tasks:says_target rollout.engine=vllm rollout.gpu_memory_utilization=0.35 \
   data.prompts_per_step=64 rollout.n=8 rollout.max_new_tokens=256 actor.micro_batch_size=16 \
   actor.ppo_mini_batch_size=256 actor.logprob_micro_batch_size=32 actor.optim.lr=1e-6 \
-  trainer.steps=$STEPS trainer.save_every=0 trainer.progress=false run.output_dir=$OUT run.name=$MODEL
+  trainer.steps=$STEPS trainer.save_every=0 trainer.progress=false run.output_dir=$OUT run.name=$MODEL \
+  validation.enabled=false

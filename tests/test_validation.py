@@ -63,6 +63,29 @@ def test_validation_accuracy_rises(run):
     assert val[12]["val/accuracy"] == pytest.approx(acc)
 
 
+def test_eval_of_the_start_model_and_the_final_checkpoint_matches_the_run(run):
+    """`megarl eval` of the model the run started from (HF directory) and of its final megarl checkpoint gives
+    the run's own validation figures before step 1 and after step 12 (greedy, same prompts and weights)."""
+    from megarl.trainer.metrics import read_metrics
+
+    run_dir, held_out = run
+    val = {h["step"]: h for h in read_metrics(run_dir / "metrics.jsonl") if "val/accuracy" in h}
+    task = task_overrides(run_dir.parents[1] / "model", held_out, run_dir.parent, "eval")
+    common = [o for o in task if not o.startswith("model.path")] + [f"validation.files=[{held_out}]",
+                                                                    "validation.num_prompts=0"]
+    for model, step in ((run_dir.parents[1] / "model", 0), (run_dir / "checkpoints" / "step_000012", 12)):
+        out = run_dir.parent / f"eval{step}"
+        r = subprocess.run([sys.executable, "-m", "megarl.cli", "eval", str(model), *common, f"--out={out}"],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = json.loads((out / "eval.json").read_text())["metrics"]
+        for key in ("val/accuracy", "val/reward_mean", "val/response_length_mean", "val/num_prompts"):
+            assert got[key] == pytest.approx(val[step][key]), (step, key)
+        in_run = [json.loads(line) for line in (run_dir / "val_samples.jsonl").read_text().splitlines()]
+        evaluated = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
+        assert [s["response"] for s in evaluated] == [s["response"] for s in in_run if s["step"] == step]
+
+
 def test_summary_lists_validation_accuracy_by_step(run):
     from megarl.trainer.metrics import read_metrics, summary_text
 
@@ -166,6 +189,17 @@ def test_wandb_offline_run_files(tmp_path):
     logger.close()
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((tmp_path / "run").rglob("*"))
+
+
+def test_wandb_logger_without_wandb_is_a_config_error():
+    import importlib.util
+
+    from megarl.config import ConfigError, load_config
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed")
+    with pytest.raises(ConfigError, match=r"trainer\.loggers: wandb needs the 'wandb' package: pip install"):
+        load_config(None, ["trainer.loggers=[console,jsonl,wandb]"])
 
 
 @pytest.mark.parametrize("override,field", [

@@ -26,7 +26,7 @@ from megarl.models.weights import fill_local_tensors
 from megarl.parallel.mesh import init_distributed
 from megarl.rewards.registry import load_reward_fn
 from megarl.rollout.base import RolloutEngine, WriteFn, state_dict_writer
-from megarl.trainer.trainer import load_validation, make_engine
+from megarl.trainer.trainer import eos_from_tokenizer, load_validation, make_engine
 from megarl.trainer.validation import append_samples, score_data_parallel
 
 
@@ -62,6 +62,7 @@ def evaluate_model(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
     source = None if cfg.model.path == "default" else cfg.model.path
     spec, _, tokenizer_source = ck.source_spec(source)
     tokenizer = load_tokenizer(cfg.model.tokenizer or tokenizer_source)
+    spec = eos_from_tokenizer(spec, tokenizer, cfg.model.path)
     validation = load_validation(cfg, tokenizer, score_data_parallel(load_reward_fn(cfg.reward.fn, cfg.reward.kwargs)),
                                  spec)
     engine = make_engine(cfg, spec)
