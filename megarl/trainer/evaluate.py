@@ -26,6 +26,7 @@ from megarl.models.weights import fill_local_tensors
 from megarl.parallel.mesh import init_distributed
 from megarl.rewards.registry import load_reward_fn
 from megarl.rollout.base import RolloutEngine, WriteFn, state_dict_writer
+from megarl.trainer.preflight import check_files
 from megarl.trainer.trainer import eos_from_tokenizer, load_validation, make_engine
 from megarl.trainer.validation import append_samples, score_data_parallel
 
@@ -58,9 +59,10 @@ def evaluate_model(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
         ConfigError: a missing data file that cannot be prepared, or a bad rollout setting.
         FileNotFoundError: the model does not exist.
     """
-    init_distributed()
     source = None if cfg.model.path == "default" else cfg.model.path
-    spec, _, tokenizer_source = ck.source_spec(source)
+    spec, _, tokenizer_source = ck.source_spec(source)  # a bad path or data fail before any process group
+    check_files(cfg, "validation.files", cfg.validation.files)
+    init_distributed()
     tokenizer = load_tokenizer(cfg.model.tokenizer or tokenizer_source)
     spec = eos_from_tokenizer(spec, tokenizer, cfg.model.path)
     validation = load_validation(cfg, tokenizer, score_data_parallel(load_reward_fn(cfg.reward.fn, cfg.reward.kwargs)),

@@ -75,16 +75,20 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
                           "tokens; shorten one of them")
 
 
+def check_files(cfg: Config, field: str, files: list[str]) -> None:
+    """Raises ConfigError naming ``field`` when one of its ``files`` is missing and ``data.prepare`` cannot
+    make it."""
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing and cfg.data.prepare is None:
+        alternative = " (or validation.enabled=false)" if field == "validation.files" else ""
+        raise ConfigError(f"{field}: {missing} do not exist; create them or set data.prepare=gsm8k{alternative}")
+
+
 def check_data_files(cfg: Config) -> None:
-    """Raises ConfigError naming ``data.train_files`` or ``validation.files`` when one is missing and
-    ``data.prepare`` cannot make it."""
-    fields = [("data.train_files", cfg.data.train_files, "")]
+    """:func:`check_files` of ``data.train_files`` and, when validation is on, ``validation.files``."""
+    check_files(cfg, "data.train_files", cfg.data.train_files)
     if cfg.validation.enabled:
-        fields.append(("validation.files", cfg.validation.files, " (or validation.enabled=false)"))
-    for field, files, alternative in fields:
-        missing = [f for f in files if not Path(f).is_file()]
-        if missing and cfg.data.prepare is None:
-            raise ConfigError(f"{field}: {missing} do not exist; create them or set data.prepare=gsm8k{alternative}")
+        check_files(cfg, "validation.files", cfg.validation.files)
 
 
 def check_reward(cfg: Config) -> None:

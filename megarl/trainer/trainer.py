@@ -54,7 +54,7 @@ from megarl.rollout.base import SamplingConfig
 from megarl.rollout.data_parallel import generate_data_parallel, map_data_parallel, rollout_dp_group
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
-from megarl.trainer.preflight import check_data_files, validate_for_model
+from megarl.trainer.preflight import check_files, validate_for_model
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.validation import Validation, append_samples
 from megarl.trainer.workers import CriticWorker, PolicyWorker
@@ -71,7 +71,7 @@ def prepare_data(cfg: Config, files: list[str], field: str = "data.train_files")
     Raises:
         ConfigError: a missing file and nothing to prepare it from.
     """
-    check_data_files(cfg)
+    check_files(cfg, field, files)
     missing = [f for f in files if not Path(f).is_file()]
     if not missing:
         return list(files)
