@@ -26,6 +26,7 @@ from megarl.models.weights import fill_local_tensors
 from megarl.parallel.mesh import init_distributed
 from megarl.rewards.registry import load_reward_fn
 from megarl.rollout.base import RolloutEngine, WriteFn, state_dict_writer
+from megarl.rollout.data_parallel import rollout_dp_group
 from megarl.trainer.preflight import check_files
 from megarl.trainer.trainer import eos_from_tokenizer, load_validation, make_engine
 from megarl.trainer.validation import append_samples, score_data_parallel
@@ -69,7 +70,8 @@ def evaluate_model(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
                                  spec)
     engine = make_engine(cfg, spec)
     engine.update_weights(weights_writer(source, engine))
-    metrics, records = validation.run(engine)
+    metrics, records = validation.run(engine, group=rollout_dp_group(cfg.rollout.tp if cfg.rollout.engine == "vllm"
+                                                                     else 1))
     result = {"model": cfg.model.path, "prompts": validation.describe(), "metrics": metrics,
               "reward": cfg.reward.fn, "engine": cfg.rollout.engine}
     if dist.get_rank() == 0:
