@@ -3,8 +3,8 @@
 The plain path (:func:`megarl.models.logprobs.vocab_parallel_logprobs` on the ``GPTModel``'s output) holds the
 whole micro-batch's logits ``[b, s, vocab/tp]`` in bf16 and several fp32 copies of them, forward and backward:
 10 GB per fp32 copy for Qwen2.5-0.5B at 8 x 2048 tokens. Here the logits of at most ``chunk_tokens`` tokens
-exist at a time. The forward keeps three fp32 numbers per token (the log-prob, the log-normaliser and the
-mean logit, for the entropy); the backward recomputes each chunk's logits from the saved hidden states and
+exist at a time. The forward keeps four fp32 numbers per token (the log-prob and the softmax statistics
+``M``, ``log S``, ``T / S`` below); the backward recomputes each chunk's logits from the saved hidden states and
 weight, turns them into the logits' gradient in place and multiplies it into the hidden and weight
 gradients. Nothing of size ``[b, s, vocab/tp]`` outlives one chunk.
 
@@ -12,8 +12,8 @@ The vocab-parallel math is the plain path's (Megatron's layout: TP rank ``r`` ho
 ``[r * v_local, (r + 1) * v_local)`` of the padded vocab; rows at or beyond ``vocab_size`` are padding and
 take no part). With ``z = logits / temperature`` over the real vocab, each TP rank reduces its own slice to
 per-token statistics (max ``m_r``, ``s_r = sum exp(z - m_r)``, ``t_r = sum exp(z - m_r)(z - m_r)``, and the
-label's ``z`` where the rank owns the label); the TP group combines them with one max and one sum all-reduce
-of ``[4, tokens]``-sized tensors:
+label's ``z`` where the rank owns the label); the TP group combines them with one max all-reduce of
+``[tokens]`` and one sum all-reduce of ``[3, tokens]`` per chunk:
 
     M = max_r m_r,   S = sum_r e^(m_r - M) s_r,   T = sum_r e^(m_r - M) (t_r + (m_r - M) s_r),
     log-prob = (z_label - M) - log S,   entropy = log S - T / S.
