@@ -185,7 +185,8 @@ def peer_failure(exc: BaseException, timeout_s: float | None = None, wait_s: flo
     The message names this rank, its phase, and the peers at fault: on this host, peers whose process is gone
     ("lost"); after a timeout, peers that are alive but never timed out themselves, so were not waiting in a
     collective ("stalled", with the phase they published). Ranks whose collective timed out mark it on the
-    job's store; this rank waits up to ``wait_s`` seconds for its peers' marks before judging.
+    job's store; this rank waits up to ``wait_s`` seconds for its peers' marks before judging (and, after a
+    closed connection, up to 2 s for the peer's process to show as ended).
 
     Args:
         exc: what the failing call raised (``torch.distributed.DistError`` or gloo's ``RuntimeError``).
@@ -200,12 +201,18 @@ def peer_failure(exc: BaseException, timeout_s: float | None = None, wait_s: flo
     rank, where, host = _rank(), _phase[0], socket.gethostname()
     first = (text.strip().splitlines() or [type(exc).__name__])[0][:300]
     peers = [r for r in range(len(_peers)) if r != rank]
-    gone = [r for r in peers if _peers[r][0] == host and not process_alive(_peers[r][1])]
-    if gone:
-        who = ", ".join(f"rank {r} (pid {_peers[r][1]})" for r in gone)
+    timed_out = any(k in text.lower() for k in ("timed out", "timeout"))
+
+    def gone() -> list[int]:
+        return [r for r in peers if _peers[r][0] == host and not process_alive(_peers[r][1])]
+
+    deadline = time.monotonic() + (0 if timed_out else min(wait_s, 2.0))
+    while not (lost := gone()) and time.monotonic() < deadline:
+        time.sleep(0.02)  # a peer's sockets close while it exits, a moment before it shows as ended
+    if lost:
+        who = ", ".join(f"rank {r} (pid {_peers[r][1]})" for r in lost)
         return PeerLostError(f"rank {rank} lost peer(s) {who} during phase '{where}': the process is gone "
                              f"[{first}]")
-    timed_out = any(k in text.lower() for k in ("timed out", "timeout"))
     within = f"within trainer.timeout_s={timeout_s:g} s" if timeout_s else "within the collective timeout"
     stalled: list[str] = []
     store = _store()
