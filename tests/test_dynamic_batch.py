@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megarl.models.spec import ModelSpec
-from megarl.trainer.packing import pack_by_tokens, pack_shares, padded_length
+from megarl.trainer.packing import balanced_shares, pack_by_tokens, pack_shares, padded_length
 from tests.distributed import run_world
 
 SPEC = ModelSpec("llama", 64, 32, 2, 4, 2, 8, 64, tie_word_embeddings=True, max_position_embeddings=128,
@@ -34,11 +34,15 @@ def test_packing_covers_every_row_once_within_the_budget():
         assert len(more) == n and sorted(torch.cat(more).tolist()) == list(range(n))
 
 
-def test_every_dp_share_gets_the_same_number_of_micro_batches():
-    lengths = torch.tensor([90, 90, 90, 90, 5, 5, 5, 5])  # share 0 needs 4 micro-batches at 150, share 1 one
-    shares = pack_shares(lengths, 2, 150)
-    assert [len(s) for s in shares] == [4, 4]
-    assert sorted(torch.cat(shares[1]).tolist()) == [0, 1, 2, 3]
+def test_dp_shares_are_balanced_by_tokens_with_the_same_number_of_micro_batches():
+    lengths = torch.tensor([90, 5, 90, 5, 90, 5, 90, 5])
+    assert [s.tolist() for s in balanced_shares(lengths, 2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]  # 190 tokens each
+    lengths = torch.tensor([90, 40, 40, 40, 40, 40])  # rank 0: 90 | 40 40, rank 1: 40 40 40 fits one, split
+    shares = pack_shares(lengths, 2, 130)
+    assert [[g.tolist() for g in s] for s in shares] == [[[0], [3, 4]], [[1], [2, 5]]]
+    for share in shares:
+        for idx in share:
+            assert len(idx) == 1 or _cost(lengths, idx, 1) <= 130
     with pytest.raises(ValueError, match="budget"):
         pack_by_tokens(lengths, 0)
 
@@ -64,6 +68,7 @@ def _compare(rank, world, agg, budget, tp):
 
     mesh = ParallelLayout(tp=tp, dp=world // tp)
     initialize_model_parallel(mesh, seed=0)
+    torch.manual_seed(0)  # the same random weights on every DP rank (CPU init reads torch's global RNG)
     parallel = ParallelConfig(tp=tp, sequence_parallel=tp > 1)
     fixed_rc = ActorConfig(parallel=parallel, micro_batch_size=2, ppo_mini_batch_size=8)
     dynamic_rc = ActorConfig(parallel=parallel, micro_batch_size=2, ppo_mini_batch_size=8,

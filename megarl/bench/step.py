@@ -111,8 +111,9 @@ def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.Path
 def _measure(cfg: Config, steps: int, warmup: int, sample_interval_s: float, *, record: bool) -> dict[str, Any]:
     """Build the trainer, run the steps, and return what the report needs (the trainer is dropped on return,
     so that its GPU memory can be given back)."""
-    from megarl.trainer.trainer import Trainer
+    from megarl.trainer.trainer import Trainer, seed_all
 
+    seed_all(cfg.run.seed)  # as megarl train: every DP replica starts from the same random weights
     trainer = Trainer(cfg)
     recorder = None
     if record:

@@ -15,9 +15,10 @@ megatron-core's constraints, and what follows from them:
   :func:`megarl.config.validate_for_world`); without pipelining each micro-batch runs on its own.
 - megatron divides each micro-batch's loss by the number of micro-batches and DDP averages over DP ranks; the
   trainer undoes both with one factor ``num_microbatches * dp`` (:mod:`megarl.algos.aggregation`), which needs
-  the same number of micro-batches on every DP rank. :func:`pack_shares` gives every share the largest count
-  of any share, splitting its micro-batches with the most rows where it has fewer. The loss normalisers stay
-  those of the whole mini-batch, so the gradient equals the fixed-size path's.
+  the same number of micro-batches on every DP rank. :func:`pack_shares` deals the rows to the ranks balanced
+  by tokens (:func:`balanced_shares`) and gives every rank the largest count of any rank, splitting its
+  micro-batches with the most rows where it has fewer. The loss normalisers stay those of the whole
+  mini-batch, so the gradient equals the fixed-size path's.
 """
 
 from __future__ import annotations
@@ -69,17 +70,33 @@ def pack_by_tokens(lengths: torch.Tensor, budget: int, *, multiple: int = 1, min
     return [torch.tensor(g, dtype=torch.int64) for g in groups]
 
 
-def pack_shares(lengths: torch.Tensor, dp_size: int, budget: int, *, multiple: int = 1) -> list[list[torch.Tensor]]:
-    """:func:`pack_by_tokens` of each data-parallel share (rows ``[r * n/dp, (r + 1) * n/dp)``), with the same
-    number of micro-batches for every share.
+def balanced_shares(lengths: torch.Tensor, dp_size: int) -> list[torch.Tensor]:
+    """Deal rows to ``dp_size`` data-parallel ranks, longest first, in snake order (ranks 0..d-1, then d-1..0,
+    ...): every rank gets the same number of rows (``len(lengths) / dp_size``; the trainer's batch sizes are
+    multiples of DP) and nearly the same number of tokens, so no rank waits long for the others.
 
     Returns:
-        Per DP rank, the micro-batches' row indices within that rank's share.
+        Per DP rank, its rows' indices in ascending order (int64).
     """
-    per = len(lengths) // dp_size
-    shares = [lengths[r * per:(r + 1) * per] for r in range(dp_size)]
-    count = max(len(pack_by_tokens(s, budget, multiple=multiple)) for s in shares)
-    return [pack_by_tokens(s, budget, multiple=multiple, min_count=count) for s in shares]
+    order = torch.argsort(torch.as_tensor(lengths), descending=True, stable=True).tolist()
+    shares: list[list[int]] = [[] for _ in range(dp_size)]
+    for i, row in enumerate(order):
+        lap, k = divmod(i, dp_size)
+        shares[k if lap % 2 == 0 else dp_size - 1 - k].append(row)
+    return [torch.tensor(sorted(s), dtype=torch.int64) for s in shares]
+
+
+def pack_shares(lengths: torch.Tensor, dp_size: int, budget: int, *, multiple: int = 1
+                ) -> list[list[torch.Tensor]]:
+    """Rows of a batch split over DP ranks (:func:`balanced_shares`) and each rank's rows packed by tokens
+    (:func:`pack_by_tokens`), with the same number of micro-batches on every rank.
+
+    Returns:
+        Per DP rank, the batch rows of its micro-batches (int64 index tensors), in micro-batch order.
+    """
+    shares = balanced_shares(lengths, dp_size)
+    count = max(len(pack_by_tokens(lengths[s], budget, multiple=multiple)) for s in shares)
+    return [[s[g] for g in pack_by_tokens(lengths[s], budget, multiple=multiple, min_count=count)] for s in shares]
 
 
 def trim_to_longest(micro: dict[str, torch.Tensor], lengths: torch.Tensor, multiple: int) -> dict[str, torch.Tensor]:

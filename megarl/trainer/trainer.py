@@ -509,6 +509,14 @@ def _mean_over_updates(prefix: str, history: list[dict[str, float]]) -> dict[str
     return {f"{prefix}/{k}": float(np.mean([h[k] for h in history])) for k in keys}
 
 
+def seed_all(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global RNGs alike on every rank (CPU-initialised random weights
+    and the data order read them), before the :class:`Trainer` is built."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
 def train(cfg: Config) -> dict[str, Any]:
     """Run RL training on this rank (call on every rank of the job).
 
@@ -520,9 +528,7 @@ def train(cfg: Config) -> dict[str, Any]:
         RunLockedError: another run owns the run folder (rank 0).
         PeerLostError: a collective failed because a peer died or stalled past ``trainer.timeout_s``.
     """
-    torch.manual_seed(cfg.run.seed)
-    random.seed(cfg.run.seed)
-    np.random.seed(cfg.run.seed)
+    seed_all(cfg.run.seed)
     lock = RunLock(cfg.run.run_dir).acquire() if launch_info().rank == 0 else None
     try:
         os.makedirs(cfg.run.run_dir, exist_ok=True)

@@ -144,18 +144,18 @@ class MegatronWorker:
                                model_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """Run ``fn(micro_batch, output) -> {name: [b, R] tensor}`` over this rank's DP share (``model_kwargs``:
         extra model arguments); return the whole batch's ``{name: [B, R] float32}`` on every rank."""
-        share = dp_share(batch, self.dp_rank, self.dp_size)
-        width = batch["response_mask"].shape[1]
-        micro, order = self._micro_batches(batch, MODEL_INPUTS, self.forward_micro_batch_size(len(share)))
+        width, share = batch["response_mask"].shape[1], len(batch) // self.dp_size
+        micro, rows = self._micro_batches(batch, MODEL_INPUTS, self.forward_micro_batch_size(share))
         self.model.eval()
         with torch.no_grad():
             res = run_microbatches(self.model, micro,
                                    lambda mb, out: (torch.zeros((), device=self.device), fn(mb, out)),
                                    forward_only=True, model_kwargs=model_kwargs)
-        local = {n: _unpermute(torch.cat([r[n] for r in res]).float(), order) for n in names} if res else None
-        shapes = {n: (len(share), width) for n in names}
+        local = {n: torch.cat([r[n] for r in res]).float() for n in names} if res else None
+        shapes = {n: (share, width) for n in names}
         local = broadcast_from_last_stage(local, shapes, device=self.device)
-        return {n: self._all_gather_dp(t).cpu() for n, t in local.items()}
+        gathered = {n: self._all_gather_dp(t).cpu() for n, t in local.items()}
+        return gathered if rows is None else {n: _unpermute(t, torch.cat(rows)) for n, t in gathered.items()}
 
     def forward_micro_batch_size(self, share: int) -> int:
         """The largest divisor of ``share`` not above the configured forward micro-batch size (every
@@ -164,25 +164,25 @@ class MegatronWorker:
         return max(d for d in range(1, min(want, share) + 1) if share % d == 0)
 
     def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int
-                       ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
+                       ) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor] | None]:
         """This rank's DP share of ``batch`` cut into micro-batches of tensors ``names``, on the device.
 
-        ``rc.max_tokens_per_micro_batch == 0``: consecutive micro-batches of ``size`` rows, each as wide as the
-        batch; the order is None. Otherwise micro-batches by token count (:mod:`megarl.trainer.packing`),
-        each cut to its longest row, as many on every DP rank; the order is the share's row index of every
-        row of the micro-batches, concatenated.
+        ``rc.max_tokens_per_micro_batch == 0``: rows ``[r * B/dp, (r + 1) * B/dp)`` in consecutive micro-batches
+        of ``size`` rows, each as wide as the batch; the rows are None. Otherwise rows dealt to the DP ranks
+        balanced by tokens and packed into micro-batches by token count (:func:`~megarl.trainer.packing.
+        pack_shares`), each cut to its longest row, as many on every DP rank; the rows are, per DP rank, the
+        batch rows of its micro-batches in order (the same on every rank).
         """
-        share = dp_share(batch, self.dp_rank, self.dp_size)
         budget = self.rc.max_tokens_per_micro_batch
         if not budget:
+            share = dp_share(batch, self.dp_rank, self.dp_size)
             return [self._to_device(m) for m in share.micro_batches(size, names)], None
         multiple = 8 * self.mesh.tp  # the trainer's sequence padding (build_batch's seq_multiple)
         lengths = batch["prompt_lens"] + batch["response_lens"]
-        groups = pack_shares(lengths, self.dp_size, budget, multiple=multiple)[self.dp_rank]
-        share_lengths = share["prompt_lens"] + share["response_lens"]
-        micro = [self._to_device(trim_to_longest({k: share[k][idx] for k in names}, share_lengths[idx], multiple))
-                 for idx in groups]
-        return micro, torch.cat(groups)
+        packed = pack_shares(lengths, self.dp_size, budget, multiple=multiple)
+        micro = [self._to_device(trim_to_longest({k: batch[k][idx] for k in names}, lengths[idx], multiple))
+                 for idx in packed[self.dp_rank]]
+        return micro, [torch.cat(p) for p in packed]
 
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
