@@ -9,9 +9,9 @@
 #   mem-0.5b      Qwen2.5-0.5B shape, micro-batches of 8 x 2048 tokens: actor-update peak memory (target
 #                 <= 40 GiB, was 125 GiB) and MFU (target >= 30%)
 #   grpo-1.5b     the 1.5B GRPO step of perf/gpu_rl_step.sh (64 prompts x 8 samples x 256 new tokens) with its
-#                 settings: the "before" of the 18.3 s step (perf/RESULTS.md)
-#   grpo-1.5b-fast  the same step with CUDA graphs and larger micro-batches (target <= 12.2 s, 1.5x faster),
-#                 and standalone vLLM on the same batches for the generation ratio (target >= 0.95)
+#                 settings and the plain training paths (no kernels/): the "before" of the 18.3 s step
+#   grpo-1.5b-fast  the same step with CUDA graphs, kernels/ (defaults) and larger micro-batches (target
+#                 <= 12.2 s, 1.5x faster), and standalone vLLM on the same batches (target ratio >= 0.95)
 #   smollm2       parallel_configs/gpu_1xh200_smollm2_gsm8k.yaml: GRPO on GSM8K with the SmolLM2-135M GGUF
 #                 (SMOL_GGUF, default /tmp/smol.gguf, else joined from /tmp/smol.gguf.part-aa and -ab: the two
 #                 uploads of .gpu/smol/p1 and p2), GSM8K from GSM8K_DIR (default /tmp/gsm8k, else the carried
@@ -56,7 +56,8 @@ case $CASE in
               actor.logprob_micro_batch_size=8 "$@" --steps 2 --warmup 1 ;;
   mem-0.5b) set -- model.path=preset:qwen2.5-0.5b "${SYN[@]}" $LONG actor.micro_batch_size=8 \
               actor.logprob_micro_batch_size=8 "$@" --steps 2 --warmup 1 ;;
-  grpo-1.5b) set -- model.path=preset:qwen2.5-1.5b "${SYN[@]}" $GRPO "$@" --steps 3 --warmup 1 ;;
+  grpo-1.5b) set -- model.path=preset:qwen2.5-1.5b "${SYN[@]}" $GRPO actor.kernels.chunked_logprob=false \
+              actor.kernels.attention=local "$@" --steps 3 --warmup 1 ;;
   grpo-1.5b-fast) set -- model.path=preset:qwen2.5-1.5b "${SYN[@]}" $GRPO rollout.enforce_eager=false \
               actor.micro_batch_size=32 actor.logprob_micro_batch_size=64 "$@" --steps 3 --warmup 1 \
               --standalone-vllm ;;
