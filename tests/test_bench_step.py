@@ -131,3 +131,26 @@ def test_standalone_vllm_needs_vllm_rollouts():
                            "rollout.engine=hf"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--standalone-vllm compares with vLLM rollouts" in proc.stderr and "rollout.engine" in proc.stderr
+
+
+def test_generate_recorder_keeps_the_calls_and_forwards_the_rest():
+    from megarl.bench.vllm_standalone import GenerateRecorder
+    from megarl.rollout.base import RolloutOutput, Sample, SamplingConfig
+
+    class Engine:
+        calls = 0
+
+        def generate(self, prompts, sampling, prompt_offset=0):
+            samples = [Sample(k, j, tuple(range(k + j + 1)), torch.zeros(k + j + 1), "length")
+                       for k in range(len(prompts)) for j in range(sampling.n)]
+            return RolloutOutput.collect(samples, sampling.n, prompts, 0.5)
+
+    engine = Engine()
+    rec = GenerateRecorder(engine)
+    rec.generate([[1, 2]], SamplingConfig(n=2, max_new_tokens=4))  # not recording yet
+    rec.recording = True
+    rec.generate([[1, 2], [3]], SamplingConfig(n=2, temperature=0.7, max_new_tokens=4))
+    assert rec.recorded == [{"prompts": [[1, 2], [3]], "n": 2, "temperature": 0.7, "top_p": 1.0, "top_k": -1,
+                             "lengths": [1, 2, 2, 3], "seconds": 0.5}]
+    rec.calls = 5  # the trainer restores the engine's call counter through the wrapper
+    assert engine.calls == 5 and rec.calls == 5

@@ -30,6 +30,8 @@ class GenerateRecorder:
     prompt, sampling and response lengths (``recorded``), and the call's seconds. Everything else is the
     engine's."""
 
+    _OWN = ("engine", "recording", "recorded")
+
     def __init__(self, engine):
         self.engine = engine
         self.recording = False
@@ -37,6 +39,12 @@ class GenerateRecorder:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
+
+    def __setattr__(self, name, value):  # e.g. the trainer restoring the engine's call counter
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.engine, name, value)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling, **kwargs):
         out = self.engine.generate(prompt_token_ids, sampling, **kwargs)
