@@ -408,8 +408,9 @@ class AlgorithmConfig:
 
 @dataclass
 class ReshardConfig:
-    """The reshard engine. bucket_mb: staging bytes (send + receive) per rank per round, MiB (fractions allowed),
-    at least :data:`MIN_BUCKET_MB` (64 KiB)."""
+    """The reshard engine. bucket_mb: staging bytes (packed for sending + unpacked after receiving) per rank per
+    round, MiB (fractions allowed), at least :data:`MIN_BUCKET_MB` (64 KiB); two such buffers per rank (rounds
+    overlap)."""
 
     bucket_mb: float = 64.0
 

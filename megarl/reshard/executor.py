@@ -52,7 +52,7 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 MIN_BUCKET_BYTES = 64
 ROUND_MIN_BYTES = 128 << 20  # a round may move this much per rank through direct ends, whatever the bucket
 DIRECT_MIN_BYTES = 256 << 10  # smaller pieces travel staged, bundled per peer (one message each costs more)
-LOCAL_PARTS = 8  # the same-rank copies are issued in this many parts, spread over the rounds
+LOCAL_PARTS = 64  # the same-rank copies are issued in at most this many parts, spread over the rounds
 _SCAN = 32  # rounds a piece may be placed back from the newest open one (bounds the schedule's cost)
 
 # dtypes the executor can agree on across ranks (by index); extend when a new wire dtype appears
