@@ -225,7 +225,7 @@ def sbatch_options_from_args(a: argparse.Namespace, default_name: str) -> tuple[
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``megarl submit`` (registered in :mod:`megarl.cli`)."""
     p.add_argument("config", nargs="?", help="YAML file (parallel_configs/...); omitted: the CPU default")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=2")
+    p.add_argument("overrides", nargs="*", help="dotted overrides (before the flags), e.g. trainer.steps=2")
     p.add_argument("--resume", action="store_true", help="re-submit the run from its newest checkpoint")
     p.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
     g = p.add_argument_group("job shape")
