@@ -186,6 +186,7 @@ def test_kill_9_of_one_rank_mid_step_then_resume_matches_the_uninterrupted_run(t
     code, out = _cli(task, name, fault="phase.actor_update@2:kill:1")
     assert code != 0 and "fault injected: kill at phase.actor_update" in out, out[-3000:]
     assert sorted(p.name for p in (_run_dir(task, name) / "checkpoints").iterdir()) == ["step_000001"]
+    assert [h["step"] for h in _metrics(task, name)] == [1]  # rank 0 did not train on alone
     code, out = _cli(task, name, "--resume")
     assert code == 0, out[-3000:]
     _assert_step_equals(_metrics(task, name), reference, 2)
