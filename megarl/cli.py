@@ -280,7 +280,7 @@ def _bench_step(p: argparse.ArgumentParser):
         from megarl.config import load_config
 
         config, overrides = split_config_and_overrides(a.config, a.overrides)
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides + ["validation.enabled=false"])  # it times steps: no held-out data
         if a.standalone_vllm and cfg.rollout.engine != "vllm":
             raise UsageError(f"bench step: --standalone-vllm compares with vLLM rollouts; rollout.engine is "
                              f"{cfg.rollout.engine!r}: set rollout.engine=vllm or drop the flag")

@@ -120,7 +120,9 @@ def _read_jsonl(path: Path, **tag: Any) -> list[dict[str, Any]]:
 
 def pick_samples(samples: list[dict[str, Any]], k: int = SAMPLES_SHOWN) -> dict[str, list[dict[str, Any]]]:
     """The ``k`` best (highest score, latest step first), ``k`` worst and ``k`` cut-off (``finish_reason``
-    "length", latest first) samples."""
+    "length", latest first) samples, identical (prompt, response) pairs counted once."""
+    unique = {(s.get("prompt"), s.get("response")): s for s in samples}  # one of identical samples (n per prompt)
+    samples = list(unique.values())
     latest_best = sorted(samples, key=lambda s: (-s.get("score", 0.0), -s.get("step", 0)))
     latest_worst = sorted(samples, key=lambda s: (s.get("score", 0.0), -s.get("step", 0)))
     cut = sorted((s for s in samples if s.get("finish_reason") == "length"), key=lambda s: -s.get("step", 0))
