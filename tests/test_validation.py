@@ -63,6 +63,20 @@ def test_validation_accuracy_rises(run):
     assert val[12]["val/accuracy"] == pytest.approx(acc)
 
 
+def test_validation_split_over_two_ranks_equals_one_rank(run):
+    """Two data-parallel ranks each generate and score half of the validation prompts: the gathered figures and
+    responses equal the one-rank run's before step 1."""
+    run_dir, held_out = run
+    root = run_dir.parents[1]
+    overrides = task_overrides(root / "model", root / "prompts.jsonl", root / "runs", "val_dp2") + LEARN + [
+        "trainer.steps=1", "validation.enabled=true", f"validation.files=[{held_out}]", "validation.num_prompts=0",
+        "validation.at_end=false", "trainer.report=false"]
+    run_world(_train, 2, overrides)
+    one, two = ([json.loads(line) for line in (d / "val_samples.jsonl").read_text().splitlines()]
+                for d in (run_dir, root / "runs" / "val_dp2"))
+    assert [s for s in one if s["step"] == 0] == two and len(two) == 16
+
+
 def test_eval_of_the_start_model_and_the_final_checkpoint_matches_the_run(run):
     """`megarl eval` of the model the run started from (HF directory) and of its final megarl checkpoint gives
     the run's own validation figures before step 1 and after step 12 (greedy, same prompts and weights)."""
