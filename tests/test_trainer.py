@@ -127,7 +127,8 @@ def test_missing_dataset_field_fails_before_any_model(task):
 SMOLLM2 = ["trainer.steps=1", "trainer.save_every=0", "trainer.progress=false", "data.prompts_per_step=2",
            "data.train_files=[data/gsm8k/test.parquet]", "rollout.n=2", "rollout.max_new_tokens=12",
            "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=1", "actor.optim.lr=1e-5",
-           "reward.fn=tests.rl_tasks:digit_share", "validation.enabled=false"]
+           "reward.fn=tests.rl_tasks:digit_share", "validation.enabled=false",
+           "trainer.report=false"]
 
 
 def test_cpu_default_pp2_matches_dp2_at_step_1(tmp_path):
