@@ -12,6 +12,7 @@
 #   3. (b) tests/test_gpu_vllm_tp.py: Megatron TP=2 -> vLLM TP=1 x 2 and TP=1 x DP=2 -> vLLM TP=2 against the
 #      one-GPU run on the same weights (greedy output, sampled-token log-probs vs the actor) -> $OUT/gpu_vllm_tp.json.
 # Each stage prints PASS or FAIL (with its log's tail); the last line is "gpu_multi: PASS" or "gpu_multi: FAIL".
+# ONLY=reshard_bench or ONLY=vllm_tp runs one part (when installing vLLM leaves too little of the 10 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_multi}
@@ -109,8 +110,8 @@ export -f install_wheels build_extension bench reshard_bench vllm_tp
 stage install 200 install_wheels
 [ $failed -eq 0 ] && stage build 150 build_extension
 if [ $failed -eq 0 ]; then
-  stage reshard_bench 240 reshard_bench
-  stage vllm_tp 300 vllm_tp
+  case "${ONLY:-all}" in all|reshard_bench) stage reshard_bench 240 reshard_bench;; esac
+  case "${ONLY:-all}" in all|vllm_tp) stage vllm_tp 300 vllm_tp;; esac
 fi
 grep -hE "^(ok |NOT)|ms  " "$OUT/reshard_bench.log" 2>/dev/null
 grep -h "log-prob |vLLM - actor|" "$OUT/vllm_tp.log" 2>/dev/null

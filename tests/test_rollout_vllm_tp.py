@@ -108,8 +108,13 @@ def engines(tmp_path_factory):
 
 
 def _expected(model: str) -> list:
-    """What one engine with the reference weights (in bf16, vLLM's dtype) returns for all prompts."""
-    vllm = _fake_vllm()
+    """What one engine with the reference weights (in bf16, vLLM's dtype) returns for all prompts (the fake's
+    functions, loaded without putting the fake on this process's path: spawned GPU tests inherit it)."""
+    import importlib.util
+
+    source = importlib.util.spec_from_file_location("fake_vllm", Path(FAKE) / "vllm" / "__init__.py")
+    vllm = sys.modules["fake_vllm"] = importlib.util.module_from_spec(source)  # dataclasses look it up there
+    source.loader.exec_module(vllm)
     from megarl.models.layout import canonical_shapes
     from megarl.rollout.base import SamplingConfig, sample_rows, sample_seed
     from megarl.rollout.vllm_engine import request_params
@@ -160,6 +165,7 @@ def test_prompts_are_split_over_rollout_data_parallelism(engines, case):
 def test_ranks_of_one_engine_must_make_the_same_calls(engines):
     # the last case has 2 engines of TP=2: splitting over the world gives its two ranks different shares
     assert all("made different generate calls" in r["split_over_world"] for r in engines), engines[0]
+    assert FAKE not in sys.path  # the fake lives in the spawned ranks only (later worlds inherit this path)
 
 
 def test_the_trainer_generates_with_rollout_tp_2(engines):
