@@ -35,10 +35,11 @@ def fault_point(name: str) -> None:
         point, _, nth = point.partition("@")
         if point != name or _reached[name] != int(nth or 1):
             continue
-        if rank and int(rank[0]) != int(os.environ.get("RANK", 0)):
+        me = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))  # torchrun's or srun's rank
+        if rank and int(rank[0]) != me:
             continue
-        print(f"megarl: fault injected: {action} at {name} (#{_reached[name]}, rank "
-              f"{os.environ.get('RANK', 0)}, pid {os.getpid()})", flush=True)
+        print(f"megarl: fault injected: {action} at {name} (#{_reached[name]}, rank {me}, pid {os.getpid()})",
+              flush=True)
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "sleep":
