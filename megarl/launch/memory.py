@@ -17,9 +17,11 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
   batches per mini-batch)``). Per token and layer, elements kept for the backward (SwiGLU, GQA, unfused
   softmax; after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
   Sec. 4, adapted to SwiGLU/GQA): ``2h`` replicated (norm inputs; split over TP with sequence parallelism) +
-  ``(4h + 4*kv_size + 3*ffn + 2*heads*s) / tp``; with ``actor.recompute`` only each layer's input ``h`` is kept
-  (plus one layer's full set while it is recomputed). The last stage adds the logits of the micro-batch in
-  fp32, three copies (logits, log-softmax, its gradient) of ``vocab/tp`` per token.
+  ``(4h + 4*kv_size + 3*ffn + 2*heads*s) / tp`` (the ``s`` term only with ``actor.kernels.attention=local``);
+  with ``actor.recompute`` only each layer's input ``h`` is kept (plus one layer's full set while it is
+  recomputed). The last stage adds fp32 logits, three copies (logits, log-softmax, its gradient) of
+  ``vocab/tp`` per token, of the micro-batch, or of one chunk with ``actor.kernels.chunked_logprob``.
+  ``actor.max_tokens_per_micro_batch`` caps the micro-batch's tokens.
 - **rollout**: vLLM reserves ``rollout.gpu_memory_utilization`` of the whole GPU; the transformers engine
   (CPU) holds a full fp32 copy of the model plus the KV cache and last logits of the sequences it decodes at
   once (this rank's share of the step, at most ``rollout.max_batch_size``), and frees its weights while the
@@ -102,18 +104,29 @@ def stage_params(spec, tp: int, pp: int, *, value_head: bool = False) -> int:
 
 
 def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
-    """Activations of the busiest stage during an update (micro-batches in flight x per-micro-batch bytes)."""
+    """Activations of the busiest stage during an update (micro-batches in flight x per-micro-batch bytes).
+
+    A micro-batch holds ``actor.micro_batch_size`` sequences of ``data.max_prompt_length +
+    rollout.max_new_tokens`` tokens, or at most ``actor.max_tokens_per_micro_batch`` padded tokens where that
+    is set. ``actor.kernels`` decides two terms: SDPA attention keeps no ``[b, heads, s, s]`` scores (local
+    attention keeps two such tensors: the softmax and its dropout mask), and the chunked log-prob holds the
+    fp32 logits of ``logprob_chunk_tokens`` tokens at a time instead of the micro-batch's.
+    """
     a = cfg.actor
     s = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     tokens = a.micro_batch_size * s
+    if a.max_tokens_per_micro_batch:
+        tokens = min(tokens, a.max_tokens_per_micro_batch)
     e = DTYPE_BYTES[cfg.model.dtype]
     h = spec.hidden_size
+    scores = 2 * spec.num_attention_heads * s if a.kernels.attention == "local" else 0
     full = (2 * h / (tp if a.parallel.sequence_parallel else 1)
-            + (4 * h + 4 * spec.kv_size + 3 * spec.ffn_hidden_size + 2 * spec.num_attention_heads * s) / tp)
+            + (4 * h + 4 * spec.kv_size + 3 * spec.ffn_hidden_size + scores) / tp)
     layers = spec.num_layers // pp
     per_micro = tokens * e * ((h + full / layers) if a.recompute else full) * layers
     in_flight = min(pp, max(1, a.ppo_mini_batch_size // (dp * a.micro_batch_size)))
-    logits = tokens * 3 * 4 * math.ceil(spec.vocab_size / tp)
+    logit_tokens = min(tokens, a.kernels.logprob_chunk_tokens) if a.kernels.chunked_logprob else tokens
+    logits = logit_tokens * 3 * 4 * math.ceil(spec.vocab_size / tp)
     # the first stage holds the micro-batches in flight; the last one micro-batch and its logits (pp=1: both)
     return int(max(per_micro * in_flight, per_micro + logits))
 
