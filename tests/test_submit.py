@@ -99,9 +99,9 @@ def test_a_launch_whose_world_does_not_match_fails_before_any_model():
     assert "dequantising" not in r.stderr
 
 
-SMALL = ["trainer.steps=1", "trainer.save_every=1", "trainer.progress=false", "data.prompts_per_step=2",
-         "data.train_files=[data/gsm8k/test.parquet]", "rollout.n=2", "rollout.max_new_tokens=8",
-         "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=2"]
+SMALL = ["trainer.steps=1", "trainer.save_every=1", "trainer.progress=false", "validation.enabled=false",
+         "data.prompts_per_step=2", "data.train_files=[data/gsm8k/test.parquet]", "rollout.n=2",
+         "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=2", "trainer.report=false"]
 
 
 @pytest.mark.slow

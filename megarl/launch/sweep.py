@@ -1,4 +1,4 @@
-"""``megarl sweep SWEEP.yaml (--slurm | --local)``: a base config over a grid of config values, one
+"""``megarl sweep SWEEP.yaml (--slurm | --local | --plan)``: a base config over a grid of config values, one
 ``megarl bench step`` per point, then a table, a CSV and a plot of throughput per layout.
 
 A sweep file (``parallel_configs/sweeps/``)::
