@@ -171,6 +171,9 @@ class ActorConfig:
             value and update passes: rows of similar length packed up to this many padded tokens (rows x
             longest row) per micro-batch, each cut to its longest row (:mod:`megarl.trainer.packing`); 0 = off
             (``micro_batch_size`` / ``logprob_micro_batch_size`` rows as wide as the batch). Needs pp = 1.
+        offload: keep the gradients and optimizer state in pinned host memory from the end of each update to
+            the next step's log-probs, and the parameters too while the rollout engine generates
+            (:mod:`megarl.trainer.offload`), so that a model that fits only one phase at a time still runs.
         kernels: fast paths (chunked log-probs, SDPA attention).
     """
 
@@ -182,6 +185,7 @@ class ActorConfig:
     recompute: bool = False
     logprob_micro_batch_size: int = 0
     max_tokens_per_micro_batch: int = 0
+    offload: bool = False
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
     def __post_init__(self):
@@ -786,18 +790,35 @@ def check_turns(layouts: dict[str, RoleLayout]) -> None:
 
 
 def check_runnable(layouts: dict[str, RoleLayout], world_size: int) -> None:
-    """What the trainer runs so far: the rollout engine and every Megatron role on the whole world (the reward
-    function may score on any pool).
+    """What the trainer runs (:mod:`megarl.parallel.placement`): the rollout engine on the whole world; the
+    Megatron roles on the whole world in any layout, or split over pools with ``pp = 1``, one ``tp`` for
+    all, each pool made of whole TP groups (consecutive ranks from a multiple of tp), the actor's holding rank
+    0 (which writes the metrics and the checkpoints' metadata). The reward function scores on any pool.
 
     Raises:
-        ConfigError: naming the role, its pool and its ranks.
+        ConfigError: naming the role, its pool, its ranks and layout.
     """
     world = tuple(range(world_size))
-    for role in ("rollout",) + MEGATRON_ROLES:
-        lay = layouts.get(role)
-        _require(lay is None or lay.ranks == world, f"placement.{role}",
-                 f"{role} on {lay and lay.describe()}: the trainer runs it on the whole world of {world_size} ranks "
-                 f"only; set placement.{role}=all")
+    ro = layouts["rollout"]
+    _require(ro.ranks == world, "placement.rollout", f"rollout on {ro.describe()}: the trainer generates on the "
+             f"whole world of {world_size} ranks only; set placement.rollout=all")
+    megatron = [layouts[r] for r in MEGATRON_ROLES if r in layouts]
+    if all(lay.ranks == world for lay in megatron):
+        return
+    tp = layouts["actor"].tp
+    for lay in megatron:
+        where = f"{lay.role} on {lay.describe()} while a Megatron role is on a pool other than all"
+        _require(lay.pp == 1, f"placement.{lay.role}", f"{where}: roles on split pools need pp=1 (megatron-core "
+                 "holds one pipeline layout per process); use pp=1 or put every Megatron role on all")
+        _require(lay.tp == tp, f"placement.{lay.role}", f"{where}: roles on split pools share one tp, the "
+                 f"actor's tp={tp}; use tp={tp}")
+        blocks = [lay.ranks[i:i + tp] for i in range(0, len(lay.ranks), tp)]
+        _require(all(b == tuple(range(b[0], b[0] + tp)) and b[0] % tp == 0 for b in blocks),
+                 f"placement.pools.{lay.pool}", f"{where}: a pool of tp={tp} roles holds whole TP groups "
+                 f"(runs of {tp} consecutive ranks starting at a multiple of {tp}), got ranks {list(lay.ranks)}")
+    actor = layouts["actor"]
+    _require(0 in actor.ranks, "placement.actor", f"actor on {actor.describe()}: on split pools the actor's pool "
+             "holds rank 0 (it writes the metrics and the checkpoints' metadata)")
 
 
 def placement_summary(layouts: dict[str, RoleLayout]) -> str:

@@ -28,9 +28,9 @@ FAULTS = [
     (["placement.pools.half=[2,3]", "placement.reference=half"], 4,
      ["placement.reference", "reference (pool 'half' ranks 2-3 tp=1 pp=1 dp=2)",
       "actor (pool 'all' ranks 0-3 tp=1 pp=1 dp=4) share ranks [2, 3]"]),
-    (["rollout.tp=2", "data.prompts_per_step=3", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=1"], 4,
+    (["rollout.engine=vllm", "rollout.tp=2", "data.prompts_per_step=3", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=1"], 4,
      ["data.prompts_per_step", "3 prompts are not divisible by the rollout's dp=2", "pool 'all' of 4 ranks"]),
-    (["rollout.tp=3"], 4, ["rollout.tp", "3 does not divide the rollout's pool 'all'", "of 4 ranks"]),
+    (["rollout.engine=vllm", "rollout.tp=3"], 4, ["rollout.tp", "3 does not divide the rollout's pool 'all'", "of 4 ranks"]),
     (["placement.actor=nowhere"], 4, ["placement.actor", "unknown pool 'nowhere'"]),
     (["placement.pools.none=[]"], 4, ["placement.pools.none", "non-empty list"]),
     (["placement.pools.all=[0]"], 4, ["placement.pools.all", "is the whole world"]),
@@ -93,3 +93,84 @@ def test_colocated_pool_and_reward_pool_match_the_single_pool_run_at_step_1(task
     assert single["actor/ppo_kl"] != 0  # the second mini-batch ran after an update
     for key in COMPARED:
         assert placed[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), key
+
+
+def test_reference_and_reward_on_their_own_rank_match_the_single_pool_run_at_step_1(task):
+    """Actor on rank 0, reference and reward on rank 1, rollout on both, against every role on both ranks."""
+    root, model, data = task
+    base = task_overrides(model, data, root / "runs", "single2") + STEP
+    single = run_world(_train, 2, base)[0][0]
+    split = run_world(_train, 2, base + [
+        "run.name=split2", "placement.pools.train=[0]", "placement.pools.score=[1]", "placement.actor=train",
+        "placement.reference=score", "placement.reward=score"])[0][0]
+    assert single["actor/ppo_kl"] != 0
+    for key in COMPARED:
+        assert split[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), key
+
+
+def _offload_round_trip(rank, world, model_dir):
+    """Train one update, move the actor's storages to the host and back; return what was moved and whether
+    every parameter, main gradient and Adam state tensor came back bit for bit."""
+    import torch
+
+    from megarl.config import ActorConfig, OptimConfig
+    from megarl.models.checkpoint import source_spec
+    from megarl.parallel.mesh import ParallelLayout, init_distributed, initialize_model_parallel
+    from megarl.trainer.offload import HostOffload
+    from megarl.trainer.workers import PolicyWorker
+
+    init_distributed()
+    mesh = ParallelLayout(dp=world)
+    initialize_model_parallel(mesh)
+    spec = source_spec(str(model_dir))[0]
+    worker = PolicyWorker(spec, mesh, "actor", str(model_dir), torch.float32,
+                          ActorConfig(optim=OptimConfig(lr=1e-2)), trainable=True, temperature=1.0)
+    params = list(worker.model.parameters())
+    for p in params:
+        p.main_grad.normal_()
+    worker.optimizer.step()  # creates Adam's state
+    inner = worker.optimizer.chained_optimizers[0].optimizer if hasattr(worker.optimizer, "chained_optimizers") \
+        else worker.optimizer.optimizer
+    watched = [p.data for p in params] + [p.main_grad for p in params] + \
+        [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+    before = [t.clone() for t in watched]
+    off = HostOffload(worker.model, worker.optimizer)
+    off.to_host(("grads", "optimizer"))
+    grads_away = all(p.main_grad.untyped_storage().nbytes() == 0 for p in params)
+    params_stayed = all(p.untyped_storage().nbytes() > 0 for p in params)
+    off.to_host(("params",))
+    host_bytes = off.bytes_on_host
+    all_away = all(t.untyped_storage().nbytes() == 0 for t in watched)
+    off.to_device()
+    same = all(torch.equal(a, b) for a, b in zip(watched, before))
+    return grads_away, params_stayed, all_away, host_bytes, same
+
+
+def test_offload_moves_params_grads_and_adam_state_and_back(task):
+    root, model, data = task
+    grads_away, params_stayed, all_away, host_bytes, same = run_world(_offload_round_trip, 1, model)[0]
+    assert grads_away and params_stayed  # the reshard still reads the parameters
+    assert all_away and host_bytes > 0
+    assert same
+
+
+def test_offload_on_and_off_give_the_same_step_2_metrics(task):
+    root, model, data = task
+    base = task_overrides(model, data, root / "runs", "resident") + STEP + ["trainer.steps=2"]
+    resident = run_world(_train, 1, base)[0]
+    offloaded = run_world(_train, 1, base + ["run.name=offloaded", "actor.offload=true"])[0]
+    assert offloaded[1]["offload/host_bytes"] > 0 and resident[1]["offload/host_bytes"] == 0
+    assert resident[1]["actor/pg_loss"] != resident[0]["actor/pg_loss"]
+    for key in COMPARED:
+        assert offloaded[1][key] == pytest.approx(resident[1][key], rel=1e-6, abs=1e-8), key
+
+
+@pytest.mark.slow
+def test_issue_layout_on_four_ranks_matches_the_single_pool_run_at_step_1(task):
+    """The issue's layout: actor on ranks 0-1, reference and reward on ranks 2-3, rollout on all four."""
+    root, model, data = task
+    base = task_overrides(model, data, root / "runs", "single4") + STEP
+    single = run_world(_train, 4, base)[0][0]
+    split = run_world(_train, 4, base + ["run.name=split4"] + SPLIT)[0][0]
+    for key in COMPARED:
+        assert split[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), key

@@ -45,8 +45,9 @@ from megarl.models.hf_io import load_tokenizer
 from megarl.models.layout import megatron_layout
 from megarl.models.spec import ModelSpec
 from megarl.parallel.lifecycle import peer_failures_named, phase, record_peers
-from megarl.parallel.mesh import (ParallelLayout, init_distributed, initialize_model_parallel, launch_info,
-                                  ranks_per_node)
+from megarl.parallel.mesh import init_distributed, initialize_model_parallel, launch_info, ranks_per_node
+from megarl.parallel.placement import (build_pool_groups, global_layout, join_optimizer_setup, share_object,
+                                      share_tensor)
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 from megarl.rewards.registry import load_reward_fn
@@ -54,6 +55,7 @@ from megarl.rollout.base import SamplingConfig
 from megarl.rollout.data_parallel import generate_data_parallel, map_data_parallel, rollout_dp_group
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
+from megarl.trainer.offload import HostOffload
 from megarl.trainer.preflight import check_files, validate_for_model
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.validation import Validation, append_samples
@@ -202,33 +204,50 @@ class Trainer:
         pad = self.spec.pad_token_id
         self.pad_id = pad if pad is not None else self.spec.eos_token_ids[0]
 
-        # Megatron roles on the actor's mesh (critic on the same mesh; see validate_for_world)
-        p = cfg.actor.parallel
-        self.mesh = ParallelLayout(tp=p.tp, pp=p.pp, dp=self.world // (p.tp * p.pp))
+        # Megatron roles on their pools (megarl.parallel.placement; the critic on the actor's): a role is built
+        # on the ranks of its pool only, None elsewhere
+        self.mesh = global_layout(self.layouts, self.world)
         initialize_model_parallel(self.mesh, seed=cfg.run.seed, timeout_s=cfg.trainer.timeout_s)
+        self.pools = build_pool_groups(self.layouts, self.world)
         dtype = ck.DTYPES[cfg.model.dtype]
         source = None if cfg.model.path == "default" else cfg.model.path
         updates = cfg.trainer.steps * cfg.actor.ppo_epochs * (cfg.rollout_batch_size // cfg.actor.ppo_mini_batch_size)
-        self.actor = PolicyWorker(self.spec, self.mesh, "actor", source, dtype, cfg.actor, trainable=True,
-                                  total_updates=updates, temperature=cfg.rollout.temperature)
-        self.ref = None
-        if cfg.algorithm.kl.coef > 0:
-            self.ref = PolicyWorker(self.spec, self.mesh, "actor", self.actor, dtype, cfg.actor, trainable=False,
-                                    temperature=cfg.rollout.temperature)
-        self.critic = None
-        if cfg.algorithm.uses_critic:
-            self.critic = CriticWorker(self.spec, self.mesh, "critic", source, dtype, cfg.critic, trainable=True,
-                                       total_updates=cfg.trainer.steps * cfg.critic.ppo_epochs
-                                       * (cfg.rollout_batch_size // cfg.critic.ppo_mini_batch_size))
+        self.actor = self.ref = self.critic = None
+        pools = self.pools
+        if pools["actor"].holds_here:
+            self.actor = PolicyWorker(self.spec, pools["actor"].mesh, "actor", source, dtype, cfg.actor,
+                                      trainable=True, total_updates=updates, temperature=cfg.rollout.temperature,
+                                      pool=pools["actor"])
+        else:
+            join_optimizer_setup()
+        if "reference" in pools and pools["reference"].holds_here:  # a copy of the actor where it is here
+            self.ref = PolicyWorker(self.spec, pools["reference"].mesh, "actor", self.actor or source, dtype,
+                                    cfg.actor, trainable=False, temperature=cfg.rollout.temperature,
+                                    pool=pools["reference"])
+        if "critic" in pools and pools["critic"].holds_here:
+            self.critic = CriticWorker(self.spec, pools["critic"].mesh, "critic", source, dtype, cfg.critic,
+                                       trainable=True, total_updates=cfg.trainer.steps * cfg.critic.ppo_epochs
+                                       * (cfg.rollout_batch_size // cfg.critic.ppo_mini_batch_size),
+                                       pool=pools["critic"])
+        elif "critic" in pools:
+            join_optimizer_setup()
         kl = cfg.algorithm.kl
         self.kl_ctl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.target
                        else FixedKLController(kl.coef))
 
+        # host offload of the trained roles that ask for it; the engine starts with their idle state away
+        self.offloads = [HostOffload(w.model, w.optimizer) for w in (self.actor, self.critic)
+                         if w is not None and w.rc.offload]
+        self.offload_s = {"to_host": sum(o.to_host(("grads", "optimizer")) for o in self.offloads),
+                          "to_device": 0.0}
+
         # rollout engine, fed by the reshard engine
         self.engine = make_engine(cfg, self.spec)
         self.rollout_group = rollout_dp_group(cfg.rollout.tp if cfg.rollout.engine == "vllm" else 1)
-        src_layout = megatron_layout(self.spec, self.mesh, role="actor",
-                                     padded_vocab=self.actor.bare.vocab_size)
+        actor_ranks = pools["actor"].ranks
+        src_layout = megatron_layout(self.spec, pools["actor"].mesh, ranks=actor_ranks, role="actor",
+                                     padded_vocab=share_object(self.actor and self.actor.bare.vocab_size,
+                                                               actor_ranks))
         dst_layout = self.engine.weight_layout(range(self.world))
         self.reshard_plan = plan_reshard(src_layout, dst_layout, ranks_per_node(self.world))
         self.sampling = dict(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -249,39 +268,55 @@ class Trainer:
 
         with t("reshard"):
             stats = self._reshard_actor_to_engine()
+        self._offload(("params",))  # read by the reshard: the engine generates alone
+        offloaded_bytes = sum(o.bytes_on_host for o in self.offloads)
         with t("generate"):
             out = generate_data_parallel(self.engine, prompts.input_ids,
                                          SamplingConfig(seed=cfg.run.seed * 1_000_003 + self.step_idx,
                                                         **self.sampling), group=self.rollout_group)
+            in_use = _device_bytes_in_use()  # the engine's weights and cache, and what training left resident
             self.engine.sleep(level=2)  # the next reshard rewrites every weight: nothing to keep
+        self._reload()
         with t("reward"):
             batch = self._score(prompts, out)
         self._log_samples(prompts, batch)
+        # each role on its pool (at the same time where the pools are disjoint), then shared with every rank
         with t("old_logprobs"):
-            batch["old_logprobs"] = self.actor.compute_logprobs(batch)["logprobs"]
-        if self.ref is not None:
+            old = self.actor.compute_logprobs(batch)["logprobs"] if self.actor else None
+        if "reference" in self.pools:
             with t("reference"):
-                batch["ref_logprobs"] = self.ref.compute_logprobs(batch)["logprobs"]
-        if self.critic is not None:
+                ref = self.ref.compute_logprobs(batch)["logprobs"] if self.ref else None
+        if "critic" in self.pools:
             with t("values"):
-                batch["values"] = self.critic.compute_values(batch)
+                values = self.critic.compute_values(batch) if self.critic else None
+        with t("share"):
+            frame = batch["response_mask"].shape
+            batch["old_logprobs"] = share_tensor(old, self.pools["actor"].ranks, frame)
+            if "reference" in self.pools:
+                batch["ref_logprobs"] = share_tensor(ref, self.pools["reference"].ranks, frame)
+            if "critic" in self.pools:
+                batch["values"] = share_tensor(values, self.pools["critic"].ranks, frame)
         with t("advantages"):
             kl_metrics = self._advantages(batch)
 
         metrics: dict[str, Any] = {}
         seed = cfg.run.seed * 7919 + self.step_idx
-        if self.critic is not None:
+        if "critic" in self.pools:
             with t("critic_update"):
-                metrics.update(_mean_over_updates("critic", self.critic.update(batch, alg, seed=seed)))
-        if self.critic is None or self.step_idx >= cfg.critic.warmup_steps:
+                history = self.critic.update(batch, alg, seed=seed) if self.critic else None
+                metrics.update(_mean_over_updates("critic", share_object(history, self.pools["critic"].ranks)))
+        if "critic" not in self.pools or self.step_idx >= cfg.critic.warmup_steps:
             with t("actor_update"):
-                metrics.update(_mean_over_updates("actor", self.actor.update(batch, alg, seed=seed)))
+                history = self.actor.update(batch, alg, seed=seed) if self.actor else None
+                metrics.update(_mean_over_updates("actor", share_object(history, self.pools["actor"].ranks)))
+        self._offload(("grads", "optimizer"))  # idle until the next step's updates
 
         mask = batch["response_mask"]
         scores = batch["scores"]
         gen_tokens = out.stats.generated_tokens
         step_s = time.perf_counter() - step_start
         phases = t.reset()
+        moves, self.offload_s = self.offload_s, {"to_host": 0.0, "to_device": 0.0}
         metrics.update({
             "reward/mean": scores.mean().item(),
             "reward/std": masked_var(scores[None], torch.ones(1, len(scores))).sqrt().item(),  # 0 when tied
@@ -292,6 +327,8 @@ class Trainer:
             **kl_metrics,
             "actor/rollout_vs_old_logprob_diff": masked_mean((batch["rollout_logprobs"] - batch["old_logprobs"])
                                                              .abs(), mask).item(),
+            "offload/to_host_s": moves["to_host"], "offload/to_device_s": moves["to_device"],
+            "offload/host_bytes": offloaded_bytes, "offload/device_used_bytes": in_use,
             "reshard/bytes_sent": getattr(stats, "bytes_sent", 0), "reshard/peak_extra_bytes":
                 getattr(stats, "peak_extra_bytes", 0),
             **{f"time/{k}": v for k, v in phases.items()}, "time/step": step_s,
@@ -300,6 +337,15 @@ class Trainer:
             **self._perf_metrics(batch, phases, step_s),
         })
         return metrics
+
+    def _offload(self, kinds: tuple[str, ...]) -> None:
+        """Move ``kinds`` of the offloaded roles to host memory (:mod:`megarl.trainer.offload`), timed into
+        ``offload/to_host_s``."""
+        self.offload_s["to_host"] += sum(o.to_host(kinds) for o in self.offloads)
+
+    def _reload(self) -> None:
+        """Bring everything the offloaded roles moved back to the device, timed into ``offload/to_device_s``."""
+        self.offload_s["to_device"] += sum(o.to_device() for o in self.offloads)
 
     def _perf_metrics(self, batch: RolloutBatch, phases: dict[str, float], step_s: float) -> dict[str, float]:
         """Tokens/s/GPU, MFU and peak memory of the step and of each phase (:mod:`megarl.bench.throughput`)."""
@@ -313,7 +359,7 @@ class Trainer:
         """Wake the rollout engine and write the actor's current weights into it; returns the reshard stats."""
         self.engine.wake_up()
         return self.engine.update_weights(lambda dst: execute_plan(
-            self.reshard_plan, self.actor.source_tensors(), dst,
+            self.reshard_plan, self.actor.source_tensors() if self.actor else {}, dst,
             bucket_bytes=int(self.cfg.reshard.bucket_mb * 2**20)))
 
     def validate(self) -> dict[str, Any]:
@@ -391,7 +437,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _state(self, is_loading: bool) -> dict[str, Any]:
-        state = {"actor": self.actor.sharded_state_dict(is_loading)}
+        """The sharded state of the trained roles held on this rank (none on a pool of other roles)."""
+        state = {"actor": self.actor.sharded_state_dict(is_loading)} if self.actor is not None else {}
         if self.critic is not None:
             state["critic"] = self.critic.sharded_state_dict(is_loading)
         return state
@@ -401,12 +448,17 @@ class Trainer:
         path = self.run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{self.step_idx:06d}"
         meta = ck.model_meta(self.spec, ck.DTYPES[self.cfg.model.dtype], self.tokenizer_source,
                              step=self.step_idx, loader=self.loader.state_dict(), kl_ctl=self.kl_ctl.state_dict(),
-                             actor_scheduler=self.actor.scheduler.state_dict(),
-                             critic_scheduler=self.critic.scheduler.state_dict() if self.critic else None,
+                             actor_scheduler=share_object(self.actor and self.actor.scheduler.state_dict(),
+                                                          self.pools["actor"].ranks),
+                             critic_scheduler=share_object(self.critic and self.critic.scheduler.state_dict(),
+                                                           self.pools["critic"].ranks) if "critic" in self.pools
+                             else None,
                              config=to_dict(self.cfg), world_size=self.world, source_config=self.source_config)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        self._reload()  # an offloaded optimizer state is saved from the device, then goes back to the host
         with phase("checkpoint"):
             ck.save_checkpoint(path, self._state(is_loading=False), meta, per_rank={"rng": rng})
+        self._offload(("grads", "optimizer"))
         self.last_checkpoint = path
         if self.rank == 0:
             for p in checkpoints(self.run_dir)[:-self.cfg.trainer.keep_checkpoints]:
@@ -420,10 +472,12 @@ class Trainer:
             log.info("trainer.resume: no checkpoint in %s, starting from step 0", self.run_dir)
             return
         meta = ck.read_meta(path)
+        self._reload()
         with phase("resume"):
             loaded = ck.load_checkpoint(path, self._state(is_loading=True))
-        self.actor.load_sharded_state(loaded["actor"])
-        self.actor.scheduler.load_state_dict(meta["actor_scheduler"])
+        if self.actor is not None:
+            self.actor.load_sharded_state(loaded["actor"])
+            self.actor.scheduler.load_state_dict(meta["actor_scheduler"])
         if self.critic is not None:
             self.critic.load_sharded_state(loaded["critic"])
             self.critic.scheduler.load_state_dict(meta["critic_scheduler"])
@@ -436,6 +490,7 @@ class Trainer:
             torch.set_rng_state(rng["torch"])
         self.step_idx = int(meta["step"])
         self.engine.calls = self.step_idx  # one generate call per step: the sampling seeds continue
+        self._offload(("grads", "optimizer"))
         self.last_checkpoint = path
         log.info("resumed from %s at step %d", path, self.step_idx)
 
@@ -501,6 +556,14 @@ class Trainer:
             log.warning("no report written (%s): pip install 'megarl[report]' for matplotlib", e)
             return
         print(f"report: {write_report(self.run_dir)}", flush=True)
+
+
+def _device_bytes_in_use() -> int:
+    """Bytes of this rank's GPU in use by every process and allocator (0 without a GPU)."""
+    if not torch.cuda.is_available():
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return total - free
 
 
 def _mean_over_updates(prefix: str, history: list[dict[str, float]]) -> dict[str, float]:

@@ -11,6 +11,7 @@ micro-batches and DP ranks, so the gradient equals that of the whole mini-batch 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Callable
@@ -29,6 +30,7 @@ from megarl.models.megatron import build_model
 from megarl.models.pipeline import broadcast_from_last_stage, run_microbatches
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
+from megarl.parallel.placement import PoolGroups
 from megarl.trainer.batch import RolloutBatch, to_response_frame
 from megarl.trainer.packing import pack_shares, trim_to_longest
 
@@ -47,8 +49,10 @@ def dp_share(batch: RolloutBatch, dp_rank: int, dp_size: int) -> RolloutBatch:
     return batch.select(slice(dp_rank * per, (dp_rank + 1) * per))
 
 
-def reduce_to_all(values: dict[str, float] | None, keys: list[str], *, average_over: int = 1) -> dict[str, float]:
-    """Metrics computed on the last pipeline stage, summed over DP (divided by ``average_over``), on every rank.
+def reduce_to_all(values: dict[str, float] | None, keys: list[str], *, average_over: int = 1,
+                  group=None) -> dict[str, float]:
+    """Metrics computed on the last pipeline stage, summed over DP (divided by ``average_over``), on every rank
+    of ``group`` (the role's pool; None = the world).
 
     ``values`` is read on ranks that are on the last stage with TP rank 0 (one per DP replica) and ignored
     elsewhere; missing keys count as 0.
@@ -59,7 +63,7 @@ def reduce_to_all(values: dict[str, float] | None, keys: list[str], *, average_o
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     vec = torch.tensor([float((values or {}).get(k, 0.0)) if contributes else 0.0 for k in keys],
                        dtype=torch.float64, device=device)  # NCCL reduces device tensors only
-    dist.all_reduce(vec)
+    dist.all_reduce(vec, group=group)
     return {k: v / average_over for k, v in zip(keys, vec.tolist())}
 
 
@@ -67,7 +71,8 @@ class MegatronWorker:
     """One role's Megatron model on this rank (and, when trainable, its DDP wrapper, optimizer and LR schedule).
 
     Args:
-        spec / mesh: the model and its layout (``parallel_state`` already set to ``mesh``).
+        spec / mesh: the model and its layout (``parallel_state`` already set to ``mesh``, or to a layout with
+            the same TP and PP groups when ``pool`` is given).
         role: "actor" (actor and reference) or "critic".
         source: weights to load (megarl checkpoint, HF directory, GGUF file, None = the default model, or
             ``preset:NAME`` = random init), or another worker of the same role and mesh to copy them from (the
@@ -76,15 +81,20 @@ class MegatronWorker:
         rc: the role's config (micro-batch sizes, optimizer).
         trainable: build DDP, optimizer and LR schedule; else a frozen model in eval mode (reference).
         total_updates: optimizer steps over the whole run (for the LR decay).
+        pool: the process groups of the role's pool (:mod:`megarl.parallel.placement`); None = the world, in
+            megatron's layout.
     """
 
     def __init__(self, spec: ModelSpec, mesh: ParallelLayout, role: str, source, dtype: torch.dtype,
-                 rc: ActorConfig, *, trainable: bool, total_updates: int = 1):
+                 rc: ActorConfig, *, trainable: bool, total_updates: int = 1, pool: PoolGroups | None = None):
         from megatron.core import parallel_state as ps
 
         self.spec, self.mesh, self.role, self.rc = spec, mesh, role, rc
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.dp_size = ps.get_data_parallel_world_size()
+        self.pool_group = pool.group if pool is not None else None
+        self.dp_group = pool.dp if pool is not None and pool.dp is not None else ps.get_data_parallel_group()
+        self.pg_collection = pool.collection() if pool is not None else None
+        self.dp_rank = dist.get_rank(self.dp_group)
+        self.dp_size = dist.get_world_size(self.dp_group)
         model = build_model(spec, mesh, role, params_dtype=dtype, init_weights=is_preset(source),
                             sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
                             attention=rc.kernels.attention)
@@ -121,13 +131,14 @@ class MegatronWorker:
         config = model.config
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=oc.distributed),
-            model)
-        config.finalize_model_grads_func = finalize_model_grads
+            model, pg_collection=self.pg_collection)
+        config.finalize_model_grads_func = functools.partial(finalize_model_grads, pg_collection=self.pg_collection)
         config.no_sync_func = ddp.no_sync
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay, adam_beta1=oc.betas[0],
             adam_beta2=oc.betas[1], adam_eps=oc.eps, clip_grad=oc.clip_grad, bf16=config.bf16, fp16=config.fp16,
-            params_dtype=config.params_dtype, use_distributed_optimizer=oc.distributed), [ddp])
+            params_dtype=config.params_dtype, use_distributed_optimizer=oc.distributed), [ddp],
+            pg_collection=self.pg_collection, use_gloo_process_groups=self.pg_collection is None)
         # The scheduler is stepped after each update, so update k runs at its step k - 1. Megatron's warm-up
         # goes linearly from init_lr at step 0 to lr at step lr_warmup_steps: starting at lr / W and reaching
         # lr at step W - 1 makes update k (1-based) of the warm-up run at lr * k / W, none at 0.
@@ -188,12 +199,10 @@ class MegatronWorker:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def _all_gather_dp(self, t: torch.Tensor) -> torch.Tensor:
-        from megatron.core import parallel_state as ps
-
         if self.dp_size == 1:
             return t
         parts = [torch.empty_like(t) for _ in range(self.dp_size)]
-        dist.all_gather(parts, t.contiguous(), group=ps.get_data_parallel_group())
+        dist.all_gather(parts, t.contiguous(), group=self.dp_group)
         return torch.cat(parts)
 
     # ------------------------------------------------------------------ training
@@ -242,8 +251,8 @@ class MegatronWorker:
                 if res:
                     local = {k: sum(r.get(k, 0.0) for r in res) for k in sum_keys}
                     local.update({k: sum(r.get(k, 0.0) for r in res) / len(res) for k in mean_keys})
-                m = reduce_to_all(local, sum_keys)
-                m.update(reduce_to_all(local, mean_keys, average_over=self.dp_size))
+                m = reduce_to_all(local, sum_keys, group=self.pool_group)
+                m.update(reduce_to_all(local, mean_keys, average_over=self.dp_size, group=self.pool_group))
                 m["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
                 m["lr"] = lr
                 history.append(m)
