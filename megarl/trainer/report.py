@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure  # ImportError without matplotlib: the trainer then skips the report
+from matplotlib.ticker import MaxNLocator
 
 from megarl.trainer.metrics import read_metrics
 
@@ -36,6 +37,7 @@ def _figure(path: Path, title: str, draw) -> Path:
     fig = Figure(figsize=(7, 3.6), layout="constrained")
     ax = fig.subplots()
     draw(ax)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps
     ax.set_title(title)
     ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)
