@@ -91,13 +91,22 @@ def map_data_parallel(fn: Callable[..., Any], *columns: Sequence[Any], ranks: Se
     """Call ``fn`` on this rank's contiguous share (:func:`shard_bounds`) of equally long ``columns``, the
     shares split over ``ranks`` (default: the whole world; the other ranks call nothing), and gather the
     results of ``ranks``, in rank order, on every rank (all ranks of the world must call this), e.g. a reward
-    function over the samples: ``torch.cat(map_data_parallel(reward_fn, prompts, responses, truths))``."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    ranks = list(range(world) if ranks is None else ranks)
-    local = None
-    if rank in ranks:
-        lo, hi = shard_bounds(len(columns[0]), ranks.index(rank), len(ranks))
-        local = fn(*(c[lo:hi] for c in columns))
-    parts: list[Any] = [None] * world
+    function over the samples: ``torch.cat(map_data_parallel(reward_fn, prompts, responses, truths))``.
+    :func:`map_share` and :func:`gather_shares` are its two halves, for work in between."""
+    return gather_shares(map_share(fn, *columns, ranks=ranks), ranks)
+
+
+def map_share(fn: Callable[..., Any], *columns: Sequence[Any], ranks: Sequence[int] | None = None) -> Any:
+    """``fn`` on this rank's share of ``columns`` among ``ranks`` (None on a rank outside them); no collective."""
+    ranks = list(range(dist.get_world_size()) if ranks is None else ranks)
+    if dist.get_rank() not in ranks:
+        return None
+    lo, hi = shard_bounds(len(columns[0]), ranks.index(dist.get_rank()), len(ranks))
+    return fn(*(c[lo:hi] for c in columns))
+
+
+def gather_shares(local: Any, ranks: Sequence[int] | None = None) -> list[Any]:
+    """The :func:`map_share` results of ``ranks``, in rank order, on every rank (all ranks must call this)."""
+    parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
-    return [parts[r] for r in sorted(ranks)]
+    return [parts[r] for r in sorted(range(len(parts)) if ranks is None else ranks)]

@@ -52,7 +52,8 @@ from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 from megarl.rewards.registry import load_reward_fn
 from megarl.rollout.base import SamplingConfig
-from megarl.rollout.data_parallel import generate_data_parallel, map_data_parallel, rollout_dp_group
+from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel, map_data_parallel, map_share,
+                                          rollout_dp_group)
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
 from megarl.trainer.offload import HostOffload
@@ -278,8 +279,7 @@ class Trainer:
             self.engine.sleep(level=2)  # the next reshard rewrites every weight: nothing to keep
         self._reload()
         with t("reward"):
-            batch = self._score(prompts, out)
-        self._log_samples(prompts, batch)
+            batch, scores = self._score(prompts, out)
         # each role on its pool (at the same time where the pools are disjoint), then shared with every rank
         with t("old_logprobs"):
             old = self.actor.compute_logprobs(batch)["logprobs"] if self.actor else None
@@ -290,12 +290,14 @@ class Trainer:
             with t("values"):
                 values = self.critic.compute_values(batch) if self.critic else None
         with t("share"):
+            self._gather_scores(batch, scores)
             frame = batch["response_mask"].shape
             batch["old_logprobs"] = share_tensor(old, self.pools["actor"].ranks, frame)
             if "reference" in self.pools:
                 batch["ref_logprobs"] = share_tensor(ref, self.pools["reference"].ranks, frame)
             if "critic" in self.pools:
                 batch["values"] = share_tensor(values, self.pools["critic"].ranks, frame)
+        self._log_samples(prompts, batch)
         with t("advantages"):
             kl_metrics = self._advantages(batch)
 
@@ -381,24 +383,29 @@ class Trainer:
         """``[B]`` float32 scores of ``B`` responses on every rank: the reward pool scores, each rank a share."""
         return torch.cat(map_data_parallel(self.reward_fn, prompts, responses, truths, ranks=self.reward_ranks))
 
-    def _score(self, prompts, out) -> RolloutBatch:
-        """Decode, score and pack the rollout into a batch (the reward pool's ranks score a share each, then
-        every rank gathers all scores)."""
+    def _score(self, prompts, out) -> tuple[RolloutBatch, Any]:
+        """Decode and pack the rollout into a batch, and score this rank's share of it (the reward pool's ranks
+        a share each, None elsewhere; no collective, so the other pools go on meanwhile);
+        :meth:`_gather_scores` puts every score into the batch."""
         n = out.n
         samples = out.samples
         texts = self.tokenizer.batch_decode([list(s.token_ids) for s in samples], skip_special_tokens=True)
         raw = [prompts.raw_prompt[s.prompt_index] for s in samples]
         truths = [prompts.ground_truth[s.prompt_index] for s in samples]
-        scores = self._rewards(raw, texts, truths)
+        local = map_share(self.reward_fn, raw, texts, truths, ranks=self.reward_ranks)
         batch = build_batch([prompts.input_ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
                             [s.logprobs for s in samples], [s.prompt_index for s in samples],
                             pad_token_id=self.pad_id, seq_multiple=8 * self.mesh.tp,
                             meta={"response": texts, "finish_reason": [s.finish_reason for s in samples],
-                                  "correct": (scores >= 1.0).tolist(), "index": [prompts.index[s.prompt_index]
-                                                                                  for s in samples]})
-        batch["scores"] = scores
+                                  "index": [prompts.index[s.prompt_index] for s in samples]})
         assert len(batch) == len(prompts.input_ids) * n
-        return batch
+        return batch, local
+
+    def _gather_scores(self, batch: RolloutBatch, local: Any) -> None:
+        """Every reward rank's share of the scores (:meth:`_score`) as ``batch["scores"]`` ``[B]`` float32 and
+        ``batch.meta["correct"]`` (score >= 1), on every rank."""
+        batch["scores"] = scores = torch.cat(gather_shares(local, self.reward_ranks))
+        batch.meta["correct"] = (scores >= 1.0).tolist()
 
     def _log_samples(self, prompts, batch: RolloutBatch) -> None:
         """Append the step's first ``trainer.log_samples`` responses to ``samples.jsonl`` (rank 0)."""
