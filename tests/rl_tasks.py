@@ -67,6 +67,18 @@ def task_overrides(model_dir: Path, data_file: Path, run_dir: Path, name: str) -
             "trainer.report=false"]
 
 
+def train_on_rank(rank, world, overrides):
+    """Train with the default config and ``overrides`` on this rank of a :func:`tests.distributed.run_world`
+    world; returns the run's metrics by step on rank 0 (``metrics.jsonl``), the run's summary elsewhere."""
+    from megarl.config import load_config
+    from megarl.trainer.metrics import read_metrics
+    from megarl.trainer.trainer import train
+
+    cfg = load_config(None, overrides)
+    summary = train(cfg)
+    return read_metrics(cfg.run.run_dir / "metrics.jsonl") if rank == 0 else summary
+
+
 def digit_share(prompts, responses, ground_truths):
     """The share of a response's characters that are digits: a dense reward that differs between samples
     (for layout-comparison runs of real models, whose short GSM8K answers all score 0)."""

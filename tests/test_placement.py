@@ -9,7 +9,7 @@ import pytest
 
 from megarl.config import ConfigError, load_config, placement_summary, role_layouts, validate_for_world
 from tests.distributed import run_world
-from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
+from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
 
 SPLIT = ["placement.pools.train=[0,1]", "placement.pools.score=[2,3]", "placement.actor=train",
          "placement.reference=score", "placement.reward=score"]
@@ -68,16 +68,6 @@ def test_default_places_every_role_on_every_rank_and_summary_says_so():
     assert "rollout   pool 'all' ranks 0-3 tp=1 dp=4" in text
 
 
-def _train(rank, world, overrides):
-    from megarl.config import load_config
-    from megarl.trainer.metrics import read_metrics
-    from megarl.trainer.trainer import train
-
-    cfg = load_config(None, overrides)
-    summary = train(cfg)
-    return read_metrics(cfg.run.run_dir / "metrics.jsonl") if rank == 0 else summary
-
-
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     root = tmp_path_factory.mktemp("task")
@@ -96,11 +86,11 @@ def test_colocated_and_split_pools_match_the_single_pool_run_at_step_1(task):
     reference and the reward on rank 1, the rollout on both (megatron's state plus the pools' DP groups)."""
     root, model, data = task
     base = task_overrides(model, data, root / "runs", "single") + STEP
-    single = run_world(_train, 2, base)[0][0]
-    placed = run_world(_train, 2, base + [
+    single = run_world(train_on_rank, 2, base)[0][0]
+    placed = run_world(train_on_rank, 2, base + [
         "run.name=placed", "placement.pools.both=[0,1]", "placement.pools.one=[1]", "placement.actor=both",
         "placement.reference=both", "placement.rollout=both", "placement.reward=one"])[0][0]
-    split = run_world(_train, 2, base + [
+    split = run_world(train_on_rank, 2, base + [
         "run.name=split", "placement.pools.train=[0]", "placement.pools.score=[1]", "placement.actor=train",
         "placement.reference=score", "placement.reward=score"])[0][0]
     assert single["actor/ppo_kl"] != 0  # the second mini-batch ran after an update
@@ -158,8 +148,8 @@ def test_offload_moves_params_grads_and_adam_state_and_back(task):
 def test_offload_on_and_off_give_the_same_step_2_metrics(task):
     root, model, data = task
     base = task_overrides(model, data, root / "runs", "resident") + STEP + ["trainer.steps=2"]
-    resident = run_world(_train, 1, base)[0]
-    offloaded = run_world(_train, 1, base + ["run.name=offloaded", "actor.offload=true"])[0]
+    resident = run_world(train_on_rank, 1, base)[0]
+    offloaded = run_world(train_on_rank, 1, base + ["run.name=offloaded", "actor.offload=true"])[0]
     assert offloaded[1]["offload/host_bytes"] > 0 and resident[1]["offload/host_bytes"] == 0
     assert resident[1]["actor/pg_loss"] != resident[0]["actor/pg_loss"]
     for key in COMPARED:
@@ -171,7 +161,7 @@ def test_issue_layout_on_four_ranks_matches_the_single_pool_run_at_step_1(task):
     """The issue's layout: actor on ranks 0-1, reference and reward on ranks 2-3, rollout on all four."""
     root, model, data = task
     base = task_overrides(model, data, root / "runs", "single4") + STEP
-    single = run_world(_train, 4, base)[0][0]
-    split = run_world(_train, 4, base + ["run.name=split4"] + SPLIT)[0][0]
+    single = run_world(train_on_rank, 4, base)[0][0]
+    split = run_world(train_on_rank, 4, base + ["run.name=split4"] + SPLIT)[0][0]
     for key in COMPARED:
         assert split[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), key

@@ -125,19 +125,12 @@ def test_bad_parameters_name_the_field(kwargs, field):
         load_reward_fn("http", kwargs)
 
 
-def _train(rank, world, overrides):
-    from megarl.config import load_config
-    from megarl.trainer.trainer import train
-
-    return train(load_config(None, overrides))
-
-
 def test_a_run_whose_reward_server_dies_records_no_step_without_scores(tmp_path):
     """The tiny task scored over HTTP: the server answers the first step's request and is then gone; the
     run stops with an error naming the URL, and metrics.jsonl holds only the complete first step."""
     from megarl.trainer.metrics import read_metrics
     from tests.distributed import run_world
-    from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
+    from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
 
     server = RewardServer(die_after=1)
     try:
@@ -147,7 +140,7 @@ def test_a_run_whose_reward_server_dies_records_no_step_without_scores(tmp_path)
             "backoff_s: 0.01}", "trainer.steps=3", "trainer.save_every=1", "data.prompts_per_step=4",
             "rollout.n=2", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4"]
         with pytest.raises(RuntimeError, match=rf"reward server {server.url} failed 2 time"):
-            run_world(_train, 1, overrides)
+            run_world(train_on_rank, 1, overrides)
     finally:
         server.stop()
     history = read_metrics(tmp_path / "runs" / "http" / "metrics.jsonl")

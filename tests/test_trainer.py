@@ -12,20 +12,10 @@ import sys
 import pytest
 
 from tests.distributed import run_world
-from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
+from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
 
 COMPARED = ["reward/mean", "response/length_mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
             "actor/kl", "actor/clipfrac", "actor/ppo_kl"]
-
-
-def _train(rank, world, overrides):
-    from megarl.config import load_config
-    from megarl.trainer.metrics import read_metrics
-    from megarl.trainer.trainer import train
-
-    cfg = load_config(None, overrides)
-    summary = train(cfg)
-    return read_metrics(cfg.run.run_dir / "metrics.jsonl") if rank == 0 else summary
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +28,7 @@ def task(tmp_path_factory):
 
 def _run(task, name, world=1, extra=()):
     root, model, data = task
-    return run_world(_train, world, task_overrides(model, data, root / "runs", name) + list(extra))
+    return run_world(train_on_rank, world, task_overrides(model, data, root / "runs", name) + list(extra))
 
 
 LEARN = ["trainer.steps=12", "trainer.save_every=0", "data.prompts_per_step=8", "rollout.n=8",
@@ -136,8 +126,8 @@ def test_cpu_default_pp2_matches_dp2_at_step_1(tmp_path):
     instead of GSM8K's, which 12-token answers never earn) at PP=2 against the same two ranks as data
     parallelism (SmolLM2's 9 heads admit no TP=2)."""
     runs = [f"run.output_dir={tmp_path}"]
-    dp2 = run_world(_train, 2, SMOLLM2 + runs + ["run.name=dp2"])[0][0]
-    pp2 = run_world(_train, 2, SMOLLM2 + runs + ["run.name=pp2", "actor.parallel.pp=2"])[0][0]
+    dp2 = run_world(train_on_rank, 2, SMOLLM2 + runs + ["run.name=dp2"])[0][0]
+    pp2 = run_world(train_on_rank, 2, SMOLLM2 + runs + ["run.name=pp2", "actor.parallel.pp=2"])[0][0]
     assert dp2["actor/ppo_kl"] != 0  # the second mini-batch ran after an update
     for key in COMPARED:
         assert pp2[key] == pytest.approx(dp2[key], rel=1e-4, abs=1e-6), key

@@ -15,19 +15,12 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import run_world
-from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
+from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 LEARN = ["trainer.steps=12", "trainer.save_every=0", "data.prompts_per_step=8", "rollout.n=8",
          "actor.ppo_mini_batch_size=32", "actor.micro_batch_size=16", "actor.optim.lr=3e-3",
          "algorithm.kl.coef=0"]
-
-
-def _train(rank, world, overrides):
-    from megarl.config import load_config
-    from megarl.trainer.trainer import train
-
-    train(load_config(None, overrides))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +33,7 @@ def run(tmp_path_factory):
     overrides = task_overrides(model, data, root / "runs", "val") + LEARN + [
         "validation.enabled=true", f"validation.files=[{held_out}]", "validation.num_prompts=0",
         "validation.every=6", "trainer.loggers=[console,jsonl,tensorboard]", "trainer.report=true"]
-    run_world(_train, 1, overrides)
+    run_world(train_on_rank, 1, overrides)
     return root / "runs" / "val", held_out
 
 
@@ -71,7 +64,7 @@ def test_validation_split_over_two_ranks_equals_one_rank(run):
     overrides = task_overrides(root / "model", root / "prompts.jsonl", root / "runs", "val_dp2") + LEARN + [
         "trainer.steps=1", "validation.enabled=true", f"validation.files=[{held_out}]", "validation.num_prompts=0",
         "validation.at_end=false", "trainer.report=false"]
-    run_world(_train, 2, overrides)
+    run_world(train_on_rank, 2, overrides)
     one, two = ([json.loads(line) for line in (d / "val_samples.jsonl").read_text().splitlines()]
                 for d in (run_dir, root / "runs" / "val_dp2"))
     assert [s for s in one if s["step"] == 0] == two and len(two) == 16
