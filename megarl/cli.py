@@ -369,5 +369,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _close_process_group() -> None:
+    """Destroy this rank's process group before the interpreter exits, so that c10d's background threads are
+    joined rather than torn down mid-run at exit (which can abort a finished rank with ``terminate called
+    without an active exception``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # a rank of a torchrun relaunch, torchrun or srun (python -m megarl.cli ...)
+    status = main()
+    _close_process_group()
+    sys.exit(status)
