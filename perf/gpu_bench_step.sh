@@ -25,8 +25,7 @@ CASE=${1:?usage: bash perf/gpu_bench_step.sh CASE [key=value ...] (CASE: mfu-1.5
 shift
 OUT=${OUT:-runs/gpu_bench_step}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-export PYTHONPATH=/tmp/site:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
-       VLLM_NO_USAGE_STATS=1 NCCL_NVLS_ENABLE=0
+source perf/gpu_env.sh
 START=$SECONDS
 
 bash perf/install_wheels.sh > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }

@@ -12,8 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_eval}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}; GSM8K_SRC=${GSM8K_SRC:-../shared/data/gsm8k}
-export PYTHONPATH=/tmp/site:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
-       VLLM_NO_USAGE_STATS=1 NCCL_NVLS_ENABLE=0
+source perf/gpu_env.sh
 bash perf/install_wheels.sh
 [ -f data/gsm8k/test.parquet ] || python3 -m megarl.cli data gsm8k --src "$GSM8K_SRC" --out data/gsm8k
 [ $# -gt 0 ] || set -- default

@@ -17,8 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_kernels}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-SITE=/tmp/site
-export PYTHONPATH=$SITE:$PWD NCCL_NVLS_ENABLE=0
+source perf/gpu_env.sh
 START=$SECONDS
 failed=0
 

@@ -17,11 +17,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_multi}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-export OUT SITE=/tmp/site
-export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
-# NVLink multicast stays off (device KINDS.md); vLLM in-process, offline
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-       VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+export OUT
+source perf/gpu_env.sh  # NVLink multicast off; vLLM in-process, offline
 BUDGET_S=570
 START=$SECONDS
 failed=0

@@ -2,8 +2,7 @@
 # GPU machine without network (wheels in /tmp/site, see gpu_vllm.sh), the megarl._C extension (perf/build_C.sh)
 # and the synthetic task of tests/rl_tasks.py in $OUT: its word-level tokenizer ($OUT/tok) and 4096 prompts
 # ($OUT/prompts.jsonl).
-export PYTHONPATH=/tmp/site:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
-       VLLM_NO_USAGE_STATS=1 NCCL_NVLS_ENABLE=0
+source perf/gpu_env.sh
 mkdir -p "$OUT"
 bash perf/build_C.sh
 python3 -c "

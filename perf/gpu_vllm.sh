@@ -19,10 +19,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_vllm}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-export OUT SITE=/tmp/site
-export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
-       NCCL_NVLS_ENABLE=0
+export OUT
+source perf/gpu_env.sh
 BUDGET_S=470
 START=$SECONDS
 failed=0
