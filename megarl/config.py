@@ -658,7 +658,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             bad = [o for o in overrides if "=" not in o]
             if bad:
                 raise ConfigError(f"overrides must be key=value, got {bad}")
-            layers.append(OmegaConf.from_dotlist(list(overrides)))
+            layers.append(_load_overrides(overrides))
         for layer in layers[1:]:
             _check_sections(base, layer)
         merged = OmegaConf.merge(*layers)
@@ -685,6 +685,26 @@ def _load_yaml(path: str | os.PathLike):
         raise ConfigError(f"{path}: a config file maps sections (run, model, actor, ...) to their fields; this one "
                           f"holds a {type(layer).__name__.removesuffix('Config').lower()}")
     return layer
+
+
+def _load_overrides(overrides: list[str]):
+    """``key=value`` overrides as one OmegaConf mapping; each value is read as YAML (``a.b=[1, 2]``).
+
+    Raises:
+        ConfigError: naming the override whose value is not valid YAML.
+    """
+    import yaml
+    from omegaconf import OmegaConf
+
+    layers = []
+    for item in overrides:
+        try:
+            layers.append(OmegaConf.from_dotlist([item]))
+        except yaml.YAMLError as e:
+            key, value = item.split("=", 1)
+            raise ConfigError(f"{key}: the value {value!r} is not valid YAML ({' '.join(str(e).split())}); "
+                              "quote it for a string, e.g. key='\"text, with commas\"'") from None
+    return OmegaConf.merge(*layers)
 
 
 def _check_sections(base, layer, prefix: str = "") -> None:

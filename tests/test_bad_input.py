@@ -9,6 +9,7 @@ Model-dependent checks use the 2-layer, 4-head, 2-KV-head tiny Llama of :mod:`te
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +94,7 @@ CASES = [
     (["train", "YAML:list.yaml"], "list.yaml: a config file maps sections"),
     (["train", "YAML:section.yaml"], "actor.parallel: is a section"),
     (["train", "algorithm.kl=2"], "algorithm.kl: is a section"),
+    (["train", "actor.optim.lr=[1,"], "actor.optim.lr: the value '[1,' is not valid YAML"),
     # what the world size determines
     (["train", "actor.ppo_mini_batch_size=6"], "actor.ppo_mini_batch_size"),
     (["train", "algorithm.name=grpo", "rollout.n=1", "actor.ppo_mini_batch_size=4"], "rollout.n"),
@@ -191,3 +193,20 @@ def test_every_megatron_mesh_is_checked_against_the_model():
     with pytest.raises(ConfigError, match=r"placement.reference_parallel.tp: tp=2 does not divide .*=9"):
         validate_for_model(cfg, PRESETS["smollm2-135m"])
     validate_for_model(load_config(None, ["placement.reference_parallel.tp=3"]), PRESETS["smollm2-135m"])
+
+
+def test_a_job_started_by_torchrun_says_a_config_error_once(tmp_path):
+    """Under a torchrun the user started (or srun), every rank reads the same config: rank 0 alone prints the
+    error line, and every rank exits with status 2."""
+    import os
+    import subprocess
+    import sys
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--nproc-per-node", "2", "--standalone", "-m", "megarl.cli", "train",
+                           "trainer.steps=0"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("megarl: error:")]
+    assert errors == ["megarl: error: trainer.steps: must be >= 1"], proc.stderr[-2000:]
+    assert "exitcode  : 2" in proc.stderr  # torchrun's summary of the failed ranks

@@ -41,11 +41,14 @@ def folders(tmp_path_factory):
     cfg = json.loads((model / "config.json").read_text())
     cfg.update(eos_token_id=None, pad_token_id=None, dtype="float32")
     (model / "config.json").write_text(json.dumps(cfg, indent=2))
+    generation = {"bos_token_id": 2, "eos_token_id": [1, 3], "do_sample": True, "temperature": 0.6, "top_p": 0.95}
+    (model / "generation_config.json").write_text(json.dumps(generation))
     write_prompts(b / "prompts.jsonl", 8)
     return a, b, c
 
 
 def test_convert_train_export_from_other_folders_with_no_eos_in_the_config(folders):
+    """Paths resolve from any folder; the source's config and generation config come back unchanged."""
     a, b, c = folders
     source_config = json.loads((a / "mymodel/config.json").read_text())
     _cli(a, "convert", "mymodel", "ckpt")  # relative paths, as typed
@@ -72,6 +75,10 @@ def test_convert_train_export_from_other_folders_with_no_eos_in_the_config(folde
     exported = json.loads((c / "hf/config.json").read_text())
     assert exported["eos_token_id"] is None and exported["dtype"] == "float32"
     assert exported == source_config
+    # and the source's generation config (EOS ids, sampling defaults), through convert, train and export
+    assert recorded["generation_config"] == meta["generation_config"]
+    assert json.loads((c / "hf/generation_config.json").read_text()) == json.loads(
+        (a / "mymodel/generation_config.json").read_text())
 
 
 def test_eos_from_tokenizer_or_an_error_naming_the_fix():

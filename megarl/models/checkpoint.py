@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.models.hf_io import HFCheckpoint, open_hf_checkpoint, read_hf_config, resolve_model_path
+from megarl.models.hf_io import (HFCheckpoint, open_hf_checkpoint, read_generation_config, read_hf_config,
+                                 resolve_model_path)
 from megarl.models.layout import VALUE_HEAD, megatron_rank_tensors
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.models.weights import fill_local_tensors
@@ -242,3 +243,13 @@ def source_config(source: str | os.PathLike | None) -> dict[str, Any] | None:
         meta = read_meta(source)
         return meta.get("source_config") or meta["hf_config"]
     return read_hf_config(source)
+
+
+def source_generation_config(source: str | os.PathLike | None) -> dict[str, Any] | None:
+    """The ``generation_config.json`` a model came with (for a megarl checkpoint: the one it recorded), so an
+    export carries it; None for a preset, a GGUF file or a source without one."""
+    if is_preset(source):
+        return None
+    if source is not None and is_megarl_checkpoint(source):
+        return read_meta(source).get("generation_config")
+    return read_generation_config(source)

@@ -4,8 +4,8 @@
 :func:`convert_rank` builds the Megatron model at the world's TP x PP, each rank reading only the safetensors
 slices it holds, and saves a layout-free dist checkpoint that records the source's own config. :func:`export_rank`
 loads that checkpoint at TP=1 x PP=1 (megatron-core reshards on load), assembles the canonical tensors and
-writes them with the source's config (:func:`export_config`): the round trip reproduces every HF tensor bit
-for bit when the dtype is kept, and the config as it was. :mod:`megarl.launch.convert` starts the ranks.
+writes them with the source's config (:func:`export_config`) and generation config: the round trip reproduces
+every HF tensor bit for bit when the dtype is kept, and both configs as they were. :mod:`megarl.launch.convert` starts the ranks.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def convert_rank(rank: int, world: int, src: str | None, out: str, tp: int, pp: 
     model = build_model(ckpt.spec, mesh, params_dtype=dtype, init_weights=False)
     ck.load_hf_weights(model, ckpt)
     return str(ck.save_model(out, model, tokenizer=str(ckpt.path), source=str(ckpt.path),
-                             source_config=ckpt.hf_config))
+                             source_config=ckpt.hf_config, generation_config=ck.source_generation_config(src)))
 
 
 def export_config(meta: dict[str, Any]) -> dict[str, Any]:
@@ -117,7 +117,8 @@ def export_rank(rank: int, world: int, ckpt_dir: str, out: str) -> str:
     from megarl.models.hf_io import save_hf_checkpoint
 
     meta = ck.read_meta(ckpt_dir)
-    path = save_hf_checkpoint(out, ck.checkpoint_spec(ckpt_dir), load_canonical(ckpt_dir), config=export_config(meta))
+    path = save_hf_checkpoint(out, ck.checkpoint_spec(ckpt_dir), load_canonical(ckpt_dir), config=export_config(meta),
+                              generation_config=meta.get("generation_config"))
     _copy_tokenizer(meta.get("tokenizer"), path)
     return str(path)
 

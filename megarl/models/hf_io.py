@@ -85,6 +85,18 @@ def read_hf_config(path: str | os.PathLike | None) -> dict:
     return json.loads((p / "config.json").read_text())
 
 
+def read_generation_config(path: str | os.PathLike | None) -> dict | None:
+    """A Hugging Face directory's ``generation_config.json`` as written (EOS ids, sampling defaults that vLLM
+    and ``generate`` read), or None: a GGUF file, or a directory without one.
+
+    Raises:
+        FileNotFoundError: no such path.
+    """
+    p = resolve_model_path(path)
+    f = p / "generation_config.json"
+    return json.loads(f.read_text()) if p.is_dir() and f.is_file() else None
+
+
 @dataclass
 class HFCheckpoint:
     """A Hugging Face checkpoint opened for reading canonical tensors.
@@ -226,12 +238,14 @@ def load_tokenizer(path: str | os.PathLike | None):
 
 
 def save_hf_checkpoint(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Mapping[str, torch.Tensor],
-                       *, max_shard_bytes: int = 5 * 2**30, config: dict | None = None) -> Path:
+                       *, max_shard_bytes: int = 5 * 2**30, config: dict | None = None,
+                       generation_config: dict | None = None) -> Path:
     """Write canonical tensors as a Hugging Face directory (config.json + safetensors, sharded above
     ``max_shard_bytes`` with an index), atomically (a temporary directory renamed at the end).
 
     Args:
         config: the ``config.json`` content (e.g. the source model's own config); default: the spec's.
+        generation_config: the ``generation_config.json`` content (the source model's); None writes none.
 
     Raises:
         SpecError: a canonical tensor of the spec is missing or has another shape.
@@ -252,6 +266,8 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Map
         spec.to_hf_config().save_pretrained(str(tmp))
     else:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if generation_config is not None:
+        (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2, sort_keys=True) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in shapes:

@@ -187,6 +187,7 @@ class Trainer:
         self.spec, _, tok_source = ck.source_spec(None if cfg.model.path == "default" else cfg.model.path)
         validate_for_model(cfg, self.spec)
         self.source_config = ck.source_config(None if cfg.model.path == "default" else cfg.model.path)
+        self.generation_config = ck.source_generation_config(None if cfg.model.path == "default" else cfg.model.path)
         self.tokenizer_source = cfg.model.tokenizer or tok_source
         if self.tokenizer_source is None:
             raise ConfigError(f"model.tokenizer: {cfg.model.path} has no tokenizer; name a tokenizer directory")
@@ -460,7 +461,8 @@ class Trainer:
                              critic_scheduler=share_object(self.critic and self.critic.scheduler.state_dict(),
                                                            self.pools["critic"].ranks) if "critic" in self.pools
                              else None,
-                             config=to_dict(self.cfg), world_size=self.world, source_config=self.source_config)
+                             config=to_dict(self.cfg), world_size=self.world, source_config=self.source_config,
+                             generation_config=self.generation_config)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         self._reload()  # an offloaded optimizer state is saved from the device, then goes back to the host
         with phase("checkpoint"):
