@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
 
 
 class UsageError(ValueError):
@@ -344,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.parallel.lifecycle import bind_to_launcher
 
     bind_to_launcher()  # a rank (torchrun relaunch, torchrun, srun) ends with the process that started it
+    if is_rank():
+        import faulthandler
+
+        faulthandler.enable()  # a rank that crashes in native code (SIGSEGV, SIGABRT) prints its Python stacks
     argv = list(sys.argv[1:] if argv is None else argv)
     from megarl.config import ConfigError
     from megarl.parallel.lifecycle import PeerLostError
@@ -376,17 +380,32 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _close_process_group() -> None:
-    """Destroy this rank's process group before the interpreter exits, so that c10d's background threads are
-    joined rather than torn down mid-run at exit (which can abort a finished rank with ``terminate called
-    without an active exception``)."""
+def _end_rank(status: int) -> NoReturn:
+    """End a finished rank: destroy its process groups while the interpreter is whole, flush its output, and
+    leave with ``os._exit`` as :mod:`multiprocessing` ends its children, without interpreter teardown.
+
+    Teardown destroys C++ objects of torch and gloo whose worker threads may still hold Python objects; on a
+    loaded machine that aborted a finished rank now and then (``terminate called without an active
+    exception``, exit code -6) after its work was done and written. Everything a rank writes is closed before
+    this (loggers, checkpoints, reports); helper processes go with the rank's process group
+    (:mod:`megarl.parallel.lifecycle`)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
-if __name__ == "__main__":  # a rank of a torchrun relaunch, torchrun or srun (python -m megarl.cli ...)
+def entry() -> NoReturn:
+    """The ``megarl`` command and ``python -m megarl.cli``: :func:`main`, then the exit (a rank's by
+    :func:`_end_rank`)."""
     status = main()
-    _close_process_group()
+    if is_rank():  # a rank of a torchrun relaunch, torchrun or srun
+        _end_rank(status)
     sys.exit(status)
+
+
+if __name__ == "__main__":
+    entry()
