@@ -412,15 +412,26 @@ class AlgorithmConfig:
 
 @dataclass
 class ReshardConfig:
-    """The reshard engine. bucket_mb: staging bytes (packed for sending + unpacked after receiving) per rank per
-    round, MiB (fractions allowed), at least :data:`MIN_BUCKET_MB` (64 KiB); two such buffers per rank (rounds
-    overlap)."""
+    """The reshard engine (:mod:`megarl.reshard.executor`).
+
+    Attributes:
+        bucket_mb: staging bytes (packed for sending + unpacked after receiving) per rank per round, MiB
+            (fractions allowed), at least :data:`MIN_BUCKET_MB` (64 KiB); two such buffers per rank (rounds
+            overlap).
+        direct_min_kb: pieces of at least this many KiB that are one contiguous run of memory at an end are
+            sent straight from the actor's tensors or received straight into the rollout engine's (no staging
+            copy); null stages every piece through the buckets, a fallback for a transport that cannot address
+            the engine's memory (``megarl bench reshard --no-direct`` measures the difference).
+    """
 
     bucket_mb: float = 64.0
+    direct_min_kb: Optional[float] = 256.0
 
     def __post_init__(self):
         _require(self.bucket_mb >= MIN_BUCKET_MB, "reshard.bucket_mb",
                  f"must be >= {MIN_BUCKET_MB:g} MiB (64 KiB; the unit is MiB), got {self.bucket_mb:g}")
+        _require(self.direct_min_kb is None or self.direct_min_kb > 0, "reshard.direct_min_kb",
+                 f"must be > 0 KiB, or null to stage every piece; got {self.direct_min_kb}")
 
 
 ROLES = ("actor", "critic", "reference", "reward", "rollout")

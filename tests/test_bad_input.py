@@ -88,6 +88,7 @@ CASES = [
     (["train", "algorithm.policy_loss=gspo"], "algorithm.policy_loss"),
     (["train", "trainer.steps=0"], "trainer.steps"),
     (["train", "reshard.bucket_mb=0.00001"], "reshard.bucket_mb"),
+    (["train", "reshard.direct_min_kb=0"], "reshard.direct_min_kb: must be > 0 KiB, or null"),
     (["train", "data.train_files=[]"], "data.train_files"),
     (["train", "no_such_config.yaml"], "no_such_config.yaml does not exist"),
     (["train", "YAML:syntax.yaml"], "syntax.yaml: not valid YAML"),

@@ -83,20 +83,25 @@ COMPARED = ["reward/mean", "response/length_mean", "actor/pg_loss", "actor/grad_
 def test_colocated_and_split_pools_match_the_single_pool_run_at_step_1(task):
     """Against the default (every role on ``all``) on two ranks, the same step-1 metrics from (1) every role on
     an explicit pool of both ranks with the reward scored on rank 1 alone, and (2) the actor on rank 0, the
-    reference and the reward on rank 1, the rollout on both (megatron's state plus the pools' DP groups)."""
+    reference and the reward on rank 1, the rollout on both (megatron's state plus the pools' DP groups), its
+    weights sent to rank 1 with every piece staged (``reshard.direct_min_kb=null``) or every piece direct."""
     root, model, data = task
     base = task_overrides(model, data, root / "runs", "single") + STEP
     single = run_world(train_on_rank, 2, base)[0][0]
     placed = run_world(train_on_rank, 2, base + [
         "run.name=placed", "placement.pools.both=[0,1]", "placement.pools.one=[1]", "placement.actor=both",
         "placement.reference=both", "placement.rollout=both", "placement.reward=one"])[0][0]
-    split = run_world(train_on_rank, 2, base + [
-        "run.name=split", "placement.pools.train=[0]", "placement.pools.score=[1]", "placement.actor=train",
-        "placement.reference=score", "placement.reward=score"])[0][0]
+    split = ["placement.pools.train=[0]", "placement.pools.score=[1]", "placement.actor=train",
+             "placement.reference=score", "placement.reward=score"]
+    # the actor's weights reach rank 1's engine over the wire: every piece staged, or every piece direct
+    staged = run_world(train_on_rank, 2, base + split + ["run.name=staged", "reshard.direct_min_kb=null"])[0][0]
+    direct = run_world(train_on_rank, 2, base + split + ["run.name=direct", "reshard.direct_min_kb=0.001"])[0][0]
     assert single["actor/ppo_kl"] != 0  # the second mini-batch ran after an update
-    for other in (placed, split):
+    for other in (placed, staged, direct):
         for key in COMPARED:
             assert other[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), key
+    assert staged["reshard/bytes_sent"] == direct["reshard/bytes_sent"] > 0
+    assert staged["reshard/bytes_staged"] >= staged["reshard/bytes_sent"] > direct["reshard/bytes_staged"]
 
 
 def _offload_round_trip(rank, world, model_dir):

@@ -333,7 +333,7 @@ class Trainer:
             "offload/to_host_s": moves["to_host"], "offload/to_device_s": moves["to_device"],
             "offload/host_bytes": offloaded_bytes, "offload/device_used_bytes": in_use,
             "reshard/bytes_sent": getattr(stats, "bytes_sent", 0), "reshard/peak_extra_bytes":
-                getattr(stats, "peak_extra_bytes", 0),
+                getattr(stats, "peak_extra_bytes", 0), "reshard/bytes_staged": getattr(stats, "bytes_staged", 0),
             **{f"time/{k}": v for k, v in phases.items()}, "time/step": step_s,
             "throughput/generate_tokens_per_s": gen_tokens / max(phases.get("generate", 1e-9), 1e-9),
             "data/epoch": self.loader.epoch,
@@ -361,9 +361,11 @@ class Trainer:
     def _reshard_actor_to_engine(self):
         """Wake the rollout engine and write the actor's current weights into it; returns the reshard stats."""
         self.engine.wake_up()
+        rc = self.cfg.reshard
         return self.engine.update_weights(lambda dst: execute_plan(
             self.reshard_plan, self.actor.source_tensors() if self.actor else {}, dst,
-            bucket_bytes=int(self.cfg.reshard.bucket_mb * 2**20)))
+            bucket_bytes=int(rc.bucket_mb * 2**20),
+            direct_min_bytes=None if rc.direct_min_kb is None else math.ceil(rc.direct_min_kb * 2**10)))
 
     def validate(self) -> dict[str, Any]:
         """Validation metrics (``val/...``) of the current actor; its responses go to ``val_samples.jsonl``.
