@@ -41,7 +41,7 @@ def folders(tmp_path_factory):
     cfg = json.loads((model / "config.json").read_text())
     cfg.update(eos_token_id=None, pad_token_id=None, dtype="float32")
     (model / "config.json").write_text(json.dumps(cfg, indent=2))
-    generation = {"bos_token_id": 2, "eos_token_id": [1, 3], "do_sample": True, "temperature": 0.6, "top_p": 0.95}
+    generation = {"bos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.95}  # EOS: the tokenizer's
     (model / "generation_config.json").write_text(json.dumps(generation))
     write_prompts(b / "prompts.jsonl", 8)
     return a, b, c
@@ -81,13 +81,20 @@ def test_convert_train_export_from_other_folders_with_no_eos_in_the_config(folde
         (a / "mymodel/generation_config.json").read_text())
 
 
-def test_eos_from_tokenizer_or_an_error_naming_the_fix():
+def test_eos_from_both_configs_or_the_tokenizer_or_an_error_naming_the_fix():
     from types import SimpleNamespace
 
     from megarl.config import ConfigError
-    from megarl.trainer.trainer import eos_from_tokenizer
+    from megarl.trainer.trainer import resolve_eos
 
+    tok = SimpleNamespace(eos_token_id=7, eos_token="</s>")
+    llama3 = PRESETS["smollm2-135m"].replace(eos_token_ids=(128001,))  # config.json: <|end_of_text|> only
+    generation = {"eos_token_id": [128001, 128008, 128009]}  # generation_config.json adds <|eot_id|> (128009)
+    assert resolve_eos(llama3, tok, "m", generation).eos_token_ids == (128001, 128008, 128009)
+    assert resolve_eos(llama3, tok, "m", {"eos_token_id": 5}).eos_token_ids == (128001, 5)
+    assert resolve_eos(llama3, tok, "m", {"temperature": 0.6}).eos_token_ids == (128001,)
     spec = PRESETS["smollm2-135m"].replace(eos_token_ids=(), pad_token_id=None)
-    assert eos_from_tokenizer(spec, SimpleNamespace(eos_token_id=7, eos_token="</s>"), "m").eos_token_ids == (7,)
+    assert resolve_eos(spec, tok, "m", generation).eos_token_ids == (128001, 128008, 128009)
+    assert resolve_eos(spec, tok, "m").eos_token_ids == (7,)
     with pytest.raises(ConfigError, match="model.path: neither the config of m .*set eos_token_id"):
-        eos_from_tokenizer(spec, SimpleNamespace(eos_token_id=None, eos_token=None), "m")
+        resolve_eos(spec, SimpleNamespace(eos_token_id=None, eos_token=None), "m")

@@ -28,7 +28,7 @@ from megarl.rewards.registry import load_reward_fn
 from megarl.rollout.base import RolloutEngine, WriteFn, state_dict_writer
 from megarl.rollout.data_parallel import rollout_dp_group
 from megarl.trainer.preflight import check_files
-from megarl.trainer.trainer import eos_from_tokenizer, load_validation, make_engine
+from megarl.trainer.trainer import load_validation, make_engine, resolve_eos
 from megarl.trainer.validation import append_samples, score_data_parallel
 
 
@@ -65,7 +65,7 @@ def evaluate_model(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
     check_files(cfg, "validation.files", cfg.validation.files)
     init_distributed()
     tokenizer = load_tokenizer(cfg.model.tokenizer or tokenizer_source)
-    spec = eos_from_tokenizer(spec, tokenizer, cfg.model.path)
+    spec = resolve_eos(spec, tokenizer, cfg.model.path, ck.source_generation_config(source))
     validation = load_validation(cfg, tokenizer, score_data_parallel(load_reward_fn(cfg.reward.fn, cfg.reward.kwargs)),
                                  spec)
     engine = make_engine(cfg, spec)

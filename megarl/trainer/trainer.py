@@ -107,15 +107,20 @@ def load_prompts(cfg: Config, tokenizer, files: list[str] | None = None,
                          template=template, max_prompt_length=cfg.data.max_prompt_length, source=",".join(files))
 
 
-def eos_from_tokenizer(spec: ModelSpec, tokenizer, source: str) -> ModelSpec:
-    """``spec`` with the tokenizer's end-of-sequence token where the model's config names none
-    (``eos_token_id: null``, e.g. a checkpoint saved without generation settings), said in a warning.
+def resolve_eos(spec: ModelSpec, tokenizer, source: str, generation_config: dict | None = None) -> ModelSpec:
+    """``spec`` with every token that ends a response: the config's EOS ids, then those of the model's
+    ``generation_config.json`` that the config lacks (Llama-3-Instruct ends a chat turn with ``<|eot_id|>``,
+    named only there; vLLM and ``generate`` stop at both too); where neither names one (``eos_token_id: null``,
+    a checkpoint saved without generation settings), the tokenizer's EOS, said in a warning.
 
     Raises:
-        ConfigError: naming ``model.path`` and the fix, when neither the config nor the tokenizer names one.
+        ConfigError: naming ``model.path`` and the fix, when neither the configs nor the tokenizer names one.
     """
-    if spec.eos_token_ids:
-        return spec
+    extra = (generation_config or {}).get("eos_token_id")
+    extra = [extra] if isinstance(extra, int) else list(extra or [])
+    ids = tuple(dict.fromkeys([*spec.eos_token_ids, *(int(i) for i in extra)]))
+    if ids:
+        return spec.replace(eos_token_ids=ids) if ids != spec.eos_token_ids else spec
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ConfigError(f"model.path: neither the config of {source} (eos_token_id: null) nor its tokenizer "
@@ -192,7 +197,7 @@ class Trainer:
         if self.tokenizer_source is None:
             raise ConfigError(f"model.tokenizer: {cfg.model.path} has no tokenizer; name a tokenizer directory")
         self.tokenizer = load_tokenizer(self.tokenizer_source)
-        self.spec = eos_from_tokenizer(self.spec, self.tokenizer, cfg.model.path)
+        self.spec = resolve_eos(self.spec, self.tokenizer, cfg.model.path, self.generation_config)
         self.prompts = load_prompts(cfg, self.tokenizer)  # bad data fails before any model is built
         self.reward_ranks = self.layouts["reward"].ranks  # a reward model is loaded on its pool only
         self.reward_fn = load_reward_fn(cfg.reward.fn, cfg.reward.kwargs) if self.rank in self.reward_ranks else None
