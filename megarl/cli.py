@@ -134,12 +134,6 @@ def is_rank() -> bool:
     return "RANK" in os.environ or "SLURM_PROCID" in os.environ
 
 
-def _rank_of_job() -> int:
-    """This process's global rank under torchrun (``RANK``) or SLURM (``SLURM_PROCID``); 0 for a launcher or a
-    plain process."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-
-
 # ------------------------------------------------------------------------------------------------ commands
 @command("train", help="RL post-training (PPO, GRPO, RLOO, REINFORCE++)")
 def _train(p: argparse.ArgumentParser):
@@ -370,9 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ConfigError, ValueError, FileNotFoundError, RunLockedError) as e:  # errors naming the fix
         if os.environ.get("MEGARL_TRACEBACK"):
             raise
-        if not (isinstance(e, (UsageError, ConfigError)) and _rank_of_job() > 0):  # the same on every rank:
-            print(f"megarl: error: {e}", file=sys.stderr)  # rank 0 says it once for the job
-        return 2
+        print(f"megarl: error: {e}", file=sys.stderr)  # every rank of a job says it: a rank that stayed silent
+        return 2  # could be the one its launcher leaves standing, and the message would be lost
     except PeerLostError as e:  # one rank's view of a failed job: what it lost, and where
         if os.environ.get("MEGARL_TRACEBACK"):
             raise
