@@ -150,7 +150,10 @@ def _train(p: argparse.ArgumentParser):
         if not is_rank():
             from megarl.trainer.run_lock import check_free
 
+            from megarl.trainer.trainer import check_run_folder
+
             check_free(cfg.run.run_dir)  # another run owns the folder: stop before starting any process
+            check_run_folder(cfg, cfg.world_size)  # checkpoints of an earlier run, or of another layout
         if relaunch_world(cfg, ["train", *a.argv]):
             return 0
         from megarl.trainer.trainer import train

@@ -30,6 +30,10 @@ def tiny(tmp_path_factory):
     cfg.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8,
                max_window_layers=1)
     (windowed / "config.json").write_text(json.dumps(cfg))
+    notoken = root / "notoken"  # the weights and config alone, no tokenizer files
+    notoken.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (notoken / name).write_bytes((model / name).read_bytes())
     for name, text in YAML_FILES.items():
         (root / name).write_text(text)
     return model, data, windowed
@@ -124,6 +128,8 @@ CASES = [
     pytest.param(["TINY", "rollout.engine=vllm"], "rollout.engine: vllm generates on a GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
     (["WINDOWED"], "model.path: sliding-window attention"),
+    (["TINY", "model.path=NOTOKEN"], "model.tokenizer: no usable tokenizer in "),
+    (["eval", "NOTOKEN"], "no usable tokenizer in "),
     # command-line flags
     (["bench", "reshard", "--dst-tp", "2"], "--dst-tp"),
     (["bench", "reshard", "--src-tp", "2"], "--src-tp"),
@@ -157,7 +163,7 @@ def test_bad_input_is_one_error_line_naming_the_field(tiny, run_cli, argv, names
         argv = _tiny_train(tiny, *argv[1:])
     elif argv[0] == "WINDOWED":
         argv = _tiny_train(tiny, f"model.path={tiny[2]}")
-    argv = [str(tiny[0]) if a == "TINYMODEL" else a for a in argv]
+    argv = [str(tiny[0]) if a == "TINYMODEL" else a.replace("NOTOKEN", str(tiny[0].parent / "notoken")) for a in argv]
     argv = [str(tiny[0].parent / a[5:]) if a.startswith("YAML:") else a for a in argv]
     status, err = run_cli(argv)
     lines = err.strip().splitlines()

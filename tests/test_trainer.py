@@ -70,6 +70,32 @@ def test_resume_reproduces_the_uninterrupted_run(task):
         assert resumed[2][key] == pytest.approx(straight[2][key], rel=1e-5, abs=1e-7), key
 
 
+def test_a_run_folder_with_checkpoints_takes_only_its_own_run_resumed_at_its_layout(task):
+    """A new run on a folder that holds an earlier run's checkpoints is refused (a later --resume would have
+    loaded the older weights), and so is a resume at another layout; both before any process starts."""
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer.trainer import check_run_folder
+
+    root, model, data = task
+    base = task_overrides(model, data, root / "runs", "owned") + RESUME + ["trainer.steps=1"]
+    _run(task, "owned", extra=RESUME + ["trainer.steps=1"])
+    again = _cli(*base)
+    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1] == (
+        f"megarl: error: run.name: the run folder {root / 'runs/owned'} holds checkpoints of an earlier run (newest "
+        "step_000001); continue that run with --resume (trainer.resume=true), or start this one under another "
+        "run.name (or delete the folder)"), again.stderr[-2000:]
+    other = _cli(*base, "trainer.steps=2", "actor.parallel.pp=2", "--resume")
+    assert other.returncode == 2, other.stderr[-2000:]
+    line = other.stderr.strip().splitlines()[-1]
+    assert line.startswith("megarl: error: trainer.resume: ") and "another layout (world_size 1 -> 2, " \
+        "actor.parallel tp=1 pp=1 -> tp=1 pp=2)" in line and "model.path=" in line, line
+    assert "launching" not in other.stdout  # no process started
+    check_run_folder(load_config(None, base + ["trainer.resume=true"]), 1)  # the same layout resumes
+    with pytest.raises(ConfigError, match="placement"):
+        check_run_folder(load_config(None, base + ["trainer.resume=true", "placement.pools.one=[0]",
+                                                   "placement.reward=one"]), 1)
+
+
 LAYOUT = ["trainer.steps=1", "trainer.save_every=0", "data.prompts_per_step=4", "rollout.n=4",
           "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=2", "actor.optim.lr=1e-2"]
 

@@ -25,6 +25,7 @@ def check_conversion(src: str | None, tp: int, pp: int, dtype: str | None) -> No
             model (naming ``--tp``/``--pp`` and the sizes that would). FileNotFoundError: no such source.
     """
     from megarl.models.checkpoint import DTYPES, source_spec
+    from megarl.models.hf_io import load_tokenizer
     from megarl.models.megatron import check_layout
     from megarl.models.spec import SpecError
     from megarl.parallel.mesh import ParallelLayout
@@ -37,6 +38,10 @@ def check_conversion(src: str | None, tp: int, pp: int, dtype: str | None) -> No
             check_layout(spec, layout)
         except SpecError as e:
             raise SpecError(f"{flag} {getattr(layout, flag[2:])}: {e}") from None
+    try:
+        load_tokenizer(src)
+    except ValueError as e:  # the weights convert; training and evaluation need a tokenizer named then
+        log.warning("converting without a tokenizer: %s", e)
 
 
 def convert_rank(rank: int, world: int, src: str | None, out: str, tp: int, pp: int, dtype_name: str | None

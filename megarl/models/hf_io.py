@@ -228,13 +228,25 @@ def _open_gguf(path: Path) -> HFCheckpoint:
 
 
 def load_tokenizer(path: str | os.PathLike | None):
-    """The tokenizer of a Hugging Face directory or GGUF file (``AutoTokenizer``, offline)."""
+    """The tokenizer of a Hugging Face directory or GGUF file (``AutoTokenizer``, offline).
+
+    Raises:
+        FileNotFoundError: no such path.
+        ValueError: no tokenizer there that transformers can load, naming the path, what it needs and
+            ``model.tokenizer``.
+    """
     from transformers import AutoTokenizer
 
     p = resolve_model_path(path)
-    if p.is_file() and p.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    return AutoTokenizer.from_pretrained(str(p))
+    try:
+        if p.is_file() and p.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        return AutoTokenizer.from_pretrained(str(p))
+    except (OSError, ValueError, TypeError) as e:
+        reason = " ".join(str(e).split())[:200]
+        raise ValueError(f"no usable tokenizer in {p} ({reason}): a model folder needs tokenizer.json (or "
+                         "tokenizer.model, or vocab.json + merges.txt) with its tokenizer_config.json; or name "
+                         "the tokenizer's folder with model.tokenizer=PATH") from None
 
 
 def save_hf_checkpoint(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Mapping[str, torch.Tensor],

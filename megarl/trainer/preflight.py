@@ -4,7 +4,7 @@
 :func:`validate_for_model` adds what the model's own config (``config.json``, GGUF metadata or a preset)
 determines: whether its heads, query groups, FFN and vocab split at each role's TP, whether its layers split
 at the PP size, whether the rollout engine's TP fits it, whether its context holds a prompt and a response.
-:func:`preflight` adds the train and validation files, the reward function and what this machine needs, and is what
+:func:`preflight` adds the tokenizer, the train and validation files, the reward function and what this machine needs, and is what
 ``megarl train`` (and ``megarl bench step``) run in the launching process, before torchrun starts any rank.
 The :class:`~megarl.trainer.trainer.Trainer` runs :func:`validate_for_model` again on every rank (a job
 started by torchrun or srun), before it builds a model.
@@ -20,6 +20,7 @@ import torch
 
 from megarl.config import Config, ConfigError, validate_for_world
 from megarl.models.checkpoint import source_spec
+from megarl.models.hf_io import load_tokenizer
 from megarl.models.layout import check_vllm_tp
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError
@@ -104,6 +105,21 @@ def check_reward(cfg: Config) -> None:
         raise ConfigError(f"reward.fn: {e}") from None
 
 
+def check_tokenizer(cfg: Config) -> None:
+    """The tokenizer of ``model.tokenizer``, or else of the model, loads.
+
+    Raises:
+        ConfigError: naming ``model.tokenizer``, the path and what a tokenizer folder needs.
+    """
+    source = cfg.model.tokenizer or source_spec(None if cfg.model.path == "default" else cfg.model.path)[2]
+    if source is None:
+        raise ConfigError(f"model.tokenizer: {cfg.model.path} has no tokenizer; name a tokenizer directory")
+    try:
+        load_tokenizer(source)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"model.tokenizer: {e}") from None
+
+
 def check_this_machine(cfg: Config) -> None:
     """What this machine must have for a job of its own ranks: vLLM rollouts need vLLM and a GPU.
 
@@ -128,6 +144,7 @@ def preflight(cfg: Config, world_size: int) -> ModelSpec:
     validate_for_world(cfg, world_size)
     spec = model_spec(cfg)
     validate_for_model(cfg, spec)
+    check_tokenizer(cfg)
     check_data_files(cfg)
     check_reward(cfg)
     check_this_machine(cfg)

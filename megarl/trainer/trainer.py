@@ -139,6 +139,45 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
 
 
+def check_run_folder(cfg: Config, world_size: int) -> None:
+    """What the run folder's checkpoints allow: a new run needs a folder without any (else a later ``--resume``
+    would load an older run's weights), a resumed run its newest checkpoint written at this run's layout
+    (world size, each Megatron role's TP and PP, the placement: megatron's optimizer state does not reshard).
+
+    Raises:
+        ConfigError: naming ``run.name`` (a new run on an earlier run's checkpoints) or ``trainer.resume`` (a
+            checkpoint of another layout), the checkpoint and the fix.
+    """
+    found = checkpoints(cfg.run.run_dir)
+    if not found:
+        return
+    newest = found[-1]
+    if not cfg.trainer.resume:
+        raise ConfigError(f"run.name: the run folder {cfg.run.run_dir} holds checkpoints of an earlier run (newest "
+                          f"{newest.name}); continue that run with --resume (trainer.resume=true), or start this "
+                          "one under another run.name (or delete the folder)")
+    meta = ck.read_meta(newest)
+    then = _layout_record(meta.get("config") or {}, meta.get("world_size"))
+    now = _layout_record(to_dict(cfg), world_size)
+    if then != now:
+        changed = ", ".join(f"{k} {then.get(k)} -> {now.get(k)}" for k in now if then.get(k) != now.get(k))
+        raise ConfigError(f"trainer.resume: {newest} was written at another layout ({changed}); megatron's "
+                          "optimizer state does not reshard: resume with the layout it was written at, or start a "
+                          f"new run from its weights alone (model.path={newest})")
+
+
+def _layout_record(config: dict[str, Any], world_size: int | None) -> dict[str, Any]:
+    """What a checkpoint's sharding depends on, from a config as plain data (:func:`~megarl.config.to_dict`)."""
+    def mesh(section: dict[str, Any] | None) -> str | None:
+        return None if not section else f"tp={section.get('tp')} pp={section.get('pp')}"
+
+    placement = dict(config.get("placement") or {})
+    return {"world_size": world_size, "actor.parallel": mesh(config.get("actor", {}).get("parallel")),
+            "critic.parallel": mesh(config.get("critic", {}).get("parallel")),
+            "placement.reference_parallel": mesh(placement.pop("reference_parallel", None)),
+            "placement": placement}
+
+
 def load_validation(cfg: Config, tokenizer, score, spec) -> Validation:
     """The held-out evaluation of ``cfg.validation``, its prompts templated and filtered like the training
     prompts (:func:`load_prompts`), scored by ``score(prompts, responses, ground_truths) -> [B] scores``."""
@@ -604,10 +643,12 @@ def train(cfg: Config) -> dict[str, Any]:
     another run owns.
 
     Raises:
+        ConfigError: the run folder's checkpoints do not fit this run (:func:`check_run_folder`).
         RunLockedError: another run owns the run folder (rank 0).
         PeerLostError: a collective failed because a peer died or stalled past ``trainer.timeout_s``.
     """
     seed_all(cfg.run.seed)
+    check_run_folder(cfg, launch_info().world_size)
     lock = RunLock(cfg.run.run_dir).acquire() if launch_info().rank == 0 else None
     try:
         os.makedirs(cfg.run.run_dir, exist_ok=True)
