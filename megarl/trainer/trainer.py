@@ -418,8 +418,15 @@ class Trainer:
         samples do not depend on when, or whether, the run validates.
         """
         calls = self.engine.calls
+        if self.rank == 0:  # minutes on a CPU: say what runs (the step bar waits meanwhile)
+            log.info("validating at step %d: %s", self.step_idx, self.validation.describe())
+        start = time.perf_counter()
         self._reshard_actor_to_engine()
         metrics, records = self.validation.run(self.engine, group=self.rollout_group)
+        if self.rank == 0:
+            log.info("validation at step %d: accuracy %.3f, mean reward %.3f (%.0f s)", self.step_idx,
+                     metrics.get("val/accuracy", float("nan")), metrics.get("val/reward_mean", float("nan")),
+                     time.perf_counter() - start)
         self.engine.sleep(level=2)
         self.engine.calls = calls
         if self.rank == 0:
