@@ -312,7 +312,7 @@ class RewardConfig:
             this process; "http" for a reward model served over HTTP, e.g. by vLLM) or a dotted path to a user
             function ("pkg.mod:fn").
         kwargs: keyword arguments for the function (gsm8k: correct_score, format_score (default 0.1: a wrong
-            answer in the "#### N" format), strict; reward_model: model (an HF directory), batch_size,
+            answer in the "#### N" format), strict, last_number; reward_model: model (an HF directory), batch_size,
             max_length, device, dtype; http: url, model, api, batch_size, timeout_s, max_retries, backoff_s,
             label_index, template).
     """

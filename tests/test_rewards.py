@@ -30,15 +30,30 @@ def test_normalize_number(text, expected):
     ("#### -3.50", ("-3.5", True)),
     ("So the answer is \\boxed{18 \\text{ dollars}}. Check: 9 * 2", ("18", False)),
     ("\\boxed{1} then \\boxed{\\frac{3}{4}}", ("3", False)),               # the last box
-    ("3 apples and 4 pears make 7.", ("7", False)),                       # the last number
-    ("It costs 1,000 dollars", ("1000", False)),
-    ("5-3=2", ("2", False)),
-    ("The answer is \u22124", ("-4", False)),
+    ("\\boxed{\u22124}", ("-4", False)),
     ("#### unknown", (None, False)),
     ("no numbers here", (None, False)),
 ])
 def test_extract_answer(response, expected):
     assert extract_answer(response) == expected
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("3 apples and 4 pears make 7.", "7"),
+    ("It costs 1,000 dollars", "1000"),
+    ("5-3=2", "2"),
+    ("The answer is \u22124", "-4"),
+])
+def test_extract_answer_last_number_is_opt_in(response, expected):
+    assert extract_answer(response, last_number=True) == (expected, False)
+    assert extract_answer(response) == (None, False)
+
+
+def test_cut_off_response_is_not_correct_by_default():
+    # A response cut at the length limit that ends with the problem's own number, equal to the answer.
+    cut = "Step 1: the tank holds 15 liters. We know that 15 liters of pineapple"
+    assert gsm8k_reward([""], [cut], ["15"]) == [0.0]
+    assert gsm8k_reward([""], [cut], ["15"], last_number=True) == [1.0]
 
 
 def test_extract_answer_strict_accepts_only_the_hash_format():
@@ -50,7 +65,8 @@ def test_extract_answer_strict_accepts_only_the_hash_format():
 def test_gsm8k_reward_scores():
     responses = ["#### 72", "The total is 72 clips.", "#### 71", "I don't know.", "#### 1,000.00", "#### 7"]
     truths = ["72", "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72", "72", "72", "1000", "7"]
-    assert gsm8k_reward([""] * 6, responses, truths) == [1.0, 1.0, 0.1, 0.0, 1.0, 1.0]
+    assert gsm8k_reward([""] * 6, responses, truths) == [1.0, 0.0, 0.1, 0.0, 1.0, 1.0]
+    assert gsm8k_reward([""] * 6, responses, truths, last_number=True) == [1.0, 1.0, 0.1, 0.0, 1.0, 1.0]
     assert gsm8k_reward([""] * 6, responses, truths, format_score=0.0, strict=True, correct_score=2.0) == \
         [2.0, 0.0, 0.0, 0.0, 2.0, 2.0]
     with pytest.raises(RewardError, match="sample 1 has no ground truth"):

@@ -5,7 +5,11 @@ The response's answer is, in order of preference:
 1. the first number after ``####`` (the format the instruction asks for, :data:`GSM8K_INSTRUCTION`; the
    first so that a model cannot list several answers; a ``$`` between is allowed);
 2. else the first number inside the last ``\\boxed{...}``;
-3. else the last number in the response (not in strict mode).
+3. else, only with ``last_number=True`` (lm-evaluation-harness's "flexible extract"), the last number in the
+   response. It is off by default: a response cut at the length limit mid-sentence often ends with a number
+   of the problem itself, which would count as correct when it equals the answer.
+
+``strict`` accepts only 1.
 
 Numbers are normalised before comparison (:func:`normalize_number`): thousands separators, ``$``, a trailing
 ``%`` or ``.``, units after the number and trailing zeros after the decimal point are dropped, so
@@ -51,12 +55,13 @@ def normalize_number(text: str) -> str | None:
     return "0" if out == "-0" else out
 
 
-def extract_answer(response: str, *, strict: bool = False) -> tuple[str | None, bool]:
+def extract_answer(response: str, *, strict: bool = False, last_number: bool = False) -> tuple[str | None, bool]:
     """The normalised final answer of a response and whether it was stated as ``#### N``.
 
     Args:
         response: the model's response text.
         strict: accept only a ``#### N`` answer.
+        last_number: without ``#### N`` or ``\\boxed{}``, take the response's last number ("flexible extract").
 
     Returns:
         ``(answer or None, formatted)`` (module docstring for the rules).
@@ -71,6 +76,8 @@ def extract_answer(response: str, *, strict: bool = False) -> tuple[str | None, 
     numbers = _NUMBER_RE.findall(boxed) if boxed is not None else []
     if numbers:
         return normalize_number(numbers[0]), False
+    if not last_number:
+        return None, False
     numbers = _NUMBER_RE.findall(text)
     return (normalize_number(numbers[-1]) if numbers else None), False
 
@@ -91,7 +98,8 @@ def ground_truth_number(answer: str) -> str:
 
 @register_reward("gsm8k")
 def gsm8k_reward(prompts: Sequence[str], responses: Sequence[str], ground_truths: Sequence[str | None], *,
-                 correct_score: float = 1.0, format_score: float = 0.1, strict: bool = False) -> list[float]:
+                 correct_score: float = 1.0, format_score: float = 0.1, strict: bool = False,
+                 last_number: bool = False) -> list[float]:
     """Score GSM8K responses against their ground-truth numbers (module docstring).
 
     Args:
@@ -101,6 +109,8 @@ def gsm8k_reward(prompts: Sequence[str], responses: Sequence[str], ground_truths
         correct_score: score of a correct answer.
         format_score: score of a wrong answer stated as ``#### N``; 0 disables it.
         strict: only a ``#### N`` answer can be correct.
+        last_number: also accept the response's last number when it has neither ``#### N`` nor ``\\boxed{}``
+            (lm-evaluation-harness's "flexible extract"; off: a cut-off response would count).
 
     Returns:
         ``B`` floats: ``correct_score``, ``format_score`` or 0.
@@ -113,7 +123,7 @@ def gsm8k_reward(prompts: Sequence[str], responses: Sequence[str], ground_truths
         if truth is None:
             raise RewardError(f"sample {i} has no ground truth; the gsm8k reward needs the dataset's answer "
                               "(set the data's ground-truth field)")
-        answer, formatted = extract_answer(response, strict=strict)
+        answer, formatted = extract_answer(response, strict=strict, last_number=last_number)
         if answer is not None and answer == ground_truth_number(truth):
             scores.append(correct_score)
         else:
