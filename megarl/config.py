@@ -527,6 +527,8 @@ class TrainerConfig:
         _require(self.steps >= 1, "trainer.steps", "must be >= 1")
         _require(self.timeout_s > 0, "trainer.timeout_s", "must be > 0 (seconds)")
         _require(self.save_every >= 0, "trainer.save_every", "must be >= 0")
+        _require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints",
+                 f"{self.keep_checkpoints} must be >= 1 (how many of the newest checkpoints stay on disk)")
         unknown = [name for name in self.loggers if name not in LOGGERS]
         _require(not unknown, "trainer.loggers", f"unknown {unknown}; choose from {list(LOGGERS)}")
         _require("jsonl" in self.loggers, "trainer.loggers", "must include jsonl (the summary and `megarl report` "

@@ -91,6 +91,7 @@ CASES = [
     (["train", "rollout.top_k=50"], "rollout.top_k: 50 truncates"),
     (["train", "algorithm.policy_loss=gspo"], "algorithm.policy_loss"),
     (["train", "trainer.steps=0"], "trainer.steps"),
+    (["train", "trainer.keep_checkpoints=0"], "trainer.keep_checkpoints: 0 must be >= 1"),
     (["train", "reshard.bucket_mb=0.00001"], "reshard.bucket_mb"),
     (["train", "reshard.direct_min_kb=0"], "reshard.direct_min_kb: must be > 0 KiB, or null"),
     (["train", "data.train_files=[]"], "data.train_files"),
