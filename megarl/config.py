@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -665,10 +666,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         layers = [base]
         if path is not None:
             if not Path(path).is_file():
+                if Path(path).suffix not in (".yaml", ".yml") and re.fullmatch(r"[A-Za-z_]\w*(\.\w+)+", str(path)):
+                    raise ConfigError(f"{path}: an override needs a value, e.g. {path}=...; the config file, if "
+                                      "any, comes first: megarl COMMAND CONFIG.yaml key=value ...")
                 raise FileNotFoundError(f"config file {path} does not exist (see parallel_configs/)")
             layers.append(_load_yaml(path))
         if overrides:
             bad = [o for o in overrides if "=" not in o]
+            if any(Path(o).suffix in (".yaml", ".yml") for o in bad):
+                raise ConfigError(f"the config file must come first: megarl COMMAND CONFIG.yaml key=value ..., "
+                                  f"got {bad} after overrides")
             if bad:
                 raise ConfigError(f"overrides must be key=value, got {bad}")
             layers.append(_load_overrides(overrides))
@@ -721,8 +728,8 @@ def _load_overrides(overrides: list[str]):
 
 
 def _check_sections(base, layer, prefix: str = "") -> None:
-    """Refuse a plain value where the config has a section (``actor.parallel: 3``), naming the key (OmegaConf's
-    own merge error names no key).
+    """Refuse a plain value where the config has a section (``actor.parallel: 3``) or a list
+    (``data.train_files: a.parquet``), naming the key (OmegaConf's own merge errors name no key or no fix).
 
     Raises:
         ConfigError: naming the dotted key and the section's fields.
@@ -730,6 +737,8 @@ def _check_sections(base, layer, prefix: str = "") -> None:
     from omegaconf import OmegaConf
 
     for key, value in layer.items_ex(resolve=False):
+        if key in base and OmegaConf.is_list(base[key]) and value is not None and not OmegaConf.is_list(value):
+            raise ConfigError(f"{prefix}{key}: must be a list, e.g. [{value}]")
         if key not in base or not OmegaConf.is_dict(base[key]):
             continue  # unknown keys and wrong values are named by OmegaConf's merge
         fields = list(base[key].keys())

@@ -73,7 +73,8 @@ def _tiny_train(tiny, *extra):
     return ["train", *task_overrides(model, data, "runs", "bad"), *extra]
 
 
-YAML_FILES = {"syntax.yaml": "actor: [1, 2\n", "list.yaml": "- 1\n- 2\n", "section.yaml": "actor:\n  parallel: 3\n"}
+YAML_FILES = {"syntax.yaml": "actor: [1, 2\n", "list.yaml": "- 1\n- 2\n", "section.yaml": "actor:\n  parallel: 3\n",
+              "scalar_list.yaml": "data:\n  train_files: data/gsm8k/train.parquet\n"}
 
 # (argv, what the one error line must name); "TINY" marks a train command on the tiny model, "YAML:" a file
 CASES = [
@@ -99,6 +100,10 @@ CASES = [
     (["train", "YAML:syntax.yaml"], "syntax.yaml: not valid YAML"),
     (["train", "YAML:list.yaml"], "list.yaml: a config file maps sections"),
     (["train", "YAML:section.yaml"], "actor.parallel: is a section"),
+    (["train", "YAML:scalar_list.yaml"], "data.train_files: must be a list, e.g. [data/gsm8k/train.parquet]"),
+    (["train", "data.train_files=foo.parquet"], "data.train_files: must be a list, e.g. [foo.parquet]"),
+    (["train", "trainer.steps"], "trainer.steps: an override needs a value, e.g. trainer.steps=..."),
+    (["train", "trainer.steps=1", "parallel_configs/cpu_smollm2_ppo.yaml"], "the config file must come first"),
     (["train", "algorithm.kl=2"], "algorithm.kl: is a section"),
     (["train", "actor.optim.lr=[1,"], "actor.optim.lr: the value '[1,' is not valid YAML"),
     # what the world size determines
