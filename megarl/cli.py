@@ -35,6 +35,10 @@ class UsageError(ValueError):
     """Bad command-line input; the message names the flag and the fix."""
 
 
+class Interrupted(Exception):
+    """The user stopped the command (Ctrl-C, or a SIGTERM to its launcher); the message says how to go on."""
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with errors as one ``megarl: error:`` line (no usage dump), raised so :func:`main` prints it."""
 
@@ -112,6 +116,7 @@ def relaunch_world(cfg, argv: list[str]) -> bool:
     preflight(cfg, cfg.world_size)
     if cfg.world_size == 1:
         return False
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -121,6 +126,8 @@ def relaunch_world(cfg, argv: list[str]) -> bool:
     print(f"megarl: launching {cfg.world_size} processes with torchrun", flush=True)
     try:
         torchrun([f"--nproc_per_node={cfg.world_size}", "--standalone", "-m", "megarl.cli", *argv])
+    except SignalException:  # torchrun's agent got SIGINT/SIGTERM and has stopped the ranks
+        raise KeyboardInterrupt from None
     except ChildFailedError as e:
         failed = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in e.failures.items())
         print(f"megarl: error: megarl {argv[0]} failed on {failed}; see the ranks' messages above",
@@ -154,11 +161,18 @@ def _train(p: argparse.ArgumentParser):
 
             check_free(cfg.run.run_dir)  # another run owns the folder: stop before starting any process
             check_run_folder(cfg, cfg.world_size)  # checkpoints of an earlier run, or of another layout
-        if relaunch_world(cfg, ["train", *a.argv]):
-            return 0
-        from megarl.trainer.trainer import train
+        try:
+            if relaunch_world(cfg, ["train", *a.argv]):
+                return 0
+            from megarl.trainer.trainer import train
 
-        train(cfg)
+            train(cfg)
+        except KeyboardInterrupt:
+            from megarl.trainer.trainer import latest_checkpoint
+
+            newest = latest_checkpoint(cfg.run.run_dir)
+            raise Interrupted(f"--resume continues the run from {newest}" if newest else
+                              "no checkpoint was written yet: the run starts over") from None
         return 0
     return run
 
@@ -338,16 +352,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megarl.parallel.lifecycle import bind_to_launcher
+    from megarl.parallel.lifecycle import bind_to_launcher, watch_interrupts
 
     bind_to_launcher()  # a rank (torchrun relaunch, torchrun, srun) ends with the process that started it
+    watch_interrupts()
     if is_rank():
         import faulthandler
 
         faulthandler.enable()  # a rank that crashes in native code (SIGSEGV, SIGABRT) prints its Python stacks
     argv = list(sys.argv[1:] if argv is None else argv)
     from megarl.config import ConfigError
-    from megarl.parallel.lifecycle import PeerLostError
+    from megarl.parallel.lifecycle import PeerLostError, interrupted
     from megarl.trainer.run_lock import RunLockedError
 
     try:
@@ -369,11 +384,26 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megarl: error: {e}", file=sys.stderr)  # every rank of a job says it: a rank that stayed silent
         return 2  # could be the one its launcher leaves standing, and the message would be lost
+    except (Interrupted, KeyboardInterrupt) as e:  # the user's Ctrl-C: no traceback, and how to go on
+        return _interrupted(e)
     except PeerLostError as e:  # one rank's view of a failed job: what it lost, and where
+        if interrupted():  # the peer stopped on the same Ctrl-C
+            return _interrupted(e)
         if os.environ.get("MEGARL_TRACEBACK"):
             raise
         print(f"megarl: error: {e}", file=sys.stderr, flush=True)
         return 1
+
+
+def _interrupted(e: BaseException) -> int:
+    """The exit of a command the user stopped: one line saying how to go on (from megarl's launcher alone
+    when this is one of its ranks), status 130 (128 + SIGINT, as a shell reports it)."""
+    from megarl.parallel.lifecycle import started_by_megarl
+
+    if not started_by_megarl():
+        print(f"megarl: interrupted{'; ' + str(e) if isinstance(e, Interrupted) else ''}", file=sys.stderr,
+              flush=True)
+    return 130
 
 
 def _end_rank(status: int) -> NoReturn:

@@ -297,3 +297,31 @@ def test_run_lock_names_its_owner_and_takes_over_a_dead_ones(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         RunLock(run_dir).acquire().release()
     assert "host elsewhere" in caplog.text and "may still be alive" in caplog.text
+
+
+@pytest.mark.parametrize("layout", [["actor.parallel.pp=1"], []], ids=["one-process", "pp2-torchrun"])
+def test_ctrl_c_ends_the_run_in_one_line_then_resume_continues(task, layout):
+    """Ctrl-C (SIGINT to the whole foreground process group, as a terminal sends it) after step 1's checkpoint:
+    exit status 130, one ``megarl: interrupted`` line naming that checkpoint and no traceback, from one process
+    and from megarl's launcher with its two PP ranks; nothing left running, the run folder free for --resume."""
+    name = f"ctrl_c_{len(layout)}"
+    run_dir = _run_dir(task, name)
+    extra = [*layout, "trainer.steps=50"]  # far more steps than run before the interrupt
+    proc = subprocess.Popen(_args(task, name, *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env=_env("checkpoint.saved@1:sleep"), start_new_session=True)
+    try:
+        _wait_for(lambda: (run_dir / "checkpoints/step_000001/megarl.json").exists(), 180, "step 1's checkpoint")
+        time.sleep(1.0)  # every rank is past the save, asleep
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("megarl:")]
+    assert lines == [f"megarl: interrupted; --resume continues the run from {run_dir / 'checkpoints/step_000001'}"], \
+        err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert _processes_naming(str(run_dir)) == []
+    code, out = _cli(task, name, *layout, "trainer.steps=2", "--resume")
+    assert code == 0 and "resumed from" in out, out[-3000:]

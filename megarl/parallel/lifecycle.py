@@ -82,14 +82,44 @@ def exit_with_parent(parent_pid: int | None = None, poll_s: float = 1.0) -> None
     threading.Thread(target=watch, daemon=True, name="megarl-exit-with-parent").start()
 
 
+_under_megarl: list[bool] = []  # set by bind_to_launcher: this rank was started by megarl's own launcher
+
+
 def bind_to_launcher() -> None:
     """:func:`exit_with_parent` for a rank of ``megarl train``, called first thing: bound to megarl's launcher
     when it marked this process (:data:`PARENT_ENV`), else to whatever started it when that is torchrun's
     agent (a torchrun the user started) or SLURM's step daemon (``srun``)."""
     if PARENT_ENV in os.environ:
+        _under_megarl.append(True)
         exit_with_parent()
     elif "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_STEP_ID" in os.environ:
         exit_with_parent(os.getppid())
+
+
+_interrupts: list[int] = []  # SIGINTs this process received (watch_interrupts)
+
+
+def watch_interrupts() -> None:
+    """Remember every SIGINT (Ctrl-C) this process gets, then raise ``KeyboardInterrupt`` as Python does: a
+    library that swallows the exception (megatron-core's checkpoint writer logs it) does not hide that the
+    user stopped the run, and a collective that fails because a peer stopped too is known for what it is
+    (:func:`interrupted`). Call from the main thread."""
+    def on_sigint(signum, frame):
+        _interrupts.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
+def interrupted() -> bool:
+    """Whether this process got a SIGINT since :func:`watch_interrupts`."""
+    return bool(_interrupts)
+
+
+def started_by_megarl() -> bool:
+    """Whether this rank was started by megarl's own launcher (which speaks for the job), as
+    :func:`bind_to_launcher` found."""
+    return bool(_under_megarl)
 
 
 _group_watch: list = []  # the watchdog's Popen, kept so its stdin pipe stays open for this process's life
