@@ -126,7 +126,8 @@ CASES = [
     (["TINY", "data.train_files=[no/such.jsonl]"], "data.train_files: ['"),
     (["TINY", "validation.enabled=true"], "validation.files: ['data/gsm8k/test.parquet'] do not exist"),
     (["eval", "no/such/model"], "no/such/model"),
-    (["eval", "TINYMODEL", "validation.files=[no/such.jsonl]", "data.prepare=null"], "validation.files: ['no/such"),
+    (["eval", "TINYMODEL", "validation.files=[no/such.jsonl]", "data.prepare=null"],
+     "validation.files: ['no/such.jsonl'] do not exist; create them or set data.prepare=gsm8k"),
     (["report", "no/such/run"], "no/such/run/metrics.jsonl is missing"),
     (["TINY", "reward.fn=no_such_reward"], "reward.fn: unknown reward function 'no_such_reward'"),
     (["TINY", "reward.fn=tests.rl_tasks:no_such_fn"], "reward.fn: reward function 'tests.rl_tasks:no_such_fn'"),
@@ -152,7 +153,7 @@ CASES = [
     (["convert", "TINYMODEL", "out", "--pp", "3"], "--pp 3: pp=3 does not divide num_layers=2"),
     (["convert", "TINYMODEL", "out", "--dtype", "fp8"], "--dtype"),
     (["convert", "no/such/model", "out"], "no/such/model"),
-    (["export", "no/such/ckpt", "out"], "not a megarl checkpoint"),
+    (["export", "no/such/ckpt", "out"], "no/such/ckpt does not exist (expected a megarl checkpoint"),
     (["data", "gsm8k", "--out", "x"], "--src"),
     (["trian"], "invalid choice: 'trian'"),
 ]
@@ -224,3 +225,17 @@ def test_a_job_started_by_torchrun_ends_a_config_error_in_one_line_per_rank(tmp_
     assert set(errors) == {"megarl: error: trainer.steps: must be >= 1"}, proc.stderr[-2000:]
     assert "exitcode  : 2" in proc.stderr  # torchrun's summary of the failed ranks
     assert "megarl/" not in proc.stderr  # no traceback through megarl's code
+
+
+def test_eval_names_no_validation_switch_and_export_names_a_run_folders_checkpoint(run_cli, tmp_path):
+    """``validation.enabled`` means nothing to ``megarl eval``; a run folder given to export names its newest
+    checkpoint (``step_000010``, not ``step_000002``; never the partial ``step_000011.tmp``)."""
+    status, err = run_cli(["eval", "default", "validation.files=[no/such.jsonl]", "data.prepare=null"])
+    assert status == 2 and "validation.enabled" not in err, err
+    run = tmp_path / "run"
+    for name in ("step_000002", "step_000010", "step_000011.tmp"):
+        (run / "checkpoints" / name).mkdir(parents=True)
+        (run / "checkpoints" / name / "megarl.json").write_text("{}")
+    status, err = run_cli(["export", str(run), "out"])
+    assert status == 2 and err.strip().endswith(
+        f"it is a run folder: name one of its checkpoints, e.g. the newest, {run / 'checkpoints/step_000010'}"), err

@@ -53,9 +53,15 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         FileNotFoundError: not a megarl checkpoint directory.
     """
     f = Path(path) / META_FILE
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path} does not exist (expected a megarl checkpoint: a folder with {META_FILE})")
     if not f.is_file():
-        raise FileNotFoundError(f"{path} is not a megarl checkpoint (no {META_FILE}); convert a Hugging Face "
-                                "checkpoint with `megarl convert`")
+        saved = [c for c in (Path(path) / "checkpoints").glob("step_*")
+                 if c.name.removeprefix("step_").isdigit() and (c / META_FILE).is_file()]
+        hint = (f"it is a run folder: name one of its checkpoints, e.g. the newest, "
+                f"{max(saved, key=lambda c: int(c.name.removeprefix('step_')))}" if saved
+                else "convert a Hugging Face checkpoint with `megarl convert`")
+        raise FileNotFoundError(f"{path} is not a megarl checkpoint (no {META_FILE}); {hint}")
     return json.loads(f.read_text())
 
 

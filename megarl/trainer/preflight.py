@@ -76,12 +76,11 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
                           "tokens; shorten one of them")
 
 
-def check_files(cfg: Config, field: str, files: list[str]) -> None:
+def check_files(cfg: Config, field: str, files: list[str], alternative: str = "") -> None:
     """Raises ConfigError naming ``field`` when one of its ``files`` is missing and ``data.prepare`` cannot
-    make it."""
+    make it; ``alternative`` ends the message (another way out, e.g. `` (or validation.enabled=false)``)."""
     missing = [f for f in files if not Path(f).is_file()]
     if missing and cfg.data.prepare is None:
-        alternative = " (or validation.enabled=false)" if field == "validation.files" else ""
         raise ConfigError(f"{field}: {missing} do not exist; create them or set data.prepare=gsm8k{alternative}")
 
 
@@ -89,7 +88,7 @@ def check_data_files(cfg: Config) -> None:
     """:func:`check_files` of ``data.train_files`` and, when validation is on, ``validation.files``."""
     check_files(cfg, "data.train_files", cfg.data.train_files)
     if cfg.validation.enabled:
-        check_files(cfg, "validation.files", cfg.validation.files)
+        check_files(cfg, "validation.files", cfg.validation.files, " (or validation.enabled=false)")
 
 
 def check_reward(cfg: Config) -> None:
