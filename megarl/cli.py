@@ -177,6 +177,15 @@ def _train(p: argparse.ArgumentParser):
     return run
 
 
+def _eval_name(model: str) -> str:
+    """The default folder name of an evaluation: the model's name, and for a run's checkpoint
+    (``RUN/checkpoints/step_N``) ``RUN-step_N``, so that the same step of two runs does not share a folder."""
+    from pathlib import Path
+
+    path = Path(model.rstrip("/")).resolve() if model != "default" else Path("default")
+    return f"{path.parent.parent.name}-{path.name}" if path.parent.name == "checkpoints" else path.name
+
+
 @command("eval", help="evaluate a model on held-out prompts (the run's validation, outside a run)")
 def _eval(p: argparse.ArgumentParser):
     p.add_argument("model", help="Hugging Face directory, .gguf file, megarl checkpoint, or 'default' (SmolLM2)")
@@ -184,7 +193,7 @@ def _eval(p: argparse.ArgumentParser):
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. validation.num_prompts=0 "
                    "validation.max_new_tokens=512 rollout.engine=vllm")
     p.add_argument("--out", help="output folder for eval.json and eval_samples.jsonl (default: "
-                   "<run.output_dir>/eval/<model name>)")
+                   "<run.output_dir>/eval/<model name>, <run name>-step_<N> for a run's checkpoint)")
 
     def run(a: argparse.Namespace) -> int:
         from pathlib import Path
@@ -195,7 +204,7 @@ def _eval(p: argparse.ArgumentParser):
         cfg = load_config(config, overrides + [f"model.path={a.model}"])
         from megarl.trainer.evaluate import evaluate_model
 
-        out = a.out or Path(cfg.run.output_dir) / "eval" / Path(a.model.rstrip("/")).name
+        out = a.out or Path(cfg.run.output_dir) / "eval" / _eval_name(a.model)
         result = evaluate_model(cfg, out)
         m = result["metrics"]
         print(f"{a.model}: accuracy {m['val/accuracy']:.4f}, mean reward {m['val/reward_mean']:.4f}, response "

@@ -85,7 +85,9 @@ def test_eval_of_the_start_model_and_the_final_checkpoint_matches_the_run(run):
         r = subprocess.run([sys.executable, "-m", "megarl.cli", "eval", str(model), *common, f"--out={out}"],
                            capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
-        got = json.loads((out / "eval.json").read_text())["metrics"]
+        result = json.loads((out / "eval.json").read_text())
+        assert result["model"] == str(model.resolve())  # the same from any working folder
+        got = result["metrics"]
         for key in ("val/accuracy", "val/reward_mean", "val/response_length_mean", "val/num_prompts"):
             assert got[key] == pytest.approx(val[step][key]), (step, key)
         in_run = [json.loads(line) for line in (run_dir / "val_samples.jsonl").read_text().splitlines()]
@@ -242,3 +244,11 @@ def test_eval_default_model_on_gsm8k_is_deterministic(tmp_path):
         {k: v for k, v in second["metrics"].items() if k != "val/seconds"}
     assert any(s["response"].strip() for s in samples[0]) and samples[0][0]["index"] == 0
     assert all(s["length"] <= 48 for s in samples[0])
+
+
+def test_eval_default_folders_of_two_runs_checkpoints_differ():
+    from megarl.cli import _eval_name
+
+    assert _eval_name("runs/a/checkpoints/step_000004") == "a-step_000004"
+    assert _eval_name("runs/b/checkpoints/step_000004/") == "b-step_000004"
+    assert _eval_name("models/Qwen2.5-1.5B/") == "Qwen2.5-1.5B" and _eval_name("default") == "default"

@@ -72,7 +72,8 @@ def evaluate_model(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
     engine.update_weights(weights_writer(source, engine))
     metrics, records = validation.run(engine, group=rollout_dp_group(cfg.rollout.tp if cfg.rollout.engine == "vllm"
                                                                      else 1))
-    result = {"model": cfg.model.path, "prompts": validation.describe(), "metrics": metrics,
+    result = {"model": cfg.model.path if cfg.model.path == "default" else str(Path(cfg.model.path).resolve()),
+              "prompts": validation.describe(), "metrics": metrics,
               "reward": cfg.reward.fn, "engine": cfg.rollout.engine}
     if dist.get_rank() == 0:
         out = Path(out_dir)
