@@ -156,7 +156,6 @@ def _train(p: argparse.ArgumentParser):
         cfg = load_config(config, overrides)  # fails here, before any process or model, on a bad config
         if not is_rank():
             from megarl.trainer.run_lock import check_free
-
             from megarl.trainer.trainer import check_run_folder
 
             check_free(cfg.run.run_dir)  # another run owns the folder: stop before starting any process
@@ -168,7 +167,7 @@ def _train(p: argparse.ArgumentParser):
 
             train(cfg)
         except KeyboardInterrupt:
-            from megarl.trainer.trainer import latest_checkpoint
+            from megarl.models.checkpoint import latest_checkpoint
 
             newest = latest_checkpoint(cfg.run.run_dir)
             raise Interrupted(f"--resume continues the run from {newest}" if newest else
@@ -344,8 +343,12 @@ def _sweep(p: argparse.ArgumentParser):
 # ------------------------------------------------------------------------------------------------ the tree
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``megarl`` argument tree (every registered :func:`command`)."""
-    root = _Parser(prog="megarl", description=__doc__.split("\n\n")[0],
-                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    usage = __doc__.split("\n\n")[1]  # the table of commands at the top of this module's docstring
+    root = _Parser(prog="megarl", description="megarl: RL post-training (PPO, GRPO and kin) of LLMs on "
+                   "Megatron-core TP/PP/DP meshes, with vLLM rollouts.",
+                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                   epilog=f"{usage}\n\n`megarl COMMAND --help` gives a command's flags; README.md walks "
+                   "through a first run.")
     root_sub = root.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     groups: dict[tuple[str, ...], argparse._SubParsersAction] = {(): root_sub}
     for path, help_text, build in _COMMANDS:

@@ -242,3 +242,27 @@ def test_real_gsm8k_to_batches(tokenizer, tmp_path):
     assert len(ds) + len(ds.dropped) == 1319 and ds.ground_truths[0] == "18"
     batch = next(iter(PromptLoader(ds, 8, seed=0)))
     assert len(batch) == 8 and all(ids[-3:] == ds.input_ids[0][-3:] for ids in batch.input_ids)  # "assistant\n"
+
+
+def _prepare_on_rank(rank, world_size, src, out):
+    """Rank 1 looks for the files only once rank 0 has written them: the race of a fast rank 0."""
+    import time
+
+    from megarl.config import load_config
+    from megarl.trainer.trainer import prepare_data
+
+    files = [str(out / "train.parquet"), str(out / "test.parquet")]
+    cfg = load_config(None, [f"data.gsm8k_source={src}", "data.prepare=gsm8k"])
+    if rank == 1:
+        while not all(pathlib.Path(f).is_file() for f in files):
+            time.sleep(0.05)
+    return prepare_data(cfg, files)
+
+
+def test_gsm8k_is_prepared_once_when_rank_1_looks_after_rank_0_wrote_it(tmp_path):
+    """Every rank passes the same barrier: before, a rank that found the files rank 0 had just written skipped
+    it and rank 0 waited there forever (a hung 2-rank SLURM job in CI)."""
+    from tests.distributed import run_world
+
+    files = [str(tmp_path / "out" / "train.parquet"), str(tmp_path / "out" / "test.parquet")]
+    assert run_world(_prepare_on_rank, 2, gsm_dir(tmp_path), tmp_path / "out", timeout_s=120) == [files, files]

@@ -76,6 +76,7 @@ def test_dry_run_scripts_match_the_golden_files(name, args, capsys, monkeypatch)
      ["--ntasks-per-node", "2"],
      ["actor.ppo_mini_batch_size", "16 is not a multiple of dp (2) x micro_batch_size (3)"]),
     ([], ["--nodes", "0"], ["--nodes", ">= 1"]),
+    ([], ["--time", "4h"], ["--time '4h' is not a SLURM time limit", "04:00:00"]),
     ([], ["--gpus-per-node", "8", "--ntasks-per-node", "2"], ["--ntasks-per-node 2", "one rank per GPU"]),
 ])
 def test_a_job_that_does_not_fit_the_config_fails_before_submitting(args, flags, fields, tmp_path, capsys,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -197,12 +198,28 @@ def sbatch(script: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the CLI
+_SLURM_TIME = re.compile(r"(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)")
+
+
+def slurm_time(text: str) -> str:
+    """An argparse ``type`` for ``--time``: one of sbatch's forms (``M``, ``M:S``, ``H:M:S``, ``D-H``,
+    ``D-H:M``, ``D-H:M:S``, ``UNLIMITED``), checked here rather than by sbatch after the run folder exists.
+
+    Raises:
+        argparse.ArgumentTypeError: naming ``--time`` and the forms.
+    """
+    if not _SLURM_TIME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"--time {text!r} is not a SLURM time limit; use minutes, H:MM:SS or "
+                                         "D-HH:MM:SS, e.g. 04:00:00")
+    return text
+
+
 def add_sbatch_arguments(p: argparse.ArgumentParser) -> None:
     """sbatch's flags, shared by ``megarl submit`` and ``megarl sweep --slurm``."""
     g = p.add_argument_group("sbatch")
     g.add_argument("--partition")
     g.add_argument("--account")
-    g.add_argument("--time", help="time limit, e.g. 04:00:00")
+    g.add_argument("--time", type=slurm_time, help="time limit, e.g. 04:00:00 or 2-00:00:00 (sbatch's forms)")
     g.add_argument("--qos")
     g.add_argument("--job-name", help="default: megarl-<run.name> (megarl-sweep-<name> for a sweep)")
     g.add_argument("--cpus-per-task", type=int, default=None, help="CPU cores per rank (its OMP_NUM_THREADS)")
@@ -250,7 +267,7 @@ def run(a: argparse.Namespace) -> int:
         return 0
     run_dir = Path(cwd) / cfg.run.run_dir
     if a.resume:
-        from megarl.trainer.trainer import latest_checkpoint
+        from megarl.models.checkpoint import latest_checkpoint
 
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:

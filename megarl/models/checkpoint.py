@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from megarl.parallel.mesh import ParallelLayout
 log = logging.getLogger(__name__)
 
 META_FILE = "megarl.json"
+CHECKPOINT_PREFIX = "step_"  # a run's checkpoints: <run folder>/checkpoints/step_<N>
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,6 +46,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def is_megarl_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / META_FILE).is_file()
+
+
+def run_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """A run folder's complete ``checkpoints/step_<N>`` checkpoints, oldest first (a ``step_<N>.tmp`` left by
+    a save that died is never one of them)."""
+    found = [p for p in (Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*")
+             if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name) and p.is_dir() and is_megarl_checkpoint(p)]
+    return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of a run folder, or None."""
+    found = run_checkpoints(run_dir)
+    return found[-1] if found else None
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -56,10 +72,8 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     if not Path(path).exists():
         raise FileNotFoundError(f"{path} does not exist (expected a megarl checkpoint: a folder with {META_FILE})")
     if not f.is_file():
-        saved = [c for c in (Path(path) / "checkpoints").glob("step_*")
-                 if c.name.removeprefix("step_").isdigit() and (c / META_FILE).is_file()]
-        hint = (f"it is a run folder: name one of its checkpoints, e.g. the newest, "
-                f"{max(saved, key=lambda c: int(c.name.removeprefix('step_')))}" if saved
+        newest = latest_checkpoint(path)
+        hint = (f"it is a run folder: name one of its checkpoints, e.g. the newest, {newest}" if newest
                 else "convert a Hugging Face checkpoint with `megarl convert`")
         raise FileNotFoundError(f"{path} is not a megarl checkpoint (no {META_FILE}); {hint}")
     return json.loads(f.read_text())

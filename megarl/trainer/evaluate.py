@@ -27,7 +27,7 @@ from megarl.parallel.mesh import init_distributed
 from megarl.rewards.registry import load_reward_fn
 from megarl.rollout.base import RolloutEngine, WriteFn, state_dict_writer
 from megarl.rollout.data_parallel import rollout_dp_group
-from megarl.trainer.preflight import check_files
+from megarl.trainer.preflight import check_files, tokenizer_source
 from megarl.trainer.trainer import load_validation, make_engine, resolve_eos
 from megarl.trainer.validation import append_samples, score_data_parallel
 
@@ -57,14 +57,15 @@ def evaluate_model(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
         with the samples in ``<out_dir>/eval_samples.jsonl``.
 
     Raises:
-        ConfigError: a missing data file that cannot be prepared, or a bad rollout setting.
+        ConfigError: a missing data file that cannot be prepared, a model without a tokenizer (a preset without
+            ``model.tokenizer``), or a bad rollout setting.
         FileNotFoundError: the model does not exist.
     """
     source = None if cfg.model.path == "default" else cfg.model.path
-    spec, _, tokenizer_source = ck.source_spec(source)  # a bad path or data fail before any process group
+    spec, _, model_tokenizer = ck.source_spec(source)  # a bad path or data fail before any process group
     check_files(cfg, "validation.files", cfg.validation.files)
+    tokenizer = load_tokenizer(tokenizer_source(cfg, model_tokenizer))
     init_distributed()
-    tokenizer = load_tokenizer(cfg.model.tokenizer or tokenizer_source)
     spec = resolve_eos(spec, tokenizer, cfg.model.path, ck.source_generation_config(source))
     validation = load_validation(cfg, tokenizer, score_data_parallel(load_reward_fn(cfg.reward.fn, cfg.reward.kwargs)),
                                  spec)

@@ -34,10 +34,33 @@ def model_spec(cfg: Config) -> ModelSpec:
     Raises:
         ConfigError: naming ``model.path``: no such path, an unknown architecture or an unsupported feature.
     """
+    return _model_source(cfg)[0]
+
+
+def _model_source(cfg: Config) -> tuple[ModelSpec, str | None]:
+    """:func:`~megarl.models.checkpoint.source_spec` of ``model.path``: its spec and its tokenizer's location.
+
+    Raises:
+        ConfigError: as :func:`model_spec`.
+    """
     try:
-        return source_spec(None if cfg.model.path == "default" else cfg.model.path)[0]
+        spec, _, tokenizer = source_spec(None if cfg.model.path == "default" else cfg.model.path)
     except (FileNotFoundError, SpecError) as e:
         raise ConfigError(f"model.path: {e}") from None
+    return spec, tokenizer
+
+
+def tokenizer_source(cfg: Config, model_tokenizer: str | None) -> str:
+    """``model.tokenizer``, else the model's own tokenizer (``model_tokenizer``, from
+    :func:`~megarl.models.checkpoint.source_spec`).
+
+    Raises:
+        ConfigError: naming ``model.tokenizer`` when neither is there (a preset names none).
+    """
+    source = cfg.model.tokenizer or model_tokenizer
+    if source is None:
+        raise ConfigError(f"model.tokenizer: {cfg.model.path} has no tokenizer; name a tokenizer directory")
+    return source
 
 
 def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
@@ -104,17 +127,14 @@ def check_reward(cfg: Config) -> None:
         raise ConfigError(f"reward.fn: {e}") from None
 
 
-def check_tokenizer(cfg: Config) -> None:
-    """The tokenizer of ``model.tokenizer``, or else of the model, loads.
+def check_tokenizer(cfg: Config, model_tokenizer: str | None) -> None:
+    """The tokenizer of :func:`tokenizer_source` loads.
 
     Raises:
         ConfigError: naming ``model.tokenizer``, the path and what a tokenizer folder needs.
     """
-    source = cfg.model.tokenizer or source_spec(None if cfg.model.path == "default" else cfg.model.path)[2]
-    if source is None:
-        raise ConfigError(f"model.tokenizer: {cfg.model.path} has no tokenizer; name a tokenizer directory")
     try:
-        load_tokenizer(source)
+        load_tokenizer(tokenizer_source(cfg, model_tokenizer))
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"model.tokenizer: {e}") from None
 
@@ -141,9 +161,9 @@ def preflight(cfg: Config, world_size: int) -> ModelSpec:
         ConfigError: naming the field.
     """
     validate_for_world(cfg, world_size)
-    spec = model_spec(cfg)
+    spec, model_tokenizer = _model_source(cfg)
     validate_for_model(cfg, spec)
-    check_tokenizer(cfg)
+    check_tokenizer(cfg, model_tokenizer)
     check_data_files(cfg)
     check_reward(cfg)
     check_this_machine(cfg)

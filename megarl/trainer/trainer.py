@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -57,14 +56,12 @@ from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel,
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
 from megarl.trainer.offload import HostOffload
-from megarl.trainer.preflight import check_files, validate_for_model
+from megarl.trainer.preflight import check_files, tokenizer_source, validate_for_model
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.validation import Validation, append_samples
 from megarl.trainer.workers import CriticWorker, PolicyWorker
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_PREFIX = "step_"
 
 
 def prepare_data(cfg: Config, files: list[str], field: str = "data.train_files") -> list[str]:
@@ -75,24 +72,24 @@ def prepare_data(cfg: Config, files: list[str], field: str = "data.train_files")
         ConfigError: a missing file and nothing to prepare it from.
     """
     check_files(cfg, field, files)
-    missing = [f for f in files if not Path(f).is_file()]
-    if not missing:
-        return list(files)
-    from megarl.data.gsm8k import prepare_gsm8k
+    # Rank 0 alone looks and prepares; every rank then waits at the barrier. (A rank that looked for itself and
+    # found the files rank 0 had just written skipped the barrier that rank 0 then waited at forever.)
+    missing = [f for f in files if not Path(f).is_file()] if dist.get_rank() == 0 else []
+    if missing:
+        from megarl.data.gsm8k import prepare_gsm8k
 
-    out_dir = Path(missing[0]).parent
-    if dist.get_rank() == 0:
         src = cfg.data.gsm8k_source
         if src == "auto":
             local = [p for p in (Path("../shared/data/gsm8k"), Path(__file__).parents[3] / "shared/data/gsm8k")
                      if (p / "train.jsonl").is_file()]
             src = str(local[0]) if local else "hub"
+        out_dir = Path(missing[0]).parent
         log.info("preparing GSM8K from %s into %s", src, out_dir)
         prepare_gsm8k(src, out_dir)
     dist.barrier()
     still = [f for f in files if not Path(f).is_file()]
     if still:
-        raise ConfigError(f"{field}: {still} still missing after preparing GSM8K into {out_dir}")
+        raise ConfigError(f"{field}: {still} still missing after preparing GSM8K into {Path(still[0]).parent}")
     return list(files)
 
 
@@ -131,14 +128,6 @@ def resolve_eos(spec: ModelSpec, tokenizer, source: str, generation_config: dict
     return spec.replace(eos_token_ids=(int(eos),))
 
 
-def checkpoints(run_dir: Path) -> list[Path]:
-    """The run's complete ``step_<N>`` checkpoints, oldest first (a ``step_<N>.tmp`` left by a save that
-    died is never one of them)."""
-    found = [p for p in (run_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*")
-             if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name) and p.is_dir() and ck.is_megarl_checkpoint(p)]
-    return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
-
-
 def check_run_folder(cfg: Config, world_size: int) -> None:
     """What the run folder's checkpoints allow: a new run needs a folder without any (else a later ``--resume``
     would load an older run's weights), a resumed run its newest checkpoint written at this run's layout
@@ -148,7 +137,7 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
         ConfigError: naming ``run.name`` (a new run on an earlier run's checkpoints) or ``trainer.resume`` (a
             checkpoint of another layout), the checkpoint and the fix.
     """
-    found = checkpoints(cfg.run.run_dir)
+    found = ck.run_checkpoints(cfg.run.run_dir)
     if not found:
         return
     newest = found[-1]
@@ -204,12 +193,6 @@ def make_engine(cfg: Config, spec):
                              enforce_eager=r.enforce_eager, max_model_len=r.max_model_len, seed=cfg.run.seed)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    found = checkpoints(run_dir)
-    return found[-1] if found else None
-
-
 class Trainer:
     """The state of one RL run on this rank: workers, rollout engine, reshard engine, data and logger.
 
@@ -232,9 +215,7 @@ class Trainer:
         validate_for_model(cfg, self.spec)
         self.source_config = ck.source_config(None if cfg.model.path == "default" else cfg.model.path)
         self.generation_config = ck.source_generation_config(None if cfg.model.path == "default" else cfg.model.path)
-        self.tokenizer_source = cfg.model.tokenizer or tok_source
-        if self.tokenizer_source is None:
-            raise ConfigError(f"model.tokenizer: {cfg.model.path} has no tokenizer; name a tokenizer directory")
+        self.tokenizer_source = tokenizer_source(cfg, tok_source)
         self.tokenizer = load_tokenizer(self.tokenizer_source)
         self.spec = resolve_eos(self.spec, self.tokenizer, cfg.model.path, self.generation_config)
         self.prompts = load_prompts(cfg, self.tokenizer)  # bad data fails before any model is built
@@ -506,7 +487,7 @@ class Trainer:
 
     def save(self) -> Path:
         """Checkpoint actor (+ optimizer), critic, LR schedules, KL controller, data position and RNG states."""
-        path = self.run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{self.step_idx:06d}"
+        path = self.run_dir / "checkpoints" / f"{ck.CHECKPOINT_PREFIX}{self.step_idx:06d}"
         meta = ck.model_meta(self.spec, ck.DTYPES[self.cfg.model.dtype], self.tokenizer_source,
                              step=self.step_idx, loader=self.loader.state_dict(), kl_ctl=self.kl_ctl.state_dict(),
                              actor_scheduler=share_object(self.actor and self.actor.scheduler.state_dict(),
@@ -523,13 +504,13 @@ class Trainer:
         self._offload(("grads", "optimizer"))
         self.last_checkpoint = path
         if self.rank == 0:
-            for p in checkpoints(self.run_dir)[:-self.cfg.trainer.keep_checkpoints]:
+            for p in ck.run_checkpoints(self.run_dir)[:-self.cfg.trainer.keep_checkpoints]:
                 shutil.rmtree(p, ignore_errors=True)
         dist.barrier()
         return path
 
     def _resume(self) -> None:
-        path = latest_checkpoint(self.run_dir)
+        path = ck.latest_checkpoint(self.run_dir)
         if path is None:
             log.info("trainer.resume: no checkpoint in %s, starting from step 0", self.run_dir)
             return
