@@ -13,6 +13,10 @@ _NOISE = [  # (message regex, category)
     (r".*(Transformer Engine|Apex|apex|absl|DTensor|ShardedTensor|MimoModelConfig|full scope is deprecated).*",
      UserWarning),
     (r".*\.grad attribute of a Tensor that is not a leaf.*", UserWarning),  # megatron reads .grad of views
+    # megatron-core's dist_checkpointing.load reads the common state with torch DCP, no_dist=True and positional
+    # arguments: torch warns of both on every resume
+    (r"torch\.distributed is disabled, unavailable or uninitialized.*", UserWarning),
+    (r"The argument order of load has been changed.*", UserWarning),
     (r".*", FutureWarning),
 ]
 _LOGGERS = ("megatron", "megatron.core", "transformers", "torch.distributed", "torch.utils.cpp_extension",

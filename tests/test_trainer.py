@@ -91,6 +91,9 @@ def test_a_run_folder_with_checkpoints_takes_only_its_own_run_resumed_at_its_lay
         "actor.parallel tp=1 pp=1 -> tp=1 pp=2)" in line and "model.path=" in line, line
     assert "launching" not in other.stdout  # no process started
     check_run_folder(load_config(None, base + ["trainer.resume=true"]), 1)  # the same layout resumes
+    resumed = _cli(*base, "trainer.steps=2", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stderr and "Warning" not in resumed.stderr, resumed.stderr  # no torch noise
     with pytest.raises(ConfigError, match="placement"):
         check_run_folder(load_config(None, base + ["trainer.resume=true", "placement.pools.one=[0]",
                                                    "placement.reward=one"]), 1)
