@@ -99,21 +99,29 @@ def split_config_and_overrides(config: str | None, overrides: list[str]) -> tupl
     return config, list(overrides)
 
 
-def relaunch_world(cfg, argv: list[str]) -> bool:
+def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
     """Under torchrun or SLURM: False (this process is one rank). Started plainly: check ``cfg`` against its
-    world size and its model (:func:`megarl.trainer.preflight.preflight`), and when that is more than one rank,
-    run ``megarl ARGV`` under ``torchrun --nproc_per_node=<world size>`` on this node and return True once it
-    has finished (its ranks end with this process, SIGKILL included: :mod:`megarl.parallel.lifecycle`).
+    world size and its model (:func:`megarl.trainer.preflight.preflight`), then, with ``run_folder``, that the
+    run folder is free and its checkpoints fit the run; and when that is more than one rank, run ``megarl ARGV``
+    under ``torchrun --nproc_per_node=<world size>`` on this node and return True once it has finished (its
+    ranks end with this process, SIGKILL included: :mod:`megarl.parallel.lifecycle`).
 
     Raises:
-        ConfigError: from :func:`~megarl.trainer.preflight.preflight`, naming the field, before any process
-            starts.
+        ConfigError: from :func:`~megarl.trainer.preflight.preflight`, naming the field, or from
+            :func:`~megarl.trainer.trainer.check_run_folder`, before any process starts.
+        RunLockedError: with ``run_folder``, another run owns the folder.
     """
     if is_rank():
         return False
     from megarl.trainer.preflight import preflight
 
-    preflight(cfg, cfg.world_size)
+    preflight(cfg, cfg.world_size)  # first: a config error is named even while another run owns the folder
+    if run_folder:
+        from megarl.trainer.run_lock import check_free
+        from megarl.trainer.trainer import check_run_folder
+
+        check_free(cfg.run.run_dir)  # another run owns the folder
+        check_run_folder(cfg, cfg.world_size)  # checkpoints of an earlier run, or of another layout
     if cfg.world_size == 1:
         return False
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -154,14 +162,8 @@ def _train(p: argparse.ArgumentParser):
         config, overrides = split_config_and_overrides(a.config, a.overrides)
         overrides += ["trainer.resume=true"] if a.resume else []
         cfg = load_config(config, overrides)  # fails here, before any process or model, on a bad config
-        if not is_rank():
-            from megarl.trainer.run_lock import check_free
-            from megarl.trainer.trainer import check_run_folder
-
-            check_free(cfg.run.run_dir)  # another run owns the folder: stop before starting any process
-            check_run_folder(cfg, cfg.world_size)  # checkpoints of an earlier run, or of another layout
         try:
-            if relaunch_world(cfg, ["train", *a.argv]):
+            if relaunch_world(cfg, ["train", *a.argv], run_folder=True):
                 return 0
             from megarl.trainer.trainer import train
 

@@ -91,6 +91,16 @@ def test_a_run_folder_with_checkpoints_takes_only_its_own_run_resumed_at_its_lay
         "actor.parallel tp=1 pp=1 -> tp=1 pp=2)" in line and "model.path=" in line, line
     assert "launching" not in other.stdout  # no process started
     check_run_folder(load_config(None, base + ["trainer.resume=true"]), 1)  # the same layout resumes
+    from megarl.trainer.run_lock import RunLock
+
+    lock = RunLock(root / "runs" / "owned").acquire()  # another run owns the folder: a config error still shows
+    try:
+        bad = _cli(*base, "trainer.steps=2", "actor.parallel.tp=3", "--resume")
+        locked = _cli(*base, "trainer.steps=2", "--resume")
+    finally:
+        lock.release()
+    assert bad.returncode == 2 and "megarl: error: actor.parallel.tp" in bad.stderr, bad.stderr[-2000:]
+    assert locked.returncode == 2 and "in use by pid" in locked.stderr, locked.stderr[-2000:]
     resumed = _cli(*base, "trainer.steps=2", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stderr and "Warning" not in resumed.stderr, resumed.stderr  # no torch noise
