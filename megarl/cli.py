@@ -178,6 +178,16 @@ def _train(p: argparse.ArgumentParser):
     return run
 
 
+def _run_config(model: str) -> str | None:
+    """The ``config.json`` of the run whose checkpoint ``model`` is (``RUN/checkpoints/step_N``), or None: an
+    evaluation of a run's checkpoint prompts, scores and samples as that run did."""
+    from pathlib import Path
+
+    path = Path(model.rstrip("/"))
+    found = path.parent.parent / "config.json"
+    return str(found) if path.parent.name == "checkpoints" and found.is_file() else None
+
+
 def _eval_name(model: str) -> str:
     """The default folder name of an evaluation: the model's name, and for a run's checkpoint
     (``RUN/checkpoints/step_N``) ``RUN-step_N``, so that the same step of two runs does not share a folder."""
@@ -190,7 +200,8 @@ def _eval_name(model: str) -> str:
 @command("eval", help="evaluate a model on held-out prompts (the run's validation, outside a run)")
 def _eval(p: argparse.ArgumentParser):
     p.add_argument("model", help="Hugging Face directory, .gguf file, megarl checkpoint, or 'default' (SmolLM2)")
-    p.add_argument("config", nargs="?", help="YAML file; omitted: the CPU default (validation.*, rollout.*, reward.*)")
+    p.add_argument("config", nargs="?", help="YAML file; omitted: the run's config.json for a run's checkpoint "
+                   "(its prompt template, reward and validation), else the CPU default")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. validation.num_prompts=0 "
                    "validation.max_new_tokens=512 rollout.engine=vllm")
     p.add_argument("--out", help="output folder for eval.json and eval_samples.jsonl (default: "
@@ -202,6 +213,8 @@ def _eval(p: argparse.ArgumentParser):
         from megarl.config import load_config
 
         config, overrides = split_config_and_overrides(a.config, a.overrides)
+        if config is None and (config := _run_config(a.model)):
+            print(f"megarl eval: the run's config {config} (give a CONFIG.yaml to use another)", flush=True)
         cfg = load_config(config, overrides + [f"model.path={a.model}"])
         from megarl.trainer.evaluate import evaluate_model
 

@@ -6,6 +6,7 @@ in its own spawned world (megatron's parallel state is per process).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -104,6 +105,13 @@ def test_a_run_folder_with_checkpoints_takes_only_its_own_run_resumed_at_its_lay
     resumed = _cli(*base, "trainer.steps=2", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stderr and "Warning" not in resumed.stderr, resumed.stderr  # no torch noise
+    # eval of the run's checkpoint prompts and scores as the run did (the default config's chat template and
+    # GSM8K reward would fail on this tokenizer)
+    ev = subprocess.run([sys.executable, "-m", "megarl.cli", "eval", str(root / "runs/owned/checkpoints/step_000002"),
+                         f"validation.files=[{data}]", "validation.num_prompts=4", f"--out={root / 'eval_owned'}"],
+                        capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0 and f"the run's config {root / 'runs/owned/config.json'}" in ev.stdout, ev.stderr[-2000:]
+    assert json.loads((root / "eval_owned" / "eval.json").read_text())["reward"] == "tests.rl_tasks:says_target"
     with pytest.raises(ConfigError, match="placement"):
         check_run_folder(load_config(None, base + ["trainer.resume=true", "placement.pools.one=[0]",
                                                    "placement.reward=one"]), 1)

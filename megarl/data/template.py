@@ -59,7 +59,7 @@ class PromptTemplate:
         if not self.use_chat_template:
             return "\n\n".join(m["content"] for m in msgs)
         if getattr(tokenizer, "chat_template", None) is None:
-            raise DataError("the tokenizer has no chat template; set use_chat_template=False (base models) or "
+            raise DataError("the tokenizer has no chat template; set data.use_chat_template=false (base models) or "
                             "use the instruct model's tokenizer")
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
 
