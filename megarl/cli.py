@@ -220,6 +220,10 @@ def _eval(p: argparse.ArgumentParser):
 
         out = a.out or Path(cfg.run.output_dir) / "eval" / _eval_name(a.model)
         result = evaluate_model(cfg, out)
+        import torch.distributed as dist
+
+        if not is_rank() and dist.is_initialized():  # its own world of one: ended while the interpreter is whole
+            dist.destroy_process_group()  # (gloo's threads at teardown aborted it now and then, as _end_rank says)
         m = result["metrics"]
         print(f"{a.model}: accuracy {m['val/accuracy']:.4f}, mean reward {m['val/reward_mean']:.4f}, response "
               f"length {m['val/response_length_mean']:.0f} tokens, {m['val/clip_ratio']:.0%} cut at max_new_tokens "
