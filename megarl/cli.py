@@ -178,14 +178,20 @@ def _train(p: argparse.ArgumentParser):
     return run
 
 
-def _run_config(model: str) -> str | None:
-    """The ``config.json`` of the run whose checkpoint ``model`` is (``RUN/checkpoints/step_N``), or None: an
-    evaluation of a run's checkpoint prompts, scores and samples as that run did."""
+def _checkpoint_run(model: str):
+    """The run folder (absolute ``Path``) of ``model`` when it is a run's checkpoint, ``RUN/checkpoints/step_N``,
+    else None."""
     from pathlib import Path
 
-    path = Path(model.rstrip("/"))
-    found = path.parent.parent / "config.json"
-    return str(found) if path.parent.name == "checkpoints" and found.is_file() else None
+    path = Path(model.rstrip("/")).resolve()
+    return path.parent.parent if model != "default" and path.parent.name == "checkpoints" else None
+
+
+def _run_config(model: str) -> str | None:
+    """The ``config.json`` of the run whose checkpoint ``model`` is, or None: an evaluation of a run's
+    checkpoint prompts, scores and samples as that run did."""
+    run = _checkpoint_run(model)
+    return str(run / "config.json") if run is not None and (run / "config.json").is_file() else None
 
 
 def _eval_name(model: str) -> str:
@@ -194,7 +200,8 @@ def _eval_name(model: str) -> str:
     from pathlib import Path
 
     path = Path(model.rstrip("/")).resolve() if model != "default" else Path("default")
-    return f"{path.parent.parent.name}-{path.name}" if path.parent.name == "checkpoints" else path.name
+    run = _checkpoint_run(model)
+    return f"{run.name}-{path.name}" if run is not None else path.name
 
 
 @command("eval", help="evaluate a model on held-out prompts (the run's validation, outside a run)")
