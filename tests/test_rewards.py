@@ -29,13 +29,49 @@ def test_normalize_number(text, expected):
     ("#### 5\nWait, no.\n#### 6", ("5", True)),                          # the first stated answer counts
     ("#### -3.50", ("-3.5", True)),
     ("So the answer is \\boxed{18 \\text{ dollars}}. Check: 9 * 2", ("18", False)),
-    ("\\boxed{1} then \\boxed{\\frac{3}{4}}", ("3", False)),               # the last box
+    ("\\boxed{1} then \\boxed{\\frac{3}{4}}", ("0.75", False)),            # the last box
     ("\\boxed{\u22124}", ("-4", False)),
     ("#### unknown", (None, False)),
     ("no numbers here", (None, False)),
 ])
 def test_extract_answer(response, expected):
     assert extract_answer(response) == expected
+
+
+# What lm-evaluation-harness's strict-match (#### (\-?[0-9\.\,]+)), verl's gsm8k.py and math-verify read, and the
+# readings that none of them (or no sound reading) gives: the module docstring states the rules.
+@pytest.mark.parametrize("response, expected", [
+    ("\\boxed{8{,}000}", "8000"),                         # LaTeX's thousands comma (was read as 8)
+    ("so \\boxed{5 + 3 = 8}", "8"),                         # an equation: its result (was 5), as math-verify
+    ("\\boxed{x \\approx 8}", "8"),
+    ("#### +5", "5"),                                       # a leading plus (was no answer)
+    ("#### 1 000", "1000"), ("#### 1\u2009000", "1000"), ("#### 1\u202f000", "1000"),   # space groups
+    ("\\boxed{1\\,000}", "1000"), ("\\boxed{1\\!,\\!000}", "1000"), ("\\boxed{1~000}", "1000"),
+    ("#### 1,000,000", "1000000"), ("#### $1,234,567.50", "1234567.5"),
+    ("#### 5.00", "5"), ("#### $5.00 dollars", "5"), ("#### 5.", "5"), ("#### .5", "0.5"),
+    ("\\boxed{\\$1{,}234.50}", "1234.5"), ("\\boxed{\\text{\\$}18}", "18"), ("\\boxed{50\\%}", "50"),
+    ("\\boxed{\\frac{16}{2}}", "8"), ("\\boxed{-\\dfrac{3}{4}}", "-0.75"), ("\\fbox{12}", "12"),
+    ("#### 72 clips in all", "72"), ("#### 5-3=2", "5"),    # the number right after ####, as the harnesses
+    ("#### unknown\n#### 7", "7"),                          # the first #### that has a number
+    # must NOT be read as a number
+    ("#### 1,00", None), ("#### 12,5", None), ("#### 1,0000", None), ("#### 1.000.000", None),
+    ("#### 10:30", None),                                   # a separator that groups no three digits
+    ("\\boxed{5+3}", None), ("\\boxed{2x}", None), ("\\boxed{8, 9}", None),   # not one number
+    ("\\boxed{x = 5 \\leq 7}", None), ("\\boxed{\\frac{1}{3}}", "1/3"),  # 1/3 equals no decimal answer
+])
+def test_extract_answer_number_spellings(response, expected):
+    assert extract_answer(response)[0] == expected
+
+
+def test_number_spellings_score_as_their_value():
+    responses = ["#### +72", "\\boxed{8{,}000}", "\\boxed{3 \\times 4 = 12}", "#### 1 000", "#### 1,00"]
+    assert gsm8k_reward([""] * 5, responses, ["72", "8000", "12", "1000", "100"]) == [1.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_space_groups_only_in_an_answer():
+    # In running text ("flexible extract") a space separates numbers: "3 100-page books" is not 3100.
+    assert extract_answer("He bought 3 100", last_number=True) == ("100", False)
+    assert extract_answer("5-3=2 and 1,00", last_number=True) == ("2", False)
 
 
 @pytest.mark.parametrize("response, expected", [

@@ -2,19 +2,37 @@
 
 The response's answer is, in order of preference:
 
-1. the first number after ``####`` (the format the instruction asks for, :data:`GSM8K_INSTRUCTION`; the
-   first so that a model cannot list several answers; a ``$`` between is allowed);
-2. else the first number inside the last ``\\boxed{...}``;
-3. else, only with ``last_number=True`` (lm-evaluation-harness's "flexible extract"), the last number in the
-   response. It is off by default: a response cut at the length limit mid-sentence often ends with a number
-   of the problem itself, which would count as correct when it equals the answer.
+1. the number right after the first ``####`` that has one (the format the instruction asks for,
+   :data:`GSM8K_INSTRUCTION`; the first, as lm-evaluation-harness's "strict-match" ``#### (\\-?[0-9\\.\\,]+)``
+   with its first match, so that a model cannot list several answers; what follows the number on its line
+   is ignored: ``#### 72 clips`` is 72, ``#### 5+3=8`` is 5, as there);
+2. else the last ``\\boxed{...}`` (or ``\\fbox{...}``): after its last ``=`` (or ``\\approx``) when it holds
+   an equation (``\\boxed{5+3=8}`` is 8, as math-verify reads it), that must be one number, optionally
+   followed by a unit (``\\boxed{18 \\text{ dollars}}`` is 18), or a fraction of two numbers
+   (``\\frac{16}{2}`` is 8); anything else (``\\boxed{5+3}``, ``\\boxed{2x}``, ``\\boxed{8, 9}``) is no answer;
+3. else, only with ``last_number=True`` (lm-evaluation-harness's "flexible-extract", verl's "flexible"), the
+   last number in the response. It is off by default: a response cut at the length limit mid-sentence often
+   ends with a number of the problem itself, which would count as correct when it equals the answer.
 
-``strict`` accepts only 1.
+``strict`` accepts only 1 (verl's default "strict" method reads 1 too, but takes the last ``####``).
 
-Numbers are normalised before comparison (:func:`normalize_number`): thousands separators, ``$``, a trailing
-``%`` or ``.``, units after the number and trailing zeros after the decimal point are dropped, so
-``"$1,000.00"``, ``"1000 dollars"`` and ``"1000"`` are equal. The ground truth is the number after the last
-``####`` of the dataset's answer (or the bare number that :func:`megarl.data.gsm8k.prepare_gsm8k` stores).
+A number is an optional sign (``-``, ``+`` or the Unicode minus; not a ``-`` right after a digit or a letter,
+so ``5-3`` holds 5 and 3), an integer part and an optional decimal part ``.dd``, written as
+
+- plain digits (``1000``), or digits grouped by threes with one separator throughout: a comma
+  (``1,000,000``), LaTeX's ``{,}`` (``8{,}000``), or, in a ``####`` or ``\\boxed{}`` answer, a space: a plain or
+  no-break space, a thin space (U+2009, U+202F) or LaTeX's ``\\,``, ``\\;``, ``\\:``, ``\\ `` or ``~``
+  (``1 000``, ``1\\,000``; math-verify accepts both separators). LaTeX's negative space ``\\!`` is dropped
+  (``1\\!,\\!000``), as math-verify does;
+- and the number must end there: a digit or a ``,``/``.``/``:`` followed by a digit right after it means it was
+  not a number of this form (``1,00``, ``12,5``, ``1.000.000``, ``10:30``, ``1,0000`` are no answer; the
+  harnesses' ``[0-9.,]+`` would read ``1,00`` as 100, math-verify ``12,5`` as 12.5).
+
+``$`` and ``\\$`` are dropped (``#### $1,234``), as are ``\\text{...}``, ``\\mbox{...}`` and ``\\mathrm{...}``
+around their text. Numbers are then compared by value (:func:`normalize_number`): ``5.00``, ``+5`` and ``5``
+are equal, as are ``1,000`` and ``1000`` (lm-evaluation-harness compares strings after dropping ``,``, ``$``
+and a final ``.``; math-verify compares values). The ground truth is the number after the last ``####`` of the
+dataset's answer (or the bare number that :func:`megarl.data.gsm8k.prepare_gsm8k` stores).
 
 Scores (defaults): 1.0 for a correct answer; 0.1 (``format_score``) for a wrong answer stated as
 ``#### N``, a learning signal for small models that are rarely right (SmolLM2-135M); 0.0 otherwise.
@@ -24,17 +42,29 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from typing import Sequence
 
 from megarl.rewards.registry import RewardError, register_reward
 
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 
-# An optional minus (not one between two numbers: "5-3"), digits with optional thousands separators, and an
-# optional decimal part.
-_NUMBER = r"(?:(?<![\d])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
-_NUMBER_RE = re.compile(_NUMBER)
-_HASH_ANSWER_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
+
+def _number_pattern(space_groups: bool) -> str:
+    """A number (module docstring): sign, integer part grouped by threes or plain, decimal part, and the end."""
+    groups = r"\d{1,3}(?:,\d{3})+" + (r"|\d{1,3}(?: \d{3})+" if space_groups else "")
+    return (r"(?:(?<![\w)])(?P<sign>[-+]))?(?<!\d)(?<!\d[.,])"
+            rf"(?P<int>(?:{groups})(?![\d])|\d+)?(?P<dec>(?(int)(?:\.\d+)?|\.\d+))(?!\d|[.,:]\d)")
+
+
+_NUMBER_RE = re.compile(_number_pattern(space_groups=False))         # in running text
+_ANSWER_NUMBER_RE = re.compile(_number_pattern(space_groups=True))   # in a #### or \boxed{} answer
+_UNIT = r"(?:%|[A-Za-z]{2,}[A-Za-z .]*)"
+_BOXED_NUMBER_RE = re.compile(rf"\s*{_ANSWER_NUMBER_RE.pattern}\s*{_UNIT}?\s*\.?\s*")
+_FRACTION_RE = re.compile(r"\s*(?P<sign>[-+])?\s*\\[dt]?frac\s*\{(?P<num>[^{}]*)\}\s*\{(?P<den>[^{}]*)\}\s*\.?\s*")
+_EQUALS_RE = re.compile(r"(?<![<>!=\\])=(?!=)|\\approx")
+_TEXT_RE = re.compile(r"\\(?:text\w*|mbox|mathrm)\s*\{([^{}]*)\}")
+_SPACE_RE = re.compile(r"\\[,;: ]|~|[\u00a0\u2009\u202f]")
 
 
 def normalize_number(text: str) -> str | None:
@@ -66,20 +96,20 @@ def extract_answer(response: str, *, strict: bool = False, last_number: bool = F
     Returns:
         ``(answer or None, formatted)`` (module docstring for the rules).
     """
-    text = response.replace("\u2212", "-")
-    match = _HASH_ANSWER_RE.search(text)
-    if match:
-        return normalize_number(match.group(1)), True
+    for hashes in re.finditer("####", response):
+        line = _clean(response[hashes.end():].split("\n", 1)[0])
+        match = _ANSWER_NUMBER_RE.match(line, len(line) - len(line.lstrip()))
+        if match:
+            return _value(match), True
     if strict:
         return None, False
-    boxed = _last_boxed(text)
-    numbers = _NUMBER_RE.findall(boxed) if boxed is not None else []
-    if numbers:
-        return normalize_number(numbers[0]), False
+    boxed = _last_boxed(response)
+    if boxed is not None:
+        return _boxed_answer(_clean(boxed)), False
     if not last_number:
         return None, False
-    numbers = _NUMBER_RE.findall(text)
-    return (normalize_number(numbers[-1]) if numbers else None), False
+    numbers = list(_NUMBER_RE.finditer(_clean(response)))
+    return (_value(numbers[-1]) if numbers else None), False
 
 
 def ground_truth_number(answer: str) -> str:
@@ -131,12 +161,45 @@ def gsm8k_reward(prompts: Sequence[str], responses: Sequence[str], ground_truths
     return scores
 
 
-def _last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (braces matched), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
+def _clean(text: str) -> str:
+    """``text`` with the LaTeX and Unicode spellings of signs, spaces, dollars and text boxes made plain."""
+    text = text.replace("\u2212", "-").replace("{,}", ",").replace("\\!", "").replace("\\%", "%")
+    text = _TEXT_RE.sub(r" \1 ", text)
+    return _SPACE_RE.sub(" ", text).replace("\\$", "").replace("$", "")
+
+
+def _value(match: re.Match) -> str | None:
+    """The normalised number of a :func:`_number_pattern` match."""
+    digits = (match["int"] or "0").replace(",", "").replace(" ", "")
+    return normalize_number(("-" if match["sign"] == "-" else "") + digits + match["dec"])
+
+
+def _boxed_answer(content: str) -> str | None:
+    """The number a (cleaned) ``\\boxed{}`` holds: after its last ``=``, one number or a fraction, or None."""
+    tail = _EQUALS_RE.split(content)[-1]
+    match = _BOXED_NUMBER_RE.fullmatch(tail)
+    if match:
+        return _value(match)
+    match = _FRACTION_RE.fullmatch(tail)
+    num, den = (_ANSWER_NUMBER_RE.fullmatch(match[k].strip()) if match else None for k in ("num", "den"))
+    if num is None or den is None or Decimal(_value(den)) == 0:
         return None
-    depth, begin = 0, start + len("\\boxed{")
+    value = Fraction(Decimal(_value(num))) / Fraction(Decimal(_value(den))) * (-1 if match["sign"] == "-" else 1)
+    rest = value.denominator
+    for prime in (2, 5):
+        while rest % prime == 0:
+            rest //= prime
+    if rest != 1:  # not a terminating decimal, so equal to no GSM8K answer
+        return f"{value.numerator}/{value.denominator}"
+    return normalize_number(str(Decimal(value.numerator) / Decimal(value.denominator)))
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (braces matched), or None."""
+    starts = list(re.finditer(r"\\(?:boxed|fbox)\s*\{", text))
+    if not starts:
+        return None
+    depth, begin = 0, starts[-1].end()
     for k in range(begin, len(text)):
         if text[k] == "{":
             depth += 1
