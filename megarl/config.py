@@ -28,6 +28,22 @@ def _require(cond: bool, field_name: str, msg: str) -> None:
         raise ConfigError(f"{field_name}: {msg}")
 
 
+class _SectionFieldError(ConfigError):
+    """A bad field of a section that several places of the config hold (``ParallelConfig`` as
+    ``actor.parallel``, ``critic.parallel`` and ``placement.reference_parallel``, ``OptimConfig``, ...), named
+    relative to the section; :func:`load_config` names it in full (``critic.optim.lr``)."""
+
+    def __init__(self, field_name: str, msg: str):
+        super().__init__(f"{field_name}: {msg}")
+        self.field_name, self.msg = field_name, msg
+
+
+def _require_in_section(cond: bool, field_name: str, msg: str) -> None:
+    """:func:`_require` for a field of a shared section, ``field_name`` relative to the section."""
+    if not cond:
+        raise _SectionFieldError(field_name, msg)
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 # The smallest reshard bucket, MiB (reshard.bucket_mb, megarl bench reshard --bucket-mb): 64 KiB, a floor that
 # catches a size given in the wrong unit; buckets of a few MiB and less already spend most of each round on
@@ -91,8 +107,8 @@ class ParallelConfig:
 
     def __post_init__(self):
         for name in ("tp", "pp"):
-            _require(getattr(self, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(self, name)}")
-        _require(self.dp >= 0, "parallel.dp", f"must be >= 0 (0 derives it), got {self.dp}")
+            _require_in_section(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _require_in_section(self.dp >= 0, "dp", f"must be >= 0 (0 derives it), got {self.dp}")
 
 
 @dataclass
@@ -120,11 +136,11 @@ class OptimConfig:
     distributed: bool = True
 
     def __post_init__(self):
-        _require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
-        _require(self.decay in ("constant", "linear", "cosine"), "optim.decay",
-                 f"must be constant, linear or cosine, got {self.decay!r}")
-        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-        _require(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0 (0 disables clipping)")
+        _require_in_section(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _require_in_section(self.decay in ("constant", "linear", "cosine"), "decay",
+                            f"must be constant, linear or cosine, got {self.decay!r}")
+        _require_in_section(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        _require_in_section(self.clip_grad >= 0, "clip_grad", "must be >= 0 (0 disables clipping)")
 
 
 ATTENTION_KERNELS = ("sdpa", "local")
@@ -150,10 +166,10 @@ class KernelsConfig:
     attention: str = "sdpa"
 
     def __post_init__(self):
-        _require(self.logprob_chunk_tokens >= 1, "kernels.logprob_chunk_tokens",
-                 f"must be >= 1, got {self.logprob_chunk_tokens}")
-        _require(self.attention in ATTENTION_KERNELS, "kernels.attention",
-                 f"must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
+        _require_in_section(self.logprob_chunk_tokens >= 1, "logprob_chunk_tokens",
+                            f"must be >= 1, got {self.logprob_chunk_tokens}")
+        _require_in_section(self.attention in ATTENTION_KERNELS, "attention",
+                            f"must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
 
 
 @dataclass
@@ -190,11 +206,11 @@ class ActorConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
     def __post_init__(self):
-        _require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
-        _require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
-                 f"must be >= 0 (0 = fixed-size micro-batches), got {self.max_tokens_per_micro_batch}")
-        _require(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
-        _require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+        _require_in_section(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        _require_in_section(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
+                            f"must be >= 0 (0 = fixed-size micro-batches), got {self.max_tokens_per_micro_batch}")
+        _require_in_section(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
+        _require_in_section(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
 
 
 @dataclass
@@ -682,10 +698,30 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         for layer in layers[1:]:
             _check_sections(base, layer)
         merged = OmegaConf.merge(*layers)
-        return OmegaConf.to_object(merged)
+        try:
+            return OmegaConf.to_object(merged)
+        except _SectionFieldError:
+            _name_section_error(merged)
+            raise
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
+
+
+def _name_section_error(node, prefix: str = "") -> None:
+    """Find the section of ``node`` (a merged config) whose ``__post_init__`` raises a
+    :class:`_SectionFieldError`, innermost first, and raise it as a :class:`ConfigError` naming the field's
+    full dotted path (``critic.optim.lr``)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            _name_section_error(child, f"{prefix}{key}.")
+    try:
+        OmegaConf.to_object(node)
+    except _SectionFieldError as e:
+        raise ConfigError(f"{prefix}{e.field_name}: {e.msg}") from None
 
 
 def _load_yaml(path: str | os.PathLike):

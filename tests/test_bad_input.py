@@ -34,7 +34,7 @@ def tiny(tmp_path_factory):
     notoken.mkdir()
     for name in ("config.json", "model.safetensors"):
         (notoken / name).write_bytes((model / name).read_bytes())
-    for name, text in YAML_FILES.items():
+    for name, text in {**YAML_FILES, **DATA_FILES}.items():
         (root / name).write_text(text)
     return model, data, windowed
 
@@ -75,6 +75,11 @@ def _tiny_train(tiny, *extra):
 
 YAML_FILES = {"syntax.yaml": "actor: [1, 2\n", "list.yaml": "- 1\n- 2\n", "section.yaml": "actor:\n  parallel: 3\n",
               "scalar_list.yaml": "data:\n  train_files: data/gsm8k/train.parquet\n"}
+
+# data whose content fails (TINY prompts are plain text: data.use_chat_template=false, no instruction)
+DATA_FILES = {"null_prompt.jsonl": '{"question": "a b", "ground_truth": "x"}\n{"question": null}\n',
+              "no_answer.jsonl": '{"question": "a b", "ground_truth": "x"}\n{"question": "c d"}\n',
+              "no_tokens.jsonl": '{"question": [{"role": "user", "content": ""}], "ground_truth": "x"}\n'}
 
 # (argv, what the one error line must name); "TINY" marks a train command on the tiny model, "YAML:" a file
 CASES = [
@@ -119,7 +124,12 @@ CASES = [
     (["TINY", "rollout.engine=vllm", "rollout.tp=3", "actor.parallel.dp=3", "data.prompts_per_step=3",
       "actor.ppo_mini_batch_size=12", "actor.micro_batch_size=4"], "rollout.tp: vLLM tp=3"),
     (["TINY", "rollout.max_model_len=128"], "rollout.max_model_len: 128 exceeds"),
-    (["TINY", "actor.kernels.attention=flash"], "kernels.attention: must be one of ('sdpa', 'local')"),
+    (["TINY", "actor.kernels.attention=flash"], "actor.kernels.attention: must be one of ('sdpa', 'local')"),
+    # a field of a section that several roles hold, by its full path
+    (["TINY", "actor.optim.lr=-1"], "actor.optim.lr: must be > 0"),
+    (["TINY", "critic.optim.lr=-1"], "critic.optim.lr: must be > 0"),
+    (["TINY", "critic.micro_batch_size=0"], "critic.micro_batch_size: must be >= 1"),
+    (["TINY", "placement.reference_parallel.tp=0"], "placement.reference_parallel.tp: must be >= 1"),
     (["TINY", "rollout.max_new_tokens=60"], "rollout.max_new_tokens"),
     (["train", "model.path=no/such/model"], "model.path: model path"),
     # the data, the reward function and this machine
@@ -131,7 +141,25 @@ CASES = [
     (["report", "no/such/run"], "no/such/run/metrics.jsonl is missing"),
     (["TINY", "reward.fn=no_such_reward"], "reward.fn: unknown reward function 'no_such_reward'"),
     (["TINY", "reward.fn=tests.rl_tasks:no_such_fn"], "reward.fn: reward function 'tests.rl_tasks:no_such_fn'"),
-    (["TINY", "reward.fn=gsm8k", "reward.kwargs.bogus=1"], "reward.fn: reward function 'gsm8k' does not accept"),
+    (["TINY", "reward.fn=gsm8k", "reward.kwargs.bogus=1"], "reward.kwargs: reward function 'gsm8k' does not accept"),
+    (["TINY", "reward.fn=gsm8k", "reward.kwargs.format_score=high"],
+     "reward.kwargs: format_score='high' is a str, but reward 'gsm8k' takes a float there"),
+    (["TINY", "reward.fn=http", "reward.kwargs.urll=http://rm:8000/pooling"],
+     "reward.kwargs: reward function 'http' does not accept parameters ['urll']"),
+    (["TINY", "reward.fn=gsm8k"], "reward.fn: 'gsm8k' failed on the first rows of data.train_files (RewardError: "
+                                  "GSM8K ground truth 'x' has no number"),
+    # the data's content (read in the launching process, before any rank), and paths that data.prepare never writes
+    (["TINY", "data.train_files=[DATA:null_prompt.jsonl]"],
+     "data.train_files: DATA:null_prompt.jsonl: row 1's field 'question' (data.prompt_key) is null"),
+    (["TINY", "data.train_files=[DATA:no_answer.jsonl]"],
+     "data.train_files: DATA:no_answer.jsonl: row 1 has no field 'ground_truth' (its fields: ['question']); set "
+     "data.answer_key"),
+    (["TINY", "data.train_files=[DATA:no_tokens.jsonl]"], "row 0's prompt in field 'question' is no tokens"),
+    (["TINY", "data.prepare=gsm8k", "data.train_files=[data/gms8k/train.parquet]"],
+     "data.train_files: ['data/gms8k/train.parquet'] do not exist; check the path (data.prepare=gsm8k writes only"),
+    (["TINY", "data.prepare=gsm8k", "data.train_files=[mine/train.jsonl]"], "['mine/train.jsonl'] do not exist; check"),
+    (["TINY", "data.prepare=gsm8k", "validation.enabled=true", "validation.files=[data/gsm8k/tset.parquet]"],
+     "validation.files: ['data/gsm8k/tset.parquet'] do not exist; check the path"),
     pytest.param(["TINY", "rollout.engine=vllm"], "rollout.engine: vllm generates on a GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
     (["WINDOWED"], "model.path: sliding-window attention"),
@@ -171,7 +199,9 @@ def test_bad_input_is_one_error_line_naming_the_field(tiny, run_cli, argv, names
     elif argv[0] == "WINDOWED":
         argv = _tiny_train(tiny, f"model.path={tiny[2]}")
     argv = [str(tiny[0]) if a == "TINYMODEL" else a.replace("NOTOKEN", str(tiny[0].parent / "notoken")) for a in argv]
-    argv = [str(tiny[0].parent / a[5:]) if a.startswith("YAML:") else a for a in argv]
+    argv = [str(tiny[0].parent / a[5:]) if a.startswith("YAML:") else a.replace("DATA:", f"{tiny[0].parent}/")
+            for a in argv]
+    names = names.replace("DATA:", f"{tiny[0].parent}/")
     status, err = run_cli(argv)
     lines = err.strip().splitlines()
     assert status == 2 and len(lines) == 1, err
@@ -224,7 +254,9 @@ def test_a_job_started_by_torchrun_ends_a_config_error_in_one_line_per_rank(tmp_
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("megarl: error:")]
     assert set(errors) == {"megarl: error: trainer.steps: must be >= 1"}, proc.stderr[-2000:]
     assert "exitcode  : 2" in proc.stderr  # torchrun's summary of the failed ranks
-    assert "megarl/" not in proc.stderr  # no traceback through megarl's code
+    package = Path(__file__).resolve().parents[1] / "megarl"
+    assert f'File "{package}/' not in proc.stderr  # no traceback through megarl's code (torchrun's may name
+    # the venv, .../megarl/.venv/..., in a clone named megarl)
 
 
 def test_eval_names_no_validation_switch_and_export_names_a_run_folders_checkpoint(run_cli, tmp_path):

@@ -98,16 +98,31 @@ def test_dataset_fields_and_length_filter(tokenizer, tmp_path, caplog):
 def test_dataset_errors_name_row_field_and_fix(tokenizer, tmp_path):
     rows = [{"question": "a?", "ground_truth": "1"}, {"prompt": "b?", "ground_truth": "2"}]
     with pytest.raises(DataError, match=r"p.jsonl: row 1 has no field 'question' \(its fields: \['ground_truth', "
-                                        r"'prompt'\]\); set prompt_key"):
+                                        r"'prompt'\]\); set data.prompt_key"):
         PromptDataset.from_file(write_jsonl(tmp_path / "p.jsonl", rows), tokenizer)
     rows = [{"q": "a?", "gt": "1"}, {"q": "b?"}]
-    with pytest.raises(DataError, match="row 1 has no field 'gt'.*set ground_truth_key"):
+    with pytest.raises(DataError, match="row 1 has no field 'gt'.*set data.answer_key"):
         PromptDataset(rows, tokenizer, prompt_key="q", ground_truth_key="gt")
+    with pytest.raises(DataError, match=r"row 1's field 'q' \(data.prompt_key\) is null; fix or remove the row"):
+        PromptDataset([{"q": "a?"}, {"q": None}], tokenizer, prompt_key="q", ground_truth_key=None)
+    with pytest.raises(DataError, match=r"row 0's field 'gt' \(data.answer_key\) is null"):
+        PromptDataset([{"q": "a?", "gt": None}], tokenizer, prompt_key="q", ground_truth_key="gt")
     assert PromptDataset(rows, tokenizer, prompt_key="q", ground_truth_key=None).ground_truths == [None, None]
     with pytest.raises(DataError, match="row 0 has an empty or non-text prompt"):
         PromptDataset([{"q": "  "}], tokenizer, prompt_key="q", ground_truth_key=None)
     with pytest.raises(DataError, match="no rows"):
         PromptDataset([], tokenizer)
+
+
+def test_a_prompt_of_no_tokens_is_refused(tokenizer):
+    """Messages with empty contents, joined without a chat template, are no tokens: the rollout engine cannot
+    generate from them, so the dataset names the rows."""
+    rows = [{"q": "a?"}, {"q": [{"role": "user", "content": ""}]}, {"q": [{"role": "user", "content": ""}]}]
+    plain = PromptTemplate(use_chat_template=False)
+    with pytest.raises(DataError, match=r"row 1's prompt in field 'q' is no tokens once templated \(2 such rows: "
+                                        r"\[1, 2\]\)"):
+        PromptDataset(rows, tokenizer, prompt_key="q", ground_truth_key=None, template=plain)
+    assert len(PromptDataset(rows[:1], tokenizer, prompt_key="q", ground_truth_key=None, template=plain)) == 1
 
 
 def test_dataset_with_chat_message_prompts(tokenizer):

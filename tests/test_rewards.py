@@ -180,8 +180,17 @@ def test_user_path_errors(user_module):
         load_reward_fn("my_rewards:wrong_count")(["p", "p"], ["a", "b"], None)
     with pytest.raises(RewardError, match="non-finite scores for samples \\[0, 1\\]"):
         load_reward_fn("my_rewards:nan_reward")(["p", "p"], ["a", "b"], None)
-    with pytest.raises(RewardError, match="cannot build reward"):
+    with pytest.raises(RewardError, match=r"'my_rewards:Constant' does not accept parameters \['val'\].*"
+                                          r"Constant\(value\)"):
         load_reward_fn("my_rewards:Constant", {"val": 1})
+
+
+def test_reward_parameters_of_the_wrong_type_are_refused_before_any_call():
+    with pytest.raises(RewardError, match="format_score='high' is a str, but reward 'gsm8k' takes a float there"):
+        load_reward_fn("gsm8k", {"format_score": "high"})
+    with pytest.raises(RewardError, match="strict=1 is a int, but reward 'gsm8k' takes a bool"):
+        load_reward_fn("gsm8k", {"strict": 1})
+    load_reward_fn("gsm8k", {"format_score": 0, "strict": True})  # an int is a float
 
 
 # ---------------------------------------------------------------------------------------------- reward model

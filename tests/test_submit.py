@@ -41,6 +41,20 @@ def _normalised(script: str) -> str:
     return script.replace(sys.executable, "@PYTHON@").replace(str(ROOT), "@ROOT@")
 
 
+@pytest.fixture(scope="module")
+def qwen7b_config(tmp_path_factory):
+    """A folder holding Qwen2.5-7B's config.json and a stand-in weights file: what the model checks read."""
+    import torch
+    from safetensors.torch import save_file
+
+    from megarl.models.spec import PRESETS
+
+    path = tmp_path_factory.mktemp("qwen2.5-7b")
+    PRESETS["qwen2.5-7b"].to_hf_config().save_pretrained(str(path))
+    save_file({"stand_in": torch.zeros(1)}, str(path / "model.safetensors"))
+    return path
+
+
 @pytest.mark.parametrize("name,args", [
     ("submit_2x8_qwen2.5-7b.sbatch",
      ["parallel_configs/gpu_8xh200_qwen2.5-7b.yaml", "actor.parallel.dp=8", "--nodes", "2", "--gpus-per-node", "8",
@@ -51,7 +65,8 @@ def _normalised(script: str) -> str:
       "--container-image", "nvcr.io/nvidia/pytorch:25.10-py3", "--container-mounts", "/lustre:/lustre",
       "--sbatch-arg=--exclusive", "--sbatch-arg=--mem=0"]),
 ])
-def test_dry_run_scripts_match_the_golden_files(name, args, capsys, monkeypatch):
+def test_dry_run_scripts_match_the_golden_files(name, args, capsys, monkeypatch, qwen7b_config):
+    monkeypatch.setenv("MODEL_PATH", str(qwen7b_config))  # submit reads the model's config, as train does
     rc, out, err = _submit_here([*args, "--dry-run"], capsys, monkeypatch)
     assert rc == 0, err
     script = _normalised(out)
@@ -78,6 +93,11 @@ def test_dry_run_scripts_match_the_golden_files(name, args, capsys, monkeypatch)
     ([], ["--nodes", "0"], ["--nodes", ">= 1"]),
     ([], ["--time", "4h"], ["--time '4h' is not a SLURM time limit", "04:00:00"]),
     ([], ["--gpus-per-node", "8", "--ntasks-per-node", "2"], ["--ntasks-per-node 2", "one rank per GPU"]),
+    # what the model's config decides, as train and sweep --plan check it (Qwen2.5-7B has 28 heads)
+    (["parallel_configs/gpu_8xh200_qwen2.5-7b.yaml", "model.path=preset:qwen2.5-7b", "actor.parallel.tp=8",
+      "actor.parallel.dp=1"], ["--nodes", "1", "--gpus-per-node", "8"],
+     ["actor.parallel.tp: tp=8 does not divide num_attention_heads=28"]),
+    (["model.path=no/such/model"], [], ["model.path: model path 'no/such/model' does not exist"]),
 ])
 def test_a_job_that_does_not_fit_the_config_fails_before_submitting(args, flags, fields, tmp_path, capsys,
                                                                      monkeypatch):

@@ -51,8 +51,10 @@ class PromptDataset:
     Args:
         rows: the source rows (dicts), e.g. from :func:`read_rows`.
         tokenizer: a Hugging Face tokenizer (with a chat template when ``template.use_chat_template``).
-        prompt_key: the field holding the prompt: a string, or a list of ``{"role", "content"}`` messages.
-        ground_truth_key: the field holding the ground truth (stored as a string), or None for none.
+        prompt_key: the field holding the prompt (``data.prompt_key``): a string, or a list of
+            ``{"role", "content"}`` messages.
+        ground_truth_key: the field holding the ground truth (``data.answer_key``; stored as a string), or
+            None for none.
         template: system prompt, instruction and chat template (:class:`PromptTemplate`).
         max_prompt_length: drop prompts longer than this many tokens (after templating); None keeps all.
             What was dropped is logged (count and row numbers) and kept in :attr:`dropped`.
@@ -66,8 +68,9 @@ class PromptDataset:
         dropped: row numbers of the prompts dropped for length.
 
     Raises:
-        DataError: no rows; a row without the prompt (or ground-truth) field, or with an empty or non-text
-            prompt (the message names the row, the field and the fix); no prompt left after filtering.
+        DataError: no rows; a row without the prompt (or ground-truth) field or with a null one, or with an
+            empty or non-text prompt, or one that is no tokens once templated (the message names the row, the
+            field, its config setting and the fix); no prompt left after filtering.
     """
 
     def __init__(self, rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, prompt_key: str = "question",
@@ -75,15 +78,20 @@ class PromptDataset:
                  max_prompt_length: int | None = None, source: str = "<rows>"):
         if not rows:
             raise DataError(f"{source}: no rows")
-        prompts = [_field(row, k, prompt_key, source, "prompt_key") for k, row in enumerate(rows)]
+        prompts = [_field(row, k, prompt_key, source, "data.prompt_key") for k, row in enumerate(rows)]
         for k, p in enumerate(prompts):
             if not (isinstance(p, str) and p.strip()) and not (isinstance(p, list) and p):
                 raise DataError(f"{source}: row {k} has an empty or non-text prompt in field {prompt_key!r}: "
                                 f"{p!r:.80}; fix or remove the row")
         truths = [None if ground_truth_key is None else str(_field(row, k, ground_truth_key, source,
-                                                                   "ground_truth_key"))
+                                                                   "data.answer_key"))
                   for k, row in enumerate(rows)]
         ids = template.tokenize(tokenizer, prompts)
+        empty = [k for k, x in enumerate(ids) if not x]
+        if empty:
+            raise DataError(f"{source}: row {empty[0]}'s prompt in field {prompt_key!r} is no tokens once templated "
+                            f"({len(empty)} such rows: {empty[:10]}): {prompts[empty[0]]!r:.80}; fix or remove the "
+                            "rows")
         fits = [max_prompt_length is None or len(x) <= max_prompt_length for x in ids]
         keep = [k for k, ok in enumerate(fits) if ok]
         self.dropped = [k for k, ok in enumerate(fits) if not ok]
@@ -127,9 +135,16 @@ class PromptDataset:
 
 
 def _field(row: Mapping[str, Any], k: int, key: str, source: str, setting: str) -> Any:
-    if key not in row or row[key] is None:
+    """``row[key]``; ``setting`` is the config field that names ``key``, for the message.
+
+    Raises:
+        DataError: the row has no such field, or it is null.
+    """
+    if key not in row:
         raise DataError(f"{source}: row {k} has no field {key!r} (its fields: {sorted(row)}); set {setting} to "
                         "the field that holds it, or fix the row")
+    if row[key] is None:
+        raise DataError(f"{source}: row {k}'s field {key!r} ({setting}) is null; fix or remove the row")
     return row[key]
 
 

@@ -260,6 +260,9 @@ def run(a: argparse.Namespace) -> int:
     shape = JobShape(a.nodes, a.gpus_per_node, a.ntasks_per_node)
     opts, python = sbatch_options_from_args(a, f"megarl-{cfg.run.name}")
     check_job_shape(cfg, shape)
+    from megarl.trainer.preflight import model_spec, validate_for_model
+
+    validate_for_model(cfg, model_spec(cfg))  # as train and sweep --plan: a model that exists and fits the mesh
     cwd = os.getcwd()
     script = train_script(cfg, config, overrides, shape, opts, python=python, cwd=cwd)
     if a.dry_run:

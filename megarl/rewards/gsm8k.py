@@ -153,8 +153,9 @@ def gsm8k_reward(prompts: Sequence[str], responses: Sequence[str], ground_truths
         if truth is None:
             raise RewardError(f"sample {i} has no ground truth; the gsm8k reward needs the dataset's answer "
                               "(set the data's ground-truth field)")
+        expected = ground_truth_number(truth)  # an unreadable ground truth fails whatever the response
         answer, formatted = extract_answer(response, strict=strict, last_number=last_number)
-        if answer is not None and answer == ground_truth_number(truth):
+        if answer is not None and answer == expected:
             scores.append(correct_score)
         else:
             scores.append(format_score if formatted else 0.0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import typing
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -101,17 +102,40 @@ def load_reward_fn(spec: str, params: Mapping[str, Any] | None = None) -> Loaded
     """
     params = dict(params or {})
     obj = find_reward(spec)
+    check_reward_params(spec, obj, params)
     if inspect.isclass(obj):
         try:
             return LoadedReward(spec, obj(**params))
         except TypeError as e:
             raise RewardError(f"cannot build reward {spec!r} with parameters {sorted(params)}: {e}") from e
+    return LoadedReward(spec, functools.partial(obj, **params))
+
+
+def check_reward_params(spec: str, obj: Any, params: Mapping[str, Any] | None) -> None:
+    """Check ``params`` against what ``obj`` (from :func:`find_reward`) takes, without calling it: a function's
+    keyword parameters after ``(prompts, responses, ground_truths)``, or a class's constructor's; and, where
+    the parameter is annotated ``float``, ``int``, ``bool`` or ``str``, the value's type (an int is a float).
+
+    Raises:
+        RewardError: a parameter it does not take, a required one missing, or a value of the wrong type.
+    """
+    params = dict(params or {})
+    signature = inspect.signature(obj)
     try:
-        inspect.signature(obj).bind([], [], [], **params)
+        signature.bind(**params) if inspect.isclass(obj) else signature.bind([], [], [], **params)
     except TypeError as e:
         raise RewardError(f"reward function {spec!r} does not accept parameters {sorted(params)}: {e}; its "
-                          f"signature is {spec}{inspect.signature(obj)}") from e
-    return LoadedReward(spec, functools.partial(obj, **params))
+                          f"signature is {spec}{signature}") from None
+    try:
+        hints = typing.get_type_hints(obj.__init__ if inspect.isclass(obj) else obj)
+    except Exception:  # noqa: BLE001 (annotations that do not resolve: no type to check against)
+        hints = {}
+    for name, value in params.items():
+        kind = hints.get(name)
+        accepted = {float: (int, float), int: (int,), bool: (bool,), str: (str,)}.get(kind)
+        if accepted and (not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool))):
+            raise RewardError(f"{name}={value!r} is a {type(value).__name__}, but reward {spec!r} takes a "
+                              f"{kind.__name__} there; its signature is {spec}{signature}")
 
 
 def find_reward(spec: str) -> Any:

@@ -4,8 +4,10 @@
 :func:`validate_for_model` adds what the model's own config (``config.json``, GGUF metadata or a preset)
 determines: whether its heads, query groups, FFN and vocab split at each role's TP, whether its layers split
 at the PP size, whether the rollout engine's TP fits it, whether its context holds a prompt and a response.
-:func:`preflight` adds the tokenizer, the train and validation files, the reward function and what this machine needs, and is what
-``megarl train`` (and ``megarl bench step``) run in the launching process, before torchrun starts any rank.
+:func:`preflight` adds the tokenizer, the reward function and its parameters, what this machine needs and the
+data (the train and validation files prepared when ``data.prepare`` makes them, then every row read, templated
+and tokenised), and is what ``megarl train`` (and ``megarl bench step``) run in the launching process, before
+torchrun starts any rank.
 The :class:`~megarl.trainer.trainer.Trainer` runs :func:`validate_for_model` again on every rank (a job
 started by torchrun or srun), before it builds a model.
 """
@@ -14,18 +16,23 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import logging
 from pathlib import Path
 
 import torch
 
 from megarl.config import Config, ConfigError, validate_for_world
+from megarl.data.dataset import PromptDataset, read_rows
+from megarl.data.template import DataError, PromptTemplate
 from megarl.models.checkpoint import source_spec
 from megarl.models.hf_io import load_tokenizer
 from megarl.models.layout import check_vllm_tp
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
-from megarl.rewards.registry import RewardError, find_reward, load_reward_fn
+from megarl.rewards.registry import RewardError, check_reward_params, find_reward, load_reward_fn
+
+log = logging.getLogger(__name__)
 
 
 def model_spec(cfg: Config) -> ModelSpec:
@@ -99,12 +106,112 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
                           "tokens; shorten one of them")
 
 
+def gsm8k_preparable(path: str | Path) -> bool:
+    """Whether ``data.prepare=gsm8k`` makes the missing file ``path``: GSM8K's ``train.parquet`` or
+    ``test.parquet`` in a folder named for GSM8K (the default ``data/gsm8k/``). Any other missing path is a
+    typo or the user's own data, and is never written."""
+    p = Path(path)
+    return p.name in ("train.parquet", "test.parquet") and "gsm8k" in p.parent.name.lower()
+
+
 def check_files(cfg: Config, field: str, files: list[str], alternative: str = "") -> None:
     """Raises ConfigError naming ``field`` when one of its ``files`` is missing and ``data.prepare`` cannot
-    make it; ``alternative`` ends the message (another way out, e.g. `` (or validation.enabled=false)``)."""
+    make it (:func:`gsm8k_preparable`); ``alternative`` ends the message (another way out, e.g.
+    `` (or validation.enabled=false)``)."""
     missing = [f for f in files if not Path(f).is_file()]
     if missing and cfg.data.prepare is None:
         raise ConfigError(f"{field}: {missing} do not exist; create them or set data.prepare=gsm8k{alternative}")
+    foreign = [f for f in missing if not gsm8k_preparable(f)]
+    if foreign:
+        raise ConfigError(f"{field}: {foreign} do not exist; check the path (data.prepare=gsm8k writes only "
+                          "GSM8K's own train.parquet and test.parquet, into a folder named for it such as the "
+                          f"default data/gsm8k/){alternative}")
+
+
+def prepare_files(cfg: Config, files: list[str]) -> None:
+    """Write the missing ``files`` that ``data.prepare=gsm8k`` makes (:func:`gsm8k_preparable`; both splits
+    into the file's folder) from ``data.gsm8k_source``. One process only: the caller keeps others waiting.
+
+    Raises:
+        DataError: the GSM8K source cannot be read.
+    """
+    folders = dict.fromkeys(Path(f).parent for f in files if not Path(f).is_file() and gsm8k_preparable(f))
+    if not folders or cfg.data.prepare != "gsm8k":
+        return
+    from megarl.data.gsm8k import prepare_gsm8k
+
+    src = cfg.data.gsm8k_source
+    if src == "auto":
+        local = [p for p in (Path("../shared/data/gsm8k"), Path(__file__).parents[3] / "shared/data/gsm8k")
+                 if (p / "train.jsonl").is_file()]
+        src = str(local[0]) if local else "hub"
+    for folder in folders:
+        log.info("preparing GSM8K from %s into %s", src, folder)
+        prepare_gsm8k(src, folder)
+
+
+def read_prompts(cfg: Config, tokenizer, files: list[str], field: str = "data.train_files") -> PromptDataset:
+    """The tokenised, templated, length-filtered prompts of ``files`` (``field`` of the config) as ``data``
+    says (prompt and answer fields, template, ``max_prompt_length``).
+
+    Raises:
+        ConfigError: naming ``field``, the file, the row and the fix (a missing field, an empty prompt, one
+            of no tokens, none short enough).
+    """
+    template = PromptTemplate(system_prompt=cfg.data.system_prompt, instruction=cfg.data.instruction,
+                              use_chat_template=cfg.data.use_chat_template)
+    try:
+        rows = [row for f in files for row in read_rows(f)]
+        return PromptDataset(rows, tokenizer, prompt_key=cfg.data.prompt_key, ground_truth_key=cfg.data.answer_key,
+                             template=template, max_prompt_length=cfg.data.max_prompt_length,
+                             source=",".join(files))
+    except DataError as e:
+        raise ConfigError(f"{field}: {e}") from None
+
+
+def check_data(cfg: Config, tokenizer) -> None:
+    """The train files and, when validation is on, ``validation.files``: present or made by ``data.prepare``
+    (:func:`check_data_files`; made now), then every row is read, templated and tokenised as the ranks will
+    (:func:`read_prompts`), and the reward function is called on the first training rows with empty responses (a ground truth it
+    cannot read fails here).
+
+    Raises:
+        ConfigError: naming the field (:func:`check_files`, :func:`read_prompts`, ``reward.fn``).
+        DataError: the GSM8K source cannot be read.
+    """
+    check_data_files(cfg)
+    fields = [("data.train_files", cfg.data.train_files)]
+    if cfg.validation.enabled:
+        fields.append(("validation.files", cfg.validation.files))
+    prepare_files(cfg, [f for _, files in fields for f in files])
+    train, *_ = [read_prompts(cfg, tokenizer, files, field) for field, files in fields]
+    if inspect.isclass(find_reward(cfg.reward.fn)):
+        return  # a reward model: built on the ranks
+    first = range(min(4, len(train)))
+    try:
+        load_reward_fn(cfg.reward.fn, cfg.reward.kwargs)([train.raw_prompts[k] for k in first], [""] * len(first),
+                                                         [train.ground_truths[k] for k in first])
+    except Exception as e:  # noqa: BLE001 (any failure of the user's function, named with its data)
+        raise ConfigError(f"reward.fn: {cfg.reward.fn!r} failed on the first rows of data.train_files "
+                          f"({type(e).__name__}: {e}); check data.answer_key and reward.kwargs") from None
+
+
+def check_reward(cfg: Config) -> None:
+    """Find ``reward.fn`` and check ``reward.kwargs`` against its parameters (a function's, or a class's
+    constructor's; the class is built on the ranks).
+
+    Raises:
+        ConfigError: naming ``reward.fn`` (unknown name, unimportable path) or ``reward.kwargs`` (parameters
+            it does not take, a value of the wrong type).
+    """
+    try:
+        fn = find_reward(cfg.reward.fn)
+    except RewardError as e:
+        raise ConfigError(f"reward.fn: {e}") from None
+    try:
+        check_reward_params(cfg.reward.fn, fn, cfg.reward.kwargs)
+    except RewardError as e:
+        raise ConfigError(f"reward.kwargs: {e}") from None
 
 
 def check_data_files(cfg: Config) -> None:
@@ -114,27 +221,14 @@ def check_data_files(cfg: Config) -> None:
         check_files(cfg, "validation.files", cfg.validation.files, " (or validation.enabled=false)")
 
 
-def check_reward(cfg: Config) -> None:
-    """Find ``reward.fn`` and, for a function, bind ``reward.kwargs`` to it (a class is built on the ranks).
-
-    Raises:
-        ConfigError: naming ``reward.fn``: unknown name, unimportable path, parameters it does not take.
-    """
-    try:
-        if not inspect.isclass(find_reward(cfg.reward.fn)):
-            load_reward_fn(cfg.reward.fn, cfg.reward.kwargs)
-    except RewardError as e:
-        raise ConfigError(f"reward.fn: {e}") from None
-
-
-def check_tokenizer(cfg: Config, model_tokenizer: str | None) -> None:
-    """The tokenizer of :func:`tokenizer_source` loads.
+def check_tokenizer(cfg: Config, model_tokenizer: str | None):
+    """The tokenizer of :func:`tokenizer_source`, loaded.
 
     Raises:
         ConfigError: naming ``model.tokenizer``, the path and what a tokenizer folder needs.
     """
     try:
-        load_tokenizer(tokenizer_source(cfg, model_tokenizer))
+        return load_tokenizer(tokenizer_source(cfg, model_tokenizer))
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"model.tokenizer: {e}") from None
 
@@ -154,8 +248,9 @@ def check_this_machine(cfg: Config) -> None:
 
 def preflight(cfg: Config, world_size: int) -> ModelSpec:
     """Every check that needs no process group or model, made by the process that starts a job's ranks on this
-    machine: :func:`~megarl.config.validate_for_world`, the model (:func:`validate_for_model`), the train
-    files, the reward function and what this machine must have. Returns the model's spec.
+    machine: :func:`~megarl.config.validate_for_world`, the model (:func:`validate_for_model`), the reward
+    function and its parameters, what this machine must have, then the data (:func:`check_data`: prepared
+    when missing, every row read and tokenised). Returns the model's spec.
 
     Raises:
         ConfigError: naming the field.
@@ -163,8 +258,8 @@ def preflight(cfg: Config, world_size: int) -> ModelSpec:
     validate_for_world(cfg, world_size)
     spec, model_tokenizer = _model_source(cfg)
     validate_for_model(cfg, spec)
-    check_tokenizer(cfg, model_tokenizer)
-    check_data_files(cfg)
     check_reward(cfg)
     check_this_machine(cfg)
+    check_data_files(cfg)
+    check_data(cfg, check_tokenizer(cfg, model_tokenizer))
     return spec

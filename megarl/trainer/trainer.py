@@ -36,9 +36,8 @@ from megarl.bench.throughput import step_perf_metrics
 from megarl.bench.timers import PhaseTimer
 from megarl.config import (Config, ConfigError, absolute_paths, placement_summary, role_layouts, to_dict,
                            validate_for_world)
-from megarl.data.dataset import PromptDataset, read_rows
+from megarl.data.dataset import PromptDataset
 from megarl.data.loader import PromptLoader
-from megarl.data.template import PromptTemplate
 from megarl.models import checkpoint as ck
 from megarl.models.hf_io import load_tokenizer
 from megarl.models.layout import megatron_layout
@@ -56,7 +55,8 @@ from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel,
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
 from megarl.trainer.offload import HostOffload
-from megarl.trainer.preflight import check_files, tokenizer_source, validate_for_model
+from megarl.trainer.preflight import (check_files, prepare_files, read_prompts, tokenizer_source,
+                                      validate_for_model)
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.validation import Validation, append_samples
 from megarl.trainer.workers import CriticWorker, PolicyWorker
@@ -65,8 +65,8 @@ log = logging.getLogger(__name__)
 
 
 def prepare_data(cfg: Config, files: list[str], field: str = "data.train_files") -> list[str]:
-    """Data files (``field`` of the config), prepared first when missing and ``data.prepare`` says how (GSM8K:
-    both splits, train and test).
+    """Data files (``field`` of the config), prepared first when missing and ``data.prepare`` makes them
+    (:func:`~megarl.trainer.preflight.prepare_files`; ``megarl train`` has done so before any rank started).
 
     Raises:
         ConfigError: a missing file and nothing to prepare it from.
@@ -74,18 +74,8 @@ def prepare_data(cfg: Config, files: list[str], field: str = "data.train_files")
     check_files(cfg, field, files)
     # Rank 0 alone looks and prepares; every rank then waits at the barrier. (A rank that looked for itself and
     # found the files rank 0 had just written skipped the barrier that rank 0 then waited at forever.)
-    missing = [f for f in files if not Path(f).is_file()] if dist.get_rank() == 0 else []
-    if missing:
-        from megarl.data.gsm8k import prepare_gsm8k
-
-        src = cfg.data.gsm8k_source
-        if src == "auto":
-            local = [p for p in (Path("../shared/data/gsm8k"), Path(__file__).parents[3] / "shared/data/gsm8k")
-                     if (p / "train.jsonl").is_file()]
-            src = str(local[0]) if local else "hub"
-        out_dir = Path(missing[0]).parent
-        log.info("preparing GSM8K from %s into %s", src, out_dir)
-        prepare_gsm8k(src, out_dir)
+    if dist.get_rank() == 0:
+        prepare_files(cfg, files)
     dist.barrier()
     still = [f for f in files if not Path(f).is_file()]
     if still:
@@ -95,13 +85,10 @@ def prepare_data(cfg: Config, files: list[str], field: str = "data.train_files")
 
 def load_prompts(cfg: Config, tokenizer, files: list[str] | None = None,
                  field: str = "data.train_files") -> PromptDataset:
-    """Tokenised, templated, length-filtered prompts of ``files`` (default: the train files)."""
-    files = prepare_data(cfg, list(cfg.data.train_files if files is None else files), field)
-    rows = [row for f in files for row in read_rows(f)]
-    template = PromptTemplate(system_prompt=cfg.data.system_prompt, instruction=cfg.data.instruction,
-                              use_chat_template=cfg.data.use_chat_template)
-    return PromptDataset(rows, tokenizer, prompt_key=cfg.data.prompt_key, ground_truth_key=cfg.data.answer_key,
-                         template=template, max_prompt_length=cfg.data.max_prompt_length, source=",".join(files))
+    """Tokenised, templated, length-filtered prompts of ``files`` (default: the train files;
+    :func:`~megarl.trainer.preflight.read_prompts`)."""
+    return read_prompts(cfg, tokenizer, prepare_data(cfg, list(cfg.data.train_files if files is None else files),
+                                                     field), field)
 
 
 def resolve_eos(spec: ModelSpec, tokenizer, source: str, generation_config: dict | None = None) -> ModelSpec:
