@@ -279,5 +279,5 @@ def test_gsm8k_is_prepared_once_when_rank_1_looks_after_rank_0_wrote_it(tmp_path
     it and rank 0 waited there forever (a hung 2-rank SLURM job in CI)."""
     from tests.distributed import run_world
 
-    files = [str(tmp_path / "out" / "train.parquet"), str(tmp_path / "out" / "test.parquet")]
-    assert run_world(_prepare_on_rank, 2, gsm_dir(tmp_path), tmp_path / "out", timeout_s=120) == [files, files]
+    files = [str(tmp_path / "gsm8k" / "train.parquet"), str(tmp_path / "gsm8k" / "test.parquet")]
+    assert run_world(_prepare_on_rank, 2, gsm_dir(tmp_path), tmp_path / "gsm8k", timeout_s=120) == [files, files]
