@@ -1,8 +1,9 @@
 """The ``megarl`` command: one argparse tree of subcommands.
 
     megarl train [CONFIG.yaml] [key=value ...] [--resume]   RL training (no config: the CPU default)
-    megarl convert SRC OUT [--tp T] [--pp P] [--dtype D]    HF directory / GGUF -> megarl checkpoint
-    megarl export CKPT OUT                                  megarl checkpoint -> HF directory
+    megarl convert SRC OUT [--tp T] [--pp P] [--dtype D] [--overwrite]
+                                                            HF directory / GGUF -> megarl checkpoint
+    megarl export CKPT OUT [--overwrite]                    megarl checkpoint -> HF directory
     megarl data gsm8k --src DIR|hub --out DIR               prepare GSM8K parquet files
     megarl eval MODEL [CONFIG.yaml] [key=value ...]         held-out accuracy of a model or checkpoint
     megarl report RUN_DIR                                   plots and a markdown page of a run
@@ -261,11 +262,14 @@ def _convert(p: argparse.ArgumentParser):
     p.add_argument("--pp", type=positive_int("--pp"), default=1,
                    help="pipeline-parallel size of the conversion world")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--overwrite", action="store_true", help="write into a folder that holds other files: replace "
+                   "the checkpoint's own (megarl.json, model/, ranks/) and keep the rest (default: refuse)")
 
     def run(a: argparse.Namespace) -> int:
         from megarl.launch.convert import convert_to_megarl
 
-        path = convert_to_megarl(None if a.src == "default" else a.src, a.out, tp=a.tp, pp=a.pp, dtype=a.dtype)
+        path = convert_to_megarl(None if a.src == "default" else a.src, a.out, tp=a.tp, pp=a.pp, dtype=a.dtype,
+                                 overwrite=a.overwrite)
         print(f"wrote megarl checkpoint {path}")
         return 0
     return run
@@ -275,11 +279,13 @@ def _convert(p: argparse.ArgumentParser):
 def _export(p: argparse.ArgumentParser):
     p.add_argument("ckpt", help="megarl checkpoint directory (from `megarl convert` or `megarl train`)")
     p.add_argument("out", help="output Hugging Face directory")
+    p.add_argument("--overwrite", action="store_true", help="write into a folder that holds other files: replace "
+                   "the files an export writes and keep the rest (default: refuse)")
 
     def run(a: argparse.Namespace) -> int:
         from megarl.launch.convert import export_to_hf
 
-        print(f"wrote Hugging Face checkpoint {export_to_hf(a.ckpt, a.out)}")
+        print(f"wrote Hugging Face checkpoint {export_to_hf(a.ckpt, a.out, overwrite=a.overwrite)}")
         return 0
     return run
 
