@@ -212,7 +212,8 @@ def _eval(p: argparse.ArgumentParser):
                    "(its prompt template, reward and validation), else the CPU default")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. validation.num_prompts=0 "
                    "validation.max_new_tokens=512 rollout.engine=vllm")
-    p.add_argument("--out", help="output folder for eval.json and eval_samples.jsonl (default: "
+    p.add_argument("--out", help="output folder for eval.json and eval_samples.jsonl, or eval-2.json, ... when "
+                   "they exist (default: "
                    "<run.output_dir>/eval/<model name>, <run name>-step_<N> for a run's checkpoint)")
 
     def run(a: argparse.Namespace) -> int:
@@ -232,10 +233,12 @@ def _eval(p: argparse.ArgumentParser):
 
         if not is_rank() and dist.is_initialized():  # its own world of one: ended while the interpreter is whole
             dist.destroy_process_group()  # (gloo's threads at teardown aborted it now and then, as _end_rank says)
+        if "files" not in result:  # a rank other than 0: rank 0 reports
+            return 0
         m = result["metrics"]
         print(f"{a.model}: accuracy {m['val/accuracy']:.4f}, mean reward {m['val/reward_mean']:.4f}, response "
               f"length {m['val/response_length_mean']:.0f} tokens, {m['val/clip_ratio']:.0%} cut at max_new_tokens "
-              f"({result['prompts']}); wrote {Path(out) / 'eval.json'} and eval_samples.jsonl")
+              f"({result['prompts']}); wrote {' and '.join(result['files'])}")
         return 0
     return run
 

@@ -952,7 +952,7 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
 
 def absolute_paths(cfg: Config) -> Config:
     """A copy of ``cfg`` whose paths are absolute (``model.path``, ``model.tokenizer``, ``data.train_files``,
-    ``data.gsm8k_source``, ``run.output_dir``), so that what a run records (its config.json, its checkpoints)
+    ``data.gsm8k_source``, ``validation.files``, ``run.output_dir``), so that what a run records (its config.json, its checkpoints)
     means the same from any working folder. Names that are not paths (``default``, ``preset:NAME``, ``auto``,
     ``hub``) are kept."""
     def absolute(p: str | None) -> str | None:
@@ -965,7 +965,8 @@ def absolute_paths(cfg: Config) -> Config:
         run=dataclasses.replace(cfg.run, output_dir=absolute(cfg.run.output_dir)),
         model=dataclasses.replace(cfg.model, path=absolute(cfg.model.path), tokenizer=absolute(cfg.model.tokenizer)),
         data=dataclasses.replace(cfg.data, train_files=[absolute(f) for f in cfg.data.train_files],
-                                 gsm8k_source=absolute(cfg.data.gsm8k_source)))
+                                 gsm8k_source=absolute(cfg.data.gsm8k_source)),
+        validation=dataclasses.replace(cfg.validation, files=[absolute(f) for f in cfg.validation.files]))
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

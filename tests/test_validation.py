@@ -85,6 +85,7 @@ def test_eval_of_the_start_model_and_the_final_checkpoint_matches_the_run(run):
         r = subprocess.run([sys.executable, "-m", "megarl.cli", "eval", str(model), *common, f"--out={out}"],
                            capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
+        assert "megarl eval: generating 16 prompts of" in r.stdout and "megarl eval: generating took" in r.stdout
         result = json.loads((out / "eval.json").read_text())
         assert result["model"] == str(model.resolve())  # the same from any working folder
         got = result["metrics"]
@@ -93,6 +94,26 @@ def test_eval_of_the_start_model_and_the_final_checkpoint_matches_the_run(run):
         in_run = [json.loads(line) for line in (run_dir / "val_samples.jsonl").read_text().splitlines()]
         evaluated = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
         assert [s["response"] for s in evaluated] == [s["response"] for s in in_run if s["step"] == step]
+
+
+def test_an_evaluation_never_replaces_an_earlier_ones_results(tmp_path):
+    from megarl.trainer.evaluate import result_files
+
+    assert result_files(tmp_path / "new") == (tmp_path / "new" / "eval.json", tmp_path / "new" / "eval_samples.jsonl")
+    (tmp_path / "eval.json").write_text("{}")
+    assert result_files(tmp_path) == (tmp_path / "eval-2.json", tmp_path / "eval_samples-2.jsonl")
+    (tmp_path / "eval_samples-2.jsonl").write_text("")
+    assert result_files(tmp_path)[0] == tmp_path / "eval-3.json"
+
+
+def test_run_records_its_validation_files_as_absolute_paths(tmp_path, monkeypatch):
+    """A run's config.json names its validation files absolutely, so ``megarl eval`` of its checkpoint from
+    another folder reads them (it prepared data/gsm8k in that folder before)."""
+    from megarl.config import absolute_paths, load_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = absolute_paths(load_config(None, ["validation.files=[held/out.jsonl]"]))
+    assert cfg.validation.files == [str(tmp_path / "held" / "out.jsonl")]
 
 
 def test_summary_lists_validation_accuracy_by_step(run):

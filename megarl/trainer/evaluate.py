@@ -8,12 +8,19 @@ checkpoint (``runs/<name>/checkpoints/step_000004``); the config's ``validation`
 process; under ``torchrun --nproc_per_node=N`` the prompts are split over the N ranks (one engine each).
 
 Writes ``eval.json`` (the figures, the model, what was evaluated) and ``eval_samples.jsonl`` (one record per
-response: prompt, response, ground truth, score, length, finish reason) into the output folder.
+response: prompt, response, ground truth, score, length, finish reason) into the output folder; a later
+evaluation into the same folder writes ``eval-2.json`` and ``eval_samples-2.jsonl`` (then ``-3``, ...), so no
+result is replaced. Rank 0 says what it does as it goes (the model, the prompts, the generation's time every
+30 s), since a CPU evaluation runs for minutes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +60,9 @@ def evaluate_model(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
     """Evaluate ``cfg.model.path`` on the validation prompts of ``cfg`` (call on every rank).
 
     Returns:
-        ``{"model", "prompts" (a description), "metrics"}``, also written to ``<out_dir>/eval.json`` by rank 0
-        with the samples in ``<out_dir>/eval_samples.jsonl``.
+        ``{"model", "prompts" (a description), "metrics", "reward", "engine"}``, also written by rank 0 to
+        ``<out_dir>/eval.json`` with the samples in ``<out_dir>/eval_samples.jsonl`` (or the next free
+        ``eval-<k>`` pair, :func:`result_files`), whose paths rank 0's result adds as ``"files"``.
 
     Raises:
         ConfigError: a missing data file that cannot be prepared, a model without a tokenizer (a preset without
@@ -64,6 +72,7 @@ def evaluate_model(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
     source = None if cfg.model.path == "default" else cfg.model.path
     spec, _, model_tokenizer = ck.source_spec(source)  # a bad path or data fail before any process group
     check_files(cfg, "validation.files", cfg.validation.files)
+    _say(f"loading {cfg.model.path} and its tokenizer")
     tokenizer = load_tokenizer(tokenizer_source(cfg, model_tokenizer))
     init_distributed()
     spec = resolve_eos(spec, tokenizer, cfg.model.path, ck.source_generation_config(source))
@@ -71,15 +80,56 @@ def evaluate_model(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
                                  spec)
     engine = make_engine(cfg, spec)
     engine.update_weights(weights_writer(source, engine))
-    metrics, records = validation.run(engine, group=rollout_dp_group(cfg.rollout.tp if cfg.rollout.engine == "vllm"
-                                                                     else 1))
+    _say(f"generating {validation.describe()} on {dist.get_world_size()} rank(s) ({cfg.rollout.engine} engine)")
+    with _heartbeat("generating", every_s=30.0):
+        metrics, records = validation.run(engine, group=rollout_dp_group(cfg.rollout.tp if cfg.rollout.engine == "vllm"
+                                                                         else 1))
     result = {"model": cfg.model.path if cfg.model.path == "default" else str(Path(cfg.model.path).resolve()),
               "prompts": validation.describe(), "metrics": metrics,
               "reward": cfg.reward.fn, "engine": cfg.rollout.engine}
     if dist.get_rank() == 0:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "eval.json").write_text(json.dumps(result, indent=2))
-        (out / "eval_samples.jsonl").unlink(missing_ok=True)
-        append_samples(out / "eval_samples.jsonl", records)
+        json_path, samples_path = result_files(out_dir)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2))
+        append_samples(samples_path, records)
+        result = {**result, "files": [str(json_path), str(samples_path)]}
     return result
+
+
+def result_files(out_dir: str | Path) -> tuple[Path, Path]:
+    """The first free pair of ``eval.json`` / ``eval_samples.jsonl``, ``eval-2.json`` / ``eval_samples-2.jsonl``,
+    ... in ``out_dir``: an evaluation never replaces an earlier one's results."""
+    out = Path(out_dir)
+    k = 1
+    while (out / f"eval{_suffix(k)}.json").exists() or (out / f"eval_samples{_suffix(k)}.jsonl").exists():
+        k += 1
+    return out / f"eval{_suffix(k)}.json", out / f"eval_samples{_suffix(k)}.jsonl"
+
+
+def _suffix(k: int) -> str:
+    return "" if k == 1 else f"-{k}"
+
+
+def _say(message: str) -> None:
+    """Print a progress line from rank 0 (or a launcher that is no rank)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"megarl eval: {message}", flush=True)
+
+
+@contextlib.contextmanager
+def _heartbeat(what: str, every_s: float):
+    """Say ``what`` and the seconds it has taken every ``every_s`` seconds while the block runs, then its time."""
+    start, done = time.perf_counter(), threading.Event()
+
+    def beat():
+        while not done.wait(every_s):
+            _say(f"{what}: {time.perf_counter() - start:.0f} s")
+
+    thread = threading.Thread(target=beat, name="megarl-eval-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    _say(f"{what} took {time.perf_counter() - start:.0f} s")
