@@ -15,8 +15,8 @@ One RL step uses them in this order (``B`` responses of at most ``T`` tokens)::
 
     token_rewards = as_token_rewards(scores, mask)                                   # or apply_kl_penalty
     advantages, returns = ADVANTAGES.bind(name, cfg.algorithm)(token_rewards, mask, values=..., group_index=...)
-    tokens, seqs = count_tokens_and_seqs(mask)   # of the whole mini-batch, summed over DP ranks
     weights, keep, _ = rollout_correction(old_logprob, rollout_logprob, mask, ...)    # optional
+    tokens, seqs = count_tokens_and_seqs(keep)   # of the whole mini-batch, summed over DP ranks
     loss, metrics = actor_loss(logprob, old_logprob, advantages, keep_k, global_tokens=tokens,
                                rollout_weights=weights_k, ...)
 
