@@ -480,8 +480,8 @@ class Trainer:
         function's scores, before overlong shaping), and generate ``data.prompts_per_step`` more prompts until
         ``data.prompts_per_step`` groups have signal or ``max_extra_rounds`` extra rounds ran. The kept groups
         are cut to the first ``prompts_per_step``, or, short of that, to a whole number of mini-batches
-        (:meth:`_group_unit`); with not one mini-batch's worth, the step trains on one mini-batch of tied
-        groups (advantage 0: only the KL and entropy terms move the policy).
+        (:meth:`_group_unit`); with not one mini-batch's worth, the step trains on one mini-batch of them filled
+        with tied groups (advantage 0: they add only to the KL and entropy terms and the normalisers).
 
         Returns:
             ``(prompts, out, scores [B] float32, metrics)`` of the kept groups: ``dynamic_sampling/rounds``
@@ -511,10 +511,10 @@ class Trainer:
             prompts = more_prompts()
             out = self._generate(prompts, rounds)
         unit = self._group_unit()
-        kept = kept[:want] if len(kept) >= want else kept[:len(kept) // unit * unit]
-        with_signal = len(kept)
-        if not kept:  # not one mini-batch with signal: train one of tied groups (advantage 0: only KL, entropy)
-            kept = tied[:unit]
+        signalled, kept = kept, kept[:want] if len(kept) >= want else kept[:len(kept) // unit * unit]
+        if not kept:  # not one mini-batch with signal: one mini-batch of them, filled with tied groups
+            kept = (signalled + tied)[:unit]
+        with_signal = min(len(kept), len(signalled))
         merged = PromptBatch(input_ids=[p.input_ids[k] for p, k, _, _ in kept], index=[p.index[k] for p, k, _, _ in kept],
                              ground_truth=[p.ground_truth[k] for p, k, _, _ in kept],
                              raw_prompt=[p.raw_prompt[k] for p, k, _, _ in kept])
