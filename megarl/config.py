@@ -381,15 +381,15 @@ class RolloutCorrectionConfig:
     lower: Optional[float] = None
 
     def __post_init__(self):
-        _require(self.preset is None or self.preset in ROLLOUT_CORRECTION_PRESETS, "algorithm.rollout_correction.preset",
+        require(self.preset is None or self.preset in ROLLOUT_CORRECTION_PRESETS, "algorithm.rollout_correction.preset",
                  f"must be one of {list(ROLLOUT_CORRECTION_PRESETS)} or null, got {self.preset!r}")
         level, mode, cap, lower = self.settings() if self.enabled else (None, "truncate", 2.0, 0.5)
-        _require(self.level is None or self.level in ROLLOUT_CORRECTION_LEVELS, "algorithm.rollout_correction.level",
+        require(self.level is None or self.level in ROLLOUT_CORRECTION_LEVELS, "algorithm.rollout_correction.level",
                  f"must be one of {ROLLOUT_CORRECTION_LEVELS} or null (off), got {self.level!r}")
-        _require(mode in ROLLOUT_CORRECTION_MODES, "algorithm.rollout_correction.mode",
+        require(mode in ROLLOUT_CORRECTION_MODES, "algorithm.rollout_correction.mode",
                  f"must be one of {ROLLOUT_CORRECTION_MODES}, got {mode!r}")
-        _require(cap > 0, "algorithm.rollout_correction.cap", f"must be > 0, got {cap}")
-        _require(mode == "truncate" or 0 <= lower <= 1 <= cap, "algorithm.rollout_correction",
+        require(cap > 0, "algorithm.rollout_correction.cap", f"must be > 0, got {cap}")
+        require(mode == "truncate" or 0 <= lower <= 1 <= cap, "algorithm.rollout_correction",
                  f"mask needs 0 <= lower <= 1 <= cap (ratio 1 must stay in the loss), got lower={lower}, cap={cap}")
 
     @property
@@ -422,7 +422,7 @@ class DynamicSamplingConfig:
     max_extra_rounds: int = 3
 
     def __post_init__(self):
-        _require(self.max_extra_rounds >= 0, "algorithm.dynamic_sampling.max_extra_rounds",
+        require(self.max_extra_rounds >= 0, "algorithm.dynamic_sampling.max_extra_rounds",
                  f"must be >= 0, got {self.max_extra_rounds}")
 
 
@@ -444,8 +444,8 @@ class OverlongConfig:
     filter: bool = False
 
     def __post_init__(self):
-        _require(self.buffer_tokens >= 0, "algorithm.overlong.buffer_tokens", f"must be >= 0, got {self.buffer_tokens}")
-        _require(self.penalty_factor >= 0, "algorithm.overlong.penalty_factor",
+        require(self.buffer_tokens >= 0, "algorithm.overlong.buffer_tokens", f"must be >= 0, got {self.buffer_tokens}")
+        require(self.penalty_factor >= 0, "algorithm.overlong.penalty_factor",
                  f"must be >= 0, got {self.penalty_factor}")
 
 
@@ -508,7 +508,7 @@ class AlgorithmConfig:
                  "must be >= 0")
         require(self.clip_ratio_c is None or self.clip_ratio_c > 1, "algorithm.clip_ratio_c",
                  "must be > 1 (or null to disable dual-clip)")
-        _require(self.loss_norm_tokens is None or self.loss_norm_tokens >= 1, "algorithm.loss_norm_tokens",
+        require(self.loss_norm_tokens is None or self.loss_norm_tokens >= 1, "algorithm.loss_norm_tokens",
                  f"must be >= 1 or null (rollout.max_new_tokens), got {self.loss_norm_tokens}")
 
     @property
@@ -758,10 +758,10 @@ class Config:
 
     def __post_init__(self):
         alg = self.algorithm
-        _require(not alg.dynamic_sampling.enabled or self.rollout.n >= 2, "algorithm.dynamic_sampling.enabled",
+        require(not alg.dynamic_sampling.enabled or self.rollout.n >= 2, "algorithm.dynamic_sampling.enabled",
                  f"drops groups whose rollout.n samples are all rewarded alike: needs rollout.n >= 2, got "
                  f"{self.rollout.n}")
-        _require(alg.overlong.buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong.buffer_tokens",
+        require(alg.overlong.buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong.buffer_tokens",
                  f"{alg.overlong.buffer_tokens} is longer than rollout.max_new_tokens={self.rollout.max_new_tokens}")
 
     @property

@@ -535,7 +535,7 @@ class Trainer:
 
     def _group_unit(self) -> int:
         """The fewest groups that make whole mini-batches of every trained role, divisible by every Megatron
-        role's DP (the batch sizes :func:`~megarl.config.validate_for_world` checks for a full step)."""
+        role's DP (the batch sizes :func:`~megarl.parallel.placement.validate_for_world` checks for a full step)."""
         sizes = [self.cfg.actor.ppo_mini_batch_size] + [lay.dp for lay in self.layouts.values()]
         if "critic" in self.pools:
             sizes.append(self.cfg.critic.ppo_mini_batch_size)
