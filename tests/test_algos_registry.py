@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from megarl.algos.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
-from megarl.config import AlgorithmConfig, ConfigError, load_config, validate_for_world
+from megarl.config import AlgorithmConfig, ConfigError, load_config
+from megarl.parallel.placement import validate_for_world
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,8 +52,8 @@ def test_allowed_names_are_the_registries():
     assert AlgorithmConfig(name="ppo").uses_critic and not AlgorithmConfig(name="grpo").uses_critic
     with pytest.raises(ConfigError, match=r"algorithm.name: unknown algorithm 'ppo2'.*'reinforce_plus_plus_baseline'"):
         load_config(None, ["algorithm.name=ppo2"])
-    with pytest.raises(ConfigError, match=r"algorithm.policy_loss: .*'gspo'.*\['ppo'\]"):
-        load_config(None, ["algorithm.policy_loss=gspo"])
+    with pytest.raises(ConfigError, match=r"algorithm.policy_loss: .*'gspo2'.*\['cispo', 'gspo', 'ppo'\]"):
+        load_config(None, ["algorithm.policy_loss=gspo2"])
     with pytest.raises(ConfigError, match=r"algorithm.kl.estimator: .*'k3\+'.*'k4'"):
         load_config(None, ["algorithm.kl.estimator=k4"])
     with pytest.raises(ConfigError, match="algorithm.loss_agg_mode"):

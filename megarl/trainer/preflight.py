@@ -1,6 +1,6 @@
 """Checks of a run against its model, made before any process or model starts.
 
-:func:`~megarl.config.validate_for_world` checks what the config and the world size determine;
+:func:`~megarl.parallel.placement.validate_for_world` checks what the config and the world size determine;
 :func:`validate_for_model` adds what the model's own config (``config.json``, GGUF metadata or a preset)
 determines: whether its heads, query groups, FFN and vocab split at each role's TP, whether its layers split
 at the PP size, whether the rollout engine's TP fits it, whether its context holds a prompt and a response.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.config import Config, ConfigError, validate_for_world
+from megarl.config import Config, ConfigError
 from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.template import DataError, PromptTemplate
 from megarl.models.checkpoint import source_spec
@@ -30,6 +30,7 @@ from megarl.models.layout import check_vllm_tp
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
+from megarl.parallel.placement import validate_for_world
 from megarl.rewards.registry import RewardError, check_reward_params, find_reward, load_reward_fn
 
 log = logging.getLogger(__name__)
@@ -248,9 +249,9 @@ def check_this_machine(cfg: Config) -> None:
 
 def preflight(cfg: Config, world_size: int) -> ModelSpec:
     """Every check that needs no process group or model, made by the process that starts a job's ranks on this
-    machine: :func:`~megarl.config.validate_for_world`, the model (:func:`validate_for_model`), the reward
-    function and its parameters, what this machine must have, then the data (:func:`check_data`: prepared
-    when missing, every row read and tokenised). Returns the model's spec.
+    machine: :func:`~megarl.parallel.placement.validate_for_world`, the model (:func:`validate_for_model`),
+    the reward function and its parameters, what this machine must have, then the data (:func:`check_data`:
+    prepared when missing, every row read and tokenised). Returns the model's spec.
 
     Raises:
         ConfigError: naming the field.
