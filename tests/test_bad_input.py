@@ -95,7 +95,7 @@ CASES = [
     (["train", "algorithm.kl.estimator=k1"], "algorithm.kl.estimator: 'k1' in the loss"),
     (["train", "rollout.top_p=0.8"], "rollout.top_p: 0.8 < 1"),
     (["train", "rollout.top_k=50"], "rollout.top_k: 50 truncates"),
-    (["train", "algorithm.policy_loss=gspo"], "algorithm.policy_loss"),
+    (["train", "algorithm.policy_loss=no_such_loss"], "algorithm.policy_loss"),  # gspo is one now
     (["train", "trainer.steps=0"], "trainer.steps"),
     (["train", "trainer.keep_checkpoints=0"], "trainer.keep_checkpoints: 0 must be >= 1"),
     (["train", "reshard.bucket_mb=0.00001"], "reshard.bucket_mb"),

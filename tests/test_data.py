@@ -222,6 +222,7 @@ def test_prepare_gsm8k_errors(tmp_path, capsys):
     assert megarl_main(["data", "gsm8k", "--src", str(src), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("megarl: error: ") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()  # a source that fails leaves no folder behind
 
 
 def test_prepare_gsm8k_from_the_hub(tmp_path, monkeypatch):

@@ -51,9 +51,8 @@ def prepare_gsm8k(src: str | os.PathLike, out_dir: str | os.PathLike) -> dict[st
         raise DataError(f"GSM8K source {str(src)!r} is not a directory (expected one holding train.jsonl and "
                         "test.jsonl) nor a hub dataset id like openai/gsm8k; pass --src DIR or --src hub")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = {}
-    for split in SPLITS:
+    tables = {}
+    for split in SPLITS:  # both read before anything is written: a source that fails leaves no folder behind
         source = _local_split(Path(src), split) if Path(src).is_dir() else _hub_split(str(src), split)
         rows = read_rows(source)
         questions, answers, truths = [], [], []
@@ -66,9 +65,11 @@ def prepare_gsm8k(src: str | os.PathLike, out_dir: str | os.PathLike) -> dict[st
                 raise DataError(f"{source}: row {k}: {e}") from None
             questions.append(row["question"])
             answers.append(row["answer"])
-        table = pa.table({"index": pa.array(range(len(rows)), pa.int64()), "question": questions,
-                          "answer": answers, "ground_truth": truths})
-        written[split] = out / f"{split}.parquet"
+        tables[split] = pa.table({"index": pa.array(range(len(rows)), pa.int64()), "question": questions,
+                                  "answer": answers, "ground_truth": truths})
+    out.mkdir(parents=True, exist_ok=True)
+    written = {split: out / f"{split}.parquet" for split in SPLITS}
+    for split, table in tables.items():
         pq.write_table(table, written[split])
     return written
 
