@@ -230,7 +230,7 @@ def _eval(p: argparse.ArgumentParser):
         import torch.distributed as dist
 
         if not is_rank() and dist.is_initialized():  # its own world of one: ended while the interpreter is whole
-            dist.destroy_process_group()  # (gloo's threads at teardown aborted it now and then, as _end_rank says)
+            dist.destroy_process_group()  # (gloo's threads at teardown aborted it now and then, as end_process says)
         m = result["metrics"]
         print(f"{a.model}: accuracy {m['val/accuracy']:.4f}, mean reward {m['val/reward_mean']:.4f}, response "
               f"length {m['val/response_length_mean']:.0f} tokens, {m['val/clip_ratio']:.0%} cut at max_new_tokens "
@@ -414,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args.argv = argv[1:]
         from megarl.console import quiet_libraries
+        from megarl.parallel.lifecycle import own_descendants
 
+        own_descendants()  # what the command starts (libraries' helpers included) ends with it, kill -9 included
         quiet_libraries()
         return args.run(args)
     except (UsageError, ConfigError, ValueError, FileNotFoundError, RunLockedError) as e:  # errors naming the fix
@@ -444,31 +446,40 @@ def _interrupted(e: BaseException) -> int:
     return 130
 
 
-def _end_rank(status: int) -> NoReturn:
-    """End a finished rank: destroy its process groups while the interpreter is whole, flush its output, and
-    leave with ``os._exit`` as :mod:`multiprocessing` ends its children, without interpreter teardown.
+def end_process(status: int) -> NoReturn:
+    """End a finished megarl process: destroy its process groups while the interpreter is whole, end every
+    process it started (:func:`megarl.parallel.lifecycle.end_descendants`), flush its output, and leave with
+    ``os._exit`` as :mod:`multiprocessing` ends its children, without interpreter teardown. Afterwards nothing
+    holds its stdout or stderr: ``megarl train ... | cat`` ends with the run.
 
     Teardown destroys C++ objects of torch and gloo whose worker threads may still hold Python objects; on a
     loaded machine that aborted a finished rank now and then (``terminate called without an active
-    exception``, exit code -6) after its work was done and written. Everything a rank writes is closed before
-    this (loggers, checkpoints, reports); helper processes go with the rank's process group
-    (:mod:`megarl.parallel.lifecycle`)."""
-    import torch.distributed as dist
+    exception``, exit code -6) after its work was done and written; and the helpers that libraries start and
+    never stop (megatron-core's checkpoint writer's ``multiprocessing`` manager and its resource tracker) kept
+    running after it, holding the output open. Everything megarl writes is closed before this (loggers,
+    checkpoints, reports)."""
+    import logging
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    from megarl.parallel.lifecycle import end_descendants
+
+    end_descendants()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that has gone (``| head``), a closed stream
+            pass
     os._exit(status)
 
 
 def entry() -> NoReturn:
-    """The ``megarl`` command and ``python -m megarl.cli``: :func:`main`, then the exit (a rank's by
-    :func:`_end_rank`)."""
-    status = main()
-    if is_rank():  # a rank of a torchrun relaunch, torchrun or srun
-        _end_rank(status)
-    sys.exit(status)
+    """The ``megarl`` command and ``python -m megarl.cli``: :func:`main`, then :func:`end_process`."""
+    end_process(main())
 
 
 if __name__ == "__main__":

@@ -1,3 +1,3 @@
 """Multi-process gloo worlds for the tests (see :mod:`megarl.parallel.launch`)."""
 
-from megarl.parallel.launch import free_port, run_world  # noqa: F401
+from megarl.parallel.launch import run_world  # noqa: F401
