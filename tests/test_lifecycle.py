@@ -21,7 +21,7 @@ import pytest
 
 from megarl.parallel.lifecycle import PeerLostError, phase, process_alive
 from megarl.trainer.metrics import read_metrics
-from tests.distributed import run_world
+from tests.distributed import marked_processes, run_world
 from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -327,18 +327,6 @@ def test_ctrl_c_ends_the_run_in_one_line_then_resume_continues(task, layout):
     assert code == 0 and "resumed from" in out, out[-3000:]
 
 
-def _marked(mark: str) -> list[int]:
-    """Live processes whose environment holds ``MEGARL_TEST_MARK=mark`` (what one test started, however deep)."""
-    entry, found = f"MEGARL_TEST_MARK={mark}".encode(), []
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                found.append(int(pid))
-        except OSError:
-            continue
-    return [p for p in found if process_alive(p)]
-
-
 # a megarl process that starts what libraries start and never stop: megatron-core's checkpoint writer's spawned
 # multiprocessing manager (with its resource tracker), and an orphan (a double fork, parent 1); then it ends
 # as megarl.cli ends, or is SIGKILLed (argv[1] "kill": it waits)
@@ -370,12 +358,12 @@ def test_what_a_megarl_process_starts_ends_with_it_and_releases_its_output(how):
                             env=os.environ | {"MEGARL_TEST_MARK": mark})
     try:
         assert proc.stdout.readline() == b"started\n"
-        assert len(_marked(mark)) >= 4  # itself, the manager, the resource tracker, the orphan
+        assert len(marked_processes(mark)) >= 4  # itself, the manager, the resource tracker, the orphan
         if how == "kill":
             proc.kill()
         proc.communicate(timeout=60)  # the end of the output: every holder of the pipe is gone
         assert proc.returncode == (0 if how == "end" else -signal.SIGKILL)
-        _wait_for(lambda: not _marked(mark), 10, "the processes it started to end")
+        _wait_for(lambda: not marked_processes(mark), 10, "the processes it started to end")
     finally:
-        for pid in _marked(mark):
+        for pid in marked_processes(mark):
             os.kill(pid, signal.SIGKILL)
