@@ -286,10 +286,9 @@ def _export(p: argparse.ArgumentParser):
 
 @command("data", "gsm8k", help="prepare GSM8K (train/test parquet files)")
 def _data_gsm8k(p: argparse.ArgumentParser):
-    from megarl.data.gsm8k import HF_REPO
-
     p.add_argument("--src", required=True,
-                   help=f"directory with train.jsonl and test.jsonl, or a hub dataset id ({HF_REPO}; 'hub' for it)")
+                   help="directory with train.jsonl and test.jsonl, or a Hugging Face hub dataset id ('hub': "
+                        "GSM8K's own, megarl.data.gsm8k.HF_REPO)")
     p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
 
     def run(a: argparse.Namespace) -> int:
@@ -305,10 +304,64 @@ def _data_gsm8k(p: argparse.ArgumentParser):
 
 @command("bench", "reshard", help="reshard benchmark against two baselines")
 def _bench_reshard(p: argparse.ArgumentParser):
-    from megarl.bench import reshard
+    from megarl.config import MIN_BUCKET_MB, ReshardConfig
 
-    reshard.add_arguments(p)
-    return reshard.run
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = """Reshard benchmark (megarl/bench/reshard.py), two modes:
+
+  layout (default)  a model shape (--model, random weights) on a Megatron TP x PP x DP mesh of --nproc local
+                    processes (gloo on CPU, NCCL on GPUs; or the ranks of torchrun/srun) is resharded into vLLM
+                    TP shards (--dst vllm) or whole HF tensors (--dst hf) by the reshard engine and by two
+                    baselines (gather the full model then slice; verl's per-tensor TP all-gather). Per rank:
+                    bytes sent/received, peak extra memory, wall ms, destination GB/s, exact or not.
+  micro             one process, no communication: the box-copy kernels of one rank's copies (the whole
+                    model Megatron TP=1 -> vLLM TP=1 on one device; the pack and unpack of Megatron TP=1 ->
+                    vLLM TP=t, t the smallest TP > 1 the model admits) against one plain device copy of the
+                    same bytes and one torch copy_ per box.
+
+The defaults run on any machine: SmolLM2-135M (9 heads, 3 KV heads) at Megatron TP=3 on 3 local ranks into
+vLLM TP=1 engines, bf16, the trainer's bucket size (reshard.bucket_mb)."""
+    dflt = ReshardConfig()
+    p.add_argument("mode", nargs="?", choices=("layout", "micro"), default="layout",
+                   help="what to measure (default: layout)")
+    p.add_argument("--model", default="smollm2-135m", help="a named model shape (megarl.models.spec.PRESETS: "
+                   "smollm2-135m, qwen2.5-0.5b, qwen2.5-7b, llama-3-8b, ...; default: smollm2-135m)")
+    p.add_argument("--layers", type=int_at_least("--layers", 0), default=0,
+                   help="cut the model to this many layers (default 0: all)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="source dtype (default bf16)")
+    p.add_argument("--iters", type=positive_int("--iters"), default=5, help="measured runs, median (default 5)")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    g = p.add_argument_group("layout mode")
+    g.add_argument("--nproc", type=positive_int("--nproc"), default=3,
+                   help="local processes to spawn (default 3; ignored under torchrun or srun)")
+    g.add_argument("--src-tp", type=positive_int("--src-tp"), default=3, help="Megatron TP of the source (default 3)")
+    g.add_argument("--src-pp", type=positive_int("--src-pp"), default=1, help="Megatron PP of the source (default 1)")
+    g.add_argument("--dst", choices=("vllm", "hf"), default="vllm",
+                   help="vLLM TP shards or whole HF tensors (default vllm)")
+    g.add_argument("--dst-tp", type=positive_int("--dst-tp"), default=1,
+                   help="vLLM TP; its engines fill the world (default 1)")
+    g.add_argument("--hf-ranks", type=int, nargs="+", default=[0],
+                   help="ranks that get whole HF tensors, with --dst hf (default 0)")
+    g.add_argument("--dst-dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="destination dtype (default: --dtype)")
+    g.add_argument("--bucket-mb", type=positive_float("--bucket-mb", minimum=MIN_BUCKET_MB), default=dflt.bucket_mb,
+                   help=f"staging bytes per rank per round, MiB, >= {MIN_BUCKET_MB:g} (default {dflt.bucket_mb:g}, "
+                        "reshard.bucket_mb's)")
+    g.add_argument("--ranks-per-node", type=positive_int("--ranks-per-node"), default=None,
+                   help="for the same-node preference (default: one node)")
+    g.add_argument("--no-direct", action="store_true", help=f"stage every piece (default: pieces of >= "
+                   f"{dflt.direct_min_kb:g} KiB contiguous at an end go direct, reshard.direct_min_kb's)")
+    g.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1, help="unmeasured runs first (default 1)")
+    g.add_argument("--no-baselines", dest="baselines", action="store_false", help="measure the reshard alone")
+    g = p.add_argument_group("micro mode")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda where a GPU is, else cpu)")
+
+    def run(a: argparse.Namespace) -> int:
+        from megarl.bench.reshard import run as bench_reshard
+
+        a.direct_min_kb = None if a.no_direct else dflt.direct_min_kb
+        return bench_reshard(a)
+    return run
 
 
 @command("bench", "step", help="RL steps phase by phase: time, tokens/s/GPU, MFU, peak memory, utilisation")
@@ -367,8 +420,10 @@ def _sweep(p: argparse.ArgumentParser):
 
 
 # ------------------------------------------------------------------------------------------------ the tree
-def build_parser() -> argparse.ArgumentParser:
-    """The whole ``megarl`` argument tree (every registered :func:`command`)."""
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``megarl`` argument tree (every registered :func:`command`). With ``argv``, only the command that it
+    names gets its arguments: a builder imports what its command needs, so ``megarl --help`` and ``megarl
+    COMMAND --help`` import neither torch nor megatron-core (each builder keeps its imports light)."""
     usage = __doc__.split("\n\n")[1]  # the table of commands at the top of this module's docstring
     root = _Parser(prog="megarl", description="megarl: RL post-training (PPO, GRPO and kin) of LLMs on "
                    "Megatron-core TP/PP/DP meshes, with vLLM rollouts.",
@@ -385,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[prefix] = g.add_subparsers(dest=f"command_{depth}", metavar="SUBCOMMAND", required=True,
                                                   parser_class=_Parser)
         p = groups[path[:-1]].add_parser(path[-1], help=help_text, description=help_text)
-        p.set_defaults(run=build(p))
+        if argv is None or list(path) == argv[:len(path)]:
+            p.set_defaults(run=build(p))
     return root
 
 
@@ -404,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.trainer.run_lock import RunLockedError
 
     try:
-        parser = build_parser()
+        parser = build_parser(argv)
         if not argv:
             parser.print_help()
             return 0

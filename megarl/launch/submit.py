@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megarl.config import Config, ConfigError, load_config
-from megarl.parallel.placement import validate_for_world
 
 SCRIPT_NAME = "job.sbatch"
 PORT_BASE, PORT_SPAN = 20000, 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN (as megarl.parallel.mesh)
@@ -118,6 +117,8 @@ def check_job_shape(cfg: Config, shape: JobShape) -> None:
     Raises:
         ConfigError: naming the config fields and the job's flags.
     """
+    from megarl.parallel.placement import validate_for_world  # (torch: not imported for --help)
+
     p = cfg.actor.parallel
     on_all = cfg.placement.actor == "all"  # an actor on a pool of its own: validate_for_world checks the pool
     if on_all and (shape.world_size % (p.tp * p.pp) or (p.dp and p.tp * p.pp * p.dp != shape.world_size)):
