@@ -144,6 +144,25 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
     return True
 
 
+CHECK_HELP = ("check the config against its model, tokenizer, files and reward function (every check made "
+              "before a run, less what this machine lacks, e.g. a GPU), print the result and run nothing")
+
+
+def check_only(cfg, what: str) -> int:
+    """``--check``: :func:`~megarl.trainer.preflight.preflight` of ``cfg`` without the checks of this machine
+    (a GPU config checked on a CPU machine, as CI checks ``perf/gpu_*.sh``); prints one line; returns 0.
+
+    Raises:
+        ConfigError: naming the field, as a run would before starting.
+    """
+    from megarl.trainer.preflight import preflight
+
+    spec = preflight(cfg, cfg.world_size, this_machine=False)
+    print(f"megarl {what}: check passed ({cfg.world_size} rank(s), model {cfg.model.path}: {spec.num_layers} "
+          f"layers, hidden {spec.hidden_size}); nothing was run", flush=True)
+    return 0
+
+
 def is_rank() -> bool:
     """Whether this process is one rank of a job (started by torchrun or SLURM), not a launcher."""
     return "RANK" in os.environ or "SLURM_PROCID" in os.environ
@@ -155,6 +174,7 @@ def _train(p: argparse.ArgumentParser):
     p.add_argument("config", nargs="?", help="YAML file (parallel_configs/...); omitted: the CPU default")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=2 actor.optim.lr=1e-6")
     p.add_argument("--resume", action="store_true", help="continue from the run's newest checkpoint")
+    p.add_argument("--check", action="store_true", help=CHECK_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.config import load_config
@@ -162,6 +182,8 @@ def _train(p: argparse.ArgumentParser):
         config, overrides = split_config_and_overrides(a.config, a.overrides)
         overrides += ["trainer.resume=true"] if a.resume else []
         cfg = load_config(config, overrides)  # fails here, before any process or model, on a bad config
+        if a.check:
+            return check_only(cfg, "train")
         try:
             if relaunch_world(cfg, ["train", *a.argv], run_folder=True):
                 return 0
@@ -213,6 +235,7 @@ def _eval(p: argparse.ArgumentParser):
                    "validation.max_new_tokens=512 rollout.engine=vllm")
     p.add_argument("--out", help="output folder for eval.json and eval_samples.jsonl (default: "
                    "<run.output_dir>/eval/<model name>, <run name>-step_<N> for a run's checkpoint)")
+    p.add_argument("--check", action="store_true", help=CHECK_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from pathlib import Path
@@ -223,6 +246,8 @@ def _eval(p: argparse.ArgumentParser):
         if config is None and (config := _run_config(a.model)):
             print(f"megarl eval: the run's config {config} (give a CONFIG.yaml to use another)", flush=True)
         cfg = load_config(config, overrides + [f"model.path={a.model}"])
+        if a.check:
+            return check_only(cfg, "eval")
         from megarl.trainer.evaluate import evaluate_model
 
         out = a.out or Path(cfg.run.output_dir) / "eval" / _eval_name(a.model)
@@ -355,11 +380,20 @@ vLLM TP=1 engines, bf16, the trainer's bucket size (reshard.bucket_mb)."""
     g.add_argument("--no-baselines", dest="baselines", action="store_false", help="measure the reshard alone")
     g = p.add_argument_group("micro mode")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda where a GPU is, else cpu)")
+    p.add_argument("--check", action="store_true", help="check the flags against the world and the model "
+                   "(layout mode), print the result and run nothing")
 
     def run(a: argparse.Namespace) -> int:
-        from megarl.bench.reshard import run as bench_reshard
+        from megarl.bench.reshard import check_layout_args, run as bench_reshard
 
         a.direct_min_kb = None if a.no_direct else dflt.direct_min_kb
+        if a.check:
+            world = int(os.environ.get("WORLD_SIZE", a.nproc))
+            if a.mode == "layout":
+                check_layout_args(a, world)
+            print(f"megarl bench reshard {a.mode}: check passed ({world} rank(s), model {a.model}); nothing was "
+                  "run", flush=True)
+            return 0
         return bench_reshard(a)
     return run
 
@@ -379,6 +413,7 @@ def _bench_step(p: argparse.ArgumentParser):
     p.add_argument("--standalone-vllm", action="store_true",
                    help="then generate the measured batches on a plain vLLM on the same GPU and report the ratio "
                         "(rollout.engine=vllm)")
+    p.add_argument("--check", action="store_true", help=CHECK_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.config import load_config
@@ -388,6 +423,8 @@ def _bench_step(p: argparse.ArgumentParser):
         if a.standalone_vllm and cfg.rollout.engine != "vllm":
             raise UsageError(f"bench step: --standalone-vllm compares with vLLM rollouts; rollout.engine is "
                              f"{cfg.rollout.engine!r}: set rollout.engine=vllm or drop the flag")
+        if a.check:
+            return check_only(cfg, "bench step")
         if relaunch_world(cfg, ["bench", *a.argv]):
             return 0
         from megarl.bench.step import bench_step
