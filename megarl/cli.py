@@ -405,7 +405,8 @@ def _bench_step(p: argparse.ArgumentParser):
     p.add_argument("--steps", type=positive_int("--steps"), default=3, help="measured RL steps (default 3)")
     p.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1,
                    help="RL steps run first and not measured (default 1)")
-    p.add_argument("--json", default=None, help="report file (default: <run folder>/bench_step.json)")
+    p.add_argument("--json", default=None, help="report file (default: <run folder>/bench_step.json; the run "
+                   "folder is runs/bench-<run.name> unless run.name is given on the command line)")
     p.add_argument("--peak-tflops", type=positive_float("--peak-tflops"), default=None,
                    help="peak TFLOP/s per GPU for MFU (default: the device's datasheet dense bf16 peak)")
     p.add_argument("--sample-interval", type=positive_float("--sample-interval"), default=0.1,
@@ -419,7 +420,7 @@ def _bench_step(p: argparse.ArgumentParser):
         from megarl.config import load_config
 
         config, overrides = split_config_and_overrides(a.config, a.overrides)
-        cfg = load_config(config, overrides + ["validation.enabled=false"])  # it times steps: no held-out data
+        cfg = bench_step_config(config, overrides)
         if a.standalone_vllm and cfg.rollout.engine != "vllm":
             raise UsageError(f"bench step: --standalone-vllm compares with vLLM rollouts; rollout.engine is "
                              f"{cfg.rollout.engine!r}: set rollout.engine=vllm or drop the flag")
@@ -434,6 +435,18 @@ def _bench_step(p: argparse.ArgumentParser):
                             config_path=config, overrides=overrides)
         return 0 if report["status"] == "ok" else 1
     return run
+
+
+def bench_step_config(config: str | None, overrides: list[str]):
+    """The config of ``megarl bench step``: no validation (it times steps), and a run folder of its own,
+    ``bench-<run.name>``, unless ``run.name`` is given on the command line: a benchmark of the default config
+    (or of a run's YAML) never writes into that training run's folder."""
+    from megarl.config import load_config
+
+    cfg = load_config(config, overrides + ["validation.enabled=false"])
+    if not any(o.split("=", 1)[0].strip() == "run.name" for o in overrides):
+        cfg.run.name = f"bench-{cfg.run.name}"
+    return cfg
 
 
 @command("submit", help="a training run as one SLURM batch job (sbatch)")

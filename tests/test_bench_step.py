@@ -118,6 +118,17 @@ def test_bench_step_on_two_ranks(tmp_path):
     assert r["mfu"] is None  # no peak on the CPU
 
 
+def test_bench_step_never_writes_into_the_training_runs_folder():
+    """Issue 24: with run.name left as the config has it, bench step wrote bench_step.json (and its trainer's
+    files) into the main training run's folder."""
+    from megarl.cli import bench_step_config
+    from megarl.config import load_config
+
+    train = load_config(None, [])
+    assert bench_step_config(None, []).run.run_dir == train.run.run_dir.parent / f"bench-{train.run.name}"
+    assert bench_step_config(None, ["run.name=mine"]).run.name == "mine"
+
+
 def test_bench_step_bad_flag_is_one_error_line():
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", "bench", "step", "--warmup", "-1"],
                           capture_output=True, text=True, timeout=120)
