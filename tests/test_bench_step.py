@@ -1,5 +1,5 @@
 """``megarl bench step`` on the CPU (tiny model, synthetic task): the report's fields and units, never its
-times; and the FLOP formula of :mod:`megarl.bench.flops` against a count by hand."""
+times; and the FLOP formula of :mod:`megarl.measure.flops` against a count by hand."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from megarl.bench.flops import forward_flops, mfu, peak_bf16_flops, train_flops
+from megarl.measure.flops import forward_flops, mfu, peak_bf16_flops, train_flops
 from megarl.models.spec import ModelSpec
 from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
 

@@ -31,9 +31,9 @@ import torch.distributed as dist
 from megarl.algos.aggregation import masked_mean, masked_var
 from megarl.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
 from megarl.algos.registry import ADVANTAGES
-from megarl.bench.flops import peak_bf16_flops
-from megarl.bench.throughput import step_perf_metrics
-from megarl.bench.timers import PhaseTimer
+from megarl.measure.flops import peak_bf16_flops
+from megarl.measure.throughput import step_perf_metrics
+from megarl.measure.timers import PhaseTimer
 from megarl.config import Config, ConfigError, absolute_paths, to_dict
 from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.loader import PromptLoader
@@ -375,7 +375,7 @@ class Trainer:
         self.offload_s["to_device"] += sum(o.to_device() for o in self.offloads)
 
     def _perf_metrics(self, batch: RolloutBatch, phases: dict[str, float], step_s: float) -> dict[str, float]:
-        """Tokens/s/GPU, MFU and peak memory of the step and of each phase (:mod:`megarl.bench.throughput`)."""
+        """Tokens/s/GPU, MFU and peak memory of the step and of each phase (:mod:`megarl.measure.throughput`)."""
         return step_perf_metrics(self.spec, batch["prompt_lens"], batch["response_lens"], seconds=phases,
                                  peak_bytes=self.timer.reset_peaks(), step_s=step_s, world=self.world,
                                  epochs={"actor_update": self.cfg.actor.ppo_epochs,
