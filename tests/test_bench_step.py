@@ -74,7 +74,7 @@ def test_bench_step_report_fields_and_units(report):
     assert r["config"]["resolved"]["rollout"]["n"] == 4
     assert r["peak_tflops"]["datasheet"] == pytest.approx(0.001)
     phases = r["phases"]
-    assert list(phases)[:5] == ["reshard", "generate", "reward", "old_logprobs", "reference"]
+    assert list(phases)[:6] == ["wake_up", "reshard", "generate", "reward", "old_logprobs", "reference"]
     assert "actor_update" in phases
     assert len(r["per_step"]) == 2
     # one batch: 4 prompts x 4 samples of 3-5 prompt words and 1-3 response tokens (max_new_tokens=3)

@@ -2,9 +2,9 @@
 
 Builds the real :class:`~megarl.trainer.trainer.Trainer` from the config (random weights with
 ``model.path=preset:NAME``, or a real model), runs ``K`` warm-up steps and ``N`` measured steps, and reports
-per phase (reshard, generate, reward, old log-probs, reference, values, advantages, critic update, actor
-update): seconds per step, tokens per step, tokens/s and tokens/s/GPU, MFU for the model passes and peak
-memory. Tokens and model FLOPs of each phase are those of :mod:`megarl.measure.throughput` (real sequence
+per phase (the rollout engine's wake-up, reshard, generate, reward, old log-probs, reference, values,
+advantages, critic update, actor update): seconds per step, tokens per step, tokens/s and tokens/s/GPU, MFU
+for the model passes and peak memory. Tokens and model FLOPs of each phase are those of :mod:`megarl.measure.throughput` (real sequence
 lengths, causal attention, formulas and sources in :mod:`megarl.measure.flops`); MFU is reported against the
 device's datasheet dense bf16 peak (``mfu``; H100/H200 SXM: 989.4 TFLOP/s) and, where one was measured,
 against the measured bf16 matmul rate (``mfu_vs_measured``; H200: 794 TFLOP/s, GPU.md). ``--peak-tflops``
@@ -58,7 +58,7 @@ from megarl.measure.monitor import UtilizationSampler
 from megarl.bench.vllm_standalone import GenerateRecorder
 from megarl.config import Config, to_dict
 
-PHASE_ORDER = ("reshard", "generate", "reward", "old_logprobs", "reference", "values", "advantages",
+PHASE_ORDER = ("wake_up", "reshard", "generate", "reward", "old_logprobs", "reference", "values", "advantages",
                "critic_update", "actor_update")
 
 

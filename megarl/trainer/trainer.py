@@ -292,7 +292,9 @@ class Trainer:
         cfg, alg, t = self.cfg, self.cfg.algorithm, self.timer
         step_start = time.perf_counter()
 
-        with t("reshard"):
+        with t("wake_up"):  # the engine's memory back: vLLM maps its weights and KV cache again (sleep level 2)
+            self.engine.wake_up()
+        with t("reshard"):  # the weights alone
             stats = self._reshard_actor_to_engine()
         self._offload(("params",))  # read by the reshard: the engine generates alone
         offloaded_bytes = sum(o.bytes_on_host for o in self.offloads)
