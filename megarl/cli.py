@@ -131,6 +131,8 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
     from megarl.parallel.lifecycle import mark_children
 
     mark_children()  # the ranks end with this process, SIGKILL included
+    # each rank's threads: this machine's cores shared out (torchrun would set 1, with a banner saying so)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // cfg.world_size)))
     print(f"megarl: launching {cfg.world_size} processes with torchrun", flush=True)
     try:
         torchrun([f"--nproc_per_node={cfg.world_size}", "--standalone", "-m", "megarl.cli", *argv])
@@ -519,11 +521,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0
         args.argv = argv[1:]
-        from megarl.console import quiet_libraries
+        from megarl.console import quiet_libraries, quiet_other_ranks
         from megarl.parallel.lifecycle import own_descendants
 
         own_descendants()  # what the command starts (libraries' helpers included) ends with it, kill -9 included
         quiet_libraries()
+        if is_rank():
+            quiet_other_ranks()
         return args.run(args)
     except (UsageError, ConfigError, ValueError, FileNotFoundError, RunLockedError) as e:  # errors naming the fix
         if os.environ.get("MEGARL_TRACEBACK"):

@@ -109,6 +109,7 @@ def test_bench_step_on_two_ranks(tmp_path):
             "actor.micro_batch_size=2", "--steps", "1", "--warmup", "0", "--json", str(out)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)  # relaunched under torchrun
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Setting OMP_NUM_THREADS" not in proc.stderr  # torchrun's banner: megarl sets each rank's threads
     r = json.loads(out.read_text())
     assert r["status"] == "ok" and r["world_size"] == 2 and r["config"]["layout"]["dp"] == 2
     assert len(r["gpu_util"]["per_rank"]) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,25 @@ def test_bench_reshard_micro_runs_with_its_defaults_and_says_what_it_measured():
         "Megatron TP=1 -> vLLM TP=3" in head, r.stdout
     assert [line.split()[0] for line in r.stdout.splitlines()[-3:]] == ["local_copy", "pack", "unpack"]
     assert all(line.split()[-1] in ("True", "-") for line in r.stdout.splitlines()[-3:]), r.stdout
+
+
+_LOG_AS_RANK = """
+import logging
+from megarl.console import quiet_libraries, quiet_other_ranks
+quiet_libraries()
+quiet_other_ranks()
+logging.getLogger("megarl.trainer").warning("a note")
+logging.getLogger("megarl.trainer").error("an error")
+"""
+
+
+def test_a_note_comes_from_rank_0_alone_and_errors_from_every_rank():
+    """Issue 24: multi-rank runs printed a warning once per rank."""
+    def run(rank: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID")} | {"RANK": rank}
+        return subprocess.run([sys.executable, "-c", _LOG_AS_RANK], capture_output=True, text=True, cwd=REPO,
+                              env=env, timeout=300).stderr
+
+    zero, one = run("0"), run("1")
+    assert "a note" in zero and "an error" in zero, zero
+    assert "a note" not in one and "an error" in one, one
