@@ -213,7 +213,8 @@ def check_point(spec: SweepSpec, point: Point, shape: JobShape, memory: int | No
     from megarl.trainer.preflight import model_spec, preflight, validate_for_model
 
     try:
-        cfg = load_config(spec.base, spec.overrides + point.overrides)
+        # as the point's megarl bench step loads it (no validation: it times steps)
+        cfg = load_config(spec.base, spec.overrides + point.overrides + ["validation.enabled=false"])
         model = model_spec(cfg)
         validate_for_model(cfg, model)
         p = cfg.actor.parallel
