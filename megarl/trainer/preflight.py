@@ -170,11 +170,13 @@ def read_prompts(cfg: Config, tokenizer, files: list[str], field: str = "data.tr
         raise ConfigError(f"{field}: {e}") from None
 
 
-def check_data(cfg: Config, tokenizer) -> None:
+def check_data(cfg: Config, tokenizer, *, prepare: bool = True) -> None:
     """The train files and, when validation is on, ``validation.files``: present or made by ``data.prepare``
     (:func:`check_data_files`; made now), then every row is read, templated and tokenised as the ranks will
     (:func:`read_prompts`), and the reward function is called on the first training rows with empty responses (a ground truth it
-    cannot read fails here).
+    cannot read fails here). Without ``prepare`` (a config checked on another machine than the one it runs on),
+    files that ``data.prepare`` would make are left to the run, and a field whose files are not all here is
+    not read.
 
     Raises:
         ConfigError: naming the field (:func:`check_files`, :func:`read_prompts`, ``reward.fn``).
@@ -184,9 +186,12 @@ def check_data(cfg: Config, tokenizer) -> None:
     fields = [("data.train_files", cfg.data.train_files)]
     if cfg.validation.enabled:
         fields.append(("validation.files", cfg.validation.files))
-    prepare_files(cfg, [f for _, files in fields for f in files])
-    train, *_ = [read_prompts(cfg, tokenizer, files, field) for field, files in fields]
-    if inspect.isclass(find_reward(cfg.reward.fn)):
+    if prepare:
+        prepare_files(cfg, [f for _, files in fields for f in files])
+    datasets = {field: read_prompts(cfg, tokenizer, files, field) for field, files in fields
+                if all(Path(f).is_file() for f in files)}
+    train = datasets.get("data.train_files")
+    if train is None or inspect.isclass(find_reward(cfg.reward.fn)):
         return  # a reward model: built on the ranks
     first = range(min(4, len(train)))
     try:
@@ -247,11 +252,12 @@ def check_this_machine(cfg: Config) -> None:
         raise ConfigError("rollout.engine: vllm is not installed (MEGARL_EXTRAS=gpu ./build.sh installs it)")
 
 
-def preflight(cfg: Config, world_size: int) -> ModelSpec:
+def preflight(cfg: Config, world_size: int, *, this_machine: bool = True) -> ModelSpec:
     """Every check that needs no process group or model, made by the process that starts a job's ranks on this
     machine: :func:`~megarl.parallel.placement.validate_for_world`, the model (:func:`validate_for_model`),
-    the reward function and its parameters, what this machine must have, then the data (:func:`check_data`:
-    prepared when missing, every row read and tokenised). Returns the model's spec.
+    the reward function and its parameters, with ``this_machine`` what this machine must have (``--check``
+    leaves it out: a GPU config checked on a CPU machine), then the data (:func:`check_data`: prepared when
+    missing, every row read and tokenised). Returns the model's spec.
 
     Raises:
         ConfigError: naming the field.
@@ -260,7 +266,8 @@ def preflight(cfg: Config, world_size: int) -> ModelSpec:
     spec, model_tokenizer = _model_source(cfg)
     validate_for_model(cfg, spec)
     check_reward(cfg)
-    check_this_machine(cfg)
+    if this_machine:
+        check_this_machine(cfg)
     check_data_files(cfg)
-    check_data(cfg, check_tokenizer(cfg, model_tokenizer))
+    check_data(cfg, check_tokenizer(cfg, model_tokenizer), prepare=this_machine)
     return spec
