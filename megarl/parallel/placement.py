@@ -11,6 +11,12 @@ ranks here, and its roles get megatron's process-group collection with those DP 
 
 Results a pool computes (log-probs, update metrics) reach the other ranks by :func:`share_tensor` and
 :func:`share_object`, broadcasts from the pool's first rank.
+
+The rollout engine runs on the whole world (taking turns with the Megatron roles) or on a pool of its own,
+disjoint from every Megatron role's pool and from the reward's (:func:`check_rollout_pool`). Then the other
+ranks, the *training ranks*, share their results over their own group (:func:`training_group`), never
+waiting on the rollout ranks, which meet them only where :mod:`megarl.trainer.pipeline` says (the reshard,
+the hand-over of a batch, checkpoints).
 """
 
 from __future__ import annotations
@@ -80,6 +86,62 @@ class PoolGroups:
         return pgs
 
 
+def rollout_split(layouts: dict[str, RoleSpec], world_size: int) -> bool:
+    """The rollout engine is on a pool of its own (not the whole world)."""
+    return layouts["rollout"].ranks != tuple(range(world_size))
+
+
+def check_rollout_pool(cfg, layouts: dict[str, RoleSpec], world_size: int) -> None:
+    """A rollout pool other than the whole world holds no Megatron role and no reward scoring (its ranks only
+    generate), and its size is a multiple of the actor's tp (megatron-core lays its state over every rank of
+    the world: the rollout ranks form TP groups of their own in it, unused); ``trainer.mode=async`` needs such a
+    pool, and validation is refused there (not built yet).
+
+    Raises:
+        ConfigError: naming the field (``placement.rollout``, ``placement.reward``, ``trainer.mode``,
+            ``validation.enabled``), the pools and ranks, and the fix.
+    """
+    from megarl.config import ConfigError
+
+    ro = layouts["rollout"]
+    if not rollout_split(layouts, world_size):
+        if cfg.trainer.mode == "async":
+            raise ConfigError("trainer.mode: async overlaps generation with training on separate ranks, but the "
+                              f"rollout is on {ro.describe()}, the whole world; put placement.rollout on a pool "
+                              "of its own (e.g. placement.pools.gen=[2,3] placement.rollout=gen) or use "
+                              "trainer.mode=sync")
+        return
+    for role in (*MEGATRON_ROLES, "reward"):
+        lay = layouts.get(role)
+        shared = sorted(set(lay.ranks) & set(ro.ranks)) if lay is not None else []
+        if shared:
+            raise ConfigError(f"placement.{role}: {role} on {lay.describe()} shares ranks {shared} with the rollout "
+                              f"on {ro.describe()}: a rollout pool other than all only generates; put {role} on "
+                              "a pool of the other ranks (or the rollout on all)")
+    tp = layouts["actor"].tp
+    if len(ro.ranks) % tp:
+        raise ConfigError(f"placement.rollout: the rollout's {ro.describe()} has {len(ro.ranks)} ranks, not a "
+                          f"multiple of the actor's tp={tp} (megatron-core's state covers every rank of the "
+                          f"world in TP groups of {tp}); use a pool of a multiple of {tp} ranks")
+    rt = cfg.rollout.tp
+    blocks = [ro.ranks[i:i + rt] for i in range(0, len(ro.ranks), rt)]
+    if cfg.rollout.engine == "vllm" and not all(b == tuple(range(b[0], b[0] + rt)) and b[0] % rt == 0 for b in blocks):
+        raise ConfigError(f"placement.pools.{ro.pool}: vLLM lays its engines out as blocks of rollout.tp={rt} "
+                          f"consecutive ranks starting at a multiple of {rt}, got ranks {list(ro.ranks)}")
+    if cfg.validation.enabled:
+        raise ConfigError(f"validation.enabled: validation with the rollout on {ro.describe()} (a pool of its own) "
+                          "is not built yet; set validation.enabled=false, or placement.rollout=all")
+
+
+def training_group(layouts: dict[str, RoleSpec], world_size: int):
+    """The group of every rank outside a rollout pool of its own (None when the rollout is on the whole
+    world: the training ranks are the world). Collective: call on every rank, in the same order."""
+    if not rollout_split(layouts, world_size):
+        return None
+    rollout = set(layouts["rollout"].ranks)
+    return dist.new_group([r for r in range(world_size) if r not in rollout])
+
+
 def is_split(layouts: dict[str, RoleSpec], world_size: int) -> bool:
     """Some Megatron role is on a pool other than the whole world."""
     return any(lay.ranks != tuple(range(world_size)) for r, lay in layouts.items() if r in MEGATRON_ROLES)
@@ -135,27 +197,29 @@ def join_optimizer_setup() -> None:
 
 
 def share_tensor(t: torch.Tensor | None, src_ranks: Sequence[int], shape: Sequence[int],
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``t`` (held by every rank of ``src_ranks``) on every rank of the world, broadcast from ``src_ranks[0]``;
-    a no-op when ``src_ranks`` is the world. Call on every rank.
+                 dtype: torch.dtype = torch.float32, group=None) -> torch.Tensor:
+    """``t`` (held by every rank of ``src_ranks``) on every rank of ``group`` (default: the world), broadcast
+    from ``src_ranks[0]``; a no-op when ``src_ranks`` is the whole group. Call on every rank of the group.
 
     Args:
         t: the tensor on ranks of ``src_ranks`` (CPU; ignored elsewhere).
         shape / dtype: what the other ranks receive.
+        group: the ranks that take part (:func:`training_group` with a rollout pool of its own).
     """
-    if len(src_ranks) == dist.get_world_size():
+    if len(src_ranks) == dist.get_world_size(group):
         return t
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     buf = (t.to(device, dtype) if dist.get_rank() in src_ranks else torch.empty(tuple(shape), dtype=dtype,
                                                                                 device=device)).contiguous()
-    dist.broadcast(buf, src=src_ranks[0])
+    dist.broadcast(buf, src=src_ranks[0], group=group)
     return buf.cpu()
 
 
-def share_object(obj: Any, src_ranks: Sequence[int]) -> Any:
-    """A picklable object held by the ranks of ``src_ranks`` on every rank (a no-op on the whole world)."""
-    if len(src_ranks) == dist.get_world_size():
+def share_object(obj: Any, src_ranks: Sequence[int], group=None) -> Any:
+    """A picklable object held by the ranks of ``src_ranks`` on every rank of ``group`` (default: the world;
+    a no-op when ``src_ranks`` is the whole group)."""
+    if len(src_ranks) == dist.get_world_size(group):
         return obj
     box = [obj if dist.get_rank() in src_ranks else None]
-    dist.broadcast_object_list(box, src=src_ranks[0])
+    dist.broadcast_object_list(box, src=src_ranks[0], group=group)
     return box[0]

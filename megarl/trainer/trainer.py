@@ -41,12 +41,12 @@ from megarl.data.loader import PromptLoader
 from megarl.data.template import PromptTemplate
 from megarl.models import checkpoint as ck
 from megarl.models.hf_io import load_tokenizer
-from megarl.models.layout import megatron_layout
+from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
 from megarl.models.spec import ModelSpec
 from megarl.parallel.lifecycle import peer_failures_named, phase, record_peers
 from megarl.parallel.mesh import init_distributed, initialize_model_parallel, launch_info, ranks_per_node
-from megarl.parallel.placement import (build_pool_groups, global_layout, join_optimizer_setup, share_object,
-                                      share_tensor)
+from megarl.parallel.placement import (build_pool_groups, global_layout, join_optimizer_setup, rollout_split,
+                                      share_object, share_tensor, training_group)
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 from megarl.rewards.registry import load_reward_fn
@@ -56,6 +56,7 @@ from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel,
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
 from megarl.trainer.offload import HostOffload
+from megarl.trainer.pipeline import schedule, staleness
 from megarl.trainer.preflight import check_files, tokenizer_source, validate_for_model
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.validation import Validation, append_samples
@@ -193,6 +194,12 @@ def make_engine(cfg: Config, spec):
                              enforce_eager=r.enforce_eager, max_model_len=r.max_model_len, seed=cfg.run.seed)
 
 
+def rollout_layout(cfg: Config, spec: ModelSpec, ranks) -> "Layout":
+    """The engines' weight layout on the rollout pool's ``ranks`` (what the reshard writes), known on every
+    rank, engine or not: whole HF tensors for transformers, vLLM's TP shards of ``rollout.tp``."""
+    return hf_layout(spec, ranks) if cfg.rollout.engine == "hf" else vllm_layout(spec, cfg.rollout.tp, ranks)
+
+
 class Trainer:
     """The state of one RL run on this rank: workers, rollout engine, reshard engine, data and logger.
 
@@ -268,14 +275,26 @@ class Trainer:
         self.offload_s = {"to_host": sum(o.to_host(("grads", "optimizer")) for o in self.offloads),
                           "to_device": 0.0}
 
-        # rollout engine, fed by the reshard engine
-        self.engine = make_engine(cfg, self.spec)
-        self.rollout_group = rollout_dp_group(cfg.rollout.tp if cfg.rollout.engine == "vllm" else 1)
+        # rollout engine on its pool (the whole world, or ranks of its own: megarl.trainer.pipeline), fed by the
+        # reshard engine; the training ranks share results over their own group, without the rollout ranks
+        self.train_group = training_group(self.layouts, self.world)
+        self.rollout_ranks = self.layouts["rollout"].ranks
+        self.split_rollout = rollout_split(self.layouts, self.world)
+        if self.rank in self.rollout_ranks:
+            self.engine = make_engine(cfg, self.spec)
+        else:
+            self.engine = None
+            if cfg.rollout.engine == "vllm":  # vLLM's construction is world-wide: the other ranks join it
+                from megarl.rollout.vllm_engine import join_engine_construction
+
+                join_engine_construction(cfg.rollout.tp)
+        self.rollout_group = rollout_dp_group(cfg.rollout.tp if cfg.rollout.engine == "vllm" else 1,
+                                              self.rollout_ranks)
         actor_ranks = pools["actor"].ranks
         src_layout = megatron_layout(self.spec, pools["actor"].mesh, ranks=actor_ranks, role="actor",
                                      padded_vocab=share_object(self.actor and self.actor.bare.vocab_size,
                                                                actor_ranks))
-        dst_layout = self.engine.weight_layout(range(self.world))
+        dst_layout = rollout_layout(cfg, self.spec, self.rollout_ranks)
         self.reshard_plan = plan_reshard(src_layout, dst_layout, ranks_per_node(self.world))
         self.sampling = dict(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                              top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -283,29 +302,56 @@ class Trainer:
         self.timer = PhaseTimer()
         self.peak_flops = peak_bf16_flops()  # MFU's denominator per GPU; None on the CPU
         self.step_idx = 0
+        self.policy_version = 0  # the step whose weights the engines hold (or last got)
         self.last_checkpoint: Path | None = None
         if cfg.trainer.resume:
             self._resume()
 
     # ------------------------------------------------------------------ one RL step
     def step(self, prompts) -> dict[str, Any]:
-        """One RL step on a batch of prompts; returns its metrics (identical on every rank)."""
-        cfg, alg, t = self.cfg, self.cfg.algorithm, self.timer
+        """One RL step on a batch of prompts with the rollout engine on every rank (colocated, synchronous);
+        returns its metrics (identical on every rank). A rollout pool of its own runs :meth:`_fit_split`."""
+        cfg, t = self.cfg, self.timer
         step_start = time.perf_counter()
 
         with t("reshard"):
             stats = self._reshard_actor_to_engine()
+        self.policy_version = self.step_idx
         self._offload(("params",))  # read by the reshard: the engine generates alone
         offloaded_bytes = sum(o.bytes_on_host for o in self.offloads)
         with t("generate"):
-            out = generate_data_parallel(self.engine, prompts.input_ids,
-                                         SamplingConfig(seed=cfg.run.seed * 1_000_003 + self.step_idx,
-                                                        **self.sampling), group=self.rollout_group)
+            out = self._generate(prompts, self.step_idx + 1)
             in_use = _device_bytes_in_use()  # the engine's weights and cache, and what training left resident
             self.engine.sleep(level=2)  # the next reshard rewrites every weight: nothing to keep
         self._reload()
+        train_start = time.perf_counter()
+        metrics, batch = self._train_on(prompts, out, self.policy_version)
+        busy = {"train": time.perf_counter() - train_start, "rollout": out.stats.seconds}
+        metrics.update({"offload/host_bytes": offloaded_bytes, "offload/device_used_bytes": in_use})
+        metrics.update(self._timing_metrics(batch, out, stats, busy, time.perf_counter() - step_start))
+        return metrics
+
+    def _generate(self, prompts, step: int):
+        """The samples of step ``step``'s batch (1-based), generated by this rank's share of the rollout pool
+        and gathered over its data-parallel group (call on the rollout ranks)."""
+        cfg = self.cfg
+        return generate_data_parallel(self.engine, prompts.input_ids,
+                                      SamplingConfig(seed=cfg.run.seed * 1_000_003 + step - 1, **self.sampling),
+                                      group=self.rollout_group)
+
+    def _train_on(self, prompts, out, version: int) -> tuple[dict[str, Any], RolloutBatch]:
+        """Everything of one step after generation, on the training ranks (every rank when colocated): score,
+        log-probs, advantages, updates; results shared over the training ranks' group. ``version``: the policy
+        version (step) whose weights generated ``out``, recorded with every sample.
+
+        Returns:
+            The step's metrics without its timings (:meth:`_timing_metrics`), and the batch.
+        """
+        cfg, alg, t = self.cfg, self.cfg.algorithm, self.timer
+        group = self.train_group
         with t("reward"):
             batch, scores = self._score(prompts, out)
+        batch.meta["policy_version"] = [version] * len(batch)
         # each role on its pool (at the same time where the pools are disjoint), then shared with every rank
         with t("old_logprobs"):
             old = self.actor.compute_logprobs(batch)["logprobs"] if self.actor else None
@@ -318,11 +364,11 @@ class Trainer:
         with t("share"):
             self._gather_scores(batch, scores)
             frame = batch["response_mask"].shape
-            batch["old_logprobs"] = share_tensor(old, self.pools["actor"].ranks, frame)
+            batch["old_logprobs"] = share_tensor(old, self.pools["actor"].ranks, frame, group=group)
             if "reference" in self.pools:
-                batch["ref_logprobs"] = share_tensor(ref, self.pools["reference"].ranks, frame)
+                batch["ref_logprobs"] = share_tensor(ref, self.pools["reference"].ranks, frame, group=group)
             if "critic" in self.pools:
-                batch["values"] = share_tensor(values, self.pools["critic"].ranks, frame)
+                batch["values"] = share_tensor(values, self.pools["critic"].ranks, frame, group=group)
         self._log_samples(prompts, batch)
         with t("advantages"):
             kl_metrics = self._advantages(batch)
@@ -332,19 +378,17 @@ class Trainer:
         if "critic" in self.pools:
             with t("critic_update"):
                 history = self.critic.update(batch, alg, seed=seed) if self.critic else None
-                metrics.update(_mean_over_updates("critic", share_object(history, self.pools["critic"].ranks)))
+                metrics.update(_mean_over_updates("critic", share_object(history, self.pools["critic"].ranks,
+                                                                         group=group)))
         if "critic" not in self.pools or self.step_idx >= cfg.critic.warmup_steps:
             with t("actor_update"):
                 history = self.actor.update(batch, alg, seed=seed) if self.actor else None
-                metrics.update(_mean_over_updates("actor", share_object(history, self.pools["actor"].ranks)))
+                metrics.update(_mean_over_updates("actor", share_object(history, self.pools["actor"].ranks,
+                                                                        group=group)))
         self._offload(("grads", "optimizer"))  # idle until the next step's updates
 
         mask = batch["response_mask"]
         scores = batch["scores"]
-        gen_tokens = out.stats.generated_tokens
-        step_s = time.perf_counter() - step_start
-        phases = t.reset()
-        moves, self.offload_s = self.offload_s, {"to_host": 0.0, "to_device": 0.0}
         metrics.update({
             "reward/mean": scores.mean().item(),
             "reward/std": masked_var(scores[None], torch.ones(1, len(scores))).sqrt().item(),  # 0 when tied
@@ -355,16 +399,31 @@ class Trainer:
             **kl_metrics,
             "actor/rollout_vs_old_logprob_diff": masked_mean((batch["rollout_logprobs"] - batch["old_logprobs"])
                                                              .abs(), mask).item(),
+            "rollout/policy_version": version, "rollout/staleness": staleness(self.step_idx + 1, version),
+            "data/epoch": self.loader.epoch,
+        })
+        return metrics, batch
+
+    def _timing_metrics(self, batch: RolloutBatch, out, stats, busy: dict[str, float], step_s: float
+                        ) -> dict[str, Any]:
+        """The step's seconds per phase, throughput, reshard and offload figures, and each pool's busy and
+        idle seconds: ``busy["train"]`` (score, log-probs, advantages, updates) and ``busy["rollout"]``
+        (generation); idle = the step's seconds less the pool's busy ones and the reshard's (colocated: each
+        pool idles while the other works)."""
+        phases = self.timer.reset()
+        phases.setdefault("generate", out.stats.seconds)  # on a pool of its own: the rollout ranks' seconds
+        moves, self.offload_s = self.offload_s, {"to_host": 0.0, "to_device": 0.0}
+        reshard_s = phases.get("reshard", 0.0)
+        return {
             "offload/to_host_s": moves["to_host"], "offload/to_device_s": moves["to_device"],
-            "offload/host_bytes": offloaded_bytes, "offload/device_used_bytes": in_use,
             "reshard/bytes_sent": getattr(stats, "bytes_sent", 0), "reshard/peak_extra_bytes":
                 getattr(stats, "peak_extra_bytes", 0), "reshard/bytes_staged": getattr(stats, "bytes_staged", 0),
             **{f"time/{k}": v for k, v in phases.items()}, "time/step": step_s,
-            "throughput/generate_tokens_per_s": gen_tokens / max(phases.get("generate", 1e-9), 1e-9),
-            "data/epoch": self.loader.epoch,
+            **{f"pool/{p}/busy_s": b for p, b in busy.items()},
+            **{f"pool/{p}/idle_s": max(0.0, step_s - b - reshard_s) for p, b in busy.items()},
+            "throughput/generate_tokens_per_s": out.stats.generated_tokens / max(phases["generate"], 1e-9),
             **self._perf_metrics(batch, phases, step_s),
-        })
-        return metrics
+        }
 
     def _offload(self, kinds: tuple[str, ...]) -> None:
         """Move ``kinds`` of the offloaded roles to host memory (:mod:`megarl.trainer.offload`), timed into
@@ -384,13 +443,20 @@ class Trainer:
                                  peak_flops=self.peak_flops)
 
     def _reshard_actor_to_engine(self):
-        """Wake the rollout engine and write the actor's current weights into it; returns the reshard stats."""
-        self.engine.wake_up()
+        """Wake the rollout engine and write the actor's current weights into it (every rank: a rank without
+        an engine sends its shards or just takes part); returns this rank's reshard stats."""
         rc = self.cfg.reshard
-        return self.engine.update_weights(lambda dst: execute_plan(
-            self.reshard_plan, self.actor.source_tensors() if self.actor else {}, dst,
-            bucket_bytes=int(rc.bucket_mb * 2**20),
-            direct_min_bytes=None if rc.direct_min_kb is None else math.ceil(rc.direct_min_kb * 2**10)))
+
+        def write(dst: dict[str, torch.Tensor]):
+            return execute_plan(self.reshard_plan, self.actor.source_tensors() if self.actor else {}, dst,
+                                bucket_bytes=int(rc.bucket_mb * 2**20),
+                                direct_min_bytes=None if rc.direct_min_kb is None else
+                                math.ceil(rc.direct_min_kb * 2**10))
+
+        if self.engine is None:
+            return write({})
+        self.engine.wake_up()
+        return self.engine.update_weights(write)
 
     def validate(self) -> dict[str, Any]:
         """Validation metrics (``val/...``) of the current actor; its responses go to ``val_samples.jsonl``.
@@ -439,7 +505,7 @@ class Trainer:
     def _gather_scores(self, batch: RolloutBatch, local: Any) -> None:
         """Every reward rank's share of the scores (:meth:`_score`) as ``batch["scores"]`` ``[B]`` float32 and
         ``batch.meta["correct"]`` (score >= 1), on every rank."""
-        batch["scores"] = scores = torch.cat(gather_shares(local, self.reward_ranks))
+        batch["scores"] = scores = torch.cat(gather_shares(local, self.reward_ranks, group=self.train_group))
         batch.meta["correct"] = (scores >= 1.0).tolist()
 
     def _log_samples(self, prompts, batch: RolloutBatch) -> None:
@@ -455,6 +521,7 @@ class Trainer:
                                     "response": batch.meta["response"][i], "score": float(batch["scores"][i]),
                                     "ground_truth": prompts.ground_truth[g],
                                     "length": int(batch["response_lens"][i]),
+                                    "policy_version": batch.meta["policy_version"][i],
                                     "finish_reason": batch.meta["finish_reason"][i]}) + "\n")
 
     def _advantages(self, batch: RolloutBatch) -> dict[str, float]:
@@ -495,6 +562,7 @@ class Trainer:
                              critic_scheduler=share_object(self.critic and self.critic.scheduler.state_dict(),
                                                            self.pools["critic"].ranks) if "critic" in self.pools
                              else None,
+                             policy_version=self.step_idx,
                              config=to_dict(self.cfg), world_size=self.world, source_config=self.source_config,
                              generation_config=self.generation_config)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -532,12 +600,68 @@ class Trainer:
             np.random.set_state(rng["numpy"])
             torch.set_rng_state(rng["torch"])
         self.step_idx = int(meta["step"])
-        self.engine.calls = self.step_idx  # one generate call per step: the sampling seeds continue
+        self.policy_version = int(meta.get("policy_version", self.step_idx))  # the weights loaded
+        if self.engine is not None:
+            self.engine.calls = self.step_idx  # one generate call per step: the sampling seeds continue
         self._offload(("grads", "optimizer"))
         self.last_checkpoint = path
         log.info("resumed from %s at step %d", path, self.step_idx)
 
     # ------------------------------------------------------------------ the loop
+    def _save_due(self, step: int) -> bool:
+        every = self.cfg.trainer.save_every
+        return bool(every and step % every == 0) or step == self.cfg.trainer.steps
+
+    def fit_split(self, batches, steps: int | None = None):
+        """The steps with the rollout on a pool of its own, up to ``steps`` (default ``trainer.steps``): both
+        groups of ranks walk one :func:`~megarl.trainer.pipeline.schedule` (``trainer.mode``: sync is k = 0,
+        async k = ``trainer.max_staleness``), each doing its part of every event, and checkpoint where it says.
+
+        Args:
+            batches: the prompt loader's iterator; the rollout ranks draw a batch when they generate it, the
+                training ranks when they train on it (so the data position saved is the steps trained).
+
+        Yields:
+            ``(step, metrics)`` after each step's events (the metrics on the training ranks; ``{}`` on the
+            rollout ranks), with ``step_idx`` advanced.
+        """
+        cfg, t = self.cfg, self.timer
+        k = cfg.trainer.max_staleness if cfg.trainer.mode == "async" else 0
+        generating = self.engine is not None
+        ready: dict[int, tuple[Any, int]] = {}  # step -> (its samples, the version that generated them)
+        end = cfg.trainer.steps if steps is None else steps
+        for step, events in schedule(self.step_idx, end, k, lambda s: steps is None and self._save_due(s)):
+            step_start = time.perf_counter()
+            busy, stats, metrics, trained = {"train": 0.0, "rollout": 0.0}, None, {}, None
+            for e in events:
+                if e.kind == "reshard":
+                    with t("reshard"):
+                        stats = self._reshard_actor_to_engine()
+                    self.policy_version = e.step
+                elif e.kind == "generate" and generating:
+                    ready[e.step] = (self._generate(next(batches), e.step), self.policy_version)
+                elif e.kind == "batch":  # the rollout pool's first rank hands the samples to every rank
+                    with t("wait_rollout"):
+                        got = share_object(ready.pop(e.step, None), self.rollout_ranks[:1])
+                    busy["rollout"] += got[0].stats.seconds
+                    if not generating:
+                        ready[e.step] = got
+                elif e.kind == "train":
+                    if not generating:
+                        out, version = ready.pop(e.step)
+                        start = time.perf_counter()
+                        metrics, batch = self._train_on(next(batches), out, version)
+                        busy["train"] = time.perf_counter() - start
+                        trained = (batch, out)
+                    self.step_idx = e.step
+                elif e.kind == "save":
+                    self.save()
+            if trained is not None:
+                metrics.update(self._timing_metrics(*trained, stats, busy, time.perf_counter() - step_start))
+            else:
+                self.timer.reset(), self.timer.reset_peaks()
+            yield step, metrics
+
     def _validation_due(self) -> bool:
         return self.validation is not None and self.validation.due(self.step_idx, self.cfg.trainer.steps)
 
@@ -557,17 +681,20 @@ class Trainer:
         batches = iter(self.loader)
         first_step = self.step_idx
         try:
-            if self.step_idx == 0 and self._validation_due():
-                logger.log(0, self.validate())
-            while self.step_idx < cfg.trainer.steps:
-                metrics = self.step(next(batches))
-                self.step_idx += 1
-                if self._validation_due():
-                    metrics.update(self.validate())
-                logger.log(self.step_idx, metrics)
-                every = cfg.trainer.save_every
-                if (every and self.step_idx % every == 0) or self.step_idx == cfg.trainer.steps:
-                    self.save()
+            if self.split_rollout:  # validation is refused there (check_rollout_pool)
+                for step, metrics in self.fit_split(batches):
+                    logger.log(step, metrics)
+            else:
+                if self.step_idx == 0 and self._validation_due():
+                    logger.log(0, self.validate())
+                while self.step_idx < cfg.trainer.steps:
+                    metrics = self.step(next(batches))
+                    self.step_idx += 1
+                    if self._validation_due():
+                        metrics.update(self.validate())
+                    logger.log(self.step_idx, metrics)
+                    if self._save_due(self.step_idx):
+                        self.save()
         finally:
             logger.close()
         hf_path = None
