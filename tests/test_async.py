@@ -82,6 +82,27 @@ def test_a_rollout_pool_of_its_own_validates():
     validate_for_world(load_config(None, SPLIT + ["validation.enabled=false", "trainer.mode=async"]), 4)
 
 
+def test_memory_estimate_is_per_pool_with_a_rollout_pool_of_its_own():
+    """Training ranks hold the actor and reference (their optimizer over the actor pool's dp=1, not the
+    world's), no rollout; the rollout ranks the engine alone, decoding half the step each; the busier counts."""
+    from megarl.launch.memory import estimate_memory, stage_params
+    from megarl.models.spec import ModelSpec
+
+    fam, vocab, h, layers, heads, kv, hd, ffn, tied = MODELS["gqa_tied"]
+    spec = ModelSpec(fam, vocab, h, layers, heads, kv, hd, ffn, tie_word_embeddings=tied)
+    cfg = load_config(None, SPLIT + ["validation.enabled=false", "model.dtype=float32"])
+    est = estimate_memory(cfg, spec, 4, gpu=False)
+    n = stage_params(spec, 2, 1)
+    assert est.rollout_pool and est.params == n * 4 and est.optimizer == n * 8  # Adam's moments, dp = 1
+    assert est.pools["train"] == est.params + est.grads + est.optimizer + est.reference + est.activations + est.runtime
+    assert est.pools["rollout"] == est.runtime + est.rollout
+    assert est.total == max(est.pools.values()) and "rollout ranks" in est.describe()
+    whole = estimate_memory(load_config(None, ["actor.parallel.tp=2", "actor.parallel.dp=2", "model.dtype=float32"]),
+                            spec, 4, gpu=False)
+    assert not whole.rollout_pool and whole.optimizer == n * 8 // 2  # the DistributedOptimizer over dp=2
+    assert whole.pools["train"] == whole.pools["rollout"] == whole.total
+
+
 # ------------------------------------------------------------------------------ the reshard across pools
 BUCKET = 4000  # bytes: many rounds
 

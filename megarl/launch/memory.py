@@ -26,7 +26,10 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
   (CPU) holds a full fp32 copy of the model plus the KV cache and last logits of the sequences it decodes at
   once (this rank's share of the step, at most ``rollout.max_batch_size``), and frees its weights while the
   actor trains, so the peak is ``static + max(training,
-  rollout)``.
+  rollout)``. With ``placement.rollout`` on a pool of its own (:mod:`megarl.trainer.pipeline`) the two groups
+  of ranks hold different things: the training ranks everything but the rollout, the rollout ranks the
+  rollout alone (its share of the step over the pool's ranks); the estimate is the busier of the two
+  (:attr:`MemoryEstimate.pools` gives both).
 - **runtime**: what the process holds besides tensors: the CUDA context and NCCL buffers on a GPU, the
   Python interpreter with torch/megatron/transformers loaded on the CPU (:data:`RUNTIME_BYTES`).
 """
@@ -59,27 +62,45 @@ class MemoryEstimate:
     rollout: int
     runtime: int
     colocated_rollout: bool  # True: vLLM reserves its share for the whole run (added, not overlapped)
+    rollout_pool: bool = False  # True: the rollout on ranks of its own (placement.rollout), nothing else there
+
+    @property
+    def pools(self) -> dict[str, int]:
+        """Peak bytes of a training rank and of a rollout rank (one figure each; the same ranks unless the
+        rollout has a pool of its own)."""
+        static = self.params + self.grads + self.optimizer + self.reference + self.critic + self.runtime
+        if self.rollout_pool:
+            return {"train": static + self.activations, "rollout": self.runtime + self.rollout}
+        both = static + self.activations + self.rollout if self.colocated_rollout else \
+            static + max(self.activations, self.rollout)
+        return {"train": both, "rollout": both}
 
     @property
     def total(self) -> int:
-        static = self.params + self.grads + self.optimizer + self.reference + self.critic + self.runtime
-        if self.colocated_rollout:
-            return static + self.activations + self.rollout
-        return static + max(self.activations, self.rollout)
+        """The busiest rank's peak bytes."""
+        return max(self.pools.values())
 
     @property
     def tensors(self) -> int:
         """The part in torch's allocator on a GPU (``torch.cuda.max_memory_allocated``): the total without the
         runtime and without vLLM's reservation (its own memory pool)."""
+        if self.rollout_pool:
+            return self.pools["train"] - self.runtime
         return self.total - self.runtime - (self.rollout if self.colocated_rollout else 0)
 
     def as_dict(self) -> dict[str, int]:
-        return {**{k: v for k, v in asdict(self).items() if k != "colocated_rollout"}, "total": self.total,
-                "tensors": self.tensors}
+        out = {**{k: v for k, v in asdict(self).items() if k not in ("colocated_rollout", "rollout_pool")},
+               "total": self.total, "tensors": self.tensors}
+        if self.rollout_pool:
+            out.update({f"{k}_ranks": v for k, v in self.pools.items()})
+        return out
 
     def describe(self) -> str:
-        parts = [f"{k} {v / GIB:.2f}" for k, v in self.as_dict().items() if v and k not in ("total", "tensors")]
-        return f"{self.total / GIB:.2f} GiB ({', '.join(parts)})"
+        parts = [f"{k} {v / GIB:.2f}" for k, v in self.as_dict().items()
+                 if v and k not in ("total", "tensors", "train_ranks", "rollout_ranks")]
+        per_pool = (f"; training ranks {self.pools['train'] / GIB:.2f}, rollout ranks "
+                    f"{self.pools['rollout'] / GIB:.2f}") if self.rollout_pool else ""
+        return f"{self.total / GIB:.2f} GiB ({', '.join(parts)}{per_pool})"
 
 
 def stage_params(spec, tp: int, pp: int, *, value_head: bool = False) -> int:
@@ -131,14 +152,14 @@ def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
     return int(max(per_micro * in_flight, per_micro + logits))
 
 
-def rollout_bytes(cfg: Config, spec, world_size: int, device_bytes: int, gpu: bool) -> int:
-    """The rollout engine's share on one rank (the transformers engine decodes this rank's share of the step's
-    sequences, at most ``rollout.max_batch_size`` at once)."""
+def rollout_bytes(cfg: Config, spec, ranks: int, device_bytes: int, gpu: bool) -> int:
+    """The rollout engine's share on one of the rollout pool's ``ranks`` (the transformers engine decodes this
+    rank's share of the step's sequences, at most ``rollout.max_batch_size`` at once)."""
     r = cfg.rollout
     if r.engine == "vllm":
         return int(r.gpu_memory_utilization * device_bytes) if gpu else 0
     s = cfg.data.max_prompt_length + r.max_new_tokens
-    batch = min(r.max_batch_size, math.ceil(cfg.rollout_batch_size / world_size))
+    batch = min(r.max_batch_size, math.ceil(cfg.rollout_batch_size / ranks))
     weights = spec.num_params() * 4
     kv_cache = 2 * spec.num_layers * spec.kv_size * s * batch * 4
     logits = batch * spec.vocab_size * 4 * 2
@@ -159,7 +180,9 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
     from megarl.parallel.mesh import ParallelLayout
 
     p = cfg.actor.parallel
-    dp = max(1, world_size // (p.tp * p.pp))
+    pl = cfg.placement
+    dp = max(1, len(pl.ranks(pl.actor, world_size)) // (p.tp * p.pp))
+    rollout_ranks = len(pl.ranks(pl.rollout, world_size))
     check_layout(spec, ParallelLayout(p.tp, p.pp, dp))
     n = stage_params(spec, p.tp, p.pp)
     e = DTYPE_BYTES[cfg.model.dtype]
@@ -176,9 +199,9 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
         params=n * e, grads=n * 4, optimizer=optimizer(n, cfg.actor.optim.distributed),
         reference=n * e if cfg.algorithm.kl.coef > 0 else 0, critic=critic,
         activations=activation_bytes(cfg, spec, p.tp, p.pp, dp),
-        rollout=rollout_bytes(cfg, spec, world_size, device_bytes, gpu),
+        rollout=rollout_bytes(cfg, spec, rollout_ranks, device_bytes, gpu),
         runtime=RUNTIME_BYTES["gpu" if gpu else "cpu"],
-        colocated_rollout=cfg.rollout.engine == "vllm")
+        colocated_rollout=cfg.rollout.engine == "vllm", rollout_pool=rollout_ranks < world_size)
 
 
 def host_memory_bytes() -> int:
