@@ -79,8 +79,12 @@ class PoolGroups:
 
         pgs = ProcessGroupCollection.use_mpu_process_groups(
             ["tp", "pp", "mp", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp", "embd", "pos_embd"])
-        for name in ("dp", "dp_cp", "intra_dp_cp", "expt_dp", "intra_expt_dp", "intra_dist_opt"):
+        for name in ("dp", "dp_cp", "intra_dp_cp", "expt_dp", "intra_expt_dp"):
             setattr(pgs, name, self.dp)
+        # the optimizer instance's ranks, over which the DistributedOptimizer reduces its gradient norm: the
+        # whole pool (TP x DP), not its DP group (with tp > 1 each TP rank clipped by its own shard's norm, and
+        # the TP ranks' copies of replicated weights drifted apart)
+        pgs.intra_dist_opt = self.group
         pgs.tp_dp_cp = self.group  # pp = 1: TP x DP is the pool
         pgs.inter_dist_opt = None
         return pgs
