@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.config import ConfigError, load_config, validate_for_world
+from megarl.config import ConfigError, load_config
+from megarl.parallel.placement import validate_for_world
 from megarl.trainer.metrics import read_metrics
 from megarl.trainer.pipeline import generating_versions, schedule, staleness
 from tests.distributed import run_world

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.config import ConfigError, load_config, placement_summary, role_layouts, validate_for_world
+from megarl.config import ConfigError, load_config
+from megarl.parallel.placement import placement_summary, role_layouts, validate_for_world
 from tests.distributed import run_world
 from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
 
@@ -45,7 +46,7 @@ FAULTS = [
     (["placement.pools.train=[2,3]", "placement.pools.score=[0,1]", "placement.actor=train",
       "placement.reference=score"], 4, ["placement.actor", "pool 'train' ranks 2-3", "holds rank 0"]),
     (["placement.pools.low=[0]", "placement.rollout=low"], 4,
-     ["placement.rollout", "rollout on pool 'low' ranks 0 tp=1 dp=1", "the whole world of 4 ranks"]),
+     ["placement.actor", "shares ranks [0] with the rollout on pool 'low' ranks 0 tp=1 dp=1"]),
 ]
 
 
