@@ -192,10 +192,11 @@ def test_sync_on_split_pools_equals_the_colocated_run_at_steps_1_and_2(task):
     colocated = run_world(train_on_rank, 2, base)[0]
     split = run_world(train_on_rank, 4, base + SPLIT + ["run.name=split_sync"])[0]
     assert colocated[1]["actor/pg_loss"] != colocated[0]["actor/pg_loss"]  # the steps differ: the check can fail
+    assert split[0]["reshard/bytes_sent"] > 0  # rank 0 sends its shards to the rollout ranks
     for step in (0, 1):
         for key in COMPARED:
             assert split[step][key] == pytest.approx(colocated[step][key], rel=1e-5, abs=1e-7), (step, key)
-        assert split[step]["rollout/staleness"] == 0 and split[step]["reshard/bytes_sent"] > 0
+        assert split[step]["rollout/staleness"] == 0
         assert {"pool/train/busy_s", "pool/rollout/busy_s", "pool/train/idle_s", "time/wait_rollout"} <= set(split[step])
 
 

@@ -654,13 +654,20 @@ class Trainer:
                         busy["train"] = time.perf_counter() - start
                         trained = (batch, out)
                     self.step_idx = e.step
-                elif e.kind == "save":
+                elif e.kind == "save":  # after the step's timings (a colocated step's exclude it too)
+                    metrics = self._split_step_metrics(metrics, trained, stats, busy, step_start)
                     self.save()
-            if trained is not None:
-                metrics.update(self._timing_metrics(*trained, stats, busy, time.perf_counter() - step_start))
-            else:
-                self.timer.reset(), self.timer.reset_peaks()
-            yield step, metrics
+            yield step, self._split_step_metrics(metrics, trained, stats, busy, step_start)
+
+    def _split_step_metrics(self, metrics: dict[str, Any], trained, stats, busy: dict[str, float],
+                            step_start: float) -> dict[str, Any]:
+        """:meth:`fit_split`'s metrics of a step with its timings (once; the training ranks only)."""
+        if "time/step" in metrics:
+            return metrics
+        if trained is None:  # a rollout rank: nothing to report, its phase timers start again
+            self.timer.reset(), self.timer.reset_peaks()
+            return metrics
+        return {**metrics, **self._timing_metrics(*trained, stats, busy, time.perf_counter() - step_start)}
 
     def _validation_due(self) -> bool:
         return self.validation is not None and self.validation.due(self.step_idx, self.cfg.trainer.steps)
