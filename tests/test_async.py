@@ -79,8 +79,14 @@ def test_a_bad_rollout_pool_is_one_error_naming_the_field(extra, world, names):
         assert name in str(err.value), str(err.value)
 
 
-def test_a_rollout_pool_of_its_own_validates():
-    validate_for_world(load_config(None, SPLIT + ["validation.enabled=false", "trainer.mode=async"]), 4)
+def test_a_rollout_pool_of_its_own_validates_and_submits_on_its_world():
+    from megarl.launch.submit import JobShape, check_job_shape
+
+    cfg = load_config(None, SPLIT + ["validation.enabled=false", "trainer.mode=async"])
+    validate_for_world(cfg, 4)
+    check_job_shape(cfg, JobShape(nodes=2, gpus_per_node=2))  # megarl submit's check: 4 ranks, two pools
+    with pytest.raises(ConfigError, match="placement.pools.gen"):  # a pool outside the job's world
+        check_job_shape(cfg, JobShape(nodes=1, gpus_per_node=2))
 
 
 def test_memory_estimate_is_per_pool_with_a_rollout_pool_of_its_own():
