@@ -229,6 +229,25 @@ def test_async_one_step_off_learns_the_task_with_staleness_at_most_1_recorded_pe
     assert all(h["pool/train/busy_s"] > 0 for h in history)
 
 
+def test_bench_step_runs_split_async_and_reports_each_pools_busy_and_idle_seconds(task):
+    """``megarl bench step`` on 2 ranks: the actor on rank 0, the rollout on rank 1, one step off."""
+    root, model, data = task
+    out = root / "bench_async.json"
+    args = [sys.executable, "-m", "megarl.cli", "bench", "step", *task_overrides(model, data, root / "runs", "bench"),
+            "placement.pools.train=[0]", "placement.pools.gen=[1]", "placement.actor=train",
+            "placement.reference=train", "placement.reward=train", "placement.rollout=gen", *ASYNC,
+            "data.prompts_per_step=4", "rollout.n=2", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=2",
+            "--steps", "2", "--warmup", "0", "--json", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO)  # relaunched under torchrun
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["status"] == "ok" and r["world_size"] == 2
+    assert r["config"]["layout"]["mode"] == "async" and r["config"]["layout"]["max_staleness"] == 1
+    assert set(r["pools"]) == {"train", "rollout"} and r["pools"]["rollout"]["busy_s"] > 0
+    assert {"generate", "wait_rollout", "actor_update"} <= set(r["phases"])
+    assert "pools (s/step): rollout busy" in proc.stdout
+
+
 @pytest.mark.slow
 def test_async_run_killed_with_sigkill_resumes_and_finishes_its_steps(task):
     """Rank 0 SIGKILLed in step 3's actor update (batch 4 generated or being generated meanwhile): the resumed
