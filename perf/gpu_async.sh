@@ -7,7 +7,8 @@
 #               per GPU; trainer.mode=sync)
 #   split-sync  GPU 0 trains (actor + reference + reward), GPU 1 generates (vLLM, placement.rollout on rank 1):
 #               trainer.mode=sync, each batch generated with the weights of the step before
-#   split-async the same pools with trainer.mode=async trainer.max_staleness=1 (one-step-off)
+#   split-async the same pools with trainer.mode=async trainer.max_staleness=1 (one-step-off), with the
+#               rollout correction (algorithm.rollout_correction.preset=token_tis) async runs should use
 #   summary     the three JSONs side by side in $OUT/async_summary.json and on the console, with the issue's
 #               target (split async >= 1.3x split sync, tokens/s/GPU) and the comparison to colocated
 # Installs the wheels (perf/install_wheels.sh) and builds megarl._C (perf/build_C.sh) first; each case starts
@@ -76,7 +77,8 @@ SPLIT=("placement.pools.train=[0]" "placement.pools.gen=[1]" placement.actor=tra
 case $CASE in
   colocated)   set -- "${COMMON[@]}" actor.parallel.dp=2 rollout.gpu_memory_utilization=0.35 "$@" ;;
   split-sync)  set -- "${COMMON[@]}" "${SPLIT[@]}" trainer.mode=sync "$@" ;;
-  split-async) set -- "${COMMON[@]}" "${SPLIT[@]}" trainer.mode=async trainer.max_staleness=1 "$@" ;;
+  split-async) set -- "${COMMON[@]}" "${SPLIT[@]}" trainer.mode=async trainer.max_staleness=1 \
+                 algorithm.rollout_correction.preset=token_tis "$@" ;;
   *) echo "unknown case $CASE (colocated split-sync split-async summary)"; exit 2 ;;
 esac
 python3 -m megarl.cli bench step "$@" --steps 3 --warmup 1 --json "$OUT/$CASE.json" 2>&1 | tee "$OUT/$CASE.log" \

@@ -67,6 +67,7 @@ def test_schedule_generates_each_batch_once_before_it_trains_at_most_k_updates_s
     (["placement.pools.gen=[1,2,3]"], 4,
      ["placement.actor", "shares ranks [1] with the rollout"]),
     (["validation.enabled=true"], 4, ["validation.enabled", "not built yet"]),
+    (["algorithm.dynamic_sampling.enabled=true"], 4, ["algorithm.dynamic_sampling.enabled", "a pool of its own"]),
     (["placement.pools.gen=[2]"], 3, ["placement.rollout", "not a multiple of the actor's tp=2"]),
     (["rollout.engine=vllm", "rollout.tp=2", "placement.pools.gen=[3,4]", "placement.pools.train=[0,1]"], 6,
      ["placement.pools.gen", "blocks of rollout.tp=2", "got ranks [3, 4]"]),
@@ -209,7 +210,7 @@ def test_sync_on_split_pools_equals_the_colocated_run_at_steps_1_and_2(task):
 LEARN = ["trainer.steps=12", "trainer.save_every=0", "data.prompts_per_step=8", "rollout.n=8",
          "actor.ppo_mini_batch_size=32", "actor.micro_batch_size=16", "actor.optim.lr=3e-3",
          "algorithm.kl.coef=0", "trainer.log_samples=64"]
-ASYNC = ["trainer.mode=async", "trainer.max_staleness=1"]
+ASYNC = ["trainer.mode=async", "trainer.max_staleness=1", "algorithm.rollout_correction.preset=token_tis"]
 
 
 def test_async_one_step_off_learns_the_task_with_staleness_at_most_1_recorded_per_sample(task):

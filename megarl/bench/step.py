@@ -156,7 +156,7 @@ def _measure_split(trainer, steps: int, warmup: int, sample_interval_s: float, *
 
 
 def _one_step(trainer, batches) -> dict[str, Any]:
-    metrics = trainer.step(next(batches))
+    metrics = trainer.step(next(batches), lambda: next(batches))  # more prompts: dynamic sampling
     trainer.step_idx += 1
     return metrics
 

@@ -261,11 +261,11 @@ def check_rollout_pool(cfg: Config, layouts: dict[str, RoleLayout], world_size: 
     """A rollout pool other than the whole world holds no Megatron role and no reward scoring (its ranks only
     generate), and its size is a multiple of the actor's tp (megatron-core lays its state over every rank of
     the world: the rollout ranks form TP groups of their own in it, unused); ``trainer.mode=async`` needs such a
-    pool, and validation is refused there (not built yet).
+    pool, and validation and DAPO's dynamic sampling are refused there (not built yet).
 
     Raises:
         ConfigError: naming the field (``placement.rollout``, ``placement.reward``, ``trainer.mode``,
-            ``validation.enabled``), the pools and ranks, and the fix.
+            ``validation.enabled``, ``algorithm.dynamic_sampling.enabled``), the pools and ranks, and the fix.
     """
     ro = layouts["rollout"]
     if not rollout_split(layouts, world_size):
@@ -292,6 +292,10 @@ def check_rollout_pool(cfg: Config, layouts: dict[str, RoleLayout], world_size: 
     if cfg.rollout.engine == "vllm" and not all(b == tuple(range(b[0], b[0] + rt)) and b[0] % rt == 0 for b in blocks):
         raise ConfigError(f"placement.pools.{ro.pool}: vLLM lays its engines out as blocks of rollout.tp={rt} "
                           f"consecutive ranks starting at a multiple of {rt}, got ranks {list(ro.ranks)}")
+    if cfg.algorithm.dynamic_sampling.enabled:
+        raise ConfigError(f"algorithm.dynamic_sampling.enabled: with the rollout on {ro.describe()} (a pool of its "
+                          "own) the rollout ranks cannot score the extra rounds it needs; set it to false, or "
+                          "placement.rollout=all")
     if cfg.validation.enabled:
         raise ConfigError(f"validation.enabled: validation with the rollout on {ro.describe()} (a pool of its own) "
                           "is not built yet; set validation.enabled=false, or placement.rollout=all")
