@@ -44,7 +44,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.models.layout import Layout, check_vllm_tp, vllm_layout, vllm_rank_tensors
+from megarl.models.layout import Layout, check_vllm_tp, local_views, vllm_layout, vllm_rank_tensors
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import init_distributed
 from megarl.rollout.base import (
@@ -176,7 +176,8 @@ class VLLMRolloutEngine:
             raise RolloutError(f"vLLM put rank {rank} in the TP group {group}, expected ranks "
                                f"[{first}, {first + tp}) (consecutive blocks of tp={tp})")
         self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
-        self._params = {n: p.detach() for n, p in self.model.named_parameters()}
+        self._params = {n: p.detach() for n, p in self.model.named_parameters()}  # fused experts viewed 2-D:
+        self._params = local_views(self._params, vllm_rank_tensors(self.spec, self.tp, self.tp_rank))
         self._check_parameters()
         self.calls = 0
         self._has_weights = False
