@@ -176,7 +176,13 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
 
     p = cfg.actor.parallel
     dp = max(1, world_size // (p.tp * p.pp))
-    check_layout(spec, ParallelLayout(p.tp, p.pp, dp, ep=p.ep))
+    from megarl.models.spec import SpecError
+    from megarl.parallel.mesh import LayoutError
+
+    try:
+        check_layout(spec, ParallelLayout(p.tp, p.pp, dp, ep=p.ep))
+    except LayoutError as e:
+        raise SpecError(f"actor.parallel.ep: {e}") from None
     n = stage_params(spec, p.tp, p.pp, ep=p.ep)
     e = DTYPE_BYTES[cfg.model.dtype]
     opt_per_param = 8 + (4 if e < 4 else 0)

@@ -232,9 +232,9 @@ class Trainer:
 
         # Megatron roles on their pools (megarl.parallel.placement; the critic on the actor's): a role is built
         # on the ranks of its pool only, None elsewhere
-        self.mesh = global_layout(self.layouts, self.world)
+        self.mesh = global_layout(self.layouts, self.world, cfg.actor.parallel.ep)
         initialize_model_parallel(self.mesh, seed=cfg.run.seed, timeout_s=cfg.trainer.timeout_s)
-        self.pools = build_pool_groups(self.layouts, self.world)
+        self.pools = build_pool_groups(self.layouts, self.world, self.mesh.ep)
         dtype = ck.DTYPES[cfg.model.dtype]
         source = None if cfg.model.path == "default" else cfg.model.path
         updates = cfg.trainer.steps * cfg.actor.ppo_epochs * (cfg.rollout_batch_size // cfg.actor.ppo_mini_batch_size)
