@@ -172,23 +172,25 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
         megarl.models.spec.SpecError: TP or PP does not fit the model.
     """
     from megarl.models.megatron import check_layout
-    from megarl.parallel.mesh import ParallelLayout
+    from megarl.models.spec import SpecError
+    from megarl.parallel.mesh import LayoutError, ParallelLayout
 
     p = cfg.actor.parallel
     dp = max(1, world_size // (p.tp * p.pp))
-    from megarl.models.spec import SpecError
-    from megarl.parallel.mesh import LayoutError
-
     try:
         check_layout(spec, ParallelLayout(p.tp, p.pp, dp, ep=p.ep))
     except LayoutError as e:
         raise SpecError(f"actor.parallel.ep: {e}") from None
     n = stage_params(spec, p.tp, p.pp, ep=p.ep)
+    # experts' optimizer state is sharded over their own DP group, the tp * dp / ep ranks holding the same experts
+    experts = spec.num_layers // p.pp * spec.num_experts // p.ep * 3 * spec.hidden_size * spec.moe_ffn_hidden_size
     e = DTYPE_BYTES[cfg.model.dtype]
     opt_per_param = 8 + (4 if e < 4 else 0)
 
     def optimizer(params: int, distributed: bool) -> int:
-        return params * opt_per_param // (dp if distributed else 1)
+        if not distributed:
+            return params * opt_per_param
+        return (params - experts) * opt_per_param // dp + experts * opt_per_param * p.ep // (p.tp * dp)
 
     critic = 0
     if cfg.algorithm.uses_critic:
