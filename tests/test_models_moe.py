@@ -21,7 +21,8 @@ QWEN3_MOE = ModelSpec("qwen3_moe", rope_theta=1e6, rms_norm_eps=1e-6, tie_word_e
                       moe_norm_topk_prob=True, **COMMON)
 QWEN2_MOE = ModelSpec("qwen2_moe", rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
                       moe_norm_topk_prob=False, shared_expert_ffn_hidden_size=48, **COMMON)
-MIXTRAL = ModelSpec("mixtral", rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=True, **COMMON)
+MIXTRAL = ModelSpec("mixtral", rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    **{**COMMON, "ffn_hidden_size": 32})  # Mixtral's intermediate_size is the experts' width
 SPECS = {s.family: s for s in (QWEN3_MOE, QWEN2_MOE, MIXTRAL)}
 MESHES = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 2)]  # (tp, pp, ep) in a world of 4
 
@@ -144,3 +145,33 @@ def test_moe_specs_round_trip_their_hf_config_and_refuse_what_megarl_cannot_buil
 
     with pytest.raises(SpecError, match="ep=3 does not divide num_experts=8"):
         check_layout(QWEN3_MOE, ParallelLayout(dp=3, ep=3))
+
+
+def test_moe_sizes_presets_and_ep_checks():
+    """Parameter counts (all, active, per EP rank), the shortened preset, and the EP errors naming the field."""
+    from megarl.bench.flops import matmul_params
+    from megarl.config import ConfigError, load_config
+    from megarl.launch.memory import stage_params
+    from megarl.models.megatron import check_layout
+    from megarl.models.spec import preset
+    from megarl.parallel.mesh import ParallelLayout
+
+    big = preset("qwen3-30b-a3b")
+    assert round(big.num_params() / 1e9, 1) == 30.5 and round(big.num_active_params() / 1e9, 1) == 3.4
+    expert = 3 * big.hidden_size * big.moe_ffn_hidden_size
+    assert matmul_params(big) == big.num_active_params() - big.vocab_size * big.hidden_size - big.num_layers * (
+        2 * big.hidden_size + 2 * big.head_dim) - big.hidden_size  # active minus embedding lookup and norms
+    for spec in SPECS.values():
+        spec = spec.replace(vocab_size=512)  # no vocab padding at TP=1
+        assert stage_params(spec, 1, 1) == spec.num_params(), spec.family
+        experts = spec.num_layers * spec.num_experts * 3 * spec.hidden_size * spec.moe_ffn_hidden_size
+        assert stage_params(spec, 1, 1, ep=2) == spec.num_params() - experts // 2
+    assert stage_params(big, 1, 1, ep=8) == big.num_params() - big.num_layers * 112 * expert
+    short = preset("qwen3-30b-a3b?layers=4")
+    assert short.num_layers == 4 and short.replace(num_layers=48) == big
+    with pytest.raises(SpecError, match=r"\?layers=N with 1 <= N <= 48"):
+        preset("qwen3-30b-a3b?layers=0")
+    with pytest.raises(SpecError, match="needs a mixture-of-experts model"):
+        check_layout(preset("tiny-llama"), ParallelLayout(dp=2, ep=2))
+    with pytest.raises(ConfigError, match="parallel.ep"):
+        load_config(None, ["actor.parallel.ep=0"])

@@ -159,6 +159,9 @@ class ModelSpec:
                 raise SpecError(f"moe_top_k={self.moe_top_k} must be in [1, num_experts={self.num_experts}]")
             if self.moe_ffn_hidden_size < 1:
                 raise SpecError(f"moe_ffn_hidden_size must be >= 1, got {self.moe_ffn_hidden_size}")
+        if self.family == "mixtral" and self.ffn_hidden_size != self.moe_ffn_hidden_size:
+            raise SpecError(f"a mixtral model's intermediate_size is its experts' width: ffn_hidden_size="
+                            f"{self.ffn_hidden_size} must equal moe_ffn_hidden_size={self.moe_ffn_hidden_size}")
         if self.shared_expert_ffn_hidden_size and self.family != "qwen2_moe":
             raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe models only")
         if self.num_attention_heads % self.num_kv_heads:
