@@ -75,7 +75,8 @@ def _world(rank, world, tmp):
             ck.load_hf_weights(model, hf)  # each rank reads its own slices (its experts only)
             logits = megatron_logits(model, tokens)
             if logits is not None:
-                out["logits"][(spec.family, tp, pp, ep)] = (logits[..., :spec.vocab_size] - ref_logits).abs().max().item()
+                diff = (logits[..., :spec.vocab_size] - ref_logits).abs().max().item()
+                out["logits"][(spec.family, tp, pp, ep)] = diff
             if (tp, pp, ep) == (1, 2, 2):
                 model.train()
 

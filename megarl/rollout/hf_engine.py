@@ -12,7 +12,6 @@ KV-cache rows are dropped). Token selection and log-prob semantics: :mod:`megarl
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Iterable, Sequence
 
@@ -62,9 +61,9 @@ class HFRolloutEngine:
         self.max_batch_size = max_batch_size
         self.model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32).eval()
         self.model.requires_grad_(False)
-        params = {n: (p.numel(), p.shape[-1]) for n, p in self.model.named_parameters()}
-        layout = {n: (math.prod(t.shape), t.shape[-1]) for n, t in hf_layout(spec, [0], fused_experts=True)
-                  .tensors(0).items()}  # fused experts: the layout has their 2-D views
+        layout = hf_layout(spec, [0], fused_experts=True).tensors(0)  # fused experts: their 2-D views
+        params = {n: tuple(p.shape) for n, p in local_views(dict(self.model.named_parameters()), layout).items()}
+        layout = {n: t.shape for n, t in layout.items()}
         if params != layout:
             diff = sorted(set(params.items()) ^ set(layout.items()))
             raise SpecError(f"the transformers model's parameters differ from the canonical tensors of the spec "

@@ -156,8 +156,11 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
 
 def _layout_record(config: dict[str, Any], world_size: int | None) -> dict[str, Any]:
     """What a checkpoint's sharding depends on, from a config as plain data (:func:`~megarl.config.to_dict`)."""
-    def mesh(section: dict[str, Any] | None) -> str | None:
-        return None if not section else f"tp={section.get('tp')} pp={section.get('pp')}"
+    def mesh(section: dict[str, Any] | None) -> str | None:  # ep (experts' optimizer shards) where it is not 1
+        if not section:
+            return None
+        ep = section.get("ep") or 1
+        return f"tp={section.get('tp')} pp={section.get('pp')}" + (f" ep={ep}" if ep != 1 else "")
 
     placement = dict(config.get("placement") or {})
     return {"world_size": world_size, "actor.parallel": mesh(config.get("actor", {}).get("parallel")),
