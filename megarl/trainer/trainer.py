@@ -482,6 +482,9 @@ class Trainer:
         (:meth:`_group_unit`); with not one mini-batch's worth, the step trains on one mini-batch of them filled
         with tied groups (advantage 0: they add only to the KL and entropy terms and the normalisers).
 
+        The rounds' scoring counts in the generate phase, and the output's stats are every round's (the
+        generation throughput counts every token generated).
+
         Returns:
             ``(prompts, out, scores [B] float32, metrics)`` of the kept groups: ``dynamic_sampling/rounds``
             (generation rounds), ``.../groups_generated``, ``.../groups_with_signal`` (all rounds),
@@ -492,12 +495,14 @@ class Trainer:
         want, n = cfg.data.prompts_per_step, out.n
         kept: list[tuple[PromptBatch, int, list, torch.Tensor]] = []  # (prompts, prompt k, samples, scores)
         tied: list[tuple[PromptBatch, int, list, torch.Tensor]] = []
-        generated = signal = rounds = 0
+        generated = signal = rounds = prompt_tokens = new_tokens = 0
         seconds = 0.0
         while True:
             rounds += 1
             generated += out.num_prompts
             seconds += out.stats.seconds
+            prompt_tokens += out.stats.prompt_tokens
+            new_tokens += out.stats.generated_tokens
             texts = self.tokenizer.batch_decode([list(s.token_ids) for s in out.samples], skip_special_tokens=True)
             scores = self._rewards([prompts.raw_prompt[s.prompt_index] for s in out.samples], texts,
                                    [prompts.ground_truth[s.prompt_index] for s in out.samples]).float()
@@ -518,9 +523,8 @@ class Trainer:
                              ground_truth=[p.ground_truth[k] for p, k, _, _ in kept],
                              raw_prompt=[p.raw_prompt[k] for p, k, _, _ in kept])
         samples = [dataclasses.replace(s, prompt_index=i) for i, (_, _, group, _) in enumerate(kept) for s in group]
-        merged_out = RolloutOutput(samples, n, RolloutStats(
-            prompt_tokens=n * sum(len(p) for p in merged.input_ids),
-            generated_tokens=sum(len(s.token_ids) for s in samples), seconds=seconds))
+        merged_out = RolloutOutput(samples, n, RolloutStats(prompt_tokens=prompt_tokens, generated_tokens=new_tokens,
+                                                            seconds=seconds))  # every round's
         scores = torch.cat([g for _, _, _, g in kept]) if kept else torch.zeros(0)
         metrics = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups_generated": generated,
                    "dynamic_sampling/groups_with_signal": signal, "dynamic_sampling/groups_kept": with_signal,
