@@ -508,8 +508,9 @@ class Trainer:
                                    [prompts.ground_truth[s.prompt_index] for s in out.samples]).float()
             for k in range(out.num_prompts):
                 group = scores[k * n:(k + 1) * n]
-                signal += bool((group != group[0]).any())
-                (kept if bool((group != group[0]).any()) else tied).append((prompts, k, out.group(k), group))
+                spread = bool((group != group[0]).any())
+                signal += spread
+                (kept if spread else tied).append((prompts, k, out.group(k), group))
             if len(kept) >= want or rounds > cfg.algorithm.dynamic_sampling.max_extra_rounds:
                 break
             prompts = more_prompts()
@@ -525,13 +526,13 @@ class Trainer:
         samples = [dataclasses.replace(s, prompt_index=i) for i, (_, _, group, _) in enumerate(kept) for s in group]
         merged_out = RolloutOutput(samples, n, RolloutStats(prompt_tokens=prompt_tokens, generated_tokens=new_tokens,
                                                             seconds=seconds))  # every round's
-        scores = torch.cat([g for _, _, _, g in kept]) if kept else torch.zeros(0)
+        scores = torch.cat([g for _, _, _, g in kept])
         metrics = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups_generated": generated,
                    "dynamic_sampling/groups_with_signal": signal, "dynamic_sampling/groups_kept": with_signal,
                    "dynamic_sampling/groups_tied_kept": len(kept) - with_signal,
                    "dynamic_sampling/groups_short": want - with_signal}
         if self.rank == 0 and with_signal < want:
-            log.warning("dynamic sampling: %d of %d groups with signal after %d rounds "
+            log.info("dynamic sampling: %d of %d groups with signal after %d rounds "
                         "(algorithm.dynamic_sampling.max_extra_rounds=%d); step %d trains on %d of them%s",
                         signal, want, rounds, cfg.algorithm.dynamic_sampling.max_extra_rounds, self.step_idx + 1,
                         with_signal, f" and {len(kept) - with_signal} tied groups" if len(kept) > with_signal else "")
@@ -540,7 +541,8 @@ class Trainer:
     def _group_unit(self) -> int:
         """The fewest groups that make whole mini-batches of every trained role, divisible by every Megatron
         role's DP (the batch sizes :func:`~megarl.parallel.placement.validate_for_world` checks for a full step)."""
-        sizes = [self.cfg.actor.ppo_mini_batch_size] + [lay.dp for lay in self.layouts.values()]
+        sizes = [self.cfg.actor.ppo_mini_batch_size] + [lay.dp for role, lay in self.layouts.items()
+                                                        if role in ("actor", "reference", "critic")]
         if "critic" in self.pools:
             sizes.append(self.cfg.critic.ppo_mini_batch_size)
         rows = math.lcm(self.cfg.rollout.n, *sizes)
