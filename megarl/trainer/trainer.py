@@ -38,7 +38,7 @@ from megarl.algos.shaping import overlong_penalty
 from megarl.bench.flops import peak_bf16_flops
 from megarl.bench.throughput import step_perf_metrics
 from megarl.bench.timers import PhaseTimer
-from megarl.config import Config, ConfigError, absolute_paths, to_dict
+from megarl.config import MEGATRON_ROLES, Config, ConfigError, absolute_paths, to_dict
 from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.loader import PromptBatch, PromptLoader
 from megarl.data.template import PromptTemplate
@@ -542,7 +542,7 @@ class Trainer:
         """The fewest groups that make whole mini-batches of every trained role, divisible by every Megatron
         role's DP (the batch sizes :func:`~megarl.parallel.placement.validate_for_world` checks for a full step)."""
         sizes = [self.cfg.actor.ppo_mini_batch_size] + [lay.dp for role, lay in self.layouts.items()
-                                                        if role in ("actor", "reference", "critic")]
+                                                        if role in MEGATRON_ROLES]
         if "critic" in self.pools:
             sizes.append(self.cfg.critic.ppo_mini_batch_size)
         rows = math.lcm(self.cfg.rollout.n, *sizes)
