@@ -52,6 +52,33 @@ def test_plan_drops_points_with_reasons():
     assert "24 points" in r.stdout
 
 
+def test_a_mistyped_grid_key_or_a_sweep_that_drops_every_point_fails(tmp_path):
+    """Issue 24: a typo in a grid key dropped every point and exited 0 (``--local`` wrote an empty table)."""
+    base = {"name": "typo", "output": str(tmp_path / "sweeps"), "job": {"ntasks_per_node": 1}}
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump({**base, "grid": {"actor.paralel.tp": [1, 2]}}))
+    r = _sweep(str(path), "--local")
+    assert r.returncode == 2 and "grid.actor.paralel.tp: actor.paralel is not a config field" in r.stderr, r.stderr
+    assert "parallel" in r.stderr  # the fields that exist there
+    path.write_text(yaml.safe_dump({**base, "grid": {"actor.parallel.tp": [2, 4]}}))  # a 1-rank job: none fits
+    r = _sweep(str(path), "--local")
+    assert r.returncode == 2 and "every point was dropped" in r.stderr, r.stderr
+    assert not (tmp_path / "sweeps" / "typo" / "results.md").exists()
+
+
+def test_slurm_without_sbatch_says_where_the_script_is(tmp_path, monkeypatch):
+    """Issue 24: the error suggested a --dry-run that sweep does not have and did not say where sweep.sbatch
+    went."""
+    from megarl.config import ConfigError
+    from megarl.launch.submit import sbatch
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch on it
+    script = tmp_path / "sweep.sbatch"
+    with pytest.raises(ConfigError) as e:
+        sbatch(script, written="sweep.sbatch")
+    assert f"sweep.sbatch is written at {script}" in str(e.value) and "--dry-run" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_sweep_of_a_tiny_model_as_a_job_array(slurm_cluster, tmp_path):
     model = make_tiny_model(tmp_path / "model")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import subprocess
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -110,9 +111,14 @@ def launch_info() -> LaunchInfo:
         port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
         return LaunchInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
                           addr, port)
-    from megarl.parallel.launch import free_port
-
     return LaunchInfo(0, 1, 0, "127.0.0.1", int(env["MASTER_PORT"]) if "MASTER_PORT" in env else free_port())
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the OS picks it), for a local world's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def ranks_per_node(world_size: int | None = None) -> int | None:

@@ -153,10 +153,11 @@ def check_this_machine(cfg: Config) -> None:
         raise ConfigError("rollout.engine: vllm is not installed (MEGARL_EXTRAS=gpu ./build.sh installs it)")
 
 
-def preflight(cfg: Config, world_size: int) -> ModelSpec:
+def preflight(cfg: Config, world_size: int, *, this_machine: bool = True) -> ModelSpec:
     """Every check that needs no process group or model, made by the process that starts a job's ranks on this
     machine: :func:`~megarl.parallel.placement.validate_for_world`, the model (:func:`validate_for_model`), the train
-    files, the reward function and what this machine must have. Returns the model's spec.
+    files, the reward function and, with ``this_machine``, what this machine must have (``--check`` leaves it
+    out: a GPU config checked on a CPU machine). Returns the model's spec.
 
     Raises:
         ConfigError: naming the field.
@@ -167,5 +168,6 @@ def preflight(cfg: Config, world_size: int) -> ModelSpec:
     check_tokenizer(cfg, model_tokenizer)
     check_data_files(cfg)
     check_reward(cfg)
-    check_this_machine(cfg)
+    if this_machine:
+        check_this_machine(cfg)
     return spec

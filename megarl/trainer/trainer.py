@@ -35,9 +35,9 @@ from megarl.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_pe
 from megarl.algos.registry import ADVANTAGES
 from megarl.algos.rollout_correction import rollout_correction
 from megarl.algos.shaping import overlong_penalty
-from megarl.bench.flops import peak_bf16_flops
-from megarl.bench.throughput import step_perf_metrics
-from megarl.bench.timers import PhaseTimer
+from megarl.measure.flops import peak_bf16_flops
+from megarl.measure.throughput import step_perf_metrics
+from megarl.measure.timers import PhaseTimer
 from megarl.config import MEGATRON_ROLES, Config, ConfigError, absolute_paths, to_dict
 from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.loader import PromptBatch, PromptLoader
@@ -299,7 +299,9 @@ class Trainer:
         cfg, alg, t = self.cfg, self.cfg.algorithm, self.timer
         step_start = time.perf_counter()
 
-        with t("reshard"):
+        with t("wake_up"):  # the engine's memory back: vLLM maps its weights and KV cache again (sleep level 2)
+            self.engine.wake_up()
+        with t("reshard"):  # the weights alone
             stats = self._reshard_actor_to_engine()
         self._offload(("params",))  # read by the reshard: the engine generates alone
         offloaded_bytes = sum(o.bytes_on_host for o in self.offloads)
@@ -391,7 +393,7 @@ class Trainer:
         self.offload_s["to_device"] += sum(o.to_device() for o in self.offloads)
 
     def _perf_metrics(self, batch: RolloutBatch, phases: dict[str, float], step_s: float) -> dict[str, float]:
-        """Tokens/s/GPU, MFU and peak memory of the step and of each phase (:mod:`megarl.bench.throughput`)."""
+        """Tokens/s/GPU, MFU and peak memory of the step and of each phase (:mod:`megarl.measure.throughput`)."""
         return step_perf_metrics(self.spec, batch["prompt_lens"], batch["response_lens"], seconds=phases,
                                  peak_bytes=self.timer.reset_peaks(), step_s=step_s, world=self.world,
                                  epochs={"actor_update": self.cfg.actor.ppo_epochs,
