@@ -160,8 +160,11 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
 
 def _layout_record(config: dict[str, Any], world_size: int | None) -> dict[str, Any]:
     """What a checkpoint's sharding depends on, from a config as plain data (:func:`~megarl.config.to_dict`)."""
-    def mesh(section: dict[str, Any] | None) -> str | None:
-        return None if not section else f"tp={section.get('tp')} pp={section.get('pp')}"
+    def mesh(section: dict[str, Any] | None) -> str | None:  # ep (experts' optimizer shards) where it is not 1
+        if not section:
+            return None
+        ep = section.get("ep") or 1
+        return f"tp={section.get('tp')} pp={section.get('pp')}" + (f" ep={ep}" if ep != 1 else "")
 
     placement = dict(config.get("placement") or {})
     return {"world_size": world_size, "actor.parallel": mesh(config.get("actor", {}).get("parallel")),
@@ -238,9 +241,9 @@ class Trainer:
 
         # Megatron roles on their pools (megarl.parallel.placement; the critic on the actor's): a role is built
         # on the ranks of its pool only, None elsewhere
-        self.mesh = global_layout(self.layouts, self.world)
+        self.mesh = global_layout(self.layouts, self.world, cfg.actor.parallel.ep)
         initialize_model_parallel(self.mesh, seed=cfg.run.seed, timeout_s=cfg.trainer.timeout_s)
-        self.pools = build_pool_groups(self.layouts, self.world)
+        self.pools = build_pool_groups(self.layouts, self.world, self.mesh.ep)
         dtype = ck.DTYPES[cfg.model.dtype]
         source = None if cfg.model.path == "default" else cfg.model.path
         updates = cfg.trainer.steps * cfg.actor.ppo_epochs * (cfg.rollout_batch_size // cfg.actor.ppo_mini_batch_size)
