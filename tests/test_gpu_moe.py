@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megarl.models.spec import preset
+from tests.actor_decoding import actor_greedy, actor_teacher_forced
 from tests.distributed import run_world
 from tests.test_gpu_vllm import _prompts
 
@@ -32,36 +33,6 @@ pytestmark = [pytest.mark.gpu,
 SPEC = preset("qwen3-30b-a3b?layers=4").replace(max_position_embeddings=1024)
 GREEDY_TOKENS = 24
 SAMPLED = dict(n=2, temperature=1.0, max_new_tokens=32, seed=7)
-
-
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    device = next(model.parameters()).device
-    tokens = torch.tensor([ids], device=device)
-    positions = torch.arange(len(ids), device=device).unsqueeze(0)
-    with torch.no_grad():
-        return model(tokens, positions, None)[0]
-
-
-def _greedy(model, prompt: list[int], steps: int) -> list[int]:
-    ids, out = list(prompt), []
-    for _ in range(steps):
-        token = int(_logits(model, ids)[-1, :SPEC.vocab_size].float().argmax())
-        out.append(token)
-        ids.append(token)
-        if token in SPEC.eos_token_ids:
-            break
-    return out
-
-
-def _teacher_forced(model, prompt: list[int], response) -> torch.Tensor:
-    from megarl.models.logprobs import vocab_parallel_logprobs
-
-    ids = list(prompt) + list(response)
-    with torch.no_grad():
-        logits = _logits(model, ids)[None]
-        labels = torch.tensor([ids[1:] + [0]], device=logits.device)
-        logp, _ = vocab_parallel_logprobs(logits, labels, vocab_size=SPEC.vocab_size)
-    return logp[0, len(prompt) - 1:len(ids) - 1].float().cpu()
 
 
 def _check(rank, world):
@@ -117,11 +88,11 @@ def _check(rank, world):
     prompts = [[t % SPEC.vocab_size for t in p] for p in _prompts()]
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=GREEDY_TOKENS)
     r["vllm_greedy"] = [list(s.token_ids) for s in engine.generate(prompts, greedy).samples]
-    r["actor_greedy"] = [_greedy(actor, p, GREEDY_TOKENS) for p in prompts]
+    r["actor_greedy"] = [actor_greedy(actor, SPEC, p, GREEDY_TOKENS) for p in prompts]
 
     # 3. sampled-token log-probs against the actor's
     sampled = engine.generate(prompts, SamplingConfig(**SAMPLED))
-    diffs = torch.cat([(_teacher_forced(actor, prompts[s.prompt_index], s.token_ids) - s.logprobs).abs()
+    diffs = torch.cat([(actor_teacher_forced(actor, SPEC, prompts[s.prompt_index], s.token_ids) - s.logprobs).abs()
                        for s in sampled.samples])
     r.update(logprob_mean_diff=diffs.mean().item(), logprob_max_diff=diffs.max().item(), logprob_tokens=len(diffs),
              tokens_per_s=sampled.stats.tokens_per_second)
