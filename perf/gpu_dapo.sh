@@ -62,7 +62,7 @@ first_step() {
     run.output_dir="$RUNS" run.name=dapo-first-step trainer.progress=false trainer.report=false \
     validation.enabled=false trainer.steps=1 trainer.save_every=0 actor.ppo_mini_batch_size=256 \
     actor.ppo_epochs=1 algorithm.dynamic_sampling.enabled=false rollout.enforce_eager=true || return 1
-  cp "$RUNS/dapo-first-step/metrics.jsonl" "$OUT/first_step_metrics.jsonl"
+  cp "$RUNS/dapo-first-step/metrics.jsonl" "$OUT/first_step_metrics.jsonl" 2>/dev/null
   python3 - "$OUT/first_step_metrics.jsonl" <<'EOF'
 import json
 import sys
@@ -79,9 +79,11 @@ EOF
 dapo() {  # stopped with SIGINT 30 s before the budget ends (megarl's Ctrl-C: a clean stop), then the copy
   local resume=() left=$(( DEADLINE - $(date +%s) - 30 ))
   ls "$RUNS/dapo/checkpoints" 2>/dev/null | grep -q step_ && resume=(--resume)
-  timeout --signal=INT "$left" python3 -m megarl.cli train "$CONFIG" data.gsm8k_source="$GSM8K_DIR" "data.train_files=[$DATA/train.parquet]" \
-    "validation.files=[$DATA/test.parquet]" validation.num_prompts=0 validation.max_new_tokens=256 \
-    run.output_dir="$RUNS" run.name=dapo trainer.progress=false "${resume[@]}"
+  # bash -c execs python3 itself, so the SIGINT reaches it (and tests/test_perf_scripts.py's python3 stub applies)
+  timeout --signal=INT "$left" bash -c 'python3 -m megarl.cli train "$@"' train "$CONFIG" \
+    data.gsm8k_source="$GSM8K_DIR" "data.train_files=[$DATA/train.parquet]" "validation.files=[$DATA/test.parquet]" \
+    validation.num_prompts=0 validation.max_new_tokens=256 run.output_dir="$RUNS" run.name=dapo \
+    trainer.progress=false "${resume[@]}"
   local rc=$?
   mkdir -p "$OUT/dapo"
   for f in metrics.jsonl summary.json report.md samples.jsonl val_samples.jsonl config.json; do
@@ -134,7 +136,8 @@ if [ $failed -eq 0 ]; then
     echo "first_step passed in an earlier call: $(cat "$RUNS/dapo-first-step.passed")"
   else
     stage first_step 150 first_step
-    [ $failed -eq 0 ] && grep "^step 1 " "$OUT/first_step.log" > "$RUNS/dapo-first-step.passed"
+    [ $failed -eq 0 ] && line=$(grep "^step 1 " "$OUT/first_step.log") && mkdir -p "$RUNS" \
+      && echo "$line" > "$RUNS/dapo-first-step.passed"
   fi
   stage dapo 600 dapo  # whatever is left of the budget; a cut run resumes in the next call
   [ $failed -eq 0 ] && stage summary 60 summary

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megarl.models.spec import ModelSpec
+from tests.actor_decoding import actor_greedy, actor_teacher_forced
 from tests.distributed import run_world
 
 pytestmark = [pytest.mark.gpu,
@@ -34,39 +35,6 @@ SAMPLED = dict(n=2, temperature=1.0, max_new_tokens=48, seed=7)
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, SPEC.vocab_size - 1, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-
-
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    """The actor's logits ``[len(ids), padded_vocab]`` (its dtype) for one sequence."""
-    device = next(model.parameters()).device
-    tokens = torch.tensor([ids], device=device)
-    positions = torch.arange(len(ids), device=device).unsqueeze(0)
-    with torch.no_grad():
-        return model(tokens, positions, None)[0]
-
-
-def _greedy(model, prompt: list[int], steps: int) -> list[int]:
-    """The actor's own greedy decoding (full forward per token), ending at EOS like the engine."""
-    ids, out = list(prompt), []
-    for _ in range(steps):
-        token = int(_logits(model, ids)[-1, :SPEC.vocab_size].float().argmax())
-        out.append(token)
-        ids.append(token)
-        if token in SPEC.eos_token_ids:
-            break
-    return out
-
-
-def _teacher_forced(model, prompt: list[int], response: tuple[int, ...]) -> torch.Tensor:
-    """The actor's log-probs ``[len(response)]`` float32 (CPU) of each response token at temperature 1."""
-    from megarl.models.logprobs import vocab_parallel_logprobs
-
-    ids = list(prompt) + list(response)
-    with torch.no_grad():
-        logits = _logits(model, ids)[None]
-        labels = torch.tensor([ids[1:] + [0]], device=logits.device)
-        logp, _ = vocab_parallel_logprobs(logits, labels, vocab_size=SPEC.vocab_size)
-    return logp[0, len(prompt) - 1:len(ids) - 1].float().cpu()
 
 
 def _check(rank, world, enforce_eager):
@@ -108,12 +76,12 @@ def _check(rank, world, enforce_eager):
     # (a) greedy decoding equals the actor's own
     first = engine.generate(prompts, greedy)
     r["vllm_greedy"] = [list(s.token_ids) for s in first.samples]
-    r["actor_greedy"] = [_greedy(actor, p, GREEDY_TOKENS) for p in prompts]
+    r["actor_greedy"] = [actor_greedy(actor, SPEC, p, GREEDY_TOKENS) for p in prompts]
 
     # (b) sampled-token log-probs (temperature 1) against the actor's teacher-forced ones
     r["sampled_call"] = engine.calls
     sampled = engine.generate(prompts, SamplingConfig(**SAMPLED))
-    diffs = torch.cat([(_teacher_forced(actor, prompts[s.prompt_index], s.token_ids) - s.logprobs).abs()
+    diffs = torch.cat([(actor_teacher_forced(actor, SPEC, prompts[s.prompt_index], s.token_ids) - s.logprobs).abs()
                        for s in sampled.samples])
     r.update(logprob_mean_diff=diffs.mean().item(), logprob_max_diff=diffs.max().item(), logprob_tokens=len(diffs),
              sampled_finish=[s.finish_reason for s in sampled.samples],
@@ -136,7 +104,7 @@ def _check(rank, world, enforce_eager):
         actor.decoder.final_layernorm.weight.neg_()  # permuted tied embedding would keep "repeat the last token")
     reshard()
     r["other_greedy"] = decode()
-    r["other_actor_greedy0"] = _greedy(actor, prompts[0], GREEDY_TOKENS)
+    r["other_actor_greedy0"] = actor_greedy(actor, SPEC, prompts[0], GREEDY_TOKENS)
     with torch.no_grad():
         for n, p in actor.named_parameters():
             p.copy_(saved[n])

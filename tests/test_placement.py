@@ -46,7 +46,7 @@ FAULTS = [
     (["placement.pools.train=[2,3]", "placement.pools.score=[0,1]", "placement.actor=train",
       "placement.reference=score"], 4, ["placement.actor", "pool 'train' ranks 2-3", "holds rank 0"]),
     (["placement.pools.low=[0]", "placement.rollout=low"], 4,
-     ["placement.rollout", "rollout on pool 'low' ranks 0 tp=1 dp=1", "the whole world of 4 ranks"]),
+     ["placement.actor", "shares ranks [0] with the rollout on pool 'low' ranks 0 tp=1 dp=1"]),
 ]
 
 

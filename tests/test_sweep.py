@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,21 @@ def test_slurm_without_sbatch_says_where_the_script_is(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         sbatch(script, written="sweep.sbatch")
     assert f"sweep.sbatch is written at {script}" in str(e.value) and "--dry-run" not in str(e.value)
+
+
+def test_the_job_does_not_carry_the_submitting_process_token(tmp_path, monkeypatch):
+    """sbatch hands its environment to the job: with megarl's owner token in it, the submitting command (and
+    its watchdog) ended the job's processes when it left, where the job ran on its own host."""
+    from megarl.launch.submit import sbatch
+    from megarl.parallel.lifecycle import OWNER_ENV
+
+    fake = tmp_path / "sbatch"
+    fake.write_text(f"#!/bin/sh\nenv > {tmp_path / 'env.txt'}\necho 42\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv(OWNER_ENV, "host:1:2")
+    assert sbatch(tmp_path / "job.sbatch") == "42"
+    assert f"{OWNER_ENV}=" not in (tmp_path / "env.txt").read_text()
 
 
 @pytest.mark.slow

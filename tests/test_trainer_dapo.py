@@ -28,22 +28,36 @@ DYNAMIC = ["reward.fn=tests.rl_tasks:half_tied", "algorithm.dynamic_sampling.ena
            "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4"]
 
 
-def test_dynamic_sampling_refills_the_tied_groups(task):
-    m = _run(task, "refill", DYNAMIC + ["algorithm.dynamic_sampling.max_extra_rounds=4"])[0]
+def test_dynamic_sampling_refills_the_tied_groups_with_rollout_correction_and_overlong_shaping(task):
+    m = _run(task, "refill", DYNAMIC + ["algorithm.dynamic_sampling.max_extra_rounds=4",
+                                        "algorithm.rollout_correction.preset=seq_mis",
+                                        "algorithm.rollout_correction.cap=1.0001",
+                                        "algorithm.overlong.buffer_tokens=2", "algorithm.overlong.filter=true"])[0]
     assert m["dynamic_sampling/rounds"] >= 2, m  # the first round had tied groups: more prompts were drawn
     assert m["dynamic_sampling/groups_generated"] == 4 * m["dynamic_sampling/rounds"]
     assert m["dynamic_sampling/groups_kept"] == 4 and m["dynamic_sampling/groups_short"] == 0
     assert m["dynamic_sampling/groups_tied_kept"] == 0
     assert m["reward/std"] > 0 and m["reward/mean"] != 0.5
+    for key in ("kl_k3", "ratio_mean", "ratio_min", "ratio_max", "truncated_frac", "masked_frac"):
+        assert f"rollout_corr/{key}" in m, key
+    assert m["rollout_corr/truncated_frac"] == 0  # mask mode
+    assert m["rollout_corr/ratio_min"] <= m["rollout_corr/ratio_mean"] <= m["rollout_corr/ratio_max"]
+    assert m["reward/overlong_penalty_mean"] < 0  # responses of 2 or 3 tokens against a limit of 3, buffer 2
+    assert 0 < m["response/overlong_filtered"] <= 1
 
 
-def test_dynamic_sampling_round_cap_trains_on_fewer_groups_and_says_so(task):
-    m = _run(task, "capped", DYNAMIC + ["algorithm.dynamic_sampling.max_extra_rounds=0"])[0]
+@pytest.mark.parametrize("mini", [8, 16])
+def test_dynamic_sampling_round_cap_trains_on_fewer_groups_and_says_so(task, mini):
+    m = _run(task, f"capped{mini}", DYNAMIC + ["algorithm.dynamic_sampling.max_extra_rounds=0",
+                                               f"actor.ppo_mini_batch_size={mini}"])[0]
     signal = m["dynamic_sampling/groups_with_signal"]
     assert m["dynamic_sampling/rounds"] == 1 and 2 <= signal < 4, m
-    # whole mini-batches of 8 rows = 2 groups of 4: the groups with signal, cut to a multiple of 2
-    assert m["dynamic_sampling/groups_kept"] == 2 and m["dynamic_sampling/groups_short"] == 2
-    assert m["dynamic_sampling/groups_tied_kept"] == 0
+    if mini == 8:  # whole mini-batches of 8 rows = 2 groups of 4: the groups with signal, cut to a multiple of 2
+        assert m["dynamic_sampling/groups_kept"] == 2 and m["dynamic_sampling/groups_tied_kept"] == 0
+    else:  # not one mini-batch (4 groups) with signal: all of them, and tied groups to fill it
+        assert m["dynamic_sampling/groups_kept"] == signal
+        assert m["dynamic_sampling/groups_tied_kept"] == 4 - signal
+    assert m["dynamic_sampling/groups_short"] == 4 - m["dynamic_sampling/groups_kept"]
     assert "actor/pg_loss" in m
 
 
@@ -70,14 +84,3 @@ def test_update_metrics_do_not_depend_on_the_micro_batch_layout(task):
     for key in ("actor/ppo_kl", "actor/approx_kl", "actor/clipfrac", "actor/entropy", "actor/pg_loss"):
         assert small[key] == pytest.approx(large[key], rel=1e-4, abs=1e-7), key
 
-
-def test_rollout_correction_overlong_shaping_and_filtering_in_a_step(task):
-    m = _run(task, "corrected", ["actor.ppo_mini_batch_size=16", "algorithm.rollout_correction.preset=seq_mis",
-                                 "algorithm.rollout_correction.cap=1.0001",
-                                 "algorithm.overlong.buffer_tokens=2", "algorithm.overlong.filter=true"])[0]
-    for key in ("kl_k3", "ratio_mean", "ratio_min", "ratio_max", "truncated_frac", "masked_frac"):
-        assert f"rollout_corr/{key}" in m, key
-    assert m["rollout_corr/truncated_frac"] == 0  # mask mode
-    assert m["rollout_corr/ratio_min"] <= m["rollout_corr/ratio_mean"] <= m["rollout_corr/ratio_max"]
-    assert m["reward/overlong_penalty_mean"] < 0  # responses of 2 or 3 tokens against a limit of 3, buffer 2
-    assert 0 < m["response/overlong_filtered"] <= 1

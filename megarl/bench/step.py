@@ -29,6 +29,11 @@ by rank 0, that ``megarl sweep`` collects. Its keys:
   sums); ``tokens``/rates/``flops``/``mfu`` are null for phases without them (reshard, advantages);
 - ``gpu_util``: ``source`` ("nvml" or "proc"), ``util_mean_pct``, ``util_max_pct``, ``memory_max_bytes``
   (over ranks) and ``per_rank`` (each rank's summary, :meth:`~megarl.measure.monitor.Samples.summary`);
+- ``pools``: ``{"train": {busy_s, idle_s}, "rollout": {busy_s, idle_s}}`` per step (means; the trainer's
+  ``pool/*`` metrics: busy = the pool's own work, idle = the step less that and the reshard), which shows the
+  overlap of ``trainer.mode=async`` with ``placement.rollout`` on a pool of its own (``layout`` records
+  ``mode``, ``max_staleness`` and ``rollout_pool``; ``wait_rollout`` is then the training ranks' wait for a
+  batch, and ``generate`` the rollout pool's seconds, beside the other phases);
 - ``per_step``: the seconds of every phase of every measured step;
 - with ``--standalone-vllm`` (vLLM rollouts), ``standalone_vllm``: rank 0's generate calls of the measured
   steps run again on a plain vLLM on the same GPU (:mod:`megarl.bench.vllm_standalone`): ``status``,
@@ -116,6 +121,8 @@ def _measure(cfg: Config, steps: int, warmup: int, sample_interval_s: float, *, 
     seed_all(cfg.run.seed)  # as megarl train: every DP replica starts from the same random weights
     trainer = Trainer(cfg)
     recorder = None
+    if trainer.split_rollout:
+        return _measure_split(trainer, steps, warmup, sample_interval_s, record=record)
     if record:
         recorder = trainer.engine = GenerateRecorder(trainer.engine)
     batches = iter(trainer.loader)
@@ -127,6 +134,25 @@ def _measure(cfg: Config, steps: int, warmup: int, sample_interval_s: float, *, 
         history = [_one_step(trainer, batches) for _ in range(steps)]
     return {"history": history, "world": trainer.world, "utilization": sampler.samples.summary(),
             "spec": trainer.engine.spec, "recorded": recorder.recorded if recorder is not None else []}
+
+
+def _measure_split(trainer, steps: int, warmup: int, sample_interval_s: float, *, record: bool
+                   ) -> dict[str, Any]:
+    """:func:`_measure` with the rollout on a pool of its own (``trainer.mode`` sync or async,
+    :meth:`~megarl.trainer.trainer.Trainer.fit_split`): the training ranks' metrics, shared with every rank."""
+    from megarl.config import ConfigError
+    from megarl.parallel.placement import share_object
+
+    if record:
+        raise ConfigError("--standalone-vllm regenerates rank 0's rollout calls, but with placement.rollout on a "
+                          "pool of its own rank 0 generates nothing; leave it out or use placement.rollout=all")
+    pipeline = trainer.fit_split(iter(trainer.loader), steps=warmup + steps)
+    for _ in range(warmup):
+        next(pipeline)
+    with UtilizationSampler(sample_interval_s) as sampler:
+        history = [metrics for _, metrics in pipeline]
+    return {"history": share_object(history, [0]), "world": trainer.world, "utilization": sampler.samples.summary(),
+            "spec": trainer.spec, "recorded": []}
 
 
 def _one_step(trainer, batches) -> dict[str, Any]:
@@ -202,7 +228,9 @@ def _config_section(cfg: Config, config_path: str | None, overrides: list[str] |
               "prompts_per_step": cfg.data.prompts_per_step, "n": cfg.rollout.n,
               "max_new_tokens": cfg.rollout.max_new_tokens, "micro_batch_size": cfg.actor.micro_batch_size,
               "logprob_micro_batch_size": cfg.actor.logprob_micro_batch_size,
-              "ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size}
+              "ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size, "mode": cfg.trainer.mode,
+              "max_staleness": cfg.trainer.max_staleness if cfg.trainer.mode == "async" else 0,
+              "rollout_pool": cfg.placement.pools[cfg.placement.rollout]}
     return {"path": config_path, "overrides": list(overrides or []), "layout": layout, "resolved": to_dict(cfg)}
 
 
@@ -245,6 +273,7 @@ def summarize(history: list[dict[str, Any]], world: int, peaks: dict[str, float 
         }
     step_s = total("time/step")
     tokens = total("perf/tokens")
+    pools = sorted({k.split("/")[1] for h in history for k in h if k.startswith("pool/")})
     gen = phases.get("generate", {})
     return {
         "step_time_s": step_s / n,
@@ -255,6 +284,8 @@ def summarize(history: list[dict[str, Any]], world: int, peaks: dict[str, float 
         "mfu_vs_measured": mfu(all_flops, step_s, world, peaks["measured"]),
         "peak_tflops": {k: v / 1e12 if v else None for k, v in peaks.items()},
         "phases": phases,
+        "pools": {p: {"busy_s": total(f"pool/{p}/busy_s") / n, "idle_s": total(f"pool/{p}/idle_s") / n}
+                  for p in pools},
         "per_step": [{"step_time_s": h["time/step"], **{p: h.get(f"time/{p}") for p in names}} for h in history],
     }
 
@@ -296,6 +327,10 @@ def format_table(report: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "-" * len(lines[0]))
+    pools = report.get("pools") or {}
+    if pools:
+        lines.append("pools (s/step): " + "; ".join(f"{name} busy {p['busy_s']:.3f} idle {p['idle_s']:.3f}"
+                                                    for name, p in pools.items()))
     u = report.get("gpu_util") or {}
     peak = report["peak_tflops"]
     lines.append(f"{report['device']} x {report['world_size']}, {report['steps']} measured steps after "

@@ -3,7 +3,8 @@ points whose estimate exceeds the device's memory before anything starts).
 
 For the busiest rank (the pipeline stage holding the most parameters), in bytes:
 
-- **params**: the actor's share: ``layers/pp`` decoder layers with attention and FFN split over TP, the
+- **params**: the actor's share: ``layers/pp`` decoder layers with attention and FFN split over TP (an MoE
+  layer: the router whole, ``num_experts/ep`` experts whole (expert TP = 1), the shared expert over TP), the
   embedding (vocab padded to ``lcm(128, tp)``, split over TP) on the first stage, the output layer (or the tied
   embedding's copy) on the last stage; norms replicated. Element size of ``model.dtype``.
 - **grads**: megatron-core's DDP keeps one fp32 gradient buffer of the rank's parameters
@@ -17,7 +18,8 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
   batches per mini-batch)``). Per token and layer, elements kept for the backward (SwiGLU, GQA, unfused
   softmax; after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
   Sec. 4, adapted to SwiGLU/GQA): ``2h`` replicated (norm inputs; split over TP with sequence parallelism) +
-  ``(4h + 4*kv_size + 3*ffn + 2*heads*s) / tp`` (the ``s`` term only with ``actor.kernels.attention=local``);
+  ``(4h + 4*kv_size + 3*ffn + 2*heads*s) / tp`` (the ``s`` term only with ``actor.kernels.attention=local``;
+  an MoE layer's ``3*ffn`` is ``top_k`` experts' ``3*moe_ffn`` plus the shared expert's ``3*shared_ffn``);
   with ``actor.recompute`` only each layer's input ``h`` is kept (plus one layer's full set while it is
   recomputed). The last stage adds fp32 logits, three copies (logits, log-softmax, its gradient) of
   ``vocab/tp`` per token, of the micro-batch, or of one chunk with ``actor.kernels.chunked_logprob``.
@@ -26,7 +28,10 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
   (CPU) holds a full fp32 copy of the model plus the KV cache and last logits of the sequences it decodes at
   once (this rank's share of the step, at most ``rollout.max_batch_size``), and frees its weights while the
   actor trains, so the peak is ``static + max(training,
-  rollout)``.
+  rollout)``. With ``placement.rollout`` on a pool of its own (:mod:`megarl.trainer.pipeline`) the two groups
+  of ranks hold different things: the training ranks everything but the rollout, the rollout ranks the
+  rollout alone (its share of the step over the pool's ranks); the estimate is the busier of the two
+  (:attr:`MemoryEstimate.pools` gives both).
 - **runtime**: what the process holds besides tensors: the CUDA context and NCCL buffers on a GPU, the
   Python interpreter with torch/megatron/transformers loaded on the CPU (:data:`RUNTIME_BYTES`).
 """
@@ -59,31 +64,57 @@ class MemoryEstimate:
     rollout: int
     runtime: int
     colocated_rollout: bool  # True: vLLM reserves its share for the whole run (added, not overlapped)
+    rollout_pool: bool = False  # True: the rollout on ranks of its own (placement.rollout), nothing else there
+
+    @property
+    def pools(self) -> dict[str, int]:
+        """Peak bytes of a training rank and of a rollout rank (one figure each; the same ranks unless the
+        rollout has a pool of its own)."""
+        static = self.params + self.grads + self.optimizer + self.reference + self.critic + self.runtime
+        if self.rollout_pool:
+            return {"train": static + self.activations, "rollout": self.runtime + self.rollout}
+        both = static + self.activations + self.rollout if self.colocated_rollout else \
+            static + max(self.activations, self.rollout)
+        return {"train": both, "rollout": both}
 
     @property
     def total(self) -> int:
-        static = self.params + self.grads + self.optimizer + self.reference + self.critic + self.runtime
-        if self.colocated_rollout:
-            return static + self.activations + self.rollout
-        return static + max(self.activations, self.rollout)
+        """The busiest rank's peak bytes."""
+        return max(self.pools.values())
 
     @property
     def tensors(self) -> int:
         """The part in torch's allocator on a GPU (``torch.cuda.max_memory_allocated``): the total without the
         runtime and without vLLM's reservation (its own memory pool)."""
+        if self.rollout_pool:
+            return self.pools["train"] - self.runtime
         return self.total - self.runtime - (self.rollout if self.colocated_rollout else 0)
 
     def as_dict(self) -> dict[str, int]:
-        return {**{k: v for k, v in asdict(self).items() if k != "colocated_rollout"}, "total": self.total,
-                "tensors": self.tensors}
+        out = {**{k: v for k, v in asdict(self).items() if k not in ("colocated_rollout", "rollout_pool")},
+               "total": self.total, "tensors": self.tensors}
+        if self.rollout_pool:
+            out.update({f"{k}_ranks": v for k, v in self.pools.items()})
+        return out
 
     def describe(self) -> str:
-        parts = [f"{k} {v / GIB:.2f}" for k, v in self.as_dict().items() if v and k not in ("total", "tensors")]
-        return f"{self.total / GIB:.2f} GiB ({', '.join(parts)})"
+        parts = [f"{k} {v / GIB:.2f}" for k, v in self.as_dict().items()
+                 if v and k not in ("total", "tensors", "train_ranks", "rollout_ranks")]
+        per_pool = (f"; training ranks {self.pools['train'] / GIB:.2f}, rollout ranks "
+                    f"{self.pools['rollout'] / GIB:.2f}") if self.rollout_pool else ""
+        return f"{self.total / GIB:.2f} GiB ({', '.join(parts)}{per_pool})"
 
 
-def stage_params(spec, tp: int, pp: int, *, value_head: bool = False) -> int:
-    """Parameters held by the busiest pipeline stage of a TP x PP actor (``value_head``: a critic, whose
+def _ffn_width(spec) -> int:
+    """Per token, the FFN width a layer's SwiGLU activations have: ``ffn``, or for an MoE layer its ``top_k``
+    experts' and the shared expert's."""
+    if not spec.is_moe:
+        return spec.ffn_hidden_size
+    return spec.moe_top_k * spec.moe_ffn_hidden_size + spec.shared_expert_ffn_hidden_size
+
+
+def stage_params(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 1) -> int:
+    """Parameters held by the busiest pipeline stage of a TP x PP (x EP) actor (``value_head``: a critic, whose
     output layer is one column).
 
     Raises:
@@ -93,7 +124,13 @@ def stage_params(spec, tp: int, pp: int, *, value_head: bool = False) -> int:
     from megarl.models.megatron import padded_vocab_size
 
     h, f, kv = spec.hidden_size, spec.ffn_hidden_size, spec.kv_size
-    layer = (h * (spec.q_size + 2 * kv) + spec.q_size * h + 3 * h * f) // tp + 2 * h
+    if spec.is_moe:  # router and local experts whole, the shared expert and its gate split like a dense MLP
+        m, shared = spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size
+        ffn = spec.num_experts * h + spec.num_experts // ep * 3 * h * m + 3 * h * shared // tp + (h if shared else 0)
+    else:
+        ffn = 3 * h * f // tp
+    layer = (h * (spec.q_size + 2 * kv) + spec.q_size * h) // tp + ffn + 2 * h
+    layer += 2 * spec.head_dim if spec.qk_norm else 0
     layer += (spec.q_size + 2 * kv) // tp if spec.qkv_bias else 0
     embed = padded_vocab_size(spec.vocab_size, tp) * h // tp
     output = h if value_head else embed  # tied embeddings: the last stage holds a copy for the output layer
@@ -121,7 +158,7 @@ def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
     h = spec.hidden_size
     scores = 2 * spec.num_attention_heads * s if a.kernels.attention == "local" else 0
     full = (2 * h / (tp if a.parallel.sequence_parallel else 1)
-            + (4 * h + 4 * spec.kv_size + 3 * spec.ffn_hidden_size + scores) / tp)
+            + (4 * h + 4 * spec.kv_size + 3 * _ffn_width(spec) + scores) / tp)
     layers = spec.num_layers // pp
     per_micro = tokens * e * ((h + full / layers) if a.recompute else full) * layers
     in_flight = min(pp, max(1, a.ppo_mini_batch_size // (dp * a.micro_batch_size)))
@@ -131,14 +168,14 @@ def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
     return int(max(per_micro * in_flight, per_micro + logits))
 
 
-def rollout_bytes(cfg: Config, spec, world_size: int, device_bytes: int, gpu: bool) -> int:
-    """The rollout engine's share on one rank (the transformers engine decodes this rank's share of the step's
-    sequences, at most ``rollout.max_batch_size`` at once)."""
+def rollout_bytes(cfg: Config, spec, ranks: int, device_bytes: int, gpu: bool) -> int:
+    """The rollout engine's share on one of the rollout pool's ``ranks`` (the transformers engine decodes this
+    rank's share of the step's sequences, at most ``rollout.max_batch_size`` at once)."""
     r = cfg.rollout
     if r.engine == "vllm":
         return int(r.gpu_memory_utilization * device_bytes) if gpu else 0
     s = cfg.data.max_prompt_length + r.max_new_tokens
-    batch = min(r.max_batch_size, math.ceil(cfg.rollout_batch_size / world_size))
+    batch = min(r.max_batch_size, math.ceil(cfg.rollout_batch_size / ranks))
     weights = spec.num_params() * 4
     kv_cache = 2 * spec.num_layers * spec.kv_size * s * batch * 4
     logits = batch * spec.vocab_size * 4 * 2
@@ -156,29 +193,39 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
         megarl.models.spec.SpecError: TP or PP does not fit the model.
     """
     from megarl.models.megatron import check_layout
-    from megarl.parallel.mesh import ParallelLayout
+    from megarl.models.spec import SpecError
+    from megarl.parallel.mesh import LayoutError, ParallelLayout
 
     p = cfg.actor.parallel
-    dp = max(1, world_size // (p.tp * p.pp))
-    check_layout(spec, ParallelLayout(p.tp, p.pp, dp))
-    n = stage_params(spec, p.tp, p.pp)
+    pl = cfg.placement
+    dp = max(1, len(pl.ranks(pl.actor, world_size)) // (p.tp * p.pp))
+    rollout_ranks = len(pl.ranks(pl.rollout, world_size))
+    try:
+        check_layout(spec, ParallelLayout(p.tp, p.pp, dp, ep=p.ep))
+    except LayoutError as e:
+        raise SpecError(f"actor.parallel.ep: {e}") from None
+    n = stage_params(spec, p.tp, p.pp, ep=p.ep)
+    # experts' optimizer state is sharded over their own DP group, the tp * dp / ep ranks holding the same experts
+    experts = spec.num_layers // p.pp * spec.num_experts // p.ep * 3 * spec.hidden_size * spec.moe_ffn_hidden_size
     e = DTYPE_BYTES[cfg.model.dtype]
     opt_per_param = 8 + (4 if e < 4 else 0)
 
     def optimizer(params: int, distributed: bool) -> int:
-        return params * opt_per_param // (dp if distributed else 1)
+        if not distributed:
+            return params * opt_per_param
+        return (params - experts) * opt_per_param // dp + experts * opt_per_param * p.ep // (p.tp * dp)
 
     critic = 0
     if cfg.algorithm.uses_critic:
-        c = stage_params(spec, p.tp, p.pp, value_head=True)
+        c = stage_params(spec, p.tp, p.pp, value_head=True, ep=p.ep)
         critic = c * (e + 4) + optimizer(c, cfg.critic.optim.distributed)
     return MemoryEstimate(
         params=n * e, grads=n * 4, optimizer=optimizer(n, cfg.actor.optim.distributed),
         reference=n * e if cfg.algorithm.kl.coef > 0 else 0, critic=critic,
         activations=activation_bytes(cfg, spec, p.tp, p.pp, dp),
-        rollout=rollout_bytes(cfg, spec, world_size, device_bytes, gpu),
+        rollout=rollout_bytes(cfg, spec, rollout_ranks, device_bytes, gpu),
         runtime=RUNTIME_BYTES["gpu" if gpu else "cpu"],
-        colocated_rollout=cfg.rollout.engine == "vllm")
+        colocated_rollout=cfg.rollout.engine == "vllm", rollout_pool=rollout_ranks < world_size)
 
 
 def host_memory_bytes() -> int:

@@ -212,7 +212,11 @@ def sbatch(script: Path, *, written: str = "the batch script") -> str:
     if shutil.which("sbatch") is None:
         raise ConfigError(f"sbatch not found: submit from a SLURM login node; {written} is written at {script} "
                           f"(submit it there with: sbatch {script})")
-    r = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    from megarl.parallel.lifecycle import OWNER_ENV
+
+    # sbatch hands its environment to the job, which must not count as this process's helper (ended with it)
+    env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}
+    r = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise ConfigError(f"sbatch refused {script}: {r.stderr.strip() or r.stdout.strip()}")
     return r.stdout.strip().split(";")[0]

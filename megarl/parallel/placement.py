@@ -18,6 +18,12 @@ ranks here, and its roles get megatron's process-group collection with those DP 
 
 Results a pool computes (log-probs, update metrics) reach the other ranks by :func:`share_tensor` and
 :func:`share_object`, broadcasts from the pool's first rank.
+
+The rollout engine runs on the whole world (taking turns with the Megatron roles) or on a pool of its own,
+disjoint from every Megatron role's pool and from the reward's (:func:`check_rollout_pool`). Then the other
+ranks, the *training ranks*, share their results over their own group (:func:`training_group`), never
+waiting on the rollout ranks, which meet them only where :mod:`megarl.trainer.pipeline` says (the reshard,
+the hand-over of a batch, checkpoints).
 """
 
 from __future__ import annotations
@@ -118,8 +124,8 @@ def check_turns(layouts: dict[str, RoleLayout]) -> None:
 
 
 def check_runnable(layouts: dict[str, RoleLayout], world_size: int) -> None:
-    """What the trainer runs (:mod:`megarl.parallel.placement`): the rollout engine on the whole world; the
-    Megatron roles on the whole world in any layout, or split over pools with ``pp = 1``, one ``tp`` for
+    """What the trainer runs (:mod:`megarl.parallel.placement`): the rollout engine on the whole world or on a
+    pool of its own (:func:`check_rollout_pool`); the Megatron roles on the whole world in any layout, or split over pools with ``pp = 1``, one ``tp`` for
     all, each pool made of whole TP groups (consecutive ranks from a multiple of tp), the actor's holding rank
     0 (which writes the metrics and the checkpoints' metadata). The reward function scores on any pool.
 
@@ -127,9 +133,6 @@ def check_runnable(layouts: dict[str, RoleLayout], world_size: int) -> None:
         ConfigError: naming the role, its pool, its ranks and layout.
     """
     world = tuple(range(world_size))
-    ro = layouts["rollout"]
-    require(ro.ranks == world, "placement.rollout", f"rollout on {ro.describe()}: the trainer generates on the "
-             f"whole world of {world_size} ranks only; set placement.rollout=all")
     megatron = [layouts[r] for r in MEGATRON_ROLES if r in layouts]
     if all(lay.ranks == world for lay in megatron):
         return
@@ -164,6 +167,7 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
     layouts = role_layouts(cfg, world_size)
     check_turns(layouts)
     check_runnable(layouts, world_size)
+    check_rollout_pool(cfg, layouts, world_size)
     roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.algorithm.uses_critic else [])
     for role, rc in roles:
         p, dp = rc.parallel, layouts[role].dp
@@ -237,11 +241,73 @@ class PoolGroups:
 
         pgs = ProcessGroupCollection.use_mpu_process_groups(
             ["tp", "pp", "mp", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp", "embd", "pos_embd"])
-        for name in ("dp", "dp_cp", "intra_dp_cp", "expt_dp", "intra_expt_dp", "intra_dist_opt"):
+        for name in ("dp", "dp_cp", "intra_dp_cp", "expt_dp", "intra_expt_dp"):
             setattr(pgs, name, self.dp)
+        # the optimizer instance's ranks, over which the DistributedOptimizer reduces its gradient norm: the
+        # whole pool (TP x DP), not its DP group (with tp > 1 each TP rank clipped by its own shard's norm, and
+        # the TP ranks' copies of replicated weights drifted apart)
+        pgs.intra_dist_opt = self.group
         pgs.tp_dp_cp = self.group  # pp = 1: TP x DP is the pool
         pgs.inter_dist_opt = None
         return pgs
+
+
+def rollout_split(layouts: dict[str, RoleLayout], world_size: int) -> bool:
+    """The rollout engine is on a pool of its own (not the whole world)."""
+    return layouts["rollout"].ranks != tuple(range(world_size))
+
+
+def check_rollout_pool(cfg: Config, layouts: dict[str, RoleLayout], world_size: int) -> None:
+    """A rollout pool other than the whole world holds no Megatron role and no reward scoring (its ranks only
+    generate), and its size is a multiple of the actor's tp (megatron-core lays its state over every rank of
+    the world: the rollout ranks form TP groups of their own in it, unused); ``trainer.mode=async`` needs such a
+    pool, and validation and DAPO's dynamic sampling are refused there (not built yet).
+
+    Raises:
+        ConfigError: naming the field (``placement.rollout``, ``placement.reward``, ``trainer.mode``,
+            ``validation.enabled``, ``algorithm.dynamic_sampling.enabled``), the pools and ranks, and the fix.
+    """
+    ro = layouts["rollout"]
+    if not rollout_split(layouts, world_size):
+        if cfg.trainer.mode == "async":
+            raise ConfigError("trainer.mode: async overlaps generation with training on separate ranks, but the "
+                              f"rollout is on {ro.describe()}, the whole world; put placement.rollout on a pool "
+                              "of its own (e.g. placement.pools.gen=[2,3] placement.rollout=gen) or use "
+                              "trainer.mode=sync")
+        return
+    for role in (*MEGATRON_ROLES, "reward"):
+        lay = layouts.get(role)
+        shared = sorted(set(lay.ranks) & set(ro.ranks)) if lay is not None else []
+        if shared:
+            raise ConfigError(f"placement.{role}: {role} on {lay.describe()} shares ranks {shared} with the rollout "
+                              f"on {ro.describe()}: a rollout pool other than all only generates; put {role} on "
+                              "a pool of the other ranks (or the rollout on all)")
+    tp = layouts["actor"].tp
+    if len(ro.ranks) % tp:
+        raise ConfigError(f"placement.rollout: the rollout's {ro.describe()} has {len(ro.ranks)} ranks, not a "
+                          f"multiple of the actor's tp={tp} (megatron-core's state covers every rank of the "
+                          f"world in TP groups of {tp}); use a pool of a multiple of {tp} ranks")
+    rt = cfg.rollout.tp
+    blocks = [ro.ranks[i:i + rt] for i in range(0, len(ro.ranks), rt)]
+    if cfg.rollout.engine == "vllm" and not all(b == tuple(range(b[0], b[0] + rt)) and b[0] % rt == 0 for b in blocks):
+        raise ConfigError(f"placement.pools.{ro.pool}: vLLM lays its engines out as blocks of rollout.tp={rt} "
+                          f"consecutive ranks starting at a multiple of {rt}, got ranks {list(ro.ranks)}")
+    if cfg.algorithm.dynamic_sampling.enabled:
+        raise ConfigError(f"algorithm.dynamic_sampling.enabled: with the rollout on {ro.describe()} (a pool of its "
+                          "own) the rollout ranks cannot score the extra rounds it needs; set it to false, or "
+                          "placement.rollout=all")
+    if cfg.validation.enabled:
+        raise ConfigError(f"validation.enabled: validation with the rollout on {ro.describe()} (a pool of its own) "
+                          "is not built yet; set validation.enabled=false, or placement.rollout=all")
+
+
+def training_group(layouts: dict[str, RoleLayout], world_size: int):
+    """The group of every rank outside a rollout pool of its own (None when the rollout is on the whole
+    world: the training ranks are the world). Collective: call on every rank, in the same order."""
+    if not rollout_split(layouts, world_size):
+        return None
+    rollout = set(layouts["rollout"].ranks)
+    return dist.new_group([r for r in range(world_size) if r not in rollout])
 
 
 def is_split(layouts: dict[str, RoleLayout], world_size: int) -> bool:
@@ -249,18 +315,29 @@ def is_split(layouts: dict[str, RoleLayout], world_size: int) -> bool:
     return any(lay.ranks != tuple(range(world_size)) for r, lay in layouts.items() if r in MEGATRON_ROLES)
 
 
-def global_layout(layouts: dict[str, RoleLayout], world_size: int) -> ParallelLayout:
+def global_layout(layouts: dict[str, RoleLayout], world_size: int, ep: int = 1) -> ParallelLayout:
     """The layout megatron's ``parallel_state`` is set to: the actor's when every Megatron role is on the whole
-    world, else ``tp x 1 x world/tp`` (see the module docstring)."""
+    world, else ``tp x 1 x world/tp`` (see the module docstring). ``ep`` (``actor.parallel.ep``) splits the
+    experts of a mixture-of-experts model over the ranks of each stage.
+
+    Raises:
+        ConfigError: ``ep > 1`` with Megatron roles on split pools, or an ``ep`` that does not divide the
+            actor's ``tp * dp``.
+    """
     a = layouts["actor"]
     if not is_split(layouts, world_size):
-        return ParallelLayout(tp=a.tp, pp=a.pp, dp=a.dp)
+        require(ep == 1 or (a.tp * a.dp) % ep == 0, "actor.parallel.ep",
+                f"{ep} does not divide the actor's tp={a.tp} x dp={a.dp} ranks of a pipeline stage")
+        return ParallelLayout(tp=a.tp, pp=a.pp, dp=a.dp, ep=ep)
+    require(ep == 1, "actor.parallel.ep", f"{ep}: expert parallelism needs every Megatron role on the whole "
+            "world (no placement pools); set ep=1 or drop the pools")
     return ParallelLayout(tp=a.tp, pp=1, dp=world_size // a.tp)
 
 
-def build_pool_groups(layouts: dict[str, RoleLayout], world_size: int) -> dict[str, PoolGroups]:
+def build_pool_groups(layouts: dict[str, RoleLayout], world_size: int, ep: int = 1) -> dict[str, PoolGroups]:
     """The groups of every Megatron role's pool; call on every rank, in the same order (``new_group`` is
-    collective), after ``torch.distributed`` is initialised.
+    collective), after ``torch.distributed`` is initialised. ``ep``: the expert-parallel size of every role's
+    mesh (only with all roles on the whole world, :func:`global_layout`).
 
     Returns:
         role -> :class:`PoolGroups` for each Megatron role in ``layouts`` (roles on one pool share them).
@@ -272,7 +349,7 @@ def build_pool_groups(layouts: dict[str, RoleLayout], world_size: int) -> dict[s
         lay = layouts.get(role)
         if lay is None:
             continue
-        mesh = ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp)
+        mesh = ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=ep)
         key = (lay.ranks, lay.tp, lay.pp)
         if key not in built:
             groups = PoolGroups(lay.pool, lay.ranks, mesh)
@@ -299,27 +376,29 @@ def join_optimizer_setup() -> None:
 
 
 def share_tensor(t: torch.Tensor | None, src_ranks: Sequence[int], shape: Sequence[int],
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``t`` (held by every rank of ``src_ranks``) on every rank of the world, broadcast from ``src_ranks[0]``;
-    a no-op when ``src_ranks`` is the world. Call on every rank.
+                 dtype: torch.dtype = torch.float32, group=None) -> torch.Tensor:
+    """``t`` (held by every rank of ``src_ranks``) on every rank of ``group`` (default: the world), broadcast
+    from ``src_ranks[0]``; a no-op when ``src_ranks`` is the whole group. Call on every rank of the group.
 
     Args:
         t: the tensor on ranks of ``src_ranks`` (CPU; ignored elsewhere).
         shape / dtype: what the other ranks receive.
+        group: the ranks that take part (:func:`training_group` with a rollout pool of its own).
     """
-    if len(src_ranks) == dist.get_world_size():
+    if len(src_ranks) == dist.get_world_size(group):
         return t
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     buf = (t.to(device, dtype) if dist.get_rank() in src_ranks else torch.empty(tuple(shape), dtype=dtype,
                                                                                 device=device)).contiguous()
-    dist.broadcast(buf, src=src_ranks[0])
+    dist.broadcast(buf, src=src_ranks[0], group=group)
     return buf.cpu()
 
 
-def share_object(obj: Any, src_ranks: Sequence[int]) -> Any:
-    """A picklable object held by the ranks of ``src_ranks`` on every rank (a no-op on the whole world)."""
-    if len(src_ranks) == dist.get_world_size():
+def share_object(obj: Any, src_ranks: Sequence[int], group=None) -> Any:
+    """A picklable object held by the ranks of ``src_ranks`` on every rank of ``group`` (default: the world;
+    a no-op when ``src_ranks`` is the whole group)."""
+    if len(src_ranks) == dist.get_world_size(group):
         return obj
     box = [obj if dist.get_rank() in src_ranks else None]
-    dist.broadcast_object_list(box, src=src_ranks[0])
+    dist.broadcast_object_list(box, src=src_ranks[0], group=group)
     return box[0]

@@ -38,29 +38,32 @@ def gather_outputs(local: RolloutOutput, group=None) -> RolloutOutput:
     )
 
 
-def rollout_dp_group(tp: int):
-    """This rank's rollout data-parallel group for engines of ``tp`` consecutive ranks (engine ``k`` is ranks
-    ``[k*tp, (k+1)*tp)``, as vLLM's external launcher lays them out): the ranks with this rank's TP rank, one
-    per engine (``{rank % tp + k*tp}``). The ranks of one engine generate the same prompts and get the same
-    samples, so prompts are split and samples gathered over this group only.
+def rollout_dp_group(tp: int, ranks: Sequence[int] | None = None):
+    """This rank's rollout data-parallel group for engines of ``tp`` consecutive ranks of the rollout pool
+    ``ranks`` (default: the whole world; engine ``k`` is ``ranks[k*tp:(k+1)*tp]``, as vLLM's external launcher
+    lays them out): the pool's ranks with this rank's TP rank, one per engine. The ranks of one engine generate
+    the same prompts and get the same samples, so prompts are split and samples gathered over this group only.
 
-    Collective (``dist.new_group``): every rank of the world calls it with the same ``tp``.
+    Collective (``dist.new_group``): every rank of the world calls it with the same arguments.
 
     Returns:
-        The group, or None (the whole world) when ``tp == 1``.
+        The group; None for the whole world (``tp == 1`` and the pool is the world) and on a rank outside the
+        pool (which generates nothing).
 
     Raises:
-        ValueError: ``tp`` does not divide the world size.
+        ValueError: ``tp`` does not divide the pool's size.
     """
     world = dist.get_world_size()
-    if tp < 1 or world % tp:
-        raise ValueError(f"rollout tp={tp} does not divide the world size {world}")
-    if tp == 1:
+    ranks = list(range(world)) if ranks is None else sorted(ranks)
+    if tp < 1 or len(ranks) % tp:
+        raise ValueError(f"rollout tp={tp} does not divide the rollout pool's {len(ranks)} ranks")
+    if tp == 1 and len(ranks) == world:
         return None
     mine = None
     for tp_rank in range(tp):
-        group = dist.new_group(list(range(tp_rank, world, tp)))
-        if dist.get_rank() % tp == tp_rank:
+        members = ranks[tp_rank::tp]
+        group = dist.new_group(members)
+        if dist.get_rank() in members:
             mine = group
     return mine
 
@@ -105,8 +108,11 @@ def map_share(fn: Callable[..., Any], *columns: Sequence[Any], ranks: Sequence[i
     return fn(*(c[lo:hi] for c in columns))
 
 
-def gather_shares(local: Any, ranks: Sequence[int] | None = None) -> list[Any]:
-    """The :func:`map_share` results of ``ranks``, in rank order, on every rank (all ranks must call this)."""
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
-    return [parts[r] for r in sorted(range(len(parts)) if ranks is None else ranks)]
+def gather_shares(local: Any, ranks: Sequence[int] | None = None, group=None) -> list[Any]:
+    """The :func:`map_share` results of ``ranks``, in rank order, on every rank of ``group`` (default: the
+    world; all its ranks must call this, and ``ranks`` lie in it)."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, local, group=group)
+    members = list(range(len(parts))) if group is None else dist.get_process_group_ranks(group)
+    by_rank = dict(zip(members, parts))
+    return [by_rank[r] for r in sorted(members if ranks is None else ranks)]

@@ -29,6 +29,20 @@ sampler puts the sampled token first, ``vllm/v1/engine/logprobs.py``). A stop to
 the scheduler appends every sampled token before checking ``stop_token_ids`` (``vllm/v1/core/sched/utils.py:
 check_stop``) and, without a tokenizer, the output keeps all of them (``vllm/v1/engine/detokenizer.py``).
 
+A rollout pool of its own (``placement.rollout`` disjoint from the training ranks,
+:mod:`megarl.trainer.pipeline`): the engines run on the pool's ranks only, ``rollout.tp`` consecutive ranks
+of the pool each, and the other ranks take part in what vLLM's construction does over the whole world
+(:func:`join_engine_construction`). Weights still arrive through our reshard executor, shard to shard from the
+actor's Megatron shards into each engine rank's own parameters, over the world's NCCL. vLLM 0.24's
+``vllm.distributed.weight_transfer`` (``WeightTransferEngine`` with NCCL and IPC backends) was the other
+candidate, and it is not used: its trainer side streams whole tensors under their HF names (``WeightSource``
+yields "fully-materialized" parameters; one trainer rank sends, after a gather), which is the full-model
+gather the reshard exists to avoid, and its control plane (``init_weight_transfer_engine`` /
+``update_weights`` RPCs) serves an engine in another process (``vllm serve``, Ray), while ours is a Python
+object in this process whose parameters the executor can write directly. A megarl backend for that API would
+have to carry the plan's pieces through its RPC dicts to workers that run the same executor: the same bytes,
+plus a process boundary.
+
 Memory: ``sleep(1)`` moves the weights to CPU and drops the KV cache; ``sleep(2)`` drops both. vLLM's
 ``CuMemAllocator`` keeps the virtual addresses, so the parameter tensors held here stay valid across sleeps.
 One engine per process: vLLM's parallel state is process-global.
@@ -44,7 +58,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.models.layout import Layout, check_vllm_tp, vllm_layout, vllm_rank_tensors
+from megarl.models.layout import Layout, check_vllm_tp, local_views, vllm_layout, vllm_rank_tensors
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import init_distributed
 from megarl.rollout.base import (
@@ -76,6 +90,33 @@ def prepare_environment(rank: int, local_rank: int) -> None:
     for key, value in VLLM_ENV.items():
         os.environ.setdefault(key, value)
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", RANK=str(rank), LOCAL_RANK=str(local_rank))
+
+
+def join_engine_construction(tp: int) -> None:
+    """On a rank outside the rollout pool, take part in the world-wide steps of the engines' construction
+    (:class:`VLLMRolloutEngine` on the pool's ranks, at the same time), read in vLLM 0.24.0's source:
+    ``init_distributed_environment`` and ``initialize_model_parallel`` create every group with
+    ``torch.distributed.new_group`` over the world (collective on every rank, members or not), and
+    ``ExecutorWithExternalLauncher.determine_available_memory`` takes the minimum KV-cache budget over the
+    world's CPU group (this rank offers no limit). The groups are laid out as the engines' ranks lay them out
+    (``arange(world).reshape(-1, dp=1, pp=1, pcp=1, tp)``), so the rollout pool's engines are whole TP blocks
+    when the pool is a run of whole blocks of ``tp`` ranks.
+
+    Raises:
+        RolloutError: no CUDA device. ImportError: vllm is not installed.
+    """
+    if not torch.cuda.is_available():
+        raise RolloutError("the vLLM engine needs a CUDA GPU; use rollout.engine=hf on a CPU machine")
+    rank = dist.get_rank()
+    prepare_environment(rank, torch.cuda.current_device())
+    from vllm.distributed.parallel_state import (ensure_model_parallel_initialized, get_world_group,
+                                                 init_distributed_environment)
+
+    init_distributed_environment(world_size=dist.get_world_size(), rank=rank, local_rank=torch.cuda.current_device(),
+                                 backend="nccl")
+    ensure_model_parallel_initialized(tp, 1)
+    budget = torch.tensor([torch.iinfo(torch.int64).max], dtype=torch.int64)
+    dist.all_reduce(budget, group=get_world_group().cpu_group, op=dist.ReduceOp.MIN)
 
 
 def request_params(prompt: Sequence[int], sampling: SamplingConfig, *, context: int, stop_token_ids: list[int],
@@ -176,11 +217,13 @@ class VLLMRolloutEngine:
             raise RolloutError(f"vLLM put rank {rank} in the TP group {group}, expected ranks "
                                f"[{first}, {first + tp}) (consecutive blocks of tp={tp})")
         self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
-        self._params = {n: p.detach() for n, p in self.model.named_parameters()}
+        self._params = {n: p.detach() for n, p in self.model.named_parameters()}  # fused experts viewed 2-D:
+        self._params = local_views(self._params, vllm_rank_tensors(self.spec, self.tp, self.tp_rank))
         self._check_parameters()
         self.calls = 0
         self._has_weights = False
         self._asleep = False
+        self._cache_empty = True  # nothing generated since the last prefix-cache reset
 
     def _check_parameters(self) -> None:
         """Raise SpecError where vLLM's parameters (names, shapes) differ from this rank's layout entry."""
@@ -211,11 +254,21 @@ class VLLMRolloutEngine:
         if self._asleep:
             raise RolloutError("update_weights on a sleeping engine: call wake_up() first")
         result = write(self._params)
+        if not self._cache_empty:
+            self._reset_prefix_cache()
+        self._has_weights = True
+        return result
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop vLLM's prefix cache. Its cost grows with the number of KV-cache blocks, not with the model
+        (vLLM's ``BlockPool.reset_prefix_cache`` visits every block in Python): ~0.45 s on an H200 for the
+        tiny model of ``perf/gpu_vllm.sh`` (256 bytes of KV per token: ~10M blocks at
+        ``gpu_memory_utilization=0.3``), a few ms for real models; done at wake-up, so ``time/reshard`` counts
+        the weights alone."""
         if not self.llm.reset_prefix_cache():
             raise RolloutError("vLLM could not reset its prefix cache after the weight update (requests "
                                "still running?); its cached KV would belong to the old weights")
-        self._has_weights = True
-        return result
+        self._cache_empty = True
 
     def sleep(self, level: int = 1) -> None:
         """Give GPU memory back for the training phase (vLLM sleep mode; a sleeping engine stays asleep).
@@ -240,6 +293,7 @@ class VLLMRolloutEngine:
         """Undo :meth:`sleep`: GPU memory back (weights restored after level 1, uninitialised after level 2)."""
         if self._asleep:
             self.llm.wake_up()
+            self._reset_prefix_cache()  # its KV is stale: new weights come next (see _reset_prefix_cache)
         self._asleep = False
 
     # ------------------------------------------------------------------ generation
@@ -268,6 +322,7 @@ class VLLMRolloutEngine:
         prompts = check_prompts(prompt_token_ids, max_context=context, vocab_size=self.spec.vocab_size)
         call = self.calls
         self.calls += 1
+        self._cache_empty = False  # this call's prompts are cached now
         start = time.perf_counter()
         stop = sorted(set(self.spec.eos_token_ids) | set(sampling.stop_token_ids))
         rows = sample_rows(len(prompts), sampling.n)

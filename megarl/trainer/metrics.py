@@ -20,6 +20,7 @@ DIGEST = [
     ("actor/grad_norm", "gnorm", "{:.3f}"), ("actor/lr", "lr", "{:.2e}"),
     ("throughput/generate_tokens_per_s", "gen tok/s", "{:.0f}"), ("perf/tokens_per_s_per_gpu", "tok/s/GPU", "{:.0f}"),
     ("perf/mfu", "MFU", "{:.1%}"), ("time/step", "step s", "{:.1f}"),
+    ("rollout/staleness", "stale", "{:.0f}"),
     ("val/accuracy", "val acc", "{:.3f}"), ("val/reward_mean", "val reward", "{:.3f}"),
     ("val/seconds", "val s", "{:.1f}"),
 ]
@@ -31,6 +32,10 @@ def digest(step: int, total: int, m: dict[str, Any]) -> str:
     for key, label, fmt in DIGEST:
         if key in m and m[key] is not None and not (isinstance(m[key], float) and math.isnan(m[key])):
             parts.append(f"{label} {fmt.format(m[key])}")
+    pools = [p for p in ("train", "rollout") if f"pool/{p}/busy_s" in m]
+    if pools:  # each pool's busy/idle seconds: the overlap of a rollout pool of its own
+        parts.append("busy/idle " + " ".join(f"{p} {m[f'pool/{p}/busy_s']:.1f}/{m[f'pool/{p}/idle_s']:.1f}s"
+                                             for p in pools))
     phases = [f"{k.removeprefix('time/')} {v:.1f}s" for k, v in m.items()
               if k.startswith("time/") and k != "time/step"]
     return " | ".join(parts) + ("  [" + ", ".join(phases) + "]" if phases else "")

@@ -75,7 +75,7 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
     """Check that ``spec`` runs under ``cfg``.
 
     Raises:
-        ConfigError: naming the field (``actor.parallel.tp``, ``actor.parallel.pp``, ``critic.parallel.tp``,
+        ConfigError: naming the field (``actor.parallel.tp``, ``actor.parallel.pp``, ``actor.parallel.ep``, ``critic.parallel.tp``,
             ``placement.reference_parallel.tp``, ``rollout.tp``, ``rollout.max_model_len``, ``rollout.max_new_tokens``), what does not divide or
             fit, and the sizes that would.
     """
@@ -90,6 +90,11 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
                 check_layout(spec, layout)
             except SpecError as e:
                 raise ConfigError(f"{field_name}.{name}: {e}") from None
+    ep = cfg.actor.parallel.ep
+    try:  # the experts it splits (the tp x dp it must divide is checked with the world: placement.global_layout)
+        check_layout(spec, ParallelLayout(dp=ep, ep=ep))
+    except SpecError as e:
+        raise ConfigError(f"actor.parallel.ep: {e}") from None
     r = cfg.rollout
     if r.engine == "vllm":
         try:

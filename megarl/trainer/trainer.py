@@ -38,17 +38,18 @@ from megarl.algos.shaping import overlong_penalty
 from megarl.measure.flops import peak_bf16_flops
 from megarl.measure.throughput import step_perf_metrics
 from megarl.measure.timers import PhaseTimer
-from megarl.config import Config, ConfigError, absolute_paths, to_dict
+from megarl.config import MEGATRON_ROLES, Config, ConfigError, absolute_paths, to_dict
 from megarl.data.dataset import PromptDataset
 from megarl.data.loader import PromptBatch, PromptLoader
 from megarl.models import checkpoint as ck
 from megarl.models.hf_io import load_tokenizer
-from megarl.models.layout import megatron_layout
+from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
 from megarl.models.spec import ModelSpec
 from megarl.parallel.lifecycle import peer_failures_named, phase, record_peers
 from megarl.parallel.mesh import init_distributed, initialize_model_parallel, launch_info, ranks_per_node
 from megarl.parallel.placement import (build_pool_groups, global_layout, join_optimizer_setup, placement_summary,
-                                      role_layouts, share_object, share_tensor, validate_for_world)
+                                      role_layouts, rollout_split, share_object, share_tensor, training_group,
+                                      validate_for_world)
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 from megarl.rewards.registry import load_reward_fn
@@ -58,6 +59,7 @@ from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel,
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
 from megarl.trainer.offload import HostOffload
+from megarl.trainer.pipeline import schedule, staleness
 from megarl.trainer.preflight import (check_files, prepare_files, read_prompts, tokenizer_source,
                                       validate_for_model)
 from megarl.trainer.run_lock import RunLock
@@ -147,8 +149,11 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
 
 def _layout_record(config: dict[str, Any], world_size: int | None) -> dict[str, Any]:
     """What a checkpoint's sharding depends on, from a config as plain data (:func:`~megarl.config.to_dict`)."""
-    def mesh(section: dict[str, Any] | None) -> str | None:
-        return None if not section else f"tp={section.get('tp')} pp={section.get('pp')}"
+    def mesh(section: dict[str, Any] | None) -> str | None:  # ep (experts' optimizer shards) where it is not 1
+        if not section:
+            return None
+        ep = section.get("ep") or 1
+        return f"tp={section.get('tp')} pp={section.get('pp')}" + (f" ep={ep}" if ep != 1 else "")
 
     placement = dict(config.get("placement") or {})
     return {"world_size": world_size, "actor.parallel": mesh(config.get("actor", {}).get("parallel")),
@@ -181,6 +186,12 @@ def make_engine(cfg: Config, spec):
 
     return VLLMRolloutEngine(spec, tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization,
                              enforce_eager=r.enforce_eager, max_model_len=r.max_model_len, seed=cfg.run.seed)
+
+
+def rollout_layout(cfg: Config, spec: ModelSpec, ranks) -> "Layout":
+    """The engines' weight layout on the rollout pool's ``ranks`` (what the reshard writes), known on every
+    rank, engine or not: whole HF tensors for transformers, vLLM's TP shards of ``rollout.tp``."""
+    return hf_layout(spec, ranks) if cfg.rollout.engine == "hf" else vllm_layout(spec, cfg.rollout.tp, ranks)
 
 
 class Trainer:
@@ -225,9 +236,9 @@ class Trainer:
 
         # Megatron roles on their pools (megarl.parallel.placement; the critic on the actor's): a role is built
         # on the ranks of its pool only, None elsewhere
-        self.mesh = global_layout(self.layouts, self.world)
+        self.mesh = global_layout(self.layouts, self.world, cfg.actor.parallel.ep)
         initialize_model_parallel(self.mesh, seed=cfg.run.seed, timeout_s=cfg.trainer.timeout_s)
-        self.pools = build_pool_groups(self.layouts, self.world)
+        self.pools = build_pool_groups(self.layouts, self.world, self.mesh.ep)
         dtype = ck.DTYPES[cfg.model.dtype]
         source = None if cfg.model.path == "default" else cfg.model.path
         updates = cfg.trainer.steps * cfg.actor.ppo_epochs * (cfg.rollout_batch_size // cfg.actor.ppo_mini_batch_size)
@@ -260,29 +271,46 @@ class Trainer:
         self.offload_s = {"to_host": sum(o.to_host(("grads", "optimizer")) for o in self.offloads),
                           "to_device": 0.0}
 
-        # rollout engine, fed by the reshard engine
-        self.engine = make_engine(cfg, self.spec)
-        self.rollout_group = rollout_dp_group(cfg.rollout.tp if cfg.rollout.engine == "vllm" else 1)
+        # rollout engine on its pool (the whole world, or ranks of its own: megarl.trainer.pipeline), fed by the
+        # reshard engine; the training ranks share results over their own group, without the rollout ranks
+        self.train_group = training_group(self.layouts, self.world)
+        self.rollout_ranks = self.layouts["rollout"].ranks
+        self.split_rollout = rollout_split(self.layouts, self.world)
+        if self.rank in self.rollout_ranks:
+            self.engine = make_engine(cfg, self.spec)
+        else:
+            self.engine = None
+            if cfg.rollout.engine == "vllm":  # vLLM's construction is world-wide: the other ranks join it
+                from megarl.rollout.vllm_engine import join_engine_construction
+
+                join_engine_construction(cfg.rollout.tp)
+        self.rollout_group = rollout_dp_group(cfg.rollout.tp if cfg.rollout.engine == "vllm" else 1,
+                                              self.rollout_ranks)
         actor_ranks = pools["actor"].ranks
         src_layout = megatron_layout(self.spec, pools["actor"].mesh, ranks=actor_ranks, role="actor",
                                      padded_vocab=share_object(self.actor and self.actor.bare.vocab_size,
                                                                actor_ranks))
-        dst_layout = self.engine.weight_layout(range(self.world))
+        dst_layout = rollout_layout(cfg, self.spec, self.rollout_ranks)
         self.reshard_plan = plan_reshard(src_layout, dst_layout, ranks_per_node(self.world))
         self.sampling = dict(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                              top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
                              stop_token_ids=tuple(self.spec.eos_token_ids))
         self.timer = PhaseTimer()
         self.peak_flops = peak_bf16_flops()  # MFU's denominator per GPU; None on the CPU
+        if cfg.trainer.mode == "async" and not cfg.algorithm.rollout_correction.enabled and self.rank == 0:
+            log.warning("trainer.mode=async trains on samples of older weights without correcting for them: set "
+                        "algorithm.rollout_correction (e.g. preset=token_tis, README 'Asynchronous RL')")
         self.step_idx = 0
+        self.policy_version = 0  # the step whose weights the engines hold (or last got)
         self.last_checkpoint: Path | None = None
         if cfg.trainer.resume:
             self._resume()
 
     # ------------------------------------------------------------------ one RL step
     def step(self, prompts, more_prompts=None) -> dict[str, Any]:
-        """One RL step on a batch of prompts; returns its metrics (identical on every rank).
-        ``more_prompts()``: the next batch of prompts, for dynamic sampling's extra rounds."""
+        """One RL step on a batch of prompts with the rollout engine on every rank (colocated, synchronous);
+        returns its metrics (identical on every rank). ``more_prompts()``: the next batch of prompts, for
+        dynamic sampling's extra rounds. A rollout pool of its own runs :meth:`fit_split`."""
         cfg, alg, t = self.cfg, self.cfg.algorithm, self.timer
         step_start = time.perf_counter()
 
@@ -290,6 +318,7 @@ class Trainer:
             self.engine.wake_up()
         with t("reshard"):  # the weights alone
             stats = self._reshard_actor_to_engine()
+        self.policy_version = self.step_idx
         self._offload(("params",))  # read by the reshard: the engine generates alone
         offloaded_bytes = sum(o.bytes_on_host for o in self.offloads)
         sampling_metrics, known_scores = {}, None
@@ -300,8 +329,29 @@ class Trainer:
             in_use = _device_bytes_in_use()  # the engine's weights and cache, and what training left resident
             self.engine.sleep(level=2)  # the next reshard rewrites every weight: nothing to keep
         self._reload()
+        train_start = time.perf_counter()
+        metrics, batch = self._train_on(prompts, out, self.policy_version, known_scores)
+        metrics.update(sampling_metrics)
+        busy = {"train": time.perf_counter() - train_start, "rollout": out.stats.seconds}
+        metrics.update({"offload/host_bytes": offloaded_bytes, "offload/device_used_bytes": in_use})
+        metrics.update(self._timing_metrics(batch, out, stats, busy, time.perf_counter() - step_start))
+        return metrics
+
+    def _train_on(self, prompts, out, version: int, known_scores: torch.Tensor | None = None
+                  ) -> tuple[dict[str, Any], RolloutBatch]:
+        """Everything of one step after generation, on the training ranks (every rank when colocated): score,
+        log-probs, advantages, updates; results shared over the training ranks' group. ``version``: the policy
+        version (step) whose weights generated ``out``, recorded with every sample; ``known_scores``: its
+        ``[B]`` scores where dynamic sampling already computed them.
+
+        Returns:
+            The step's metrics without its timings (:meth:`_timing_metrics`), and the batch.
+        """
+        cfg, alg, t = self.cfg, self.cfg.algorithm, self.timer
+        group = self.train_group
         with t("reward"):
             batch, scores = self._score(prompts, out, known_scores)
+        batch.meta["policy_version"] = [version] * len(batch)
         # each role on its pool (at the same time where the pools are disjoint), then shared with every rank
         with t("old_logprobs"):
             old = self.actor.compute_logprobs(batch)["logprobs"] if self.actor else None
@@ -315,11 +365,11 @@ class Trainer:
             self._gather_scores(batch, scores, known_scores)
             self._shape_rewards(batch)
             frame = batch["response_mask"].shape
-            batch["old_logprobs"] = share_tensor(old, self.pools["actor"].ranks, frame)
+            batch["old_logprobs"] = share_tensor(old, self.pools["actor"].ranks, frame, group=group)
             if "reference" in self.pools:
-                batch["ref_logprobs"] = share_tensor(ref, self.pools["reference"].ranks, frame)
+                batch["ref_logprobs"] = share_tensor(ref, self.pools["reference"].ranks, frame, group=group)
             if "critic" in self.pools:
-                batch["values"] = share_tensor(values, self.pools["critic"].ranks, frame)
+                batch["values"] = share_tensor(values, self.pools["critic"].ranks, frame, group=group)
         self._log_samples(prompts, batch)
         with t("advantages"):
             kl_metrics = self._advantages(batch)
@@ -331,12 +381,13 @@ class Trainer:
             with t("critic_update"):
                 history = (self.critic.update(batch, alg, seed=seed, norm_tokens=cfg.loss_norm_tokens)
                            if self.critic else None)
-                metrics.update(_mean_over_updates("critic", share_object(history, self.pools["critic"].ranks)))
+                metrics.update(_mean_over_updates("critic", share_object(history, self.pools["critic"].ranks,
+                                                                         group=group)))
         if "critic" not in self.pools or self.step_idx >= cfg.critic.warmup_steps:
             with t("actor_update"):
                 history = (self.actor.update(batch, alg, seed=seed, norm_tokens=cfg.loss_norm_tokens)
                            if self.actor else None)
-                history = share_object(history, self.pools["actor"].ranks)
+                history = share_object(history, self.pools["actor"].ranks, group=group)
                 metrics.update(_mean_over_updates("actor", history))
                 # first-step exactness: with one mini-batch and one epoch, both are exactly 0 (slime's CI check)
                 metrics["actor/ppo_kl_first_minibatch"] = history[0]["ppo_kl"]
@@ -345,10 +396,6 @@ class Trainer:
 
         mask = batch["response_mask"]
         scores = batch["scores"]
-        gen_tokens = out.stats.generated_tokens
-        step_s = time.perf_counter() - step_start
-        phases = t.reset()
-        moves, self.offload_s = self.offload_s, {"to_host": 0.0, "to_device": 0.0}
         metrics.update({
             "reward/mean": scores.mean().item(),
             "reward/std": masked_var(scores[None], torch.ones(1, len(scores))).sqrt().item(),  # 0 when tied
@@ -356,19 +403,34 @@ class Trainer:
             "response/length_mean": mask.sum(-1).mean().item(), "response/length_max": mask.sum(-1).max().item(),
             "response/clip_ratio": float(np.mean([r == "length" for r in batch.meta["finish_reason"]])),
             "prompt/length_mean": batch["prompt_lens"].float().mean().item(),
-            **kl_metrics, **loss_metrics, **sampling_metrics,
+            **kl_metrics, **loss_metrics,
             "actor/rollout_vs_old_logprob_diff": masked_mean((batch["rollout_logprobs"] - batch["old_logprobs"])
                                                              .abs(), mask).item(),
+            "rollout/policy_version": version, "rollout/staleness": staleness(self.step_idx + 1, version),
+            "data/epoch": self.loader.epoch,
+        })
+        return metrics, batch
+
+    def _timing_metrics(self, batch: RolloutBatch, out, stats, busy: dict[str, float], step_s: float
+                        ) -> dict[str, Any]:
+        """The step's seconds per phase, throughput, reshard and offload figures, and each pool's busy and
+        idle seconds: ``busy["train"]`` (score, log-probs, advantages, updates) and ``busy["rollout"]``
+        (generation); idle = the step's seconds less the pool's busy ones and the reshard's (colocated: each
+        pool idles while the other works)."""
+        phases = self.timer.reset()
+        phases.setdefault("generate", out.stats.seconds)  # on a pool of its own: the rollout ranks' seconds
+        moves, self.offload_s = self.offload_s, {"to_host": 0.0, "to_device": 0.0}
+        reshard_s = phases.get("reshard", 0.0)
+        return {
             "offload/to_host_s": moves["to_host"], "offload/to_device_s": moves["to_device"],
-            "offload/host_bytes": offloaded_bytes, "offload/device_used_bytes": in_use,
             "reshard/bytes_sent": getattr(stats, "bytes_sent", 0), "reshard/peak_extra_bytes":
                 getattr(stats, "peak_extra_bytes", 0), "reshard/bytes_staged": getattr(stats, "bytes_staged", 0),
             **{f"time/{k}": v for k, v in phases.items()}, "time/step": step_s,
-            "throughput/generate_tokens_per_s": gen_tokens / max(phases.get("generate", 1e-9), 1e-9),
-            "data/epoch": self.loader.epoch,
+            **{f"pool/{p}/busy_s": b for p, b in busy.items()},
+            **{f"pool/{p}/idle_s": max(0.0, step_s - b - reshard_s) for p, b in busy.items()},
+            "throughput/generate_tokens_per_s": out.stats.generated_tokens / max(phases["generate"], 1e-9),
             **self._perf_metrics(batch, phases, step_s),
-        })
-        return metrics
+        }
 
     def _offload(self, kinds: tuple[str, ...]) -> None:
         """Move ``kinds`` of the offloaded roles to host memory (:mod:`megarl.trainer.offload`), timed into
@@ -388,13 +450,20 @@ class Trainer:
                                  peak_flops=self.peak_flops)
 
     def _reshard_actor_to_engine(self):
-        """Wake the rollout engine and write the actor's current weights into it; returns the reshard stats."""
-        self.engine.wake_up()
+        """Wake the rollout engine and write the actor's current weights into it (every rank: a rank without
+        an engine sends its shards or just takes part); returns this rank's reshard stats."""
         rc = self.cfg.reshard
-        return self.engine.update_weights(lambda dst: execute_plan(
-            self.reshard_plan, self.actor.source_tensors() if self.actor else {}, dst,
-            bucket_bytes=int(rc.bucket_mb * 2**20),
-            direct_min_bytes=None if rc.direct_min_kb is None else math.ceil(rc.direct_min_kb * 2**10)))
+
+        def write(dst: dict[str, torch.Tensor]):
+            return execute_plan(self.reshard_plan, self.actor.source_tensors() if self.actor else {}, dst,
+                                bucket_bytes=int(rc.bucket_mb * 2**20),
+                                direct_min_bytes=None if rc.direct_min_kb is None else
+                                math.ceil(rc.direct_min_kb * 2**10))
+
+        if self.engine is None:
+            return write({})
+        self.engine.wake_up()
+        return self.engine.update_weights(write)
 
     def validate(self) -> dict[str, Any]:
         """Validation metrics (``val/...``) of the current actor; its responses go to ``val_samples.jsonl``.
@@ -445,17 +514,21 @@ class Trainer:
     def _gather_scores(self, batch: RolloutBatch, local: Any, known: torch.Tensor | None = None) -> None:
         """Every reward rank's share of the scores (:meth:`_score`) as ``batch["scores"]`` ``[B]`` float32 and
         ``batch.meta["correct"]`` (score >= 1), on every rank (``known``: all of them, already on every rank)."""
-        scores = known if known is not None else torch.cat(gather_shares(local, self.reward_ranks))
+        scores = known if known is not None else torch.cat(gather_shares(local, self.reward_ranks,
+                                                                         group=self.train_group))
         batch["scores"] = scores
         batch.meta["correct"] = (scores >= 1.0).tolist()
 
-    def _generate(self, prompts: PromptBatch, round_idx: int) -> RolloutOutput:
+    def _generate(self, prompts: PromptBatch, round_idx: int, step: int | None = None) -> RolloutOutput:
         """Generate ``rollout.n`` responses to each prompt, over the rollout data-parallel group. Round
         ``round_idx`` of a step (dynamic sampling's extra rounds) has its own sampling seed; the engine's call
-        counter advances once per step, whatever the rounds, so a resumed run samples as the straight one."""
+        counter advances once per step, whatever the rounds, so a resumed run samples as the straight one.
+        ``step``: the (1-based) step whose batch this is, when not the one after ``step_idx`` (a rollout pool
+        of its own generates ahead)."""
         calls = self.engine.calls
+        index = self.step_idx if step is None else step - 1
         out = generate_data_parallel(self.engine, prompts.input_ids,
-                                     SamplingConfig(seed=self.cfg.run.seed * 1_000_003 + self.step_idx
+                                     SamplingConfig(seed=self.cfg.run.seed * 1_000_003 + index
                                                     + round_idx * 7_919_993, **self.sampling),
                                      group=self.rollout_group)
         self.engine.calls = calls + 1
@@ -471,6 +544,9 @@ class Trainer:
         (:meth:`_group_unit`); with not one mini-batch's worth, the step trains on one mini-batch of them filled
         with tied groups (advantage 0: they add only to the KL and entropy terms and the normalisers).
 
+        The rounds' scoring counts in the generate phase, and the output's stats are every round's (the
+        generation throughput counts every token generated).
+
         Returns:
             ``(prompts, out, scores [B] float32, metrics)`` of the kept groups: ``dynamic_sampling/rounds``
             (generation rounds), ``.../groups_generated``, ``.../groups_with_signal`` (all rounds),
@@ -481,19 +557,22 @@ class Trainer:
         want, n = cfg.data.prompts_per_step, out.n
         kept: list[tuple[PromptBatch, int, list, torch.Tensor]] = []  # (prompts, prompt k, samples, scores)
         tied: list[tuple[PromptBatch, int, list, torch.Tensor]] = []
-        generated = signal = rounds = 0
+        generated = signal = rounds = prompt_tokens = new_tokens = 0
         seconds = 0.0
         while True:
             rounds += 1
             generated += out.num_prompts
             seconds += out.stats.seconds
+            prompt_tokens += out.stats.prompt_tokens
+            new_tokens += out.stats.generated_tokens
             texts = self.tokenizer.batch_decode([list(s.token_ids) for s in out.samples], skip_special_tokens=True)
             scores = self._rewards([prompts.raw_prompt[s.prompt_index] for s in out.samples], texts,
                                    [prompts.ground_truth[s.prompt_index] for s in out.samples]).float()
             for k in range(out.num_prompts):
                 group = scores[k * n:(k + 1) * n]
-                signal += bool((group != group[0]).any())
-                (kept if bool((group != group[0]).any()) else tied).append((prompts, k, out.group(k), group))
+                spread = bool((group != group[0]).any())
+                signal += spread
+                (kept if spread else tied).append((prompts, k, out.group(k), group))
             if len(kept) >= want or rounds > cfg.algorithm.dynamic_sampling.max_extra_rounds:
                 break
             prompts = more_prompts()
@@ -507,16 +586,15 @@ class Trainer:
                              ground_truth=[p.ground_truth[k] for p, k, _, _ in kept],
                              raw_prompt=[p.raw_prompt[k] for p, k, _, _ in kept])
         samples = [dataclasses.replace(s, prompt_index=i) for i, (_, _, group, _) in enumerate(kept) for s in group]
-        merged_out = RolloutOutput(samples, n, RolloutStats(
-            prompt_tokens=n * sum(len(p) for p in merged.input_ids),
-            generated_tokens=sum(len(s.token_ids) for s in samples), seconds=seconds))
-        scores = torch.cat([g for _, _, _, g in kept]) if kept else torch.zeros(0)
+        merged_out = RolloutOutput(samples, n, RolloutStats(prompt_tokens=prompt_tokens, generated_tokens=new_tokens,
+                                                            seconds=seconds))  # every round's
+        scores = torch.cat([g for _, _, _, g in kept])
         metrics = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups_generated": generated,
                    "dynamic_sampling/groups_with_signal": signal, "dynamic_sampling/groups_kept": with_signal,
                    "dynamic_sampling/groups_tied_kept": len(kept) - with_signal,
                    "dynamic_sampling/groups_short": want - with_signal}
         if self.rank == 0 and with_signal < want:
-            log.warning("dynamic sampling: %d of %d groups with signal after %d rounds "
+            log.info("dynamic sampling: %d of %d groups with signal after %d rounds "
                         "(algorithm.dynamic_sampling.max_extra_rounds=%d); step %d trains on %d of them%s",
                         signal, want, rounds, cfg.algorithm.dynamic_sampling.max_extra_rounds, self.step_idx + 1,
                         with_signal, f" and {len(kept) - with_signal} tied groups" if len(kept) > with_signal else "")
@@ -525,7 +603,8 @@ class Trainer:
     def _group_unit(self) -> int:
         """The fewest groups that make whole mini-batches of every trained role, divisible by every Megatron
         role's DP (the batch sizes :func:`~megarl.parallel.placement.validate_for_world` checks for a full step)."""
-        sizes = [self.cfg.actor.ppo_mini_batch_size] + [lay.dp for lay in self.layouts.values()]
+        sizes = [self.cfg.actor.ppo_mini_batch_size] + [lay.dp for role, lay in self.layouts.items()
+                                                        if role in MEGATRON_ROLES]
         if "critic" in self.pools:
             sizes.append(self.cfg.critic.ppo_mini_batch_size)
         rows = math.lcm(self.cfg.rollout.n, *sizes)
@@ -576,6 +655,7 @@ class Trainer:
                                     "response": batch.meta["response"][i], "score": float(batch["scores"][i]),
                                     "ground_truth": prompts.ground_truth[g],
                                     "length": int(batch["response_lens"][i]),
+                                    "policy_version": batch.meta["policy_version"][i],
                                     "finish_reason": batch.meta["finish_reason"][i]}) + "\n")
 
     def _advantages(self, batch: RolloutBatch) -> dict[str, float]:
@@ -618,6 +698,7 @@ class Trainer:
                              critic_scheduler=share_object(self.critic and self.critic.scheduler.state_dict(),
                                                            self.pools["critic"].ranks) if "critic" in self.pools
                              else None,
+                             policy_version=self.step_idx,
                              config=to_dict(self.cfg), world_size=self.world, source_config=self.source_config,
                              generation_config=self.generation_config)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -655,12 +736,75 @@ class Trainer:
             np.random.set_state(rng["numpy"])
             torch.set_rng_state(rng["torch"])
         self.step_idx = int(meta["step"])
-        self.engine.calls = self.step_idx  # one generate call per step: the sampling seeds continue
+        self.policy_version = int(meta.get("policy_version", self.step_idx))  # the weights loaded
+        if self.engine is not None:
+            self.engine.calls = self.step_idx  # one generate call per step: the sampling seeds continue
         self._offload(("grads", "optimizer"))
         self.last_checkpoint = path
         log.info("resumed from %s at step %d", path, self.step_idx)
 
     # ------------------------------------------------------------------ the loop
+    def _save_due(self, step: int) -> bool:
+        every = self.cfg.trainer.save_every
+        return bool(every and step % every == 0) or step == self.cfg.trainer.steps
+
+    def fit_split(self, batches, steps: int | None = None):
+        """The steps with the rollout on a pool of its own, up to ``steps`` (default ``trainer.steps``): both
+        groups of ranks walk one :func:`~megarl.trainer.pipeline.schedule` (``trainer.mode``: sync is k = 0,
+        async k = ``trainer.max_staleness``), each doing its part of every event, and checkpoint where it says.
+
+        Args:
+            batches: the prompt loader's iterator; the rollout ranks draw a batch when they generate it, the
+                training ranks when they train on it (so the data position saved is the steps trained).
+
+        Yields:
+            ``(step, metrics)`` after each step's events (the metrics on the training ranks; ``{}`` on the
+            rollout ranks), with ``step_idx`` advanced.
+        """
+        cfg, t = self.cfg, self.timer
+        k = cfg.trainer.max_staleness if cfg.trainer.mode == "async" else 0
+        generating = self.engine is not None
+        ready: dict[int, tuple[Any, int]] = {}  # step -> (its samples, the version that generated them)
+        end = cfg.trainer.steps if steps is None else steps
+        for step, events in schedule(self.step_idx, end, k, lambda s: steps is None and self._save_due(s)):
+            step_start = time.perf_counter()
+            busy, stats, metrics, trained = {"train": 0.0, "rollout": 0.0}, None, {}, None
+            for e in events:
+                if e.kind == "reshard":
+                    with t("reshard"):
+                        stats = self._reshard_actor_to_engine()
+                    self.policy_version = e.step
+                elif e.kind == "generate" and generating:
+                    ready[e.step] = (self._generate(next(batches), 0, e.step), self.policy_version)
+                elif e.kind == "batch":  # the rollout pool's first rank hands the samples to every rank
+                    with t("wait_rollout"):
+                        got = share_object(ready.pop(e.step, None), self.rollout_ranks[:1])
+                    busy["rollout"] += got[0].stats.seconds
+                    if not generating:
+                        ready[e.step] = got
+                elif e.kind == "train":
+                    if not generating:
+                        out, version = ready.pop(e.step)
+                        start = time.perf_counter()
+                        metrics, batch = self._train_on(next(batches), out, version)
+                        busy["train"] = time.perf_counter() - start
+                        trained = (batch, out)
+                    self.step_idx = e.step
+                elif e.kind == "save":  # after the step's timings (a colocated step's exclude it too)
+                    metrics = self._split_step_metrics(metrics, trained, stats, busy, step_start)
+                    self.save()
+            yield step, self._split_step_metrics(metrics, trained, stats, busy, step_start)
+
+    def _split_step_metrics(self, metrics: dict[str, Any], trained, stats, busy: dict[str, float],
+                            step_start: float) -> dict[str, Any]:
+        """:meth:`fit_split`'s metrics of a step with its timings (once; the training ranks only)."""
+        if "time/step" in metrics:
+            return metrics
+        if trained is None:  # a rollout rank: nothing to report, its phase timers start again
+            self.timer.reset(), self.timer.reset_peaks()
+            return metrics
+        return {**metrics, **self._timing_metrics(*trained, stats, busy, time.perf_counter() - step_start)}
+
     def _validation_due(self) -> bool:
         return self.validation is not None and self.validation.due(self.step_idx, self.cfg.trainer.steps)
 
@@ -681,17 +825,20 @@ class Trainer:
         more_prompts = functools.partial(next, batches)
         first_step = self.step_idx
         try:
-            if self.step_idx == 0 and self._validation_due():
-                logger.log(0, self.validate())
-            while self.step_idx < cfg.trainer.steps:
-                metrics = self.step(next(batches), more_prompts)
-                self.step_idx += 1
-                if self._validation_due():
-                    metrics.update(self.validate())
-                logger.log(self.step_idx, metrics)
-                every = cfg.trainer.save_every
-                if (every and self.step_idx % every == 0) or self.step_idx == cfg.trainer.steps:
-                    self.save()
+            if self.split_rollout:  # validation is refused there (check_rollout_pool)
+                for step, metrics in self.fit_split(batches):
+                    logger.log(step, metrics)
+            else:
+                if self.step_idx == 0 and self._validation_due():
+                    logger.log(0, self.validate())
+                while self.step_idx < cfg.trainer.steps:
+                    metrics = self.step(next(batches), more_prompts)
+                    self.step_idx += 1
+                    if self._validation_due():
+                        metrics.update(self.validate())
+                    logger.log(self.step_idx, metrics)
+                    if self._save_due(self.step_idx):
+                        self.save()
         finally:
             logger.close()
         hf_path = None
