@@ -22,7 +22,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (REPO / "perf").glob("gpu_*.sh") if "megarl.cli" in p.read_text())
-BENCH_STEP_CASES = ["mfu-1.5b", "mem-0.5b", "grpo-1.5b", "grpo-1.5b-fast", "smollm2"]
+# the scripts that take a case as their first argument, with the cases that run megarl
+CASES = {"gpu_bench_step.sh": ["mfu-1.5b", "mem-0.5b", "grpo-1.5b", "grpo-1.5b-fast", "smollm2"],
+         "gpu_async.sh": ["colocated", "split-sync", "split-async"]}
 
 _STUBS = r'''
 python3() {
@@ -79,8 +81,8 @@ def _run_script(checkout, name: str, *args: str) -> tuple[subprocess.CompletedPr
     return r, (log.read_text().splitlines() if log.exists() else [])
 
 
-@pytest.mark.parametrize("script,args", [(s, ()) for s in SCRIPTS if s != "gpu_bench_step.sh"]
-                         + [("gpu_bench_step.sh", (case,)) for case in BENCH_STEP_CASES])
+@pytest.mark.parametrize("script,args", [(s, ()) for s in SCRIPTS if s not in CASES]
+                         + [(s, (case,)) for s, cases in CASES.items() for case in cases])
 def test_every_megarl_command_of_a_gpu_script_passes_its_checks(checkout, script, args):
     r, commands = _run_script(checkout, script, *args)
     text = r.stdout + r.stderr
