@@ -497,6 +497,8 @@ class TrainerConfig:
     Attributes:
         steps: RL steps (each: reshard, generate, score, log-probs, advantages, updates).
         save_every: checkpoint every N steps (0 = only at the end).
+        save_every_min: also checkpoint after a step that ends this many minutes after the last checkpoint
+            (0 = off); the save's seconds are the step's ``time/checkpoint_save`` metric.
         keep_checkpoints: newest checkpoints kept on disk.
         resume: continue from the newest checkpoint in the run folder when one exists.
         export_hf: also write a Hugging Face copy of the final actor.
@@ -513,6 +515,7 @@ class TrainerConfig:
 
     steps: int = 4
     save_every: int = 2
+    save_every_min: float = 0.0
     keep_checkpoints: int = 2
     resume: bool = False
     export_hf: bool = False
@@ -528,6 +531,7 @@ class TrainerConfig:
         _require(self.steps >= 1, "trainer.steps", "must be >= 1")
         _require(self.timeout_s > 0, "trainer.timeout_s", "must be > 0 (seconds)")
         _require(self.save_every >= 0, "trainer.save_every", "must be >= 0")
+        _require(self.save_every_min >= 0, "trainer.save_every_min", "must be >= 0 (minutes; 0 = off)")
         _require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints",
                  f"{self.keep_checkpoints} must be >= 1 (how many of the newest checkpoints stay on disk)")
         unknown = [name for name in self.loggers if name not in LOGGERS]
