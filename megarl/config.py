@@ -615,11 +615,22 @@ class LaunchConfig:
 
     Attributes:
         env: environment variables of every rank (defaults :data:`LAUNCH_ENV`); a null value is not exported.
+        max_restarts: restarts of a run that fails (a killed rank, a lost peer or node, a stalled rank), each
+            from its newest complete checkpoint: ``megarl submit`` requeues the job, ``megarl train`` runs the
+            local world again (:mod:`megarl.launch.supervise`); config and data errors are never retried.
+        save_before_end_s: ``megarl submit``: SLURM sends the ranks SIGUSR1 this many seconds before the job's
+            time limit (``--signal=USR1@S``); they save a checkpoint after the step and the job is requeued to
+            continue (0 = off).
     """
 
     env: dict[str, Optional[str]] = field(default_factory=lambda: dict(LAUNCH_ENV))
+    max_restarts: int = 0
+    save_before_end_s: int = 0
 
     def __post_init__(self):
+        _require(self.max_restarts >= 0, "launch.max_restarts", f"must be >= 0, got {self.max_restarts}")
+        _require(self.save_before_end_s >= 0, "launch.save_before_end_s",
+                 f"must be >= 0 (seconds before the time limit; 0 = off), got {self.save_before_end_s}")
         for name in self.env:
             _require(name.isidentifier(), f"launch.env.{name}", "is not a valid environment variable name")
 

@@ -46,9 +46,10 @@ from megarl.models.megatron import padded_vocab_size
 from megarl.models.spec import ModelSpec
 from megarl.parallel.lifecycle import peer_failures_named, phase, record_peers
 from megarl.parallel.mesh import init_distributed, initialize_model_parallel, launch_info, ranks_per_node
-from megarl.parallel.restart import RequeueRequested, read_restarts, requeue_requested
 from megarl.parallel.placement import (build_pool_groups, global_layout, join_optimizer_setup, share_object,
                                       share_tensor)
+from megarl.parallel.restart import RequeueRequested, read_restarts, requeue_requested
+from megarl.parallel.watchdog import start_progress_watch
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 from megarl.rewards.registry import load_reward_fn
@@ -194,8 +195,9 @@ def _field(config: dict[str, Any], dotted: str) -> Any:
 
 
 def config_changes(then: dict[str, Any], now: dict[str, Any], prefix: str = "") -> dict[str, list]:
-    """``{dotted field: [old, new]}`` of every field that differs between two configs as plain data
-    (:func:`~megarl.config.to_dict`), ``trainer.resume`` aside: what a resumed run changed."""
+    """``{dotted field: [old, new]}`` of every field that differs between two configs as JSON data (a
+    checkpoint's ``config``, :func:`~megarl.config.to_dict` through JSON), ``trainer.resume`` aside: what a
+    resumed run changed."""
     out: dict[str, list] = {}
     for k in sorted(set(then) | set(now)):
         a, b, name = then.get(k), now.get(k), f"{prefix}{k}"
@@ -257,6 +259,7 @@ class Trainer:
         validate_for_world(cfg, launch_info().world_size)  # before the rendezvous: a wrong world stops here
         info = init_distributed(timeout_s=cfg.trainer.timeout_s)
         record_peers()
+        start_progress_watch(cfg.trainer.timeout_s)  # a rank stalled outside any collective ends the job too
         self.rank, self.world = info.rank, info.world_size
         self.layouts = role_layouts(cfg, self.world)
         if self.rank == 0:
@@ -593,7 +596,7 @@ class Trainer:
         self.engine.calls = self.step_idx  # one generate call per step: the sampling seeds continue
         self._offload(("grads", "optimizer"))
         self.last_checkpoint = path
-        changed = config_changes(meta.get("config") or {}, to_dict(self.cfg))
+        changed = config_changes(meta.get("config") or {}, json.loads(json.dumps(to_dict(self.cfg), default=str)))
         self.resumed = {"checkpoint": str(path), "step": self.step_idx, "changed": changed}
         log.info("resumed from %s at step %d%s", path, self.step_idx,
                  "; changed since: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
@@ -663,7 +666,8 @@ class Trainer:
         history = read_metrics(self.run_dir / "metrics.jsonl") if self.rank == 0 else []
         text = summary_text(history, run_dir=self.run_dir, checkpoint=self.last_checkpoint, hf_export=hf_path,
                             wall_s=time.perf_counter() - start, steps_this_session=self.step_idx - first_step,
-                            validation=self.validation.describe() if self.validation else None)
+                            validation=self.validation.describe() if self.validation else None,
+                            notes=self._resume_notes())
         summary = {"run_dir": str(self.run_dir), "checkpoint": str(self.last_checkpoint), "steps": self.step_idx,
                    "hf_export": str(hf_path) if hf_path else None, "last": history[-1] if history else None,
                    "resumed": self.resumed, "restarts": read_restarts(self.run_dir)}
@@ -673,6 +677,16 @@ class Trainer:
             if cfg.trainer.report:
                 self._write_report()
         return summary
+
+    def _resume_notes(self) -> list[str]:
+        """Summary lines: the restarts of the run (``restarts.jsonl``) and what this session's resume changed."""
+        notes = [f"{'restart ' + str(r.get('restart')):<19}{r.get('time')}: {r.get('reason')} (from "
+                 f"{Path(r['checkpoint']).name if r.get('checkpoint') else 'step 0'})"
+                 for r in read_restarts(self.run_dir)]
+        if self.resumed:
+            changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in self.resumed["changed"].items()) or "nothing"
+            notes.append(f"{'resumed':<19}at step {self.resumed['step']}; config changed: {changed}")
+        return notes
 
     def _write_report(self) -> None:
         """``report.md`` and its plots in the run folder (:mod:`.report`; skipped without matplotlib)."""
