@@ -58,7 +58,7 @@ def _outcome(task, name, job):
 @pytest.mark.slow
 def test_a_job_with_a_killed_rank_is_requeued_and_ends_with_the_uninterrupted_metrics(slurm_cluster, task):
     """Rank 1 SIGKILLs itself in step 2's actor update (first attempt only): srun ends the step, the
-    supervisor requeues the job, the requeued job resumes from step 1's checkpoint and ends all 3 steps with
+    supervisor runs it again in the allocation from step 1's checkpoint, and the job ends all 3 steps with
     the metrics of an uninterrupted run of the same layout; the restart's reason is in the run folder and the
     summary."""
     root, model, data = task
@@ -66,7 +66,7 @@ def test_a_job_with_a_killed_rank_is_requeued_and_ends_with_the_uninterrupted_me
     job = _submit(task, "killed", "--max-restarts", "2", env={"MEGARL_FAULT": "phase.actor_update@2:kill:1:0"})
     state, log, metrics, restarts = _outcome(task, "killed", job)
     assert state == "COMPLETED", log[-4000:]
-    assert "fault injected: kill at phase.actor_update" in log and "megarl: requeueing job" in log, log[-4000:]
+    assert "fault injected: kill at phase.actor_update" in log and f"megarl: restart 1/2 in job {job}" in log, log[-4000:]
     assert sorted(metrics) == [1, 2, 3]
     for key in COMPARED:
         assert metrics[3][key] == pytest.approx(straight[2][key], rel=1e-5, abs=1e-7), key
@@ -90,10 +90,16 @@ def test_a_job_given_sigusr1_saves_requeues_and_finishes(slurm_cluster, task):
         assert time.monotonic() < deadline, "step 1 never finished"
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    deadline = time.monotonic() + 300
+    while "JobState=PENDING" not in subprocess.run(["scontrol", "show", "job", job], capture_output=True,
+                                                   text=True).stdout:  # requeued: SLURM holds it 2 minutes
+        assert time.monotonic() < deadline, "the job was not requeued"
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True)  # skip the wait
     state, log, metrics, restarts = _outcome(task, "signalled", job)
     assert state == "COMPLETED", log[-4000:]
     assert "--signal=USR1@60" in (task[0] / "runs" / "signalled" / "job.sbatch").read_text()
-    assert "saved" in log and "on SIGUSR1" in log, log[-4000:]
+    assert "on SIGUSR1" in log and f"megarl: requeueing job {job}" in log, log[-4000:]
     assert sorted(metrics) == [1, 2, 3]
     assert [(r["counted"], r["status"], r["checkpoint"].endswith("step_000002")) for r in restarts] == \
         [(False, 75, True)], restarts
@@ -103,7 +109,7 @@ def test_a_job_given_sigusr1_saves_requeues_and_finishes(slurm_cluster, task):
 @pytest.mark.slow
 def test_a_config_error_is_not_retried_and_the_restart_count_stops_at_n(slurm_cluster, task):
     """A data error found in the job (the train file lost its prompts while the job was held) ends it at
-    once, not requeued; a rank killed in every attempt is requeued ``launch.max_restarts`` = 1 time, then the
+    once, not retried; a rank killed in every attempt is restarted ``launch.max_restarts`` = 1 time, then the
     job fails."""
     root, model, data = task
     bad = write_prompts(root / "swapped.jsonl", 32)
@@ -113,8 +119,25 @@ def test_a_config_error_is_not_retried_and_the_restart_count_stops_at_n(slurm_cl
     always = _submit(task, "always_killed", "--max-restarts", "1", env={"MEGARL_FAULT": "phase.actor_update@1:kill:1"})
     state, log, metrics, restarts = _outcome(task, "bad_data", held)
     assert state == "FAILED" and "megarl: error:" in log and "no field 'question'" in log, log[-4000:]
-    assert restarts == [] and "requeueing" not in log, log[-4000:]
+    assert restarts == [] and "megarl: restart" not in log, log[-4000:]
     state, log, metrics, restarts = _outcome(task, "always_killed", always)
     assert state == "FAILED", log[-4000:]
     assert [(r["restart"], r["counted"]) for r in restarts] == [(1, True)], restarts
-    assert log.count("fault injected: kill") == 2 and "not requeued: launch.max_restarts=1" in log, log[-4000:]
+    assert log.count("fault injected: kill") == 2 and "not restarted: launch.max_restarts=1" in log, log[-4000:]
+
+
+def test_the_batch_script_of_a_job_that_survives(capsys, monkeypatch):
+    """``--max-restarts`` and ``launch.save_before_end_s`` make the job requeueable, its log appended to,
+    SIGUSR1 asked for before the time limit, and ``srun`` run under the supervisor; without them the script
+    is the plain one (the golden files of tests/test_submit.py)."""
+    from megarl.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["submit", "launch.save_before_end_s=120", "--max-restarts", "2", "--ntasks-per-node", "1",
+                 "--time", "01:00:00", "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    for line in ("#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --signal=USR1@120"):
+        assert line in script.splitlines(), script
+    body = script.strip().splitlines()[-1]
+    assert re.match(r"\S+ -m megarl\.launch\.supervise --run-dir=\S+ --max-restarts=2 --slurm -- srun ", body), body
+    assert body.endswith("train launch.save_before_end_s=120 launch.max_restarts=2"), body

@@ -10,14 +10,15 @@ and acts on its exit status (:mod:`megarl.parallel.restart`):
 - saved on SIGUSR1 (75, the time limit is near): under SLURM the job is requeued (``scontrol requeue``) and
   the new allocation continues the run; it counts as a restart only when no newer checkpoint was written;
 - anything else is a failure: the run continues from its newest complete checkpoint (``--resume``; from step
-  0 when none was written yet), up to ``launch.max_restarts`` times, by running the command again (one node)
-  or by requeueing the job (SLURM: a new allocation, perhaps without the node at fault); then the supervisor
-  gives up with the failed status.
+  0 when none was written yet) by running the command again (under SLURM in the same allocation: no wait in
+  the queue, which delays a requeued job by 2 minutes), up to ``launch.max_restarts`` times; then the
+  supervisor gives up with the failed status.
 
 Each restart is a line of ``<run folder>/restarts.jsonl``: time, job, reason, exit status, checkpoint, and
 whether it counted against the limit. Under SLURM the count survives the requeues (the records of this job
-id), and a requeue the supervisor did not ask for (a node failure, a preemption: ``SLURM_RESTART_COUNT`` is
-higher than the requeues recorded) is recorded and counted when the requeued job starts.
+id), and a requeue the supervisor did not ask for (a node failure or a preemption of a ``--requeue`` job:
+``SLURM_RESTART_COUNT`` is higher than the requeues recorded) is recorded and counted when the requeued job
+starts.
 
     python -m megarl.launch.supervise --run-dir DIR --max-restarts N [--slurm] -- COMMAND ...
 """
@@ -52,20 +53,24 @@ def _reason(kind: str, status: int, checkpoint: Path | None) -> str:
 
 
 def _run(command: list[str], restart: int, *, bind: bool) -> int:
-    """Run one attempt, this process's stdout and stderr its own; a Ctrl-C reaches it too (same process
-    group): wait for it to end. ``bind``: the attempt is a megarl launcher that ends with this process,
-    SIGKILL included (not ``srun``, whose ranks SLURM binds to the job)."""
+    """Run one attempt, this process's stdout and stderr its own, and wait for it to end.
+
+    ``bind``: the attempt is a megarl launcher, bound to this process (:mod:`megarl.parallel.lifecycle`: it
+    ends with it, SIGKILL included) and in a session of its own, so that every process it leaves behind (a
+    library's helper) ends with it; a Ctrl-C here is passed on to it. Otherwise (``srun``, whose ranks SLURM
+    binds to the job) it shares this process group and gets a Ctrl-C directly."""
     env = {**os.environ, RESTART_ENV: str(restart)}
     if bind:
         from megarl.parallel.lifecycle import PARENT_ENV
 
         env[PARENT_ENV] = str(os.getpid())  # megarl.parallel.lifecycle.mark_children, for this child only
-    proc = subprocess.Popen(command, env=env)
+    proc = subprocess.Popen(command, env=env, start_new_session=bind)
     while True:
         try:
             return proc.wait()
         except KeyboardInterrupt:
-            continue  # the attempt got the same SIGINT and ends with 130
+            if bind:
+                proc.send_signal(signal.SIGINT)  # it ends with 130, saying how to go on
 
 
 def _with_resume(command: list[str], resume_flag: str) -> list[str]:
@@ -100,42 +105,52 @@ def supervise_local(command: list[str], run_dir: Path, max_restarts: int) -> int
 
 
 def supervise_slurm(command: list[str], run_dir: Path, max_restarts: int) -> int:
-    """One attempt of a SLURM batch job (its batch script's body): run ``command`` (``srun ... megarl
-    train ...``) and requeue the job after a failure or a save on SIGUSR1 (see the module docstring)."""
+    """A SLURM batch job's body: run ``command`` (``srun ... megarl train ...``); after a failure run it again
+    in this allocation, from the newest checkpoint (no wait in the queue), up to ``max_restarts`` times over
+    the job's life; after a save on SIGUSR1 requeue the job (a new allocation, a new time limit)."""
     job = os.environ["SLURM_JOB_ID"]
     signal.signal(signal.SIGUSR1, lambda signum, frame: None)  # meant for the ranks (--signal=USR1@S), not us
     mine = [r for r in read_restarts(run_dir) if r.get("job") == job]
     counted = sum(bool(r.get("counted")) for r in mine)
-    if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > len(mine):  # requeued by SLURM itself
+    requeues = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    if requeues > sum(bool(r.get("requeued")) for r in mine):  # requeued by SLURM itself
         counted += 1
-        mine.append(record_restart(run_dir, restart=counted, job=job, status=None, counted=True,
+        mine.append(record_restart(run_dir, restart=counted, job=job, status=None, counted=True, requeued=True,
                                    reason="requeued by SLURM (a node failure, a preemption or scontrol requeue)",
                                    checkpoint=str(latest_checkpoint(run_dir) or "")))
-    if counted > max_restarts:
-        print(f"megarl: error: job {job} was requeued {counted} times; not run again: launch.max_restarts="
-              f"{max_restarts}", file=sys.stderr, flush=True)
-        return 1
-    before = latest_checkpoint(run_dir)
-    status = _run(_with_resume(command, "--resume") if mine and before else command, len(mine), bind=False)
-    kind = failure_kind(status)
-    if kind is None:
-        return status
-    newest = latest_checkpoint(run_dir)
-    counts = kind == "failure" or newest == before  # a save on SIGUSR1 that wrote nothing new counts
-    reason = _reason(kind, status, newest)
-    if counts and counted >= max_restarts:
-        print(f"megarl: error: {reason}; not requeued: launch.max_restarts={max_restarts} restart(s) used",
-              file=sys.stderr, flush=True)
-        return status if status > 0 else 1
-    rec = record_restart(run_dir, restart=counted + counts, job=job, status=status, reason=reason,
-                         checkpoint=str(newest) if newest else None, counted=counts)
-    print(f"megarl: requeueing job {job}: {rec['reason']}; the requeued job continues from "
-          f"{newest or 'step 0 (no checkpoint yet)'}", file=sys.stderr, flush=True)
-    r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-    if r.returncode != 0:
-        print(f"megarl: error: scontrol requeue {job} failed: {r.stderr.strip()}", file=sys.stderr, flush=True)
-        return status if status > 0 else 1
-    return 0
+        if counted > max_restarts:
+            print(f"megarl: error: job {job} was requeued by SLURM; not run again: launch.max_restarts="
+                  f"{max_restarts} restart(s) used", file=sys.stderr, flush=True)
+            return 1
+    while True:
+        before = latest_checkpoint(run_dir)
+        status = _run(_with_resume(command, "--resume") if mine and before else command, len(mine), bind=False)
+        kind = failure_kind(status)
+        if kind is None:
+            return status
+        newest = latest_checkpoint(run_dir)
+        counts = kind == "failure" or newest == before  # a save on SIGUSR1 that wrote nothing new counts
+        reason = _reason(kind, status, newest)
+        if counts and counted >= max_restarts:
+            print(f"megarl: error: {reason}; not restarted: launch.max_restarts={max_restarts} restart(s) used",
+                  file=sys.stderr, flush=True)
+            return status if status > 0 else 1
+        counted += counts
+        mine.append(record_restart(run_dir, restart=counted, job=job, status=status, reason=reason,
+                                   checkpoint=str(newest) if newest else None, counted=counts,
+                                   requeued=kind == "requeue"))
+        start = newest or "step 0 (no checkpoint yet)"
+        if kind == "failure":
+            print(f"megarl: restart {counted}/{max_restarts} in job {job}: {reason}; continuing from {start}",
+                  file=sys.stderr, flush=True)
+            continue
+        print(f"megarl: requeueing job {job}: {reason}; the requeued job continues from {start}", file=sys.stderr,
+              flush=True)
+        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"megarl: error: scontrol requeue {job} failed: {r.stderr.strip()}", file=sys.stderr, flush=True)
+            return 1
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
