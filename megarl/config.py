@@ -3,7 +3,8 @@
 ``megarl train [CONFIG.yaml] [key=value ...]`` merges, in order: the defaults below (the CPU default: GRPO on
 GSM8K with SmolLM2-135M-Instruct, transformers rollouts), the YAML file, and dotted overrides
 (``actor.optim.lr=1e-6``, OmegaConf syntax). Every field is type-checked by OmegaConf and validated by the
-dataclasses' ``__post_init__``; :func:`validate_for_world` then checks what depends on the job's world size.
+dataclasses' ``__post_init__``; :func:`megarl.parallel.placement.validate_for_world` then checks what depends on the job's world size (the
+roles' layouts on their pools).
 All of this happens before any model is built, and every error names the field and the fix.
 """
 
@@ -23,7 +24,8 @@ class ConfigError(ValueError):
     """A configuration value that cannot run; the message names the field and the fix."""
 
 
-def _require(cond: bool, field_name: str, msg: str) -> None:
+def require(cond: bool, field_name: str, msg: str) -> None:
+    """Raise :class:`ConfigError` ``"FIELD: MSG"`` unless ``cond`` holds."""
     if not cond:
         raise ConfigError(f"{field_name}: {msg}")
 
@@ -72,7 +74,7 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        _require(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        require(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
 
 
 @dataclass
@@ -91,8 +93,8 @@ class ParallelConfig:
 
     def __post_init__(self):
         for name in ("tp", "pp"):
-            _require(getattr(self, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(self, name)}")
-        _require(self.dp >= 0, "parallel.dp", f"must be >= 0 (0 derives it), got {self.dp}")
+            require(getattr(self, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(self, name)}")
+        require(self.dp >= 0, "parallel.dp", f"must be >= 0 (0 derives it), got {self.dp}")
 
 
 @dataclass
@@ -120,11 +122,11 @@ class OptimConfig:
     distributed: bool = True
 
     def __post_init__(self):
-        _require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
-        _require(self.decay in ("constant", "linear", "cosine"), "optim.decay",
+        require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        require(self.decay in ("constant", "linear", "cosine"), "optim.decay",
                  f"must be constant, linear or cosine, got {self.decay!r}")
-        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-        _require(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0 (0 disables clipping)")
+        require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        require(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0 (0 disables clipping)")
 
 
 ATTENTION_KERNELS = ("sdpa", "local")
@@ -150,9 +152,9 @@ class KernelsConfig:
     attention: str = "sdpa"
 
     def __post_init__(self):
-        _require(self.logprob_chunk_tokens >= 1, "kernels.logprob_chunk_tokens",
+        require(self.logprob_chunk_tokens >= 1, "kernels.logprob_chunk_tokens",
                  f"must be >= 1, got {self.logprob_chunk_tokens}")
-        _require(self.attention in ATTENTION_KERNELS, "kernels.attention",
+        require(self.attention in ATTENTION_KERNELS, "kernels.attention",
                  f"must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
 
 
@@ -190,11 +192,11 @@ class ActorConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
     def __post_init__(self):
-        _require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
-        _require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
+        require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
                  f"must be >= 0 (0 = fixed-size micro-batches), got {self.max_tokens_per_micro_batch}")
-        _require(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
-        _require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+        require(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
+        require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
 
 
 @dataclass
@@ -246,25 +248,25 @@ class RolloutConfig:
     max_model_len: Optional[int] = None
 
     def __post_init__(self):
-        _require(self.engine in ("hf", "vllm"), "rollout.engine", f"must be 'hf' or 'vllm', got {self.engine!r}")
-        _require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
-        _require(self.temperature > 0, "rollout.temperature",
+        require(self.engine in ("hf", "vllm"), "rollout.engine", f"must be 'hf' or 'vllm', got {self.engine!r}")
+        require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
+        require(self.temperature > 0, "rollout.temperature",
                  "must be > 0 for RL (log-probs of a greedy policy are not defined)")
-        _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         truncation = ("the rollout would sample from the distribution renormalised over the kept tokens (and vLLM "
                       "report its log-probs) while the actor's log-probs are over the whole vocab, which biases the "
                       "PPO importance ratio")
-        _require(self.top_p == 1, "rollout.top_p", f"{self.top_p} < 1: {truncation}; set rollout.top_p=1.0 "
+        require(self.top_p == 1, "rollout.top_p", f"{self.top_p} < 1: {truncation}; set rollout.top_p=1.0 "
                  "(use rollout.temperature to sharpen sampling)")
-        _require(self.top_k == -1, "rollout.top_k", f"{self.top_k} truncates sampling: {truncation}; set "
+        require(self.top_k == -1, "rollout.top_k", f"{self.top_k} truncates sampling: {truncation}; set "
                  "rollout.top_k=-1 (use rollout.temperature to sharpen sampling)")
-        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
-        _require(self.tp >= 1, "rollout.tp", "must be >= 1")
-        _require(self.engine == "vllm" or self.tp == 1, "rollout.tp",
+        require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        require(self.tp >= 1, "rollout.tp", "must be >= 1")
+        require(self.engine == "vllm" or self.tp == 1, "rollout.tp",
                  f"is {self.tp} but the hf engine runs TP=1 on every rank; use rollout.engine=vllm or rollout.tp=1")
-        _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+        require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
                  f"must be in (0, 1] (a fraction of the GPU's memory), got {self.gpu_memory_utilization}")
-        _require(self.max_model_len is None or self.max_model_len >= 2, "rollout.max_model_len",
+        require(self.max_model_len is None or self.max_model_len >= 2, "rollout.max_model_len",
                  f"must be null (the model's context) or >= 2 tokens, got {self.max_model_len}")
 
 
@@ -298,10 +300,10 @@ class DataConfig:
     shuffle: bool = True
 
     def __post_init__(self):
-        _require(len(self.train_files) > 0, "data.train_files", "list at least one jsonl or parquet file")
-        _require(self.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
-        _require(self.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
-        _require(self.prepare in (None, "gsm8k"), "data.prepare", f"must be null or 'gsm8k', got {self.prepare!r}")
+        require(len(self.train_files) > 0, "data.train_files", "list at least one jsonl or parquet file")
+        require(self.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
+        require(self.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
+        require(self.prepare in (None, "gsm8k"), "data.prepare", f"must be null or 'gsm8k', got {self.prepare!r}")
 
 
 @dataclass
@@ -342,12 +344,12 @@ class KLConfig:
     horizon: int = 10000
 
     def __post_init__(self):
-        _require(self.coef >= 0, "algorithm.kl.coef", "must be >= 0")
-        _require(self.estimator in KL_ESTIMATORS, "algorithm.kl.estimator",
+        require(self.coef >= 0, "algorithm.kl.coef", "must be >= 0")
+        require(self.estimator in KL_ESTIMATORS, "algorithm.kl.estimator",
                  f"must be one of {KL_ESTIMATORS.names()}, got {self.estimator!r}")
         if self.in_loss and self.coef > 0:
             fit = [n for n in KL_ESTIMATORS.names() if KL_ESTIMATORS.entry(n).loss_gradient]
-            _require(self.estimator in fit, "algorithm.kl.estimator",
+            require(self.estimator in fit, "algorithm.kl.estimator",
                      f"{self.estimator!r} in the loss (algorithm.kl.in_loss=true): its gradient does not estimate the "
                      "gradient of a KL (k1's is zero in expectation: it does not pull the policy towards the "
                      f"reference; see megarl.algos.kl); use one of {fit} in the loss, or set "
@@ -392,17 +394,17 @@ class AlgorithmConfig:
     kl: KLConfig = field(default_factory=KLConfig)
 
     def __post_init__(self):
-        _require(self.name in ADVANTAGES, "algorithm.name", f"unknown algorithm {self.name!r}; choose one of "
+        require(self.name in ADVANTAGES, "algorithm.name", f"unknown algorithm {self.name!r}; choose one of "
                  f"{ADVANTAGES.names()}")
-        _require(self.policy_loss in POLICY_LOSSES, "algorithm.policy_loss",
+        require(self.policy_loss in POLICY_LOSSES, "algorithm.policy_loss",
                  f"unknown policy loss {self.policy_loss!r}; choose one of {POLICY_LOSSES.names()}")
-        _require(self.loss_agg_mode in AGG_MODES, "algorithm.loss_agg_mode",
+        require(self.loss_agg_mode in AGG_MODES, "algorithm.loss_agg_mode",
                  f"must be one of {AGG_MODES}, got {self.loss_agg_mode!r}")
-        _require(self.norm_adv_eps >= 0, "algorithm.norm_adv_eps", f"must be >= 0, got {self.norm_adv_eps}")
-        _require(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma/lam", "must be in [0, 1]")
-        _require(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0, "algorithm.clip_ratio_low/high",
+        require(self.norm_adv_eps >= 0, "algorithm.norm_adv_eps", f"must be >= 0, got {self.norm_adv_eps}")
+        require(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma/lam", "must be in [0, 1]")
+        require(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0, "algorithm.clip_ratio_low/high",
                  "must be >= 0")
-        _require(self.clip_ratio_c is None or self.clip_ratio_c > 1, "algorithm.clip_ratio_c",
+        require(self.clip_ratio_c is None or self.clip_ratio_c > 1, "algorithm.clip_ratio_c",
                  "must be > 1 (or null to disable dual-clip)")
 
     @property
@@ -429,9 +431,9 @@ class ReshardConfig:
     direct_min_kb: Optional[float] = 256.0
 
     def __post_init__(self):
-        _require(self.bucket_mb >= MIN_BUCKET_MB, "reshard.bucket_mb",
+        require(self.bucket_mb >= MIN_BUCKET_MB, "reshard.bucket_mb",
                  f"must be >= {MIN_BUCKET_MB:g} MiB (64 KiB; the unit is MiB), got {self.bucket_mb:g}")
-        _require(self.direct_min_kb is None or self.direct_min_kb > 0, "reshard.direct_min_kb",
+        require(self.direct_min_kb is None or self.direct_min_kb > 0, "reshard.direct_min_kb",
                  f"must be > 0 KiB, or null to stage every piece; got {self.direct_min_kb}")
 
 
@@ -466,18 +468,18 @@ class PlacementConfig:
     reference_parallel: Optional[ParallelConfig] = None
 
     def __post_init__(self):
-        _require(self.pools.get("all", "all") == "all", "placement.pools.all",
+        require(self.pools.get("all", "all") == "all", "placement.pools.all",
                  f"is the whole world, got {self.pools.get('all')!r}; give your pool another name")
         self.pools.setdefault("all", "all")
         for name, ranks in self.pools.items():
             ok = ranks == "all" or (isinstance(ranks, (list, tuple)) and len(ranks) > 0
                                     and all(isinstance(r, int) and r >= 0 for r in ranks))
-            _require(ok, f"placement.pools.{name}", f"must be 'all' or a non-empty list of global ranks >= 0, "
+            require(ok, f"placement.pools.{name}", f"must be 'all' or a non-empty list of global ranks >= 0, "
                      f"got {ranks!r}")
-            _require(ranks == "all" or len(set(ranks)) == len(ranks), f"placement.pools.{name}",
+            require(ranks == "all" or len(set(ranks)) == len(ranks), f"placement.pools.{name}",
                      f"lists a rank twice: {list(ranks)}")
         for role in ROLES:
-            _require(getattr(self, role) in self.pools, f"placement.{role}",
+            require(getattr(self, role) in self.pools, f"placement.{role}",
                      f"unknown pool {getattr(self, role)!r}; placement.pools defines {sorted(self.pools)}")
 
     def ranks(self, pool: str, world_size: int) -> list[int]:
@@ -528,19 +530,19 @@ class TrainerConfig:
     def __post_init__(self):
         import importlib.util
 
-        _require(self.steps >= 1, "trainer.steps", "must be >= 1")
-        _require(self.timeout_s > 0, "trainer.timeout_s", "must be > 0 (seconds)")
-        _require(self.save_every >= 0, "trainer.save_every", "must be >= 0")
-        _require(self.save_every_min >= 0, "trainer.save_every_min", "must be >= 0 (minutes; 0 = off)")
-        _require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints",
+        require(self.steps >= 1, "trainer.steps", "must be >= 1")
+        require(self.timeout_s > 0, "trainer.timeout_s", "must be > 0 (seconds)")
+        require(self.save_every >= 0, "trainer.save_every", "must be >= 0")
+        require(self.save_every_min >= 0, "trainer.save_every_min", "must be >= 0 (minutes; 0 = off)")
+        require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints",
                  f"{self.keep_checkpoints} must be >= 1 (how many of the newest checkpoints stay on disk)")
         unknown = [name for name in self.loggers if name not in LOGGERS]
-        _require(not unknown, "trainer.loggers", f"unknown {unknown}; choose from {list(LOGGERS)}")
-        _require("jsonl" in self.loggers, "trainer.loggers", "must include jsonl (the summary and `megarl report` "
+        require(not unknown, "trainer.loggers", f"unknown {unknown}; choose from {list(LOGGERS)}")
+        require("jsonl" in self.loggers, "trainer.loggers", "must include jsonl (the summary and `megarl report` "
                  "read metrics.jsonl)")
         for name in self.loggers:
             package = LOGGER_PACKAGES.get(name)
-            _require(package is None or importlib.util.find_spec(package) is not None, "trainer.loggers",
+            require(package is None or importlib.util.find_spec(package) is not None, "trainer.loggers",
                      f"{name} needs the {package!r} package: pip install 'megarl[{name}]', or remove {name}")
 
 
@@ -579,18 +581,18 @@ class ValidationConfig:
     at_end: bool = True
 
     def __post_init__(self):
-        _require(len(self.files) > 0, "validation.files", "list at least one jsonl or parquet file")
-        _require(self.num_prompts >= -1, "validation.num_prompts", f"must be >= 1, or 0 / -1 for all prompts, "
+        require(len(self.files) > 0, "validation.files", "list at least one jsonl or parquet file")
+        require(self.num_prompts >= -1, "validation.num_prompts", f"must be >= 1, or 0 / -1 for all prompts, "
                  f"got {self.num_prompts}")
-        _require(self.n >= 1, "validation.n", f"must be >= 1, got {self.n}")
-        _require(self.temperature >= 0, "validation.temperature", "must be >= 0 (0 = greedy)")
-        _require(self.n == 1 or self.temperature > 0, "validation.n",
+        require(self.n >= 1, "validation.n", f"must be >= 1, got {self.n}")
+        require(self.temperature >= 0, "validation.temperature", "must be >= 0 (0 = greedy)")
+        require(self.n == 1 or self.temperature > 0, "validation.n",
                  f"greedy decoding (temperature 0) gives {self.n} identical responses; set validation.n=1 or "
                  "validation.temperature > 0")
-        _require(0 < self.top_p <= 1, "validation.top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(self.max_new_tokens is None or self.max_new_tokens >= 1, "validation.max_new_tokens",
+        require(0 < self.top_p <= 1, "validation.top_p", f"must be in (0, 1], got {self.top_p}")
+        require(self.max_new_tokens is None or self.max_new_tokens >= 1, "validation.max_new_tokens",
                  "must be >= 1 or null (rollout.max_new_tokens)")
-        _require(self.every >= 0, "validation.every", "must be >= 0 (0 = only before and after training)")
+        require(self.every >= 0, "validation.every", "must be >= 0 (0 = only before and after training)")
 
 
 # The environment of every rank of a SLURM job (``megarl submit``, ``megarl sweep --slurm``), exported by the
@@ -628,11 +630,11 @@ class LaunchConfig:
     save_before_end_s: int = 0
 
     def __post_init__(self):
-        _require(self.max_restarts >= 0, "launch.max_restarts", f"must be >= 0, got {self.max_restarts}")
-        _require(self.save_before_end_s >= 0, "launch.save_before_end_s",
+        require(self.max_restarts >= 0, "launch.max_restarts", f"must be >= 0, got {self.max_restarts}")
+        require(self.save_before_end_s >= 0, "launch.save_before_end_s",
                  f"must be >= 0 (seconds before the time limit; 0 = off), got {self.save_before_end_s}")
         for name in self.env:
-            _require(name.isidentifier(), f"launch.env.{name}", "is not a valid environment variable name")
+            require(name.isidentifier(), f"launch.env.{name}", "is not a valid environment variable name")
 
 
 @dataclass
@@ -761,172 +763,6 @@ def _check_sections(base, layer, prefix: str = "") -> None:
             raise ConfigError(f"{prefix}{key}: is a section (fields {fields}), not a value; set a field, e.g. "
                               f"{prefix}{key}.{fields[0] if fields else 'name'}=...")
         _check_sections(base[key], value, f"{prefix}{key}.")
-
-
-@dataclass(frozen=True)
-class RoleLayout:
-    """Where one role runs: its pool's name and global ranks, and its layout there (``pp = dp = 1`` and no
-    optimizer for the reward function; ``pp = 1`` for the rollout engine, whose ``dp`` is its replicas)."""
-
-    role: str
-    pool: str
-    ranks: tuple[int, ...]
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-
-    def describe(self) -> str:
-        """``pool 'NAME' ranks 0-3 tp=.. pp=.. dp=..`` (the layout as it applies to the role)."""
-        r = self.ranks
-        span = f"{r[0]}-{r[-1]}" if len(r) > 1 and list(r) == list(range(r[0], r[-1] + 1)) else ",".join(map(str, r))
-        layout = {"reward": "", "rollout": f" tp={self.tp} dp={self.dp}"}.get(
-            self.role, f" tp={self.tp} pp={self.pp} dp={self.dp}")
-        return f"pool {self.pool!r} ranks {span}{layout}"
-
-
-def role_layouts(cfg: Config, world_size: int) -> dict[str, RoleLayout]:
-    """The layout of every role the run builds (the critic with a critic-based algorithm, the reference with
-    ``algorithm.kl.coef > 0``), in a world of ``world_size`` ranks.
-
-    Raises:
-        ConfigError: a pool larger than the world or naming ranks outside it; a layout that does not fit its
-            pool (tp * pp not dividing its size, or an explicit dp other than size / (tp * pp)); naming the
-            role, the pool and the sizes.
-    """
-    pl = cfg.placement
-    for name, ranks in pl.pools.items():
-        if ranks == "all":
-            continue
-        _require(len(ranks) <= world_size, f"placement.pools.{name}",
-                 f"has {len(ranks)} ranks but the world has {world_size}")
-        outside = [r for r in ranks if r >= world_size]
-        _require(not outside, f"placement.pools.{name}",
-                 f"ranks {outside} are outside the world of {world_size} ranks (0..{world_size - 1})")
-    megatron = {"actor": cfg.actor.parallel}
-    if cfg.algorithm.uses_critic:
-        megatron["critic"] = cfg.critic.parallel
-    if cfg.algorithm.kl.coef > 0:
-        megatron["reference"] = pl.reference_parallel or dataclasses.replace(cfg.actor.parallel, dp=0)
-    out = {}
-    for role, p in megatron.items():
-        ranks = pl.ranks(getattr(pl, role), world_size)
-        where = f"pool {getattr(pl, role)!r} (placement.{role}) has {len(ranks)} ranks"
-        field_name = "placement.reference_parallel" if role == "reference" else f"{role}.parallel"
-        _require(len(ranks) % (p.tp * p.pp) == 0, field_name,
-                 f"{role} layout tp={p.tp} x pp={p.pp} does not divide its pool: {where}")
-        dp = len(ranks) // (p.tp * p.pp)
-        _require(p.dp in (0, dp), f"{field_name}.dp", f"{role} dp={p.dp} but tp={p.tp} x pp={p.pp} x dp={p.dp} "
-                 f"= {p.tp * p.pp * p.dp} != {len(ranks)}: {where}; set dp to {dp} or 0 to derive it")
-        out[role] = RoleLayout(role, getattr(pl, role), tuple(ranks), p.tp, p.pp, dp)
-    out["reward"] = RoleLayout("reward", pl.reward, tuple(pl.ranks(pl.reward, world_size)))
-    ranks = pl.ranks(pl.rollout, world_size)
-    tp = cfg.rollout.tp
-    _require(len(ranks) % tp == 0, "rollout.tp", f"{tp} does not divide the rollout's pool {pl.rollout!r} "
-             f"(placement.rollout) of {len(ranks)} ranks")
-    out["rollout"] = RoleLayout("rollout", pl.rollout, tuple(ranks), tp, 1, len(ranks) // tp)
-    return out
-
-
-def check_turns(layouts: dict[str, RoleLayout]) -> None:
-    """Megatron roles whose pools share ranks must take turns in one layout (megatron-core holds one model-
-    parallel state per process): the same ranks and the same tp, pp, dp.
-
-    Raises:
-        ConfigError: naming both roles, their pools, ranks and layouts.
-    """
-    roles = [layouts[r] for r in MEGATRON_ROLES if r in layouts]
-    for i, a in enumerate(roles):
-        for b in roles[i + 1:]:
-            shared = sorted(set(a.ranks) & set(b.ranks))
-            if shared and (a.ranks, a.tp, a.pp, a.dp) != (b.ranks, b.tp, b.pp, b.dp):
-                raise ConfigError(
-                    f"placement.{b.role}: {b.role} ({b.describe()}) and {a.role} ({a.describe()}) share ranks {shared} but not one "
-                    f"layout: roles on shared ranks take turns only on the same pool with the same tp, pp and dp "
-                    f"(megatron-core holds one model-parallel layout per process); put {b.role} on "
-                    f"{a.role}'s pool with its layout, or on a pool of other ranks")
-
-
-def check_runnable(layouts: dict[str, RoleLayout], world_size: int) -> None:
-    """What the trainer runs (:mod:`megarl.parallel.placement`): the rollout engine on the whole world; the
-    Megatron roles on the whole world in any layout, or split over pools with ``pp = 1``, one ``tp`` for
-    all, each pool made of whole TP groups (consecutive ranks from a multiple of tp), the actor's holding rank
-    0 (which writes the metrics and the checkpoints' metadata). The reward function scores on any pool.
-
-    Raises:
-        ConfigError: naming the role, its pool, its ranks and layout.
-    """
-    world = tuple(range(world_size))
-    ro = layouts["rollout"]
-    _require(ro.ranks == world, "placement.rollout", f"rollout on {ro.describe()}: the trainer generates on the "
-             f"whole world of {world_size} ranks only; set placement.rollout=all")
-    megatron = [layouts[r] for r in MEGATRON_ROLES if r in layouts]
-    if all(lay.ranks == world for lay in megatron):
-        return
-    tp = layouts["actor"].tp
-    for lay in megatron:
-        where = f"{lay.role} on {lay.describe()} while a Megatron role is on a pool other than all"
-        _require(lay.pp == 1, f"placement.{lay.role}", f"{where}: roles on split pools need pp=1 (megatron-core "
-                 "holds one pipeline layout per process); use pp=1 or put every Megatron role on all")
-        _require(lay.tp == tp, f"placement.{lay.role}", f"{where}: roles on split pools share one tp, the "
-                 f"actor's tp={tp}; use tp={tp}")
-        blocks = [lay.ranks[i:i + tp] for i in range(0, len(lay.ranks), tp)]
-        _require(all(b == tuple(range(b[0], b[0] + tp)) and b[0] % tp == 0 for b in blocks),
-                 f"placement.pools.{lay.pool}", f"{where}: a pool of tp={tp} roles holds whole TP groups "
-                 f"(runs of {tp} consecutive ranks starting at a multiple of {tp}), got ranks {list(lay.ranks)}")
-    actor = layouts["actor"]
-    _require(0 in actor.ranks, "placement.actor", f"actor on {actor.describe()}: on split pools the actor's pool "
-             "holds rank 0 (it writes the metrics and the checkpoints' metadata)")
-
-
-def placement_summary(layouts: dict[str, RoleLayout]) -> str:
-    """The run's start-up lines: which ranks hold which role, in which layout."""
-    return "placement:\n" + "\n".join(f"  {lay.role:<9} {lay.describe()}" for lay in layouts.values())
-
-
-def validate_for_world(cfg: Config, world_size: int) -> None:
-    """Check what depends on the number of ranks, before any model is built.
-
-    Raises:
-        ConfigError: a pool or a mesh that does not fit the world (:func:`role_layouts`), roles that cannot take
-            turns (:func:`check_turns`), or batch sizes that a DP size does not divide.
-    """
-    layouts = role_layouts(cfg, world_size)
-    check_turns(layouts)
-    check_runnable(layouts, world_size)
-    roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.algorithm.uses_critic else [])
-    for role, rc in roles:
-        p, dp = rc.parallel, layouts[role].dp
-        _require(cfg.rollout_batch_size % rc.ppo_mini_batch_size == 0, f"{role}.ppo_mini_batch_size",
-                 f"{rc.ppo_mini_batch_size} does not divide the rollout batch data.prompts_per_step * rollout.n "
-                 f"= {cfg.rollout_batch_size}")
-        if rc.max_tokens_per_micro_batch:  # micro-batches by token count: any number of rows each
-            _require(rc.ppo_mini_batch_size % dp == 0, f"{role}.ppo_mini_batch_size",
-                     f"{rc.ppo_mini_batch_size} is not a multiple of dp ({dp})")
-        else:
-            _require(rc.ppo_mini_batch_size % (dp * rc.micro_batch_size) == 0, f"{role}.ppo_mini_batch_size",
-                     f"{rc.ppo_mini_batch_size} is not a multiple of dp ({dp}) x micro_batch_size "
-                     f"({rc.micro_batch_size}); use a multiple of {dp * rc.micro_batch_size}")
-        _require(not (rc.max_tokens_per_micro_batch and p.pp > 1), f"{role}.max_tokens_per_micro_batch",
-                 f"needs {role}.parallel.pp=1 (megatron's pipeline schedule sends one activation shape for every "
-                 "micro-batch); set it to 0 or use pp=1")
-    for role in MEGATRON_ROLES:
-        if role in layouts:
-            lay = layouts[role]
-            _require(cfg.rollout_batch_size % lay.dp == 0, "data.prompts_per_step",
-                     f"the rollout batch ({cfg.rollout_batch_size} sequences) is not divisible by {role} "
-                     f"dp={lay.dp} (pool {lay.pool!r})")
-    if cfg.algorithm.uses_critic:
-        a, c = layouts["actor"], layouts["critic"]
-        _require((c.ranks, c.tp, c.pp, c.dp) == (a.ranks, a.tp, a.pp, a.dp), "critic.parallel",
-                 f"the critic runs on the actor's ranks and mesh: set placement.critic={a.pool!r} and tp={a.tp}, "
-                 f"pp={a.pp}, dp={a.dp} (got {c.describe()})")
-    ro = layouts["rollout"]
-    _require(cfg.rollout.tp == 1 or cfg.data.prompts_per_step % ro.dp == 0, "data.prompts_per_step",
-             f"{cfg.data.prompts_per_step} prompts are not divisible by the rollout's dp={ro.dp} (pool "
-             f"{ro.pool!r} of {len(ro.ranks)} ranks / rollout.tp={ro.tp}); megarl pads no batch: use a multiple "
-             f"of {ro.dp}")
-    if "group_index" in ADVANTAGES.entry(cfg.algorithm.name).needs:
-        _require(cfg.rollout.n >= 2, "rollout.n", f"{cfg.algorithm.name} compares samples of a prompt: use n >= 2")
 
 
 def absolute_paths(cfg: Config) -> Config:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from megarl.algos.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
-from megarl.config import AlgorithmConfig, ConfigError, load_config, validate_for_world
+from megarl.config import AlgorithmConfig, ConfigError, load_config
+from megarl.parallel.placement import validate_for_world
 
 ROOT = Path(__file__).resolve().parents[1]
 

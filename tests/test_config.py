@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import ConfigError, load_config, validate_for_world
+from megarl.config import ConfigError, load_config
+from megarl.parallel.placement import validate_for_world
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "parallel_configs").glob("*.yaml"))

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.config import ConfigError, load_config, placement_summary, role_layouts, validate_for_world
+from megarl.config import ConfigError, load_config
+from megarl.parallel.placement import placement_summary, role_layouts, validate_for_world
 from tests.distributed import run_world
 from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
 

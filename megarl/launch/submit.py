@@ -35,7 +35,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megarl.config import Config, ConfigError, load_config, validate_for_world
+from megarl.config import Config, ConfigError, load_config
+from megarl.parallel.placement import validate_for_world
 
 SCRIPT_NAME = "job.sbatch"
 PORT_BASE, PORT_SPAN = 20000, 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN (as megarl.parallel.mesh)
@@ -113,7 +114,7 @@ class SbatchOptions:
 def check_job_shape(cfg: Config, shape: JobShape) -> None:
     """The config runs on this job: nodes x ranks per node = the actor's TP x PP x DP (DP derived when
     ``actor.parallel.dp`` is 0; with the actor on a pool of its own, its pool), and every role's layout and
-    batch sizes fit (:func:`megarl.config.validate_for_world`).
+    batch sizes fit (:func:`megarl.parallel.placement.validate_for_world`).
 
     Raises:
         ConfigError: naming the config fields and the job's flags.

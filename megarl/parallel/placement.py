@@ -1,9 +1,16 @@
-"""Role placement: megatron-core's parallel state and the process groups of each role's pool, built once.
+"""Role placement: which ranks hold which role in which layout, checked before any model is built, then
+megatron-core's parallel state and the process groups of each role's pool, built once.
+
+:func:`role_layouts` turns ``placement`` and the roles' parallel sections of a :class:`~megarl.config.Config`
+into one :class:`RoleLayout` per role; :func:`check_turns` and :func:`check_runnable` say which layouts the
+trainer runs, and :func:`validate_for_world` checks everything that depends on the world size (batch sizes
+against each role's DP size). These read only the config: ``megarl train``, ``submit``, ``sweep`` and preflight
+call them before a rank starts.
 
 megatron-core holds one model-parallel state per process (``parallel_state``). Every Megatron role of the run
 (actor, critic, reference) sits either on the whole world (every role takes turns in one layout: the state is
 that layout, as before placement existed) or on pools of whole TP groups with ``pp = 1`` and one ``tp`` for
-all roles (:func:`megarl.config.check_runnable` says so before any model is built). In that second, split
+all roles (:func:`check_runnable` says so before any model is built). In that second, split
 case the global state is ``tp x pp=1 x dp=world/tp``: its TP groups lie inside every pool and are each role's
 own, and only the data-parallel groups differ by pool. Each pool gets its DP groups and one group of all its
 ranks here, and its roles get megatron's process-group collection with those DP groups
@@ -15,27 +22,184 @@ Results a pool computes (log-probs, update metrics) reach the other ranks by :fu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megarl.algos.registry import ADVANTAGES
+from megarl.config import MEGATRON_ROLES, Config, ConfigError, require
 from megarl.parallel.mesh import ParallelLayout
 
 
-class RoleSpec(Protocol):
-    """What placement reads of a role's layout (:class:`megarl.config.RoleLayout`)."""
+@dataclass(frozen=True)
+class RoleLayout:
+    """Where one role runs: its pool's name and global ranks, and its layout there (``pp = dp = 1`` and no
+    optimizer for the reward function; ``pp = 1`` for the rollout engine, whose ``dp`` is its replicas)."""
 
     role: str
     pool: str
     ranks: tuple[int, ...]
-    tp: int
-    pp: int
-    dp: int
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def describe(self) -> str:
+        """``pool 'NAME' ranks 0-3 tp=.. pp=.. dp=..`` (the layout as it applies to the role)."""
+        r = self.ranks
+        span = f"{r[0]}-{r[-1]}" if len(r) > 1 and list(r) == list(range(r[0], r[-1] + 1)) else ",".join(map(str, r))
+        layout = {"reward": "", "rollout": f" tp={self.tp} dp={self.dp}"}.get(
+            self.role, f" tp={self.tp} pp={self.pp} dp={self.dp}")
+        return f"pool {self.pool!r} ranks {span}{layout}"
 
 
-MEGATRON_ROLES = ("actor", "critic", "reference")
+def role_layouts(cfg: Config, world_size: int) -> dict[str, RoleLayout]:
+    """The layout of every role the run builds (the critic with a critic-based algorithm, the reference with
+    ``algorithm.kl.coef > 0``), in a world of ``world_size`` ranks.
+
+    Raises:
+        ConfigError: a pool larger than the world or naming ranks outside it; a layout that does not fit its
+            pool (tp * pp not dividing its size, or an explicit dp other than size / (tp * pp)); naming the
+            role, the pool and the sizes.
+    """
+    pl = cfg.placement
+    for name, ranks in pl.pools.items():
+        if ranks == "all":
+            continue
+        require(len(ranks) <= world_size, f"placement.pools.{name}",
+                 f"has {len(ranks)} ranks but the world has {world_size}")
+        outside = [r for r in ranks if r >= world_size]
+        require(not outside, f"placement.pools.{name}",
+                 f"ranks {outside} are outside the world of {world_size} ranks (0..{world_size - 1})")
+    megatron = {"actor": cfg.actor.parallel}
+    if cfg.algorithm.uses_critic:
+        megatron["critic"] = cfg.critic.parallel
+    if cfg.algorithm.kl.coef > 0:
+        megatron["reference"] = pl.reference_parallel or dataclasses.replace(cfg.actor.parallel, dp=0)
+    out = {}
+    for role, p in megatron.items():
+        ranks = pl.ranks(getattr(pl, role), world_size)
+        where = f"pool {getattr(pl, role)!r} (placement.{role}) has {len(ranks)} ranks"
+        field_name = "placement.reference_parallel" if role == "reference" else f"{role}.parallel"
+        require(len(ranks) % (p.tp * p.pp) == 0, field_name,
+                 f"{role} layout tp={p.tp} x pp={p.pp} does not divide its pool: {where}")
+        dp = len(ranks) // (p.tp * p.pp)
+        require(p.dp in (0, dp), f"{field_name}.dp", f"{role} dp={p.dp} but tp={p.tp} x pp={p.pp} x dp={p.dp} "
+                 f"= {p.tp * p.pp * p.dp} != {len(ranks)}: {where}; set dp to {dp} or 0 to derive it")
+        out[role] = RoleLayout(role, getattr(pl, role), tuple(ranks), p.tp, p.pp, dp)
+    out["reward"] = RoleLayout("reward", pl.reward, tuple(pl.ranks(pl.reward, world_size)))
+    ranks = pl.ranks(pl.rollout, world_size)
+    tp = cfg.rollout.tp
+    require(len(ranks) % tp == 0, "rollout.tp", f"{tp} does not divide the rollout's pool {pl.rollout!r} "
+             f"(placement.rollout) of {len(ranks)} ranks")
+    out["rollout"] = RoleLayout("rollout", pl.rollout, tuple(ranks), tp, 1, len(ranks) // tp)
+    return out
+
+
+def check_turns(layouts: dict[str, RoleLayout]) -> None:
+    """Megatron roles whose pools share ranks must take turns in one layout (megatron-core holds one model-
+    parallel state per process): the same ranks and the same tp, pp, dp.
+
+    Raises:
+        ConfigError: naming both roles, their pools, ranks and layouts.
+    """
+    roles = [layouts[r] for r in MEGATRON_ROLES if r in layouts]
+    for i, a in enumerate(roles):
+        for b in roles[i + 1:]:
+            shared = sorted(set(a.ranks) & set(b.ranks))
+            if shared and (a.ranks, a.tp, a.pp, a.dp) != (b.ranks, b.tp, b.pp, b.dp):
+                raise ConfigError(
+                    f"placement.{b.role}: {b.role} ({b.describe()}) and {a.role} ({a.describe()}) share ranks {shared} but not one "
+                    f"layout: roles on shared ranks take turns only on the same pool with the same tp, pp and dp "
+                    f"(megatron-core holds one model-parallel layout per process); put {b.role} on "
+                    f"{a.role}'s pool with its layout, or on a pool of other ranks")
+
+
+def check_runnable(layouts: dict[str, RoleLayout], world_size: int) -> None:
+    """What the trainer runs (:mod:`megarl.parallel.placement`): the rollout engine on the whole world; the
+    Megatron roles on the whole world in any layout, or split over pools with ``pp = 1``, one ``tp`` for
+    all, each pool made of whole TP groups (consecutive ranks from a multiple of tp), the actor's holding rank
+    0 (which writes the metrics and the checkpoints' metadata). The reward function scores on any pool.
+
+    Raises:
+        ConfigError: naming the role, its pool, its ranks and layout.
+    """
+    world = tuple(range(world_size))
+    ro = layouts["rollout"]
+    require(ro.ranks == world, "placement.rollout", f"rollout on {ro.describe()}: the trainer generates on the "
+             f"whole world of {world_size} ranks only; set placement.rollout=all")
+    megatron = [layouts[r] for r in MEGATRON_ROLES if r in layouts]
+    if all(lay.ranks == world for lay in megatron):
+        return
+    tp = layouts["actor"].tp
+    for lay in megatron:
+        where = f"{lay.role} on {lay.describe()} while a Megatron role is on a pool other than all"
+        require(lay.pp == 1, f"placement.{lay.role}", f"{where}: roles on split pools need pp=1 (megatron-core "
+                 "holds one pipeline layout per process); use pp=1 or put every Megatron role on all")
+        require(lay.tp == tp, f"placement.{lay.role}", f"{where}: roles on split pools share one tp, the "
+                 f"actor's tp={tp}; use tp={tp}")
+        blocks = [lay.ranks[i:i + tp] for i in range(0, len(lay.ranks), tp)]
+        require(all(b == tuple(range(b[0], b[0] + tp)) and b[0] % tp == 0 for b in blocks),
+                 f"placement.pools.{lay.pool}", f"{where}: a pool of tp={tp} roles holds whole TP groups "
+                 f"(runs of {tp} consecutive ranks starting at a multiple of {tp}), got ranks {list(lay.ranks)}")
+    actor = layouts["actor"]
+    require(0 in actor.ranks, "placement.actor", f"actor on {actor.describe()}: on split pools the actor's pool "
+             "holds rank 0 (it writes the metrics and the checkpoints' metadata)")
+
+
+def placement_summary(layouts: dict[str, RoleLayout]) -> str:
+    """The run's start-up lines: which ranks hold which role, in which layout."""
+    return "placement:\n" + "\n".join(f"  {lay.role:<9} {lay.describe()}" for lay in layouts.values())
+
+
+def validate_for_world(cfg: Config, world_size: int) -> None:
+    """Check what depends on the number of ranks, before any model is built.
+
+    Raises:
+        ConfigError: a pool or a mesh that does not fit the world (:func:`role_layouts`), roles that cannot take
+            turns (:func:`check_turns`), or batch sizes that a DP size does not divide.
+    """
+    layouts = role_layouts(cfg, world_size)
+    check_turns(layouts)
+    check_runnable(layouts, world_size)
+    roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.algorithm.uses_critic else [])
+    for role, rc in roles:
+        p, dp = rc.parallel, layouts[role].dp
+        require(cfg.rollout_batch_size % rc.ppo_mini_batch_size == 0, f"{role}.ppo_mini_batch_size",
+                 f"{rc.ppo_mini_batch_size} does not divide the rollout batch data.prompts_per_step * rollout.n "
+                 f"= {cfg.rollout_batch_size}")
+        if rc.max_tokens_per_micro_batch:  # micro-batches by token count: any number of rows each
+            require(rc.ppo_mini_batch_size % dp == 0, f"{role}.ppo_mini_batch_size",
+                     f"{rc.ppo_mini_batch_size} is not a multiple of dp ({dp})")
+        else:
+            require(rc.ppo_mini_batch_size % (dp * rc.micro_batch_size) == 0, f"{role}.ppo_mini_batch_size",
+                     f"{rc.ppo_mini_batch_size} is not a multiple of dp ({dp}) x micro_batch_size "
+                     f"({rc.micro_batch_size}); use a multiple of {dp * rc.micro_batch_size}")
+        require(not (rc.max_tokens_per_micro_batch and p.pp > 1), f"{role}.max_tokens_per_micro_batch",
+                 f"needs {role}.parallel.pp=1 (megatron's pipeline schedule sends one activation shape for every "
+                 "micro-batch); set it to 0 or use pp=1")
+    for role in MEGATRON_ROLES:
+        if role in layouts:
+            lay = layouts[role]
+            require(cfg.rollout_batch_size % lay.dp == 0, "data.prompts_per_step",
+                     f"the rollout batch ({cfg.rollout_batch_size} sequences) is not divisible by {role} "
+                     f"dp={lay.dp} (pool {lay.pool!r})")
+    if cfg.algorithm.uses_critic:
+        a, c = layouts["actor"], layouts["critic"]
+        require((c.ranks, c.tp, c.pp, c.dp) == (a.ranks, a.tp, a.pp, a.dp), "critic.parallel",
+                 f"the critic runs on the actor's ranks and mesh: set placement.critic={a.pool!r} and tp={a.tp}, "
+                 f"pp={a.pp}, dp={a.dp} (got {c.describe()})")
+    ro = layouts["rollout"]
+    require(cfg.rollout.tp == 1 or cfg.data.prompts_per_step % ro.dp == 0, "data.prompts_per_step",
+             f"{cfg.data.prompts_per_step} prompts are not divisible by the rollout's dp={ro.dp} (pool "
+             f"{ro.pool!r} of {len(ro.ranks)} ranks / rollout.tp={ro.tp}); megarl pads no batch: use a multiple "
+             f"of {ro.dp}")
+    if "group_index" in ADVANTAGES.entry(cfg.algorithm.name).needs:
+        require(cfg.rollout.n >= 2, "rollout.n", f"{cfg.algorithm.name} compares samples of a prompt: use n >= 2")
+
+
 
 
 @dataclass
@@ -80,12 +244,12 @@ class PoolGroups:
         return pgs
 
 
-def is_split(layouts: dict[str, RoleSpec], world_size: int) -> bool:
+def is_split(layouts: dict[str, RoleLayout], world_size: int) -> bool:
     """Some Megatron role is on a pool other than the whole world."""
     return any(lay.ranks != tuple(range(world_size)) for r, lay in layouts.items() if r in MEGATRON_ROLES)
 
 
-def global_layout(layouts: dict[str, RoleSpec], world_size: int) -> ParallelLayout:
+def global_layout(layouts: dict[str, RoleLayout], world_size: int) -> ParallelLayout:
     """The layout megatron's ``parallel_state`` is set to: the actor's when every Megatron role is on the whole
     world, else ``tp x 1 x world/tp`` (see the module docstring)."""
     a = layouts["actor"]
@@ -94,7 +258,7 @@ def global_layout(layouts: dict[str, RoleSpec], world_size: int) -> ParallelLayo
     return ParallelLayout(tp=a.tp, pp=1, dp=world_size // a.tp)
 
 
-def build_pool_groups(layouts: dict[str, RoleSpec], world_size: int) -> dict[str, PoolGroups]:
+def build_pool_groups(layouts: dict[str, RoleLayout], world_size: int) -> dict[str, PoolGroups]:
     """The groups of every Megatron role's pool; call on every rank, in the same order (``new_group`` is
     collective), after ``torch.distributed`` is initialised.
 

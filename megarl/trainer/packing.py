@@ -12,7 +12,7 @@ megatron-core's constraints, and what follows from them:
 
 - the pipeline schedule (PP > 1) sends activations of one ``[s, b, h]`` shape for every micro-batch of a
   ``forward_backward_func`` call, so micro-batches of different shapes need PP = 1 (checked by
-  :func:`megarl.config.validate_for_world`); without pipelining each micro-batch runs on its own.
+  :func:`megarl.parallel.placement.validate_for_world`); without pipelining each micro-batch runs on its own.
 - megatron divides each micro-batch's loss by the number of micro-batches and DDP averages over DP ranks; the
   trainer undoes both with one factor ``num_microbatches * dp`` (:mod:`megarl.algos.aggregation`), which needs
   the same number of micro-batches on every DP rank. :func:`pack_shares` deals the rows to the ranks balanced

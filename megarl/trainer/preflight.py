@@ -1,6 +1,6 @@
 """Checks of a run against its model, made before any process or model starts.
 
-:func:`~megarl.config.validate_for_world` checks what the config and the world size determine;
+:func:`~megarl.parallel.placement.validate_for_world` checks what the config and the world size determine;
 :func:`validate_for_model` adds what the model's own config (``config.json``, GGUF metadata or a preset)
 determines: whether its heads, query groups, FFN and vocab split at each role's TP, whether its layers split
 at the PP size, whether the rollout engine's TP fits it, whether its context holds a prompt and a response.
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from megarl.config import Config, ConfigError, validate_for_world
+from megarl.config import Config, ConfigError
+from megarl.parallel.placement import validate_for_world
 from megarl.models.checkpoint import source_spec
 from megarl.models.hf_io import load_tokenizer
 from megarl.models.layout import check_vllm_tp
@@ -154,7 +155,7 @@ def check_this_machine(cfg: Config) -> None:
 
 def preflight(cfg: Config, world_size: int) -> ModelSpec:
     """Every check that needs no process group or model, made by the process that starts a job's ranks on this
-    machine: :func:`~megarl.config.validate_for_world`, the model (:func:`validate_for_model`), the train
+    machine: :func:`~megarl.parallel.placement.validate_for_world`, the model (:func:`validate_for_model`), the train
     files, the reward function and what this machine must have. Returns the model's spec.
 
     Raises:

@@ -34,8 +34,7 @@ from megarl.algos.registry import ADVANTAGES
 from megarl.bench.flops import peak_bf16_flops
 from megarl.bench.throughput import step_perf_metrics
 from megarl.bench.timers import PhaseTimer
-from megarl.config import (Config, ConfigError, absolute_paths, placement_summary, role_layouts, to_dict,
-                           validate_for_world)
+from megarl.config import Config, ConfigError, absolute_paths, to_dict
 from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.loader import PromptLoader
 from megarl.data.template import PromptTemplate
@@ -46,8 +45,8 @@ from megarl.models.megatron import padded_vocab_size
 from megarl.models.spec import ModelSpec
 from megarl.parallel.lifecycle import peer_failures_named, phase, record_peers
 from megarl.parallel.mesh import init_distributed, initialize_model_parallel, launch_info, ranks_per_node
-from megarl.parallel.placement import (build_pool_groups, global_layout, join_optimizer_setup, share_object,
-                                      share_tensor)
+from megarl.parallel.placement import (build_pool_groups, global_layout, join_optimizer_setup, placement_summary,
+                                      role_layouts, share_object, share_tensor, validate_for_world)
 from megarl.parallel.restart import RequeueRequested, read_restarts, requeue_requested
 from megarl.parallel.watchdog import start_progress_watch
 from megarl.reshard.executor import execute_plan
@@ -250,7 +249,7 @@ class Trainer:
     """The state of one RL run on this rank: workers, rollout engine, reshard engine, data and logger.
 
     Raises:
-        ConfigError: from :func:`~megarl.config.validate_for_world` and data loading, before any model is
+        ConfigError: from :func:`~megarl.parallel.placement.validate_for_world` and data loading, before any model is
             built.
     """
 
