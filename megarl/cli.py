@@ -121,7 +121,7 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
         from megarl.trainer.trainer import check_run_folder
 
         check_free(cfg.run.run_dir)  # another run owns the folder
-        check_run_folder(cfg, cfg.world_size)  # checkpoints of an earlier run, or of another layout
+        check_run_folder(cfg, cfg.world_size)  # an earlier run's checkpoints, none to resume, a finished run
     if cfg.world_size == 1:
         return False
     from torch.distributed.elastic.multiprocessing.api import SignalException

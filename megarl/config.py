@@ -502,7 +502,9 @@ class TrainerConfig:
         save_every_min: also checkpoint after a step that ends this many minutes after the last checkpoint
             (0 = off); the save's seconds are the step's ``time/checkpoint_save`` metric.
         keep_checkpoints: newest checkpoints kept on disk.
-        resume: continue from the newest checkpoint in the run folder when one exists.
+        resume: continue from the newest checkpoint in the run folder (at any layout; the run's current
+            config applies from there on: LR schedule, optimizer settings, ``steps``); refused when the folder
+            holds none or the run has done its ``steps``.
         export_hf: also write a Hugging Face copy of the final actor.
         progress: show a progress bar over the steps.
         log_samples: responses per step written to ``samples.jsonl`` (prompt, response, score).

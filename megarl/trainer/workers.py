@@ -348,15 +348,16 @@ class MegatronWorker:
     def _use_current_param_groups(self, loaded: dict[str, Any]) -> None:
         """Replace the param groups of a loaded optimizer state (one per chained optimizer, or the single
         one's) by this optimizer's, with the checkpoint's ``step`` (torch Adam's update count, without
-        TE/apex). Both of megatron's optimizer state dicts hold them under ``["optimizer"]["param_groups"]``."""
+        TE/apex). megatron's optimizer state dicts hold them under ``["optimizer"]["param_groups"]`` (the
+        distributed and the mixed-precision optimizer) or ``["param_groups"]`` (the fp32 one)."""
         opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         parts = [loaded] if len(opts) == 1 else [loaded[k] for k in sorted(loaded)]
         for opt, part in zip(opts, parts):
-            saved = part["optimizer"]["param_groups"]
-            steps = {g["step"] for g in saved if g.get("step") is not None}
-            current = opt.state_dict()["optimizer"]["param_groups"]
+            holder = part.get("optimizer", part)
+            steps = {g["step"] for g in holder["param_groups"] if g.get("step") is not None}
+            current = opt.state_dict()
             kept = {"step": steps.pop()} if len(steps) == 1 else {}  # megatron keeps one count for all groups
-            part["optimizer"]["param_groups"] = [{**g, **kept} for g in current]
+            holder["param_groups"] = [{**g, **kept} for g in current.get("optimizer", current)["param_groups"]]
 
     def resume_schedule(self, updates_done: int) -> None:
         """Continue the LR and weight-decay schedule of the current config (``optim``, and the decay horizon of
