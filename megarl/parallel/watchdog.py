@@ -2,7 +2,7 @@
 naming itself and its phase, so that the restart logic (:mod:`megarl.launch.supervise`) can act.
 
 Progress is a change of the rank's phase (:func:`megarl.parallel.lifecycle.phase`: every step phase, the
-checkpoint, the validation). Each rank runs a watch thread (:func:`start_progress_watch`) that notes its
+checkpoint). During the training loop (:func:`progress_watched`) each rank runs a watch thread that notes its
 progress and publishes the time of it on the job's store. When this rank has made none for ``timeout_s``, it
 compares with its peers': a peer whose last progress is older is the one this rank waits for (in a
 collective), so this rank leaves the verdict to that peer's watch, which fires first, or to the collective's
@@ -18,32 +18,41 @@ watch; its peers' collectives still time out and name it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import threading
 import time
+from typing import Iterator
 
 PROGRESS = "megarl/progress/"  # store keys: wall-clock time of each rank's last phase change
 STALLED = "megarl/stalled/"  # store keys: the phase of a rank that stalled, set just before it ends
 
 _started: list[threading.Thread] = []
+_watching = threading.Event()  # set while the watch judges (the training loop); clear: it only notes progress
 
 
-def start_progress_watch(timeout_s: float, poll_s: float | None = None) -> None:
-    """Start this rank's watch thread (once per process; call after
-    :func:`~megarl.parallel.lifecycle.record_peers`).
+@contextlib.contextmanager
+def progress_watched(timeout_s: float, poll_s: float | None = None) -> Iterator[None]:
+    """Judge this rank's progress inside the block (the training loop: its setup, building and loading the
+    models, may take long and is covered by the collectives' timeouts; so is the end of the run). Starts the
+    watch thread on first use; call after :func:`~megarl.parallel.lifecycle.record_peers`.
 
     Args:
         timeout_s: seconds without progress after which a rank that waits for nobody ends the job.
         poll_s: how often the watch looks (default: ``timeout_s / 20``, between 0.2 and 10 s).
     """
-    if _started:
-        return
-    poll = poll_s if poll_s is not None else min(max(timeout_s / 20, 0.2), 10.0)
-    thread = threading.Thread(target=_watch, args=(timeout_s, poll), daemon=True, name="megarl-progress-watch")
-    _started.append(thread)
-    thread.start()
+    if not _started:
+        poll = poll_s if poll_s is not None else min(max(timeout_s / 20, 0.2), 10.0)
+        thread = threading.Thread(target=_watch, args=(timeout_s, poll), daemon=True, name="megarl-progress-watch")
+        _started.append(thread)
+        thread.start()
+    _watching.set()
+    try:
+        yield
+    finally:
+        _watching.clear()
 
 
 def _watch(timeout_s: float, poll_s: float) -> None:
@@ -54,7 +63,7 @@ def _watch(timeout_s: float, poll_s: float) -> None:
     seen, since = -1, time.monotonic()
     while True:
         changes = lifecycle._phase_changes[0]
-        if changes != seen:
+        if changes != seen or not _watching.is_set():
             seen, since = changes, time.monotonic()
             _try(lambda: store.set(f"{PROGRESS}{rank}", repr(time.time())))
         elif time.monotonic() - since >= timeout_s and not _waits_for_a_peer(store, rank, world, since):

@@ -48,7 +48,7 @@ from megarl.parallel.mesh import init_distributed, initialize_model_parallel, la
 from megarl.parallel.placement import (build_pool_groups, global_layout, join_optimizer_setup, placement_summary,
                                       role_layouts, share_object, share_tensor, validate_for_world)
 from megarl.parallel.restart import RequeueRequested, read_restarts, requeue_requested
-from megarl.parallel.watchdog import start_progress_watch
+from megarl.parallel.watchdog import progress_watched
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 from megarl.rewards.registry import load_reward_fn
@@ -258,7 +258,6 @@ class Trainer:
         validate_for_world(cfg, launch_info().world_size)  # before the rendezvous: a wrong world stops here
         info = init_distributed(timeout_s=cfg.trainer.timeout_s)
         record_peers()
-        start_progress_watch(cfg.trainer.timeout_s)  # a rank stalled outside any collective ends the job too
         self.rank, self.world = info.rank, info.world_size
         self.layouts = role_layouts(cfg, self.world)
         if self.rank == 0:
@@ -636,22 +635,23 @@ class Trainer:
         first_step = self.step_idx
         self.saved_at = time.monotonic()
         try:
-            if self.step_idx == 0 and self._validation_due():
-                logger.log(0, self.validate())
-            while self.step_idx < cfg.trainer.steps:
-                metrics = self.step(next(batches))
-                self.step_idx += 1
-                if self._validation_due():
-                    metrics.update(self.validate())
-                requeue, save = self._checkpoint_due()
-                if save:
-                    start_save = time.perf_counter()
-                    self.save()
-                    metrics["time/checkpoint_save"] = time.perf_counter() - start_save
-                logger.log(self.step_idx, metrics)
-                if requeue and self.step_idx < cfg.trainer.steps:
-                    raise RequeueRequested(f"saved {self.last_checkpoint} on SIGUSR1 (the job's time limit is "
-                                           "near); a requeued job continues the run from it")
+            with progress_watched(cfg.trainer.timeout_s):  # a rank stalled outside a collective ends the run
+                if self.step_idx == 0 and self._validation_due():
+                    logger.log(0, self.validate())
+                while self.step_idx < cfg.trainer.steps:
+                    metrics = self.step(next(batches))
+                    self.step_idx += 1
+                    if self._validation_due():
+                        metrics.update(self.validate())
+                    requeue, save = self._checkpoint_due()
+                    if save:
+                        start_save = time.perf_counter()
+                        self.save()
+                        metrics["time/checkpoint_save"] = time.perf_counter() - start_save
+                    logger.log(self.step_idx, metrics)
+                    if requeue and self.step_idx < cfg.trainer.steps:
+                        raise RequeueRequested(f"saved {self.last_checkpoint} on SIGUSR1 (the job's time limit is "
+                                               "near); a requeued job continues the run from it")
         finally:
             logger.close()
         hf_path = None
