@@ -83,3 +83,11 @@ def digit_share(prompts, responses, ground_truths):
     """The share of a response's characters that are digits: a dense reward that differs between samples
     (for layout-comparison runs of real models, whose short GSM8K answers all score 0)."""
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
+def half_tied(prompts, responses, ground_truths):
+    """A reward that ties about half of the groups (dynamic sampling tests): 0.5 for every response to a prompt
+    whose first letter is in a-e; otherwise 1.0 when the response's first word is in a-g, else 0.0 (a random
+    policy says one of those with probability 7/16, so such a group's rewards nearly always differ)."""
+    return [0.5 if p.split()[0] in "abcde" else float(r.split()[:1] != [] and r.split()[0] in "abcdefg")
+            for p, r in zip(prompts, responses)]

@@ -29,17 +29,21 @@ LOSS_MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
     ("token-mean", (1 + 2 + 3 + 4) / 4, 10 / 20),            # global_tokens = 20
     ("seq-mean-token-sum", (6 + 4) / 2, 10 / 5),             # global_seqs = 5
     ("seq-mean-token-mean", (2 + 4) / 2, 6 / 5),
+    ("seq-mean-token-sum-norm", (6 / 8 + 4 / 8) / 2, (10 / 8) / 5),  # norm_tokens = 8 (Dr. GRPO)
 ])
 def test_agg_loss_modes_hand_computed(mode, expected, global_expected):
-    close(agg_loss(LOSS, LOSS_MASK, mode), expected)
-    close(agg_loss(LOSS, LOSS_MASK, mode, global_tokens=20, global_seqs=torch.tensor(5.0)), global_expected)
+    close(agg_loss(LOSS, LOSS_MASK, mode, norm_tokens=8), expected)
+    close(agg_loss(LOSS, LOSS_MASK, mode, global_tokens=20, global_seqs=torch.tensor(5.0), norm_tokens=8),
+          global_expected)
 
 
 def test_agg_loss_edges():
     tokens, seqs = count_tokens_and_seqs(LOSS_MASK)
     assert (tokens.item(), seqs.item()) == (4, 2)
     for mode in AGG_MODES:
-        close(agg_loss(LOSS[2:], LOSS_MASK[2:], mode), 0.0)        # no valid token: 0, not NaN
+        close(agg_loss(LOSS[2:], LOSS_MASK[2:], mode, norm_tokens=4), 0.0)  # no valid token: 0, not NaN
+    with pytest.raises(ValueError, match="norm_tokens > 0"):
+        agg_loss(LOSS, LOSS_MASK, "seq-mean-token-sum-norm")
     close(agg_loss(torch.tensor([[7.0]]), torch.tensor([[1]]), "seq-mean-token-mean"), 7.0)
     with pytest.raises(ValueError, match="unknown loss aggregation mode 'mean'.*token-mean"):
         agg_loss(LOSS, LOSS_MASK, "mean")
@@ -59,9 +63,10 @@ def test_agg_loss_is_split_invariant(data, b, t, mode):
     cuts = sorted(data.draw(st.lists(st.integers(0, b), max_size=4)))
     parts = [order[lo:hi] for lo, hi in zip([0, *cuts], [*cuts, b])]
     tokens, seqs = [sum(x) for x in zip(*(count_tokens_and_seqs(mask[p]) for p in parts))]
-    total = sum(agg_loss(loss[p], mask[p], mode, global_tokens=tokens, global_seqs=seqs) for p in parts)
+    total = sum(agg_loss(loss[p], mask[p], mode, global_tokens=tokens, global_seqs=seqs, norm_tokens=t)
+                for p in parts)
     (grad_split,) = torch.autograd.grad(total, leaf, retain_graph=True)
-    whole = agg_loss(loss, mask, mode)
+    whole = agg_loss(loss, mask, mode, norm_tokens=t)
     (grad_whole,) = torch.autograd.grad(whole, leaf)
     torch.testing.assert_close(total, whole)
     torch.testing.assert_close(grad_split, grad_whole)
@@ -315,7 +320,9 @@ def test_actor_loss_composes_terms_and_is_split_invariant():
     expected = (agg_loss(pg, mask, "seq-mean-token-mean") - 0.01 * agg_loss(entropy, mask, "seq-mean-token-mean")
                 + 0.1 * agg_loss(kl_penalty(logprob, ref, "k3"), mask, "seq-mean-token-mean"))
     torch.testing.assert_close(whole, expected)
-    assert set(metrics) == {"pg_loss", "entropy", "kl_loss", "clipfrac", "clipfrac_lower", "ppo_kl", "approx_kl"}
+    assert set(metrics) == {"pg_loss", "entropy", "kl_loss", "clipfrac", "clipfrac_lower", "ppo_kl", "approx_kl",
+                            "log_ratio_absmax"}
+    assert metrics["log_ratio_absmax"] == (logprob - old).abs()[mask].max()
     tokens, seqs = count_tokens_and_seqs(mask)
     parts = [torch.tensor([4, 0]), torch.tensor([1]), torch.tensor([5, 2, 3])]
     split = sum(actor_loss(logprob[p], old[p], adv[p], mask[p], entropy=entropy[p], ref_logprob=ref[p],
@@ -323,8 +330,8 @@ def test_actor_loss_composes_terms_and_is_split_invariant():
     torch.testing.assert_close(split, whole)
     with pytest.raises(ValueError, match="ref_logprob"):
         actor_loss(logprob, old, adv, mask, kl_coef=0.1)
-    with pytest.raises(ValueError, match="unknown policy loss 'gspo'"):
-        actor_loss(logprob, old, adv, mask, policy_loss="gspo")
+    with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
+        actor_loss(logprob, old, adv, mask, policy_loss="nope")
 
 
 def test_garbage_on_padding_gets_no_loss_and_no_gradient():

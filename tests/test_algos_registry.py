@@ -52,8 +52,8 @@ def test_allowed_names_are_the_registries():
     assert AlgorithmConfig(name="ppo").uses_critic and not AlgorithmConfig(name="grpo").uses_critic
     with pytest.raises(ConfigError, match=r"algorithm.name: unknown algorithm 'ppo2'.*'reinforce_plus_plus_baseline'"):
         load_config(None, ["algorithm.name=ppo2"])
-    with pytest.raises(ConfigError, match=r"algorithm.policy_loss: .*'gspo'.*\['ppo'\]"):
-        load_config(None, ["algorithm.policy_loss=gspo"])
+    with pytest.raises(ConfigError, match=r"algorithm.policy_loss: .*'gspo2'.*\['cispo', 'gspo', 'ppo'\]"):
+        load_config(None, ["algorithm.policy_loss=gspo2"])
     with pytest.raises(ConfigError, match=r"algorithm.kl.estimator: .*'k3\+'.*'k4'"):
         load_config(None, ["algorithm.kl.estimator=k4"])
     with pytest.raises(ConfigError, match="algorithm.loss_agg_mode"):

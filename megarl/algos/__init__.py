@@ -1,7 +1,11 @@
 """RL algorithms as pure tensor functions (no model, engine or process group).
 
 - :mod:`~megarl.algos.advantages`: GAE, GRPO, RLOO, REINFORCE++ (+baseline), registered by name.
-- :mod:`~megarl.algos.losses`: PPO clipped surrogate (clip-higher, dual-clip), actor loss, clipped value loss.
+- :mod:`~megarl.algos.losses`: policy losses (PPO clipped surrogate with clip-higher and dual-clip, GSPO, CISPO),
+  actor loss, clipped value loss.
+- :mod:`~megarl.algos.rollout_correction`: importance weights between the actor's old and the rollout engine's
+  log-probs (TIS/MIS, token or sequence level) and their mismatch metrics.
+- :mod:`~megarl.algos.shaping`: DAPO's overlong reward penalty.
 - :mod:`~megarl.algos.kl`: k1/k2/k3/k3+ KL estimators, the reward KL penalty, fixed/adaptive KL coefficient.
 - :mod:`~megarl.algos.aggregation`: masked reductions, exact group deviations, loss aggregation with global
   normalisers.
@@ -11,8 +15,10 @@ One RL step uses them in this order (``B`` responses of at most ``T`` tokens)::
 
     token_rewards = as_token_rewards(scores, mask)                                   # or apply_kl_penalty
     advantages, returns = ADVANTAGES.bind(name, cfg.algorithm)(token_rewards, mask, values=..., group_index=...)
-    tokens, seqs = count_tokens_and_seqs(mask)   # of the whole mini-batch, summed over DP ranks
-    loss, metrics = actor_loss(logprob, old_logprob, advantages, mask_k, global_tokens=tokens, ...)
+    weights, keep, _ = rollout_correction(old_logprob, rollout_logprob, mask, ...)    # optional
+    tokens, seqs = count_tokens_and_seqs(keep)   # of the whole mini-batch, summed over DP ranks
+    loss, metrics = actor_loss(logprob, old_logprob, advantages, keep_k, global_tokens=tokens,
+                               rollout_weights=weights_k, ...)
 
 The package imports nothing itself: :mod:`~megarl.algos.registry` stays free of torch, so
 :mod:`megarl.config` reads the allowed names from it; import the tensor modules by name.

@@ -163,6 +163,10 @@ ADVANTAGES.declare("reinforce_plus_plus_baseline", _ADV + "reinforce_plus_plus_b
 POLICY_LOSSES: Registry = Registry("policy loss", "register_policy_loss")
 POLICY_LOSSES.declare("ppo", "megarl.algos.losses:ppo_clip_loss", params={
     "clip_ratio_low": "clip_ratio_low", "clip_ratio_high": "clip_ratio_high", "clip_ratio_c": "clip_ratio_c"})
+POLICY_LOSSES.declare("gspo", "megarl.algos.losses:gspo_loss", params={
+    "clip_ratio_low": "clip_ratio_low", "clip_ratio_high": "clip_ratio_high"})
+POLICY_LOSSES.declare("cispo", "megarl.algos.losses:cispo_loss", params={
+    "clip_ratio_low": "clip_ratio_low", "clip_ratio_high": "clip_ratio_high"})
 
 # what each estimator's gradient estimates as a loss: derived and sourced in megarl.algos.kl's docstring
 KL_ESTIMATORS: Registry = Registry("KL estimator", "register_kl")
@@ -171,4 +175,16 @@ KL_ESTIMATORS.declare("k2", "megarl.algos.kl:kl_k2", loss_gradient="KL(pi || pi_
 KL_ESTIMATORS.declare("k3", "megarl.algos.kl:kl_k3", loss_gradient="KL(pi_ref || pi)")
 KL_ESTIMATORS.declare("k3+", "megarl.algos.kl:kl_k3_plus", loss_gradient="KL(pi || pi_ref)")
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # see megarl.algos.aggregation.agg_loss
+# rollout correction (megarl.algos.rollout_correction): levels, modes, and presets name -> (level, mode, cap,
+# lower), with the caps of verl's presets (TIS C = 2) and IcePop's band [0.5, 5]
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+ROLLOUT_CORRECTION_MODES = ("truncate", "mask")
+ROLLOUT_CORRECTION_PRESETS: dict[str, tuple[str, str, float, float]] = {
+    "token_tis": ("token", "truncate", 2.0, 0.0),
+    "seq_tis": ("sequence", "truncate", 2.0, 0.0),
+    "token_mis": ("token", "mask", 2.0, 0.5),
+    "seq_mis": ("sequence", "mask", 2.0, 0.5),
+    "icepop": ("token", "mask", 5.0, 0.5),
+}
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # see megarl.algos.aggregation.agg_loss

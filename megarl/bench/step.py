@@ -130,7 +130,7 @@ def _measure(cfg: Config, steps: int, warmup: int, sample_interval_s: float, *, 
 
 
 def _one_step(trainer, batches) -> dict[str, Any]:
-    metrics = trainer.step(next(batches))
+    metrics = trainer.step(next(batches), lambda: next(batches))  # more prompts: dynamic sampling
     trainer.step_idx += 1
     return metrics
 

@@ -14,6 +14,8 @@ sample of a group and every rank agrees on them.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import math
@@ -31,12 +33,14 @@ import torch.distributed as dist
 from megarl.algos.aggregation import masked_mean, masked_var
 from megarl.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
 from megarl.algos.registry import ADVANTAGES
+from megarl.algos.rollout_correction import rollout_correction
+from megarl.algos.shaping import overlong_penalty
 from megarl.bench.flops import peak_bf16_flops
 from megarl.bench.throughput import step_perf_metrics
 from megarl.bench.timers import PhaseTimer
 from megarl.config import Config, ConfigError, absolute_paths, to_dict
 from megarl.data.dataset import PromptDataset, read_rows
-from megarl.data.loader import PromptLoader
+from megarl.data.loader import PromptBatch, PromptLoader
 from megarl.data.template import PromptTemplate
 from megarl.models import checkpoint as ck
 from megarl.models.hf_io import load_tokenizer
@@ -52,7 +56,7 @@ from megarl.parallel.watchdog import progress_watched
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 from megarl.rewards.registry import load_reward_fn
-from megarl.rollout.base import SamplingConfig
+from megarl.rollout.base import RolloutOutput, RolloutStats, SamplingConfig
 from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel, map_data_parallel, map_share,
                                           rollout_dp_group)
 from megarl.trainer.batch import RolloutBatch, build_batch
@@ -277,7 +281,9 @@ class Trainer:
         if cfg.validation.enabled:
             self.validation = load_validation(cfg, self.tokenizer, self._rewards, self.spec)
             self.validation.hold_out(self.prompts)
-        epochs = max(1, math.ceil(cfg.trainer.steps * cfg.data.prompts_per_step / len(self.prompts)))
+        ds = cfg.algorithm.dynamic_sampling
+        rounds = 1 + (ds.max_extra_rounds if ds.enabled else 0)  # prompt batches a step may draw
+        epochs = max(1, math.ceil(cfg.trainer.steps * rounds * cfg.data.prompts_per_step / len(self.prompts)))
         self.loader = PromptLoader(self.prompts, cfg.data.prompts_per_step, shuffle=cfg.data.shuffle,
                                    seed=cfg.run.seed, epochs=epochs)
         pad = self.spec.pad_token_id
@@ -341,8 +347,9 @@ class Trainer:
             self._resume()
 
     # ------------------------------------------------------------------ one RL step
-    def step(self, prompts) -> dict[str, Any]:
-        """One RL step on a batch of prompts; returns its metrics (identical on every rank)."""
+    def step(self, prompts, more_prompts=None) -> dict[str, Any]:
+        """One RL step on a batch of prompts; returns its metrics (identical on every rank).
+        ``more_prompts()``: the next batch of prompts, for dynamic sampling's extra rounds."""
         cfg, alg, t = self.cfg, self.cfg.algorithm, self.timer
         step_start = time.perf_counter()
 
@@ -350,15 +357,16 @@ class Trainer:
             stats = self._reshard_actor_to_engine()
         self._offload(("params",))  # read by the reshard: the engine generates alone
         offloaded_bytes = sum(o.bytes_on_host for o in self.offloads)
+        sampling_metrics, known_scores = {}, None
         with t("generate"):
-            out = generate_data_parallel(self.engine, prompts.input_ids,
-                                         SamplingConfig(seed=cfg.run.seed * 1_000_003 + self.step_idx,
-                                                        **self.sampling), group=self.rollout_group)
+            out = self._generate(prompts, 0)
+            if alg.dynamic_sampling.enabled:
+                prompts, out, known_scores, sampling_metrics = self._dynamic_sampling(prompts, out, more_prompts)
             in_use = _device_bytes_in_use()  # the engine's weights and cache, and what training left resident
             self.engine.sleep(level=2)  # the next reshard rewrites every weight: nothing to keep
         self._reload()
         with t("reward"):
-            batch, scores = self._score(prompts, out)
+            batch, scores = self._score(prompts, out, known_scores)
         # each role on its pool (at the same time where the pools are disjoint), then shared with every rank
         with t("old_logprobs"):
             old = self.actor.compute_logprobs(batch)["logprobs"] if self.actor else None
@@ -369,7 +377,8 @@ class Trainer:
             with t("values"):
                 values = self.critic.compute_values(batch) if self.critic else None
         with t("share"):
-            self._gather_scores(batch, scores)
+            self._gather_scores(batch, scores, known_scores)
+            self._shape_rewards(batch)
             frame = batch["response_mask"].shape
             batch["old_logprobs"] = share_tensor(old, self.pools["actor"].ranks, frame)
             if "reference" in self.pools:
@@ -379,17 +388,24 @@ class Trainer:
         self._log_samples(prompts, batch)
         with t("advantages"):
             kl_metrics = self._advantages(batch)
+            loss_metrics = self._loss_mask(batch)
 
         metrics: dict[str, Any] = {}
         seed = cfg.run.seed * 7919 + self.step_idx
         if "critic" in self.pools:
             with t("critic_update"):
-                history = self.critic.update(batch, alg, seed=seed) if self.critic else None
+                history = (self.critic.update(batch, alg, seed=seed, norm_tokens=cfg.loss_norm_tokens)
+                           if self.critic else None)
                 metrics.update(_mean_over_updates("critic", share_object(history, self.pools["critic"].ranks)))
         if "critic" not in self.pools or self.step_idx >= cfg.critic.warmup_steps:
             with t("actor_update"):
-                history = self.actor.update(batch, alg, seed=seed) if self.actor else None
-                metrics.update(_mean_over_updates("actor", share_object(history, self.pools["actor"].ranks)))
+                history = (self.actor.update(batch, alg, seed=seed, norm_tokens=cfg.loss_norm_tokens)
+                           if self.actor else None)
+                history = share_object(history, self.pools["actor"].ranks)
+                metrics.update(_mean_over_updates("actor", history))
+                # first-step exactness: with one mini-batch and one epoch, both are exactly 0 (slime's CI check)
+                metrics["actor/ppo_kl_first_minibatch"] = history[0]["ppo_kl"]
+                metrics["actor/log_ratio_absmax_first_minibatch"] = history[0]["log_ratio_absmax"]
         self._offload(("grads", "optimizer"))  # idle until the next step's updates
 
         mask = batch["response_mask"]
@@ -405,7 +421,7 @@ class Trainer:
             "response/length_mean": mask.sum(-1).mean().item(), "response/length_max": mask.sum(-1).max().item(),
             "response/clip_ratio": float(np.mean([r == "length" for r in batch.meta["finish_reason"]])),
             "prompt/length_mean": batch["prompt_lens"].float().mean().item(),
-            **kl_metrics,
+            **kl_metrics, **loss_metrics, **sampling_metrics,
             "actor/rollout_vs_old_logprob_diff": masked_mean((batch["rollout_logprobs"] - batch["old_logprobs"])
                                                              .abs(), mask).item(),
             "offload/to_host_s": moves["to_host"], "offload/to_device_s": moves["to_device"],
@@ -471,16 +487,18 @@ class Trainer:
         """``[B]`` float32 scores of ``B`` responses on every rank: the reward pool scores, each rank a share."""
         return torch.cat(map_data_parallel(self.reward_fn, prompts, responses, truths, ranks=self.reward_ranks))
 
-    def _score(self, prompts, out) -> tuple[RolloutBatch, Any]:
+    def _score(self, prompts, out, known: torch.Tensor | None = None) -> tuple[RolloutBatch, Any]:
         """Decode and pack the rollout into a batch, and score this rank's share of it (the reward pool's ranks
         a share each, None elsewhere; no collective, so the other pools go on meanwhile);
-        :meth:`_gather_scores` puts every score into the batch."""
+        :meth:`_gather_scores` puts every score into the batch. With ``known`` (the ``[B]`` scores, already
+        computed on every rank: dynamic sampling) nothing is scored."""
         n = out.n
         samples = out.samples
         texts = self.tokenizer.batch_decode([list(s.token_ids) for s in samples], skip_special_tokens=True)
         raw = [prompts.raw_prompt[s.prompt_index] for s in samples]
         truths = [prompts.ground_truth[s.prompt_index] for s in samples]
-        local = map_share(self.reward_fn, raw, texts, truths, ranks=self.reward_ranks)
+        local = None if known is not None else map_share(self.reward_fn, raw, texts, truths,
+                                                          ranks=self.reward_ranks)
         batch = build_batch([prompts.input_ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
                             [s.logprobs for s in samples], [s.prompt_index for s in samples],
                             pad_token_id=self.pad_id, seq_multiple=8 * self.mesh.tp,
@@ -489,11 +507,126 @@ class Trainer:
         assert len(batch) == len(prompts.input_ids) * n
         return batch, local
 
-    def _gather_scores(self, batch: RolloutBatch, local: Any) -> None:
+    def _gather_scores(self, batch: RolloutBatch, local: Any, known: torch.Tensor | None = None) -> None:
         """Every reward rank's share of the scores (:meth:`_score`) as ``batch["scores"]`` ``[B]`` float32 and
-        ``batch.meta["correct"]`` (score >= 1), on every rank."""
-        batch["scores"] = scores = torch.cat(gather_shares(local, self.reward_ranks))
+        ``batch.meta["correct"]`` (score >= 1), on every rank (``known``: all of them, already on every rank)."""
+        scores = known if known is not None else torch.cat(gather_shares(local, self.reward_ranks))
+        batch["scores"] = scores
         batch.meta["correct"] = (scores >= 1.0).tolist()
+
+    def _generate(self, prompts: PromptBatch, round_idx: int) -> RolloutOutput:
+        """Generate ``rollout.n`` responses to each prompt, over the rollout data-parallel group. Round
+        ``round_idx`` of a step (dynamic sampling's extra rounds) has its own sampling seed; the engine's call
+        counter advances once per step, whatever the rounds, so a resumed run samples as the straight one."""
+        calls = self.engine.calls
+        out = generate_data_parallel(self.engine, prompts.input_ids,
+                                     SamplingConfig(seed=self.cfg.run.seed * 1_000_003 + self.step_idx
+                                                    + round_idx * 7_919_993, **self.sampling),
+                                     group=self.rollout_group)
+        self.engine.calls = calls + 1
+        return out
+
+    def _dynamic_sampling(self, prompts: PromptBatch, out: RolloutOutput, more_prompts
+                          ) -> tuple[PromptBatch, RolloutOutput, torch.Tensor, dict[str, float]]:
+        """DAPO's dynamic sampling (``algorithm.dynamic_sampling``; Yu et al. 2025, arXiv:2503.14476, sec.
+        3.2): score each round's responses, keep the groups whose scores are not all equal (the reward
+        function's scores, before overlong shaping), and generate ``data.prompts_per_step`` more prompts until
+        ``data.prompts_per_step`` groups have signal or ``max_extra_rounds`` extra rounds ran. The kept groups
+        are cut to the first ``prompts_per_step``, or, short of that, to a whole number of mini-batches
+        (:meth:`_group_unit`); with not one mini-batch's worth, the step trains on one mini-batch of them filled
+        with tied groups (advantage 0: they add only to the KL and entropy terms and the normalisers).
+
+        Returns:
+            ``(prompts, out, scores [B] float32, metrics)`` of the kept groups: ``dynamic_sampling/rounds``
+            (generation rounds), ``.../groups_generated``, ``.../groups_with_signal`` (all rounds),
+            ``.../groups_kept`` (with signal, in the step), ``.../groups_tied_kept`` and ``.../groups_short``
+            (``prompts_per_step`` minus groups with signal kept).
+        """
+        cfg = self.cfg
+        want, n = cfg.data.prompts_per_step, out.n
+        kept: list[tuple[PromptBatch, int, list, torch.Tensor]] = []  # (prompts, prompt k, samples, scores)
+        tied: list[tuple[PromptBatch, int, list, torch.Tensor]] = []
+        generated = signal = rounds = 0
+        seconds = 0.0
+        while True:
+            rounds += 1
+            generated += out.num_prompts
+            seconds += out.stats.seconds
+            texts = self.tokenizer.batch_decode([list(s.token_ids) for s in out.samples], skip_special_tokens=True)
+            scores = self._rewards([prompts.raw_prompt[s.prompt_index] for s in out.samples], texts,
+                                   [prompts.ground_truth[s.prompt_index] for s in out.samples]).float()
+            for k in range(out.num_prompts):
+                group = scores[k * n:(k + 1) * n]
+                signal += bool((group != group[0]).any())
+                (kept if bool((group != group[0]).any()) else tied).append((prompts, k, out.group(k), group))
+            if len(kept) >= want or rounds > cfg.algorithm.dynamic_sampling.max_extra_rounds:
+                break
+            prompts = more_prompts()
+            out = self._generate(prompts, rounds)
+        unit = self._group_unit()
+        signalled, kept = kept, kept[:want] if len(kept) >= want else kept[:len(kept) // unit * unit]
+        if not kept:  # not one mini-batch with signal: one mini-batch of them, filled with tied groups
+            kept = (signalled + tied)[:unit]
+        with_signal = min(len(kept), len(signalled))
+        merged = PromptBatch(input_ids=[p.input_ids[k] for p, k, _, _ in kept], index=[p.index[k] for p, k, _, _ in kept],
+                             ground_truth=[p.ground_truth[k] for p, k, _, _ in kept],
+                             raw_prompt=[p.raw_prompt[k] for p, k, _, _ in kept])
+        samples = [dataclasses.replace(s, prompt_index=i) for i, (_, _, group, _) in enumerate(kept) for s in group]
+        merged_out = RolloutOutput(samples, n, RolloutStats(
+            prompt_tokens=n * sum(len(p) for p in merged.input_ids),
+            generated_tokens=sum(len(s.token_ids) for s in samples), seconds=seconds))
+        scores = torch.cat([g for _, _, _, g in kept]) if kept else torch.zeros(0)
+        metrics = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups_generated": generated,
+                   "dynamic_sampling/groups_with_signal": signal, "dynamic_sampling/groups_kept": with_signal,
+                   "dynamic_sampling/groups_tied_kept": len(kept) - with_signal,
+                   "dynamic_sampling/groups_short": want - with_signal}
+        if self.rank == 0 and with_signal < want:
+            log.warning("dynamic sampling: %d of %d groups with signal after %d rounds "
+                        "(algorithm.dynamic_sampling.max_extra_rounds=%d); step %d trains on %d of them%s",
+                        signal, want, rounds, cfg.algorithm.dynamic_sampling.max_extra_rounds, self.step_idx + 1,
+                        with_signal, f" and {len(kept) - with_signal} tied groups" if len(kept) > with_signal else "")
+        return merged, merged_out, scores, metrics
+
+    def _group_unit(self) -> int:
+        """The fewest groups that make whole mini-batches of every trained role, divisible by every Megatron
+        role's DP (the batch sizes :func:`~megarl.parallel.placement.validate_for_world` checks for a full step)."""
+        sizes = [self.cfg.actor.ppo_mini_batch_size] + [lay.dp for lay in self.layouts.values()]
+        if "critic" in self.pools:
+            sizes.append(self.cfg.critic.ppo_mini_batch_size)
+        rows = math.lcm(self.cfg.rollout.n, *sizes)
+        return rows // self.cfg.rollout.n
+
+    def _shape_rewards(self, batch: RolloutBatch) -> None:
+        """``batch["overlong_penalty"]`` ``[B]``: DAPO's overlong penalty (``algorithm.overlong``,
+        :func:`~megarl.algos.shaping.overlong_penalty`), added to the scores by :meth:`_advantages`."""
+        ov = self.cfg.algorithm.overlong
+        if ov.buffer_tokens:
+            batch["overlong_penalty"] = overlong_penalty(batch["response_lens"], max_length=self.cfg.rollout.max_new_tokens,
+                                                         cache_length=ov.buffer_tokens, factor=ov.penalty_factor)
+
+    def _loss_mask(self, batch: RolloutBatch) -> dict[str, float]:
+        """``batch["loss_mask"]`` (the tokens in the actor's loss): the response mask without the responses cut
+        at the limit (``algorithm.overlong.filter``) and without what the rollout correction masks; and
+        ``batch["rollout_weights"]`` when it truncates. Returns the ``rollout_corr/...`` metrics (also with the
+        correction off: the token ratios' statistics) and ``response/overlong_filtered``."""
+        alg = self.cfg.algorithm
+        mask = batch["response_mask"].bool()
+        metrics = {}
+        if alg.overlong.filter:
+            cut = torch.tensor([r == "length" for r in batch.meta["finish_reason"]], dtype=torch.bool)
+            mask = mask & ~cut[:, None]
+            metrics["response/overlong_filtered"] = float(cut.float().mean()) if len(cut) else 0.0
+        rc = alg.rollout_correction
+        level, mode, cap, lower = rc.settings() if rc.enabled else ("token", "truncate", math.inf, 0.0)
+        weights, keep, stats = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], mask,
+                                                  level=level, mode=mode, cap=cap, lower=lower)
+        metrics.update({f"rollout_corr/{k}": v.item() for k, v in stats.items()})
+        if rc.enabled:
+            mask = keep
+            if mode == "truncate":
+                batch["rollout_weights"] = weights
+        batch["loss_mask"] = mask.float()
+        return metrics
 
     def _log_samples(self, prompts, batch: RolloutBatch) -> None:
         """Append the step's first ``trainer.log_samples`` responses to ``samples.jsonl`` (rank 0)."""
@@ -515,7 +648,9 @@ class Trainer:
         alg = self.cfg.algorithm
         mask = batch["response_mask"]
         metrics = {}
-        rewards = batch["scores"]
+        rewards = batch["scores"] + batch["overlong_penalty"] if "overlong_penalty" in batch else batch["scores"]
+        if "overlong_penalty" in batch:
+            metrics["reward/overlong_penalty_mean"] = batch["overlong_penalty"].mean().item()
         if "ref_logprobs" in batch:
             kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], alg.kl.estimator)
             metrics["actor/kl"] = masked_mean(kl, mask.bool()).item()
@@ -632,6 +767,7 @@ class Trainer:
                 (self.run_dir / "val_samples.jsonl").unlink(missing_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
         batches = iter(self.loader)
+        more_prompts = functools.partial(next, batches)
         first_step = self.step_idx
         self.saved_at = time.monotonic()
         try:
@@ -639,7 +775,7 @@ class Trainer:
                 if self.step_idx == 0 and self._validation_due():
                     logger.log(0, self.validate())
                 while self.step_idx < cfg.trainer.steps:
-                    metrics = self.step(next(batches))
+                    metrics = self.step(next(batches), more_prompts)
                     self.step_idx += 1
                     if self._validation_due():
                         metrics.update(self.validate())

@@ -54,10 +54,10 @@ def dp_share(batch: RolloutBatch, dp_rank: int, dp_size: int) -> RolloutBatch:
     return batch.select(slice(dp_rank * per, (dp_rank + 1) * per))
 
 
-def reduce_to_all(values: dict[str, float] | None, keys: list[str], *, average_over: int = 1,
-                  group=None) -> dict[str, float]:
+def reduce_to_all(values: dict[str, float] | None, keys: list[str], *, average_over: float = 1,
+                  group=None, op=dist.ReduceOp.SUM) -> dict[str, float]:
     """Metrics computed on the last pipeline stage, summed over DP (divided by ``average_over``), on every rank
-    of ``group`` (the role's pool; None = the world).
+    of ``group`` (the role's pool; None = the world); ``op=MAX`` takes the largest instead (of values >= 0).
 
     ``values`` is read on ranks that are on the last stage with TP rank 0 (one per DP replica) and ignored
     elsewhere; missing keys count as 0.
@@ -68,7 +68,7 @@ def reduce_to_all(values: dict[str, float] | None, keys: list[str], *, average_o
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     vec = torch.tensor([float((values or {}).get(k, 0.0)) if contributes else 0.0 for k in keys],
                        dtype=torch.float64, device=device)  # NCCL reduces device tensors only
-    dist.all_reduce(vec, group=group)
+    dist.all_reduce(vec, op=op, group=group)
     return {k: v / average_over for k, v in zip(keys, vec.tolist())}
 
 
@@ -213,15 +213,22 @@ class MegatronWorker:
     # ------------------------------------------------------------------ training
     def train_minibatches(self, batch: RolloutBatch, names: tuple[str, ...], loss_fn: Callable, *,
                           epochs: int, seed: int, mean_keys: list[str], sum_keys: list[str],
+                          max_keys: tuple[str, ...] = (), mask_name: str = "response_mask",
                           model_kwargs: dict[str, Any] | None = None) -> list[dict[str, float]]:
         """PPO-style updates: ``epochs`` passes over ``batch`` in shuffled global mini-batches, one optimizer
-        step each.
+        step each. With one mini-batch per epoch its rows keep the batch's order, so the first update's
+        micro-batches are those of the log-prob pass (first-step exactness: the update's log-probs are the old
+        ones bit for bit).
 
         Args:
             loss_fn: ``(micro_batch, output, normalisers) -> (loss, metrics)``; ``normalisers`` holds the
-                mini-batch's ``global_tokens`` and ``global_seqs``.
+                mini-batch's ``global_tokens`` and ``global_seqs`` (of ``mask_name``, in ``names``).
             seed: seeds the mini-batch shuffle (identical on every rank).
-            mean_keys / sum_keys: metrics averaged over micro-batches and DP / summed (loss shares).
+            mean_keys: metrics that are means over a micro-batch's valid tokens (of ``mask_name``): averaged
+                over the mini-batch weighted by each micro-batch's valid tokens, as the loss is, so they do not
+                depend on the micro-batch or DP layout.
+            sum_keys / max_keys: metrics summed (loss shares) / maximised over micro-batches and DP.
+            mask_name: the batch's ``[B, R]`` mask of the tokens in the loss.
             model_kwargs: extra model arguments (an ``output_processor``).
 
         Returns:
@@ -234,17 +241,19 @@ class MegatronWorker:
         history = []
         self.model.train()
         for _ in range(epochs):
-            order = torch.randperm(len(batch), generator=gen)
+            order = torch.randperm(len(batch), generator=gen) if n_mini > 1 else torch.arange(len(batch))
             for k in range(n_mini):
                 mini = batch.select(order[k * rc.ppo_mini_batch_size:(k + 1) * rc.ppo_mini_batch_size])
-                mask = mini["response_mask"]
+                mask = mini[mask_name]
                 norms = {"global_tokens": float(mask.sum()), "global_seqs": float((mask.sum(-1) > 0).sum())}
                 micro, _ = self._micro_batches(mini, names, rc.micro_batch_size)
                 scale = len(micro) * self.dp_size  # the same number of micro-batches on every DP rank
 
                 def output_fn(mb, out):
                     loss, metrics = loss_fn(mb, out, norms)
-                    return loss * scale, {k: float(v) for k, v in metrics.items()}
+                    values = {k: float(v) for k, v in metrics.items()}
+                    values["tokens"] = float(mb[mask_name].sum())
+                    return loss * scale, values
 
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
@@ -255,9 +264,12 @@ class MegatronWorker:
                 local = None
                 if res:
                     local = {k: sum(r.get(k, 0.0) for r in res) for k in sum_keys}
-                    local.update({k: sum(r.get(k, 0.0) for r in res) / len(res) for k in mean_keys})
+                    local.update({k: sum(r.get(k, 0.0) * r["tokens"] for r in res) for k in mean_keys})
+                    local.update({k: max(r.get(k, 0.0) for r in res) for k in max_keys})
                 m = reduce_to_all(local, sum_keys, group=self.pool_group)
-                m.update(reduce_to_all(local, mean_keys, average_over=self.dp_size, group=self.pool_group))
+                m.update(reduce_to_all(local, mean_keys, average_over=max(norms["global_tokens"], 1.0),
+                                       group=self.pool_group))
+                m.update(reduce_to_all(local, list(max_keys), op=dist.ReduceOp.MAX, group=self.pool_group))
                 m["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
                 m["lr"] = lr
                 history.append(m)
@@ -415,28 +427,39 @@ class PolicyWorker(MegatronWorker):
 
         return self.forward_response_frame(batch, fn, names, self._model_kwargs(with_entropy))
 
-    def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int) -> list[dict[str, float]]:
-        """PPO-clip updates of the actor on ``batch`` (needs old_logprobs, advantages, and ref_logprobs when
-        the KL is in the loss). Returns per-optimizer-step metrics: pg_loss, entropy, kl_loss, clipfrac,
-        ppo_kl, grad_norm, lr."""
+    def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int,
+               norm_tokens: float | None = None) -> list[dict[str, float]]:
+        """Policy-loss updates of the actor on ``batch`` (needs old_logprobs, advantages, loss_mask (the tokens
+        in the loss: the response mask minus what overlong filtering and rollout correction leave out; without
+        it, the response mask),
+        rollout_weights when the rollout correction weighs tokens, and ref_logprobs when the KL is in the
+        loss); ``norm_tokens``: the constant of ``loss_agg_mode=seq-mean-token-sum-norm``. Returns
+        per-optimizer-step metrics: pg_loss, entropy, kl_loss, clipfrac, clipfrac_lower, ppo_kl, approx_kl
+        (token means over the mini-batch), log_ratio_absmax (largest |log-prob - old log-prob|), grad_norm,
+        lr."""
         kl_in_loss = alg.kl.in_loss and alg.kl.coef > 0
-        names = MODEL_INPUTS + ("old_logprobs", "advantages") + (("ref_logprobs",) if kl_in_loss else ())
+        mask_name = "loss_mask" if "loss_mask" in batch else "response_mask"
+        names = (MODEL_INPUTS + ("old_logprobs", "advantages") + (("loss_mask",) if mask_name == "loss_mask" else ())
+                 + (("ref_logprobs",) if kl_in_loss else ())
+                 + (("rollout_weights",) if "rollout_weights" in batch else ()))
         params = POLICY_LOSSES.entry(alg.policy_loss).config_params(alg)
 
         def loss_fn(mb, logits, norms):
             logp, ent = self._logprobs(mb, logits, with_entropy=True)
             loss, metrics = actor_loss(
-                logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"], policy_loss=alg.policy_loss,
+                logp, mb["old_logprobs"], mb["advantages"], mb[mask_name], policy_loss=alg.policy_loss,
                 policy_loss_params=params, agg_mode=alg.loss_agg_mode, entropy=ent,
                 entropy_coeff=alg.entropy_coef, ref_logprob=mb.get("ref_logprobs"),
-                kl_coef=alg.kl.coef if kl_in_loss else 0.0, kl_kind=alg.kl.estimator, **norms)
-            metrics["entropy"] = agg_loss(ent.detach(), mb["response_mask"], "token-mean",
+                kl_coef=alg.kl.coef if kl_in_loss else 0.0, kl_kind=alg.kl.estimator,
+                rollout_weights=mb.get("rollout_weights"), norm_tokens=norm_tokens, **norms)
+            metrics["entropy"] = agg_loss(ent.detach(), mb[mask_name], "token-mean",
                                           global_tokens=norms["global_tokens"])
             return loss, metrics
 
         return self.train_minibatches(batch, names, loss_fn, epochs=self.rc.ppo_epochs, seed=seed,
                                       sum_keys=["pg_loss", "kl_loss", "entropy"],
                                       mean_keys=["clipfrac", "clipfrac_lower", "ppo_kl", "approx_kl"],
+                                      max_keys=("log_ratio_absmax",), mask_name=mask_name,
                                       model_kwargs=self._model_kwargs(with_entropy=True))
 
 
@@ -452,14 +475,16 @@ class CriticWorker(MegatronWorker):
         return self.forward_response_frame(batch, lambda mb, out: {"values": self._values(mb, out)},
                                            ("values",))["values"]
 
-    def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int) -> list[dict[str, float]]:
-        """Clipped value-loss updates on ``batch`` (needs values (old), returns). Returns per-step metrics:
-        vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr."""
+    def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int,
+               norm_tokens: float | None = None) -> list[dict[str, float]]:
+        """Clipped value-loss updates on ``batch`` (needs values (old), returns); ``norm_tokens`` as the
+        actor's. Returns per-step metrics: vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr."""
         names = MODEL_INPUTS + ("values", "returns")
 
         def loss_fn(mb, out, norms):
             loss, metrics = value_loss(self._values(mb, out), mb["values"], mb["returns"], mb["response_mask"],
-                                       cliprange_value=alg.value_clip, agg_mode=alg.loss_agg_mode, **norms)
+                                       cliprange_value=alg.value_clip, agg_mode=alg.loss_agg_mode,
+                                       norm_tokens=norm_tokens, **norms)
             return loss * alg.vf_coef, metrics
 
         return self.train_minibatches(batch, names, loss_fn, epochs=self.rc.ppo_epochs, seed=seed,
