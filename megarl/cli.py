@@ -487,7 +487,11 @@ def entry() -> NoReturn:
     """The ``megarl`` command and ``python -m megarl.cli``: :func:`main`, then the exit (a rank's by
     :func:`_end_rank`)."""
     status = main()
-    if is_rank():  # a rank of a torchrun relaunch, torchrun or srun
+    from megarl.parallel.lifecycle import started_by_megarl
+
+    # a rank of a torchrun relaunch, torchrun or srun; or an attempt of `megarl train --max-restarts`, whose
+    # process group ends with it (megarl.parallel.lifecycle): no interpreter teardown closing that watch early
+    if is_rank() or started_by_megarl():
         _end_rank(status)
     sys.exit(status)
 

@@ -94,12 +94,17 @@ def test_an_extended_run_with_changed_optimizer_settings_follows_the_current_con
     root, model, data = task
     base = task_overrides(model, data, root / "runs", "extended") + BASE + [
         "actor.optim.warmup_steps=0", "actor.optim.decay=linear", "actor.optim.lr=1e-3"]
-    first, _ = run_world(_train_then_optimizer, 1, base + ["trainer.steps=2"])[0]
+    # checkpoints by time alone (trainer.save_every=0: by step only at the end): 0.0001 minutes pass every step
+    by_time = ["trainer.save_every=0", "trainer.save_every_min=0.0001", "trainer.keep_checkpoints=3"]
+    first, _ = run_world(_train_then_optimizer, 1, base + by_time + ["trainer.steps=2"])[0]
     assert [h["actor/lr"] for h in first] == pytest.approx(
         [(_linear_lr(1, 1e-3, 0, 4) + _linear_lr(2, 1e-3, 0, 4)) / 2, _linear_lr(3.5, 1e-3, 0, 4)])
+    assert all(h["time/checkpoint_save"] > 0 for h in first)  # the save's seconds, in the step's metrics
+    assert [p.name for p in sorted((root / "runs" / "extended" / "checkpoints").iterdir())] == \
+        ["step_000001", "step_000002"]
     changed = ["trainer.steps=4", "trainer.resume=true", "actor.optim.lr=2e-3", "actor.optim.min_lr=1e-4",
                "actor.optim.weight_decay=0.1"]
-    history, decays = run_world(_train_then_optimizer, 1, base + changed)[0]
+    history, decays = run_world(_train_then_optimizer, 1, base + by_time + changed)[0]
     assert [h["step"] for h in history] == [1, 2, 3, 4]
     want = [(_linear_lr(u, 2e-3, 1e-4, 8) + _linear_lr(u + 1, 2e-3, 1e-4, 8)) / 2 for u in (5, 7)]
     assert [h["actor/lr"] for h in history[2:]] == pytest.approx(want, rel=1e-6)
