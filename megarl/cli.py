@@ -131,6 +131,8 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
     from megarl.parallel.lifecycle import mark_children
 
     mark_children()  # the ranks end with this process, SIGKILL included
+    # each rank's threads: this machine's cores shared out (torchrun would set 1, with a banner saying so)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // cfg.world_size)))
     print(f"megarl: launching {cfg.world_size} processes with torchrun", flush=True)
     try:
         torchrun([f"--nproc_per_node={cfg.world_size}", "--standalone", "-m", "megarl.cli", *argv])
@@ -147,6 +149,25 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
     return True
 
 
+CHECK_HELP = ("check the config against its model, tokenizer, files and reward function (every check made "
+              "before a run, less what this machine lacks, e.g. a GPU), print the result and run nothing")
+
+
+def check_only(cfg, what: str) -> int:
+    """``--check``: :func:`~megarl.trainer.preflight.preflight` of ``cfg`` without the checks of this machine
+    (a GPU config checked on a CPU machine, as CI checks ``perf/gpu_*.sh``); prints one line; returns 0.
+
+    Raises:
+        ConfigError: naming the field, as a run would before starting.
+    """
+    from megarl.trainer.preflight import preflight
+
+    spec = preflight(cfg, cfg.world_size, this_machine=False)
+    print(f"megarl {what}: check passed ({cfg.world_size} rank(s), model {cfg.model.path}: {spec.num_layers} "
+          f"layers, hidden {spec.hidden_size}); nothing was run", flush=True)
+    return 0
+
+
 def is_rank() -> bool:
     """Whether this process is one rank of a job (started by torchrun or SLURM), not a launcher."""
     return "RANK" in os.environ or "SLURM_PROCID" in os.environ
@@ -161,6 +182,7 @@ def _train(p: argparse.ArgumentParser):
     p.add_argument("--max-restarts", type=int_at_least("--max-restarts", 0), default=None, metavar="N",
                    help="run again from the newest checkpoint after a failure, up to N times "
                         "(launch.max_restarts; default from the config: 0)")
+    p.add_argument("--check", action="store_true", help=CHECK_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.config import load_config
@@ -169,6 +191,9 @@ def _train(p: argparse.ArgumentParser):
         overrides += ["trainer.resume=true"] if a.resume else []
         overrides += [f"launch.max_restarts={a.max_restarts}"] if a.max_restarts is not None else []
         cfg = load_config(config, overrides)  # fails here, before any process or model, on a bad config
+        if a.check:
+            return check_only(cfg, "train")
+
         from megarl.parallel.restart import RESTART_ENV
 
         if cfg.launch.max_restarts and not is_rank() and RESTART_ENV not in os.environ:
@@ -227,6 +252,7 @@ def _eval(p: argparse.ArgumentParser):
                    "validation.max_new_tokens=512 rollout.engine=vllm")
     p.add_argument("--out", help="output folder for eval.json and eval_samples.jsonl (default: "
                    "<run.output_dir>/eval/<model name>, <run name>-step_<N> for a run's checkpoint)")
+    p.add_argument("--check", action="store_true", help=CHECK_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from pathlib import Path
@@ -237,6 +263,8 @@ def _eval(p: argparse.ArgumentParser):
         if config is None and (config := _run_config(a.model)):
             print(f"megarl eval: the run's config {config} (give a CONFIG.yaml to use another)", flush=True)
         cfg = load_config(config, overrides + [f"model.path={a.model}"])
+        if a.check:
+            return check_only(cfg, "eval")
         from megarl.trainer.evaluate import evaluate_model
 
         out = a.out or Path(cfg.run.output_dir) / "eval" / _eval_name(a.model)
@@ -244,7 +272,7 @@ def _eval(p: argparse.ArgumentParser):
         import torch.distributed as dist
 
         if not is_rank() and dist.is_initialized():  # its own world of one: ended while the interpreter is whole
-            dist.destroy_process_group()  # (gloo's threads at teardown aborted it now and then, as _end_rank says)
+            dist.destroy_process_group()  # (gloo's threads at teardown aborted it now and then, as end_process says)
         m = result["metrics"]
         print(f"{a.model}: accuracy {m['val/accuracy']:.4f}, mean reward {m['val/reward_mean']:.4f}, response "
               f"length {m['val/response_length_mean']:.0f} tokens, {m['val/clip_ratio']:.0%} cut at max_new_tokens "
@@ -300,10 +328,9 @@ def _export(p: argparse.ArgumentParser):
 
 @command("data", "gsm8k", help="prepare GSM8K (train/test parquet files)")
 def _data_gsm8k(p: argparse.ArgumentParser):
-    from megarl.data.gsm8k import HF_REPO
-
     p.add_argument("--src", required=True,
-                   help=f"directory with train.jsonl and test.jsonl, or a hub dataset id ({HF_REPO}; 'hub' for it)")
+                   help="directory with train.jsonl and test.jsonl, or a Hugging Face hub dataset id ('hub': "
+                        "GSM8K's own, megarl.data.gsm8k.HF_REPO)")
     p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
 
     def run(a: argparse.Namespace) -> int:
@@ -319,10 +346,73 @@ def _data_gsm8k(p: argparse.ArgumentParser):
 
 @command("bench", "reshard", help="reshard benchmark against two baselines")
 def _bench_reshard(p: argparse.ArgumentParser):
-    from megarl.bench import reshard
+    from megarl.config import MIN_BUCKET_MB, ReshardConfig
 
-    reshard.add_arguments(p)
-    return reshard.run
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = """Reshard benchmark (megarl/bench/reshard.py), two modes:
+
+  layout (default)  a model shape (--model, random weights) on a Megatron TP x PP x DP mesh of --nproc local
+                    processes (gloo on CPU, NCCL on GPUs; or the ranks of torchrun/srun) is resharded into vLLM
+                    TP shards (--dst vllm) or whole HF tensors (--dst hf) by the reshard engine and by two
+                    baselines (gather the full model then slice; verl's per-tensor TP all-gather). Per rank:
+                    bytes sent/received, peak extra memory, wall ms, destination GB/s, exact or not.
+  micro             one process, no communication: the box-copy kernels of one rank's copies (the whole
+                    model Megatron TP=1 -> vLLM TP=1 on one device; the pack and unpack of Megatron TP=1 ->
+                    vLLM TP=t, t the smallest TP > 1 the model admits) against one plain device copy of the
+                    same bytes and one torch copy_ per box.
+
+The defaults run on any machine: SmolLM2-135M (9 heads, 3 KV heads) at Megatron TP=3 on 3 local ranks into
+vLLM TP=1 engines, bf16, the trainer's bucket size (reshard.bucket_mb)."""
+    dflt = ReshardConfig()
+    p.add_argument("mode", nargs="?", choices=("layout", "micro"), default="layout",
+                   help="what to measure (default: layout)")
+    p.add_argument("--model", default="smollm2-135m", help="a named model shape (megarl.models.spec.PRESETS: "
+                   "smollm2-135m, qwen2.5-0.5b, qwen2.5-7b, llama-3-8b, ...; default: smollm2-135m)")
+    p.add_argument("--layers", type=int_at_least("--layers", 0), default=0,
+                   help="cut the model to this many layers (default 0: all)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="source dtype (default bf16)")
+    p.add_argument("--iters", type=positive_int("--iters"), default=5, help="measured runs, median (default 5)")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    g = p.add_argument_group("layout mode")
+    g.add_argument("--nproc", type=positive_int("--nproc"), default=3,
+                   help="local processes to spawn (default 3; ignored under torchrun or srun)")
+    g.add_argument("--src-tp", type=positive_int("--src-tp"), default=3, help="Megatron TP of the source (default 3)")
+    g.add_argument("--src-pp", type=positive_int("--src-pp"), default=1, help="Megatron PP of the source (default 1)")
+    g.add_argument("--dst", choices=("vllm", "hf"), default="vllm",
+                   help="vLLM TP shards or whole HF tensors (default vllm)")
+    g.add_argument("--dst-tp", type=positive_int("--dst-tp"), default=1,
+                   help="vLLM TP; its engines fill the world (default 1)")
+    g.add_argument("--hf-ranks", type=int, nargs="+", default=[0],
+                   help="ranks that get whole HF tensors, with --dst hf (default 0)")
+    g.add_argument("--dst-dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="destination dtype (default: --dtype)")
+    g.add_argument("--bucket-mb", type=positive_float("--bucket-mb", minimum=MIN_BUCKET_MB), default=dflt.bucket_mb,
+                   help=f"staging bytes per rank per round, MiB, >= {MIN_BUCKET_MB:g} (default {dflt.bucket_mb:g}, "
+                        "reshard.bucket_mb's)")
+    g.add_argument("--ranks-per-node", type=positive_int("--ranks-per-node"), default=None,
+                   help="for the same-node preference (default: one node)")
+    g.add_argument("--no-direct", action="store_true", help=f"stage every piece (default: pieces of >= "
+                   f"{dflt.direct_min_kb:g} KiB contiguous at an end go direct, reshard.direct_min_kb's)")
+    g.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1, help="unmeasured runs first (default 1)")
+    g.add_argument("--no-baselines", dest="baselines", action="store_false", help="measure the reshard alone")
+    g = p.add_argument_group("micro mode")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda where a GPU is, else cpu)")
+    p.add_argument("--check", action="store_true", help="check the flags against the world and the model "
+                   "(layout mode), print the result and run nothing")
+
+    def run(a: argparse.Namespace) -> int:
+        from megarl.bench.reshard import check_layout_args, run as bench_reshard
+
+        a.direct_min_kb = None if a.no_direct else dflt.direct_min_kb
+        if a.check:
+            world = int(os.environ.get("WORLD_SIZE", a.nproc))
+            if a.mode == "layout":
+                check_layout_args(a, world)
+            print(f"megarl bench reshard {a.mode}: check passed ({world} rank(s), model {a.model}); nothing was "
+                  "run", flush=True)
+            return 0
+        return bench_reshard(a)
+    return run
 
 
 @command("bench", "step", help="RL steps phase by phase: time, tokens/s/GPU, MFU, peak memory, utilisation")
@@ -332,7 +422,8 @@ def _bench_step(p: argparse.ArgumentParser):
     p.add_argument("--steps", type=positive_int("--steps"), default=3, help="measured RL steps (default 3)")
     p.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1,
                    help="RL steps run first and not measured (default 1)")
-    p.add_argument("--json", default=None, help="report file (default: <run folder>/bench_step.json)")
+    p.add_argument("--json", default=None, help="report file (default: <run folder>/bench_step.json; the run "
+                   "folder is runs/bench-<run.name> unless run.name is given on the command line)")
     p.add_argument("--peak-tflops", type=positive_float("--peak-tflops"), default=None,
                    help="peak TFLOP/s per GPU for MFU (default: the device's datasheet dense bf16 peak)")
     p.add_argument("--sample-interval", type=positive_float("--sample-interval"), default=0.1,
@@ -340,15 +431,18 @@ def _bench_step(p: argparse.ArgumentParser):
     p.add_argument("--standalone-vllm", action="store_true",
                    help="then generate the measured batches on a plain vLLM on the same GPU and report the ratio "
                         "(rollout.engine=vllm)")
+    p.add_argument("--check", action="store_true", help=CHECK_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.config import load_config
 
         config, overrides = split_config_and_overrides(a.config, a.overrides)
-        cfg = load_config(config, overrides + ["validation.enabled=false"])  # it times steps: no held-out data
+        cfg = bench_step_config(config, overrides)
         if a.standalone_vllm and cfg.rollout.engine != "vllm":
             raise UsageError(f"bench step: --standalone-vllm compares with vLLM rollouts; rollout.engine is "
                              f"{cfg.rollout.engine!r}: set rollout.engine=vllm or drop the flag")
+        if a.check:
+            return check_only(cfg, "bench step")
         if relaunch_world(cfg, ["bench", *a.argv]):
             return 0
         from megarl.bench.step import bench_step
@@ -358,6 +452,18 @@ def _bench_step(p: argparse.ArgumentParser):
                             config_path=config, overrides=overrides)
         return 0 if report["status"] == "ok" else 1
     return run
+
+
+def bench_step_config(config: str | None, overrides: list[str]):
+    """The config of ``megarl bench step``: no validation (it times steps), and a run folder of its own,
+    ``bench-<run.name>``, unless ``run.name`` is given on the command line: a benchmark of the default config
+    (or of a run's YAML) never writes into that training run's folder."""
+    from megarl.config import load_config
+
+    cfg = load_config(config, overrides + ["validation.enabled=false"])
+    if not any(o.split("=", 1)[0].strip() == "run.name" for o in overrides):
+        cfg.run.name = f"bench-{cfg.run.name}"
+    return cfg
 
 
 @command("submit", help="a training run as one SLURM batch job (sbatch)")
@@ -381,8 +487,10 @@ def _sweep(p: argparse.ArgumentParser):
 
 
 # ------------------------------------------------------------------------------------------------ the tree
-def build_parser() -> argparse.ArgumentParser:
-    """The whole ``megarl`` argument tree (every registered :func:`command`)."""
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``megarl`` argument tree (every registered :func:`command`). With ``argv``, only the command that it
+    names gets its arguments: a builder imports what its command needs, so ``megarl --help`` and ``megarl
+    COMMAND --help`` import neither torch nor megatron-core (each builder keeps its imports light)."""
     usage = __doc__.split("\n\n")[1]  # the table of commands at the top of this module's docstring
     root = _Parser(prog="megarl", description="megarl: RL post-training (PPO, GRPO and kin) of LLMs on "
                    "Megatron-core TP/PP/DP meshes, with vLLM rollouts.",
@@ -399,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[prefix] = g.add_subparsers(dest=f"command_{depth}", metavar="SUBCOMMAND", required=True,
                                                   parser_class=_Parser)
         p = groups[path[:-1]].add_parser(path[-1], help=help_text, description=help_text)
-        p.set_defaults(run=build(p))
+        if argv is None or list(path) == argv[:len(path)]:
+            p.set_defaults(run=build(p))
     return root
 
 
@@ -422,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.trainer.run_lock import RunLockedError
 
     try:
-        parser = build_parser()
+        parser = build_parser(argv)
         if not argv:
             parser.print_help()
             return 0
@@ -431,9 +540,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0
         args.argv = argv[1:]
-        from megarl.console import quiet_libraries
+        from megarl.console import quiet_libraries, quiet_other_ranks
+        from megarl.parallel.lifecycle import own_descendants
 
+        own_descendants()  # what the command starts (libraries' helpers included) ends with it, kill -9 included
         quiet_libraries()
+        if is_rank():
+            quiet_other_ranks()
         return args.run(args)
     except (UsageError, ConfigError, ValueError, FileNotFoundError, RunLockedError) as e:  # errors naming the fix
         if os.environ.get("MEGARL_TRACEBACK"):
@@ -465,35 +578,40 @@ def _interrupted(e: BaseException) -> int:
     return 130
 
 
-def _end_rank(status: int) -> NoReturn:
-    """End a finished rank: destroy its process groups while the interpreter is whole, flush its output, and
-    leave with ``os._exit`` as :mod:`multiprocessing` ends its children, without interpreter teardown.
+def end_process(status: int) -> NoReturn:
+    """End a finished megarl process: destroy its process groups while the interpreter is whole, end every
+    process it started (:func:`megarl.parallel.lifecycle.end_descendants`), flush its output, and leave with
+    ``os._exit`` as :mod:`multiprocessing` ends its children, without interpreter teardown. Afterwards nothing
+    holds its stdout or stderr: ``megarl train ... | cat`` ends with the run.
 
     Teardown destroys C++ objects of torch and gloo whose worker threads may still hold Python objects; on a
     loaded machine that aborted a finished rank now and then (``terminate called without an active
-    exception``, exit code -6) after its work was done and written. Everything a rank writes is closed before
-    this (loggers, checkpoints, reports); helper processes go with the rank's process group
-    (:mod:`megarl.parallel.lifecycle`)."""
-    import torch.distributed as dist
+    exception``, exit code -6) after its work was done and written; and the helpers that libraries start and
+    never stop (megatron-core's checkpoint writer's ``multiprocessing`` manager and its resource tracker) kept
+    running after it, holding the output open. Everything megarl writes is closed before this (loggers,
+    checkpoints, reports)."""
+    import logging
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    from megarl.parallel.lifecycle import end_descendants
+
+    end_descendants()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that has gone (``| head``), a closed stream
+            pass
     os._exit(status)
 
 
 def entry() -> NoReturn:
-    """The ``megarl`` command and ``python -m megarl.cli``: :func:`main`, then the exit (a rank's by
-    :func:`_end_rank`)."""
-    status = main()
-    from megarl.parallel.lifecycle import started_by_megarl
-
-    # a rank of a torchrun relaunch, torchrun or srun; or an attempt of `megarl train --max-restarts`, whose
-    # process group ends with it (megarl.parallel.lifecycle): no interpreter teardown closing that watch early
-    if is_rank() or started_by_megarl():
-        _end_rank(status)
-    sys.exit(status)
+    """The ``megarl`` command and ``python -m megarl.cli``: :func:`main`, then :func:`end_process`."""
+    end_process(main())
 
 
 if __name__ == "__main__":

@@ -85,15 +85,19 @@ class ParallelConfig:
     Attributes:
         tp: tensor-parallel size. pp: pipeline-parallel size. dp: data-parallel size (0 = derive).
         sequence_parallel: shard norm/dropout activations over TP (tp > 1).
+        ep: expert-parallel size of a mixture-of-experts model (its experts split over ``ep`` ranks of each
+            pipeline stage, expert TP = 1; must divide the experts and ``tp * dp``); 1 for dense models. The
+            actor's ``ep`` applies to every Megatron role, which all run on the whole world.
     """
 
     tp: int = 1
     pp: int = 1
     dp: int = 0
     sequence_parallel: bool = False
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "ep"):
             require(getattr(self, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(self, name)}")
         require(self.dp >= 0, "parallel.dp", f"must be >= 0 (0 derives it), got {self.dp}")
 

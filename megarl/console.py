@@ -36,3 +36,12 @@ def quiet_libraries() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+
+
+def quiet_other_ranks() -> None:
+    """In a rank of a job other than rank 0 (``RANK``, else ``SLURM_PROCID``), megarl's own log lines below
+    ERROR are dropped: rank 0 speaks for the job (a note such as a missing EOS id or removed validation prompts
+    came once per rank), while every rank still reports its errors."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    if rank.isdigit() and int(rank) != 0:
+        logging.getLogger("megarl").setLevel(logging.ERROR)

@@ -6,7 +6,7 @@
 Builds the named model shape (random init) with :func:`megarl.models.megatron.build_model` on a TP=1 x PP=1
 mesh, runs ``--steps`` timed forward+backward passes (after one warm-up) through megatron's
 ``forward_backward_func`` with the token-mean log-prob loss the trainer uses, and reports seconds per pass,
-tokens/s, model TFLOP/s and MFU (:func:`megarl.bench.flops.train_flops`: 6 x matmul params x tokens plus
+tokens/s, model TFLOP/s and MFU (:func:`megarl.measure.flops.train_flops`: 6 x matmul params x tokens plus
 causal attention, against ``--peak-tflops``, 989 for an H200's dense bf16), peak memory, and that the loss and
 gradients are finite.
 
@@ -26,7 +26,7 @@ import time
 import torch
 
 from kernels.chunked_logprobs import LogprobOutput
-from megarl.bench.flops import train_flops
+from megarl.measure.flops import train_flops
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.megatron import build_model
 from megarl.models.pipeline import run_microbatches

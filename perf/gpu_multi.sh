@@ -34,12 +34,12 @@ install_wheels() {  # vLLM too where its wheels were uploaded (perf/install_whee
 }
 
 build_extension() {  # megarl._C with its CUDA kernels
-  bash perf/build_C.sh && python3 -c "import megarl._C; assert megarl._C.cuda, 'megarl._C was built without CUDA'"
+  bash perf/build_C.sh && python3 -c "import torch, megarl._C; assert megarl._C.cuda, 'megarl._C was built without CUDA'"
 }
 
 bench() {  # bench NAME ARGS...: one reshard benchmark, JSON to $OUT/bench_NAME.json
   local name=$1; shift
-  python3 -m megarl.bench.reshard --model "${MODEL:-qwen2.5-7b}" --layers "${LAYERS:-0}" --dtype bf16 --nproc 2 \
+  python3 -m megarl.cli bench reshard --model "${MODEL:-qwen2.5-7b}" --layers "${LAYERS:-0}" --dtype bf16 --nproc 2 \
     --dst vllm --iters 5 --ranks-per-node 2 --json "$OUT/bench_$name.json" "$@"
 }
 

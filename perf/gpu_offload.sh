@@ -16,7 +16,7 @@ for OFFLOAD in false true; do
     reward.fn=tests.rl_tasks:says_target rollout.engine=vllm rollout.gpu_memory_utilization=0.35 \
     data.prompts_per_step=64 rollout.n=8 rollout.max_new_tokens=256 actor.micro_batch_size=16 \
     actor.ppo_mini_batch_size=256 actor.logprob_micro_batch_size=32 actor.optim.lr=1e-6 \
-    actor.offload=$OFFLOAD trainer.steps=3 trainer.save_every=0 trainer.progress=false \
+    actor.offload=$OFFLOAD trainer.steps=3 trainer.save_every=0 trainer.progress=false validation.enabled=false \
     run.output_dir=$OUT run.name=offload_$OFFLOAD
 done
 python3 - "$OUT" <<'PY'

@@ -67,7 +67,7 @@ assert not bad, f"non-finite metrics: {bad}"
 for h in history:
     print(f"step {h['step']}: reward {h['reward/mean']:.3f}, |rollout - old log-prob| "
           f"{h['actor/rollout_vs_old_logprob_diff']:.4f}, generate {h['time/generate']:.2f} s "
-          f"({h['throughput/generate_tokens_per_s']:.0f} tokens/s), reshard {h['time/reshard'] * 1e3:.1f} ms, "
+          f"({h['throughput/generate_tokens_per_s']:.0f} tokens/s), wake-up {h['time/wake_up'] * 1e3:.1f} ms, reshard {h['time/reshard'] * 1e3:.1f} ms, "
           f"step {h['time/step']:.2f} s")
 worst = max(h["actor/rollout_vs_old_logprob_diff"] for h in history)
 assert worst < 0.05, f"vLLM's sampled-token log-probs differ from the actor's by {worst} on average"

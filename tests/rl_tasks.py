@@ -1,7 +1,7 @@
 """A tiny model and a synthetic task for trainer tests: answer every prompt with one target word.
 
-The model is a randomly initialised 2-layer Llama with a 16-word vocabulary (a word-level tokenizer saved
-beside it), so a random policy says the target first with probability ~1/16: enough signal for GRPO/PPO to
+The model is a randomly initialised 2-layer Llama (or a mixture of experts: :func:`make_tiny_moe_model`) with
+a 16-word vocabulary (a word-level tokenizer saved beside it), so a random policy says the target first with probability ~1/16: enough signal for GRPO/PPO to
 learn the task within a few steps on the CPU.
 """
 
@@ -18,19 +18,43 @@ TARGET = "x"
 
 def make_tiny_model(path: Path, *, layers: int = 2, seed: int = 0, tied: bool = True) -> Path:
     """Write a random Llama (hidden 64, 4 heads, 2 KV heads) and its word-level tokenizer as an HF directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    from megarl.models.hf_io import save_hf_checkpoint
     from megarl.models.spec import ModelSpec
 
     spec = ModelSpec("llama", vocab_size=len(WORDS), hidden_size=64, num_layers=layers, num_attention_heads=4,
                      num_kv_heads=2, head_dim=16, ffn_hidden_size=128, rope_theta=10000.0, rms_norm_eps=1e-5,
                      tie_word_embeddings=tied, max_position_embeddings=64, bos_token_id=None,
                      eos_token_ids=(WORDS.index("<eos>"),), pad_token_id=WORDS.index("<pad>"))
+    return _save_random(path, spec, seed)
+
+
+def make_tiny_moe_model(path: Path, *, family: str = "qwen3_moe", layers: int = 2, seed: int = 0) -> Path:
+    """Write a random mixture-of-experts model of ``family`` (hidden 64, 4 heads, 2 KV heads, 8 experts of width
+    32, top-2; Qwen2-MoE with a shared expert of width 48) and the word-level tokenizer as an HF directory."""
+    from megarl.models.spec import ModelSpec
+
+    spec = ModelSpec(family, vocab_size=len(WORDS), hidden_size=64, num_layers=layers, num_attention_heads=4,
+                     num_kv_heads=2, head_dim=16, ffn_hidden_size=128, rope_theta=10000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=True, max_position_embeddings=64, bos_token_id=None,
+                     eos_token_ids=(WORDS.index("<eos>"),), pad_token_id=WORDS.index("<pad>"), num_experts=8,
+                     moe_top_k=2, moe_ffn_hidden_size=32, moe_aux_loss_coef=0.001,
+                     shared_expert_ffn_hidden_size=48 if family == "qwen2_moe" else 0)
+    return _save_random(path, spec, seed)
+
+
+def _save_random(path: Path, spec, seed: int) -> Path:
+    """A random transformers model of ``spec`` in its checkpoint form (experts one tensor each), with the
+    word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from megarl.models.hf_io import save_hf_checkpoint
+    from megarl.models.layout import hf_layout, local_views
+    from megarl.models.weights import assemble_canonical
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32)
-    tensors = {n: t for n, t in model.state_dict().items() if n in spec.hf_tensor_shapes()}
+    local = hf_layout(spec, [0], fused_experts=True).tensors(0)  # transformers' fused experts -> one per expert
+    tensors = assemble_canonical(local, local_views(dict(model.named_parameters()), local), spec.hf_tensor_shapes())
     save_hf_checkpoint(path, spec, tensors)
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -1,5 +1,5 @@
 """``megarl bench step`` on the CPU (tiny model, synthetic task): the report's fields and units, never its
-times; and the FLOP formula of :mod:`megarl.bench.flops` against a count by hand."""
+times; and the FLOP formula of :mod:`megarl.measure.flops` against a count by hand."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from megarl.bench.flops import forward_flops, mfu, peak_bf16_flops, train_flops
+from megarl.measure.flops import forward_flops, mfu, peak_bf16_flops, train_flops
 from megarl.models.spec import ModelSpec
 from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
 
@@ -74,7 +74,7 @@ def test_bench_step_report_fields_and_units(report):
     assert r["config"]["resolved"]["rollout"]["n"] == 4
     assert r["peak_tflops"]["datasheet"] == pytest.approx(0.001)
     phases = r["phases"]
-    assert list(phases)[:5] == ["reshard", "generate", "reward", "old_logprobs", "reference"]
+    assert list(phases)[:6] == ["wake_up", "reshard", "generate", "reward", "old_logprobs", "reference"]
     assert "actor_update" in phases
     assert len(r["per_step"]) == 2
     # one batch: 4 prompts x 4 samples of 3-5 prompt words and 1-3 response tokens (max_new_tokens=3)
@@ -109,6 +109,7 @@ def test_bench_step_on_two_ranks(tmp_path):
             "actor.micro_batch_size=2", "--steps", "1", "--warmup", "0", "--json", str(out)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)  # relaunched under torchrun
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Setting OMP_NUM_THREADS" not in proc.stderr  # torchrun's banner: megarl sets each rank's threads
     r = json.loads(out.read_text())
     assert r["status"] == "ok" and r["world_size"] == 2 and r["config"]["layout"]["dp"] == 2
     assert len(r["gpu_util"]["per_rank"]) == 2
@@ -116,6 +117,17 @@ def test_bench_step_on_two_ranks(tmp_path):
     upd = r["phases"]["actor_update"]
     assert upd["tokens_per_s_per_gpu"] == pytest.approx(upd["tokens"] / upd["time_s"] / 2)
     assert r["mfu"] is None  # no peak on the CPU
+
+
+def test_bench_step_never_writes_into_the_training_runs_folder():
+    """Issue 24: with run.name left as the config has it, bench step wrote bench_step.json (and its trainer's
+    files) into the main training run's folder."""
+    from megarl.cli import bench_step_config
+    from megarl.config import load_config
+
+    train = load_config(None, [])
+    assert bench_step_config(None, []).run.run_dir == train.run.run_dir.parent / f"bench-{train.run.name}"
+    assert bench_step_config(None, ["run.name=mine"]).run.name == "mine"
 
 
 def test_bench_step_bad_flag_is_one_error_line():

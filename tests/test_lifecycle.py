@@ -21,7 +21,7 @@ import pytest
 
 from megarl.parallel.lifecycle import PeerLostError, phase, process_alive
 from megarl.trainer.metrics import read_metrics
-from tests.distributed import run_world
+from tests.distributed import marked_processes, run_world
 from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -339,3 +339,45 @@ def test_ctrl_c_ends_the_run_in_one_line_then_resume_continues(task, layout):
     assert _processes_naming(str(run_dir)) == []
     code, out = _cli(task, name, *layout, "trainer.steps=2", "--resume")
     assert code == 0 and "resumed from" in out, out[-3000:]
+
+
+# a megarl process that starts what libraries start and never stop: megatron-core's checkpoint writer's spawned
+# multiprocessing manager (with its resource tracker), and an orphan (a double fork, parent 1); then it ends
+# as megarl.cli ends, or is SIGKILLed (argv[1] "kill": it waits)
+_HELPERS = """
+import subprocess, sys, time
+import multiprocessing as mp
+from megarl.parallel.lifecycle import own_descendants
+own_descendants()
+queue = mp.get_context("spawn").Manager().Queue()
+subprocess.Popen(["sh", "-c", "sleep 600 &"]).wait()
+print("started", flush=True)
+if sys.argv[1] == "kill":
+    time.sleep(600)
+from megarl.cli import end_process
+end_process(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["end", "kill"])
+def test_what_a_megarl_process_starts_ends_with_it_and_releases_its_output(how):
+    """Issue 24: helpers that libraries start inside a rank (megatron-core's multiprocessing manager and its
+    resource tracker, left with parent 1 by every SLURM rank) and orphans end with the megarl process, at a
+    normal end and at ``kill -9``: its piped output reaches its end (``megarl train ... | cat`` ends) and no
+    process with its environment is left."""
+    import uuid
+
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-c", _HELPERS, how], stdout=subprocess.PIPE, cwd=REPO,
+                            env=os.environ | {"MEGARL_TEST_MARK": mark})
+    try:
+        assert proc.stdout.readline() == b"started\n"
+        assert len(marked_processes(mark)) >= 4  # itself, the manager, the resource tracker, the orphan
+        if how == "kill":
+            proc.kill()
+        proc.communicate(timeout=60)  # the end of the output: every holder of the pipe is gone
+        assert proc.returncode == (0 if how == "end" else -signal.SIGKILL)
+        _wait_for(lambda: not marked_processes(mark), 10, "the processes it started to end")
+    finally:
+        for pid in marked_processes(mark):
+            os.kill(pid, signal.SIGKILL)

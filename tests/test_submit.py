@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from tests.distributed import marked_processes
 from tests.slurm_cluster import wait_for_job
 
 ROOT = Path(__file__).parents[1]
@@ -108,9 +111,15 @@ SMALL = ["trainer.steps=1", "trainer.save_every=1", "trainer.progress=false", "v
 @pytest.mark.slow
 def test_submit_cpu_default_pp2_then_resume(slurm_cluster, tmp_path):
     """The CPU default at PP=2 (SmolLM2, GSM8K) as a real 2-task SLURM job for one step; ``--resume`` with
-    ``trainer.steps=2`` then adds the second step from the first one's checkpoint."""
+    ``trainer.steps=2`` then adds the second step from the first one's checkpoint. After each job, no process
+    with the job's environment is left (issue 24: every rank left megatron-core's checkpoint-writer manager and
+    its resource tracker running with parent 1, holding the job's output)."""
+    import uuid
+
+    mark = uuid.uuid4().hex
+    env = {"MEGARL_TEST_MARK": mark}  # sbatch passes the environment to the job, srun to the ranks
     run = [f"run.output_dir={tmp_path}", "run.name=pp2"]
-    r = _megarl("submit", "parallel_configs/cpu_smollm2_pp2.yaml", *SMALL, *run, "--ntasks-per-node", "2")
+    r = _megarl("submit", "parallel_configs/cpu_smollm2_pp2.yaml", *SMALL, *run, "--ntasks-per-node", "2", env=env)
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     run_dir = tmp_path / "pp2"
@@ -124,9 +133,10 @@ def test_submit_cpu_default_pp2_then_resume(slurm_cluster, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["checkpoint"].endswith("step_000001")
     assert "megarl run finished at step 1" in log
+    _assert_nothing_left(mark)
 
     r = _megarl("submit", "parallel_configs/cpu_smollm2_pp2.yaml", *SMALL, *run, "trainer.steps=2",
-                "--ntasks-per-node", "2", "--resume")
+                "--ntasks-per-node", "2", "--resume", env=env)
     assert r.returncode == 0, r.stderr
     assert "resuming from" in r.stdout and "step_000001" in r.stdout
     job2 = re.search(r"submitted job (\d+)", r.stdout).group(1)
@@ -137,4 +147,20 @@ def test_submit_cpu_default_pp2_then_resume(slurm_cluster, tmp_path):
     assert [m["step"] for m in metrics] == [1, 2]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["checkpoint"].endswith("step_000002")
-    assert "1 steps in this session" in log
+    assert "(1 step in this session" in log
+    _assert_nothing_left(mark)
+
+
+def _assert_nothing_left(mark: str) -> None:
+    """No process of the ended job (environment ``MEGARL_TEST_MARK=mark``) runs any more."""
+    deadline = time.monotonic() + 30  # the job's state changes as its last task ends; its helpers die with it
+    while (left := marked_processes(mark)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    described = {}
+    for pid in left:
+        try:
+            described[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200].decode()
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"processes of the job left running: {described}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,48 @@ def test_plan_drops_points_with_reasons():
     assert "estimated memory" in dropped["tp1_pp1_recomputefalse"]
     assert "tp4_pp2_recomputetrue" not in dropped  # the shipped 64-GPU layout fits
     assert "24 points" in r.stdout
+
+
+def test_a_mistyped_grid_key_or_a_sweep_that_drops_every_point_fails(tmp_path):
+    """Issue 24: a typo in a grid key dropped every point and exited 0 (``--local`` wrote an empty table)."""
+    base = {"name": "typo", "output": str(tmp_path / "sweeps"), "job": {"ntasks_per_node": 1}}
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump({**base, "grid": {"actor.paralel.tp": [1, 2]}}))
+    r = _sweep(str(path), "--local")
+    assert r.returncode == 2 and "grid.actor.paralel.tp: actor.paralel is not a config field" in r.stderr, r.stderr
+    assert "parallel" in r.stderr  # the fields that exist there
+    path.write_text(yaml.safe_dump({**base, "grid": {"actor.parallel.tp": [2, 4]}}))  # a 1-rank job: none fits
+    r = _sweep(str(path), "--local")
+    assert r.returncode == 2 and "every point was dropped" in r.stderr, r.stderr
+    assert not (tmp_path / "sweeps" / "typo" / "results.md").exists()
+
+
+def test_slurm_without_sbatch_says_where_the_script_is(tmp_path, monkeypatch):
+    """Issue 24: the error suggested a --dry-run that sweep does not have and did not say where sweep.sbatch
+    went."""
+    from megarl.config import ConfigError
+    from megarl.launch.submit import sbatch
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch on it
+    script = tmp_path / "sweep.sbatch"
+    with pytest.raises(ConfigError) as e:
+        sbatch(script, written="sweep.sbatch")
+    assert f"sweep.sbatch is written at {script}" in str(e.value) and "--dry-run" not in str(e.value)
+
+
+def test_the_job_does_not_carry_the_submitting_process_token(tmp_path, monkeypatch):
+    """sbatch hands its environment to the job: with megarl's owner token in it, the submitting command (and
+    its watchdog) ended the job's processes when it left, where the job ran on its own host."""
+    from megarl.launch.submit import sbatch
+    from megarl.parallel.lifecycle import OWNER_ENV
+
+    fake = tmp_path / "sbatch"
+    fake.write_text(f"#!/bin/sh\nenv > {tmp_path / 'env.txt'}\necho 42\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv(OWNER_ENV, "host:1:2")
+    assert sbatch(tmp_path / "job.sbatch") == "42"
+    assert f"{OWNER_ENV}=" not in (tmp_path / "env.txt").read_text()
 
 
 @pytest.mark.slow

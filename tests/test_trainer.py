@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tests.distributed import run_world
-from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
+from tests.rl_tasks import make_tiny_model, make_tiny_moe_model, task_overrides, train_on_rank, write_prompts
 
 COMPARED = ["reward/mean", "response/length_mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
             "actor/kl", "actor/clipfrac", "actor/ppo_kl"]
@@ -41,6 +41,18 @@ def test_grpo_learns_the_task(task):
     history = _run(task, "grpo", extra=LEARN)[0]
     rewards = [h["reward/mean"] for h in history]
     assert rewards[0] < 0.3, rewards  # a random policy rarely answers with the target
+    assert max(rewards[-3:]) > 0.8, rewards
+
+
+def test_grpo_learns_the_task_with_a_moe_actor_at_ep2(tmp_path):
+    """A Qwen3-MoE actor (8 experts, top-2) on 2 ranks with its experts split over them (actor.parallel.ep=2):
+    the reshard moves each rank's experts into both ranks' transformers engines, and GRPO learns."""
+    model = make_tiny_moe_model(tmp_path / "model")
+    data = write_prompts(tmp_path / "prompts.jsonl", 64)
+    history = run_world(train_on_rank, 2, task_overrides(model, data, tmp_path / "runs", "moe")
+                        + LEARN + ["actor.parallel.ep=2"])[0]
+    rewards = [h["reward/mean"] for h in history]
+    assert rewards[0] < 0.3, rewards
     assert max(rewards[-3:]) > 0.8, rewards
 
 

@@ -37,13 +37,18 @@ def test_dynamic_sampling_refills_the_tied_groups(task):
     assert m["reward/std"] > 0 and m["reward/mean"] != 0.5
 
 
-def test_dynamic_sampling_round_cap_trains_on_fewer_groups_and_says_so(task):
-    m = _run(task, "capped", DYNAMIC + ["algorithm.dynamic_sampling.max_extra_rounds=0"])[0]
+@pytest.mark.parametrize("mini", [8, 16])
+def test_dynamic_sampling_round_cap_trains_on_fewer_groups_and_says_so(task, mini):
+    m = _run(task, f"capped{mini}", DYNAMIC + ["algorithm.dynamic_sampling.max_extra_rounds=0",
+                                               f"actor.ppo_mini_batch_size={mini}"])[0]
     signal = m["dynamic_sampling/groups_with_signal"]
     assert m["dynamic_sampling/rounds"] == 1 and 2 <= signal < 4, m
-    # whole mini-batches of 8 rows = 2 groups of 4: the groups with signal, cut to a multiple of 2
-    assert m["dynamic_sampling/groups_kept"] == 2 and m["dynamic_sampling/groups_short"] == 2
-    assert m["dynamic_sampling/groups_tied_kept"] == 0
+    if mini == 8:  # whole mini-batches of 8 rows = 2 groups of 4: the groups with signal, cut to a multiple of 2
+        assert m["dynamic_sampling/groups_kept"] == 2 and m["dynamic_sampling/groups_tied_kept"] == 0
+    else:  # not one mini-batch (4 groups) with signal: all of them, and tied groups to fill it
+        assert m["dynamic_sampling/groups_kept"] == signal
+        assert m["dynamic_sampling/groups_tied_kept"] == 4 - signal
+    assert m["dynamic_sampling/groups_short"] == 4 - m["dynamic_sampling/groups_kept"]
     assert "actor/pg_loss" in m
 
 

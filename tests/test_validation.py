@@ -108,6 +108,23 @@ def test_summary_lists_validation_accuracy_by_step(run):
     assert "finished at step 12" in text
 
 
+def test_summary_and_report_count_one_step_and_show_each_sample_once(tmp_path):
+    """Issue 24: "1 steps" in the summary and the report; a cut-off response shown under "Worst" and again
+    under "Cut at max_new_tokens"."""
+    from megarl.trainer.metrics import summary_text
+    from megarl.trainer.report import pick_samples
+
+    text = summary_text([{"step": 1, "reward/mean": 0.5}], run_dir=tmp_path, checkpoint=None, hf_export=None,
+                        wall_s=1.0, steps_this_session=1)
+    assert "(1 step in this session" in text, text
+    samples = [{"prompt": f"p{i}", "response": f"r{i}", "score": float(i > 2), "step": 1,
+                "finish_reason": "length" if i < 2 else "stop"} for i in range(5)]
+    picked = pick_samples(samples, k=2)
+    shown = [s["prompt"] for chosen in picked.values() for s in chosen]
+    assert len(shown) == len(set(shown)), picked
+    assert [s["prompt"] for s in picked["Worst"]] == ["p0", "p1"] and picked["Cut at max_new_tokens"] == []
+
+
 def test_tensorboard_events_equal_the_jsonl(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -1,4 +1,5 @@
-"""Benchmarks of the reshard engine (``megarl bench reshard``, ``python -m megarl.bench.reshard``).
+"""Benchmarks of the reshard engine (``megarl bench reshard``; its flags and their defaults are in
+:mod:`megarl.cli`, ``megarl bench reshard --help``).
 
 Two modes:
 
@@ -17,10 +18,11 @@ Two modes:
   exact. Runs under torchrun/SLURM, or spawns ``--nproc`` local processes (gloo on CPU).
 - ``micro``: one process, no megatron, no communication: the box-copy kernels of one rank's copies
   (same-rank copy of a whole Megatron TP=1 model into vLLM TP=1, i.e. the single-GPU hybrid engine; the pack
-  and the unpack of a TP=1 -> TP=2 reshard) against one plain device copy of the same bytes, and against one
-  torch ``copy_`` per box. GB/s count bytes once.
+  and the unpack of a TP=1 -> TP=t reshard, t the smallest vLLM TP > 1 that the model admits: 2 for most, 3
+  for SmolLM2's 9 heads) against one plain device copy of the same bytes, and against one torch ``copy_`` per
+  box. GB/s count bytes once.
 
-Prints a table and writes a JSON file (``--json``).
+Prints what was measured (model, layouts, dtypes, bucket) and a table, and writes a JSON file (``--json``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Mapping
@@ -38,14 +39,13 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from megarl.config import MIN_BUCKET_MB
 from megarl.models.layout import (Layout, canonical_shapes, check_vllm_tp, hf_layout, megatron_layout,
                                    megatron_rank_tensors, vllm_layout)
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError, preset
 from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard.boxcopy import Box, BoxBatch, extension_available
-from megarl.reshard.executor import DEFAULT_BUCKET_BYTES, DIRECT_MIN_BYTES, execute_plan
+from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -314,7 +314,7 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     src_tensors = _fill_synthetic(src.tensors(rank), dtype, device)
     dst_tensors = {n: torch.zeros(lt.shape, dtype=dst_dtype, device=device) for n, lt in dst.tensors(rank).items()}
     dst_bytes = sum(t.numel() * t.element_size() for t in dst_tensors.values())
-    direct_min = None if args.no_direct else DIRECT_MIN_BYTES
+    direct_min = None if args.direct_min_kb is None else int(args.direct_min_kb * 1024)
 
     def reshard(profile: bool = False):
         return execute_plan(plan, src_tensors, dst_tensors, rank=rank, bucket_bytes=int(args.bucket_mb * 2**20),
@@ -425,9 +425,10 @@ def _run_micro(args: argparse.Namespace) -> dict:
                     for n, lt in one.dst.tensors(0).items()})
     cases["local_copy"] = BoxBatch([(Box(("src", t.src_name), t.src_start, t.size),
                                      Box(("one", t.dst_name), t.dst_start, t.size)) for t in one.for_rank(0).local])
-    # pack and unpack of a TP=1 -> TP=2 reshard (rank 0 sends half of every sharded tensor to rank 1)
-    two = plan_reshard(src, vllm_layout(spec, 2, [0, 1]))
-    sends = two.for_rank(0).sends
+    # pack and unpack of a TP=1 -> TP=t reshard (rank 0 sends rank 1's share of every sharded tensor)
+    split = split_tp(spec)
+    two = plan_reshard(src, vllm_layout(spec, split, range(split)))
+    sends = [t for t in two.for_rank(0).sends if t.dst_rank == 1]
     offsets = [0]
     for t in sends:
         offsets.append(offsets[-1] + t.numel)
@@ -438,7 +439,7 @@ def _run_micro(args: argparse.Namespace) -> dict:
                               for t, off in zip(sends, offsets)])
     cases["unpack"] = BoxBatch([(Box("staging", (off,), t.size, True), Box(("two", t.dst_name), t.dst_start, t.size))
                                 for t, off in zip(sends, offsets)])
-    out = {"mode": "micro", "config": vars(args), "extension": extension_available(),
+    out = {"mode": "micro", "config": vars(args), "extension": extension_available(), "split_tp": split,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "cases": {}}
     for name, batch in cases.items():
         nbytes = batch.total_elements() * tensors["staging"].element_size()
@@ -467,6 +468,41 @@ def _run_micro(args: argparse.Namespace) -> dict:
     return out
 
 
+def split_tp(spec: ModelSpec) -> int:
+    """The smallest vLLM TP > 1 that ``spec`` admits (its heads and KV heads), for the micro mode's pack and
+    unpack case.
+
+    Raises:
+        ValueError: the model admits no TP > 1 (e.g. a single query head).
+    """
+    for t in range(2, spec.num_attention_heads + 1):
+        try:
+            check_vllm_tp(spec, t)
+            return t
+        except SpecError:
+            continue
+    raise ValueError(f"--model: {spec.num_attention_heads} query heads admit no vLLM TP > 1 for the pack/unpack case")
+
+
+def _what(result: dict) -> str:
+    """What a run measured, in words (the line above its table)."""
+    c = result["config"]
+    model = c["model"] + (f" cut to {c['layers']} layers" if c["layers"] else "")
+    if result["mode"] == "micro":
+        return (f"bench reshard micro: {model}, {c['dtype']}, on {result['device']}, median of {c['iters']} runs; "
+                f"local_copy: the whole model Megatron TP=1 -> vLLM TP=1 on one device; pack/unpack: the pieces "
+                f"rank 0 sends to rank 1 in Megatron TP=1 -> vLLM TP={result['split_tp']}")
+    ranks = result["ranks"]
+    world = len(ranks)
+    dp = world // (c["src_tp"] * c["src_pp"])
+    dst = (f"vLLM TP={c['dst_tp']} ({world // c['dst_tp']} engine(s))" if c["dst"] == "vllm"
+           else f"whole HF tensors on rank(s) {c['hf_ranks']}")
+    direct = "staged" if c["direct_min_kb"] is None else f"direct pieces >= {c['direct_min_kb']:g} KiB"
+    return (f"bench reshard layout: {model}, {c['dtype']} -> {c['dst_dtype'] or c['dtype']}, Megatron TP={c['src_tp']}"
+            f" x PP={c['src_pp']} x DP={dp} on {world} rank(s) -> {dst}; bucket {c['bucket_mb']:g} MiB, {direct}; "
+            f"median of {c['iters']} runs after {c['warmup']} warm-up")
+
+
 def _micro_table(result: dict) -> str:
     lines = [f"device: {result['device']}  extension: {result['extension']}",
              f"{'case':<11} {'boxes':>6} {'MB':>9} {'d2d GB/s':>9} {'kernel GB/s':>12} {'ratio':>6} "
@@ -478,40 +514,6 @@ def _micro_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The arguments of ``megarl bench reshard`` (registered in :mod:`megarl.cli`, whose argparse types name the
-    flag in their errors). The defaults run on any machine: SmolLM2-135M (9 heads, 3 KV heads) at TP=3 on 3
-    local ranks, resharded into vLLM TP=1 engines (every rank gathers the whole model)."""
-    from megarl.cli import int_at_least, positive_float, positive_int
-
-    p.add_argument("mode", nargs="?", choices=("layout", "micro"), default="layout")
-    p.add_argument("--model", default="smollm2-135m", help="a PRESETS shape (smollm2-135m, qwen2.5-0.5b, "
-                   "qwen2.5-7b, llama-3-8b, ...)")
-    p.add_argument("--layers", type=int_at_least("--layers", 0), default=0,
-                   help="cut the model to this many layers (0: all)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="source dtype")
-    p.add_argument("--iters", type=positive_int("--iters"), default=5)
-    p.add_argument("--json", default=None, help="write the results to this JSON file")
-    g = p.add_argument_group("layout mode")
-    g.add_argument("--nproc", type=positive_int("--nproc"), default=3,
-                   help="local processes to spawn (ignored under torchrun)")
-    g.add_argument("--src-tp", type=positive_int("--src-tp"), default=3, help="Megatron TP of the source")
-    g.add_argument("--src-pp", type=positive_int("--src-pp"), default=1, help="Megatron PP of the source")
-    g.add_argument("--dst", choices=("vllm", "hf"), default="vllm")
-    g.add_argument("--dst-tp", type=positive_int("--dst-tp"), default=1, help="vLLM TP (engines fill the world)")
-    g.add_argument("--hf-ranks", type=int, nargs="+", default=[0], help="ranks that get whole HF tensors")
-    g.add_argument("--dst-dtype", choices=sorted(DTYPES), default=None, help="destination dtype (default: --dtype)")
-    g.add_argument("--bucket-mb", type=positive_float("--bucket-mb", minimum=MIN_BUCKET_MB),
-                   default=DEFAULT_BUCKET_BYTES / 2**20, help=f"staging bytes per rank per round, MiB (>= "
-                   f"{MIN_BUCKET_MB:g})")
-    g.add_argument("--ranks-per-node", type=positive_int("--ranks-per-node"), default=None)
-    g.add_argument("--no-direct", action="store_true", help="stage every piece (no direct sends/receives)")
-    g.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1)
-    g.add_argument("--no-baselines", dest="baselines", action="store_false")
-    g = p.add_argument_group("micro mode")
-    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print the table; write ``--json``. Returns the exit status (1 if a result is not
     exact).
@@ -520,11 +522,13 @@ def run(args: argparse.Namespace) -> int:
         ValueError: flags that do not fit the world or the model (:func:`check_layout_args`), before any rank
             starts; a ``--device`` that this machine lacks.
     """
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.mode == "micro" and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no GPU here; use --device cpu")
     result = _run_micro(args) if args.mode == "micro" else _run_layout(args)
     if not result:  # a torchrun rank other than 0
         return 0
+    print(_what(result))
     print(_micro_table(result) if args.mode == "micro" else _layout_table(result["ranks"]))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -533,9 +537,3 @@ def run(args: argparse.Namespace) -> int:
     exact = all(m["exact"] for r in result.get("ranks", []) for m in r["methods"].values()) and \
         all(c.get("kernel_equals_torch", True) for c in result.get("cases", {}).values())
     return 0 if exact else 1
-
-
-if __name__ == "__main__":  # python -m megarl.bench.reshard ... (e.g. under torchrun)
-    from megarl.cli import main
-
-    sys.exit(main(["bench", "reshard", *sys.argv[1:]]))

@@ -2,10 +2,10 @@
 
 Builds the real :class:`~megarl.trainer.trainer.Trainer` from the config (random weights with
 ``model.path=preset:NAME``, or a real model), runs ``K`` warm-up steps and ``N`` measured steps, and reports
-per phase (reshard, generate, reward, old log-probs, reference, values, advantages, critic update, actor
-update): seconds per step, tokens per step, tokens/s and tokens/s/GPU, MFU for the model passes and peak
-memory. Tokens and model FLOPs of each phase are those of :mod:`megarl.bench.throughput` (real sequence
-lengths, causal attention, formulas and sources in :mod:`megarl.bench.flops`); MFU is reported against the
+per phase (the rollout engine's wake-up, reshard, generate, reward, old log-probs, reference, values,
+advantages, critic update, actor update): seconds per step, tokens per step, tokens/s and tokens/s/GPU, MFU
+for the model passes and peak memory. Tokens and model FLOPs of each phase are those of :mod:`megarl.measure.throughput` (real sequence
+lengths, causal attention, formulas and sources in :mod:`megarl.measure.flops`); MFU is reported against the
 device's datasheet dense bf16 peak (``mfu``; H100/H200 SXM: 989.4 TFLOP/s) and, where one was measured,
 against the measured bf16 matmul rate (``mfu_vs_measured``; H200: 794 TFLOP/s, GPU.md). ``--peak-tflops``
 replaces the datasheet figure (a device missing from the table, or the CPU). Peak memory is
@@ -28,7 +28,7 @@ by rank 0, that ``megarl sweep`` collects. Its keys:
   peak_memory_bytes}}``, ``time_s`` and ``tokens`` per step (means), rates over the measured steps (sums over
   sums); ``tokens``/rates/``flops``/``mfu`` are null for phases without them (reshard, advantages);
 - ``gpu_util``: ``source`` ("nvml" or "proc"), ``util_mean_pct``, ``util_max_pct``, ``memory_max_bytes``
-  (over ranks) and ``per_rank`` (each rank's summary, :meth:`~megarl.bench.monitor.Samples.summary`);
+  (over ranks) and ``per_rank`` (each rank's summary, :meth:`~megarl.measure.monitor.Samples.summary`);
 - ``per_step``: the seconds of every phase of every measured step;
 - with ``--standalone-vllm`` (vLLM rollouts), ``standalone_vllm``: rank 0's generate calls of the measured
   steps run again on a plain vLLM on the same GPU (:mod:`megarl.bench.vllm_standalone`): ``status``,
@@ -53,12 +53,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.bench.flops import device_name, measured_bf16_flops, mfu, peak_bf16_flops
-from megarl.bench.monitor import UtilizationSampler
+from megarl.measure.flops import device_name, measured_bf16_flops, mfu, peak_bf16_flops
+from megarl.measure.monitor import UtilizationSampler
 from megarl.bench.vllm_standalone import GenerateRecorder
 from megarl.config import Config, to_dict
 
-PHASE_ORDER = ("reshard", "generate", "reward", "old_logprobs", "reference", "values", "advantages",
+PHASE_ORDER = ("wake_up", "reshard", "generate", "reward", "old_logprobs", "reference", "values", "advantages",
                "critic_update", "actor_update")
 
 

@@ -3,7 +3,8 @@ points whose estimate exceeds the device's memory before anything starts).
 
 For the busiest rank (the pipeline stage holding the most parameters), in bytes:
 
-- **params**: the actor's share: ``layers/pp`` decoder layers with attention and FFN split over TP, the
+- **params**: the actor's share: ``layers/pp`` decoder layers with attention and FFN split over TP (an MoE
+  layer: the router whole, ``num_experts/ep`` experts whole (expert TP = 1), the shared expert over TP), the
   embedding (vocab padded to ``lcm(128, tp)``, split over TP) on the first stage, the output layer (or the tied
   embedding's copy) on the last stage; norms replicated. Element size of ``model.dtype``.
 - **grads**: megatron-core's DDP keeps one fp32 gradient buffer of the rank's parameters
@@ -17,7 +18,8 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
   batches per mini-batch)``). Per token and layer, elements kept for the backward (SwiGLU, GQA, unfused
   softmax; after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
   Sec. 4, adapted to SwiGLU/GQA): ``2h`` replicated (norm inputs; split over TP with sequence parallelism) +
-  ``(4h + 4*kv_size + 3*ffn + 2*heads*s) / tp`` (the ``s`` term only with ``actor.kernels.attention=local``);
+  ``(4h + 4*kv_size + 3*ffn + 2*heads*s) / tp`` (the ``s`` term only with ``actor.kernels.attention=local``;
+  an MoE layer's ``3*ffn`` is ``top_k`` experts' ``3*moe_ffn`` plus the shared expert's ``3*shared_ffn``);
   with ``actor.recompute`` only each layer's input ``h`` is kept (plus one layer's full set while it is
   recomputed). The last stage adds fp32 logits, three copies (logits, log-softmax, its gradient) of
   ``vocab/tp`` per token, of the micro-batch, or of one chunk with ``actor.kernels.chunked_logprob``.
@@ -82,8 +84,16 @@ class MemoryEstimate:
         return f"{self.total / GIB:.2f} GiB ({', '.join(parts)})"
 
 
-def stage_params(spec, tp: int, pp: int, *, value_head: bool = False) -> int:
-    """Parameters held by the busiest pipeline stage of a TP x PP actor (``value_head``: a critic, whose
+def _ffn_width(spec) -> int:
+    """Per token, the FFN width a layer's SwiGLU activations have: ``ffn``, or for an MoE layer its ``top_k``
+    experts' and the shared expert's."""
+    if not spec.is_moe:
+        return spec.ffn_hidden_size
+    return spec.moe_top_k * spec.moe_ffn_hidden_size + spec.shared_expert_ffn_hidden_size
+
+
+def stage_params(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 1) -> int:
+    """Parameters held by the busiest pipeline stage of a TP x PP (x EP) actor (``value_head``: a critic, whose
     output layer is one column).
 
     Raises:
@@ -93,7 +103,13 @@ def stage_params(spec, tp: int, pp: int, *, value_head: bool = False) -> int:
     from megarl.models.megatron import padded_vocab_size
 
     h, f, kv = spec.hidden_size, spec.ffn_hidden_size, spec.kv_size
-    layer = (h * (spec.q_size + 2 * kv) + spec.q_size * h + 3 * h * f) // tp + 2 * h
+    if spec.is_moe:  # router and local experts whole, the shared expert and its gate split like a dense MLP
+        m, shared = spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size
+        ffn = spec.num_experts * h + spec.num_experts // ep * 3 * h * m + 3 * h * shared // tp + (h if shared else 0)
+    else:
+        ffn = 3 * h * f // tp
+    layer = (h * (spec.q_size + 2 * kv) + spec.q_size * h) // tp + ffn + 2 * h
+    layer += 2 * spec.head_dim if spec.qk_norm else 0
     layer += (spec.q_size + 2 * kv) // tp if spec.qkv_bias else 0
     embed = padded_vocab_size(spec.vocab_size, tp) * h // tp
     output = h if value_head else embed  # tied embeddings: the last stage holds a copy for the output layer
@@ -121,7 +137,7 @@ def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
     h = spec.hidden_size
     scores = 2 * spec.num_attention_heads * s if a.kernels.attention == "local" else 0
     full = (2 * h / (tp if a.parallel.sequence_parallel else 1)
-            + (4 * h + 4 * spec.kv_size + 3 * spec.ffn_hidden_size + scores) / tp)
+            + (4 * h + 4 * spec.kv_size + 3 * _ffn_width(spec) + scores) / tp)
     layers = spec.num_layers // pp
     per_micro = tokens * e * ((h + full / layers) if a.recompute else full) * layers
     in_flight = min(pp, max(1, a.ppo_mini_batch_size // (dp * a.micro_batch_size)))
@@ -156,21 +172,29 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
         megarl.models.spec.SpecError: TP or PP does not fit the model.
     """
     from megarl.models.megatron import check_layout
-    from megarl.parallel.mesh import ParallelLayout
+    from megarl.models.spec import SpecError
+    from megarl.parallel.mesh import LayoutError, ParallelLayout
 
     p = cfg.actor.parallel
     dp = max(1, world_size // (p.tp * p.pp))
-    check_layout(spec, ParallelLayout(p.tp, p.pp, dp))
-    n = stage_params(spec, p.tp, p.pp)
+    try:
+        check_layout(spec, ParallelLayout(p.tp, p.pp, dp, ep=p.ep))
+    except LayoutError as e:
+        raise SpecError(f"actor.parallel.ep: {e}") from None
+    n = stage_params(spec, p.tp, p.pp, ep=p.ep)
+    # experts' optimizer state is sharded over their own DP group, the tp * dp / ep ranks holding the same experts
+    experts = spec.num_layers // p.pp * spec.num_experts // p.ep * 3 * spec.hidden_size * spec.moe_ffn_hidden_size
     e = DTYPE_BYTES[cfg.model.dtype]
     opt_per_param = 8 + (4 if e < 4 else 0)
 
     def optimizer(params: int, distributed: bool) -> int:
-        return params * opt_per_param // (dp if distributed else 1)
+        if not distributed:
+            return params * opt_per_param
+        return (params - experts) * opt_per_param // dp + experts * opt_per_param * p.ep // (p.tp * dp)
 
     critic = 0
     if cfg.algorithm.uses_critic:
-        c = stage_params(spec, p.tp, p.pp, value_head=True)
+        c = stage_params(spec, p.tp, p.pp, value_head=True, ep=p.ep)
         critic = c * (e + 4) + optimizer(c, cfg.critic.optim.distributed)
     return MemoryEstimate(
         params=n * e, grads=n * 4, optimizer=optimizer(n, cfg.actor.optim.distributed),

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megarl.config import Config, ConfigError, load_config
-from megarl.parallel.placement import validate_for_world
 
 SCRIPT_NAME = "job.sbatch"
+GPU_CPUS_PER_TASK = 8  # default --cpus-per-task of a GPU rank (data loading, tokenisation, rewards, NCCL threads)
 PORT_BASE, PORT_SPAN = 20000, 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN (as megarl.parallel.mesh)
 
 
@@ -91,7 +91,9 @@ class SbatchOptions:
     Attributes:
         job_name: ``--job-name`` (also names the log file).
         partition, account, time, qos: the sbatch options of the same names (``time``: e.g. ``04:00:00``).
-        cpus_per_task: ``--cpus-per-task`` (also the ranks' ``OMP_NUM_THREADS``; default 1 thread).
+        cpus_per_task: ``--cpus-per-task``, the ranks' ``OMP_NUM_THREADS`` (without it: the node's allocated
+            CPUs over its tasks).
+        mem: ``--mem`` per node (``0``: all of it; e.g. ``64G``).
         container_image, container_mounts: pyxis's ``srun --container-image/--container-mounts``.
         extra: further ``#SBATCH`` arguments, verbatim (``--exclusive``, ``--mem=0``, ...).
     """
@@ -102,6 +104,7 @@ class SbatchOptions:
     time: str | None = None
     qos: str | None = None
     cpus_per_task: int | None = None
+    mem: str | None = None
     container_image: str | None = None
     container_mounts: str | None = None
     extra: list[str] = field(default_factory=list)
@@ -119,6 +122,8 @@ def check_job_shape(cfg: Config, shape: JobShape) -> None:
     Raises:
         ConfigError: naming the config fields and the job's flags.
     """
+    from megarl.parallel.placement import validate_for_world  # (torch: not imported for --help)
+
     p = cfg.actor.parallel
     on_all = cfg.placement.actor == "all"  # an actor on a pool of its own: validate_for_world checks the pool
     if on_all and (shape.world_size % (p.tp * p.pp) or (p.dp and p.tp * p.pp * p.dp != shape.world_size)):
@@ -148,6 +153,7 @@ def batch_script(cfg: Config, shape: JobShape, opts: SbatchOptions, *, cwd: str,
     sb = [f"--job-name={opts.job_name}", f"--nodes={shape.nodes}", f"--ntasks-per-node={shape.ranks_per_node}"]
     sb += [f"--gpus-per-node={shape.gpus_per_node}"] if shape.gpus_per_node else []
     sb += [f"--cpus-per-task={opts.cpus_per_task}"] if opts.cpus_per_task else []
+    sb += [f"--mem={opts.mem}"] if opts.mem is not None else []
     sb += [f"--{k}={v}" for k, v in (("partition", opts.partition), ("account", opts.account),
                                       ("time", opts.time), ("qos", opts.qos)) if v]
     sb += [f"--array={array}"] if array else []
@@ -155,7 +161,10 @@ def batch_script(cfg: Config, shape: JobShape, opts: SbatchOptions, *, cwd: str,
     lines = ["#!/bin/bash", *(f"# {t}" for t in title.splitlines()), *(f"#SBATCH {s}" for s in sb),
              "set -euo pipefail", "",
              "# the ranks' environment: the config's launch.env (override: launch.env.NAME=VALUE, or =null)",
-             'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"', *rank_environment(cfg), "",
+             "# threads per rank: --cpus-per-task, else the node's allocated CPUs over its tasks",
+             'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-$(( ${SLURM_CPUS_ON_NODE:-1} / '
+             '${SLURM_NTASKS_PER_NODE:-1} > 1 ? ${SLURM_CPUS_ON_NODE:-1} / ${SLURM_NTASKS_PER_NODE:-1} : 1 ))}"',
+             *rank_environment(cfg), "",
              "# rendezvous: the job's first node, a port derived from the job id",
              'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
              f"export MASTER_PORT=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))",
@@ -175,40 +184,50 @@ def srun_prefix(opts: SbatchOptions, cwd: str) -> str:
 
 
 def train_script(cfg: Config, config: str | None, overrides: list[str], shape: JobShape, opts: SbatchOptions,
-                 *, python: str, cwd: str) -> str:
-    """The batch script of ``megarl train CONFIG overrides`` on ``shape`` (see the module docstring).
-
-    With ``launch.max_restarts`` or ``launch.save_before_end_s``, the job is requeueable (its log appended to
-    across requeues), SLURM signals the ranks ``launch.save_before_end_s`` seconds before the time limit, and
-    :mod:`megarl.launch.supervise` runs ``srun`` and requeues the job after a failure or a save on SIGUSR1.
-    """
+                 *, python: str, cwd: str, dry_run: bool = False) -> str:
+    """The batch script of ``megarl train CONFIG overrides`` on ``shape`` (see the module docstring); with
+    ``dry_run``, its header says that nothing was written and how to submit it by hand."""
     run_dir = cfg.run.run_dir
     train = shlex.join([python, "-m", "megarl.cli", "train", *([config] if config else []), *overrides])
-    title = (f"megarl submit: {shape.describe()} of megarl train {shlex.join([config or '(defaults)', *overrides])}"
-             f"\nre-submit by hand: sbatch {run_dir / SCRIPT_NAME}")
+    title = f"megarl submit: {shape.describe()} of megarl train {shlex.join([config or '(defaults)', *overrides])}"
+    if dry_run:
+        title += (f"\n--dry-run: nothing was written. megarl submit without --dry-run writes this script to "
+                  f"{run_dir / SCRIPT_NAME},\ncreates {run_dir / 'logs'} (sbatch does not) and submits it; by hand: "
+                  f"mkdir -p {run_dir / 'logs'} && sbatch {run_dir / SCRIPT_NAME}")
+    else:
+        title += f"\nre-submit by hand: sbatch {run_dir / SCRIPT_NAME}"
     body = f"{srun_prefix(opts, cwd)} {train}"
     launch = cfg.launch
     if launch.max_restarts or launch.save_before_end_s:
         extra = ["--requeue", "--open-mode=append"]
         extra += [f"--signal=USR1@{launch.save_before_end_s}"] if launch.save_before_end_s else []
         opts = dataclasses.replace(opts, extra=[*extra, *opts.extra])
-        body = (f"# restarts: up to launch.max_restarts={launch.max_restarts} requeues after a failure, and one "
-                f"after each save on SIGUSR1 (megarl.launch.supervise)\n"
+        body = (f"# restarts: up to launch.max_restarts={launch.max_restarts} after a failure (srun again in this "
+                f"allocation), a requeue after each save on SIGUSR1 (megarl.launch.supervise)\n"
                 + shlex.join([python, "-m", "megarl.launch.supervise", f"--run-dir={run_dir}",
                               f"--max-restarts={launch.max_restarts}", "--slurm", "--"]) + f" {body}")
     return batch_script(cfg, shape, opts, cwd=cwd, output=str(run_dir / "logs" / "%x-%j.out"), title=title,
                         body=[body])
 
 
-def sbatch(script: Path) -> str:
+def sbatch(script: Path, *, written: str = "the batch script") -> str:
     """Submit a batch script; returns the job id.
 
+    Args:
+        written: what ``script`` is, for the error's "is written at" (e.g. "sweep.sbatch").
+
     Raises:
-        ConfigError: sbatch is not installed here, or refused the job (its message included).
+        ConfigError: sbatch is not installed here (naming where the script is, to submit it elsewhere with
+            ``sbatch``), or refused the job (its message included).
     """
     if shutil.which("sbatch") is None:
-        raise ConfigError("sbatch not found: submit from a SLURM login node (or see the script with --dry-run)")
-    r = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+        raise ConfigError(f"sbatch not found: submit from a SLURM login node; {written} is written at {script} "
+                          f"(submit it there with: sbatch {script})")
+    from megarl.parallel.lifecycle import OWNER_ENV
+
+    # sbatch hands its environment to the job, which must not count as this process's helper (ended with it)
+    env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}
+    r = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise ConfigError(f"sbatch refused {script}: {r.stderr.strip() or r.stdout.strip()}")
     return r.stdout.strip().split(";")[0]
@@ -239,7 +258,11 @@ def add_sbatch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time", type=slurm_time, help="time limit, e.g. 04:00:00 or 2-00:00:00 (sbatch's forms)")
     g.add_argument("--qos")
     g.add_argument("--job-name", help="default: megarl-<run.name> (megarl-sweep-<name> for a sweep)")
-    g.add_argument("--cpus-per-task", type=int, default=None, help="CPU cores per rank (its OMP_NUM_THREADS)")
+    g.add_argument("--cpus-per-task", type=int, default=None, help=f"CPU cores per rank, its OMP_NUM_THREADS "
+                   f"(default: {GPU_CPUS_PER_TASK} for GPU ranks; for CPU ranks the node's allocated CPUs over "
+                   "its tasks)")
+    g.add_argument("--mem", default=None, help="memory per node, sbatch's --mem (default: 0, all of it, for GPU "
+                   "jobs; the cluster's default for CPU ranks); e.g. 256G")
     g.add_argument("--container-image", help="pyxis: run the ranks in this container image")
     g.add_argument("--container-mounts", help="pyxis: SRC:DST[,...] mounted into the container")
     g.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
@@ -248,10 +271,15 @@ def add_sbatch_arguments(p: argparse.ArgumentParser) -> None:
                    "python)")
 
 
-def sbatch_options_from_args(a: argparse.Namespace, default_name: str) -> tuple[SbatchOptions, str]:
-    """The sbatch options and the ranks' interpreter of the parsed :func:`add_sbatch_arguments` flags."""
+def sbatch_options_from_args(a: argparse.Namespace, default_name: str, shape: JobShape) -> tuple[SbatchOptions, str]:
+    """The sbatch options and the ranks' interpreter of the parsed :func:`add_sbatch_arguments` flags; a GPU
+    job asks for :data:`GPU_CPUS_PER_TASK` cores per rank and all of each node's memory unless told otherwise
+    (clusters' defaults, often one core and a few GiB per task, starve a rank or kill it)."""
+    gpu = shape.gpus_per_node > 0
+    cpus = a.cpus_per_task if a.cpus_per_task is not None else (GPU_CPUS_PER_TASK if gpu else None)
+    mem = a.mem if a.mem is not None else ("0" if gpu else None)
     opts = SbatchOptions(job_name=a.job_name or default_name, partition=a.partition, account=a.account,
-                         time=a.time, qos=a.qos, cpus_per_task=a.cpus_per_task, container_image=a.container_image,
+                         time=a.time, qos=a.qos, cpus_per_task=cpus, mem=mem, container_image=a.container_image,
                          container_mounts=a.container_mounts, extra=list(a.sbatch_arg))
     return opts, a.python or ("python" if a.container_image else sys.executable)
 
@@ -279,10 +307,10 @@ def run(a: argparse.Namespace) -> int:
     overrides += [f"launch.max_restarts={a.max_restarts}"] if a.max_restarts is not None else []
     cfg = load_config(config, overrides)
     shape = JobShape(a.nodes, a.gpus_per_node, a.ntasks_per_node)
-    opts, python = sbatch_options_from_args(a, f"megarl-{cfg.run.name}")
+    opts, python = sbatch_options_from_args(a, f"megarl-{cfg.run.name}", shape)
     check_job_shape(cfg, shape)
     cwd = os.getcwd()
-    script = train_script(cfg, config, overrides, shape, opts, python=python, cwd=cwd)
+    script = train_script(cfg, config, overrides, shape, opts, python=python, cwd=cwd, dry_run=a.dry_run)
     if a.dry_run:
         print(script, end="")
         return 0

@@ -117,7 +117,32 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     for key, values in spec.grid.items():
         if not values:
             raise ConfigError(f"{path}: grid.{key}: give at least one value")
+    for where, key in [*((f"grid.{k}", k) for k in spec.grid),
+                       *((f"points[{i}].{k}", k) for i, p in enumerate(spec.points) for k in p)]:
+        _check_key(path, where, key)
     return spec
+
+
+def _check_key(path: str | os.PathLike, where: str, key: str) -> None:
+    """``key`` names a config field (or a key of a free mapping such as ``launch.env``).
+
+    Raises:
+        ConfigError: naming the sweep file, the grid (or point) entry and the fields that exist there.
+    """
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    node = OmegaConf.structured(Config)
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, DictConfig) or not dataclasses.is_dataclass(OmegaConf.get_type(node)):
+            return  # a mapping of free keys (launch.env, reward.kwargs), or a value
+        if part not in node:
+            section = ".".join(parts[:i])
+            raise ConfigError(f"{path}: {where}: {'.'.join(parts[:i + 1])} is not a config field; the fields of "
+                              f"{section or 'the config'} are {', '.join(sorted(node.keys()))}")
+        node = node[part]
 
 
 def _value_text(v: Any) -> str:
@@ -174,18 +199,22 @@ def device_memory(spec: SweepSpec, shape: JobShape) -> int:
     return host_memory_bytes() // shape.ranks_per_node
 
 
-def check_point(spec: SweepSpec, point: Point, shape: JobShape, memory: int) -> Config | None:
+def check_point(spec: SweepSpec, point: Point, shape: JobShape, memory: int | None, *,
+                full: bool = False) -> Config | None:
     """Validate one point; set ``point.reason`` and return None if it cannot run, else its config (and
     ``point.estimate``; a derived DP size is added to ``point.overrides``, so every point names its layout).
 
     The checks, in order: the config itself; TP/PP against the model's heads, KV heads and layers; the mesh
-    against the job's world and the batch sizes against DP; the memory estimate against ``memory``.
+    against the job's world and the batch sizes against DP; with ``full``, the rest of a run's preflight
+    (tokenizer, files, reward function; :func:`~megarl.trainer.preflight.preflight`, less this machine's
+    checks); the memory estimate against ``memory`` (None: not estimated).
     """
     from megarl.models.spec import SpecError
-    from megarl.trainer.preflight import model_spec, validate_for_model
+    from megarl.trainer.preflight import model_spec, preflight, validate_for_model
 
     try:
-        cfg = load_config(spec.base, spec.overrides + point.overrides)
+        # as the point's megarl bench step loads it (no validation: it times steps)
+        cfg = load_config(spec.base, spec.overrides + point.overrides + ["validation.enabled=false"])
         model = model_spec(cfg)
         validate_for_model(cfg, model)
         p = cfg.actor.parallel
@@ -193,6 +222,10 @@ def check_point(spec: SweepSpec, point: Point, shape: JobShape, memory: int) -> 
             point.overrides.append(f"actor.parallel.dp={shape.world_size // (p.tp * p.pp)}")
             cfg.actor.parallel.dp = shape.world_size // (p.tp * p.pp)
         check_job_shape(cfg, shape)
+        if full:
+            preflight(cfg, shape.world_size, this_machine=False)
+        if memory is None:
+            return cfg
         est = estimate_memory(cfg, model, shape.world_size, gpu=shape.gpus_per_node > 0, device_bytes=memory)
     except (ConfigError, SpecError) as e:
         point.reason = str(e)
@@ -289,7 +322,7 @@ def run_slurm(spec: SweepSpec, cfg: Config, todo: list[Point], shape: JobShape, 
     script.write_text(array_script(spec, cfg, todo, shape, opts, python, os.getcwd()))
     for point in todo:
         (out / "results" / f"{point.name}.json").unlink(missing_ok=True)  # a failed result being retried
-    job = sbatch(script)
+    job = sbatch(script, written="sweep.sbatch")
     print(f"sweep: submitted job array {job} ({len(todo)} points); logs in {out / 'logs'}", flush=True)
     while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
         time.sleep(poll_s)
@@ -386,6 +419,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--local", action="store_true", help="run the points one after another on this machine")
     mode.add_argument("--plan", action="store_true", help="list the points and the dropped ones; run nothing")
     p.add_argument("--retry-failed", action="store_true", help="run the points recorded as failed again")
+    p.add_argument("--check", action="store_true", help="check every point's config against its model, files and "
+                   "reward function, as a run would (not the memory estimate, which needs the device); exit 1 if "
+                   "a point is dropped; run nothing")
     add_sbatch_arguments(p)
 
 
@@ -393,16 +429,22 @@ def run(a: argparse.Namespace) -> int:
     """Expand, prune, run what has no result yet, and write the table, CSV and plot."""
     spec = load_sweep(a.sweep)
     shape = JobShape(spec.job.nodes, spec.job.gpus_per_node, spec.job.ntasks_per_node)
-    opts, python = sbatch_options_from_args(a, f"megarl-sweep-{spec.name}")
-    memory = device_memory(spec, shape)
+    opts, python = sbatch_options_from_args(a, f"megarl-sweep-{spec.name}", shape)
+    memory = None if a.check else device_memory(spec, shape)
     points = expand(spec)
-    configs = {p.name: check_point(spec, p, shape, memory) for p in points}
+    configs = {p.name: check_point(spec, p, shape, memory, full=a.check) for p in points}
     valid = [p for p in points if p.reason is None]
-    print(f"sweep {spec.name}: {len(points)} points, {len(valid)} valid on {shape.describe()} "
-          f"({memory / GIB:.1f} GiB per rank), {len(points) - len(valid)} dropped:", flush=True)
+    per_rank = f" ({memory / GIB:.1f} GiB per rank)" if memory else ""
+    print(f"sweep {spec.name}: {len(points)} points, {len(valid)} valid on {shape.describe()}{per_rank}, "
+          f"{len(points) - len(valid)} dropped:", flush=True)
     for p in points:
         if p.reason:
             print(f"  dropped {p.name}: {p.reason}", flush=True)
+    if a.check:
+        print(f"megarl sweep: check {'passed' if len(valid) == len(points) else 'failed'}; nothing was run")
+        return 0 if len(valid) == len(points) else 1
+    if not valid and not a.plan:
+        raise ConfigError(f"sweep {spec.name}: every point was dropped (reasons above); nothing to run")
     if a.plan:
         for p in valid:
             print(f"  valid {p.name}: estimated {p.estimate.describe()} per rank")

@@ -91,13 +91,16 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _coords() -> tuple[ParallelLayout, int, int]:
+def _coords() -> tuple[ParallelLayout, int, int, int]:
+    """This rank's mesh and its TP, PP and EP ranks, from megatron's ``parallel_state``."""
     from megatron.core import parallel_state as ps
 
     mesh = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(),
                           pp=ps.get_pipeline_model_parallel_world_size(),
-                          dp=ps.get_data_parallel_world_size())
-    return mesh, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+                          dp=ps.get_data_parallel_world_size(),
+                          ep=ps.get_expert_model_parallel_world_size())
+    return (mesh, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+            ps.get_expert_model_parallel_rank())
 
 
 def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint, *, use_te: bool = False) -> None:
@@ -112,9 +115,9 @@ def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint, *, use_te: bool 
     if ckpt.spec.hf_tensor_shapes() != spec.hf_tensor_shapes():
         raise SpecError(f"checkpoint {ckpt.path} describes another model than the one built: "
                         f"{ckpt.spec} vs {spec}")
-    mesh, tp_rank, pp_rank = _coords()
+    mesh, tp_rank, pp_rank, ep_rank = _coords()
     local = megatron_rank_tensors(spec, mesh, tp_rank, pp_rank, role=bare.megarl_role, use_te=use_te,
-                                  padded_vocab=bare.vocab_size)
+                                  padded_vocab=bare.vocab_size, ep_rank=ep_rank)
     if bare.megarl_role == "critic" and VALUE_HEAD not in ckpt.tensor_names:
         local = {n: t for n, t in local.items() if not any(b.name == VALUE_HEAD for b in t.blocks)}
     fill_local_tensors(local, dict(bare.named_parameters()), ckpt.read)

@@ -11,7 +11,15 @@ weight``, shape ``[num_heads * head_dim, hidden]``). A :class:`Layout` lists, fo
 - :func:`vllm_layout`: vLLM's Llama/Qwen2 modules at TP=t' (``qkv_proj`` = ``[q_r; k_r; v_r]`` with KV heads
   replicated when t' > num_kv_heads, ``gate_up_proj``, vocab padded to a multiple of 64 and split evenly,
   ``lm_head`` only when untied);
-- :func:`hf_layout`: whole canonical tensors (the transformers engine, HF export).
+- :func:`hf_layout`: whole canonical tensors (HF export), or the transformers model in memory (the transformers
+  engine; ``fused_experts=True``).
+
+Mixture-of-experts models (:attr:`~megarl.models.spec.ModelSpec.is_moe`) add, per layer: Megatron's router
+(replicated) and the ``num_experts / ep`` experts of EP rank ``e`` (``SequentialMLP``: expert ``j`` of the rank is
+global expert ``e * num_experts / ep + j``, ``linear_fc1 = [gate; up]``, whole: expert TP = 1), Qwen2-MoE's
+shared expert split over TP like a dense MLP; vLLM's fused experts of all ``num_experts`` split over its TP on the
+intermediate dim (:func:`vllm_rank_tensors`). Fused 3-D expert tensors are described as their 2-D views
+(``[experts * rows, cols]``): an engine hands them to the reshard viewed so (:func:`local_views`).
 
 Tensors are at most 2-D; a block is a box given by its start in the canonical tensor, its start in the local
 tensor and its size (one entry per dim).
@@ -25,10 +33,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple
+from typing import Iterable, Mapping, NamedTuple
+
+import torch
 
 from megarl.models.megatron import check_layout, padded_vocab_size
-from megarl.models.spec import ModelSpec, SpecError
+from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 
 VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
@@ -127,7 +137,62 @@ def _shape_key(spec: ModelSpec) -> tuple:
     """The fields of ``spec`` that decide tensor names and shapes: the part of a layout's key that describes
     the model (hashable even where ``spec.rope_scaling`` is a dict, which makes ``hash(spec)`` fail)."""
     return (spec.family, spec.vocab_size, spec.hidden_size, spec.num_layers, spec.num_attention_heads,
-            spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size, spec.tie_word_embeddings)
+            spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size, spec.tie_word_embeddings, spec.num_experts,
+            spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size)
+
+
+def local_views(params: Mapping[str, torch.Tensor], tensors: Mapping[str, LocalTensor]) -> dict[str, torch.Tensor]:
+    """``params`` with each tensor viewed in the shape its layout entry gives (fused 3-D experts
+    ``[experts, rows, cols]`` as ``[experts * rows, cols]``; others as they are). The views share storage, so
+    writing them writes the parameters.
+
+    Raises:
+        SpecError: a tensor whose element count differs from its layout entry's, or one that cannot be viewed.
+    """
+    out = dict(params)
+    for name, lt in tensors.items():
+        p = params.get(name)
+        if p is not None and tuple(p.shape) != lt.shape:
+            if p.numel() != math.prod(lt.shape) or not p.is_contiguous():
+                raise SpecError(f"parameter {name!r} of shape {tuple(p.shape)} cannot be viewed as its layout's "
+                                f"{lt.shape}")
+            out[name] = p.view(lt.shape)
+    return out
+
+
+def _experts_gate_up(spec: ModelSpec, layer: int, local: str, experts: range, tp: int, r: int) -> LocalTensor:
+    """Experts ``experts`` of ``layer`` fused as ``[gate_r; up_r]`` each (rows of TP rank ``r`` of ``tp``), in
+    one tensor of ``len(experts) * 2 * moe_ffn / tp`` rows (vLLM's ``w13_weight`` viewed 2-D, transformers'
+    ``gate_up_proj``)."""
+    per, h = spec.moe_ffn_hidden_size // tp, spec.hidden_size
+    blocks = []
+    for j, e in enumerate(experts):
+        gate, up, _ = spec.expert_names(layer, e)
+        blocks += [_rows(gate, r * per, 2 * per * j, per, h), _rows(up, r * per, 2 * per * j + per, per, h)]
+    return LocalTensor(local, (len(experts) * 2 * per, h), tuple(blocks))
+
+
+def _experts_down(spec: ModelSpec, layer: int, local: str, experts: range, tp: int, r: int) -> LocalTensor:
+    """Experts ``experts``' down projections ``[hidden, moe_ffn / tp]`` (input columns of TP rank ``r``) stacked
+    in one tensor of ``len(experts) * hidden`` rows (vLLM's ``w2_weight`` viewed 2-D, transformers'
+    ``down_proj``)."""
+    per, h = spec.moe_ffn_hidden_size // tp, spec.hidden_size
+    blocks = tuple(Block(spec.expert_names(layer, e)[2], (0, r * per), (h * j, 0), (h, per))
+                   for j, e in enumerate(experts))
+    return LocalTensor(local, (len(experts) * h, per), blocks)
+
+
+def _shared_expert(prefix: str, local_prefix: str, spec: ModelSpec, tp: int, r: int, names: tuple[str, str, str]
+                   ) -> list[LocalTensor]:
+    """Qwen2-MoE's shared expert split over TP like a dense MLP (``gate_up`` rows, ``down`` columns), and its
+    gate ``[1, hidden]`` whole; ``names`` = the local names of (gate_up, down, gate)."""
+    s, h = spec.shared_expert_ffn_hidden_size, spec.hidden_size
+    per = s // tp
+    src = prefix + "mlp.shared_expert."
+    return [LocalTensor(local_prefix + names[0], (2 * per, h), (_rows(src + "gate_proj.weight", r * per, 0, per, h),
+                                                                _rows(src + "up_proj.weight", r * per, per, per, h))),
+            _row_parallel(src + "down_proj.weight", local_prefix + names[1], h, s, tp, r),
+            _whole(prefix + "mlp.shared_expert_gate.weight", (1, h), local_prefix + names[2])]
 
 
 def _whole(name: str, shape: tuple[int, ...], local: str | None = None) -> LocalTensor:
@@ -170,12 +235,17 @@ def megatron_names(use_te: bool = False) -> dict[str, str]:
 
 
 def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, pp_rank: int, *,
-                          role: str = "actor", use_te: bool = False, padded_vocab: int | None = None
-                          ) -> dict[str, LocalTensor]:
+                          role: str = "actor", use_te: bool = False, padded_vocab: int | None = None,
+                          ep_rank: int = 0) -> dict[str, LocalTensor]:
     """The local tensors of one Megatron rank (``GPTModel.named_parameters()`` names and shapes).
 
     Args:
         padded_vocab: Megatron's padded vocab (:func:`megarl.models.megatron.padded_vocab_size`).
+        ep_rank: the rank's expert-parallel rank (:meth:`ParallelLayout.ep_rank`; MoE models): it holds experts
+            ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` of every layer.
+
+    Raises:
+        SpecError: the mesh does not fit the model (:func:`~megarl.models.megatron.check_layout`).
     """
     check_layout(spec, mesh)
     t, r = mesh.tp, tp_rank
@@ -207,6 +277,13 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
         out.append(_row_parallel(hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight",
                                  h, spec.q_size, t, r))
         out.append(_whole(hf + "input_layernorm.weight", (h,), mg + norms["input_layernorm"]))
+        if spec.qk_norm:
+            out.append(_whole(hf + "self_attn.q_norm.weight", (hd,), mg + "self_attention.q_layernorm.weight"))
+            out.append(_whole(hf + "self_attn.k_norm.weight", (hd,), mg + "self_attention.k_layernorm.weight"))
+        if spec.is_moe:
+            out.append(_whole(hf + "post_attention_layernorm.weight", (h,), mg + "pre_mlp_layernorm.weight"))
+            out.extend(_megatron_moe(spec, mesh, i, mg + "mlp.", r, ep_rank))
+            continue
         out.append(_whole(hf + "post_attention_layernorm.weight", (h,), mg + norms["pre_mlp_layernorm"]))
         out.append(_gate_up(hf, mg + "mlp.linear_fc1.weight", spec, t, r))
         out.append(_row_parallel(hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight",
@@ -221,6 +298,23 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
             out.append(_vocab_shard("model.embed_tokens.weight", "output_layer.weight",
                                     spec.vocab_size, vp, t, r, h))
     return {lt.name: lt for lt in out}
+
+
+def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp_rank: int, ep_rank: int
+                  ) -> list[LocalTensor]:
+    """One MoE layer's tensors on a Megatron rank: the router, the rank's local experts (whole: expert TP = 1)
+    and the shared expert (split over TP)."""
+    per_rank = spec.num_experts // mesh.ep
+    out = [_whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), mg + "router.weight")]
+    for j in range(per_rank):
+        e = ep_rank * per_rank + j
+        experts = range(e, e + 1)
+        out.append(_experts_gate_up(spec, layer, mg + f"experts.local_experts.{j}.linear_fc1.weight", experts, 1, 0))
+        out.append(_experts_down(spec, layer, mg + f"experts.local_experts.{j}.linear_fc2.weight", experts, 1, 0))
+    if spec.shared_expert_ffn_hidden_size:
+        out.extend(_shared_expert(f"model.layers.{layer}.", mg + "shared_experts.", spec, mesh.tp, tp_rank,
+                                  ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")))
+    return out
 
 
 def megatron_layout(spec: ModelSpec, mesh: ParallelLayout, *, ranks: Iterable[int] | None = None,
@@ -238,13 +332,13 @@ def megatron_layout(spec: ModelSpec, mesh: ParallelLayout, *, ranks: Iterable[in
     out = {}
     for i, g in enumerate(ranks):
         c = mesh.coords(i)
-        key = (c.tp, c.pp)
+        key = (c.tp, c.pp, mesh.ep_rank(i))
         if key not in per_stage:
             per_stage[key] = megatron_rank_tensors(spec, mesh, c.tp, c.pp, role=role, use_te=use_te,
-                                                   padded_vocab=padded_vocab)
+                                                   padded_vocab=padded_vocab, ep_rank=key[2])
         out[g] = per_stage[key]
     return Layout("megatron", spec, canonical_shapes(spec, role), out,
-                  ("megatron", _shape_key(spec), mesh.tp, mesh.pp, mesh.dp, tuple(ranks), role, use_te,
+                  ("megatron", _shape_key(spec), mesh.tp, mesh.pp, mesh.dp, mesh.ep, tuple(ranks), role, use_te,
                    padded_vocab))
 
 
@@ -287,6 +381,12 @@ def check_vllm_tp(spec: ModelSpec, tp: int) -> None:
         raise SpecError(f"vLLM tp={tp} does not divide num_kv_heads={spec.num_kv_heads} (qkv_proj)")
     if spec.ffn_hidden_size % tp:
         raise SpecError(f"vLLM tp={tp} does not divide gate_up_proj: ffn_hidden_size={spec.ffn_hidden_size}")
+    if spec.is_moe and (tp > spec.num_experts or spec.moe_ffn_hidden_size % tp):
+        raise SpecError(f"vLLM tp={tp} must be <= num_experts={spec.num_experts} and divide the experts' "
+                        f"moe_intermediate_size={spec.moe_ffn_hidden_size} (w13_weight, w2_weight)")
+    if spec.shared_expert_ffn_hidden_size % tp:
+        raise SpecError(f"vLLM tp={tp} does not divide the shared expert's shared_expert_intermediate_size="
+                        f"{spec.shared_expert_ffn_hidden_size}")
     if vllm_padded_vocab(spec.vocab_size) % tp:
         raise SpecError(f"vLLM tp={tp} does not divide the padded vocab {vllm_padded_vocab(spec.vocab_size)} "
                         "of embed_tokens")
@@ -317,15 +417,53 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int) -> dict[str, LocalTensor
             out.append(LocalTensor(p + f"self_attn.qkv_proj.{suffix}", shape, blocks))
         out.append(_row_parallel(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight",
                                  h, spec.q_size, tp, r))
-        out.append(_gate_up(p, p + "mlp.gate_up_proj.weight", spec, tp, r))
-        out.append(_row_parallel(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight",
-                                 h, spec.ffn_hidden_size, tp, r))
+        if spec.qk_norm:
+            out += [_whole(p + "self_attn.q_norm.weight", (hd,)), _whole(p + "self_attn.k_norm.weight", (hd,))]
+        if spec.is_moe:
+            out.extend(_vllm_moe(spec, i, tp, r))
+        else:
+            out.append(_gate_up(p, p + "mlp.gate_up_proj.weight", spec, tp, r))
+            out.append(_row_parallel(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight",
+                                     h, spec.ffn_hidden_size, tp, r))
         out.append(_whole(p + "input_layernorm.weight", (h,)))
         out.append(_whole(p + "post_attention_layernorm.weight", (h,)))
     out.append(_whole("model.norm.weight", (h,)))
     if not spec.tie_word_embeddings:
         out.append(_vocab_shard("lm_head.weight", "lm_head.weight", spec.vocab_size, vp, tp, r, h))
     return {lt.name: lt for lt in out}
+
+
+# MoE, read in vLLM 0.24.0's source (the wheel of GPU.md's list, 2026-12-01):
+# - models/qwen3_moe.py, qwen2_moe.py: Qwen{3,2}MoeSparseMoeBlock registers, in this order, `gate`
+#   (ReplicatedLinear [num_experts, hidden]), for Qwen2-MoE `shared_expert_gate` (ReplicatedLinear [1, hidden]) and
+#   `shared_expert` (Qwen2MoeMLP: MergedColumnParallelLinear `gate_up_proj` [2 * shared / tp, hidden],
+#   RowParallelLinear `down_proj` [hidden, shared / tp]), then `experts = FusedMoE(...)`. models/mixtral.py:
+#   MixtralMoE is the layer's `block_sparse_moe` with `gate` and `experts` the same way (checkpoint names w1/w3/w2).
+#   Qwen3MoeAttention has `q_norm`/`k_norm` (RMSNorm [head_dim]).
+# - layers/fused_moe/layer.py: FusedMoE(...) returns a MoERunner holding `routed_experts` (RoutedExperts, after
+#   `gate` and `shared_expert_gate`, which the block registered first, so named_parameters() lists them under the
+#   block's names); fused_moe_make_expert_params_mapping maps checkpoint experts to
+#   `experts.routed_experts.w13_weight` / `w2_weight` (routed_experts_prefix="routed_experts").
+# - layers/fused_moe/unquantized_fused_moe_method.py create_weights: w13_weight [num_experts, 2 *
+#   intermediate_size_per_partition, hidden], w2_weight [num_experts, hidden, intermediate_size_per_partition].
+# - layers/fused_moe/routed_experts.py weight_loader: without expert parallelism every rank holds all experts
+#   (local id = global id); w1 (gate) and w3 (up) are narrowed on dim 0 to rows [r * I/tp, (r+1) * I/tp) and go to
+#   rows [0, I/tp) and [I/tp, 2 I/tp) of w13_weight[e]; w2 (down) is narrowed on its input dim (dim 1).
+# - layers/fused_moe/oracle/unquantized.py: on SM90 (H200) the Triton backend comes first and keeps that layout;
+#   FlashInfer CUTLASS would swap to [w3; w1] after loading (convert_to_unquantized_kernel_format), so the GPU
+#   check (perf/gpu_moe.sh) compares vLLM's own load_weights result with the reshard's.
+# vLLM's expert parallelism (enable_expert_parallel) is not described here: every engine rank holds all experts.
+def _vllm_moe(spec: ModelSpec, layer: int, tp: int, r: int) -> list[LocalTensor]:
+    block = f"model.layers.{layer}.{FAMILIES[spec.family].moe.block}."
+    experts = range(spec.num_experts)
+    out = [_whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), block + "gate.weight"),
+           _experts_gate_up(spec, layer, block + "experts.routed_experts.w13_weight", experts, tp, r),
+           _experts_down(spec, layer, block + "experts.routed_experts.w2_weight", experts, tp, r)]
+    if spec.shared_expert_ffn_hidden_size:
+        out.extend(_shared_expert(f"model.layers.{layer}.", block, spec, tp, r,
+                                  ("shared_expert.gate_up_proj.weight", "shared_expert.down_proj.weight",
+                                   "shared_expert_gate.weight")))
+    return out
 
 
 def vllm_layout(spec: ModelSpec, tp: int, ranks: Iterable[int]) -> Layout:
@@ -344,9 +482,28 @@ def vllm_layout(spec: ModelSpec, tp: int, ranks: Iterable[int]) -> Layout:
 
 
 # ----------------------------------------------------------------------------------------- HF
-def hf_layout(spec: ModelSpec, ranks: Iterable[int], role: str = "actor") -> Layout:
-    """Every rank in ``ranks`` holds every canonical tensor whole, under its HF name."""
+def hf_layout(spec: ModelSpec, ranks: Iterable[int], role: str = "actor", *, fused_experts: bool = False) -> Layout:
+    """Every rank in ``ranks`` holds every canonical tensor whole, under its HF name.
+
+    Args:
+        fused_experts: describe the transformers model in memory instead of the checkpoint (MoE models):
+            transformers 5 holds each layer's experts as ``mlp.experts.gate_up_proj`` ``[experts, 2 * ffn,
+            hidden]`` (gate then up) and ``mlp.experts.down_proj`` ``[experts, hidden, ffn]`` (2-D views here) and
+            Mixtral's ``block_sparse_moe`` as ``mlp``. The same as the checkpoint for dense models.
+    """
     shapes = canonical_shapes(spec, role)
     tensors = {n: _whole(n, s) for n, s in shapes.items()}
+    if fused_experts and spec.is_moe:
+        for i in range(spec.num_layers):
+            moe = {n for n in shapes if n.startswith(f"model.layers.{i}.{FAMILIES[spec.family].moe.block}.")
+                   and ".experts." in n or n == spec.router_name(i)}
+            for n in moe:
+                del tensors[n]
+            p, experts = f"model.layers.{i}.mlp.", range(spec.num_experts)
+            for lt in (_whole(spec.router_name(i), (spec.num_experts, spec.hidden_size), p + "gate.weight"),
+                       _experts_gate_up(spec, i, p + "experts.gate_up_proj", experts, 1, 0),
+                       _experts_down(spec, i, p + "experts.down_proj", experts, 1, 0)):
+                tensors[lt.name] = lt
     ranks = tuple(ranks)
-    return Layout("hf", spec, shapes, {g: tensors for g in ranks}, ("hf", _shape_key(spec), ranks, role))
+    return Layout("hf", spec, shapes, {g: tensors for g in ranks},
+                  ("hf", _shape_key(spec), ranks, role, fused_experts and spec.is_moe))

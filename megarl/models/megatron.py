@@ -46,8 +46,17 @@ def check_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
     if spec.num_kv_heads % layout.tp:
         raise SpecError(f"tp={layout.tp} does not divide the query groups num_kv_heads={spec.num_kv_heads} "
                         f"(megatron-core shards whole KV heads); TP sizes that fit this model: {fitting_tp}")
-    if spec.ffn_hidden_size % layout.tp:
+    if not spec.is_moe and spec.ffn_hidden_size % layout.tp:
         raise SpecError(f"tp={layout.tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
+    if spec.shared_expert_ffn_hidden_size % layout.tp:
+        raise SpecError(f"tp={layout.tp} does not divide the shared expert's shared_expert_intermediate_size="
+                        f"{spec.shared_expert_ffn_hidden_size}")
+    if layout.ep > 1 and not spec.is_moe:
+        raise SpecError(f"ep={layout.ep}: expert parallelism needs a mixture-of-experts model; a {spec.family} "
+                        "model has no experts (set ep=1)")
+    if spec.is_moe and spec.num_experts % layout.ep:
+        raise SpecError(f"ep={layout.ep} does not divide num_experts={spec.num_experts}; EP sizes that fit: "
+                        f"{[e for e in range(1, spec.num_experts + 1) if spec.num_experts % e == 0]}")
     if spec.num_layers % layout.pp:
         raise SpecError(f"pp={layout.pp} does not divide num_layers={spec.num_layers}; PP sizes that fit: "
                         f"{[p for p in range(1, spec.num_layers + 1) if spec.num_layers % p == 0]}")
@@ -87,6 +96,8 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if spec.sliding_window is not None:  # HF's window of w tokens: the w - 1 before a token, and itself
         kwargs.update(window_size=(spec.sliding_window - 1, 0))
+    if spec.is_moe:
+        kwargs.update(moe_config_kwargs(spec))
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -100,6 +111,9 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         layernorm_epsilon=spec.rms_norm_eps,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=1,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -124,15 +138,48 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
     )
 
 
-def layer_spec(use_te: bool | None = None, attention: str = "local"):
+def moe_config_kwargs(spec: ModelSpec) -> dict:
+    """The ``TransformerConfig`` fields of an MoE spec: megatron-core's ``MoELayer`` computing what transformers
+    computes.
+
+    The router scores experts with a softmax. HF's ``norm_topk_prob`` (Mixtral: always) renormalises the top-k
+    of the softmax over all experts, which equals megatron's softmax over the top-k logits
+    (``moe_router_pre_softmax=False``); without it, the top-k of the full softmax are used as they are
+    (``moe_router_pre_softmax=True``). No expert capacity (no token dropped, as HF computes), expert TP = 1,
+    the load-balancing loss ``aux_loss`` with the config's ``router_aux_loss_coef`` (none when it is 0), the
+    all-gather token dispatcher (plain all-gather and reduce-scatter: they run on gloo too), Qwen2-MoE's
+    shared expert with its sigmoid gate.
+    """
+    kwargs = dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_top_k,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coef > 0 else "none",
+        moe_aux_loss_coeff=spec.moe_aux_loss_coef,
+        moe_expert_capacity_factor=None,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+    )
+    if spec.shared_expert_ffn_hidden_size:
+        kwargs.update(moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size,
+                      moe_shared_expert_gate=True, moe_shared_expert_overlap=False)
+    return kwargs
+
+
+def layer_spec(use_te: bool | None = None, attention: str = "local", spec: ModelSpec | None = None):
     """megatron-core's GPT layer spec: Transformer Engine's where available (``use_te=None``), else local.
 
     Args:
         attention: the local spec's core attention: "local" (megatron's ``DotProductAttention``) or "sdpa"
             (:class:`kernels.attention.SDPAttention`, torch's fused attention). The TE spec keeps its own.
+        spec: the model; an MoE model gets megatron's ``MoELayer`` with ``SequentialMLP`` experts (the local
+            spec's only expert module: one GEMM per local expert), a Qwen3 model RMSNorm of queries and keys.
 
     Raises:
-        SpecError: an unknown ``attention``.
+        SpecError: an unknown ``attention``, or an MoE model with Transformer Engine (not wired: megarl's
+            layouts name the local spec's expert parameters).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -142,15 +189,18 @@ def layer_spec(use_te: bool | None = None, attention: str = "local"):
     if attention not in ("local", "sdpa"):
         raise SpecError(f"attention must be 'local' or 'sdpa', got {attention!r}")
     if use_te is None:
-        use_te = have_transformer_engine()
+        use_te = have_transformer_engine() and not (spec is not None and spec.is_moe)
+    if use_te and spec is not None and spec.is_moe:
+        raise SpecError("mixture-of-experts models run on megatron-core's local layer spec (use_te=False)")
+    moe = dict(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm) if spec is not None else {}
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(**moe)
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
     if attention == "sdpa":
         from kernels.attention import SDPAttention
 
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    return spec
+        layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    return layer
 
 
 class ValueHead(torch.nn.Module):
@@ -206,7 +256,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     tied = spec.tie_word_embeddings and role == "actor"
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te, attention),
+        transformer_layer_spec=layer_spec(use_te, attention, spec),
         vocab_size=padded_vocab_size(spec.vocab_size, layout.tp, vocab_divisible_by),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

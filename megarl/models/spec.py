@@ -5,8 +5,19 @@ canonical (Hugging Face) name and shape of every weight. The Megatron builders, 
 checkpoint converters and the rollout engines all derive from it, so a new model family is a new entry in
 :data:`FAMILIES`, not a new code path.
 
-Supported families: Llama (Llama 2/3, SmolLM2), Mistral and Qwen2/Qwen2.5 (bias on Q/K/V). All have GQA,
-RoPE, RMSNorm, SwiGLU and tied or untied embeddings.
+Supported families: Llama (Llama 2/3, SmolLM2), Mistral and Qwen2/Qwen2.5 (bias on Q/K/V), and the mixtures of
+experts Qwen3-MoE (RMSNorm on queries and keys), Qwen2-MoE (Q/K/V bias, a shared expert with a sigmoid gate) and
+Mixtral. All have GQA, RoPE, RMSNorm, SwiGLU and tied or untied embeddings.
+
+A mixture-of-experts spec (``num_experts > 0``) has a routed MoE block on every layer: a router (``gate``,
+``[experts, hidden]``) picks the top ``moe_top_k`` experts of each token by softmax score, each expert is a SwiGLU
+MLP of width ``moe_ffn_hidden_size``, and the block's output is the experts' outputs weighted by their scores
+(renormalised over the top k when ``moe_norm_topk_prob``), plus, for Qwen2-MoE, the shared expert's output times
+``sigmoid(shared_expert_gate(x))``. Its canonical tensors are those of the Hugging Face *checkpoint* (one 2-D tensor
+per expert and projection, e.g. ``model.layers.0.mlp.experts.3.gate_proj.weight``; Mixtral's
+``block_sparse_moe.experts.3.w1.weight``), which is what safetensors files hold and vLLM loads; transformers 5 fuses
+them in memory into ``experts.gate_up_proj`` ``[experts, 2 * ffn, hidden]`` and ``experts.down_proj``
+``[experts, hidden, ffn]`` (:mod:`megarl.models.layout` describes both).
 """
 
 from __future__ import annotations
@@ -14,11 +25,26 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class SpecError(ValueError):
     """A model config that megarl cannot build, or a layout that does not fit the model."""
+
+
+class MoENames(NamedTuple):
+    """How a mixture-of-experts family names its MoE block in Hugging Face checkpoints.
+
+    Attributes:
+        block: the layer's submodule holding router and experts (``mlp``; Mixtral: ``block_sparse_moe``).
+        gate / up / down: an expert's projections (``gate_proj``, ``up_proj``, ``down_proj``; Mixtral: ``w1``,
+            ``w3``, ``w2``).
+    """
+
+    block: str
+    gate: str
+    up: str
+    down: str
 
 
 @dataclass(frozen=True)
@@ -29,17 +55,28 @@ class Family:
         hf_architecture: the ``architectures[0]`` string of a Hugging Face config.
         model_type: the ``model_type`` string of a Hugging Face config.
         qkv_bias: whether q/k/v projections carry a bias (Qwen2: yes).
+        qk_norm: RMSNorm of every query and key head (``q_norm``/``k_norm``, ``[head_dim]``; Qwen3).
+        moe: checkpoint names of the MoE block (None: a dense family).
+        sliding_window: the family's attention may have one window on every layer (Mistral, Mixtral).
     """
 
     hf_architecture: str
     model_type: str
     qkv_bias: bool
+    qk_norm: bool = False
+    moe: MoENames | None = None
+    sliding_window: bool = False
 
 
+_QWEN_MOE = MoENames("mlp", "gate_proj", "up_proj", "down_proj")
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", "llama", qkv_bias=False),
-    "mistral": Family("MistralForCausalLM", "mistral", qkv_bias=False),
+    "mistral": Family("MistralForCausalLM", "mistral", qkv_bias=False, sliding_window=True),
     "qwen2": Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", qkv_bias=False, qk_norm=True, moe=_QWEN_MOE),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", "qwen2_moe", qkv_bias=True, moe=_QWEN_MOE),
+    "mixtral": Family("MixtralForCausalLM", "mixtral", qkv_bias=False, sliding_window=True,
+                      moe=MoENames("block_sparse_moe", "w1", "w3", "w2")),
 }
 
 # rope_type values whose effect is a change of the inverse frequencies alone (no attention scaling);
@@ -49,17 +86,18 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer (Llama/Mistral/Qwen2 family), in Hugging Face terms.
+    """A decoder-only transformer (a family of :data:`FAMILIES`), in Hugging Face terms.
 
     Attributes:
-        family: key of :data:`FAMILIES` ("llama", "mistral", "qwen2").
+        family: key of :data:`FAMILIES` ("llama", "mistral", "qwen2", "qwen3_moe", "qwen2_moe", "mixtral").
         vocab_size: rows of the (unpadded) embedding table.
         hidden_size: model width.
         num_layers: decoder layers.
         num_attention_heads: query heads.
         num_kv_heads: key/value heads (query groups); equals ``num_attention_heads`` for MHA.
         head_dim: channels per head.
-        ffn_hidden_size: SwiGLU intermediate width (rows of gate_proj and of up_proj).
+        ffn_hidden_size: SwiGLU intermediate width (rows of gate_proj and of up_proj) of a dense MLP (an MoE
+            family's config value, kept for its config; no layer has a dense MLP).
         rope_theta: RoPE base.
         rope_scaling: the config's ``rope_scaling``/``rope_parameters`` extras (``rope_type`` and its
             arguments) or None.
@@ -69,6 +107,12 @@ class ModelSpec:
         bos_token_id / eos_token_ids / pad_token_id: special token ids from the config (eos may be several).
         sliding_window: Mistral's sliding-window attention on every layer: each token attends to itself and the
             ``sliding_window - 1`` tokens before it (None: full causal attention).
+        num_experts: routed experts per MoE layer (0: a dense model).
+        moe_top_k: experts each token is routed to.
+        moe_ffn_hidden_size: an expert's SwiGLU width.
+        shared_expert_ffn_hidden_size: the width of Qwen2-MoE's shared expert (0: none).
+        moe_norm_topk_prob: the top-k scores are renormalised to sum to 1 (Mixtral: always).
+        moe_aux_loss_coef: the load-balancing loss coefficient (``router_aux_loss_coef``).
     """
 
     family: str
@@ -88,6 +132,12 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     sliding_window: int | None = None
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    shared_expert_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = True
+    moe_aux_loss_coef: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -97,9 +147,23 @@ class ModelSpec:
                      "head_dim", "ffn_hidden_size"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.sliding_window is not None and (self.family != "mistral" or self.sliding_window < 1):
+        fam = FAMILIES[self.family]
+        if self.sliding_window is not None and (not fam.sliding_window or self.sliding_window < 1):
             raise SpecError(f"sliding_window={self.sliding_window}: megarl runs sliding-window attention on Mistral "
-                            "models (every layer, a window >= 1 token) only")
+                            "and Mixtral models (every layer, a window >= 1 token) only")
+        if (fam.moe is not None) != (self.num_experts > 0):
+            raise SpecError(f"num_experts={self.num_experts}: a {self.family} model "
+                            f"{'has' if fam.moe else 'has no'} experts")
+        if fam.moe is not None:
+            if not 1 <= self.moe_top_k <= self.num_experts:
+                raise SpecError(f"moe_top_k={self.moe_top_k} must be in [1, num_experts={self.num_experts}]")
+            if self.moe_ffn_hidden_size < 1:
+                raise SpecError(f"moe_ffn_hidden_size must be >= 1, got {self.moe_ffn_hidden_size}")
+        if self.family == "mixtral" and self.ffn_hidden_size != self.moe_ffn_hidden_size:
+            raise SpecError(f"a mixtral model's intermediate_size is its experts' width: ffn_hidden_size="
+                            f"{self.ffn_hidden_size} must equal moe_ffn_hidden_size={self.moe_ffn_hidden_size}")
+        if self.shared_expert_ffn_hidden_size and self.family != "qwen2_moe":
+            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe models only")
         if self.num_attention_heads % self.num_kv_heads:
             raise SpecError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                             f"num_kv_heads={self.num_kv_heads}")
@@ -112,6 +176,14 @@ class ModelSpec:
     @property
     def qkv_bias(self) -> bool:
         return FAMILIES[self.family].qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return FAMILIES[self.family].qk_norm
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -129,6 +201,30 @@ class ModelSpec:
         """Number of parameters of the unpadded HF model (tied embeddings counted once)."""
         return sum(math.prod(s) for s in self.hf_tensor_shapes().values())
 
+    def num_active_params(self) -> int:
+        """Parameters one token computes with: :meth:`num_params` less the experts it is not routed to
+        (``num_experts - moe_top_k`` of every MoE layer's experts); the same as :meth:`num_params` for a dense
+        model."""
+        idle = self.num_layers * (self.num_experts - self.moe_top_k) * 3 * self.hidden_size * self.moe_ffn_hidden_size
+        return self.num_params() - idle
+
+    def expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
+        """Canonical names of expert ``expert``'s gate, up and down projections on layer ``layer``
+        (shapes ``[moe_ffn, hidden]``, ``[moe_ffn, hidden]``, ``[hidden, moe_ffn]``).
+
+        Raises:
+            SpecError: a dense model.
+        """
+        names = FAMILIES[self.family].moe
+        if names is None:
+            raise SpecError(f"a {self.family} model has no experts")
+        p = f"model.layers.{layer}.{names.block}.experts.{expert}."
+        return p + names.gate + ".weight", p + names.up + ".weight", p + names.down + ".weight"
+
+    def router_name(self, layer: int) -> str:
+        """Canonical name of layer ``layer``'s router weight ``[num_experts, hidden]``."""
+        return f"model.layers.{layer}.{FAMILIES[self.family].moe.block}.gate.weight"
+
     # ------------------------------------------------------------------ canonical tensors
     def hf_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every canonical (Hugging Face) tensor, in ``state_dict`` order."""
@@ -144,14 +240,32 @@ class ModelSpec:
                 shapes[p + "self_attn.k_proj.bias"] = (self.kv_size,)
                 shapes[p + "self_attn.v_proj.bias"] = (self.kv_size,)
             shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
-            shapes[p + "mlp.gate_proj.weight"] = (f, h)
-            shapes[p + "mlp.up_proj.weight"] = (f, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, f)
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
+                shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
+            if self.is_moe:
+                shapes.update(self._moe_shapes(i))
+            else:
+                shapes[p + "mlp.gate_proj.weight"] = (f, h)
+                shapes[p + "mlp.up_proj.weight"] = (f, h)
+                shapes[p + "mlp.down_proj.weight"] = (h, f)
             shapes[p + "input_layernorm.weight"] = (h,)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes["model.norm.weight"] = (h,)
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
+        return shapes
+
+    def _moe_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        h, m = self.hidden_size, self.moe_ffn_hidden_size
+        shapes: dict[str, tuple[int, ...]] = {self.router_name(i): (self.num_experts, h)}
+        for e in range(self.num_experts):
+            gate, up, down = self.expert_names(i, e)
+            shapes.update({gate: (m, h), up: (m, h), down: (h, m)})
+        if self.shared_expert_ffn_hidden_size:
+            s, p = self.shared_expert_ffn_hidden_size, f"model.layers.{i}.mlp."
+            shapes.update({p + "shared_expert.gate_proj.weight": (s, h), p + "shared_expert.up_proj.weight": (s, h),
+                           p + "shared_expert.down_proj.weight": (h, s), p + "shared_expert_gate.weight": (1, h)})
         return shapes
 
     # ------------------------------------------------------------------ HF config round trip
@@ -176,11 +290,16 @@ class ModelSpec:
             raise SpecError("mlp_bias=True is not supported (Llama/Qwen2 MLPs have no bias)")
         if family == "llama" and cfg.get("attention_bias"):
             raise SpecError("attention_bias=True on a Llama model is not supported")
-        if family != "mistral" and cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
+        if family == "qwen3_moe" and cfg.get("attention_bias"):
+            raise SpecError("attention_bias=True on a qwen3_moe model is not supported")
+        if family == "qwen2_moe" and not cfg.get("qkv_bias", True):
+            raise SpecError("qkv_bias=False on a qwen2_moe model is not supported")
+        windowed = FAMILIES[family].sliding_window
+        if not windowed and cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
             raise SpecError(f"sliding-window attention on some layers of a {family} model (use_sliding_window="
-                            "true) is not supported; megarl runs it on Mistral models, where every layer has it. "
-                            "Set use_sliding_window=false in config.json to train with full attention")
-        window = cfg.get("sliding_window") if family == "mistral" else None
+                            "true) is not supported; megarl runs it on Mistral and Mixtral models, where every layer "
+                            "has it. Set use_sliding_window=false in config.json to train with full attention")
+        window = cfg.get("sliding_window") if windowed else None
         if window is not None and window >= cfg.get("max_position_embeddings", 4096):
             window = None  # a window as long as the context: full causal attention
         heads = cfg["num_attention_heads"]
@@ -211,6 +330,7 @@ class ModelSpec:
             eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"),
             sliding_window=window,
+            **_moe_fields(family, cfg),
         )
 
     def to_hf_config(self):
@@ -244,13 +364,52 @@ class ModelSpec:
             kwargs.update(attention_bias=False, mlp_bias=False)
         if self.family == "qwen2":
             kwargs.update(use_sliding_window=False, sliding_window=None)
-        if self.family == "mistral":
+        if self.family in ("mistral", "mixtral"):
             kwargs.update(sliding_window=self.sliding_window)
+        if self.is_moe:
+            kwargs.update(num_experts_per_tok=self.moe_top_k, router_aux_loss_coef=self.moe_aux_loss_coef)
+        if self.family == "mixtral":
+            kwargs.update(num_local_experts=self.num_experts, intermediate_size=self.moe_ffn_hidden_size)
+        if self.family in ("qwen3_moe", "qwen2_moe"):
+            kwargs.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_ffn_hidden_size,
+                          norm_topk_prob=self.moe_norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                          use_sliding_window=False, sliding_window=None)
+        if self.family == "qwen3_moe":
+            kwargs.update(attention_bias=False)
+        if self.family == "qwen2_moe":
+            kwargs.update(shared_expert_intermediate_size=self.shared_expert_ffn_hidden_size, qkv_bias=True)
         return config_cls(**kwargs)
 
     def replace(self, **changes) -> "ModelSpec":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a :class:`ModelSpec` from a Hugging Face config (none for a dense family).
+
+    Raises:
+        SpecError: dense MLPs on some layers (``mlp_only_layers``, ``decoder_sparse_step > 1``), a Qwen2-MoE
+            shared expert without its gate, or a field the family needs missing.
+    """
+    if FAMILIES[family].moe is None:
+        return {}
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
+        raise SpecError(f"a {family} model with dense MLPs on some layers (mlp_only_layers="
+                        f"{cfg.get('mlp_only_layers')}, decoder_sparse_step={cfg.get('decoder_sparse_step')}) is not "
+                        "supported; megarl builds an MoE block on every layer")
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        raise SpecError(f"a {family} config needs num_experts (or num_local_experts)")
+    mixtral = family == "mixtral"
+    return dict(
+        num_experts=int(experts),
+        moe_top_k=int(cfg["num_experts_per_tok"]),
+        moe_ffn_hidden_size=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
+        shared_expert_ffn_hidden_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        moe_norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+        moe_aux_loss_coef=float(cfg.get("router_aux_loss_coef") or 0.0),
+    )
 
 
 # Named shapes for benchmarks, GPU configs and tests (weights are random or loaded separately).
@@ -274,16 +433,35 @@ PRESETS: dict[str, ModelSpec] = {
     "llama-3-8b": ModelSpec("llama", 128256, 4096, 32, 32, 8, 128, 14336, rope_theta=500000.0,
                             rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=8192,
                             bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    # a tiny Qwen3-MoE (8 experts, top-2) with SmolLM2's vocabulary (model.tokenizer=default), for CPU sweeps
+    "tiny-qwen3-moe": ModelSpec("qwen3_moe", 49152, 64, 4, 4, 2, 16, 128, rope_theta=10000.0, rms_norm_eps=1e-6,
+                                tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=1,
+                                eos_token_ids=(2,), pad_token_id=2, num_experts=8, moe_top_k=2,
+                                moe_ffn_hidden_size=32, moe_aux_loss_coef=0.001),
+    # Qwen/Qwen3-30B-A3B's config.json: 48 layers of 128 experts (top-8, width 768), 3.3B active parameters
+    "qwen3-30b-a3b": ModelSpec("qwen3_moe", 151936, 2048, 48, 32, 4, 128, 6144, rope_theta=1e6, rms_norm_eps=1e-6,
+                               tie_word_embeddings=False, max_position_embeddings=40960, bos_token_id=151643,
+                               eos_token_ids=(151645,), pad_token_id=151643, num_experts=128, moe_top_k=8,
+                               moe_ffn_hidden_size=768, moe_norm_topk_prob=True, moe_aux_loss_coef=0.001),
 }
 
 
 def preset(name: str) -> ModelSpec:
-    """Look up a named shape in :data:`PRESETS`.
+    """Look up a named shape in :data:`PRESETS`; ``NAME?layers=N`` keeps its first ``N`` layers (one-GPU
+    benchmarks of a large model's shape, e.g. ``qwen3-30b-a3b?layers=4``).
 
     Raises:
-        SpecError: unknown name (the message lists the known ones).
+        SpecError: unknown name (the message lists the known ones), or a bad ``?layers=`` option.
     """
+    base, _, options = name.partition("?")
     try:
-        return PRESETS[name.lower()]
+        spec = PRESETS[base.lower()]
     except KeyError:
-        raise SpecError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
+        raise SpecError(f"unknown model preset {base!r}; known: {sorted(PRESETS)}") from None
+    if not options:
+        return spec
+    key, _, value = options.partition("=")
+    if key != "layers" or not value.isdigit() or not 1 <= int(value) <= spec.num_layers:
+        raise SpecError(f"preset {name!r}: the only option is ?layers=N with 1 <= N <= {spec.num_layers} "
+                        f"(the layers of {base}), e.g. preset:{base}?layers=4")
+    return spec.replace(num_layers=int(value))

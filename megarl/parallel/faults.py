@@ -3,7 +3,7 @@
 Set ``MEGARL_FAULT`` to one or more comma-separated ``POINT[@N]:ACTION[:RANK[:RESTART]]``:
 
     POINT   a name passed to :func:`fault_point`: ``phase.<name>`` at the start of each step phase
-            (``phase.reward``, ``phase.actor_update``, ...; see :class:`megarl.bench.timers.PhaseTimer`),
+            (``phase.reward``, ``phase.actor_update``, ...; see :class:`megarl.measure.timers.PhaseTimer`),
             ``checkpoint.before_rename`` (every shard and ``megarl.json`` written, the directory still
             ``step_N.tmp``), ``checkpoint.saved`` (the checkpoint complete)
     N       act on the N-th time this process reaches the point (default 1)

@@ -8,18 +8,12 @@ reads their environment)."""
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-from megarl.parallel.lifecycle import exit_with_parent, peer_failures_named, record_peers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megarl.parallel.lifecycle import end_descendants, exit_with_parent, peer_failures_named, record_peers
+from megarl.parallel.mesh import free_port, init_distributed
 
 
 def _worker(rank: int, world_size: int, port: int, parent: int, fn, args, queue) -> None:
@@ -36,8 +30,6 @@ def _worker(rank: int, world_size: int, port: int, parent: int, fn, args, queue)
     if os.environ.get(QUIET_ENV):
         quiet_libraries()
     try:
-        from megarl.parallel.mesh import init_distributed
-
         init_distributed(timeout_s=300)
         record_peers()
         with peer_failures_named(timeout_s=300):
@@ -50,6 +42,7 @@ def _worker(rank: int, world_size: int, port: int, parent: int, fn, args, queue)
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        end_descendants()  # what the rank started ends with it
 
 
 def run_world(fn, world_size: int, *args, timeout_s: float = 900.0) -> list:

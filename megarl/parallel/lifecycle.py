@@ -10,13 +10,24 @@ cooperation from it), then checks that the parent is still the one expected (it 
 by mistake) and its ranks call :func:`bind_to_launcher` in ``megarl.cli.main``, which also binds the ranks of
 a torchrun or ``srun`` that the user started. What the kernel's rule implies: the signal fires when the parent
 *thread* that started the child ends (torchrun and ``run_world`` start them from the main thread), and it is
-not inherited across ``fork``. So processes that libraries start inside a rank (megatron-core's checkpoint
-writer starts a ``multiprocessing`` manager per rank) are covered another way: a rank that leads its session
-has a watchdog kill its process group when the rank ends.
+not inherited across ``fork``.
 
-torchrun starts each worker in its own session; when a worker fails or the agent is stopped, the agent
-signals the worker's whole process group (``os.killpg``), so a worker's own children (which stay in its
-group) end with it.
+Descendants. Processes that libraries start inside a megarl process are not bound that way: megatron-core's
+checkpoint writer starts a ``multiprocessing`` manager (spawned, with its ``resource_tracker``) per rank and
+never stops it, torch's compile workers, ... They hold the process's stdout and stderr, so a leftover keeps
+``megarl train ... | cat`` (or an ``srun`` job's output) open after the run. Two rules end them with the process
+that started them, under the local launcher, torchrun and ``srun`` alike:
+
+- :func:`own_descendants` (``megarl.cli.main``, before a command runs; ``run_world``'s ranks) puts a token of
+  this process in its environment, :data:`OWNER_ENV`, which every process it starts from then on inherits, and
+  starts a watchdog: a small process in a session of its own, reading a pipe whose only writer is this
+  process. When this process ends, however it ends (``kill -9`` included), the watchdog SIGKILLs every process
+  whose environment carries the token, and this process's group when it leads its own session (a torchrun
+  worker, a ``run_world`` rank: their ``fork``-ed helpers carry the environment they were started with).
+- :func:`end_descendants` (``megarl.cli``'s exit, after the command's work is written) stops them at a normal
+  end, before the process leaves: SIGTERM, then SIGKILL after a grace period, to every descendant and every
+  process with the token; ``multiprocessing``'s resource tracker is stopped as ``multiprocessing`` stops it
+  (it ignores SIGTERM and ends when its pipe closes, after cleaning up what it tracks).
 
 Peers. :func:`record_peers` notes every rank's host and pid once the process group is up, and :func:`phase`
 marks what a rank is doing (the trainer's step phases, ``checkpoint``, ...). :func:`peer_failure` turns a
@@ -38,6 +49,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 PARENT_ENV = "MEGARL_PARENT_PID"
+OWNER_ENV = "MEGARL_OWNER"  # <host>:<pid>:<start time> of the megarl process that started this one
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -72,7 +84,7 @@ def exit_with_parent(parent_pid: int | None = None, poll_s: float = 1.0) -> None
             pass  # the watch thread below still applies
     if os.getppid() != parent_pid:  # the parent died before prctl: no signal will ever come
         os._exit(1)
-    _kill_group_on_exit()
+    own_descendants()
 
     def watch():
         while os.getppid() == parent_pid:
@@ -122,23 +134,127 @@ def started_by_megarl() -> bool:
     return bool(_under_megarl)
 
 
-_group_watch: list = []  # the watchdog's Popen, kept so its stdin pipe stays open for this process's life
+_watchdog: list = []  # the watchdog's Popen, kept so its stdin pipe stays open for this process's life
+
+# The watchdog (``python -I -S -c``, no megarl or torch import): waits for the end of file on its stdin, or
+# for its parent to change (a ``fork``-ed helper may hold the pipe open), i.e. for this process to be gone;
+# then SIGKILLs the processes whose environment holds argv[1] (the OWNER_ENV entry) and, when argv[2] is not 0,
+# that process group.
+_WATCHDOG = """
+import os, select, signal, sys
+owner = os.getppid()
+while os.getppid() == owner:
+    if select.select([0], [], [], 1.0)[0] and not os.read(0, 4096):
+        break
+entry, group = sys.argv[1].encode(), int(sys.argv[2])
+if group:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+for pid in os.listdir("/proc"):
+    try:
+        if pid.isdigit() and entry in open(f"/proc/{pid}/environ", "rb").read().split(b"\\0"):
+            os.kill(int(pid), signal.SIGKILL)
+    except OSError:
+        pass
+"""
 
 
-def _kill_group_on_exit() -> None:
-    """When this process ends, however it ends, SIGKILL its process group: the helpers that libraries start
-    and do not bind to it (megatron-core's checkpoint writer starts a ``multiprocessing`` manager process
-    per rank) go with it. Only for a process that leads its own session (a torchrun worker, a ``run_world``
-    rank), whose group holds nothing but what it started; not, say, for an ``srun`` task, whose group may
-    hold the step's other tasks. The watchdog is ``sh`` in a session of its own, reading a pipe whose only
-    writer is this process: end of file means this process is gone."""
-    if os.getsid(0) != os.getpid() or _group_watch:
+def own_descendants() -> None:
+    """Make every process that this one starts from now on end with it, however it ends (SIGKILL included):
+    set this process's token in :data:`OWNER_ENV` (inherited by what it starts) and start the watchdog of the
+    module docstring. Idempotent. Call :func:`end_descendants` at a normal end, before the process leaves."""
+    if _watchdog:
         return
+    os.environ[OWNER_ENV] = _token()
     import subprocess
 
-    _group_watch.append(subprocess.Popen(
-        ["/bin/sh", "-c", f"read _; kill -s KILL -- -{os.getpid()} 2>/dev/null"], stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+    group = os.getpid() if os.getsid(0) == os.getpid() else 0  # a session leader's group holds only its own
+    env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}  # the watchdog must not kill itself
+    _watchdog.append(subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _WATCHDOG, f"{OWNER_ENV}={os.environ[OWNER_ENV]}", str(group)],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        start_new_session=True))
+
+
+def _token() -> str:
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time, clock ticks since boot
+    except (OSError, IndexError):
+        started = str(time.time_ns())
+    return f"{socket.gethostname()}:{os.getpid()}:{started}"
+
+
+def owned_processes() -> list[int]:
+    """Live processes (other than this one) that this process started: its descendants, and every process
+    whose environment carries this process's :data:`OWNER_ENV` token (those whose parent has gone, too)."""
+    me = os.getpid()
+    token = os.environ.get(OWNER_ENV) if _watchdog else None
+    entry = f"{OWNER_ENV}={token}".encode() if token else None
+    parent_of: dict[int, int] = {}
+    owned: set[int] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent_of[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
+            if entry is not None:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if entry in f.read().split(b"\0"):
+                        owned.add(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+    frontier = {me}
+    while frontier:
+        frontier = {p for p, pp in parent_of.items() if pp in frontier and p not in owned}
+        owned |= frontier
+    return sorted(p for p in owned if process_alive(p))
+
+
+def end_descendants(grace_s: float = 3.0) -> None:
+    """End every process this one started (:func:`owned_processes`): SIGTERM, then SIGKILL to those left after
+    ``grace_s`` seconds; then stop ``multiprocessing``'s resource tracker (it ends once its pipe closes, after
+    releasing what it tracks). Call at a normal end, once this process's own work is written: afterwards nothing
+    it started holds its stdout or stderr. Linux only (``/proc``); elsewhere it does nothing."""
+    if not os.path.isdir("/proc"):
+        return
+    from multiprocessing import resource_tracker
+
+    keep = {w.pid for w in _watchdog} | {getattr(resource_tracker._resource_tracker, "_pid", None)}
+    targets = [p for p in owned_processes() if p not in keep]
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+        for pid in targets:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while targets and time.monotonic() < deadline:
+            _reap_children()
+            targets = [p for p in targets if process_alive(p)]
+            if targets:
+                time.sleep(0.02)
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        try:
+            stop()  # closes its pipe and waits for it
+        except Exception:  # noqa: BLE001 (best effort: it also ends when this process does)
+            pass
+
+
+def _reap_children() -> None:
+    """Collect ended children (a zombie holds no files but shows in ``/proc``)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def process_alive(pid: int) -> bool:

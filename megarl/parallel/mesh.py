@@ -4,6 +4,13 @@ Rank order follows megatron-core's default ``order="tp-cp-ep-dp-pp"`` (TP fastes
 the coordinates computed here are the ones ``parallel_state`` reports:
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+Expert parallelism (EP, for mixture-of-experts models) splits each MoE layer's experts over ``ep`` ranks with
+expert TP = 1: megatron's expert mesh orders the ``tp * dp`` ranks of a pipeline stage EP-fastest, so
+
+    ep_rank = (tp_rank + tp * dp_rank) % ep
+
+(the EP group of TP=2 x DP=2 at EP=2 is a TP group; at EP=4, the whole stage).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import subprocess
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -43,17 +51,23 @@ class ParallelLayout:
         pp: pipeline-parallel size (splits layers into stages).
         dp: data-parallel size (replicas).
         ranks_per_node: GPUs (or CPU processes) per node; the reshard planner prefers same-node peers.
+        ep: expert-parallel size (MoE layers' experts split over ``ep`` ranks of a stage; must divide
+            ``tp * dp``); 1 for dense models.
     """
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     ranks_per_node: int | None = None
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"parallel layout: {name} must be >= 1, got {getattr(self, name)}")
+        if (self.tp * self.dp) % self.ep:
+            raise LayoutError(f"parallel layout: ep={self.ep} does not divide the tp={self.tp} x dp={self.dp} ranks "
+                              "of a pipeline stage (experts are split over ranks of one stage, expert TP = 1)")
 
     @property
     def world_size(self) -> int:
@@ -64,6 +78,11 @@ class ParallelLayout:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
         return RankCoords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+
+    def ep_rank(self, rank: int) -> int:
+        """Expert-parallel rank of a global rank (which slice of the experts it holds)."""
+        c = self.coords(rank)
+        return (c.tp + self.tp * c.dp) % self.ep
 
     def rank(self, tp: int, pp: int, dp: int) -> int:
         """Global rank at mesh coordinates (inverse of :meth:`coords`)."""
@@ -110,9 +129,14 @@ def launch_info() -> LaunchInfo:
         port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
         return LaunchInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
                           addr, port)
-    from megarl.parallel.launch import free_port
-
     return LaunchInfo(0, 1, 0, "127.0.0.1", int(env["MASTER_PORT"]) if "MASTER_PORT" in env else free_port())
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the OS picks it), for a local world's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def ranks_per_node(world_size: int | None = None) -> int | None:
@@ -169,11 +193,13 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_
     world = dist.get_world_size()
     if world != layout.world_size:
         raise LayoutError(f"the job has {world} ranks but the layout tp={layout.tp} x pp={layout.pp} x "
-                        f"dp={layout.dp} needs {layout.world_size}")
+                          f"dp={layout.dp} needs {layout.world_size}")
     apply_cpu_patches()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
                                              pipeline_model_parallel_size=layout.pp,
+                                             expert_model_parallel_size=layout.ep,
+                                             expert_tensor_parallel_size=1,
                                              distributed_timeout_minutes=timeout_s / 60)
     model_parallel_cuda_manual_seed(seed)

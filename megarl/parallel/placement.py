@@ -249,18 +249,29 @@ def is_split(layouts: dict[str, RoleLayout], world_size: int) -> bool:
     return any(lay.ranks != tuple(range(world_size)) for r, lay in layouts.items() if r in MEGATRON_ROLES)
 
 
-def global_layout(layouts: dict[str, RoleLayout], world_size: int) -> ParallelLayout:
+def global_layout(layouts: dict[str, RoleLayout], world_size: int, ep: int = 1) -> ParallelLayout:
     """The layout megatron's ``parallel_state`` is set to: the actor's when every Megatron role is on the whole
-    world, else ``tp x 1 x world/tp`` (see the module docstring)."""
+    world, else ``tp x 1 x world/tp`` (see the module docstring). ``ep`` (``actor.parallel.ep``) splits the
+    experts of a mixture-of-experts model over the ranks of each stage.
+
+    Raises:
+        ConfigError: ``ep > 1`` with Megatron roles on split pools, or an ``ep`` that does not divide the
+            actor's ``tp * dp``.
+    """
     a = layouts["actor"]
     if not is_split(layouts, world_size):
-        return ParallelLayout(tp=a.tp, pp=a.pp, dp=a.dp)
+        require(ep == 1 or (a.tp * a.dp) % ep == 0, "actor.parallel.ep",
+                f"{ep} does not divide the actor's tp={a.tp} x dp={a.dp} ranks of a pipeline stage")
+        return ParallelLayout(tp=a.tp, pp=a.pp, dp=a.dp, ep=ep)
+    require(ep == 1, "actor.parallel.ep", f"{ep}: expert parallelism needs every Megatron role on the whole "
+            "world (no placement pools); set ep=1 or drop the pools")
     return ParallelLayout(tp=a.tp, pp=1, dp=world_size // a.tp)
 
 
-def build_pool_groups(layouts: dict[str, RoleLayout], world_size: int) -> dict[str, PoolGroups]:
+def build_pool_groups(layouts: dict[str, RoleLayout], world_size: int, ep: int = 1) -> dict[str, PoolGroups]:
     """The groups of every Megatron role's pool; call on every rank, in the same order (``new_group`` is
-    collective), after ``torch.distributed`` is initialised.
+    collective), after ``torch.distributed`` is initialised. ``ep``: the expert-parallel size of every role's
+    mesh (only with all roles on the whole world, :func:`global_layout`).
 
     Returns:
         role -> :class:`PoolGroups` for each Megatron role in ``layouts`` (roles on one pool share them).
@@ -272,7 +283,7 @@ def build_pool_groups(layouts: dict[str, RoleLayout], world_size: int) -> dict[s
         lay = layouts.get(role)
         if lay is None:
             continue
-        mesh = ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp)
+        mesh = ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=ep)
         key = (lay.ranks, lay.tp, lay.pp)
         if key not in built:
             groups = PoolGroups(lay.pool, lay.ranks, mesh)

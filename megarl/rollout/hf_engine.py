@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from megarl.models.layout import Layout, hf_layout
+from megarl.models.layout import Layout, hf_layout, local_views
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.rollout.base import (
     RolloutError,
@@ -61,12 +61,14 @@ class HFRolloutEngine:
         self.max_batch_size = max_batch_size
         self.model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32).eval()
         self.model.requires_grad_(False)
-        params = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
-        canonical = hf_layout(spec, [0]).canonical
-        if params != canonical:
-            diff = sorted(set(params.items()) ^ set(canonical.items()))
+        layout = hf_layout(spec, [0], fused_experts=True).tensors(0)  # fused experts: their 2-D views
+        params = {n: tuple(p.shape) for n, p in local_views(dict(self.model.named_parameters()), layout).items()}
+        layout = {n: t.shape for n, t in layout.items()}
+        if params != layout:
+            diff = sorted(set(params.items()) ^ set(layout.items()))
             raise SpecError(f"the transformers model's parameters differ from the canonical tensors of the spec "
                             f"(name, shape) in one but not the other: {diff[:6]}")
+        self._shapes = {n: p.shape for n, p in self.model.named_parameters()}
         self.calls = 0
         self._has_weights = False
         self._asleep = False
@@ -74,8 +76,8 @@ class HFRolloutEngine:
     # ------------------------------------------------------------------ weights and memory
     def weight_layout(self, ranks: Iterable[int]) -> Layout:
         """Whole canonical tensors under their HF names on every rank (:func:`~megarl.models.layout.hf_layout`);
-        with tied embeddings there is no ``lm_head.weight``."""
-        return hf_layout(self.spec, ranks)
+        with tied embeddings there is no ``lm_head.weight``; MoE experts as transformers fuses them in memory."""
+        return hf_layout(self.spec, ranks, fused_experts=True)
 
     def update_weights(self, write: WriteFn) -> Any:
         """Call ``write({name: parameter})`` on the model's own parameters (float32, CPU), written in place.
@@ -88,7 +90,8 @@ class HFRolloutEngine:
         """
         if self._asleep:
             raise RolloutError("update_weights on a sleeping engine: call wake_up() first")
-        result = write({n: p.detach() for n, p in self.model.named_parameters()})
+        params = {n: p.detach() for n, p in self.model.named_parameters()}
+        result = write(local_views(params, self.weight_layout([0]).tensors(0)))
         self._has_weights = True
         return result
 
@@ -113,10 +116,9 @@ class HFRolloutEngine:
     def wake_up(self) -> None:
         """Undo :meth:`sleep`: after a level-2 sleep, parameters get (uninitialised) storage back."""
         if self._asleep:
-            shapes = self.spec.hf_tensor_shapes()
             for name, p in self.model.named_parameters():
                 if p.numel() == 0:
-                    p.data = torch.empty(shapes[name], dtype=p.dtype)
+                    p.data = torch.empty(self._shapes[name], dtype=p.dtype)
         self._asleep = False
 
     # ------------------------------------------------------------------ generation

@@ -44,7 +44,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.models.layout import Layout, check_vllm_tp, vllm_layout, vllm_rank_tensors
+from megarl.models.layout import Layout, check_vllm_tp, local_views, vllm_layout, vllm_rank_tensors
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import init_distributed
 from megarl.rollout.base import (
@@ -176,11 +176,13 @@ class VLLMRolloutEngine:
             raise RolloutError(f"vLLM put rank {rank} in the TP group {group}, expected ranks "
                                f"[{first}, {first + tp}) (consecutive blocks of tp={tp})")
         self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
-        self._params = {n: p.detach() for n, p in self.model.named_parameters()}
+        self._params = {n: p.detach() for n, p in self.model.named_parameters()}  # fused experts viewed 2-D:
+        self._params = local_views(self._params, vllm_rank_tensors(self.spec, self.tp, self.tp_rank))
         self._check_parameters()
         self.calls = 0
         self._has_weights = False
         self._asleep = False
+        self._cache_empty = True  # nothing generated since the last prefix-cache reset
 
     def _check_parameters(self) -> None:
         """Raise SpecError where vLLM's parameters (names, shapes) differ from this rank's layout entry."""
@@ -211,11 +213,21 @@ class VLLMRolloutEngine:
         if self._asleep:
             raise RolloutError("update_weights on a sleeping engine: call wake_up() first")
         result = write(self._params)
+        if not self._cache_empty:
+            self._reset_prefix_cache()
+        self._has_weights = True
+        return result
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop vLLM's prefix cache. Its cost grows with the number of KV-cache blocks, not with the model
+        (vLLM's ``BlockPool.reset_prefix_cache`` visits every block in Python): ~0.45 s on an H200 for the
+        tiny model of ``perf/gpu_vllm.sh`` (256 bytes of KV per token: ~10M blocks at
+        ``gpu_memory_utilization=0.3``), a few ms for real models; done at wake-up, so ``time/reshard`` counts
+        the weights alone."""
         if not self.llm.reset_prefix_cache():
             raise RolloutError("vLLM could not reset its prefix cache after the weight update (requests "
                                "still running?); its cached KV would belong to the old weights")
-        self._has_weights = True
-        return result
+        self._cache_empty = True
 
     def sleep(self, level: int = 1) -> None:
         """Give GPU memory back for the training phase (vLLM sleep mode; a sleeping engine stays asleep).
@@ -240,6 +252,7 @@ class VLLMRolloutEngine:
         """Undo :meth:`sleep`: GPU memory back (weights restored after level 1, uninitialised after level 2)."""
         if self._asleep:
             self.llm.wake_up()
+            self._reset_prefix_cache()  # its KV is stale: new weights come next (see _reset_prefix_cache)
         self._asleep = False
 
     # ------------------------------------------------------------------ generation
@@ -268,6 +281,7 @@ class VLLMRolloutEngine:
         prompts = check_prompts(prompt_token_ids, max_context=context, vocab_size=self.spec.vocab_size)
         call = self.calls
         self.calls += 1
+        self._cache_empty = False  # this call's prompts are cached now
         start = time.perf_counter()
         stop = sorted(set(self.spec.eos_token_ids) | set(sampling.stop_token_ids))
         rows = sample_rows(len(prompts), sampling.n)

@@ -182,7 +182,8 @@ def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Pa
     gen = [h["throughput/generate_tokens_per_s"] for h in history if h.get("throughput/generate_tokens_per_s")]
     lines = [
         "=" * 72,
-        f"megarl run finished at step {last['step']} ({steps_this_session} steps in this session, {wall_s:.0f} s)",
+        f"megarl run finished at step {last['step']} ({steps_this_session} step{'' if steps_this_session == 1 else 's'}"
+        f" in this session, {wall_s:.0f} s)",
         f"  reward by step     {by_step('reward/mean')}",
         f"  accuracy by step   {by_step('reward/accuracy', '{:.2f}')}",
         *([f"  val accuracy       " + "  ".join(f"step {h['step']}: {h['val/accuracy']:.3f}" for h in validated)

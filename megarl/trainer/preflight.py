@@ -68,7 +68,7 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
     """Check that ``spec`` runs under ``cfg``.
 
     Raises:
-        ConfigError: naming the field (``actor.parallel.tp``, ``actor.parallel.pp``, ``critic.parallel.tp``,
+        ConfigError: naming the field (``actor.parallel.tp``, ``actor.parallel.pp``, ``actor.parallel.ep``, ``critic.parallel.tp``,
             ``placement.reference_parallel.tp``, ``rollout.tp``, ``rollout.max_model_len``, ``rollout.max_new_tokens``), what does not divide or
             fit, and the sizes that would.
     """
@@ -83,6 +83,11 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
                 check_layout(spec, layout)
             except SpecError as e:
                 raise ConfigError(f"{field_name}.{name}: {e}") from None
+    ep = cfg.actor.parallel.ep
+    try:  # the experts it splits (the tp x dp it must divide is checked with the world: placement.global_layout)
+        check_layout(spec, ParallelLayout(dp=ep, ep=ep))
+    except SpecError as e:
+        raise ConfigError(f"actor.parallel.ep: {e}") from None
     r = cfg.rollout
     if r.engine == "vllm":
         try:
@@ -153,10 +158,11 @@ def check_this_machine(cfg: Config) -> None:
         raise ConfigError("rollout.engine: vllm is not installed (MEGARL_EXTRAS=gpu ./build.sh installs it)")
 
 
-def preflight(cfg: Config, world_size: int) -> ModelSpec:
+def preflight(cfg: Config, world_size: int, *, this_machine: bool = True) -> ModelSpec:
     """Every check that needs no process group or model, made by the process that starts a job's ranks on this
     machine: :func:`~megarl.parallel.placement.validate_for_world`, the model (:func:`validate_for_model`), the train
-    files, the reward function and what this machine must have. Returns the model's spec.
+    files, the reward function and, with ``this_machine``, what this machine must have (``--check`` leaves it
+    out: a GPU config checked on a CPU machine). Returns the model's spec.
 
     Raises:
         ConfigError: naming the field.
@@ -167,5 +173,6 @@ def preflight(cfg: Config, world_size: int) -> ModelSpec:
     check_tokenizer(cfg, model_tokenizer)
     check_data_files(cfg)
     check_reward(cfg)
-    check_this_machine(cfg)
+    if this_machine:
+        check_this_machine(cfg)
     return spec

@@ -122,13 +122,21 @@ def _read_jsonl(path: Path, **tag: Any) -> list[dict[str, Any]]:
 
 def pick_samples(samples: list[dict[str, Any]], k: int = SAMPLES_SHOWN) -> dict[str, list[dict[str, Any]]]:
     """The ``k`` best (highest score, latest step first), ``k`` worst and ``k`` cut-off (``finish_reason``
-    "length", latest first) samples, identical (prompt, response) pairs counted once."""
+    "length", latest first) samples; each sample appears once on the page (identical (prompt, response) pairs
+    count once, and a sample already shown under an earlier kind is not shown again: a cut-off response is
+    often among the worst too)."""
     unique = {(s.get("prompt"), s.get("response")): s for s in samples}  # one of identical samples (n per prompt)
     samples = list(unique.values())
-    latest_best = sorted(samples, key=lambda s: (-s.get("score", 0.0), -s.get("step", 0)))
-    latest_worst = sorted(samples, key=lambda s: (s.get("score", 0.0), -s.get("step", 0)))
-    cut = sorted((s for s in samples if s.get("finish_reason") == "length"), key=lambda s: -s.get("step", 0))
-    return {"Best": latest_best[:k], "Worst": latest_worst[:k], "Cut at max_new_tokens": cut[:k]}
+    orders = {"Best": sorted(samples, key=lambda s: (-s.get("score", 0.0), -s.get("step", 0))),
+              "Worst": sorted(samples, key=lambda s: (s.get("score", 0.0), -s.get("step", 0))),
+              "Cut at max_new_tokens": sorted((s for s in samples if s.get("finish_reason") == "length"),
+                                              key=lambda s: -s.get("step", 0))}
+    shown: set[int] = set()
+    picked = {}
+    for kind, order in orders.items():
+        picked[kind] = [s for s in order if id(s) not in shown][:k]
+        shown |= {id(s) for s in picked[kind]}
+    return picked
 
 
 def _quote(text: Any) -> str:
@@ -158,7 +166,7 @@ def write_report(run_dir: str | Path) -> Path:
     lines = [f"# megarl run `{run_dir.name}`", ""]
     if train:
         last = train[-1]
-        lines += [f"{last['step']} steps; last step: reward {last.get('reward/mean', float('nan')):.3f}, "
+        lines += [f"{last['step']} step{'' if last['step'] == 1 else 's'}; last step: reward {last.get('reward/mean', float('nan')):.3f}, "
                   f"accuracy {last.get('reward/accuracy', float('nan')):.3f}, response length "
                   f"{last.get('response/length_mean', float('nan')):.0f} tokens.", ""]
     if val:

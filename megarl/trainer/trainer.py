@@ -35,10 +35,10 @@ from megarl.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_pe
 from megarl.algos.registry import ADVANTAGES
 from megarl.algos.rollout_correction import rollout_correction
 from megarl.algos.shaping import overlong_penalty
-from megarl.bench.flops import peak_bf16_flops
-from megarl.bench.throughput import step_perf_metrics
-from megarl.bench.timers import PhaseTimer
-from megarl.config import Config, ConfigError, absolute_paths, to_dict
+from megarl.measure.flops import peak_bf16_flops
+from megarl.measure.throughput import step_perf_metrics
+from megarl.measure.timers import PhaseTimer
+from megarl.config import MEGATRON_ROLES, Config, ConfigError, absolute_paths, to_dict
 from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.loader import PromptBatch, PromptLoader
 from megarl.data.template import PromptTemplate
@@ -139,8 +139,9 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
     would load an older run's weights); a resumed run needs one, with fewer steps than ``trainer.steps``, that
     this run can load. A checkpoint resumes at any TP x PP x DP and placement (megatron-core's dist-checkpoint
     resharding, the optimizer state in its layout-free format); what cannot change is refused: the model's
-    dtype, a distributed optimizer for a plain one, a critic the checkpoint lacks, a TP whose padded vocabulary
-    differs, and any layout of a checkpoint written before that format (``dp_reshardable``).
+    dtype, a distributed optimizer for a plain one, the experts' EP (not resharded yet), a critic the
+    checkpoint lacks, a TP whose padded vocabulary differs, and any layout of a checkpoint written before that
+    format (``dp_reshardable``).
 
     Raises:
         ConfigError: naming ``run.name`` (a new run on an earlier run's checkpoints), ``trainer.resume`` (no
@@ -174,7 +175,7 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
                               f"({changed}) in an optimizer format that does not reshard: resume with the layout "
                               f"it was written at, or start a new run from its weights alone (model.path={newest})")
         return
-    refused = [f for f in ("model.dtype", "actor.optim.distributed", "critic.optim.distributed")
+    refused = [f for f in ("model.dtype", "actor.optim.distributed", "critic.optim.distributed", "actor.parallel.ep")
                if _field(then, f) != _field(now, f) and (f != "critic.optim.distributed" or "critic" in then)]
     if cfg.algorithm.uses_critic and meta.get("critic_scheduler") is None:
         refused.append("algorithm.name (a critic the checkpoint does not hold)")
@@ -213,8 +214,11 @@ def config_changes(then: dict[str, Any], now: dict[str, Any], prefix: str = "") 
 
 def _layout_record(config: dict[str, Any], world_size: int | None) -> dict[str, Any]:
     """What a ``dp_reshardable`` checkpoint's sharding depends on, from a config as plain data."""
-    def mesh(section: dict[str, Any] | None) -> str | None:
-        return None if not section else f"tp={section.get('tp')} pp={section.get('pp')}"
+    def mesh(section: dict[str, Any] | None) -> str | None:  # ep (experts' optimizer shards) where it is not 1
+        if not section:
+            return None
+        ep = section.get("ep") or 1
+        return f"tp={section.get('tp')} pp={section.get('pp')}" + (f" ep={ep}" if ep != 1 else "")
 
     placement = dict(config.get("placement") or {})
     return {"world_size": world_size, "actor.parallel": mesh(config.get("actor", {}).get("parallel")),
@@ -291,9 +295,9 @@ class Trainer:
 
         # Megatron roles on their pools (megarl.parallel.placement; the critic on the actor's): a role is built
         # on the ranks of its pool only, None elsewhere
-        self.mesh = global_layout(self.layouts, self.world)
+        self.mesh = global_layout(self.layouts, self.world, cfg.actor.parallel.ep)
         initialize_model_parallel(self.mesh, seed=cfg.run.seed, timeout_s=cfg.trainer.timeout_s)
-        self.pools = build_pool_groups(self.layouts, self.world)
+        self.pools = build_pool_groups(self.layouts, self.world, self.mesh.ep)
         dtype = ck.DTYPES[cfg.model.dtype]
         source = None if cfg.model.path == "default" else cfg.model.path
         updates = cfg.trainer.steps * cfg.actor.ppo_epochs * (cfg.rollout_batch_size // cfg.actor.ppo_mini_batch_size)
@@ -353,7 +357,9 @@ class Trainer:
         cfg, alg, t = self.cfg, self.cfg.algorithm, self.timer
         step_start = time.perf_counter()
 
-        with t("reshard"):
+        with t("wake_up"):  # the engine's memory back: vLLM maps its weights and KV cache again (sleep level 2)
+            self.engine.wake_up()
+        with t("reshard"):  # the weights alone
             stats = self._reshard_actor_to_engine()
         self._offload(("params",))  # read by the reshard: the engine generates alone
         offloaded_bytes = sum(o.bytes_on_host for o in self.offloads)
@@ -445,7 +451,7 @@ class Trainer:
         self.offload_s["to_device"] += sum(o.to_device() for o in self.offloads)
 
     def _perf_metrics(self, batch: RolloutBatch, phases: dict[str, float], step_s: float) -> dict[str, float]:
-        """Tokens/s/GPU, MFU and peak memory of the step and of each phase (:mod:`megarl.bench.throughput`)."""
+        """Tokens/s/GPU, MFU and peak memory of the step and of each phase (:mod:`megarl.measure.throughput`)."""
         return step_perf_metrics(self.spec, batch["prompt_lens"], batch["response_lens"], seconds=phases,
                                  peak_bytes=self.timer.reset_peaks(), step_s=step_s, world=self.world,
                                  epochs={"actor_update": self.cfg.actor.ppo_epochs,
@@ -536,6 +542,9 @@ class Trainer:
         (:meth:`_group_unit`); with not one mini-batch's worth, the step trains on one mini-batch of them filled
         with tied groups (advantage 0: they add only to the KL and entropy terms and the normalisers).
 
+        The rounds' scoring counts in the generate phase, and the output's stats are every round's (the
+        generation throughput counts every token generated).
+
         Returns:
             ``(prompts, out, scores [B] float32, metrics)`` of the kept groups: ``dynamic_sampling/rounds``
             (generation rounds), ``.../groups_generated``, ``.../groups_with_signal`` (all rounds),
@@ -546,19 +555,22 @@ class Trainer:
         want, n = cfg.data.prompts_per_step, out.n
         kept: list[tuple[PromptBatch, int, list, torch.Tensor]] = []  # (prompts, prompt k, samples, scores)
         tied: list[tuple[PromptBatch, int, list, torch.Tensor]] = []
-        generated = signal = rounds = 0
+        generated = signal = rounds = prompt_tokens = new_tokens = 0
         seconds = 0.0
         while True:
             rounds += 1
             generated += out.num_prompts
             seconds += out.stats.seconds
+            prompt_tokens += out.stats.prompt_tokens
+            new_tokens += out.stats.generated_tokens
             texts = self.tokenizer.batch_decode([list(s.token_ids) for s in out.samples], skip_special_tokens=True)
             scores = self._rewards([prompts.raw_prompt[s.prompt_index] for s in out.samples], texts,
                                    [prompts.ground_truth[s.prompt_index] for s in out.samples]).float()
             for k in range(out.num_prompts):
                 group = scores[k * n:(k + 1) * n]
-                signal += bool((group != group[0]).any())
-                (kept if bool((group != group[0]).any()) else tied).append((prompts, k, out.group(k), group))
+                spread = bool((group != group[0]).any())
+                signal += spread
+                (kept if spread else tied).append((prompts, k, out.group(k), group))
             if len(kept) >= want or rounds > cfg.algorithm.dynamic_sampling.max_extra_rounds:
                 break
             prompts = more_prompts()
@@ -572,16 +584,15 @@ class Trainer:
                              ground_truth=[p.ground_truth[k] for p, k, _, _ in kept],
                              raw_prompt=[p.raw_prompt[k] for p, k, _, _ in kept])
         samples = [dataclasses.replace(s, prompt_index=i) for i, (_, _, group, _) in enumerate(kept) for s in group]
-        merged_out = RolloutOutput(samples, n, RolloutStats(
-            prompt_tokens=n * sum(len(p) for p in merged.input_ids),
-            generated_tokens=sum(len(s.token_ids) for s in samples), seconds=seconds))
-        scores = torch.cat([g for _, _, _, g in kept]) if kept else torch.zeros(0)
+        merged_out = RolloutOutput(samples, n, RolloutStats(prompt_tokens=prompt_tokens, generated_tokens=new_tokens,
+                                                            seconds=seconds))  # every round's
+        scores = torch.cat([g for _, _, _, g in kept])
         metrics = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups_generated": generated,
                    "dynamic_sampling/groups_with_signal": signal, "dynamic_sampling/groups_kept": with_signal,
                    "dynamic_sampling/groups_tied_kept": len(kept) - with_signal,
                    "dynamic_sampling/groups_short": want - with_signal}
         if self.rank == 0 and with_signal < want:
-            log.warning("dynamic sampling: %d of %d groups with signal after %d rounds "
+            log.info("dynamic sampling: %d of %d groups with signal after %d rounds "
                         "(algorithm.dynamic_sampling.max_extra_rounds=%d); step %d trains on %d of them%s",
                         signal, want, rounds, cfg.algorithm.dynamic_sampling.max_extra_rounds, self.step_idx + 1,
                         with_signal, f" and {len(kept) - with_signal} tied groups" if len(kept) > with_signal else "")
@@ -590,7 +601,8 @@ class Trainer:
     def _group_unit(self) -> int:
         """The fewest groups that make whole mini-batches of every trained role, divisible by every Megatron
         role's DP (the batch sizes :func:`~megarl.parallel.placement.validate_for_world` checks for a full step)."""
-        sizes = [self.cfg.actor.ppo_mini_batch_size] + [lay.dp for lay in self.layouts.values()]
+        sizes = [self.cfg.actor.ppo_mini_batch_size] + [lay.dp for role, lay in self.layouts.items()
+                                                        if role in MEGATRON_ROLES]
         if "critic" in self.pools:
             sizes.append(self.cfg.critic.ppo_mini_batch_size)
         rows = math.lcm(self.cfg.rollout.n, *sizes)

@@ -9,7 +9,10 @@ recomputation, no padding). A decoder-only transformer with ``L`` layers, width 
   weights (Q, K, V, O; gate, up, down; the output layer, ``V_out = V`` for a policy, 1 for a value head). The
   embedding lookup is a gather and biases and norms are elementwise: none is counted. This is the ``2N`` per
   token of Kaplan et al. 2020 (arXiv:2001.08361, table 1) and of PaLM (Chowdhery et al. 2022,
-  arXiv:2204.02311, appendix B), with N the matmul parameters.
+  arXiv:2204.02311, appendix B), with N the matmul parameters. A mixture-of-experts layer counts the weights
+  one token computes with (the *active* parameters, as Mixtral's and Qwen3-MoE's "A3B" name them): the router
+  ``E*h``, ``top_k`` experts ``3*h*m`` each (expert width ``m``) and the shared expert ``3*h*f_s`` with its gate
+  ``h``, in place of ``3*h*f``.
 - Causal attention: token ``t`` (0-based) attends to ``t + 1`` positions, and ``Q K^T`` and ``A V`` each cost
   ``q * (t + 1)`` multiply-adds per layer, so a sequence costs ``2 * 2 * L * q * sum_t (t + 1)
   = 2 * L * q * s * (s + 1)`` FLOPs forward. PaLM's appendix B counts ``6 * L * H * Q * T`` FLOPs per token
@@ -48,9 +51,19 @@ def matmul_params(spec: ModelSpec, output_rows: int | None = None) -> int:
     Args:
         output_rows: rows of the output layer (None = the vocab: a policy; 1 = a value head).
     """
-    h, q, k, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
+    h, q, k = spec.hidden_size, spec.q_size, spec.kv_size
     out = spec.vocab_size if output_rows is None else output_rows
-    return spec.num_layers * (2 * h * q + 2 * h * k + 3 * h * f) + out * h
+    return spec.num_layers * (2 * h * q + 2 * h * k + ffn_matmul_params(spec)) + out * h
+
+
+def ffn_matmul_params(spec: ModelSpec) -> int:
+    """The FFN weights one token computes with in one layer: ``3*h*f`` (SwiGLU), or for an MoE layer its active
+    weights ``E*h + top_k*3*h*m + 3*h*f_s + h`` (router, routed experts, shared expert and its gate)."""
+    h = spec.hidden_size
+    if not spec.is_moe:
+        return 3 * h * spec.ffn_hidden_size
+    shared = 3 * h * spec.shared_expert_ffn_hidden_size + h if spec.shared_expert_ffn_hidden_size else 0
+    return spec.num_experts * h + spec.moe_top_k * 3 * h * spec.moe_ffn_hidden_size + shared
 
 
 def forward_flops(spec: ModelSpec, seq_lens: Iterable[int] | torch.Tensor, output_rows: int | None = None

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
-from megarl.bench.monitor import peak_rss_bytes, reset_peak_rss
+from megarl.measure.monitor import peak_rss_bytes, reset_peak_rss
 from megarl.parallel.faults import fault_point
 from megarl.parallel.lifecycle import phase
 
@@ -19,7 +19,7 @@ class PhaseTimer:
     phase that launched them, and the phase's peak memory is ``torch.cuda.max_memory_allocated()`` (bytes of
     tensors allocated by torch on this rank's device, after resetting the peak at the phase's start; memory
     that vLLM maps itself is not in it). On the CPU it is the process's peak resident memory (``VmHWM``, reset
-    at the phase's start where the kernel allows it, see :mod:`megarl.bench.monitor`). Each phase is
+    at the phase's start where the kernel allows it, see :mod:`megarl.measure.monitor`). Each phase is
     also this rank's :func:`~megarl.parallel.lifecycle.phase` (named when a collective fails) and the fault
     point ``phase.<name>`` (:mod:`megarl.parallel.faults`).
 

@@ -6,7 +6,7 @@ in use (bytes, every process on the device). Without a GPU it reads this process
 (percent of one core, so up to ``100 * cores``) and resident memory (bytes).
 
 The process's peak resident memory (Linux ``VmHWM``) can be reset by writing ``5`` to ``/proc/self/clear_refs``
-(Linux >= 4.0, ``proc(5)``), which is how :class:`~megarl.bench.timers.PhaseTimer` reports a peak per phase
+(Linux >= 4.0, ``proc(5)``), which is how :class:`~megarl.measure.timers.PhaseTimer` reports a peak per phase
 on the CPU.
 """
 

@@ -1,7 +1,7 @@
 """Tokens, model FLOPs, tokens/s/GPU and MFU of each phase of one RL step (``perf/*`` and ``memory/*`` metrics).
 
 What each phase counts, from the step's batch (``p_i`` prompt and ``r_i`` response tokens of sample ``i``,
-real tokens only, padding excluded; FLOPs from :mod:`megarl.bench.flops`):
+real tokens only, padding excluded; FLOPs from :mod:`megarl.measure.flops`):
 
 | phase | tokens | model FLOPs |
 | --- | --- | --- |
@@ -23,7 +23,7 @@ from typing import Mapping
 
 import torch
 
-from megarl.bench.flops import forward_flops, mfu, train_flops
+from megarl.measure.flops import forward_flops, mfu, train_flops
 from megarl.models.spec import ModelSpec
 
 FORWARD_PHASES = ("old_logprobs", "reference")
@@ -62,7 +62,7 @@ def step_perf_metrics(spec: ModelSpec, prompt_lens: torch.Tensor, response_lens:
 
     Args:
         seconds / peak_bytes: phase -> seconds and peak memory (bytes) from
-            :class:`~megarl.bench.timers.PhaseTimer`.
+            :class:`~megarl.measure.timers.PhaseTimer`.
         step_s: the whole step's seconds.
         world: GPUs (ranks) of the job.
         peak_flops: the device's peak FLOP/s (None: no MFU metrics).

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Mixture of experts on one H200 (issue 20), in one command from the repo root:   bash perf/gpu_moe.sh
+# The Qwen3-30B-A3B shape cut to 4 layers (preset:qwen3-30b-a3b?layers=4: 128 experts of width 768, top-8;
+# random weights, bf16), Megatron actor (SequentialMLP experts, the local spec) with vLLM 0.24.0 rollouts:
+#   1. installs the wheels (perf/install_wheels.sh: the vLLM chunk folders uploaded to /tmp/whl, .whl carried)
+#      and builds megarl._C (perf/build_C.sh);
+#   2. tests/test_gpu_moe.py: vLLM's fused-MoE parameters (names, shapes) against megarl's layout and vLLM's own
+#      load_weights against the reshard, bit for bit; greedy output equal to the actor's own greedy decoding;
+#      sampled-token log-prob |vLLM - actor| (mean, max); the reshard time;
+#   3. `megarl bench step` of GRPO steps on the synthetic prompts of tests/rl_tasks.py (32 prompts x 4 samples x
+#      128 new tokens): the phase table, with the actor update's MFU counted on active parameters
+#      (megarl/bench/flops.py).
+# Logs and the bench JSON go to $OUT (default runs/gpu_moe). The last line is "gpu_moe: PASS|FAIL"; the stages
+# share a budget of 470 s of wall time (each is cut at what is left), so the run ends within 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_moe}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+export OUT
+source perf/gpu_env.sh
+BUDGET_S=470
+START=$SECONDS
+failed=0
+source perf/gpu_lib.sh  # stage, finish
+
+install_and_build() {
+  bash perf/install_wheels.sh && bash perf/build_C.sh && python3 -c "import pytest"
+}
+
+bench_step() {
+  python3 -c "
+from pathlib import Path
+from tests.rl_tasks import make_tiny_model, write_prompts
+make_tiny_model(Path('$OUT/tok')); write_prompts(Path('$OUT/prompts.jsonl'), 1024)" || return 1
+  python3 -m megarl.cli bench step "model.path=preset:qwen3-30b-a3b?layers=4" model.tokenizer="$OUT/tok" \
+    "data.train_files=[$OUT/prompts.jsonl]" data.prepare=null data.use_chat_template=false "data.instruction=''" \
+    reward.fn=tests.rl_tasks:says_target model.dtype=bfloat16 rollout.engine=vllm trainer.progress=false \
+    run.output_dir="$OUT" run.name=moe-bench validation.enabled=false data.max_prompt_length=8 \
+    rollout.max_new_tokens=128 data.prompts_per_step=32 rollout.n=4 actor.ppo_mini_batch_size=128 \
+    actor.micro_batch_size=16 actor.logprob_micro_batch_size=32 rollout.gpu_memory_utilization=0.3 \
+    algorithm.kl.coef=0 --steps 2 --warmup 1 --json "$OUT/moe-bench.json" || return 1
+  python3 - "$OUT/moe-bench.json" <<'PY'
+import json
+import sys
+
+r = json.loads(open(sys.argv[1]).read())
+assert r["status"] == "ok", r.get("error")
+upd = r["phases"]["actor_update"]
+print(f"step {r['step_time_s']:.2f} s, generate {r['generate_tokens_per_s']:.0f} tokens/s, actor update MFU "
+      f"(active parameters) {upd.get('mfu') or 0:.1%} of the datasheet / {upd.get('mfu_vs_measured') or 0:.1%} of "
+      f"the measured peak, peak {upd.get('peak_memory_bytes', 0) / 2**30:.1f} GiB")
+PY
+}
+
+export -f install_and_build bench_step
+
+stage install 200 install_and_build
+if [ $failed -eq 0 ]; then
+  stage test_gpu_moe 220 "python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_moe.py"
+  stage bench_step 240 bench_step
+fi
+grep -h "MoE vLLM" "$OUT/test_gpu_moe.log" 2>/dev/null
+grep -v -i -E "warn|INFO" "$OUT/bench_step.log" 2>/dev/null | tail -n 25
+finish gpu_moe

@@ -1,0 +1,66 @@
+"""The ``megarl`` command itself: what ``--help`` costs, and the defaults of ``bench reshard``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+_HELP_OF_EVERY_COMMAND = """
+import sys
+from megarl.cli import _COMMANDS, main
+for path in [()] + [p for p, _, _ in _COMMANDS]:
+    try:
+        main([*path, "--help"])
+    except SystemExit:
+        pass
+print(sorted(m for m in ("torch", "megatron", "transformers", "vllm") if m in sys.modules))
+"""
+
+
+def test_help_imports_neither_torch_nor_megatron():
+    """Issue 24: each ``--help`` took 2.5-7.5 s, importing torch and megatron-core for every command's
+    arguments; ``megarl --help`` and every ``megarl COMMAND --help`` now import none of them."""
+    r = subprocess.run([sys.executable, "-c", _HELP_OF_EVERY_COMMAND], capture_output=True, text=True, cwd=REPO,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout[-2000:]
+    assert "micro" in r.stdout and "(default 3)" in r.stdout  # bench reshard's help: its modes and defaults
+
+
+def test_bench_reshard_micro_runs_with_its_defaults_and_says_what_it_measured():
+    """Issue 24: ``bench reshard micro`` failed with its defaults (its TP=2 case on SmolLM2's 9 heads), and
+    its table did not say which case it measured."""
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "bench", "reshard", "micro", "--layers", "1",
+                        "--iters", "1"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    head = r.stdout.splitlines()[0]
+    assert head.startswith("bench reshard micro: smollm2-135m cut to 1 layers, bf16, on cpu") and \
+        "Megatron TP=1 -> vLLM TP=3" in head, r.stdout
+    assert [line.split()[0] for line in r.stdout.splitlines()[-3:]] == ["local_copy", "pack", "unpack"]
+    assert all(line.split()[-1] in ("True", "-") for line in r.stdout.splitlines()[-3:]), r.stdout
+
+
+_LOG_AS_RANK = """
+import logging
+from megarl.console import quiet_libraries, quiet_other_ranks
+quiet_libraries()
+quiet_other_ranks()
+logging.getLogger("megarl.trainer").warning("a note")
+logging.getLogger("megarl.trainer").error("an error")
+"""
+
+
+def test_a_note_comes_from_rank_0_alone_and_errors_from_every_rank():
+    """Issue 24: multi-rank runs printed a warning once per rank."""
+    def run(rank: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID")} | {"RANK": rank}
+        return subprocess.run([sys.executable, "-c", _LOG_AS_RANK], capture_output=True, text=True, cwd=REPO,
+                              env=env, timeout=300).stderr
+
+    zero, one = run("0"), run("1")
+    assert "a note" in zero and "an error" in zero, zero
+    assert "a note" not in one and "an error" in one, one

@@ -1,0 +1,102 @@
+"""The GPU scripts of ``perf/`` on the CPU: every ``megarl`` command line of every ``perf/gpu_*.sh`` runs
+through the checks a run makes before it starts (``--check``: the config against its model, tokenizer, files
+and reward function), so that a config change that breaks a GPU script fails here rather than on the GPU
+machine (issue 24: ``perf/gpu_offload.sh`` validated on files its synthetic task never prepares).
+
+Each script runs for real from a view of the checkout without its ignored files (no ``data/``, no ``runs/``:
+what a fresh clone on the GPU machine has), with ``python3`` and ``bash`` replaced by shell functions: a
+``python3 -m megarl.cli ...`` gets ``--check`` (``megarl data`` prepares data, not a config: skipped), inline
+Python that builds the synthetic task of :mod:`tests.rl_tasks` runs, and the rest (pytest, the post-processing
+of a run's metrics, kernel benchmarks) is skipped, as are ``perf/install_wheels.sh`` and ``perf/build_C.sh``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.name for p in (REPO / "perf").glob("gpu_*.sh") if "megarl.cli" in p.read_text())
+BENCH_STEP_CASES = ["mfu-1.5b", "mem-0.5b", "grpo-1.5b", "grpo-1.5b-fast", "smollm2"]
+
+_STUBS = r'''
+python3() {
+  if [ "${1:-}" = "-m" ] && [ "${2:-}" = "megarl.cli" ]; then
+    shift 2
+    [ "${1:-}" = "data" ] && return 0
+    local rc=0
+    "$MEGARL_CHECK_PYTHON" -m megarl.cli "$@" --check || rc=$?
+    echo "$rc megarl $*" >> "$MEGARL_CHECK_LOG"
+    return $rc
+  elif [ "${1:-}" = "-c" ]; then
+    case "$2" in *tests.rl_tasks*) "$MEGARL_CHECK_PYTHON" "$@" ;; *) return 0 ;; esac
+  elif [ "${1:-}" = "-" ]; then
+    local code; code=$(cat)
+    case "$code" in *tests.rl_tasks*) "$MEGARL_CHECK_PYTHON" "$@" <<< "$code" ;; *) return 0 ;; esac
+  else
+    return 0
+  fi
+}
+bash() {
+  case "${1:-}" in perf/install_wheels.sh|perf/build_C.sh) return 0 ;; esac
+  command bash "$@"
+}
+export -f python3 bash
+'''
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory):
+    """The checkout's tracked top-level entries, linked into a fresh folder (no data/, runs/, .venv)."""
+    root = tmp_path_factory.mktemp("checkout")
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for name in sorted({line.split("/")[0] for line in tracked.splitlines()}):
+        (root / name).symlink_to(REPO / name)
+    (root / "megarl").unlink()
+    (root / "megarl").symlink_to(REPO / "megarl")  # with its built extension
+    gsm8k = tmp_path_factory.mktemp("gsm8k")
+    (gsm8k / "train.jsonl").write_text("")
+    return root, gsm8k
+
+
+def _run_script(checkout, name: str, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    root, gsm8k = checkout
+    out = root / "out" / f"{name}{'-' + args[0] if args else ''}"
+    out.mkdir(parents=True)
+    log = out / "megarl_commands.txt"
+    from megarl.models.hf_io import default_model_path
+
+    env = {**os.environ, "OUT": str(out), "MEGARL_CHECK_LOG": str(log), "MEGARL_CHECK_PYTHON": sys.executable,
+           "SMOL_GGUF": str(default_model_path()),
+           "GSM8K_DIR": str(gsm8k)}
+    command = f"{_STUBS}\ncommand bash perf/{name} " + " ".join(args)
+    r = subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    return r, (log.read_text().splitlines() if log.exists() else [])
+
+
+@pytest.mark.parametrize("script,args", [(s, ()) for s in SCRIPTS if s != "gpu_bench_step.sh"]
+                         + [("gpu_bench_step.sh", (case,)) for case in BENCH_STEP_CASES])
+def test_every_megarl_command_of_a_gpu_script_passes_its_checks(checkout, script, args):
+    r, commands = _run_script(checkout, script, *args)
+    text = r.stdout + r.stderr
+    assert commands, f"perf/{script} ran no megarl command:\n{text[-3000:]}"
+    failed = [c for c in commands if not c.startswith("0 ")]  # exit status, then the command
+    assert not failed and r.returncode == 0, f"{failed}\n{text[-5000:]}"
+
+
+def test_gpu_scripts_import_torch_before_megarl_C():
+    """``megarl._C`` links against torch's libraries: importing it first fails (``libc10.so`` not found), as
+    ``perf/gpu_multi.sh``'s build check did."""
+    bad = []
+    for path in sorted((REPO / "perf").glob("*.sh")):
+        for code in re.findall(r'python3? -c "([^"]*)"', path.read_text()):
+            imports = re.findall(r"import ([\w., ]+)", code)
+            names = [n.strip() for group in imports for n in group.split(",")]
+            if "megarl._C" in names and ("torch" not in names or names.index("torch") > names.index("megarl._C")):
+                bad.append(f"{path.name}: {code}")
+    assert not bad, bad
