@@ -122,7 +122,7 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
         from megarl.trainer.trainer import check_run_folder
 
         check_free(cfg.run.run_dir)  # another run owns the folder
-        check_run_folder(cfg, cfg.world_size)  # checkpoints of an earlier run, or of another layout
+        check_run_folder(cfg, cfg.world_size)  # an earlier run's checkpoints, none to resume, a finished run
     if cfg.world_size == 1:
         return False
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -143,7 +143,10 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
         failed = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in e.failures.items())
         print(f"megarl: error: megarl {argv[0]} failed on {failed}; see the ranks' messages above",
               file=sys.stderr)
-        raise SystemExit(1) from None
+        from megarl.parallel.restart import EXIT_USAGE
+
+        # a rank's config or data error keeps its status: a restart would fail again (megarl.launch.supervise)
+        raise SystemExit(EXIT_USAGE if any(f.exitcode == EXIT_USAGE for f in e.failures.values()) else 1) from None
     return True
 
 
@@ -177,6 +180,9 @@ def _train(p: argparse.ArgumentParser):
     p.add_argument("config", nargs="?", help="YAML file (parallel_configs/...); omitted: the CPU default")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=2 actor.optim.lr=1e-6")
     p.add_argument("--resume", action="store_true", help="continue from the run's newest checkpoint")
+    p.add_argument("--max-restarts", type=int_at_least("--max-restarts", 0), default=None, metavar="N",
+                   help="run again from the newest checkpoint after a failure, up to N times "
+                        "(launch.max_restarts; default from the config: 0)")
     p.add_argument("--check", action="store_true", help=CHECK_HELP)
 
     def run(a: argparse.Namespace) -> int:
@@ -184,9 +190,18 @@ def _train(p: argparse.ArgumentParser):
 
         config, overrides = split_config_and_overrides(a.config, a.overrides)
         overrides += ["trainer.resume=true"] if a.resume else []
+        overrides += [f"launch.max_restarts={a.max_restarts}"] if a.max_restarts is not None else []
         cfg = load_config(config, overrides)  # fails here, before any process or model, on a bad config
         if a.check:
             return check_only(cfg, "train")
+
+        from megarl.parallel.restart import RESTART_ENV
+
+        if cfg.launch.max_restarts and not is_rank() and RESTART_ENV not in os.environ:
+            from megarl.launch.supervise import supervise_local  # each attempt a child launcher
+
+            return supervise_local([sys.executable, "-m", "megarl.cli", "train", *a.argv], cfg.run.run_dir,
+                                   cfg.launch.max_restarts)
         try:
             if relaunch_world(cfg, ["train", *a.argv], run_folder=True):
                 return 0
@@ -512,12 +527,16 @@ def main(argv: list[str] | None = None) -> int:
     bind_to_launcher()  # a rank (torchrun relaunch, torchrun, srun) ends with the process that started it
     watch_interrupts()
     if is_rank():
+        from megarl.parallel.restart import watch_requeue_signal
+
+        watch_requeue_signal()  # SIGUSR1 (SLURM, before the time limit): save after the step, then requeue
         import faulthandler
 
         faulthandler.enable()  # a rank that crashes in native code (SIGSEGV, SIGABRT) prints its Python stacks
     argv = list(sys.argv[1:] if argv is None else argv)
     from megarl.config import ConfigError
     from megarl.parallel.lifecycle import PeerLostError, interrupted
+    from megarl.parallel.restart import EXIT_REQUEUE, RequeueRequested
     from megarl.trainer.run_lock import RunLockedError
 
     try:
@@ -545,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2  # could be the one its launcher leaves standing, and the message would be lost
     except (Interrupted, KeyboardInterrupt) as e:  # the user's Ctrl-C: no traceback, and how to go on
         return _interrupted(e)
+    except RequeueRequested as e:  # SIGUSR1: saved; the job's supervisor requeues it
+        print(f"megarl: {e}", file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
     except PeerLostError as e:  # one rank's view of a failed job: what it lost, and where
         if interrupted():  # the peer stopped on the same Ctrl-C
             return _interrupted(e)

@@ -623,8 +623,12 @@ class TrainerConfig:
     Attributes:
         steps: RL steps (each: reshard, generate, score, log-probs, advantages, updates).
         save_every: checkpoint every N steps (0 = only at the end).
+        save_every_min: also checkpoint after a step that ends this many minutes after the last checkpoint
+            (0 = off); the save's seconds are the step's ``time/checkpoint_save`` metric.
         keep_checkpoints: newest checkpoints kept on disk.
-        resume: continue from the newest checkpoint in the run folder when one exists.
+        resume: continue from the newest checkpoint in the run folder (at any layout; the run's current
+            config applies from there on: LR schedule, optimizer settings, ``steps``); refused when the folder
+            holds none or the run has done its ``steps``.
         export_hf: also write a Hugging Face copy of the final actor.
         progress: show a progress bar over the steps.
         log_samples: responses per step written to ``samples.jsonl`` (prompt, response, score).
@@ -645,6 +649,7 @@ class TrainerConfig:
 
     steps: int = 4
     save_every: int = 2
+    save_every_min: float = 0.0
     keep_checkpoints: int = 2
     resume: bool = False
     export_hf: bool = False
@@ -666,6 +671,7 @@ class TrainerConfig:
         require(self.steps >= 1, "trainer.steps", "must be >= 1")
         require(self.timeout_s > 0, "trainer.timeout_s", "must be > 0 (seconds)")
         require(self.save_every >= 0, "trainer.save_every", "must be >= 0")
+        require(self.save_every_min >= 0, "trainer.save_every_min", "must be >= 0 (minutes; 0 = off)")
         require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints",
                  f"{self.keep_checkpoints} must be >= 1 (how many of the newest checkpoints stay on disk)")
         unknown = [name for name in self.loggers if name not in LOGGERS]
@@ -749,11 +755,22 @@ class LaunchConfig:
 
     Attributes:
         env: environment variables of every rank (defaults :data:`LAUNCH_ENV`); a null value is not exported.
+        max_restarts: restarts of a run that fails (a killed rank, a lost peer or node, a stalled rank), each
+            from its newest complete checkpoint: ``megarl submit`` requeues the job, ``megarl train`` runs the
+            local world again (:mod:`megarl.launch.supervise`); config and data errors are never retried.
+        save_before_end_s: ``megarl submit``: SLURM sends the ranks SIGUSR1 this many seconds before the job's
+            time limit (``--signal=USR1@S``); they save a checkpoint after the step and the job is requeued to
+            continue (0 = off).
     """
 
     env: dict[str, Optional[str]] = field(default_factory=lambda: dict(LAUNCH_ENV))
+    max_restarts: int = 0
+    save_before_end_s: int = 0
 
     def __post_init__(self):
+        require(self.max_restarts >= 0, "launch.max_restarts", f"must be >= 0, got {self.max_restarts}")
+        require(self.save_before_end_s >= 0, "launch.save_before_end_s",
+                 f"must be >= 0 (seconds before the time limit; 0 = off), got {self.save_before_end_s}")
         for name in self.env:
             require(name.isidentifier(), f"launch.env.{name}", "is not a valid environment variable name")
 

@@ -216,10 +216,24 @@ def test_a_stalled_rank_ends_the_run_within_the_timeout_naming_rank_and_phase(ta
     after ``trainer.timeout_s`` with an error naming rank 1 and the phase rank 1 stalled in, never hangs."""
     code, out = _cli(task, "stalled", "trainer.timeout_s=20", fault="phase.reward@1:sleep:1")
     assert code == 1, out[-3000:]
-    error = next(line for line in out.splitlines() if line.startswith("megarl: error: rank 0"))
-    assert "lost peer(s) rank 1" in error and "in phase 'reward'" in error, error
-    assert "during phase '" in error and "trainer.timeout_s=20" in error, error  # and where rank 0 waited
-    assert "megarl: error: megarl train failed on rank 0 (exit code 1)" in out  # the launcher too, naming it
+    # rank 1's progress watch (megarl.parallel.watchdog) names it first; rank 0, waiting for it, leaves it the
+    # verdict, and names it too when it speaks before torchrun stops it
+    error = next(line for line in out.splitlines() if line.startswith("megarl: error: rank 1"))
+    assert "made no progress for trainer.timeout_s=20 s in phase 'reward': it stalled" in error, error
+    for line in (x for x in out.splitlines() if x.startswith("megarl: error: rank 0")):
+        assert "lost peer(s) rank 1" in line and "in phase 'reward'" in line, line
+        assert "during phase '" in line and "trainer.timeout_s=20" in line, line  # and where rank 0 waited
+    assert "megarl: error: megarl train failed on rank" in out  # the launcher too, naming it
+
+
+def test_a_single_rank_stalled_outside_any_collective_is_named_within_the_timeout(task):
+    """Issue 23: with no peer whose collective could time out, the rank's own progress watch ends the run
+    after ``trainer.timeout_s`` without progress, naming the rank and its phase, with a failure's status (a
+    restart under ``launch.max_restarts``)."""
+    code, out = _cli(task, "stalled1", "actor.parallel.pp=1", "trainer.timeout_s=10", fault="phase.reward@1:sleep")
+    assert code == 1, out[-3000:]
+    assert "made no progress for trainer.timeout_s=10 s in phase 'reward': it stalled" in out, out[-3000:]
+    assert "megarl: error: rank 0 (pid " in out, out[-3000:]
 
 
 def _lose_a_peer(rank, world):

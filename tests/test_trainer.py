@@ -85,7 +85,8 @@ def test_resume_reproduces_the_uninterrupted_run(task):
 
 def test_a_run_folder_with_checkpoints_takes_only_its_own_run_resumed_at_its_layout(task):
     """A new run on a folder that holds an earlier run's checkpoints is refused (a later --resume would have
-    loaded the older weights), and so is a resume at another layout; both before any process starts."""
+    loaded the older weights), and so is a resume that changes what cannot change (the model's dtype); both
+    before any process starts. Another layout or placement is accepted (tests/test_resume.py resumes them)."""
     from megarl.config import ConfigError, load_config
     from megarl.trainer.trainer import check_run_folder
 
@@ -97,13 +98,14 @@ def test_a_run_folder_with_checkpoints_takes_only_its_own_run_resumed_at_its_lay
         f"megarl: error: run.name: the run folder {root / 'runs/owned'} holds checkpoints of an earlier run (newest "
         "step_000001); continue that run with --resume (trainer.resume=true), or start this one under another "
         "run.name (or delete the folder)"), again.stderr[-2000:]
-    other = _cli(*base, "trainer.steps=2", "actor.parallel.pp=2", "--resume")
+    other = _cli(*base, "trainer.steps=2", "model.dtype=bfloat16", "actor.parallel.pp=2", "--resume")
     assert other.returncode == 2, other.stderr[-2000:]
     line = other.stderr.strip().splitlines()[-1]
-    assert line.startswith("megarl: error: trainer.resume: ") and "another layout (world_size 1 -> 2, " \
-        "actor.parallel tp=1 pp=1 -> tp=1 pp=2)" in line and "model.path=" in line, line
+    assert line.startswith("megarl: error: trainer.resume: ") and "cannot be resumed with a changed model.dtype" \
+        in line and "model.path=" in line, line
     assert "launching" not in other.stdout  # no process started
-    check_run_folder(load_config(None, base + ["trainer.resume=true"]), 1)  # the same layout resumes
+    check_run_folder(load_config(None, base + ["trainer.resume=true", "trainer.steps=2"]), 1)  # the same layout
+    check_run_folder(load_config(None, base + ["trainer.resume=true", "trainer.steps=2", "actor.parallel.pp=2"]), 2)
     from megarl.trainer.run_lock import RunLock
 
     lock = RunLock(root / "runs" / "owned").acquire()  # another run owns the folder: a config error still shows
@@ -124,9 +126,10 @@ def test_a_run_folder_with_checkpoints_takes_only_its_own_run_resumed_at_its_lay
                         capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0 and f"the run's config {root / 'runs/owned/config.json'}" in ev.stdout, ev.stderr[-2000:]
     assert json.loads((root / "eval_owned" / "eval.json").read_text())["reward"] == "tests.rl_tasks:says_target"
-    with pytest.raises(ConfigError, match="placement"):
-        check_run_folder(load_config(None, base + ["trainer.resume=true", "placement.pools.one=[0]",
-                                                   "placement.reward=one"]), 1)
+    check_run_folder(load_config(None, base + ["trainer.resume=true", "trainer.steps=3", "placement.pools.one=[0]",
+                                               "placement.reward=one"]), 1)  # another placement resumes too
+    with pytest.raises(ConfigError, match="trainer.steps: the run in .* has finished its 2 steps"):
+        check_run_folder(load_config(None, base + ["trainer.resume=true"]), 1)  # trainer.steps=1 < 2 done
 
 
 LAYOUT = ["trainer.steps=1", "trainer.save_every=0", "data.prompts_per_step=4", "rollout.n=4",

@@ -25,6 +25,7 @@ node must be the actor's TP x PP x DP, the batch sizes must fit every role: :fun
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shlex
@@ -195,8 +196,18 @@ def train_script(cfg: Config, config: str | None, overrides: list[str], shape: J
                   f"mkdir -p {run_dir / 'logs'} && sbatch {run_dir / SCRIPT_NAME}")
     else:
         title += f"\nre-submit by hand: sbatch {run_dir / SCRIPT_NAME}"
+    body = f"{srun_prefix(opts, cwd)} {train}"
+    launch = cfg.launch
+    if launch.max_restarts or launch.save_before_end_s:
+        extra = ["--requeue", "--open-mode=append"]
+        extra += [f"--signal=USR1@{launch.save_before_end_s}"] if launch.save_before_end_s else []
+        opts = dataclasses.replace(opts, extra=[*extra, *opts.extra])
+        body = (f"# restarts: up to launch.max_restarts={launch.max_restarts} after a failure (srun again in this "
+                f"allocation), a requeue after each save on SIGUSR1 (megarl.launch.supervise)\n"
+                + shlex.join([python, "-m", "megarl.launch.supervise", f"--run-dir={run_dir}",
+                              f"--max-restarts={launch.max_restarts}", "--slurm", "--"]) + f" {body}")
     return batch_script(cfg, shape, opts, cwd=cwd, output=str(run_dir / "logs" / "%x-%j.out"), title=title,
-                        body=[f"{srun_prefix(opts, cwd)} {train}"])
+                        body=[body])
 
 
 def sbatch(script: Path, *, written: str = "the batch script") -> str:
@@ -278,6 +289,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="YAML file (parallel_configs/...); omitted: the CPU default")
     p.add_argument("overrides", nargs="*", help="dotted overrides (before the flags), e.g. trainer.steps=2")
     p.add_argument("--resume", action="store_true", help="re-submit the run from its newest checkpoint")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                   help="requeue the job after a failure up to N times, each from the newest checkpoint "
+                        "(launch.max_restarts; default from the config: 0)")
     p.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
     g = p.add_argument_group("job shape")
     g.add_argument("--nodes", type=int, default=1)
@@ -290,6 +304,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(a: argparse.Namespace) -> int:
     """Validate, write the batch script into the run folder, submit it, print the job id and log path."""
     config, overrides = a.config, list(a.overrides) + (["trainer.resume=true"] if a.resume else [])
+    overrides += [f"launch.max_restarts={a.max_restarts}"] if a.max_restarts is not None else []
     cfg = load_config(config, overrides)
     shape = JobShape(a.nodes, a.gpus_per_node, a.ntasks_per_node)
     opts, python = sbatch_options_from_args(a, f"megarl-{cfg.run.name}", shape)
@@ -303,13 +318,13 @@ def run(a: argparse.Namespace) -> int:
         print(script, end="")
         return 0
     run_dir = Path(cwd) / cfg.run.run_dir
+    from megarl.trainer.trainer import check_run_folder
+
+    check_run_folder(cfg, shape.world_size)  # before the queue: no checkpoint to resume, a finished run, ...
     if a.resume:
         from megarl.models.checkpoint import latest_checkpoint
 
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise ConfigError(f"--resume: {run_dir} has no checkpoint yet; submit without --resume")
-        print(f"resuming from {ckpt}")
+        print(f"resuming from {latest_checkpoint(run_dir)}")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     path = run_dir / SCRIPT_NAME
     path.write_text(script)

@@ -1,14 +1,17 @@
 """Fault injection for the fault tests: a rank kills itself or stalls at a named point of a run.
 
-Set ``MEGARL_FAULT`` to one or more comma-separated ``POINT[@N]:ACTION[:RANK]``:
+Set ``MEGARL_FAULT`` to one or more comma-separated ``POINT[@N]:ACTION[:RANK[:RESTART]]``:
 
     POINT   a name passed to :func:`fault_point`: ``phase.<name>`` at the start of each step phase
             (``phase.reward``, ``phase.actor_update``, ...; see :class:`megarl.measure.timers.PhaseTimer`),
             ``checkpoint.before_rename`` (every shard and ``megarl.json`` written, the directory still
             ``step_N.tmp``), ``checkpoint.saved`` (the checkpoint complete)
     N       act on the N-th time this process reaches the point (default 1)
-    ACTION  ``kill`` (SIGKILL itself, as ``kill -9`` would) or ``sleep`` (stall for an hour)
-    RANK    only on this global rank (default: every rank)
+    ACTION  ``kill`` (SIGKILL itself, as ``kill -9`` would), ``sleep`` (stall for an hour) or ``sleep=S``
+            (pause S seconds)
+    RANK    only on this global rank (default: every rank; ``*``: every rank)
+    RESTART only in this attempt of a restarted run (0: the first; :func:`megarl.parallel.restart.
+            restart_number`; default: every attempt)
 
 e.g. ``MEGARL_FAULT=phase.actor_update@2:kill:1`` kills rank 1 in the second step's actor update. Unset (the
 normal case) every point is a dictionary look-up and nothing else.
@@ -31,18 +34,20 @@ def fault_point(name: str) -> None:
         return
     _reached[name] = _reached.get(name, 0) + 1
     for entry in spec.split(","):
-        point, action, *rank = entry.strip().split(":")
+        point, action, *where = entry.strip().split(":")
         point, _, nth = point.partition("@")
         if point != name or _reached[name] != int(nth or 1):
             continue
         me = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))  # torchrun's or srun's rank
-        if rank and int(rank[0]) != me:
+        if where and where[0] != "*" and int(where[0]) != me:
+            continue
+        if len(where) > 1 and int(where[1]) != int(os.environ.get("MEGARL_RESTART", "0") or 0):
             continue
         print(f"megarl: fault injected: {action} at {name} (#{_reached[name]}, rank {me}, pid {os.getpid()})",
               flush=True)
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        elif action == "sleep":
-            time.sleep(3600)
+        elif action == "sleep" or action.startswith("sleep="):
+            time.sleep(float(action.partition("=")[2] or 3600))
         else:
             raise ValueError(f"{FAULT_ENV}: unknown action {action!r} in {entry!r}; use kill or sleep")

@@ -275,6 +275,7 @@ def process_alive(pid: int) -> bool:
 # ------------------------------------------------------------------------------------------------ peers
 _peers: list[tuple[str, int]] = []  # (host, pid) by rank, from record_peers
 _phase = ["setup"]  # what this rank is doing, for error messages and the peers' reports
+_phase_changes = [0]  # how often it changed: this rank's progress (megarl.parallel.watchdog)
 _BOARD = "megarl/phase/"  # store keys: each rank's current phase
 _TIMED_OUT = "megarl/timed_out/"  # store keys: ranks whose collective timed out
 
@@ -312,6 +313,7 @@ def phase(name: str) -> Iterator[None]:
 
 def _set_phase(name: str) -> None:
     _phase[0] = name
+    _phase_changes[0] += 1
     if _peers:
         try:
             _store().set(f"{_BOARD}{_rank()}", name)
@@ -355,13 +357,22 @@ def peer_failure(exc: BaseException, timeout_s: float | None = None, wait_s: flo
     deadline = time.monotonic() + (0 if timed_out else min(wait_s, 2.0))
     while not (lost := gone()) and time.monotonic() < deadline:
         time.sleep(0.02)  # a peer's sockets close while it exits, a moment before it shows as ended
+    within = f"within trainer.timeout_s={timeout_s:g} s" if timeout_s else "within the collective timeout"
+    from megarl.parallel.watchdog import stalled_phase
+
+    store = _store()
+    ended = {r: stalled_phase(store, r) for r in peers} if store is not None else {}
+    ended = {r: p for r, p in ended.items() if p is not None}  # peers whose progress watch ended them
+    if ended:
+        who = ", ".join(f"rank {r} (pid {_peers[r][1]} on {_peers[r][0]}, in phase '{p}')"
+                        for r, p in ended.items())
+        return PeerLostError(f"rank {rank} lost peer(s) {who} during phase '{where}': no progress {within}, the "
+                             f"peer stalled and ended [{first}]")
     if lost:
         who = ", ".join(f"rank {r} (pid {_peers[r][1]})" for r in lost)
         return PeerLostError(f"rank {rank} lost peer(s) {who} during phase '{where}': the process is gone "
                              f"[{first}]")
-    within = f"within trainer.timeout_s={timeout_s:g} s" if timeout_s else "within the collective timeout"
     stalled: list[str] = []
-    store = _store()
     if timed_out and store is not None:
         try:
             store.set(f"{_TIMED_OUT}{rank}", where)

@@ -158,9 +158,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Path | None,
                  hf_export: Path | None, wall_s: float, steps_this_session: int,
-                 validation: str | None = None) -> str:
+                 validation: str | None = None, notes: Sequence[str] = ()) -> str:
     """A human-readable end-of-run summary: reward and accuracy by step, validation accuracy by step (with
-    ``validation`` describing its prompts), throughput, where things were written."""
+    ``validation`` describing its prompts), throughput, where things were written, and ``notes`` (lines on
+    how the run was resumed and restarted)."""
     validated = [h for h in history if h.get("val/accuracy") is not None]
     history = [h for h in history if h["step"] > 0]  # step 0: the validation before training
     if not history:
@@ -204,5 +205,6 @@ def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Pa
     ]
     if hf_export:
         lines.append(f"  HF export          {hf_export}")
+    lines += [f"  {note}" for note in notes]
     lines.append("=" * 72)
     return "\n".join(lines)

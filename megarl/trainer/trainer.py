@@ -44,12 +44,15 @@ from megarl.data.loader import PromptBatch, PromptLoader
 from megarl.models import checkpoint as ck
 from megarl.models.hf_io import load_tokenizer
 from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
+from megarl.models.megatron import padded_vocab_size
 from megarl.models.spec import ModelSpec
 from megarl.parallel.lifecycle import peer_failures_named, phase, record_peers
 from megarl.parallel.mesh import init_distributed, initialize_model_parallel, launch_info, ranks_per_node
 from megarl.parallel.placement import (build_pool_groups, global_layout, join_optimizer_setup, placement_summary,
                                       role_layouts, rollout_split, share_object, share_tensor, training_group,
                                       validate_for_world)
+from megarl.parallel.restart import RequeueRequested, read_restarts, requeue_requested
+from megarl.parallel.watchdog import progress_watched
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 from megarl.rewards.registry import load_reward_fn
@@ -64,7 +67,7 @@ from megarl.trainer.preflight import (check_files, prepare_files, read_prompts, 
                                       validate_for_model)
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.validation import Validation, append_samples
-from megarl.trainer.workers import CriticWorker, PolicyWorker
+from megarl.trainer.workers import LEGACY_OPTIMIZER_FORMAT, OPTIMIZER_FORMAT, CriticWorker, PolicyWorker
 
 log = logging.getLogger(__name__)
 
@@ -122,33 +125,84 @@ def resolve_eos(spec: ModelSpec, tokenizer, source: str, generation_config: dict
 
 def check_run_folder(cfg: Config, world_size: int) -> None:
     """What the run folder's checkpoints allow: a new run needs a folder without any (else a later ``--resume``
-    would load an older run's weights), a resumed run its newest checkpoint written at this run's layout
-    (world size, each Megatron role's TP and PP, the placement: megatron's optimizer state does not reshard).
+    would load an older run's weights); a resumed run needs one, with fewer steps than ``trainer.steps``, that
+    this run can load. A checkpoint resumes at any TP x PP x DP and placement (megatron-core's dist-checkpoint
+    resharding, the optimizer state in its layout-free format); what cannot change is refused: the model's
+    dtype, a distributed optimizer for a plain one, the experts' EP (not resharded yet), a critic the
+    checkpoint lacks, a TP whose padded vocabulary differs, and any layout of a checkpoint written before that
+    format (``dp_reshardable``).
 
     Raises:
-        ConfigError: naming ``run.name`` (a new run on an earlier run's checkpoints) or ``trainer.resume`` (a
-            checkpoint of another layout), the checkpoint and the fix.
+        ConfigError: naming ``run.name`` (a new run on an earlier run's checkpoints), ``trainer.resume`` (no
+            checkpoint), ``trainer.steps`` (the run has finished) or the field that cannot change, with the fix.
     """
     found = ck.run_checkpoints(cfg.run.run_dir)
-    if not found:
-        return
-    newest = found[-1]
     if not cfg.trainer.resume:
-        raise ConfigError(f"run.name: the run folder {cfg.run.run_dir} holds checkpoints of an earlier run (newest "
-                          f"{newest.name}); continue that run with --resume (trainer.resume=true), or start this "
-                          "one under another run.name (or delete the folder)")
+        if found:
+            raise ConfigError(f"run.name: the run folder {cfg.run.run_dir} holds checkpoints of an earlier run "
+                              f"(newest {found[-1].name}); continue that run with --resume (trainer.resume=true), "
+                              "or start this one under another run.name (or delete the folder)")
+        return
+    if not found:
+        raise ConfigError(f"trainer.resume: the run folder {cfg.run.run_dir} holds no checkpoint to resume from; "
+                          "start the run without --resume, or check run.name and run.output_dir")
+    newest = found[-1]
+    done = int(newest.name.removeprefix(ck.CHECKPOINT_PREFIX))
+    if done >= cfg.trainer.steps:
+        raise ConfigError(f"trainer.steps: the run in {cfg.run.run_dir} has finished its {done} steps (newest "
+                          f"checkpoint {newest.name}); to train on, raise trainer.steps (e.g. --resume "
+                          f"trainer.steps={done + cfg.trainer.steps})")
     meta = ck.read_meta(newest)
-    then = _layout_record(meta.get("config") or {}, meta.get("world_size"))
-    now = _layout_record(to_dict(cfg), world_size)
-    if then != now:
-        changed = ", ".join(f"{k} {then.get(k)} -> {now.get(k)}" for k in now if then.get(k) != now.get(k))
-        raise ConfigError(f"trainer.resume: {newest} was written at another layout ({changed}); megatron's "
-                          "optimizer state does not reshard: resume with the layout it was written at, or start a "
-                          f"new run from its weights alone (model.path={newest})")
+    then, now = meta.get("config") or {}, to_dict(cfg)
+    if meta.get("optimizer_format") is None:  # written before the reshardable format: its own layout only
+        before = _layout_record(then, meta.get("world_size"))
+        after = _layout_record(now, world_size)
+        if before != after:
+            changed = ", ".join(f"{k} {before.get(k)} -> {after.get(k)}" for k in after
+                                if before.get(k) != after.get(k))
+            raise ConfigError(f"trainer.resume: {newest} was written by an earlier megarl at another layout "
+                              f"({changed}) in an optimizer format that does not reshard: resume with the layout "
+                              f"it was written at, or start a new run from its weights alone (model.path={newest})")
+        return
+    refused = [f for f in ("model.dtype", "actor.optim.distributed", "critic.optim.distributed", "actor.parallel.ep")
+               if _field(then, f) != _field(now, f) and (f != "critic.optim.distributed" or "critic" in then)]
+    if cfg.algorithm.uses_critic and meta.get("critic_scheduler") is None:
+        refused.append("algorithm.name (a critic the checkpoint does not hold)")
+    vocab = meta["hf_config"]["vocab_size"]
+    for role in ("actor", "critic"):
+        tp_then, tp_now = _field(then, f"{role}.parallel.tp"), _field(now, f"{role}.parallel.tp")
+        if tp_then and tp_now and padded_vocab_size(vocab, tp_then) != padded_vocab_size(vocab, tp_now):
+            refused.append(f"{role}.parallel.tp ({tp_then} -> {tp_now} pads the vocabulary of {vocab} to "
+                           f"{padded_vocab_size(vocab, tp_then)} -> {padded_vocab_size(vocab, tp_now)})")
+    if refused:
+        raise ConfigError(f"trainer.resume: {newest} cannot be resumed with a changed {', '.join(refused)}: "
+                          "keep the checkpoint's value, or start a new run from its weights alone "
+                          f"(model.path={newest})")
+
+
+def _field(config: dict[str, Any], dotted: str) -> Any:
+    """The value of a dotted field in a config as plain data, or None."""
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def config_changes(then: dict[str, Any], now: dict[str, Any], prefix: str = "") -> dict[str, list]:
+    """``{dotted field: [old, new]}`` of every field that differs between two configs as JSON data (a
+    checkpoint's ``config``, :func:`~megarl.config.to_dict` through JSON), ``trainer.resume`` aside: what a
+    resumed run changed."""
+    out: dict[str, list] = {}
+    for k in sorted(set(then) | set(now)):
+        a, b, name = then.get(k), now.get(k), f"{prefix}{k}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(config_changes(a, b, f"{name}."))
+        elif a != b and name != "trainer.resume":
+            out[name] = [a, b]
+    return out
 
 
 def _layout_record(config: dict[str, Any], world_size: int | None) -> dict[str, Any]:
-    """What a checkpoint's sharding depends on, from a config as plain data (:func:`~megarl.config.to_dict`)."""
+    """What a ``dp_reshardable`` checkpoint's sharding depends on, from a config as plain data."""
     def mesh(section: dict[str, Any] | None) -> str | None:  # ep (experts' optimizer shards) where it is not 1
         if not section:
             return None
@@ -303,6 +357,7 @@ class Trainer:
         self.step_idx = 0
         self.policy_version = 0  # the step whose weights the engines hold (or last got)
         self.last_checkpoint: Path | None = None
+        self.resumed: dict[str, Any] | None = None  # the checkpoint, step and config changes of a resume
         if cfg.trainer.resume:
             self._resume()
 
@@ -681,11 +736,12 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
-    def _state(self, is_loading: bool) -> dict[str, Any]:
+    def _state(self, is_loading: bool, optimizer_format: str = OPTIMIZER_FORMAT) -> dict[str, Any]:
         """The sharded state of the trained roles held on this rank (none on a pool of other roles)."""
-        state = {"actor": self.actor.sharded_state_dict(is_loading)} if self.actor is not None else {}
+        state = ({"actor": self.actor.sharded_state_dict(is_loading, optimizer_format)}
+                 if self.actor is not None else {})
         if self.critic is not None:
-            state["critic"] = self.critic.sharded_state_dict(is_loading)
+            state["critic"] = self.critic.sharded_state_dict(is_loading, optimizer_format)
         return state
 
     def save(self) -> Path:
@@ -699,7 +755,8 @@ class Trainer:
                                                            self.pools["critic"].ranks) if "critic" in self.pools
                              else None,
                              policy_version=self.step_idx,
-                             config=to_dict(self.cfg), world_size=self.world, source_config=self.source_config,
+                             config=to_dict(self.cfg), world_size=self.world, optimizer_format=OPTIMIZER_FORMAT,
+                             source_config=self.source_config,
                              generation_config=self.generation_config)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         self._reload()  # an offloaded optimizer state is saved from the device, then goes back to the host
@@ -707,6 +764,7 @@ class Trainer:
             ck.save_checkpoint(path, self._state(is_loading=False), meta, per_rank={"rng": rng})
         self._offload(("grads", "optimizer"))
         self.last_checkpoint = path
+        self.saved_at = time.monotonic()
         if self.rank == 0:
             for p in ck.run_checkpoints(self.run_dir)[:-self.cfg.trainer.keep_checkpoints]:
                 shutil.rmtree(p, ignore_errors=True)
@@ -714,23 +772,26 @@ class Trainer:
         return path
 
     def _resume(self) -> None:
+        """Load the run folder's newest checkpoint (:func:`check_run_folder` found one this run can load), at
+        this run's layout: weights, optimizer state, data position, KL controller and RNG states. The LR
+        schedule follows the current config from the checkpoint's update count on; what the config changed
+        since the checkpoint is logged and kept for the summary (``self.resumed``)."""
         path = ck.latest_checkpoint(self.run_dir)
-        if path is None:
-            log.info("trainer.resume: no checkpoint in %s, starting from step 0", self.run_dir)
-            return
         meta = ck.read_meta(path)
         self._reload()
         with phase("resume"):
-            loaded = ck.load_checkpoint(path, self._state(is_loading=True))
+            loaded = ck.load_checkpoint(path, self._state(is_loading=True, optimizer_format=meta.get(
+                "optimizer_format", LEGACY_OPTIMIZER_FORMAT)))
         if self.actor is not None:
             self.actor.load_sharded_state(loaded["actor"])
-            self.actor.scheduler.load_state_dict(meta["actor_scheduler"])
+            self.actor.resume_schedule(meta["actor_scheduler"]["num_steps"])
         if self.critic is not None:
             self.critic.load_sharded_state(loaded["critic"])
-            self.critic.scheduler.load_state_dict(meta["critic_scheduler"])
+            self.critic.resume_schedule(meta["critic_scheduler"]["num_steps"])
         self.loader.load_state_dict(meta["loader"])
         self.kl_ctl.load_state_dict(meta["kl_ctl"])
-        rng = ck.load_per_rank(path, "rng", self.rank)
+        # each rank's RNG states; a rank the checkpoint's world did not have takes rank 0's
+        rng = ck.load_per_rank(path, "rng", self.rank) or ck.load_per_rank(path, "rng", 0)
         if rng is not None:
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])
@@ -741,7 +802,11 @@ class Trainer:
             self.engine.calls = self.step_idx  # one generate call per step: the sampling seeds continue
         self._offload(("grads", "optimizer"))
         self.last_checkpoint = path
-        log.info("resumed from %s at step %d", path, self.step_idx)
+        changed = config_changes(meta.get("config") or {}, json.loads(json.dumps(to_dict(self.cfg), default=str)))
+        self.resumed = {"checkpoint": str(path), "step": self.step_idx, "changed": changed}
+        log.info("resumed from %s at step %d%s", path, self.step_idx,
+                 "; changed since: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+                 if changed else "")
 
     # ------------------------------------------------------------------ the loop
     def _save_due(self, step: int) -> bool:
@@ -805,6 +870,20 @@ class Trainer:
             return metrics
         return {**metrics, **self._timing_metrics(*trained, stats, busy, time.perf_counter() - step_start)}
 
+    def _checkpoint_due(self) -> tuple[bool, bool]:
+        """``(requeue, save)`` after a step, the same on every rank: whether any rank got SIGUSR1 (save, then
+        end for a requeued job: :mod:`megarl.parallel.restart`), and whether to checkpoint now (every
+        ``trainer.save_every`` steps, ``trainer.save_every_min`` minutes after the last save, at the last step,
+        or on SIGUSR1). One small all-reduce: the ranks' clocks and signals may differ."""
+        tc = self.cfg.trainer
+        by_time = bool(tc.save_every_min) and time.monotonic() - self.saved_at >= 60 * tc.save_every_min
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        flags = torch.tensor([float(requeue_requested()), float(by_time)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        requeue, by_time = bool(flags[0]), bool(flags[1])
+        by_step = bool(tc.save_every) and self.step_idx % tc.save_every == 0
+        return requeue, by_step or by_time or requeue or self.step_idx == tc.steps
+
     def _validation_due(self) -> bool:
         return self.validation is not None and self.validation.due(self.step_idx, self.cfg.trainer.steps)
 
@@ -824,21 +903,29 @@ class Trainer:
         batches = iter(self.loader)
         more_prompts = functools.partial(next, batches)
         first_step = self.step_idx
+        self.saved_at = time.monotonic()
         try:
             if self.split_rollout:  # validation is refused there (check_rollout_pool)
                 for step, metrics in self.fit_split(batches):
                     logger.log(step, metrics)
             else:
-                if self.step_idx == 0 and self._validation_due():
-                    logger.log(0, self.validate())
-                while self.step_idx < cfg.trainer.steps:
-                    metrics = self.step(next(batches), more_prompts)
-                    self.step_idx += 1
-                    if self._validation_due():
-                        metrics.update(self.validate())
-                    logger.log(self.step_idx, metrics)
-                    if self._save_due(self.step_idx):
-                        self.save()
+                with progress_watched(cfg.trainer.timeout_s):  # a rank stalled outside a collective ends the run
+                    if self.step_idx == 0 and self._validation_due():
+                        logger.log(0, self.validate())
+                    while self.step_idx < cfg.trainer.steps:
+                        metrics = self.step(next(batches), more_prompts)
+                        self.step_idx += 1
+                        if self._validation_due():
+                            metrics.update(self.validate())
+                        requeue, save = self._checkpoint_due()
+                        if save:
+                            start_save = time.perf_counter()
+                            self.save()
+                            metrics["time/checkpoint_save"] = time.perf_counter() - start_save
+                        logger.log(self.step_idx, metrics)
+                        if requeue and self.step_idx < cfg.trainer.steps:
+                            raise RequeueRequested(f"saved {self.last_checkpoint} on SIGUSR1 (the job's time limit is "
+                                                   "near); a requeued job continues the run from it")
         finally:
             logger.close()
         hf_path = None
@@ -852,15 +939,27 @@ class Trainer:
         history = read_metrics(self.run_dir / "metrics.jsonl") if self.rank == 0 else []
         text = summary_text(history, run_dir=self.run_dir, checkpoint=self.last_checkpoint, hf_export=hf_path,
                             wall_s=time.perf_counter() - start, steps_this_session=self.step_idx - first_step,
-                            validation=self.validation.describe() if self.validation else None)
+                            validation=self.validation.describe() if self.validation else None,
+                            notes=self._resume_notes())
         summary = {"run_dir": str(self.run_dir), "checkpoint": str(self.last_checkpoint), "steps": self.step_idx,
-                   "hf_export": str(hf_path) if hf_path else None, "last": history[-1] if history else None}
+                   "hf_export": str(hf_path) if hf_path else None, "last": history[-1] if history else None,
+                   "resumed": self.resumed, "restarts": read_restarts(self.run_dir)}
         if self.rank == 0:
             print(text, flush=True)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if cfg.trainer.report:
                 self._write_report()
         return summary
+
+    def _resume_notes(self) -> list[str]:
+        """Summary lines: the restarts of the run (``restarts.jsonl``) and what this session's resume changed."""
+        notes = [f"{'restart ' + str(r.get('restart')):<19}{r.get('time')}: {r.get('reason')} (from "
+                 f"{Path(r['checkpoint']).name if r.get('checkpoint') else 'step 0'})"
+                 for r in read_restarts(self.run_dir)]
+        if self.resumed:
+            changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in self.resumed["changed"].items()) or "nothing"
+            notes.append(f"{'resumed':<19}at step {self.resumed['step']}; config changed: {changed}")
+        return notes
 
     def _write_report(self) -> None:
         """``report.md`` and its plots in the run folder (:mod:`.report`; skipped without matplotlib)."""

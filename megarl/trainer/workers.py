@@ -11,6 +11,7 @@ micro-batches and DP ranks, so the gradient equals that of the whole mini-batch 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -37,10 +38,14 @@ from megarl.trainer.packing import pack_shares, trim_to_longest
 log = logging.getLogger(__name__)
 
 MODEL_INPUTS = ("input_ids", "prompt_lens", "response_mask")
-# megatron-core 0.19's default DistributedOptimizer format ("fully_sharded_model_space") builds ShardedTensors
-# with flattened ranges, which its own torch_dist saver refuses, and "fully_reshardable" loses torch Adam's
-# per-parameter "step" without TE/apex; "dp_reshardable" works everywhere but resumes at the same TP x PP only.
-OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# How the DistributedOptimizer's state is checkpointed (megatron-core 0.19). "fully_reshardable" stores each
+# parameter's main weight and Adam moments in the model's own (layout-free) tensor space, so a checkpoint resumes
+# at any TP x PP x DP; torch Adam's per-parameter "step" (without TE/apex) travels in the param groups and is
+# put back by :meth:`MegatronWorker.load_sharded_state`. Checkpoints written before it used "dp_reshardable"
+# (same TP x PP only); megarl.json records the format, and such a checkpoint still loads at its own layout.
+# (The default, "fully_sharded_model_space", builds flattened ShardedTensors that its torch_dist saver refuses.)
+OPTIMIZER_FORMAT = "fully_reshardable"
+LEGACY_OPTIMIZER_FORMAT = "dp_reshardable"
 
 
 def dp_share(batch: RolloutBatch, dp_rank: int, dp_size: int) -> RolloutBatch:
@@ -271,10 +276,12 @@ class MegatronWorker:
         return history
 
     # ------------------------------------------------------------------ checkpoint state
-    def sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
+    def sharded_state_dict(self, is_loading: bool = False,
+                           optimizer_format: str = OPTIMIZER_FORMAT) -> dict[str, Any]:
         """Model (and optimizer) state for megatron's dist checkpointing. The critic's checkpoint keys carry
         the prefix ``critic.`` so that both models fit one checkpoint; the actor's have none, so converted
-        model checkpoints and trainer checkpoints load alike."""
+        model checkpoints and trainer checkpoints load alike. ``optimizer_format``: the DistributedOptimizer's
+        sharding type (:data:`OPTIMIZER_FORMAT`; a checkpoint's own when loading one written before it)."""
         from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 
         model_sd = unwrap(self.model).sharded_state_dict()
@@ -283,7 +290,8 @@ class MegatronWorker:
             if is_loading:
                 self._materialize_optimizer_state()
             out["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                                 metadata=OPTIMIZER_CKPT_METADATA)
+                                                                 metadata={"distrib_optim_sharding_type":
+                                                                           optimizer_format})
         if self.role == "critic":
             add_prefix_for_sharding(out, "critic.")
         return out
@@ -311,11 +319,64 @@ class MegatronWorker:
                         inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
     def load_sharded_state(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint's model and optimizer state (:func:`megarl.models.checkpoint.load_checkpoint` of
+        :meth:`sharded_state_dict`). The optimizer's hyper-parameters (LR, weight decay, betas, eps, their
+        schedule's bounds) are the current config's, not the checkpoint's: its param groups are replaced by this
+        optimizer's own, keeping only the update count (megatron would otherwise fail to pair groups whose
+        ``max_lr``/``min_lr`` changed, or restore the old weight decay); :meth:`resume_schedule` then sets the LR
+        and weight decay of the resumed update."""
         unwrap(self.model).load_state_dict(state["model"], strict=False)
         if self.optimizer is not None and "optimizer" in state:
-            with torch.no_grad():  # megatron copies into the fp32 main parameters in place
+            self._use_current_param_groups(state["optimizer"])
+            with torch.no_grad(), self._adam_steps_left_alone():  # megatron copies into the main params in place
                 self.optimizer.load_state_dict(state["optimizer"])
             self._restore_adam_steps()
+
+    @contextlib.contextmanager
+    def _adam_steps_left_alone(self):
+        """megatron-core 0.19's ``fully_reshardable`` loader, with torch's Adam (no TE/apex), copies every
+        tensor of a parameter's optimizer state from the checkpoint, torch Adam's per-parameter ``step``
+        included, which the checkpoint keeps in the param groups instead (a ``KeyError: 'step'``). Inside the
+        block, each parameter's own step stands in for the missing one (the copy changes nothing);
+        :meth:`_restore_adam_steps` then sets it from the checkpoint's count."""
+        opts = [o for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                if hasattr(o, "_set_main_param_and_optimizer_states")]
+
+        def keep_step(opt, original):
+            def set_states(model_param, tensors):
+                group, order = opt.model_param_group_index_map[model_param]
+                step = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]].get("step")
+                original(model_param, {"step": step, **tensors} if step is not None else tensors)
+            return set_states
+
+        for opt in opts:
+            opt._set_main_param_and_optimizer_states = keep_step(opt, opt._set_main_param_and_optimizer_states)
+        try:
+            yield
+        finally:
+            for opt in opts:
+                del opt._set_main_param_and_optimizer_states  # the class's method again
+
+    def _use_current_param_groups(self, loaded: dict[str, Any]) -> None:
+        """Replace the param groups of a loaded optimizer state (one per chained optimizer, or the single
+        one's) by this optimizer's, with the checkpoint's ``step`` (torch Adam's update count, without
+        TE/apex). megatron's optimizer state dicts hold them under ``["optimizer"]["param_groups"]`` (the
+        distributed and the mixed-precision optimizer) or ``["param_groups"]`` (the fp32 one)."""
+        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        parts = [loaded] if len(opts) == 1 else [loaded[k] for k in sorted(loaded)]
+        for opt, part in zip(opts, parts):
+            holder = part.get("optimizer", part)
+            steps = {g["step"] for g in holder["param_groups"] if g.get("step") is not None}
+            current = opt.state_dict()
+            kept = {"step": steps.pop()} if len(steps) == 1 else {}  # megatron keeps one count for all groups
+            holder["param_groups"] = [{**g, **kept} for g in current.get("optimizer", current)["param_groups"]]
+
+    def resume_schedule(self, updates_done: int) -> None:
+        """Continue the LR and weight-decay schedule of the current config (``optim``, and the decay horizon of
+        the current ``trainer.steps``) after ``updates_done`` optimizer updates: the count carries over, the
+        schedule does not (an extended run does not train its new steps at ``min_lr``)."""
+        self.scheduler.num_steps = 0
+        self.scheduler.step(increment=updates_done)
 
 
 def _unpermute(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:

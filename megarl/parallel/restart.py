@@ -1,0 +1,76 @@
+"""What a run's restarts agree on: exit statuses, the save-and-requeue signal, and the restart record.
+
+A rank's exit status tells the process that restarts runs (:mod:`megarl.launch.supervise`: ``megarl train
+--max-restarts N`` on one node, the batch script of ``megarl submit`` under SLURM) what happened:
+
+    0                    the run finished its steps
+    2                    a config, data or usage error (:data:`EXIT_USAGE`): never retried, it would fail again
+    75                   the ranks saved a checkpoint on SIGUSR1 (SLURM's ``--signal=USR1@S`` before the time
+                         limit) and ask to continue in a new job (:data:`EXIT_REQUEUE`, BSD's EX_TEMPFAIL)
+    130                  the user interrupted the run (Ctrl-C): never retried
+    anything else        a failure (a killed rank, a lost peer, a stalled rank, an NCCL error): retried from the
+                         newest complete checkpoint, up to ``launch.max_restarts`` times
+
+SIGUSR1 may reach the ranks at different moments; each notes it (:func:`watch_requeue_signal`), and the ranks
+agree at the end of a step (the trainer reduces the flag over the world), save, and exit with
+:data:`EXIT_REQUEUE` together.
+
+Every restart is a line of ``<run folder>/restarts.jsonl`` (:func:`record_restart`): its time, the job, the
+reason and the checkpoint it continues from; the run's summary lists them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+EXIT_REQUEUE = 75
+EXIT_INTERRUPTED = 130
+RESTARTS_FILE = "restarts.jsonl"
+RESTART_ENV = "MEGARL_RESTART"  # the attempt's restart number (0: the first attempt), set by the supervisor
+
+_requeue: list[int] = []  # SIGUSR1s this process received
+
+
+class RequeueRequested(Exception):
+    """The ranks saved a checkpoint on SIGUSR1 and end the job so that a new one continues the run."""
+
+
+def watch_requeue_signal() -> None:
+    """Note every SIGUSR1 this process gets (its default action would end it) for :func:`requeue_requested`.
+    Call from the main thread of a rank."""
+    signal.signal(signal.SIGUSR1, lambda signum, frame: _requeue.append(signum))
+
+
+def requeue_requested() -> bool:
+    """Whether this process got a SIGUSR1 since :func:`watch_requeue_signal`."""
+    return bool(_requeue)
+
+
+def restart_number() -> int:
+    """This attempt's restart number: 0 for a run's first attempt, k after k restarts (:data:`RESTART_ENV`)."""
+    return int(os.environ.get(RESTART_ENV, "0") or 0)
+
+
+def record_restart(run_dir: str | os.PathLike, **fields: Any) -> dict[str, Any]:
+    """Append one restart (``reason``, ``job``, ``checkpoint``, ``counted``, ...) with the time to the run
+    folder's :data:`RESTARTS_FILE`; returns the record."""
+    rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **fields}
+    path = Path(run_dir) / RESTARTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(rec, default=str) + "\n")
+    return rec
+
+
+def read_restarts(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The restart records of a run folder, oldest first (none: an empty list)."""
+    path = Path(run_dir) / RESTARTS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,182 @@
+"""Resume that changes the run (issue 23, issue 24): another TP/PP/DP layout, a longer run, changed optimizer
+settings, and the refusals of what cannot be resumed.
+
+Runs use the tiny model and synthetic task of :mod:`tests.rl_tasks`, fp32, each in its own spawned world.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.distributed import run_world
+from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
+
+COMPARED = ["reward/mean", "response/length_mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
+            "actor/clipfrac", "actor/ppo_kl", "actor/lr"]
+# two optimizer updates per step at a high LR, warming up over 3 updates: the second update of a step, and
+# every step after the first, depend on Adam's moments and step count and on the schedule's position
+BASE = ["data.prompts_per_step=4", "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4",
+        "actor.optim.lr=1e-2", "actor.optim.warmup_steps=3", "trainer.save_every=1", "algorithm.kl.coef=0"]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    model = make_tiny_model(root / "model")
+    data = write_prompts(root / "prompts.jsonl", 64)
+    return root, model, data
+
+
+def _run(task, name, world=1, extra=()):
+    root, model, data = task
+    return run_world(train_on_rank, world, task_overrides(model, data, root / "runs", name) + BASE + list(extra))
+
+
+def _assert_step_matches(got, want, step):
+    for key in COMPARED:
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key, got[key], want[key])
+
+
+@pytest.fixture(scope="module")
+def straight(task):
+    """The uninterrupted single-rank run of 4 steps that the resumed and restarted runs must reproduce."""
+    history = _run(task, "straight", extra=["trainer.steps=4"])[0]
+    assert history[1]["actor/ppo_kl"] != history[2]["actor/ppo_kl"]  # the steps differ: the checks can fail
+    return history
+
+
+def test_a_checkpoint_resumes_at_another_tp_pp_and_dp_as_the_uninterrupted_run(task, straight):
+    """One run, each step at another layout: TP=1 x PP=2 (step 1) -> TP=2 x PP=1 (step 2) -> DP=2 (step 3)
+    -> DP=1 (step 4); every step's metrics equal the uninterrupted single-rank run's within 1e-4, the LR
+    schedule and Adam's state included (an optimizer restarted from zero moves the weights by another amount
+    in the first update after the resume, and the second update's metrics show it)."""
+    chain = [(1, ["actor.parallel.pp=2"]), (2, ["actor.parallel.tp=2"]), (3, []), (4, [])]
+    worlds = {1: 2, 2: 2, 3: 2, 4: 1}
+    for step, layout in chain:
+        resume = ["trainer.resume=true"] if step > 1 else []
+        history = _run(task, "moved", worlds[step], [f"trainer.steps={step}", *resume, *layout])[0]
+        assert [h["step"] for h in history] == list(range(1, step + 1))
+        _assert_step_matches(history[step - 1], straight[step - 1], step)
+    summary = json.loads((task[0] / "runs" / "moved" / "summary.json").read_text())
+    assert summary["resumed"]["step"] == 3 and summary["resumed"]["changed"]["trainer.steps"] == [3, 4]
+
+
+def _train_then_optimizer(rank, world, overrides):
+    """Train as :func:`tests.rl_tasks.train_on_rank` does; return the metrics and the actor optimizer's
+    param groups' weight decay at the end (rank 0)."""
+    from megarl.config import load_config
+    from megarl.trainer.metrics import read_metrics
+    from megarl.trainer.trainer import Trainer, check_run_folder, seed_all
+
+    cfg = load_config(None, overrides)
+    seed_all(cfg.run.seed)
+    check_run_folder(cfg, world)
+    trainer = Trainer(cfg)
+    trainer.fit()
+    groups = trainer.actor.optimizer.param_groups
+    return read_metrics(cfg.run.run_dir / "metrics.jsonl"), sorted({g["weight_decay"] for g in groups})
+
+
+def _linear_lr(update, lr, min_lr, updates):
+    """megatron's linear decay at 1-based ``update`` of ``updates`` (no warm-up): the scheduler has stepped
+    ``update - 1`` times."""
+    return lr - (lr - min_lr) * (update - 1) / updates
+
+
+def test_an_extended_run_with_changed_optimizer_settings_follows_the_current_config(task):
+    """Issue 24: 2 steps with a linear decay, then ``--resume trainer.steps=4`` with another ``actor.optim.lr``,
+    ``min_lr`` and ``weight_decay``: the new steps run on the current config's schedule (the decay over 4
+    steps' updates, from the update count reached; not at LR 0), megatron does not fail to pair the changed
+    param groups (``KeyError``), the new weight decay holds after every update, and the summary names the
+    changes."""
+    root, model, data = task
+    base = task_overrides(model, data, root / "runs", "extended") + BASE + [
+        "actor.optim.warmup_steps=0", "actor.optim.decay=linear", "actor.optim.lr=1e-3"]
+    # checkpoints by time alone (trainer.save_every=0: by step only at the end): 0.0001 minutes pass every step
+    by_time = ["trainer.save_every=0", "trainer.save_every_min=0.0001", "trainer.keep_checkpoints=3"]
+    first, _ = run_world(_train_then_optimizer, 1, base + by_time + ["trainer.steps=2"])[0]
+    assert [h["actor/lr"] for h in first] == pytest.approx(
+        [(_linear_lr(1, 1e-3, 0, 4) + _linear_lr(2, 1e-3, 0, 4)) / 2, _linear_lr(3.5, 1e-3, 0, 4)])
+    assert all(h["time/checkpoint_save"] > 0 for h in first)  # the save's seconds, in the step's metrics
+    assert [p.name for p in sorted((root / "runs" / "extended" / "checkpoints").iterdir())] == \
+        ["step_000001", "step_000002"]
+    changed = ["trainer.steps=4", "trainer.resume=true", "actor.optim.lr=2e-3", "actor.optim.min_lr=1e-4",
+               "actor.optim.weight_decay=0.1"]
+    history, decays = run_world(_train_then_optimizer, 1, base + by_time + changed)[0]
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    want = [(_linear_lr(u, 2e-3, 1e-4, 8) + _linear_lr(u + 1, 2e-3, 1e-4, 8)) / 2 for u in (5, 7)]
+    assert [h["actor/lr"] for h in history[2:]] == pytest.approx(want, rel=1e-6)
+    assert 0.1 in decays, decays  # megatron's groups: 0.1 where weights decay (0 for biases and norms, if any)
+    summary = json.loads((root / "runs" / "extended" / "summary.json").read_text())
+    assert summary["resumed"]["changed"] == {"actor.optim.lr": [1e-3, 2e-3], "actor.optim.min_lr": [0.0, 1e-4],
+                                             "actor.optim.weight_decay": [0.0, 0.1], "trainer.steps": [2, 4]}
+
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer.trainer import check_run_folder
+
+    with pytest.raises(ConfigError, match=r"trainer.steps: the run in .* has finished its 4 steps .*"
+                                          r"--resume trainer.steps=8"):
+        check_run_folder(load_config(None, base + changed), 1)  # no model is loaded to train 0 steps
+
+
+def test_resume_without_a_checkpoint_is_refused_before_any_process(task):
+    """Issue 24 item 7: ``train --resume`` on a folder without a checkpoint (a mistyped ``run.name``) stops with
+    an error, as ``submit --resume`` does, instead of training from step 0."""
+    import subprocess
+    import sys
+
+    root, model, data = task
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "train",
+                        *task_overrides(model, data, root / "runs", "typo"), "--resume"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"megarl: error: trainer.resume: the run folder {root / 'runs' / 'typo'} holds no checkpoint to resume "
+        "from; start the run without --resume, or check run.name and run.output_dir"), r.stderr[-2000:]
+    assert not (root / "runs" / "typo" / "metrics.jsonl").exists()
+
+
+def test_train_max_restarts_continues_a_killed_run_to_the_uninterrupted_metrics(task, straight):
+    """``megarl train --max-restarts 1``: the rank is SIGKILLed in step 3's actor update (first attempt only);
+    the launcher runs it again from step 2's checkpoint, and the run ends its 4 steps with the uninterrupted
+    run's metrics; the restart is recorded with its reason in the run folder and the summary."""
+    import os
+    import subprocess
+    import sys
+
+    root, model, data = task
+    args = [*task_overrides(model, data, root / "runs", "restarted"), *BASE, "trainer.steps=4"]
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "train", *args, "--max-restarts", "1"],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "MEGARL_FAULT": "phase.actor_update@3:kill:0:0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "megarl: restart 1/1: the run failed (killed by signal 9)" in r.stderr, r.stderr[-3000:]
+    run = root / "runs" / "restarted"
+    history = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    by_step = {h["step"]: h for h in history}
+    assert sorted(by_step) == [1, 2, 3, 4]
+    _assert_step_matches(by_step[4], straight[3], 4)
+    restarts = json.loads((run / "summary.json").read_text())["restarts"]
+    assert [(x["restart"], x["status"], x["checkpoint"].endswith("step_000002")) for x in restarts] == [(1, -9, True)]
+
+
+def test_the_supervisor_retries_failures_up_to_the_limit_and_never_a_config_error(tmp_path):
+    """:func:`megarl.launch.supervise.supervise_local` with stand-in commands: a command that always fails
+    runs 1 + N times, each restart recorded; a config error (status 2) and an interrupt (130) run once."""
+    import sys
+
+    from megarl.launch.supervise import supervise_local
+    from megarl.parallel.restart import read_restarts
+
+    count = tmp_path / "count"
+    fail = [sys.executable, "-c", f"import os, sys; open({str(count)!r}, 'a').write(os.environ['MEGARL_RESTART']); "
+                                  "sys.exit(int(sys.argv[1]))"]
+    assert supervise_local([*fail, "1"], tmp_path / "run", 2) == 1
+    assert count.read_text() == "012"
+    assert [(r["restart"], r["status"]) for r in read_restarts(tmp_path / "run")] == [(1, 1), (2, 1)]
+    for status in (2, 130):
+        count.unlink()
+        assert supervise_local([*fail, str(status)], tmp_path / f"run{status}", 2) == status
+        assert count.read_text() == "0" and read_restarts(tmp_path / f"run{status}") == []
