@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from tests.distributed import run_world
-from tests.test_gpu_vllm import GREEDY_TOKENS, SAMPLED, SPEC, _prompts, _teacher_forced
+from tests.actor_decoding import actor_teacher_forced
+from tests.test_gpu_vllm import GREEDY_TOKENS, SAMPLED, SPEC, _prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
@@ -80,7 +81,8 @@ def _run(rank: int, world: int, mesh_sizes: tuple[int, int, int], rollout_tp: in
     greedy = generate_data_parallel(engine, prompts, SamplingConfig(temperature=0.0, max_new_tokens=GREEDY_TOKENS),
                                     group)
     sampled = generate_data_parallel(engine, prompts, SamplingConfig(**SAMPLED), group)
-    diffs = torch.cat([(_teacher_forced(actor, prompts[s.prompt_index], s.token_ids) - s.logprobs).abs()
+    diffs = torch.cat([(actor_teacher_forced(actor, SPEC, prompts[s.prompt_index], s.token_ids)
+                        - s.logprobs).abs()
                        for s in sampled.samples])  # every rank of a TP group runs the same forwards
     return dict(greedy=[list(s.token_ids) for s in greedy.samples], logprob_mean_diff=diffs.mean().item(),
                 logprob_max_diff=diffs.max().item(), logprob_tokens=len(diffs), reshard_s=reshard_s,
