@@ -276,8 +276,18 @@ def process_alive(pid: int) -> bool:
 _peers: list[tuple[str, int]] = []  # (host, pid) by rank, from record_peers
 _phase = ["setup"]  # what this rank is doing, for error messages and the peers' reports
 _phase_changes = [0]  # how often it changed: this rank's progress (megarl.parallel.watchdog)
+STALLED = "megarl/stalled/"  # store keys: the phase of a rank its progress watch ended, set just before it ends
 _BOARD = "megarl/phase/"  # store keys: each rank's current phase
 _TIMED_OUT = "megarl/timed_out/"  # store keys: ranks whose collective timed out
+
+
+def stalled_phase(store, rank: int) -> str | None:
+    """The phase that ``rank`` stalled in (marked on the store by its progress watch,
+    :mod:`megarl.parallel.watchdog`, before it ended), or None (also when the store is gone: the job is ending)."""
+    try:
+        return store.get(f"{STALLED}{rank}").decode() if store.check([f"{STALLED}{rank}"]) else None
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _store():
@@ -358,8 +368,6 @@ def peer_failure(exc: BaseException, timeout_s: float | None = None, wait_s: flo
     while not (lost := gone()) and time.monotonic() < deadline:
         time.sleep(0.02)  # a peer's sockets close while it exits, a moment before it shows as ended
     within = f"within trainer.timeout_s={timeout_s:g} s" if timeout_s else "within the collective timeout"
-    from megarl.parallel.watchdog import stalled_phase
-
     store = _store()
     ended = {r: stalled_phase(store, r) for r in peers} if store is not None else {}
     ended = {r: p for r, p in ended.items() if p is not None}  # peers whose progress watch ended them

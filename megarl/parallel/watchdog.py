@@ -26,8 +26,9 @@ import threading
 import time
 from typing import Iterator
 
+from megarl.parallel import lifecycle
+
 PROGRESS = "megarl/progress/"  # store keys: wall-clock time of each rank's last phase change
-STALLED = "megarl/stalled/"  # store keys: the phase of a rank that stalled, set just before it ends
 
 _started: list[threading.Thread] = []
 _watching = threading.Event()  # set while the watch judges (the training loop); clear: it only notes progress
@@ -56,8 +57,6 @@ def progress_watched(timeout_s: float, poll_s: float | None = None) -> Iterator[
 
 
 def _watch(timeout_s: float, poll_s: float) -> None:
-    from megarl.parallel import lifecycle
-
     store, rank = lifecycle._store(), lifecycle._rank()
     world = len(lifecycle._peers)
     seen, since = -1, time.monotonic()
@@ -68,7 +67,7 @@ def _watch(timeout_s: float, poll_s: float) -> None:
             _try(lambda: store.set(f"{PROGRESS}{rank}", repr(time.time())))
         elif time.monotonic() - since >= timeout_s and not _waits_for_a_peer(store, rank, world, since):
             where = lifecycle._phase[0]
-            _try(lambda: store.set(f"{STALLED}{rank}", where))
+            _try(lambda: store.set(f"{lifecycle.STALLED}{rank}", where))
             print(f"megarl: error: rank {rank} (pid {os.getpid()} on {socket.gethostname()}) made no progress for "
                   f"trainer.timeout_s={timeout_s:g} s in phase '{where}': it stalled", file=sys.stderr, flush=True)
             os._exit(1)
@@ -85,11 +84,6 @@ def _waits_for_a_peer(store, rank: int, world: int, since: float) -> bool:
         if theirs is not None and theirs < mine - 1.0:
             return True
     return False
-
-
-def stalled_phase(store, rank: int) -> str | None:
-    """The phase that ``rank`` stalled in (marked on the store before it ended), or None."""
-    return _try(lambda: store.get(f"{STALLED}{rank}").decode() if store.check([f"{STALLED}{rank}"]) else None)
 
 
 def _try(fn):
