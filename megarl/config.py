@@ -624,7 +624,8 @@ class TrainerConfig:
         steps: RL steps (each: reshard, generate, score, log-probs, advantages, updates).
         save_every: checkpoint every N steps (0 = only at the end).
         save_every_min: also checkpoint after a step that ends this many minutes after the last checkpoint
-            (0 = off); the save's seconds are the step's ``time/checkpoint_save`` metric.
+            (0 = off); a save's seconds are the next step's ``time/checkpoint_save`` metric (each step's metrics
+            are written before its checkpoint, so a crash during the save loses none).
         keep_checkpoints: newest checkpoints kept on disk.
         resume: continue from the newest checkpoint in the run folder (at any layout; the run's current
             config applies from there on: LR schedule, optimizer settings, ``steps``); refused when the folder

@@ -765,6 +765,7 @@ class Trainer:
         self._offload(("grads", "optimizer"))
         self.last_checkpoint = path
         self.saved_at = time.monotonic()
+        save_s = None
         if self.rank == 0:
             for p in ck.run_checkpoints(self.run_dir)[:-self.cfg.trainer.keep_checkpoints]:
                 shutil.rmtree(p, ignore_errors=True)
@@ -918,11 +919,13 @@ class Trainer:
                         if self._validation_due():
                             metrics.update(self.validate())
                         requeue, save = self._checkpoint_due()
+                        if save_s is not None:  # the last checkpoint's seconds, saved after the step before
+                            metrics["time/checkpoint_save"], save_s = save_s, None
+                        logger.log(self.step_idx, metrics)  # first: a crash in the save loses no step's metrics
                         if save:
                             start_save = time.perf_counter()
                             self.save()
-                            metrics["time/checkpoint_save"] = time.perf_counter() - start_save
-                        logger.log(self.step_idx, metrics)
+                            save_s = time.perf_counter() - start_save
                         if requeue and self.step_idx < cfg.trainer.steps:
                             raise RequeueRequested(f"saved {self.last_checkpoint} on SIGUSR1 (the job's time limit is "
                                                    "near); a requeued job continues the run from it")
