@@ -765,7 +765,6 @@ class Trainer:
         self._offload(("grads", "optimizer"))
         self.last_checkpoint = path
         self.saved_at = time.monotonic()
-        save_s = None
         if self.rank == 0:
             for p in ck.run_checkpoints(self.run_dir)[:-self.cfg.trainer.keep_checkpoints]:
                 shutil.rmtree(p, ignore_errors=True)
@@ -905,6 +904,7 @@ class Trainer:
         more_prompts = functools.partial(next, batches)
         first_step = self.step_idx
         self.saved_at = time.monotonic()
+        save_s = None  # the last checkpoint's seconds, reported with the next step
         try:
             if self.split_rollout:  # validation is refused there (check_rollout_pool)
                 for step, metrics in self.fit_split(batches):
