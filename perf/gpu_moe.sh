@@ -9,7 +9,7 @@
 #      sampled-token log-prob |vLLM - actor| (mean, max); the reshard time;
 #   3. `megarl bench step` of GRPO steps on the synthetic prompts of tests/rl_tasks.py (32 prompts x 4 samples x
 #      128 new tokens): the phase table, with the actor update's MFU counted on active parameters
-#      (megarl/bench/flops.py).
+#      (megarl/measure/flops.py).
 # Logs and the bench JSON go to $OUT (default runs/gpu_moe). The last line is "gpu_moe: PASS|FAIL"; the stages
 # share a budget of 470 s of wall time (each is cut at what is left), so the run ends within 8 minutes.
 set -uo pipefail

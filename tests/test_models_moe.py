@@ -150,7 +150,7 @@ def test_moe_specs_round_trip_their_hf_config_and_refuse_what_megarl_cannot_buil
 
 def test_moe_sizes_presets_and_ep_checks():
     """Parameter counts (all, active, per EP rank), the shortened preset, and the EP errors naming the field."""
-    from megarl.bench.flops import matmul_params
+    from megarl.measure.flops import matmul_params
     from megarl.config import ConfigError, load_config
     from megarl.launch.memory import stage_params
     from megarl.models.megatron import check_layout
