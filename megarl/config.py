@@ -42,7 +42,7 @@ class _SectionFieldError(ConfigError):
 
 
 def _require_in_section(cond: bool, field_name: str, msg: str) -> None:
-    """:func:`_require` for a field of a shared section, ``field_name`` relative to the section."""
+    """:func:`require` for a field of a shared section, ``field_name`` relative to the section."""
     if not cond:
         raise _SectionFieldError(field_name, msg)
 
