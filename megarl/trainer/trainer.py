@@ -244,8 +244,11 @@ def make_engine(cfg: Config, spec):
 
 def rollout_layout(cfg: Config, spec: ModelSpec, ranks) -> "Layout":
     """The engines' weight layout on the rollout pool's ``ranks`` (what the reshard writes), known on every
-    rank, engine or not: whole HF tensors for transformers, vLLM's TP shards of ``rollout.tp``."""
-    return hf_layout(spec, ranks) if cfg.rollout.engine == "hf" else vllm_layout(spec, cfg.rollout.tp, ranks)
+    rank, engine or not: whole HF tensors for transformers (experts fused, as
+    :meth:`~megarl.rollout.hf_engine.HFRolloutEngine.weight_layout` holds them), vLLM's TP shards of ``rollout.tp``."""
+    if cfg.rollout.engine == "hf":
+        return hf_layout(spec, ranks, fused_experts=True)
+    return vllm_layout(spec, cfg.rollout.tp, ranks)
 
 
 class Trainer:
