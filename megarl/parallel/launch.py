@@ -7,9 +7,11 @@ reads their environment)."""
 
 from __future__ import annotations
 
+import io
 import os
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 from megarl.parallel.lifecycle import end_descendants, exit_with_parent, peer_failures_named, record_peers
@@ -22,8 +24,6 @@ def _worker(rank: int, world_size: int, port: int, parent: int, fn, args, queue)
     threads = max(1, (os.cpu_count() or 1) // world_size)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
-    import torch
-
     torch.set_num_threads(threads)
     from megarl.console import QUIET_ENV, quiet_libraries
 
@@ -34,7 +34,7 @@ def _worker(rank: int, world_size: int, port: int, parent: int, fn, args, queue)
         record_peers()
         with peer_failures_named(timeout_s=300):
             result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        queue.put((rank, "ok", _to_bytes(result)))
     except BaseException:  # report every failure to the parent, which raises it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -43,6 +43,14 @@ def _worker(rank: int, world_size: int, port: int, parent: int, fn, args, queue)
         if dist.is_initialized():
             dist.destroy_process_group()
         end_descendants()  # what the rank started ends with it
+
+
+def _to_bytes(result) -> bytes:
+    """``result`` serialised whole. torch's queue would pass tensors as shared-memory file descriptors, which the
+    parent can only open while this rank lives; a rank that exits first leaves it a dangling socket."""
+    buf = io.BytesIO()
+    torch.save(result, buf)
+    return buf.getvalue()
 
 
 def run_world(fn, world_size: int, *args, timeout_s: float = 900.0) -> list:
@@ -66,7 +74,7 @@ def run_world(fn, world_size: int, *args, timeout_s: float = 900.0) -> list:
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout_s)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break
