@@ -27,14 +27,8 @@
 # "gpu_dapo: PASS" or "gpu_dapo: FAIL" (exit status 0 or 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-runs/gpu_dapo}
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-export OUT
-source perf/gpu_env.sh
-BUDGET_S=${BUDGET_S:-585}
-START=$SECONDS
-failed=0
-source perf/gpu_lib.sh  # stage, finish
+source perf/gpu_lib.sh  # begin, stage, finish
+begin gpu_dapo 585
 
 GSM8K_DIR=${GSM8K_DIR:-/tmp/gsm8k}
 SMOL_GGUF=${SMOL_GGUF:-/tmp/smol.gguf}

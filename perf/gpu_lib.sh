@@ -1,5 +1,15 @@
-# Shared by perf/gpu_vllm.sh and perf/gpu_multi.sh (sourced, from the repo root): stages within a budget of wall
-# time, and the last line. The caller sets OUT, BUDGET_S, START and failed=0.
+# Shared by the staged GPU scripts (perf/gpu_{dapo,moe,multi,resume,vllm}.sh; sourced, from the repo root): the
+# output folder and environment, stages within a budget of wall time, and the last line.
+
+begin() {  # begin NAME BUDGET_S: OUT (default runs/NAME, made absolute, exported), perf/gpu_env.sh, the budget
+  OUT=${OUT:-runs/$1}
+  mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+  export OUT
+  source perf/gpu_env.sh
+  BUDGET_S=${BUDGET_S:-$2}
+  START=$SECONDS
+  failed=0
+}
 
 stage() {  # stage NAME LIMIT_S FUNCTION: run it within min(LIMIT_S, budget left), log to $OUT/NAME.log
   local name=$1 limit=$2 fn=$3 t=$SECONDS rc

@@ -14,14 +14,8 @@
 # share a budget of 470 s of wall time (each is cut at what is left), so the run ends within 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-runs/gpu_moe}
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-export OUT
-source perf/gpu_env.sh
-BUDGET_S=470
-START=$SECONDS
-failed=0
-source perf/gpu_lib.sh  # stage, finish
+source perf/gpu_lib.sh  # begin, stage, finish
+begin gpu_moe 470
 
 install_and_build() {
   bash perf/install_wheels.sh && bash perf/build_C.sh && python3 -c "import pytest"

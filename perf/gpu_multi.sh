@@ -15,15 +15,8 @@
 # ONLY=reshard_bench or ONLY=vllm_tp runs one part (when installing vLLM leaves too little of the 10 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-runs/gpu_multi}
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-export OUT
-source perf/gpu_env.sh  # NVLink multicast off; vLLM in-process, offline
-BUDGET_S=570
-START=$SECONDS
-failed=0
-
-source perf/gpu_lib.sh  # stage, finish
+source perf/gpu_lib.sh  # begin, stage, finish
+begin gpu_multi 570
 
 install_wheels() {  # vLLM too where its wheels were uploaded (perf/install_wheels.sh), else megatron-core alone
   bash perf/install_wheels.sh && return 0

@@ -9,13 +9,11 @@
 # step-3 metrics and every checkpoint's save seconds (time/checkpoint_save). Last line: "gpu_resume: PASS/FAIL".
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODEL=${1:-qwen2.5-0.5b}; OUT=${OUT:-runs/gpu_resume}
+MODEL=${1:-qwen2.5-0.5b}
+source perf/gpu_lib.sh  # begin, stage, finish
+begin gpu_resume 570
 source perf/gpu_synthetic_task.sh
-source perf/gpu_lib.sh  # stage, finish
-BUDGET_S=570
-START=$SECONDS
-failed=0
-export MODEL OUT
+export MODEL
 
 train() {  # train NAME STEPS [ARGS...]
   local name=$1 steps=$2; shift 2

@@ -17,14 +17,8 @@
 # budget of 470 s of wall time (each is cut at what is left), so the whole run ends within 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-runs/gpu_vllm}
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-export OUT
-source perf/gpu_env.sh
-BUDGET_S=470
-START=$SECONDS
-failed=0
-source perf/gpu_lib.sh  # stage, finish
+source perf/gpu_lib.sh  # begin, stage, finish
+begin gpu_vllm 470
 
 install_wheels() {
   bash perf/install_wheels.sh && python3 -c "import pytest"
