@@ -813,6 +813,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def _save_due(self, step: int) -> bool:
+        """Whether ``trainer.save_every`` or the last step calls for a checkpoint after ``step``."""
         every = self.cfg.trainer.save_every
         return bool(every and step % every == 0) or step == self.cfg.trainer.steps
 
@@ -884,8 +885,7 @@ class Trainer:
         flags = torch.tensor([float(requeue_requested()), float(by_time)], device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         requeue, by_time = bool(flags[0]), bool(flags[1])
-        by_step = bool(tc.save_every) and self.step_idx % tc.save_every == 0
-        return requeue, by_step or by_time or requeue or self.step_idx == tc.steps
+        return requeue, self._save_due(self.step_idx) or by_time or requeue
 
     def _validation_due(self) -> bool:
         return self.validation is not None and self.validation.due(self.step_idx, self.cfg.trainer.steps)
