@@ -5,6 +5,7 @@
                                                             HF directory / GGUF -> megarl checkpoint
     megarl export CKPT OUT [--overwrite]                    megarl checkpoint -> HF directory
     megarl data gsm8k --src DIR|hub --out DIR               prepare GSM8K parquet files
+    megarl data arithmetic --out DIR                        write the arithmetic task's parquet files
     megarl eval MODEL [CONFIG.yaml] [key=value ...]         held-out accuracy of a model or checkpoint
     megarl report RUN_DIR                                   plots and a markdown page of a run
     megarl bench reshard ...                                reshard benchmark (see --help)
@@ -348,6 +349,21 @@ def _data_gsm8k(p: argparse.ArgumentParser):
         from megarl.data.gsm8k import prepare_gsm8k
 
         for split, path in prepare_gsm8k(a.src, a.out).items():
+            print(f"{split}: {path} ({pq.read_metadata(path).num_rows} problems)")
+        return 0
+    return run
+
+
+@command("data", "arithmetic", help="write the arithmetic task (train/test parquet files; the CPU main job's data)")
+def _data_arithmetic(p: argparse.ArgumentParser):
+    p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
+
+    def run(a: argparse.Namespace) -> int:
+        import pyarrow.parquet as pq
+
+        from megarl.data.arithmetic import prepare_arithmetic
+
+        for split, path in prepare_arithmetic(a.out).items():
             print(f"{split}: {path} ({pq.read_metadata(path).num_rows} problems)")
         return 0
     return run

@@ -1,7 +1,7 @@
 """Run configuration: dataclasses with the CPU default embedded, YAML loading and validation.
 
 ``megarl train [CONFIG.yaml] [key=value ...]`` merges, in order: the defaults below (the CPU default: GRPO on
-GSM8K with SmolLM2-135M-Instruct, transformers rollouts), the YAML file, and dotted overrides
+the arithmetic task with SmolLM2-135M-Instruct, transformers rollouts), the YAML file, and dotted overrides
 (``actor.optim.lr=1e-6``, OmegaConf syntax). Every field is type-checked by OmegaConf and validated by the
 dataclasses' ``__post_init__``; :func:`megarl.parallel.placement.validate_for_world` then checks what depends on the job's world size (the
 roles' layouts on their pools).
@@ -66,7 +66,7 @@ class RunConfig:
         seed: seeds data order, sampling and initialisation.
     """
 
-    name: str = "smollm2-gsm8k-grpo"
+    name: str = "smollm2-arithmetic-grpo"
     output_dir: str = "runs"
     seed: int = 1
 
@@ -202,7 +202,7 @@ class ActorConfig:
     """
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
     micro_batch_size: int = 4
     ppo_mini_batch_size: int = 16
     ppo_epochs: int = 1
@@ -258,11 +258,11 @@ class RolloutConfig:
 
     engine: str = "hf"
     tp: int = 1
-    n: int = 4
+    n: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_new_tokens: int = 128
+    max_new_tokens: int = 16
     max_batch_size: int = 64
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
@@ -291,30 +291,35 @@ class RolloutConfig:
                  f"must be null (the model's context) or >= 2 tokens, got {self.max_model_len}")
 
 
+PREPARED = ("arithmetic", "gsm8k")  # data.prepare's datasets; each writes its train.parquet and test.parquet
+
+
 @dataclass
 class DataConfig:
     """Prompt dataset.
 
     Attributes:
         train_files: jsonl or parquet files with one prompt per row.
-        prepare: if the train files are missing, prepare them first: "gsm8k" (from ``gsm8k_source``) or null.
+        prepare: if the train files are missing, prepare them first: "arithmetic" (the CPU default's task,
+            :mod:`megarl.data.arithmetic`), "gsm8k" (from ``gsm8k_source``) or null.
         gsm8k_source: a local GSM8K folder ({train,test}.jsonl) or "hub" (openai/gsm8k, online only);
             "auto" tries ../shared/data/gsm8k, then the hub.
         prompt_key / answer_key: row fields holding the prompt and the ground truth.
-        system_prompt / instruction: chat-template system message and text appended to each prompt.
+        system_prompt / instruction: chat-template system message and text appended to each prompt (GSM8K's
+            configs: :data:`megarl.rewards.gsm8k.GSM8K_INSTRUCTION`; the arithmetic task's questions say it).
         use_chat_template: render prompts with the tokenizer's chat template (false: plain text, base models).
         max_prompt_length: longer prompts are dropped (and reported), tokens.
         prompts_per_step: prompts per RL step (the rollout batch is prompts_per_step * rollout.n sequences).
         shuffle: reshuffle each epoch (seeded by run.seed).
     """
 
-    train_files: list[str] = field(default_factory=lambda: ["data/gsm8k/train.parquet"])
-    prepare: Optional[str] = "gsm8k"
+    train_files: list[str] = field(default_factory=lambda: ["data/arithmetic/train.parquet"])
+    prepare: Optional[str] = "arithmetic"
     gsm8k_source: str = "auto"
     prompt_key: str = "question"
     answer_key: str = "ground_truth"
     system_prompt: Optional[str] = None
-    instruction: str = "Let's think step by step and output the final answer after \"####\"."
+    instruction: str = ""
     use_chat_template: bool = True
     max_prompt_length: int = 256
     prompts_per_step: int = 4
@@ -324,7 +329,8 @@ class DataConfig:
         require(len(self.train_files) > 0, "data.train_files", "list at least one jsonl or parquet file")
         require(self.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
         require(self.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
-        require(self.prepare in (None, "gsm8k"), "data.prepare", f"must be null or 'gsm8k', got {self.prepare!r}")
+        require(self.prepare is None or self.prepare in PREPARED, "data.prepare",
+                f"must be null or one of {list(PREPARED)}, got {self.prepare!r}")
 
 
 @dataclass
@@ -332,7 +338,7 @@ class RewardConfig:
     """How responses are scored.
 
     Attributes:
-        fn: a registered reward name ("gsm8k"; "reward_model" for an HF sequence-classification model in
+        fn: a registered reward name ("arithmetic", "gsm8k"; "reward_model" for an HF sequence-classification model in
             this process; "http" for a reward model served over HTTP, e.g. by vLLM) or a dotted path to a user
             function ("pkg.mod:fn").
         kwargs: keyword arguments for the function (gsm8k: correct_score, format_score (default 0.1: a wrong
@@ -341,7 +347,7 @@ class RewardConfig:
             label_index, template).
     """
 
-    fn: str = "gsm8k"
+    fn: str = "arithmetic"
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -648,10 +654,10 @@ class TrainerConfig:
             step t-1-k or newer (1 = one-step-off).
     """
 
-    steps: int = 4
-    save_every: int = 2
+    steps: int = 20
+    save_every: int = 10
     save_every_min: float = 0.0
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 1
     resume: bool = False
     export_hf: bool = False
     progress: bool = True
@@ -708,7 +714,7 @@ class ValidationConfig:
     """
 
     enabled: bool = True
-    files: list[str] = field(default_factory=lambda: ["data/gsm8k/test.parquet"])
+    files: list[str] = field(default_factory=lambda: ["data/arithmetic/test.parquet"])
     num_prompts: int = 64
     shuffle: bool = False
     n: int = 1

@@ -134,10 +134,10 @@ CASES = [
     (["train", "model.path=no/such/model"], "model.path: model path"),
     # the data, the reward function and this machine
     (["TINY", "data.train_files=[no/such.jsonl]"], "data.train_files: ['"),
-    (["TINY", "validation.enabled=true"], "validation.files: ['data/gsm8k/test.parquet'] do not exist"),
+    (["TINY", "validation.enabled=true"], "validation.files: ['data/arithmetic/test.parquet'] do not exist"),
     (["eval", "no/such/model"], "no/such/model"),
     (["eval", "TINYMODEL", "validation.files=[no/such.jsonl]", "data.prepare=null"],
-     "validation.files: ['no/such.jsonl'] do not exist; create them or set data.prepare=gsm8k"),
+     "validation.files: ['no/such.jsonl'] do not exist; create them or set data.prepare to one of"),
     (["report", "no/such/run"], "no/such/run/metrics.jsonl is missing"),
     (["TINY", "reward.fn=no_such_reward"], "reward.fn: unknown reward function 'no_such_reward'"),
     (["TINY", "reward.fn=tests.rl_tasks:no_such_fn"], "reward.fn: reward function 'tests.rl_tasks:no_such_fn'"),

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megarl.data import DataError, PromptDataset, PromptLoader, PromptTemplate, prepare_gsm8k, read_rows
+from megarl.data.arithmetic import prepare_arithmetic
 from megarl.cli import main as megarl_main
 from megarl.rewards.gsm8k import GSM8K_INSTRUCTION
 
@@ -247,6 +248,35 @@ def test_prepare_gsm8k_from_the_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     with pytest.raises(DataError, match="ConnectionError: no network.*pass --src DIR"):
         prepare_gsm8k("openai/gsm8k", tmp_path / "out")
+
+
+def test_arithmetic_task_splits_are_disjoint_sums_and_the_same_every_time(tmp_path, capsys):
+    written = prepare_arithmetic(tmp_path / "a")
+    train, test = (pq.read_table(written[s]).to_pylist() for s in ("train", "test"))
+    assert (len(train), len(test)) == (336, 64) and {r["question"] for r in train}.isdisjoint(r["question"] for r in test)
+    for row in train + test:
+        a, b = (int(x) for x in row["question"].removeprefix("What is ").split("?")[0].split(" + "))
+        assert row["ground_truth"] == str(a + b) and 0 <= a < 20 and 0 <= b < 20
+    assert megarl_main(["data", "arithmetic", "--out", str(tmp_path / "b")]) == 0
+    assert "test: " in capsys.readouterr().out
+    assert pq.read_table(tmp_path / "b" / "test.parquet").to_pylist() == test
+
+
+def test_data_prepare_writes_only_its_own_files(tmp_path, monkeypatch):
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer.preflight import check_files, prepare_files
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["data.prepare=arithmetic"])
+    files = ["data/arithmetic/train.parquet", "data/arithmetic/test.parquet"]
+    check_files(cfg, "data.train_files", files)
+    prepare_files(cfg, files)
+    assert all(pathlib.Path(f).is_file() for f in files)
+    with pytest.raises(ConfigError, match=r"data.train_files: \['data/gsm8k/train.parquet'\] do not exist; check "
+                                          r"the path \(data.prepare=arithmetic writes only its own"):
+        check_files(cfg, "data.train_files", ["data/gsm8k/train.parquet"])
+    with pytest.raises(ConfigError, match=r"data.prepare: must be null or one of \['arithmetic', 'gsm8k'\]"):
+        load_config(None, ["data.prepare=gsm8K"])
 
 
 @pytest.mark.skipif(not GSM8K_DIR.exists(), reason="GSM8K copy not present")

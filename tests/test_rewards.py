@@ -120,6 +120,16 @@ def test_every_reference_solution_of_the_test_split_scores_one():
 
 
 # ---------------------------------------------------------------------------------------------- registry
+def test_arithmetic_reward_reads_the_final_number():
+    from megarl.rewards.arithmetic import arithmetic_reward
+
+    responses = ["7 + 12 = 19", "19.", "The answer is 19", "7 + 12 = 19, or 20", "nineteen", "#### 19\nso 20",
+                 "\\boxed{19}", "-19"]
+    assert arithmetic_reward([""] * 8, responses, ["19"] * 8) == [1, 1, 1, 0, 0, 1, 1, 0]
+    with pytest.raises(RewardError, match=r"sample 1: ground truth 'x' is not a number.*data.answer_key"):
+        arithmetic_reward(["", ""], ["1", "2"], ["1", "x"])
+
+
 def test_load_builtin_by_name_returns_a_tensor_and_binds_params():
     fn = load_reward_fn("gsm8k", {"format_score": 0.25})
     torch.testing.assert_close(fn(["q", "q"], ["#### 3", "#### 4"], ["4", "4"]), torch.tensor([0.25, 1.0]))

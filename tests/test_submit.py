@@ -124,13 +124,13 @@ def test_a_launch_whose_world_does_not_match_fails_before_any_model():
 
 
 SMALL = ["trainer.steps=1", "trainer.save_every=1", "trainer.progress=false", "validation.enabled=false",
-         "data.prompts_per_step=2", "data.train_files=[data/gsm8k/test.parquet]", "rollout.n=2",
+         "data.prompts_per_step=2", "data.train_files=[data/arithmetic/train.parquet]", "rollout.n=2",
          "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=2", "trainer.report=false"]
 
 
 @pytest.mark.slow
 def test_submit_cpu_default_pp2_then_resume(slurm_cluster, tmp_path):
-    """The CPU default at PP=2 (SmolLM2, GSM8K) as a real 2-task SLURM job for one step; ``--resume`` with
+    """The CPU default at PP=2 (SmolLM2, the arithmetic task) as a real 2-task SLURM job for one step; ``--resume`` with
     ``trainer.steps=2`` then adds the second step from the first one's checkpoint. After each job, no process
     with the job's environment is left (issue 24: every rank left megatron-core's checkpoint-writer manager and
     its resource tracker running with parent 1, holding the job's output)."""

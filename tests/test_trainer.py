@@ -177,15 +177,15 @@ def test_missing_dataset_field_fails_before_any_model(task):
 
 
 SMOLLM2 = ["trainer.steps=1", "trainer.save_every=0", "trainer.progress=false", "data.prompts_per_step=2",
-           "data.train_files=[data/gsm8k/test.parquet]", "rollout.n=2", "rollout.max_new_tokens=12",
+           "data.train_files=[data/arithmetic/train.parquet]", "rollout.n=2", "rollout.max_new_tokens=12",
            "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=1", "actor.optim.lr=1e-5",
            "reward.fn=tests.rl_tasks:digit_share", "validation.enabled=false",
            "trainer.report=false"]
 
 
 def test_cpu_default_pp2_matches_dp2_at_step_1(tmp_path):
-    """The CPU default itself (SmolLM2-135M from its GGUF, GSM8K prompts, chat template, GRPO; a dense reward
-    instead of GSM8K's, which 12-token answers never earn) at PP=2 against the same two ranks as data
+    """The CPU default itself (SmolLM2-135M from its GGUF, the arithmetic task's prompts, chat template, GRPO; a
+    dense reward instead of the task's, so that every sample has a gradient) at PP=2 against the same two ranks as data
     parallelism (SmolLM2's 9 heads admit no TP=2)."""
     runs = [f"run.output_dir={tmp_path}"]
     dp2 = run_world(train_on_rank, 2, SMOLLM2 + runs + ["run.name=dp2"])[0][0]

@@ -1,10 +1,10 @@
-"""Reward functions: rule rewards (GSM8K), reward-model scoring, and a registry for user functions.
+"""Reward functions: rule rewards (GSM8K, arithmetic), reward-model scoring, and a registry for user functions.
 
 See :mod:`megarl.rewards.registry` for the calling convention; ``load_reward_fn("gsm8k")`` or
 ``load_reward_fn("mypkg.mymod:fn", params)`` gives a callable ``(prompts, responses, ground_truths) -> [B]``.
 """
 
-from megarl.rewards import gsm8k, http_reward, reward_model  # noqa: F401  (register the built-in rewards)
+from megarl.rewards import arithmetic, gsm8k, http_reward, reward_model  # noqa: F401  (the built-in rewards)
 from megarl.rewards.registry import LoadedReward, RewardError, load_reward_fn, register_reward
 
 __all__ = ["LoadedReward", "RewardError", "load_reward_fn", "register_reward"]

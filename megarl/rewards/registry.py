@@ -14,8 +14,8 @@ A batch at a time (not one sample) so that model-based rewards can batch their f
 instances are such callables may be registered too (e.g. :class:`~megarl.rewards.reward_model.RewardModel`);
 it is instantiated once with ``**params``.
 
-Built-in names: "gsm8k" (:mod:`megarl.rewards.gsm8k`), "reward_model" (:mod:`megarl.rewards.reward_model`),
-"http" (a reward model served over HTTP, :mod:`megarl.rewards.http_reward`).
+Built-in names: "gsm8k" (:mod:`megarl.rewards.gsm8k`), "arithmetic" (:mod:`megarl.rewards.arithmetic`),
+"reward_model" (:mod:`megarl.rewards.reward_model`), "http" (a reward model served over HTTP, :mod:`megarl.rewards.http_reward`).
 User functions: register with ``@register_reward("name")`` in a module imported before the trainer starts,
 or name them by path, ``"mypkg.mymod:fn"`` or ``"mypkg.mymod.fn"`` (importable from ``sys.path``).
 """

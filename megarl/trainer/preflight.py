@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.config import Config, ConfigError
+from megarl.config import PREPARED, Config, ConfigError
 from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.template import DataError, PromptTemplate
 from megarl.models.checkpoint import source_spec
@@ -112,46 +112,54 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
                           "tokens; shorten one of them")
 
 
-def gsm8k_preparable(path: str | Path) -> bool:
-    """Whether ``data.prepare=gsm8k`` makes the missing file ``path``: GSM8K's ``train.parquet`` or
-    ``test.parquet`` in a folder named for GSM8K (the default ``data/gsm8k/``). Any other missing path is a
-    typo or the user's own data, and is never written."""
+def preparable(name: str | None, path: str | Path) -> bool:
+    """Whether ``data.prepare=name`` makes the missing file ``path``: the dataset's ``train.parquet`` or
+    ``test.parquet`` in a folder named for it (the defaults ``data/arithmetic/``, ``data/gsm8k/``). Any other
+    missing path is a typo or the user's own data, and is never written."""
     p = Path(path)
-    return p.name in ("train.parquet", "test.parquet") and "gsm8k" in p.parent.name.lower()
+    return name is not None and p.name in ("train.parquet", "test.parquet") and name in p.parent.name.lower()
 
 
 def check_files(cfg: Config, field: str, files: list[str], alternative: str = "") -> None:
     """Raises ConfigError naming ``field`` when one of its ``files`` is missing and ``data.prepare`` cannot
-    make it (:func:`gsm8k_preparable`); ``alternative`` ends the message (another way out, e.g.
+    make it (:func:`preparable`); ``alternative`` ends the message (another way out, e.g.
     `` (or validation.enabled=false)``)."""
     missing = [f for f in files if not Path(f).is_file()]
-    if missing and cfg.data.prepare is None:
-        raise ConfigError(f"{field}: {missing} do not exist; create them or set data.prepare=gsm8k{alternative}")
-    foreign = [f for f in missing if not gsm8k_preparable(f)]
+    name = cfg.data.prepare
+    if missing and name is None:
+        raise ConfigError(f"{field}: {missing} do not exist; create them or set data.prepare to one of "
+                          f"{list(PREPARED)}{alternative}")
+    foreign = [f for f in missing if not preparable(name, f)]
     if foreign:
-        raise ConfigError(f"{field}: {foreign} do not exist; check the path (data.prepare=gsm8k writes only "
-                          "GSM8K's own train.parquet and test.parquet, into a folder named for it such as the "
-                          f"default data/gsm8k/){alternative}")
+        raise ConfigError(f"{field}: {foreign} do not exist; check the path (data.prepare={name} writes only "
+                          f"its own train.parquet and test.parquet, into a folder named for it such as "
+                          f"data/{name}/){alternative}")
 
 
 def prepare_files(cfg: Config, files: list[str]) -> None:
-    """Write the missing ``files`` that ``data.prepare=gsm8k`` makes (:func:`gsm8k_preparable`; both splits
-    into the file's folder) from ``data.gsm8k_source``. One process only: the caller keeps others waiting.
+    """Write the missing ``files`` that ``data.prepare`` makes (:func:`preparable`; both splits into the file's
+    folder): GSM8K from ``data.gsm8k_source``, the arithmetic task from its generator. One process only: the
+    caller keeps others waiting.
 
     Raises:
         DataError: the GSM8K source cannot be read.
     """
-    folders = dict.fromkeys(Path(f).parent for f in files if not Path(f).is_file() and gsm8k_preparable(f))
-    if not folders or cfg.data.prepare != "gsm8k":
-        return
-    from megarl.data.gsm8k import prepare_gsm8k
-
-    src = cfg.data.gsm8k_source
-    if src == "auto":
-        local = [p for p in (Path("../shared/data/gsm8k"), Path(__file__).parents[3] / "shared/data/gsm8k")
-                 if (p / "train.jsonl").is_file()]
-        src = str(local[0]) if local else "hub"
+    name = cfg.data.prepare
+    folders = dict.fromkeys(Path(f).parent for f in files if not Path(f).is_file() and preparable(name, f))
     for folder in folders:
+        if name == "arithmetic":
+            from megarl.data.arithmetic import prepare_arithmetic
+
+            log.info("writing the arithmetic task into %s", folder)
+            prepare_arithmetic(folder)
+            continue
+        from megarl.data.gsm8k import prepare_gsm8k
+
+        src = cfg.data.gsm8k_source
+        if src == "auto":
+            local = [p for p in (Path("../shared/data/gsm8k"), Path(__file__).parents[3] / "shared/data/gsm8k")
+                     if (p / "train.jsonl").is_file()]
+            src = str(local[0]) if local else "hub"
         log.info("preparing GSM8K from %s into %s", src, folder)
         prepare_gsm8k(src, folder)
 

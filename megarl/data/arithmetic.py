@@ -1,0 +1,57 @@
+"""A synthetic arithmetic task: "What is a + b?" over small integers, the CPU main job's data.
+
+A 135M instruct model answers such questions correctly about 4 times in 10 (greedy) and writes far more
+text than the answer, so GRPO has signal from the first step and the reward rises within minutes on a CPU
+(perf/RESULTS.md, "CPU main job"); GSM8K, the GPU main job, is out of a 135M model's reach at CPU speed.
+
+Output: ``<out>/train.parquet`` and ``<out>/test.parquet``, every pair ``(a, b)`` with ``0 <= a, b < 20`` once
+(400 problems), the test split the first ``TEST_PROBLEMS`` of a seeded shuffle and disjoint from train; columns
+``index`` (int64), ``question`` ("What is 7 + 12? Reply with only the number.") and ``ground_truth`` (the sum
+as a string, what :mod:`megarl.rewards.gsm8k` compares the response's last number with:
+``reward.kwargs.last_number=true``). The files are the same on every machine: the shuffle's seed is fixed.
+
+Command line: ``megarl data arithmetic --out DIR`` (:mod:`megarl.cli`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+OPERAND_LIMIT = 20  # operands 0..19
+TEST_PROBLEMS = 64
+SEED = 0
+
+
+def arithmetic_rows() -> dict[str, list[dict]]:
+    """The train and test rows (module docstring), each ``{"question": str, "ground_truth": str}``."""
+    pairs = [(a, b) for a in range(OPERAND_LIMIT) for b in range(OPERAND_LIMIT)]
+    random.Random(SEED).shuffle(pairs)
+    rows = [{"question": f"What is {a} + {b}? Reply with only the number.", "ground_truth": str(a + b)}
+            for a, b in pairs]
+    return {"train": rows[TEST_PROBLEMS:], "test": rows[:TEST_PROBLEMS]}
+
+
+def prepare_arithmetic(out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write the task's train and test splits as parquet into ``out_dir`` (created if missing).
+
+    Returns:
+        split name -> written file.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for split, rows in arithmetic_rows().items():
+        table = pa.table({"index": pa.array(range(len(rows)), pa.int64()),
+                          "question": [r["question"] for r in rows],
+                          "ground_truth": [r["ground_truth"] for r in rows]})
+        path = out / f"{split}.parquet"
+        tmp = path.with_suffix(".parquet.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)  # a reader never sees half a file
+        written[split] = path
+    return written
