@@ -191,6 +191,7 @@ COMPARED = ["reward/mean", "response/length_mean", "actor/pg_loss", "actor/grad_
             "actor/kl", "actor/clipfrac", "actor/ppo_kl", "advantages/mean"]
 
 
+@pytest.mark.slow
 def test_sync_on_split_pools_equals_the_colocated_run_at_steps_1_and_2(task):
     """Colocated on 2 ranks (actor and reference TP=2, both ranks generating) against the split layout on 4
     (actor and reference TP=2 on ranks 0-1, rollout on ranks 2-3): the same prompts, samples and updates."""

@@ -319,6 +319,7 @@ def test_run_lock_names_its_owner_and_takes_over_a_dead_ones(tmp_path, caplog):
     assert "host elsewhere" in caplog.text and "may still be alive" in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["actor.parallel.pp=1"], []], ids=["one-process", "pp2-torchrun"])
 def test_ctrl_c_ends_the_run_in_one_line_then_resume_continues(task, layout):
     """Ctrl-C (SIGINT to the whole foreground process group, as a terminal sends it) after step 1's checkpoint:

@@ -173,6 +173,7 @@ def test_issue_layout_on_four_ranks_matches_the_single_pool_run_at_step_1(task):
         assert split[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), key
 
 
+@pytest.mark.slow
 def test_split_pools_resume_reproduces_the_uninterrupted_run(task):
     """PPO with the actor and critic on rank 0, the reference and the reward on rank 1: stopped after step 1
     and resumed, step 2 equals the uninterrupted run's (weights, both optimizers and LR schedules, the KL

@@ -83,6 +83,7 @@ def test_resume_reproduces_the_uninterrupted_run(task):
         assert resumed[2][key] == pytest.approx(straight[2][key], rel=1e-5, abs=1e-7), key
 
 
+@pytest.mark.slow
 def test_a_run_folder_with_checkpoints_takes_only_its_own_run_resumed_at_its_layout(task):
     """A new run on a folder that holds an earlier run's checkpoints is refused (a later --resume would have
     loaded the older weights), and so is a resume that changes what cannot change (the model's dtype); both
@@ -183,6 +184,7 @@ SMOLLM2 = ["trainer.steps=1", "trainer.save_every=0", "trainer.progress=false", 
            "trainer.report=false"]
 
 
+@pytest.mark.slow
 def test_cpu_default_pp2_matches_dp2_at_step_1(tmp_path):
     """The CPU default itself (SmolLM2-135M from its GGUF, the arithmetic task's prompts, chat template, GRPO; a
     dense reward instead of the task's, so that every sample has a gradient) at PP=2 against the same two ranks as data
