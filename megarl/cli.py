@@ -344,13 +344,9 @@ def _data_gsm8k(p: argparse.ArgumentParser):
     p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
 
     def run(a: argparse.Namespace) -> int:
-        import pyarrow.parquet as pq
-
         from megarl.data.gsm8k import prepare_gsm8k
 
-        for split, path in prepare_gsm8k(a.src, a.out).items():
-            print(f"{split}: {path} ({pq.read_metadata(path).num_rows} problems)")
-        return 0
+        return _print_written(prepare_gsm8k(a.src, a.out))
     return run
 
 
@@ -359,14 +355,19 @@ def _data_arithmetic(p: argparse.ArgumentParser):
     p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
 
     def run(a: argparse.Namespace) -> int:
-        import pyarrow.parquet as pq
-
         from megarl.data.arithmetic import prepare_arithmetic
 
-        for split, path in prepare_arithmetic(a.out).items():
-            print(f"{split}: {path} ({pq.read_metadata(path).num_rows} problems)")
-        return 0
+        return _print_written(prepare_arithmetic(a.out))
     return run
+
+
+def _print_written(written: dict) -> int:
+    """``megarl data``'s report: one line per written split (its file and row count); exit status 0."""
+    import pyarrow.parquet as pq
+
+    for split, path in written.items():
+        print(f"{split}: {path} ({pq.read_metadata(path).num_rows} problems)")
+    return 0
 
 
 @command("bench", "reshard", help="reshard benchmark against two baselines")

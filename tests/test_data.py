@@ -253,7 +253,8 @@ def test_prepare_gsm8k_from_the_hub(tmp_path, monkeypatch):
 def test_arithmetic_task_splits_are_disjoint_sums_and_the_same_every_time(tmp_path, capsys):
     written = prepare_arithmetic(tmp_path / "a")
     train, test = (pq.read_table(written[s]).to_pylist() for s in ("train", "test"))
-    assert (len(train), len(test)) == (336, 64) and {r["question"] for r in train}.isdisjoint(r["question"] for r in test)
+    assert (len(train), len(test)) == (336, 64)
+    assert {r["question"] for r in train}.isdisjoint(r["question"] for r in test)
     for row in train + test:
         a, b = (int(x) for x in row["question"].removeprefix("What is ").split("?")[0].split(" + "))
         assert row["ground_truth"] == str(a + b) and 0 <= a < 20 and 0 <= b < 20

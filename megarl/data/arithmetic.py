@@ -7,8 +7,8 @@ text than the answer, so GRPO has signal from the first step and the reward rise
 Output: ``<out>/train.parquet`` and ``<out>/test.parquet``, every pair ``(a, b)`` with ``0 <= a, b < 20`` once
 (400 problems), the test split the first ``TEST_PROBLEMS`` of a seeded shuffle and disjoint from train; columns
 ``index`` (int64), ``question`` ("What is 7 + 12? Reply with only the number.") and ``ground_truth`` (the sum
-as a string, what :mod:`megarl.rewards.gsm8k` compares the response's last number with:
-``reward.kwargs.last_number=true``). The files are the same on every machine: the shuffle's seed is fixed.
+as a string, what ``reward.fn=arithmetic``, :mod:`megarl.rewards.arithmetic`, compares the response's last
+number with). The files are the same on every machine: the shuffle's seed is fixed.
 
 Command line: ``megarl data arithmetic --out DIR`` (:mod:`megarl.cli`).
 """

@@ -15,7 +15,8 @@ instances are such callables may be registered too (e.g. :class:`~megarl.rewards
 it is instantiated once with ``**params``.
 
 Built-in names: "gsm8k" (:mod:`megarl.rewards.gsm8k`), "arithmetic" (:mod:`megarl.rewards.arithmetic`),
-"reward_model" (:mod:`megarl.rewards.reward_model`), "http" (a reward model served over HTTP, :mod:`megarl.rewards.http_reward`).
+"reward_model" (:mod:`megarl.rewards.reward_model`), "http" (a reward model served over HTTP,
+:mod:`megarl.rewards.http_reward`).
 User functions: register with ``@register_reward("name")`` in a module imported before the trainer starts,
 or name them by path, ``"mypkg.mymod:fn"`` or ``"mypkg.mymod.fn"`` (importable from ``sys.path``).
 """

@@ -14,6 +14,7 @@ started by torchrun or srun), before it builds a model.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import logging
@@ -146,13 +147,13 @@ def prepare_files(cfg: Config, files: list[str]) -> None:
     """
     name = cfg.data.prepare
     folders = dict.fromkeys(Path(f).parent for f in files if not Path(f).is_file() and preparable(name, f))
-    for folder in folders:
-        if name == "arithmetic":
-            from megarl.data.arithmetic import prepare_arithmetic
+    if not folders:
+        return
+    if name == "arithmetic":
+        from megarl.data.arithmetic import prepare_arithmetic as write
 
-            log.info("writing the arithmetic task into %s", folder)
-            prepare_arithmetic(folder)
-            continue
+        what = "the arithmetic task"
+    else:
         from megarl.data.gsm8k import prepare_gsm8k
 
         src = cfg.data.gsm8k_source
@@ -160,8 +161,10 @@ def prepare_files(cfg: Config, files: list[str]) -> None:
             local = [p for p in (Path("../shared/data/gsm8k"), Path(__file__).parents[3] / "shared/data/gsm8k")
                      if (p / "train.jsonl").is_file()]
             src = str(local[0]) if local else "hub"
-        log.info("preparing GSM8K from %s into %s", src, folder)
-        prepare_gsm8k(src, folder)
+        write, what = functools.partial(prepare_gsm8k, src), f"GSM8K from {src}"
+    for folder in folders:
+        log.info("writing %s into %s", what, folder)
+        write(folder)
 
 
 def read_prompts(cfg: Config, tokenizer, files: list[str], field: str = "data.train_files") -> PromptDataset:
