@@ -1,7 +1,7 @@
 """Forward + backward of megarl's Megatron actor builder on one GPU (or the CPU), bf16 on GPU.
 
     python perf/bench_models.py --model qwen2.5-0.5b --micro-batch 8 --seq 2048 --steps 5 [--json OUT]
-        [--attention sdpa|local] [--chunked-logprob|--no-chunked-logprob] [--compare-plain]
+        [--attention sdpa|local|te] [--fp8] [--chunked-logprob|--no-chunked-logprob] [--compare-plain]
 
 Builds the named model shape (random init) with :func:`megarl.models.megatron.build_model` on a TP=1 x PP=1
 mesh, runs ``--steps`` timed forward+backward passes (after one warm-up) through megatron's
@@ -12,6 +12,8 @@ gradients are finite.
 
 The loss is ``-mean(log-prob) - 0.01 mean(entropy)`` (the actor update computes both). ``--attention`` and
 ``--chunked-logprob`` pick the ``kernels/`` fast paths as the trainer's ``actor.kernels`` does (default: both on);
+``--attention te`` builds Transformer Engine's layer spec instead of the local one (TE must import), and ``--fp8``
+runs it with megatron's FP8 training (hybrid E4M3/E5M2, per-tensor current scaling);
 ``--compare-plain`` then also runs one forward+backward of the same weights and tokens (the first
 ``--compare-rows`` rows) through the plain path (local attention, full logits + ``vocab_parallel_logprobs``) and
 reports the largest differences of log-probs, entropy and gradients.
@@ -89,7 +91,9 @@ def _bench(rank, world, a):
     initialize_model_parallel(mesh)
     gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if gpu else torch.float32
-    model = build_model(spec, mesh, params_dtype=dtype, recompute=a.recompute, attention=a.attention)
+    te = a.attention == "te"
+    model = build_model(spec, mesh, params_dtype=dtype, recompute=a.recompute, use_te=te,
+                        attention="sdpa" if te else a.attention, fp8="hybrid" if a.fp8 else None)
     if gpu:
         model = model.cuda()
     device = next(model.parameters()).device
@@ -102,7 +106,7 @@ def _bench(rank, world, a):
     try:
         once()  # warm-up
     except torch.OutOfMemoryError as e:  # a result too: the plain path's fp32 logit copies do not fit
-        return {"model": a.model, "micro_batch": a.micro_batch, "seq": a.seq, "attention": a.attention,
+        return {"model": a.model, "micro_batch": a.micro_batch, "seq": a.seq, "attention": a.attention, "fp8": a.fp8,
                 "chunked_logprob": a.chunked_logprob, "status": "out of memory", "error": str(e).splitlines()[0]}
     if gpu:
         torch.cuda.synchronize()
@@ -125,7 +129,7 @@ def _bench(rank, world, a):
         "model_tflops_per_s": flops / sec / 1e12, "mfu": flops / sec / 1e12 / a.peak_tflops,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
         "loss": float(out["loss"]), "loss_finite": bool(torch.isfinite(out["loss"])),
-        "grads_finite": grads_finite, "attention": a.attention, "chunked_logprob": a.chunked_logprob,
+        "grads_finite": grads_finite, "attention": a.attention, "fp8": a.fp8, "chunked_logprob": a.chunked_logprob,
         "chunk_tokens": a.chunk_tokens, "status": "ok",
     }
     if a.compare_plain:
@@ -141,7 +145,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--recompute", action="store_true")
-    p.add_argument("--attention", choices=("sdpa", "local"), default="sdpa", help="core attention (kernels/)")
+    p.add_argument("--attention", choices=("sdpa", "local", "te"), default="sdpa",
+                   help="core attention of the local spec (kernels/), or te: Transformer Engine's layer spec")
+    p.add_argument("--fp8", action="store_true", help="FP8 training (with --attention te)")
     p.add_argument("--chunked-logprob", action=argparse.BooleanOptionalAction, default=True,
                    help="output layer + log-prob/entropy in chunks of tokens (kernels/)")
     p.add_argument("--chunk-tokens", type=int, default=4096, help="tokens per log-prob chunk")

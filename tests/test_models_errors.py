@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
-from megarl.models.megatron import check_layout, padded_vocab_size
+from megarl.models.megatron import check_layout, have_transformer_engine, layer_spec, padded_vocab_size
 from megarl.models.spec import PRESETS, ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 
@@ -33,6 +33,12 @@ def test_tp_that_divides_heads_but_not_query_groups():
     spec = SMOL.replace(num_attention_heads=12, num_kv_heads=3)
     with pytest.raises(SpecError, match="tp=2 does not divide the query groups num_kv_heads=3"):
         check_layout(spec, ParallelLayout(tp=2))
+
+
+@pytest.mark.skipif(have_transformer_engine(), reason="Transformer Engine is there")
+def test_te_layer_spec_without_te_says_how_to_get_it():
+    with pytest.raises(SpecError, match="use_te=True: Transformer Engine's layer spec needs .*perf/gpu_te.sh"):
+        layer_spec(use_te=True)
 
 
 def test_padded_vocab_is_the_same_for_every_power_of_two_tp():

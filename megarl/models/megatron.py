@@ -72,7 +72,8 @@ def have_transformer_engine() -> bool:
 
 
 def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32,
-                       sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True):
+                       sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True,
+                       fp8: str | None = None):
     """The megatron-core ``TransformerConfig`` of ``spec`` on ``layout``.
 
     On a machine without a GPU it sets what megatron needs there: CPU initialisation, every fusion off and no
@@ -83,6 +84,8 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         sequence_parallel: split LayerNorm/dropout activations over TP (needs tp > 1).
         recompute: full activation recomputation of every layer.
         init_weights: run megatron's random init (off when weights are loaded right after).
+        fp8: megatron's FP8 training (``"hybrid"``: E4M3 forward, E5M2 gradients; ``"e4m3"``), with the
+            per-tensor current-scaling recipe; needs the Transformer Engine layer spec. None: off.
 
     Raises:
         SpecError: from :func:`check_layout`.
@@ -98,6 +101,8 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         kwargs.update(window_size=(spec.sliding_window - 1, 0))
     if spec.is_moe:
         kwargs.update(moe_config_kwargs(spec))
+    if fp8 is not None:
+        kwargs.update(fp8=fp8, fp8_recipe="tensorwise")
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -178,8 +183,9 @@ def layer_spec(use_te: bool | None = None, attention: str = "local", spec: Model
             spec's only expert module: one GEMM per local expert), a Qwen3 model RMSNorm of queries and keys.
 
     Raises:
-        SpecError: an unknown ``attention``, or an MoE model with Transformer Engine (not wired: megarl's
-            layouts name the local spec's expert parameters).
+        SpecError: an unknown ``attention``, ``use_te=True`` where Transformer Engine does not import (or there
+            is no GPU), or an MoE model with Transformer Engine (not wired: megarl's layouts name the local spec's
+            expert parameters).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -190,6 +196,9 @@ def layer_spec(use_te: bool | None = None, attention: str = "local", spec: Model
         raise SpecError(f"attention must be 'local' or 'sdpa', got {attention!r}")
     if use_te is None:
         use_te = have_transformer_engine() and not (spec is not None and spec.is_moe)
+    if use_te and not have_transformer_engine():
+        raise SpecError("use_te=True: Transformer Engine's layer spec needs transformer_engine.pytorch importable "
+                        "and a GPU (perf/gpu_te.sh builds it); use_te=None picks the local spec without it")
     if use_te and spec is not None and spec.is_moe:
         raise SpecError("mixture-of-experts models run on megatron-core's local layer spec (use_te=False)")
     moe = dict(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm) if spec is not None else {}
@@ -231,12 +240,13 @@ class ValueHead(torch.nn.Module):
 def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", "critic"] = "actor", *,
                 params_dtype: torch.dtype = torch.float32, use_te: bool | None = None,
                 sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True,
-                vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, attention: str = "local"):
+                vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, attention: str = "local",
+                fp8: str | None = None):
     """Build this rank's stage of the actor (``GPTModel``) or critic (same trunk + :class:`ValueHead`).
 
     The model's parameters are initialised randomly (megatron's init) unless ``init_weights=False``; load
     weights with :func:`megarl.models.checkpoint.load_weights`. ``attention`` picks the local spec's core
-    attention (:func:`layer_spec`).
+    attention (:func:`layer_spec`); ``fp8`` turns on FP8 training (:func:`transformer_config`; TE spec only).
 
     Returns:
         A ``GPTModel`` for this rank's pipeline stage. Its forward takes ``input_ids [b, s]`` (int64) and
@@ -251,8 +261,10 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
 
     if role not in ("actor", "critic"):
         raise SpecError(f"role must be 'actor' or 'critic', got {role!r}")
+    if fp8 is not None and not (use_te or (use_te is None and have_transformer_engine())):
+        raise SpecError(f"fp8={fp8!r} needs the Transformer Engine layer spec (use_te=True, with TE installed)")
     config = transformer_config(spec, layout, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
-                                recompute=recompute, init_weights=init_weights)
+                                recompute=recompute, init_weights=init_weights, fp8=fp8)
     tied = spec.tie_word_embeddings and role == "actor"
     model = GPTModel(
         config=config,
