@@ -165,12 +165,16 @@ class KernelsConfig:
         logprob_chunk_tokens: tokens per chunk (memory: about this many rows of vocab/tp logits at once).
         attention: core attention of the local layer spec: "sdpa" (torch's ``scaled_dot_product_attention``:
             flash/cuDNN on the GPU, no ``[b, heads, s, s]`` scores) or "local" (megatron's
-            ``DotProductAttention``). Where Transformer Engine is installed its own spec is used instead.
+            ``DotProductAttention``).
+        transformer_engine: Transformer Engine's layer spec instead of the local one (GPU with TE installed:
+            ``perf/gpu_te.sh`` builds it): fused LayerNorm + GEMM, TE's attention (``attention`` is then unused),
+            an MoE model's experts as grouped GEMMs. Checkpoints record it; a dense model's load under either.
     """
 
     chunked_logprob: bool = True
     logprob_chunk_tokens: int = 4096
     attention: str = "sdpa"
+    transformer_engine: bool = False
 
     def __post_init__(self):
         _require_in_section(self.logprob_chunk_tokens >= 1, "logprob_chunk_tokens",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Transformer Engine on one H200 (issue 21), from the repo root:   bash perf/gpu_te.sh [build|bench|all]
+# Transformer Engine on one H200 (issue 21), from the repo root:   bash perf/gpu_te.sh [build|test|bench|all]
 # 1. build: installs the TE wheels uploaded to /tmp/tewhl (the chunk folders of
 #    `stage.sh` over transformer-engine-cu13, transformer-engine and their Python dependencies, plus the
 #    transformer-engine-torch 2.20.2 source tarball: see perf/RESULTS.md) and megatron-core (.whl, carried) into
@@ -7,7 +7,9 @@
 #    (`pip wheel --no-build-isolation`, NVTE_PYTORCH_FORCE_BUILD=TRUE: there is no network for a prebuilt one);
 #    skipped when transformer_engine.pytorch already imports from there (a kept machine). The build's wall time
 #    is the stage's time.
-# 2. bench: perf/bench_models.py on the Qwen2.5-1.5B shape (bf16, random weights), forward+backward of the
+# 2. test: tests/test_gpu_te.py (TE's layer spec, dense and MoE with grouped experts, against transformers; its
+#    checkpoints exported bit for bit).
+# 3. bench: perf/bench_models.py on the Qwen2.5-1.5B shape (bf16, random weights), forward+backward of the
 #    actor's loss: megarl's local spec with kernels/ (SDPA attention, chunked log-probs) against TE's layer spec
 #    in bf16 and in FP8 (4 x 4096 tokens), and one 16,384-token sequence on each spec: MFU and peak memory.
 # TE lives in /tmp/site-te only, so that no other GPU script picks TE's layer spec by accident. Logs and JSON go
@@ -15,7 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source perf/gpu_lib.sh  # begin, stage, finish
-begin gpu_te 560
+begin gpu_te 570
 export TE_SITE=/tmp/site-te
 WHAT=${1:-all}
 
@@ -61,7 +63,9 @@ bench() {
 }
 
 export -f build_te bench_one bench
-[ "$WHAT" = bench ] || stage build 420 build_te
-[ "$WHAT" = build ] || stage bench 300 bench
+case $WHAT in build|all) stage build 300 build_te ;; esac
+case $WHAT in test|all) stage test 120 \
+  "PYTHONPATH=$TE_SITE:\$PYTHONPATH python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_te.py" ;; esac
+case $WHAT in bench|all) stage bench 240 bench ;; esac
 cat "$OUT/bench.log" 2>/dev/null | grep -E "^(local|te)"
 finish gpu_te

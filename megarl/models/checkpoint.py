@@ -103,9 +103,10 @@ def _coords() -> tuple[ParallelLayout, int, int, int]:
             ps.get_expert_model_parallel_rank())
 
 
-def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint, *, use_te: bool = False) -> None:
-    """Fill this rank's Megatron shard of ``model`` (actor or critic) from a Hugging Face checkpoint, reading
-    only the slices this rank holds. A critic built from a causal-LM checkpoint keeps its zero value head.
+def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint) -> None:
+    """Fill this rank's Megatron shard of ``model`` (actor or critic, local or TE layer spec) from a Hugging Face
+    checkpoint, reading only the slices this rank holds. A critic built from a causal-LM checkpoint keeps its
+    zero value head.
 
     Raises:
         SpecError: the checkpoint misses a tensor or has another shape than the model's spec.
@@ -116,7 +117,7 @@ def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint, *, use_te: bool 
         raise SpecError(f"checkpoint {ckpt.path} describes another model than the one built: "
                         f"{ckpt.spec} vs {spec}")
     mesh, tp_rank, pp_rank, ep_rank = _coords()
-    local = megatron_rank_tensors(spec, mesh, tp_rank, pp_rank, role=bare.megarl_role, use_te=use_te,
+    local = megatron_rank_tensors(spec, mesh, tp_rank, pp_rank, role=bare.megarl_role, use_te=bare.megarl_use_te,
                                   padded_vocab=bare.vocab_size, ep_rank=ep_rank)
     if bare.megarl_role == "critic" and VALUE_HEAD not in ckpt.tensor_names:
         local = {n: t for n, t in local.items() if not any(b.name == VALUE_HEAD for b in t.blocks)}
@@ -187,10 +188,13 @@ def load_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict) -> d
     return dist_checkpointing.load(sharded_state_dict, str(Path(directory) / "model"))
 
 
-def model_meta(spec: ModelSpec, dtype: torch.dtype, tokenizer: str | None, **extra) -> dict[str, Any]:
-    """The ``megarl.json`` content describing a model checkpoint."""
+def model_meta(spec: ModelSpec, dtype: torch.dtype, tokenizer: str | None, *, use_te: bool = False,
+               **extra) -> dict[str, Any]:
+    """The ``megarl.json`` content describing a model checkpoint; ``transformer_engine`` records the layer spec
+    it was written from (dense models load across specs through megatron's key map; MoE experts do not)."""
     cfg = spec.to_hf_config().to_dict()
-    return {"format": "megarl", "hf_config": cfg, "dtype": dtype_name(dtype), "tokenizer": tokenizer, **extra}
+    return {"format": "megarl", "hf_config": cfg, "dtype": dtype_name(dtype), "tokenizer": tokenizer,
+            "transformer_engine": use_te, **extra}
 
 
 def save_model(directory: str | os.PathLike, model: torch.nn.Module, *, tokenizer: str | None = None,
@@ -199,21 +203,34 @@ def save_model(directory: str | os.PathLike, model: torch.nn.Module, *, tokenize
     bare = unwrap(model)
     dtype = next(bare.parameters()).dtype
     return save_checkpoint(directory, {"model": bare.sharded_state_dict()},
-                           model_meta(bare.megarl_spec, dtype, tokenizer, **extra))
+                           model_meta(bare.megarl_spec, dtype, tokenizer, use_te=bare.megarl_use_te, **extra))
 
 
 def load_model(directory: str | os.PathLike, model: torch.nn.Module, key: str = "model") -> None:
     """Load one model's weights from a megarl checkpoint written at any TP/PP. Collective.
 
     Raises:
-        SpecError: the checkpoint holds another model than ``model``'s spec.
+        SpecError: the checkpoint holds another model than ``model``'s spec, or an MoE model's experts written
+            from the other layer spec (TE's grouped experts vs the local spec's sequential ones).
     """
     bare = unwrap(model)
     stored = checkpoint_spec(directory)
     if stored.hf_tensor_shapes() != bare.megarl_spec.hf_tensor_shapes():
         raise SpecError(f"checkpoint {directory} holds another model: {stored} vs {bare.megarl_spec}")
+    written_te = checkpoint_uses_te(directory)
+    if stored.is_moe and written_te != bare.megarl_use_te:
+        raise SpecError(f"checkpoint {directory} holds MoE experts written from the "
+                        f"{'Transformer Engine' if written_te else 'local'} layer spec; load it with "
+                        f"actor.kernels.transformer_engine={str(written_te).lower()}"
+                        + (" (a GPU with TE: perf/gpu_te.sh)" if written_te else ""))
     loaded = load_checkpoint(directory, {key: bare.sharded_state_dict()})
     bare.load_state_dict(loaded[key], strict=False)
+
+
+def checkpoint_uses_te(directory: str | os.PathLike) -> bool:
+    """Whether a megarl checkpoint was written from Transformer Engine's layer spec (False for checkpoints
+    older than that record)."""
+    return bool(read_meta(directory).get("transformer_engine", False))
 
 
 PRESET_PREFIX = "preset:"
@@ -224,7 +241,7 @@ def is_preset(source) -> bool:
     return isinstance(source, str) and source.startswith(PRESET_PREFIX)
 
 
-def load_weights(model: torch.nn.Module, source: str | os.PathLike | None, *, use_te: bool = False) -> None:
+def load_weights(model: torch.nn.Module, source: str | os.PathLike | None) -> None:
     """Load ``model``'s weights from a megarl checkpoint, a Hugging Face directory or a GGUF file (a
     ``preset:NAME`` source keeps the model's random init)."""
     if is_preset(source):
@@ -232,7 +249,7 @@ def load_weights(model: torch.nn.Module, source: str | os.PathLike | None, *, us
     if source is not None and is_megarl_checkpoint(source):
         load_model(source, model)
     else:
-        load_hf_weights(model, open_hf_checkpoint(source), use_te=use_te)
+        load_hf_weights(model, open_hf_checkpoint(source))
 
 
 def source_spec(source: str | os.PathLike | None) -> tuple[ModelSpec, torch.dtype | None, str | None]:

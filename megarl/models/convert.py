@@ -97,6 +97,8 @@ def load_canonical(ckpt_dir: str) -> dict:
 
     Raises:
         FileNotFoundError: ``ckpt_dir`` is not a megarl checkpoint.
+        SpecError: an MoE checkpoint written from Transformer Engine's layer spec, where TE does not import (its
+            grouped experts are read by TE's spec only).
     """
     import torch.distributed as dist
 
@@ -110,9 +112,10 @@ def load_canonical(ckpt_dir: str) -> dict:
     spec = ck.checkpoint_spec(ckpt_dir)
     mesh = ParallelLayout(dp=dist.get_world_size())
     initialize_model_parallel(mesh)
-    model = build_model(spec, mesh, params_dtype=ck.DTYPES[meta["dtype"]], init_weights=False)
+    use_te = spec.is_moe and ck.checkpoint_uses_te(ckpt_dir)  # dense: the local spec reads TE's keys
+    model = build_model(spec, mesh, params_dtype=ck.DTYPES[meta["dtype"]], init_weights=False, use_te=use_te)
     ck.load_model(ckpt_dir, model)
-    return assemble_canonical(megatron_rank_tensors(spec, mesh, 0, 0, padded_vocab=model.vocab_size),
+    return assemble_canonical(megatron_rank_tensors(spec, mesh, 0, 0, padded_vocab=model.vocab_size, use_te=use_te),
                               dict(model.named_parameters()), spec.hf_tensor_shapes())
 
 

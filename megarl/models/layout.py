@@ -282,7 +282,7 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
             out.append(_whole(hf + "self_attn.k_norm.weight", (hd,), mg + "self_attention.k_layernorm.weight"))
         if spec.is_moe:
             out.append(_whole(hf + "post_attention_layernorm.weight", (h,), mg + "pre_mlp_layernorm.weight"))
-            out.extend(_megatron_moe(spec, mesh, i, mg + "mlp.", r, ep_rank))
+            out.extend(_megatron_moe(spec, mesh, i, mg + "mlp.", r, ep_rank, use_te))
             continue
         out.append(_whole(hf + "post_attention_layernorm.weight", (h,), mg + norms["pre_mlp_layernorm"]))
         out.append(_gate_up(hf, mg + "mlp.linear_fc1.weight", spec, t, r))
@@ -300,17 +300,20 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
     return {lt.name: lt for lt in out}
 
 
-def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp_rank: int, ep_rank: int
-                  ) -> list[LocalTensor]:
-    """One MoE layer's tensors on a Megatron rank: the router, the rank's local experts (whole: expert TP = 1)
-    and the shared expert (split over TP)."""
+def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp_rank: int, ep_rank: int,
+                  use_te: bool = False) -> list[LocalTensor]:
+    """One MoE layer's tensors on a Megatron rank: the router, the rank's local experts (whole: expert TP = 1;
+    the local spec's ``SequentialMLP`` names them ``local_experts.{j}.linear_fc1.weight``, TE's ``TEGroupedMLP``
+    ``linear_fc1.weight{j}``) and the shared expert (split over TP)."""
     per_rank = spec.num_experts // mesh.ep
     out = [_whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), mg + "router.weight")]
     for j in range(per_rank):
         e = ep_rank * per_rank + j
         experts = range(e, e + 1)
-        out.append(_experts_gate_up(spec, layer, mg + f"experts.local_experts.{j}.linear_fc1.weight", experts, 1, 0))
-        out.append(_experts_down(spec, layer, mg + f"experts.local_experts.{j}.linear_fc2.weight", experts, 1, 0))
+        fc1, fc2 = ((f"experts.linear_fc1.weight{j}", f"experts.linear_fc2.weight{j}") if use_te else
+                    (f"experts.local_experts.{j}.linear_fc1.weight", f"experts.local_experts.{j}.linear_fc2.weight"))
+        out.append(_experts_gate_up(spec, layer, mg + fc1, experts, 1, 0))
+        out.append(_experts_down(spec, layer, mg + fc2, experts, 1, 0))
     if spec.shared_expert_ffn_hidden_size:
         out.extend(_shared_expert(f"model.layers.{layer}.", mg + "shared_experts.", spec, mesh.tp, tp_rank,
                                   ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")))

@@ -1,8 +1,9 @@
 """Megatron-core actor and critic builders for a :class:`~megarl.models.spec.ModelSpec` on a TP x PP mesh.
 
 The actor is megatron-core's ``GPTModel``; the critic is the same trunk whose output layer is a scalar
-:class:`ValueHead`. Both use the local layer spec, or the Transformer Engine spec where TE is installed
-(``use_te=None`` picks). ``parallel_state`` must already be initialised
+:class:`ValueHead`. Both use megatron-core's local layer spec (with the ``kernels/`` attention), or Transformer
+Engine's (``use_te=True``: fused LayerNorm + GEMM, TE's attention, FP8, grouped expert GEMMs; GPU only, never
+picked implicitly). ``parallel_state`` must already be initialised
 (:func:`megarl.parallel.mesh.initialize_model_parallel`).
 """
 
@@ -73,7 +74,7 @@ def have_transformer_engine() -> bool:
 
 def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32,
                        sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True,
-                       fp8: str | None = None):
+                       fp8: str | None = None, grouped_gemm: bool = False):
     """The megatron-core ``TransformerConfig`` of ``spec`` on ``layout``.
 
     On a machine without a GPU it sets what megatron needs there: CPU initialisation, every fusion off and no
@@ -86,6 +87,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         init_weights: run megatron's random init (off when weights are loaded right after).
         fp8: megatron's FP8 training (``"hybrid"``: E4M3 forward, E5M2 gradients; ``"e4m3"``), with the
             per-tensor current-scaling recipe; needs the Transformer Engine layer spec. None: off.
+        grouped_gemm: an MoE layer's experts as grouped GEMMs (TE's ``TEGroupedMLP``; TE spec only).
 
     Raises:
         SpecError: from :func:`check_layout`.
@@ -100,7 +102,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
     if spec.sliding_window is not None:  # HF's window of w tokens: the w - 1 before a token, and itself
         kwargs.update(window_size=(spec.sliding_window - 1, 0))
     if spec.is_moe:
-        kwargs.update(moe_config_kwargs(spec))
+        kwargs.update(moe_config_kwargs(spec, grouped_gemm))
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe="tensorwise")
     return TransformerConfig(
@@ -143,7 +145,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
     )
 
 
-def moe_config_kwargs(spec: ModelSpec) -> dict:
+def moe_config_kwargs(spec: ModelSpec, grouped_gemm: bool = False) -> dict:
     """The ``TransformerConfig`` fields of an MoE spec: megatron-core's ``MoELayer`` computing what transformers
     computes.
 
@@ -153,7 +155,7 @@ def moe_config_kwargs(spec: ModelSpec) -> dict:
     (``moe_router_pre_softmax=True``). No expert capacity (no token dropped, as HF computes), expert TP = 1,
     the load-balancing loss ``aux_loss`` with the config's ``router_aux_loss_coef`` (none when it is 0), the
     all-gather token dispatcher (plain all-gather and reduce-scatter: they run on gloo too), Qwen2-MoE's
-    shared expert with its sigmoid gate.
+    shared expert with its sigmoid gate; the experts one GEMM each, or grouped (``grouped_gemm``, TE spec).
     """
     kwargs = dict(
         num_moe_experts=spec.num_experts,
@@ -165,7 +167,7 @@ def moe_config_kwargs(spec: ModelSpec) -> dict:
         moe_aux_loss_coeff=spec.moe_aux_loss_coef,
         moe_expert_capacity_factor=None,
         moe_token_dispatcher_type="allgather",
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=grouped_gemm,
     )
     if spec.shared_expert_ffn_hidden_size:
         kwargs.update(moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size,
@@ -173,19 +175,19 @@ def moe_config_kwargs(spec: ModelSpec) -> dict:
     return kwargs
 
 
-def layer_spec(use_te: bool | None = None, attention: str = "local", spec: ModelSpec | None = None):
-    """megatron-core's GPT layer spec: Transformer Engine's where available (``use_te=None``), else local.
+def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec | None = None):
+    """megatron-core's GPT layer spec: the local one, or Transformer Engine's (``use_te``).
 
     Args:
         attention: the local spec's core attention: "local" (megatron's ``DotProductAttention``) or "sdpa"
             (:class:`kernels.attention.SDPAttention`, torch's fused attention). The TE spec keeps its own.
-        spec: the model; an MoE model gets megatron's ``MoELayer`` with ``SequentialMLP`` experts (the local
-            spec's only expert module: one GEMM per local expert), a Qwen3 model RMSNorm of queries and keys.
+        spec: the model; an MoE model gets megatron's ``MoELayer`` with ``SequentialMLP`` experts on the local
+            spec (one GEMM per local expert) and ``TEGroupedMLP`` on TE's (the local experts' GEMMs grouped), a
+            Qwen3 model RMSNorm of queries and keys.
 
     Raises:
-        SpecError: an unknown ``attention``, ``use_te=True`` where Transformer Engine does not import (or there
-            is no GPU), or an MoE model with Transformer Engine (not wired: megarl's layouts name the local spec's
-            expert parameters).
+        SpecError: an unknown ``attention``, or ``use_te=True`` where Transformer Engine does not import (or
+            there is no GPU).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -194,16 +196,13 @@ def layer_spec(use_te: bool | None = None, attention: str = "local", spec: Model
 
     if attention not in ("local", "sdpa"):
         raise SpecError(f"attention must be 'local' or 'sdpa', got {attention!r}")
-    if use_te is None:
-        use_te = have_transformer_engine() and not (spec is not None and spec.is_moe)
     if use_te and not have_transformer_engine():
         raise SpecError("use_te=True: Transformer Engine's layer spec needs transformer_engine.pytorch importable "
-                        "and a GPU (perf/gpu_te.sh builds it); use_te=None picks the local spec without it")
-    if use_te and spec is not None and spec.is_moe:
-        raise SpecError("mixture-of-experts models run on megatron-core's local layer spec (use_te=False)")
+                        "and a GPU (perf/gpu_te.sh builds it); set actor.kernels.transformer_engine=false for the "
+                        "local spec")
     moe = dict(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm) if spec is not None else {}
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(**moe)
+        return get_gpt_layer_with_transformer_engine_spec(**moe, moe_grouped_gemm=bool(moe.get("num_experts")))
     layer = get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
     if attention == "sdpa":
         from kernels.attention import SDPAttention
@@ -238,7 +237,7 @@ class ValueHead(torch.nn.Module):
 
 
 def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", "critic"] = "actor", *,
-                params_dtype: torch.dtype = torch.float32, use_te: bool | None = None,
+                params_dtype: torch.dtype = torch.float32, use_te: bool = False,
                 sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True,
                 vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, attention: str = "local",
                 fp8: str | None = None):
@@ -246,7 +245,9 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
 
     The model's parameters are initialised randomly (megatron's init) unless ``init_weights=False``; load
     weights with :func:`megarl.models.checkpoint.load_weights`. ``attention`` picks the local spec's core
-    attention (:func:`layer_spec`); ``fp8`` turns on FP8 training (:func:`transformer_config`; TE spec only).
+    attention (:func:`layer_spec`), ``use_te`` Transformer Engine's spec instead (recorded as the model's
+    ``megarl_use_te``, which names its parameters in :mod:`megarl.models.layout`); ``fp8`` turns on FP8 training
+    (:func:`transformer_config`; TE spec only).
 
     Returns:
         A ``GPTModel`` for this rank's pipeline stage. Its forward takes ``input_ids [b, s]`` (int64) and
@@ -254,17 +255,19 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         ``[b, s, padded_vocab/tp]`` (actor) or values ``[b, s, 1]`` (critic), and elsewhere the hidden states.
 
     Raises:
-        SpecError: the layout does not fit the model (:func:`check_layout`), or an unknown role.
+        SpecError: the layout does not fit the model (:func:`check_layout`), an unknown role, ``use_te`` without
+            TE, or ``fp8`` without ``use_te``.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     if role not in ("actor", "critic"):
         raise SpecError(f"role must be 'actor' or 'critic', got {role!r}")
-    if fp8 is not None and not (use_te or (use_te is None and have_transformer_engine())):
+    if fp8 is not None and not use_te:
         raise SpecError(f"fp8={fp8!r} needs the Transformer Engine layer spec (use_te=True, with TE installed)")
     config = transformer_config(spec, layout, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
-                                recompute=recompute, init_weights=init_weights, fp8=fp8)
+                                recompute=recompute, init_weights=init_weights, fp8=fp8,
+                                grouped_gemm=use_te and spec.is_moe)
     tied = spec.tie_word_embeddings and role == "actor"
     model = GPTModel(
         config=config,
@@ -286,6 +289,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     _cast_parameters(model, params_dtype)
     model.megarl_spec = spec
     model.megarl_role = role
+    model.megarl_use_te = use_te
     return model
 
 

@@ -345,6 +345,7 @@ class Trainer:
                                               self.rollout_ranks)
         actor_ranks = pools["actor"].ranks
         src_layout = megatron_layout(self.spec, pools["actor"].mesh, ranks=actor_ranks, role="actor",
+                                     use_te=cfg.actor.kernels.transformer_engine,
                                      padded_vocab=share_object(self.actor and self.actor.bare.vocab_size,
                                                                actor_ranks))
         dst_layout = rollout_layout(cfg, self.spec, self.rollout_ranks)
@@ -751,6 +752,7 @@ class Trainer:
         """Checkpoint actor (+ optimizer), critic, LR schedules, KL controller, data position and RNG states."""
         path = self.run_dir / "checkpoints" / f"{ck.CHECKPOINT_PREFIX}{self.step_idx:06d}"
         meta = ck.model_meta(self.spec, ck.DTYPES[self.cfg.model.dtype], self.tokenizer_source,
+                             use_te=self.cfg.actor.kernels.transformer_engine,
                              step=self.step_idx, loader=self.loader.state_dict(), kl_ctl=self.kl_ctl.state_dict(),
                              actor_scheduler=share_object(self.actor and self.actor.scheduler.state_dict(),
                                                           self.pools["actor"].ranks),

@@ -102,7 +102,7 @@ class MegatronWorker:
         self.dp_size = dist.get_world_size(self.dp_group)
         model = build_model(spec, mesh, role, params_dtype=dtype, init_weights=is_preset(source),
                             sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
-                            attention=rc.kernels.attention)
+                            attention=rc.kernels.attention, use_te=rc.kernels.transformer_engine)
         if torch.cuda.is_available():
             model = model.cuda()
         if isinstance(source, MegatronWorker):
