@@ -9,23 +9,19 @@
 #      sampled-token log-prob |vLLM - actor| (mean, max); the reshard time;
 #   3. `megarl bench step` of GRPO steps on the synthetic prompts of tests/rl_tasks.py (32 prompts x 4 samples x
 #      128 new tokens): the phase table, with the actor update's MFU counted on active parameters
-#      (megarl/measure/flops.py);
-#   4. where Transformer Engine was built into /tmp/site-te (`bash perf/gpu_te.sh build` first, on a kept
-#      machine), the same bench step on TE's layer spec (actor.kernels.transformer_engine=true: the experts as
-#      grouped GEMMs); otherwise that stage says it was skipped.
+#      (megarl/measure/flops.py).
 # Logs and the bench JSON go to $OUT (default runs/gpu_moe). The last line is "gpu_moe: PASS|FAIL"; the stages
-# share a budget of 570 s of wall time (each is cut at what is left), so the run ends within 10 minutes.
+# share a budget of 470 s of wall time (each is cut at what is left), so the run ends within 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source perf/gpu_lib.sh  # begin, stage, finish
-begin gpu_moe 570
+begin gpu_moe 470
 
 install_and_build() {
   bash perf/install_wheels.sh && bash perf/build_C.sh && python3 -c "import pytest"
 }
 
-bench_step() {  # bench_step NAME [OVERRIDES...]: the report in $OUT/NAME.json
-  local name=$1; shift
+bench_step() {
   python3 -c "
 from pathlib import Path
 from tests.rl_tasks import make_tiny_model, write_prompts
@@ -36,8 +32,8 @@ make_tiny_model(Path('$OUT/tok')); write_prompts(Path('$OUT/prompts.jsonl'), 102
     run.output_dir="$OUT" run.name=moe-bench validation.enabled=false data.max_prompt_length=8 \
     rollout.max_new_tokens=128 data.prompts_per_step=32 rollout.n=4 actor.ppo_mini_batch_size=128 \
     actor.micro_batch_size=16 actor.logprob_micro_batch_size=32 rollout.gpu_memory_utilization=0.3 \
-    algorithm.kl.coef=0 "$@" --steps 2 --warmup 1 --json "$OUT/$name.json" || return 1
-  python3 - "$OUT/$name.json" <<'PY'
+    algorithm.kl.coef=0 --steps 2 --warmup 1 --json "$OUT/moe-bench.json" || return 1
+  python3 - "$OUT/moe-bench.json" <<'PY'
 import json
 import sys
 
@@ -50,21 +46,13 @@ print(f"step {r['step_time_s']:.2f} s, generate {r['generate_tokens_per_s']:.0f}
 PY
 }
 
-bench_step_te() {
-  PYTHONPATH=/tmp/site-te python3 -c "import transformer_engine.pytorch" 2>/dev/null \
-    || { echo "skipped: Transformer Engine is not built in /tmp/site-te (bash perf/gpu_te.sh build)"; return 0; }
-  PYTHONPATH=/tmp/site-te:$PYTHONPATH bench_step moe-bench-te actor.kernels.transformer_engine=true
-}
-
-export -f install_and_build bench_step bench_step_te
+export -f install_and_build bench_step
 
 stage install 200 install_and_build
 if [ $failed -eq 0 ]; then
   stage test_gpu_moe 220 "python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_moe.py"
-  stage bench_step 240 "bench_step moe-bench"
-  stage bench_step_te 200 bench_step_te
+  stage bench_step 240 bench_step
 fi
 grep -h "MoE vLLM" "$OUT/test_gpu_moe.log" 2>/dev/null
 grep -v -i -E "warn|INFO" "$OUT/bench_step.log" 2>/dev/null | tail -n 25
-grep -v -i -E "warn|INFO" "$OUT/bench_step_te.log" 2>/dev/null | tail -n 14
 finish gpu_moe

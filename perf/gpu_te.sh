@@ -9,15 +9,17 @@
 #    is the stage's time.
 # 2. test: tests/test_gpu_te.py (TE's layer spec, dense and MoE with grouped experts, against transformers; its
 #    checkpoints exported bit for bit).
-# 3. bench: perf/bench_models.py on the Qwen2.5-1.5B shape (bf16, random weights), forward+backward of the
-#    actor's loss: megarl's local spec with kernels/ (SDPA attention, chunked log-probs) against TE's layer spec
-#    in bf16 and in FP8 (4 x 4096 tokens), and one 16,384-token sequence on each spec: MFU and peak memory.
+# 3. bench: perf/bench_models.py (bf16, random weights), forward+backward of the actor's loss: megarl's local
+#    spec with kernels/ (SDPA attention, chunked log-probs) against TE's layer spec, on the Qwen2.5-1.5B shape in
+#    bf16 and FP8 (4 x 4096 tokens) and on one 16,384-token sequence, and on the Qwen3-30B-A3B shape cut to 4
+#    layers (128 experts, top-8: SequentialMLP's one GEMM per expert against TE's grouped GEMMs, 4 x 2048
+#    tokens): MFU (on active parameters for the MoE) and peak memory.
 # TE lives in /tmp/site-te only, so that no other GPU script picks TE's layer spec by accident. Logs and JSON go
 # to $OUT (default runs/gpu_te); the last line is "gpu_te: PASS|FAIL".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source perf/gpu_lib.sh  # begin, stage, finish
-begin gpu_te 570
+begin gpu_te 580
 export TE_SITE=/tmp/site-te
 WHAT=${1:-all}
 
@@ -38,7 +40,7 @@ build_te() {
   PYTHONPATH=$TE_SITE python3 -c "import transformer_engine.pytorch as te, transformer_engine; print('TE', transformer_engine.__version__, 'imports')"
 }
 
-bench_one() {  # bench_one NAME ARGS...: perf/bench_models.py on the 1.5B shape
+bench_one() {  # bench_one NAME ARGS...: perf/bench_models.py (the 1.5B shape unless ARGS name another --model)
   local name=$1; shift
   PYTHONPATH=$TE_SITE:$PYTHONPATH python3 perf/bench_models.py --model qwen2.5-1.5b --steps 5 --json "$OUT/$name.json" "$@" \
     > "$OUT/$name.txt" 2>&1
@@ -52,10 +54,12 @@ bench() {
   local rc=0
   bench_one local-4x4096 --micro-batch 4 --seq 4096 || rc=1
   bench_one local-1x16384 --micro-batch 1 --seq 16384 || rc=1
+  bench_one moe-local-4x2048 --model qwen3-30b-a3b --layers 4 --micro-batch 4 --seq 2048 || rc=1
   if PYTHONPATH=$TE_SITE python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
     bench_one te-4x4096 --micro-batch 4 --seq 4096 --attention te || rc=1
     bench_one te-fp8-4x4096 --micro-batch 4 --seq 4096 --attention te --fp8 || rc=1
     bench_one te-1x16384 --micro-batch 1 --seq 16384 --attention te || rc=1
+    bench_one moe-te-4x2048 --model qwen3-30b-a3b --layers 4 --micro-batch 4 --seq 2048 --attention te || rc=1
   else
     echo "TE does not import from $TE_SITE: only the local spec was measured"; rc=1
   fi
@@ -66,6 +70,6 @@ export -f build_te bench_one bench
 case $WHAT in build|all) stage build 300 build_te ;; esac
 case $WHAT in test|all) stage test 120 \
   "PYTHONPATH=$TE_SITE:\$PYTHONPATH python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_te.py" ;; esac
-case $WHAT in bench|all) stage bench 240 bench ;; esac
-cat "$OUT/bench.log" 2>/dev/null | grep -E "^(local|te)"
+case $WHAT in bench|all) stage bench 330 bench ;; esac
+cat "$OUT/bench.log" 2>/dev/null | grep -E "^(local|te|moe)"
 finish gpu_te
