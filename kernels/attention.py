@@ -121,7 +121,7 @@ def _compiled_flex_attention():
         from torch.nn.attention.flex_attention import flex_attention
     except ImportError:
         return None
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)  # dynamic shapes after the first recompile: packed rows vary in length
 
 
 @functools.lru_cache(maxsize=8)

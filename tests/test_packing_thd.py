@@ -7,6 +7,8 @@ step equals the unpacked run's."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -212,3 +214,13 @@ def test_trainer_with_packing_at_pp2_matches_the_unpacked_run_at_step_1(tmp_path
     assert padded["actor/ppo_kl"] != 0  # the second mini-batch ran after an update: the losses are not trivial
     for key in COMPARED:
         assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
+
+
+def test_packing_benchmark_runs_on_the_cpu(tmp_path):
+    from megarl.bench.packing import main
+
+    out = main(["--model", "tiny", "--rows", "2", "--budget", "512", "--steps", "1", "--warmup", "0",
+                "--long-tokens", "64", "--long-rows", "1", "--device", "cpu", "--out", str(tmp_path / "b.json")])
+    assert json.loads((tmp_path / "b.json").read_text()) == out
+    assert out["packed"]["padded_tokens"] == out["real_tokens"] < out["padded"]["padded_tokens"]
+    assert out["packed_speedup"] > 0 and out["long"]["flops"] > 0 and out["long"]["micro_batches"] == 1
