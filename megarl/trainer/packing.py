@@ -57,15 +57,9 @@ def pack_by_tokens(lengths: torch.Tensor, budget: int, *, multiple: int = 1, min
     Raises:
         ValueError: ``budget < 1``, or ``min_count`` above the number of rows.
     """
-    if budget < 1:
-        raise ValueError(f"the token budget per micro-batch must be >= 1, got {budget}")
-    n = len(lengths)
-    if min_count > n:
-        raise ValueError(f"cannot cut {n} rows into {min_count} micro-batches")
-    order = torch.argsort(torch.as_tensor(lengths), descending=True, stable=True).tolist()
     groups: list[list[int]] = []
     width = 0
-    for i in order:
+    for i in _longest_first(lengths, budget, min_count):
         if groups and (len(groups[-1]) + 1) * width <= budget:
             groups[-1].append(i)
         else:
@@ -86,20 +80,11 @@ def pack_sequences(lengths: torch.Tensor, budget: int, *, min_count: int = 1) ->
         min_count: split the micro-batches with the most rows until there are at least this many (at most
             ``n``).
 
-    Returns:
-        Row indices (int64) of each micro-batch, longest rows first; every row in exactly one.
-
-    Raises:
-        ValueError: ``budget < 1``, or ``min_count`` above the number of rows.
+    Returns and raises as :func:`pack_by_tokens`.
     """
-    if budget < 1:
-        raise ValueError(f"the token budget per micro-batch must be >= 1, got {budget}")
-    if min_count > len(lengths):
-        raise ValueError(f"cannot cut {len(lengths)} rows into {min_count} micro-batches")
-    order = torch.argsort(torch.as_tensor(lengths), descending=True, stable=True).tolist()
     groups: list[list[int]] = []
     loads: list[int] = []
-    for i in order:
+    for i in _longest_first(lengths, budget, min_count):
         size = int(lengths[i])
         k = next((k for k, load in enumerate(loads) if load + size <= budget), None)
         if k is None:
@@ -109,6 +94,15 @@ def pack_sequences(lengths: torch.Tensor, budget: int, *, min_count: int = 1) ->
             groups[k].append(i)
             loads[k] += size
     return _split_to(groups, min_count)
+
+
+def _longest_first(lengths: torch.Tensor, budget: int, min_count: int) -> list[int]:
+    """Row indices, longest row first (ties in row order), once ``budget`` and ``min_count`` are checked."""
+    if budget < 1:
+        raise ValueError(f"the token budget per micro-batch must be >= 1, got {budget}")
+    if min_count > len(lengths):
+        raise ValueError(f"cannot cut {len(lengths)} rows into {min_count} micro-batches")
+    return torch.argsort(torch.as_tensor(lengths), descending=True, stable=True).tolist()
 
 
 def _split_to(groups: list[list[int]], min_count: int) -> list[torch.Tensor]:

@@ -392,6 +392,7 @@ class MegatronWorker:
 
 
 def _round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
     return -(-n // multiple) * multiple
 
 
