@@ -198,7 +198,14 @@ class ActorConfig:
         max_tokens_per_micro_batch: micro-batches by token count (dynamic batch size) for the log-prob,
             value and update passes: rows of similar length packed up to this many padded tokens (rows x
             longest row) per micro-batch, each cut to its longest row (:mod:`megarl.trainer.packing`); 0 = off
-            (``micro_batch_size`` / ``logprob_micro_batch_size`` rows as wide as the batch). Needs pp = 1.
+            (``micro_batch_size`` / ``logprob_micro_batch_size`` rows as wide as the batch). Needs pp = 1
+            unless ``sequence_packing``.
+        sequence_packing: with ``max_tokens_per_micro_batch``, each micro-batch is one packed (THD) row of up
+            to that many real tokens, sequences back to back with no padding between them, attention and RoPE
+            restarting on every sequence (megatron's ``PackedSeqParams``; :mod:`megarl.trainer.packing`);
+            works at any pp (at pp > 1 every micro-batch is padded at its tail to the longest one's length).
+            Needs ``kernels.attention="sdpa"`` (or Transformer Engine). The reference policy packs as the
+            actor does.
         offload: keep the gradients and optimizer state in pinned host memory from the end of each update to
             the next step's log-probs, and the parameters too while the rollout engine generates
             (:mod:`megarl.trainer.offload`), so that a model that fits only one phase at a time still runs.
@@ -213,6 +220,7 @@ class ActorConfig:
     recompute: bool = False
     logprob_micro_batch_size: int = 0
     max_tokens_per_micro_batch: int = 0
+    sequence_packing: bool = False
     offload: bool = False
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
@@ -220,6 +228,11 @@ class ActorConfig:
         _require_in_section(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
         _require_in_section(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
                             f"must be >= 0 (0 = fixed-size micro-batches), got {self.max_tokens_per_micro_batch}")
+        _require_in_section(not self.sequence_packing or self.max_tokens_per_micro_batch > 0, "sequence_packing",
+                            "needs max_tokens_per_micro_batch > 0 (the tokens of one packed micro-batch); set "
+                            "max_tokens_per_micro_batch or sequence_packing=false")
+        _require_in_section(not self.sequence_packing or self.kernels.attention == "sdpa", "sequence_packing",
+                            f"needs kernels.attention='sdpa' (packed attention), got {self.kernels.attention!r}")
         _require_in_section(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
         _require_in_section(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
 

@@ -3,10 +3,12 @@
 One entry point serves inference (log-probs, values) and training: the pipeline schedule (1F1B when PP > 1,
 no pipelining otherwise) calls the model on each micro-batch and, on the last stage, ``output_fn`` on its
 output. Sequences are right-padded; no attention mask is passed: attention is causal and padding sits after
-every real token. With PP > 1 every micro-batch of a call has the same ``[b, s]`` (the schedule's p2p buffers
-have one shape); without pipelining each micro-batch may have its own (micro-batches by token count,
-:mod:`megarl.trainer.packing`; megatron's ``forward_backward_no_pipelining`` ignores ``seq_length`` and
-``micro_batch_size``).
+every real token. A packed (THD) micro-batch (one row ``[1, T]`` of sequences back to back, with
+``position_ids`` and ``cu_seqlens``: :func:`megarl.trainer.packing.pack_rows`) goes to the model with
+megatron's ``PackedSeqParams``, so attention and RoPE restart on every sequence. With PP > 1 every
+micro-batch of a call has the same ``[b, s]`` (the schedule's p2p buffers have one shape); without pipelining
+each micro-batch may have its own (micro-batches by token count, :mod:`megarl.trainer.packing`; megatron's
+``forward_backward_no_pipelining`` ignores ``seq_length`` and ``micro_batch_size``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
     Args:
         model: this rank's stage (a ``GPTModel``, possibly DDP-wrapped), in train or eval mode as wanted.
         micro_batches: dicts with at least ``input_ids`` ``[b, s]`` int64 (same ``b`` and ``s`` for all when
-            PP > 1); every stage receives the whole dict, so the last stage can read labels, masks and
-            advantages.
+            PP > 1), packed ones (``b = 1``) also ``position_ids [1, s]`` and ``cu_seqlens``; every stage
+            receives the whole dict, so the last stage can read labels, masks and advantages.
         output_fn: ``(micro_batch, output) -> (loss, metrics)``, run on the last pipeline stage, where
             ``output`` is the model output ``[b, s, v/tp]`` (actor) or ``[b, s, 1]`` (critic), or what an
             ``output_processor`` in ``model_kwargs`` returns (e.g. :class:`kernels.chunked_logprobs.LogprobOutput`'s
@@ -56,9 +58,14 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
 
     def forward_step(data_iterator, stage):
         mb = next(data_iterator)
-        rows, width = mb["input_ids"].shape
-        position_ids = torch.arange(width, device=mb["input_ids"].device).unsqueeze(0).expand(rows, width)
-        output = stage(mb["input_ids"], position_ids, None, **(model_kwargs or {}))
+        kwargs = dict(model_kwargs or {})
+        if "cu_seqlens" in mb:  # packed (THD): one row of sequences back to back
+            position_ids = mb["position_ids"]
+            kwargs["packed_seq_params"] = packed_seq_params(mb["cu_seqlens"])
+        else:
+            rows, width = mb["input_ids"].shape
+            position_ids = torch.arange(width, device=mb["input_ids"].device).unsqueeze(0).expand(rows, width)
+        output = stage(mb["input_ids"], position_ids, None, **kwargs)
 
         def loss_func(out):
             loss, metrics = output_fn(mb, out)
@@ -75,6 +82,16 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
         micro_batch_size=b,
         forward_only=forward_only,
     )
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor):
+    """megatron's ``PackedSeqParams`` (THD) of a packed row whose segments start at ``cu_seqlens [n + 1]``
+    int32 (:func:`megarl.trainer.packing.pack_rows`): attention and RoPE restart on every segment."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 def broadcast_from_last_stage(tensors: dict[str, torch.Tensor] | None, shapes: dict[str, tuple[int, ...]],

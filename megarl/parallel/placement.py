@@ -181,9 +181,10 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
             require(rc.ppo_mini_batch_size % (dp * rc.micro_batch_size) == 0, f"{role}.ppo_mini_batch_size",
                      f"{rc.ppo_mini_batch_size} is not a multiple of dp ({dp}) x micro_batch_size "
                      f"({rc.micro_batch_size}); use a multiple of {dp * rc.micro_batch_size}")
-        require(not (rc.max_tokens_per_micro_batch and p.pp > 1), f"{role}.max_tokens_per_micro_batch",
-                 f"needs {role}.parallel.pp=1 (megatron's pipeline schedule sends one activation shape for every "
-                 "micro-batch); set it to 0 or use pp=1")
+        require(not (rc.max_tokens_per_micro_batch and not rc.sequence_packing and p.pp > 1),
+                 f"{role}.max_tokens_per_micro_batch", f"needs {role}.parallel.pp=1 (megatron's pipeline schedule "
+                 f"sends one activation shape for every micro-batch); set it to 0, use pp=1 or set "
+                 f"{role}.sequence_packing=true (packed micro-batches of one shape)")
     for role in MEGATRON_ROLES:
         if role in layouts:
             lay = layouts[role]

@@ -21,10 +21,19 @@ def response_index(prompt_lens: torch.Tensor, response_width: int, seq_len: int)
     return (prompt_lens.unsqueeze(1) - 1 + j).clamp(max=seq_len - 1)
 
 
-def to_response_frame(x: torch.Tensor, prompt_lens: torch.Tensor, response_width: int) -> torch.Tensor:
-    """Gather a label-frame tensor ``[B, S]`` (or ``[B, S, 1]``) into the response frame ``[B, R]``."""
+def to_response_frame(x: torch.Tensor, prompt_lens: torch.Tensor, response_width: int,
+                      seq_offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather a label-frame tensor ``[B, S]`` (or ``[B, S, 1]``) into the response frame ``[B, R]``.
+
+    With ``seq_offsets [B]`` int64, ``x`` is one packed (THD) row ``[1, T]`` (or ``[1, T, 1]``) holding the
+    ``B`` sequences back to back, sequence ``i`` from position ``seq_offsets[i]``
+    (:func:`megarl.trainer.packing.pack_rows`); its labels are the next token within the sequence (the last
+    token of a sequence has none and is not in the response frame).
+    """
     if x.dim() == 3:
         x = x.squeeze(-1)
+    if seq_offsets is not None:
+        return x.reshape(-1)[response_index(prompt_lens + seq_offsets, response_width, x.shape[1])]
     idx = response_index(prompt_lens, response_width, x.shape[1])
     return torch.gather(x, 1, idx)
 

@@ -33,7 +33,7 @@ from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
 from megarl.parallel.placement import PoolGroups
 from megarl.trainer.batch import RolloutBatch, to_response_frame
-from megarl.trainer.packing import pack_shares, trim_to_longest
+from megarl.trainer.packing import pack_rows, pack_shares, trim_to_longest
 
 log = logging.getLogger(__name__)
 
@@ -186,18 +186,30 @@ class MegatronWorker:
         ``rc.max_tokens_per_micro_batch == 0``: rows ``[r * B/dp, (r + 1) * B/dp)`` in consecutive micro-batches
         of ``size`` rows, each as wide as the batch; the rows are None. Otherwise rows dealt to the DP ranks
         balanced by tokens and packed into micro-batches by token count (:func:`~megarl.trainer.packing.
-        pack_shares`), each cut to its longest row, as many on every DP rank; the rows are, per DP rank, the
-        batch rows of its micro-batches in order (the same on every rank).
+        pack_shares`), as many on every DP rank; the rows are, per DP rank, the batch rows of its micro-batches
+        in order (the same on every rank). Each micro-batch is cut to its longest row, or with
+        ``rc.sequence_packing`` is one packed (THD) row (:func:`~megarl.trainer.packing.pack_rows`) of its
+        rows' tokens, padded at the tail to a multiple of TP under sequence parallelism and, with PP > 1, to
+        the longest micro-batch of the batch (the pipeline schedule sends one shape).
         """
         budget = self.rc.max_tokens_per_micro_batch
         if not budget:
             share = dp_share(batch, self.dp_rank, self.dp_size)
             return [self._to_device(m) for m in share.micro_batches(size, names)], None
-        multiple = 8 * self.mesh.tp  # the trainer's sequence padding (build_batch's seq_multiple)
         lengths = batch["prompt_lens"] + batch["response_lens"]
-        packed = pack_shares(lengths, self.dp_size, budget, multiple=multiple)
-        micro = [self._to_device(trim_to_longest({k: batch[k][idx] for k in names}, lengths[idx], multiple))
-                 for idx in packed[self.dp_rank]]
+        if self.rc.sequence_packing:
+            packed = pack_shares(lengths, self.dp_size, budget, packed=True)
+            multiple = self.mesh.tp if self.rc.parallel.sequence_parallel else 1
+            widths = [[_round_up(int(lengths[idx].sum()), multiple) for idx in share] for share in packed]
+            if self.mesh.pp > 1:
+                widths = [[max(max(w) for w in widths)] * len(w) for w in widths]
+            micro = [self._to_device(pack_rows({k: batch[k][idx] for k in names}, lengths[idx], width))
+                     for idx, width in zip(packed[self.dp_rank], widths[self.dp_rank])]
+        else:
+            multiple = 8 * self.mesh.tp  # the trainer's sequence padding (build_batch's seq_multiple)
+            packed = pack_shares(lengths, self.dp_size, budget, multiple=multiple)
+            micro = [self._to_device(trim_to_longest({k: batch[k][idx] for k in names}, lengths[idx], multiple))
+                     for idx in packed[self.dp_rank]]
         return micro, [torch.cat(p) for p in packed]
 
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -379,6 +391,11 @@ class MegatronWorker:
         self.scheduler.step(increment=updates_done)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
 def _unpermute(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
     """Rows of ``x`` back in share order: row ``k`` of ``x`` belongs to share row ``order[k]`` (None: as is)."""
     if order is None:
@@ -413,9 +430,9 @@ class PolicyWorker(MegatronWorker):
             labels = torch.roll(mb["input_ids"], shifts=-1, dims=1)
             logp, ent = vocab_parallel_logprobs(out, labels, vocab_size=self.spec.vocab_size,
                                                 temperature=self.temperature, with_entropy=with_entropy)
-        width = mb["response_mask"].shape[1]
-        logp = to_response_frame(logp, mb["prompt_lens"], width)
-        return logp, (to_response_frame(ent, mb["prompt_lens"], width) if with_entropy else None)
+        frame = functools.partial(to_response_frame, prompt_lens=mb["prompt_lens"],
+                                  response_width=mb["response_mask"].shape[1], seq_offsets=mb.get("seq_offsets"))
+        return frame(logp), (frame(ent) if with_entropy else None)
 
     def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """``{"logprobs": [B, R]}`` (and ``"entropy"``) of the batch's responses under this policy, fp32."""
@@ -468,7 +485,7 @@ class CriticWorker(MegatronWorker):
 
     @staticmethod
     def _values(mb, out):
-        return to_response_frame(out.float(), mb["prompt_lens"], mb["response_mask"].shape[1])
+        return to_response_frame(out.float(), mb["prompt_lens"], mb["response_mask"].shape[1], mb.get("seq_offsets"))
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """``[B, R]`` float32 values of the batch's response positions."""
