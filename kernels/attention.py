@@ -10,21 +10,17 @@ Masks follow megatron: the layer's causal mask type, or a boolean ``attention_ma
 "masked out", or the config's sliding window ``(left, right)`` on layers where megatron applies it (a query at
 ``i`` sees keys ``i - left ... i + right``, and never a later one under a causal mask).
 
-Packed sequences (megatron's ``PackedSeqParams`` with ``qkv_format="thd"``: one row of ``t`` tokens, several
-sequences back to back, starting at ``cu_seqlens``): causal attention within each sequence only (a document
-mask). On CUDA this runs torch's FlexAttention (``torch.nn.attention.flex_attention``, compiled) with a
-document block mask, so blocks of keys that no query of a block may see are skipped, and the cost is that of
-the sequences' own causal triangles, not of ``t x t``; the block mask is built once per packed row
-(``cu_seqlens``) and reused by every layer. Elsewhere (CPU, no FlexAttention, or attention dropout, which
-FlexAttention lacks) it is ``scaled_dot_product_attention`` with the boolean ``[t, t]`` block-diagonal causal
-mask, which computes every score: exact, but quadratic in ``t``.
+Packed sequences (a micro-batch of one row of ``t`` tokens, several sequences back to back starting at
+``cu_seqlens``; megatron's ``PackedSeqParams``, see :func:`megarl.models.pipeline.packed_seq_params`): causal
+attention within each sequence only (a document mask). On CUDA in bf16/fp16 this is FlashAttention's
+variable-length kernel (``torch.nn.attention.varlen.varlen_attn``: the sequences' own causal triangles, GQA and
+the sliding window native, no mask held); elsewhere (CPU, fp32, attention dropout) ``scaled_dot_product_attention``
+with the boolean ``[t, t]`` block-diagonal causal mask: exact, but quadratic in ``t``.
 """
 
 from __future__ import annotations
 
 from typing import Optional
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +34,13 @@ class SDPAttention(DotProductAttention):
     Shapes (``np``/``ng``: query heads / query groups on this TP rank, ``hn``: head dim):
         query: ``[sq, b, np, hn]``; key, value: ``[sk, b, ng, hn]``; output: ``[sq, b, np * hn]``.
 
-    Packed sequences (``packed_seq_params.qkv_format == "thd"``, as megatron's ``Attention`` hands them):
-        query ``[t, np, hn]``; key, value ``[t, ng, hn]``; output ``[t, np * hn]``.
+    Packed sequences (``packed_seq_params`` with ``cu_seqlens_q``): ``b = 1`` and ``sq = sk = t``, in the
+    ``sbhd`` layout above (``qkv_format="sbhd"``) or megatron's ``thd`` (query ``[t, np, hn]``, key and value
+    ``[t, ng, hn]``, output ``[t, np * hn]``).
 
     Raises:
-        ValueError: at construction for a softmax type other than "vanilla"; in forward for packed sequences
-            in a format other than "thd", or an attention bias (not supported, as in the local spec).
+        ValueError: at construction for a softmax type other than "vanilla"; in forward for an attention bias
+            (not supported, as in the local spec), or packed sequences in a batch of more than one row.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
@@ -59,10 +56,12 @@ class SDPAttention(DotProductAttention):
         if attention_bias is not None:
             raise ValueError("SDPAttention does not support an attention bias")
         if packed_seq_params is not None:
-            if packed_seq_params.qkv_format != "thd":
-                raise ValueError(f"SDPAttention supports packed sequences in qkv_format 'thd' only, got "
-                                 f"{packed_seq_params.qkv_format!r}")
-            return self._forward_thd(query, key, value, packed_seq_params.cu_seqlens_q)
+            cu_seqlens = packed_seq_params.cu_seqlens_q
+            if packed_seq_params.qkv_format == "thd":
+                return self._forward_packed(query, key, value, cu_seqlens)
+            if query.shape[1] != 1:
+                raise ValueError(f"packed sequences come in one row, got a batch of {query.shape[1]}")
+            return self._forward_packed(query[:, 0], key[:, 0], value[:, 0], cu_seqlens).unsqueeze(1)
         sq, b, heads, hn = query.shape
         sk = key.shape[0]
         mask_type = attn_mask_type or self.attn_mask_type
@@ -80,24 +79,25 @@ class SDPAttention(DotProductAttention):
             scale=self.softmax_scale, enable_gqa=heads != k.shape[1])
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
 
-    def _forward_thd(self, query, key, value, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def _forward_packed(self, query, key, value, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Causal attention within each packed sequence: ``[t, n, hn]`` -> ``[t, np * hn]``."""
         t, heads, hn = query.shape
+        dropout = self.attention_dropout.p if self.training else 0.0
+        if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0:
+            from torch.nn.attention.varlen import varlen_attn
+
+            left = -1 if self.window_size is None else self.window_size[0]
+            cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
+            # t bounds every sequence's length: the kernel's grid covers it, blocks past a sequence's end exit
+            out = varlen_attn(query, key, value, cu, cu, t, t, scale=self.softmax_scale, window_size=(left, 0))
+            return out.reshape(t, heads * hn)
         # [t, n, d] -> [1, n, t, d]
         q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
-        gqa = heads != k.shape[1]
-        dropout = self.attention_dropout.p if self.training else 0.0
-        flex = _compiled_flex_attention() if query.is_cuda and dropout == 0.0 else None
-        if flex is not None:
-            window = None if self.window_size is None else tuple(self.window_size)
-            block_mask = _document_block_mask(cu_seqlens, t, window)
-            out = flex(q, k, v, block_mask=block_mask, scale=self.softmax_scale, enable_gqa=gqa)
-        else:
-            mask = document_causal_mask(cu_seqlens, t)
-            if self.window_size is not None:
-                mask &= sliding_window_mask(t, t, self.window_size, query.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                 scale=self.softmax_scale, enable_gqa=gqa)
+        mask = document_causal_mask(cu_seqlens.to(query.device), t)
+        if self.window_size is not None:
+            mask &= sliding_window_mask(t, t, self.window_size, query.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                             scale=self.softmax_scale, enable_gqa=heads != k.shape[1])
         return out.squeeze(0).permute(1, 0, 2).reshape(t, heads * hn)
 
 
@@ -112,33 +112,6 @@ def document_causal_mask(cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:
     doc = document_ids(cu_seqlens, t)
     i = torch.arange(t, device=cu_seqlens.device)
     return (doc.unsqueeze(1) == doc.unsqueeze(0)) & (i.unsqueeze(0) <= i.unsqueeze(1))
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_flex_attention():
-    """torch's ``flex_attention``, compiled (its fused kernel); None where this torch has none."""
-    try:
-        from torch.nn.attention.flex_attention import flex_attention
-    except ImportError:
-        return None
-    return torch.compile(flex_attention)  # dynamic shapes after the first recompile: packed rows vary in length
-
-
-@functools.lru_cache(maxsize=8)
-def _document_block_mask(cu_seqlens: torch.Tensor, t: int, window: tuple[int, int] | None):
-    """FlexAttention's block mask of :func:`document_causal_mask` (and the sliding window) for one packed row;
-    cached by the ``cu_seqlens`` tensor itself (every layer of a forward receives the same one)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    doc = document_ids(cu_seqlens, t)
-
-    def mask_mod(b, h, q, kv):
-        keep = (doc[q] == doc[kv]) & (kv <= q)
-        if window is not None:
-            keep = keep & (kv >= q - window[0])
-        return keep
-
-    return create_block_mask(mask_mod, None, None, t, t, device=cu_seqlens.device)
 
 
 def sliding_window_mask(sq: int, sk: int, window: tuple[int, int], device) -> torch.Tensor:

@@ -200,12 +200,12 @@ class ActorConfig:
             longest row) per micro-batch, each cut to its longest row (:mod:`megarl.trainer.packing`); 0 = off
             (``micro_batch_size`` / ``logprob_micro_batch_size`` rows as wide as the batch). Needs pp = 1
             unless ``sequence_packing``.
-        sequence_packing: with ``max_tokens_per_micro_batch``, each micro-batch is one packed (THD) row of up
-            to that many real tokens, sequences back to back with no padding between them, attention and RoPE
-            restarting on every sequence (megatron's ``PackedSeqParams``; :mod:`megarl.trainer.packing`);
-            works at any pp (at pp > 1 every micro-batch is padded at its tail to the longest one's length).
-            Needs ``kernels.attention="sdpa"`` (or Transformer Engine). The reference policy packs as the
-            actor does.
+        sequence_packing: with ``max_tokens_per_micro_batch``, each micro-batch is one packed row of up
+            to that many real tokens, sequences back to back with no padding between them, attention within
+            each sequence (megatron's ``PackedSeqParams``; :mod:`megarl.trainer.packing`); works at any pp (at
+            pp > 1 every micro-batch is padded at its tail to the longest one's length). Needs
+            ``kernels.attention="sdpa"`` on the local spec (not Transformer Engine's, not wired for packing yet).
+            The reference policy packs as the actor does.
         offload: keep the gradients and optimizer state in pinned host memory from the end of each update to
             the next step's log-probs, and the parameters too while the rollout engine generates
             (:mod:`megarl.trainer.offload`), so that a model that fits only one phase at a time still runs.
@@ -233,6 +233,9 @@ class ActorConfig:
                             "max_tokens_per_micro_batch or sequence_packing=false")
         _require_in_section(not self.sequence_packing or self.kernels.attention == "sdpa", "sequence_packing",
                             f"needs kernels.attention='sdpa' (packed attention), got {self.kernels.attention!r}")
+        _require_in_section(not (self.sequence_packing and self.kernels.transformer_engine), "sequence_packing",
+                            "is not wired for Transformer Engine's layer spec yet; set "
+                            "kernels.transformer_engine=false or sequence_packing=false")
         _require_in_section(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
         _require_in_section(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
 

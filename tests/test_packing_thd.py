@@ -61,9 +61,11 @@ def test_packing_config_names_both_fields():
                                           "actor.sequence_packing=true"]), 2)
 
 
-def _attention_checks() -> dict:
-    """SDPAttention on a packed row (THD) vs on each of its sequences alone (causal), with GQA, with and
-    without a sliding window: output and the gradients of query, key and value."""
+def _attention_checks(device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+    """SDPAttention on a packed row (megatron's THD layout, and the ``sbhd`` one the trainer uses) vs on each of
+    its sequences alone (causal), with GQA, with and without a sliding window: the largest difference of the
+    output and of the gradients of query, key and value, per ``(layout, window)``. On CUDA in bf16 the packed
+    row runs FlashAttention's variable-length kernel, the sequences alone SDPA's causal kernels."""
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -71,27 +73,30 @@ def _attention_checks() -> dict:
     from kernels.attention import SDPAttention
 
     cu = torch.tensor([0, 5, 12, 13, 20], dtype=torch.int32)  # the last segment: 7 tokens of tail padding
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
     out = {}
-    for window in (None, (3, 0)):
+    for fmt, window in [(f, w) for f in ("thd", "sbhd") for w in (None, (3, 0))]:
+        params = PackedSeqParams(qkv_format=fmt, cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
+                                 max_seqlen_q=20, max_seqlen_kv=20)
         config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                    kv_channels=16, use_cpu_initialization=True, attention_dropout=0.0,
                                    window_size=window)
         module = SDPAttention(config, 1, AttnMaskType.causal, "self")
         g = torch.Generator().manual_seed(1)
-        q, k, v = (torch.randn(20, n, 16, generator=g) for n in (4, 2, 2))
-        grad_out = torch.randn(20, 64, generator=g)
+        q, k, v = (torch.randn(20, n, 16, generator=g).to(device, dtype) for n in (4, 2, 2))
+        grad_out = torch.randn(20, 64, generator=g).to(device, dtype)
         res = []
         for packed in (True, False):
             inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-            if packed:
+            if packed and fmt == "thd":
                 y = module(*inputs, None, packed_seq_params=params)
+            elif packed:  # [t, 1, n, d]
+                y = module(*(t.unsqueeze(1) for t in inputs), None, packed_seq_params=params).squeeze(1)
             else:  # [t, n, d] -> [s, 1, n, d] per sequence
                 y = torch.cat([module(*(t[a:b].unsqueeze(1) for t in inputs), None).squeeze(1)
                                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
             y.backward(grad_out)
             res.append([y.detach()] + [t.grad for t in inputs])
-        out[window] = max(float((a - b).abs().max()) for a, b in zip(*res))
+        out[fmt, window] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(*res))
     return out
 
 
@@ -176,10 +181,26 @@ def world():
     return run_world(_world, 2)
 
 
+@pytest.mark.parametrize("fmt", ["thd", "sbhd"])
 @pytest.mark.parametrize("window", [None, (3, 0)])
-def test_sdpa_attention_on_packed_sequences_equals_each_sequence_alone(world, window):
+def test_sdpa_attention_on_packed_sequences_equals_each_sequence_alone(world, fmt, window):
     for r in world:
-        assert r["attention"][window] <= 1e-5, r["attention"]
+        assert r["attention"][fmt, window] <= 1e-5, r["attention"]
+
+
+def _gpu_attention_checks(rank, world):
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+
+    initialize_model_parallel(ParallelLayout())
+    return _attention_checks("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flash_varlen_attention_on_packed_sequences_equals_each_sequence_alone():
+    diffs = run_world(_gpu_attention_checks, 1)[0]
+    print(f"\npacked attention, FlashAttention varlen vs each sequence alone (bf16): {diffs}")
+    assert max(diffs.values()) <= 2e-2, diffs
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)

@@ -3,9 +3,9 @@
 One entry point serves inference (log-probs, values) and training: the pipeline schedule (1F1B when PP > 1,
 no pipelining otherwise) calls the model on each micro-batch and, on the last stage, ``output_fn`` on its
 output. Sequences are right-padded; no attention mask is passed: attention is causal and padding sits after
-every real token. A packed (THD) micro-batch (one row ``[1, T]`` of sequences back to back, with
-``position_ids`` and ``cu_seqlens``: :func:`megarl.trainer.packing.pack_rows`) goes to the model with
-megatron's ``PackedSeqParams``, so attention and RoPE restart on every sequence. With PP > 1 every
+every real token. A packed micro-batch (one row ``[1, T]`` of sequences back to back, with ``cu_seqlens``:
+:func:`megarl.trainer.packing.pack_rows`) goes to the model with megatron's ``PackedSeqParams``
+(:func:`packed_seq_params`), so that attention stays within each sequence. With PP > 1 every
 micro-batch of a call has the same ``[b, s]`` (the schedule's p2p buffers have one shape); without pipelining
 each micro-batch may have its own (micro-batches by token count, :mod:`megarl.trainer.packing`; megatron's
 ``forward_backward_no_pipelining`` ignores ``seq_length`` and ``micro_batch_size``).
@@ -59,9 +59,9 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
     def forward_step(data_iterator, stage):
         mb = next(data_iterator)
         kwargs = dict(model_kwargs or {})
-        if "cu_seqlens" in mb:  # packed (THD): one row of sequences back to back
+        if "cu_seqlens" in mb:  # packed: one row of sequences back to back
             position_ids = mb["position_ids"]
-            kwargs["packed_seq_params"] = packed_seq_params(mb["cu_seqlens"])
+            kwargs["packed_seq_params"] = packed_seq_params(mb["cu_seqlens"], mb["input_ids"].shape[1])
         else:
             rows, width = mb["input_ids"].shape
             position_ids = torch.arange(width, device=mb["input_ids"].device).unsqueeze(0).expand(rows, width)
@@ -84,14 +84,21 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
     )
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor):
-    """megatron's ``PackedSeqParams`` (THD) of a packed row whose segments start at ``cu_seqlens [n + 1]``
-    int32 (:func:`megarl.trainer.packing.pack_rows`): attention and RoPE restart on every segment."""
+def packed_seq_params(cu_seqlens: torch.Tensor, width: int):
+    """megatron's ``PackedSeqParams`` of a packed row of ``width`` tokens whose segments start at
+    ``cu_seqlens [n + 1]`` int32 (:func:`megarl.trainer.packing.pack_rows`), in the ``sbhd`` layout.
+
+    The row keeps megatron's ``[s, b=1, h]`` activations, and megatron applies RoPE over the row's own positions
+    ``0 .. width - 1`` in one vectorised op (``max_seqlen`` = ``width``) instead of its THD path, which rotates one
+    sequence at a time and synchronises with the host twice per layer. The two are the same attention: RoPE
+    scores depend only on the distance between a query and a key, which is the same within a sequence whether
+    its positions start at 0 or at its offset, and :class:`kernels.attention.SDPAttention` reads the sequences
+    from ``cu_seqlens`` and never attends across them.
+    """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=width, max_seqlen_kv=width)
 
 
 def broadcast_from_last_stage(tensors: dict[str, torch.Tensor] | None, shapes: dict[str, tuple[int, ...]],
