@@ -7,6 +7,11 @@ every real token. With PP > 1 every micro-batch of a call has the same ``[b, s]`
 have one shape); without pipelining each micro-batch may have its own (micro-batches by token count,
 :mod:`megarl.trainer.packing`; megatron's ``forward_backward_no_pipelining`` ignores ``seq_length`` and
 ``micro_batch_size``).
+
+With context parallelism (CP > 1) the model sees this CP rank's share of each sequence
+(:func:`kernels.context_parallel.split_for_cp_rank` of ``input_ids`` and positions, ``s`` a multiple of
+``2 * cp``); ``output_fn`` receives the whole micro-batch and the output of those tokens
+(``[b, s / cp, ...]``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import torch
+
+from kernels.context_parallel import split_for_cp_rank
 
 OutputFn = Callable[[Mapping[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
@@ -54,11 +61,16 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
                 raise ValueError(f"micro-batch {i} has shape {tuple(mb['input_ids'].shape)}, expected {(b, s)} "
                                  "(the pipeline schedule needs one shape)")
 
+    cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
+
     def forward_step(data_iterator, stage):
         mb = next(data_iterator)
         rows, width = mb["input_ids"].shape
-        position_ids = torch.arange(width, device=mb["input_ids"].device).unsqueeze(0).expand(rows, width)
-        output = stage(mb["input_ids"], position_ids, None, **(model_kwargs or {}))
+        input_ids = mb["input_ids"]
+        position_ids = torch.arange(width, device=input_ids.device).unsqueeze(0).expand(rows, width)
+        if cp_group is not None:
+            input_ids, position_ids = (split_for_cp_rank(t, 1, cp_group) for t in (input_ids, position_ids))
+        output = stage(input_ids, position_ids, None, **(model_kwargs or {}))
 
         def loss_func(out):
             loss, metrics = output_fn(mb, out)

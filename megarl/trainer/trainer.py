@@ -563,7 +563,7 @@ class Trainer:
                                                           ranks=self.reward_ranks)
         batch = build_batch([prompts.input_ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
                             [s.logprobs for s in samples], [s.prompt_index for s in samples],
-                            pad_token_id=self.pad_id, seq_multiple=8 * self.mesh.tp,
+                            pad_token_id=self.pad_id, seq_multiple=8 * self.mesh.tp * self.mesh.cp,
                             meta={"response": texts, "finish_reason": [s.finish_reason for s in samples],
                                   "index": [prompts.index[s.prompt_index] for s in samples]})
         assert len(batch) == len(prompts.input_ids) * n
