@@ -237,3 +237,28 @@ def test_cp_attention_rejects_a_sequence_not_divisible_by_2cp():
 
     with pytest.raises(ValueError, match="multiple of 2 \\* cp = 4"):
         cp_positions(10, 0, 2)
+
+
+TRAIN = ["trainer.steps=1", "trainer.save_every=0", "data.prompts_per_step=4", "rollout.n=4",
+         "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=2", "actor.optim.lr=1e-2"]
+COMPARED = ["reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl", "actor/clipfrac",
+            "actor/ppo_kl", "critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"]
+
+
+def test_trainer_at_cp2_matches_dp2_at_step_1(tmp_path):
+    """PPO with a critic and a reference policy: one step at CP=2 (the sequences split over the 2 ranks,
+    chunked log-probs) gives the metrics of DP=2 on the same rollouts (two mini-batches: the second runs after
+    an update)."""
+    from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
+
+    model, data = make_tiny_model(tmp_path / "model"), write_prompts(tmp_path / "prompts.jsonl", 16)
+    ppo = TRAIN + ["algorithm.name=ppo", "critic.ppo_mini_batch_size=8", "critic.micro_batch_size=2",
+                   "algorithm.kl.coef=0.01", "algorithm.kl.in_loss=true"]
+    runs = {}
+    for name, extra in (("dp2", []), ("cp2", ["actor.parallel.cp=2", "critic.parallel.cp=2"])):
+        runs[name] = run_world(train_on_rank, 2, task_overrides(model, data, tmp_path / "runs", name) + ppo
+                               + extra)[0][0]
+    ref, cp2 = runs["dp2"], runs["cp2"]
+    assert ref["actor/ppo_kl"] != 0 and ref["critic/vf_loss"] != 0, ref
+    for key in COMPARED:
+        assert cp2[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
