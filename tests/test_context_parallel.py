@@ -262,3 +262,23 @@ def test_trainer_at_cp2_matches_dp2_at_step_1(tmp_path):
     assert ref["actor/ppo_kl"] != 0 and ref["critic/vf_loss"] != 0, ref
     for key in COMPARED:
         assert cp2[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+
+
+def test_memory_estimate_divides_activations_and_optimizer_by_cp():
+    """At the same DP, CP=2 halves a rank's tokens (its activations, less the gathered keys and values, and its
+    logits) and shards the DistributedOptimizer's state over DP x CP; weights and gradients stay whole."""
+    from megarl.config import load_config
+    from megarl.launch.memory import estimate_memory
+    from megarl.models.spec import SpecError, preset
+
+    spec = preset("qwen2.5-7b")
+    base = ["data.max_prompt_length=4096", "rollout.max_new_tokens=4096", "actor.micro_batch_size=1",
+            "actor.kernels.chunked_logprob=false"]
+    dp2 = estimate_memory(load_config(overrides=base), spec, 2, gpu=True, device_bytes=0)
+    cp2 = estimate_memory(load_config(overrides=base + ["actor.parallel.cp=2"]), spec, 4, gpu=True, device_bytes=0)
+    assert (cp2.params, cp2.grads) == (dp2.params, dp2.grads)
+    assert cp2.optimizer == pytest.approx(dp2.optimizer / 2, rel=1e-6)
+    assert 0.5 * dp2.activations < cp2.activations < 0.6 * dp2.activations, (cp2.activations, dp2.activations)
+    moe = ModelSpec("qwen3_moe", 100, 32, 2, 4, 2, 8, 64, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16)
+    with pytest.raises(SpecError, match="cp=2: context parallelism runs dense models only"):
+        estimate_memory(load_config(overrides=["actor.parallel.cp=2"]), moe, 2, gpu=False)
