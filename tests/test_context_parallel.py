@@ -158,17 +158,54 @@ def _reshard_checks(rank: int) -> dict:
     return out
 
 
-def _world(rank: int, world: int) -> dict:
+def _checkpoint_checks(rank: int, tmp: str) -> dict:
+    """A dist checkpoint saved at TP=2 x CP=2 (CP peers are replicas: megatron saves each shard once and
+    validates the sharding) loads at TP=1 x DP=4 with every parameter exact."""
     from megatron.core import parallel_state as ps
 
-    out = {"attention": _attention_checks(rank), "model": _model_checks(rank), "reshard": _reshard_checks(rank)}
+    from megarl.models import checkpoint as ck
+    from megarl.models.layout import megatron_rank_tensors
+    from megarl.models.megatron import build_model
+    from megarl.models.weights import fill_local_tensors, state_dict_reader
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+
+    g = torch.Generator().manual_seed(3)
+    read = state_dict_reader({n: torch.randn(s, generator=g) for n, s in SPEC.hf_tensor_shapes().items()},
+                             SPEC.hf_tensor_shapes())
+
+    def filled(mesh):
+        model = build_model(SPEC, mesh, attention="sdpa")
+        fill_local_tensors(megatron_rank_tensors(SPEC, mesh, ps.get_tensor_model_parallel_rank(), 0),
+                           dict(model.named_parameters()), read)
+        return model
+
+    mesh = ParallelLayout(tp=2, cp=2)
+    initialize_model_parallel(mesh)
+    ck.save_model(f"{tmp}/cp2", filled(mesh))
+    mesh = ParallelLayout(dp=4)
+    initialize_model_parallel(mesh)
+    loaded = build_model(SPEC, mesh)
+    ck.load_model(f"{tmp}/cp2", loaded)
+    expected = dict(filled(mesh).named_parameters())
+    return {"exact": all(torch.equal(p, expected[n]) for n, p in loaded.named_parameters())}
+
+
+def _world(rank: int, world: int, tmp: str) -> dict:
+    from megatron.core import parallel_state as ps
+
+    out = {"attention": _attention_checks(rank), "model": _model_checks(rank), "reshard": _reshard_checks(rank),
+           "checkpoint": _checkpoint_checks(rank, tmp)}
     ps.destroy_model_parallel()
     return out
 
 
 @pytest.fixture(scope="module")
-def world():
-    return run_world(_world, 4)
+def world(tmp_path_factory):
+    return run_world(_world, 4, str(tmp_path_factory.mktemp("cp")))
+
+
+def test_dist_checkpoint_saved_at_cp2_loads_at_dp4(world):
+    assert all(r["checkpoint"]["exact"] for r in world), [r["checkpoint"] for r in world]
 
 
 def test_cp_attention_equals_full_causal_sdpa(world):
