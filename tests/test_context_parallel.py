@@ -263,7 +263,7 @@ def test_config_errors_name_the_field():
         validate_for_world(cfg, 2)
     cfg = load_config(overrides=["actor.parallel.cp=2", "algorithm.name=ppo"])
     assert cfg.world_size == 2
-    with pytest.raises(ConfigError, match="placement.critic: .* the same tp, pp, dp and cp"):
+    with pytest.raises(ConfigError, match="placement.critic: .*cp=2.* not one layout"):
         validate_for_world(cfg, 2)  # the critic's cp must be the actor's
     validate_for_world(load_config(overrides=["actor.parallel.cp=2", "critic.parallel.cp=2", "algorithm.name=ppo"]),
                        2)

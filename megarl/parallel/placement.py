@@ -90,11 +90,12 @@ def role_layouts(cfg: Config, world_size: int) -> dict[str, RoleLayout]:
         ranks = pl.ranks(getattr(pl, role), world_size)
         where = f"pool {getattr(pl, role)!r} (placement.{role}) has {len(ranks)} ranks"
         field_name = "placement.reference_parallel" if role == "reference" else f"{role}.parallel"
+        cp = f" x cp={p.cp}" if p.cp > 1 else ""
         require(len(ranks) % (p.tp * p.cp * p.pp) == 0, field_name,
-                 f"{role} layout tp={p.tp} x cp={p.cp} x pp={p.pp} does not divide its pool: {where}")
+                 f"{role} layout tp={p.tp}{cp} x pp={p.pp} does not divide its pool: {where}")
         dp = len(ranks) // (p.tp * p.cp * p.pp)
-        require(p.dp in (0, dp), f"{field_name}.dp", f"{role} dp={p.dp} but tp={p.tp} x cp={p.cp} x pp={p.pp} x "
-                 f"dp={p.dp} = {p.tp * p.cp * p.pp * p.dp} != {len(ranks)}: {where}; set dp to {dp} or 0 to derive it")
+        require(p.dp in (0, dp), f"{field_name}.dp", f"{role} dp={p.dp} but tp={p.tp}{cp} x pp={p.pp} x dp={p.dp} "
+                 f"= {p.tp * p.cp * p.pp * p.dp} != {len(ranks)}: {where}; set dp to {dp} or 0 to derive it")
         out[role] = RoleLayout(role, getattr(pl, role), tuple(ranks), p.tp, p.pp, dp, p.cp)
     out["reward"] = RoleLayout("reward", pl.reward, tuple(pl.ranks(pl.reward, world_size)))
     ranks = pl.ranks(pl.rollout, world_size)
@@ -138,7 +139,7 @@ def check_turns(layouts: dict[str, RoleLayout]) -> None:
             if shared and (a.ranks, a.tp, a.pp, a.dp, a.cp) != (b.ranks, b.tp, b.pp, b.dp, b.cp):
                 raise ConfigError(
                     f"placement.{b.role}: {b.role} ({b.describe()}) and {a.role} ({a.describe()}) share ranks {shared} but not one "
-                    f"layout: roles on shared ranks take turns only on the same pool with the same tp, pp, dp and cp "
+                    f"layout: roles on shared ranks take turns only on the same pool with the same tp, pp and dp "
                     f"(megatron-core holds one model-parallel layout per process); put {b.role} on "
                     f"{a.role}'s pool with its layout, or on a pool of other ranks")
 
