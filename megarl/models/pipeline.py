@@ -39,8 +39,8 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
             ``output`` is the model output ``[b, s, v/tp]`` (actor) or ``[b, s, 1]`` (critic), or what an
             ``output_processor`` in ``model_kwargs`` returns (e.g. :class:`kernels.chunked_logprobs.LogprobOutput`'s
             ``(logprobs, entropy)``). For training,
-            ``loss`` is backpropagated after megatron divides it by ``len(micro_batches)``; ``metrics`` is
-            collected.
+            ``loss`` is backpropagated after megatron divides it by ``len(micro_batches)`` (and multiplies it
+            by CP: DDP averages gradients over DP x CP); ``metrics`` is collected.
         model_kwargs: extra keyword arguments of every model call (``GPTModel.forward``'s).
 
     Returns:
