@@ -16,16 +16,23 @@ attention within each sequence only (a document mask). On CUDA in bf16/fp16 this
 variable-length kernel (``torch.nn.attention.varlen.varlen_attn``: the sequences' own causal triangles, GQA and
 the sliding window native, no mask held); elsewhere (CPU, fp32, attention dropout) ``scaled_dot_product_attention``
 with the boolean ``[t, t]`` block-diagonal causal mask: exact, but quadratic in ``t``.
+
+With context parallelism (``context_parallel_size > 1``, which megatron's local attention refuses) the queries,
+keys and values are this CP rank's tokens, and attention runs across the CP group
+(:func:`kernels.context_parallel.context_parallel_attention`).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+from kernels.context_parallel import context_parallel_attention
 
 
 class SDPAttention(DotProductAttention):
@@ -36,20 +43,34 @@ class SDPAttention(DotProductAttention):
 
     Packed sequences (``packed_seq_params`` with ``cu_seqlens_q``): ``b = 1`` and ``sq = sk = t``, in the
     ``sbhd`` layout above (``qkv_format="sbhd"``) or megatron's ``thd`` (query ``[t, np, hn]``, key and value
-    ``[t, ng, hn]``, output ``[t, np * hn]``).
+    ``[t, ng, hn]``, output ``[t, np * hn]``). Under context parallelism ``sq`` and ``sk`` are this CP rank's
+    tokens (``s / cp``).
 
     Raises:
         ValueError: at construction for a softmax type other than "vanilla"; in forward for an attention bias
-            (not supported, as in the local spec), or packed sequences in a batch of more than one row.
+            (not supported, as in the local spec), packed sequences in a batch of more than one row, or, with
+            CP, a non-causal mask or an explicit attention mask.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
         if config.softmax_type != "vanilla":
             raise ValueError(f"SDPAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        # megatron's DotProductAttention asserts context_parallel_size == 1 (CP there is TE's); its state does
+        # not depend on CP, so it is built on a shallow copy of the config with CP off
+        base_config = copy.copy(config)
+        base_config.context_parallel_size = 1
+        super().__init__(base_config, layer_number, attn_mask_type, attention_type,
+                         attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        self.config = config
         self.window_size = self.scale_mask_softmax.window_size
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            self.cp_group = (pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp")
+                             else parallel_state.get_context_parallel_group())
 
     def forward(self, query, key, value, attention_mask: Optional[torch.Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias=None, packed_seq_params=None):
@@ -66,6 +87,14 @@ class SDPAttention(DotProductAttention):
         sk = key.shape[0]
         mask_type = attn_mask_type or self.attn_mask_type
         causal = mask_type == AttnMaskType.causal
+        dropout = self.attention_dropout.p if self.training else 0.0
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            if not causal or attention_mask is not None:
+                raise ValueError("SDPAttention with context parallelism supports the causal mask only (no "
+                                 "attention_mask)")
+            out = context_parallel_attention(query, key, value, self.cp_group, scale=self.softmax_scale,
+                                             window=self.window_size, dropout_p=dropout)
+            return out.reshape(sq, b, heads * hn)
         mask = None
         if self.window_size is not None:
             mask = sliding_window_mask(sq, sk, self.window_size, query.device)
@@ -73,7 +102,6 @@ class SDPAttention(DotProductAttention):
             mask = ~attention_mask
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        dropout = self.attention_dropout.p if self.training else 0.0
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal and mask is None and sq > 1,
             scale=self.softmax_scale, enable_gqa=heads != k.shape[1])

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from kernels.context_parallel import next_tokens
+
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -106,7 +108,8 @@ class LogprobOutput:
 
     Pass it as ``model(input_ids, position_ids, None, output_processor=LogprobOutput(...))``; the labels are
     the next tokens, ``roll(input_ids, -1)`` (the last position's label is the first token, as in the
-    trainer's plain path; callers mask it). With tied embeddings megatron hands over the shared word-embedding
+    trainer's plain path; callers mask it); under context parallelism the model's ``input_ids`` are this CP
+    rank's ``[b, s / cp]`` and so are the outputs (:func:`kernels.context_parallel.next_tokens`). With tied embeddings megatron hands over the shared word-embedding
     weight, so its gradient collects both uses.
 
     Args:
@@ -120,7 +123,10 @@ class LogprobOutput:
 
     def __call__(self, *, hidden_states, output_layer, output_weight, input_ids, **_: Any):
         weight = output_layer.weight if output_weight is None else output_weight
-        labels = torch.roll(input_ids, shifts=-1, dims=1)
+        from megatron.core import parallel_state
+
+        cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+        labels = next_tokens(input_ids, cp_group)
         return chunked_logprobs(hidden_states, weight, labels, vocab_size=self.vocab_size,
                                 temperature=self.temperature, with_entropy=self.with_entropy,
                                 chunk_tokens=self.chunk_tokens, sequence_parallel=output_layer.sequence_parallel,

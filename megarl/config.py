@@ -96,7 +96,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """A Megatron mesh; ``dp`` is derived as world_size / (tp * pp) when 0.
+    """A Megatron mesh; ``dp`` is derived as world_size / (tp * cp * pp) when 0.
 
     Attributes:
         tp: tensor-parallel size. pp: pipeline-parallel size. dp: data-parallel size (0 = derive).
@@ -104,6 +104,9 @@ class ParallelConfig:
         ep: expert-parallel size of a mixture-of-experts model (its experts split over ``ep`` ranks of each
             pipeline stage, expert TP = 1; must divide the experts and ``tp * dp``); 1 for dense models. The
             actor's ``ep`` applies to every Megatron role, which all run on the whole world.
+        cp: context-parallel size: each sequence split over ``cp`` ranks of one DP replica (load-balanced
+            causal split into ``2 * cp`` chunks, :mod:`kernels.context_parallel`); 1 = off. The critic's and
+            the reference's must equal the actor's.
     """
 
     tp: int = 1
@@ -111,9 +114,10 @@ class ParallelConfig:
     dp: int = 0
     sequence_parallel: bool = False
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "ep"):
+        for name in ("tp", "pp", "ep", "cp"):
             _require_in_section(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _require_in_section(self.dp >= 0, "dp", f"must be >= 0 (0 derives it), got {self.dp}")
 
@@ -822,10 +826,10 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        """Ranks the job needs: the actor's mesh with an explicit dp, else tp * pp (dp = 1); at least every rank
+        """Ranks the job needs: the actor's mesh with an explicit dp, else tp * cp * pp (dp = 1); at least every rank
         that ``placement.pools`` lists."""
         p = self.actor.parallel
-        return max(p.tp * p.pp * max(p.dp, 1), self.placement.explicit_world())
+        return max(p.tp * p.cp * p.pp * max(p.dp, 1), self.placement.explicit_world())
 
     @property
     def rollout_batch_size(self) -> int:

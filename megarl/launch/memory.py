@@ -10,7 +10,8 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
 - **grads**: megatron-core's DDP keeps one fp32 gradient buffer of the rank's parameters
   (``grad_reduce_in_fp32``): 4 bytes per parameter.
 - **optimizer**: Adam's two fp32 moments, plus fp32 master weights for bf16/fp16 parameters: 8 or 12 bytes per
-  parameter, divided by DP under ``actor.optim.distributed`` (megatron's DistributedOptimizer).
+  parameter, divided by DP x CP under ``actor.optim.distributed`` (megatron's DistributedOptimizer shards over
+  the DP x CP ranks, which hold the same weights).
 - **reference** (``algorithm.kl.coef > 0``): a frozen copy of the actor's parameters.
   **critic** (PPO): parameters, gradients and optimizer like the actor's (its output layer is one column).
 - **activations**: one micro-batch of ``data.max_prompt_length + rollout.max_new_tokens`` tokens through the
@@ -23,7 +24,9 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
   with ``actor.recompute`` only each layer's input ``h`` is kept (plus one layer's full set while it is
   recomputed). The last stage adds fp32 logits, three copies (logits, log-softmax, its gradient) of
   ``vocab/tp`` per token, of the micro-batch, or of one chunk with ``actor.kernels.chunked_logprob``.
-  ``actor.max_tokens_per_micro_batch`` caps the micro-batch's tokens.
+  ``actor.max_tokens_per_micro_batch`` caps the micro-batch's tokens. Context parallelism
+  (``actor.parallel.cp``) divides the tokens of a rank by CP and adds, per layer, the keys and values of the
+  whole sequence that CP attention all-gathers (``2 * kv_size / tp`` per token of the sequence).
 - **rollout**: vLLM reserves ``rollout.gpu_memory_utilization`` of the whole GPU; the transformers engine
   (CPU) holds a full fp32 copy of the model plus the KV cache and last logits of the sequences it decodes at
   once (this rank's share of the step, at most ``rollout.max_batch_size``), and frees its weights while the
@@ -150,15 +153,18 @@ def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
     fp32 logits of ``logprob_chunk_tokens`` tokens at a time instead of the micro-batch's.
     """
     a = cfg.actor
+    cp = a.parallel.cp
     s = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     tokens = a.micro_batch_size * s
     if a.max_tokens_per_micro_batch:
         tokens = min(tokens, a.max_tokens_per_micro_batch)
+    tokens = math.ceil(tokens / cp)
     e = DTYPE_BYTES[cfg.model.dtype]
     h = spec.hidden_size
     scores = 2 * spec.num_attention_heads * s if a.kernels.attention == "local" else 0
+    gathered_kv = 2 * spec.kv_size * cp if cp > 1 else 0  # per local token: the sequence's K and V
     full = (2 * h / (tp if a.parallel.sequence_parallel else 1)
-            + (4 * h + 4 * spec.kv_size + 3 * _ffn_width(spec) + scores) / tp)
+            + (4 * h + 4 * spec.kv_size + 3 * _ffn_width(spec) + scores + gathered_kv) / tp)
     layers = spec.num_layers // pp
     per_micro = tokens * e * ((h + full / layers) if a.recompute else full) * layers
     in_flight = min(pp, max(1, a.ppo_mini_batch_size // (dp * a.micro_batch_size)))
@@ -198,10 +204,10 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
 
     p = cfg.actor.parallel
     pl = cfg.placement
-    dp = max(1, len(pl.ranks(pl.actor, world_size)) // (p.tp * p.pp))
+    dp = max(1, len(pl.ranks(pl.actor, world_size)) // (p.tp * p.cp * p.pp))
     rollout_ranks = len(pl.ranks(pl.rollout, world_size))
     try:
-        check_layout(spec, ParallelLayout(p.tp, p.pp, dp, ep=p.ep))
+        check_layout(spec, ParallelLayout(p.tp, p.pp, dp, ep=p.ep, cp=p.cp))
     except LayoutError as e:
         raise SpecError(f"actor.parallel.ep: {e}") from None
     n = stage_params(spec, p.tp, p.pp, ep=p.ep)
@@ -213,7 +219,7 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
     def optimizer(params: int, distributed: bool) -> int:
         if not distributed:
             return params * opt_per_param
-        return (params - experts) * opt_per_param // dp + experts * opt_per_param * p.ep // (p.tp * dp)
+        return (params - experts) * opt_per_param // (dp * p.cp) + experts * opt_per_param * p.ep // (p.tp * dp)
 
     critic = 0
     if cfg.algorithm.uses_critic:

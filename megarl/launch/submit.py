@@ -126,9 +126,10 @@ def check_job_shape(cfg: Config, shape: JobShape) -> None:
 
     p = cfg.actor.parallel
     on_all = cfg.placement.actor == "all"  # an actor on a pool of its own: validate_for_world checks the pool
-    if on_all and (shape.world_size % (p.tp * p.pp) or (p.dp and p.tp * p.pp * p.dp != shape.world_size)):
-        need = f"tp={p.tp} x pp={p.pp}" + (f" x dp={p.dp} = {p.tp * p.pp * p.dp}" if p.dp else
-                                            f" = {p.tp * p.pp} (times dp)")
+    mp = p.tp * p.cp * p.pp
+    if on_all and (shape.world_size % mp or (p.dp and mp * p.dp != shape.world_size)):
+        need = f"tp={p.tp} x pp={p.pp}" + (f" x cp={p.cp}" if p.cp > 1 else "") + (
+            f" x dp={p.dp} = {mp * p.dp}" if p.dp else f" = {mp} (times dp)")
         raise ConfigError(f"actor.parallel.tp/pp/dp: the job has {shape.flags()} = {shape.world_size} ranks, but "
                           f"the actor's mesh needs {need}; change --nodes/--gpus-per-node or the mesh")
     validate_for_world(cfg, shape.world_size)

@@ -218,9 +218,10 @@ def check_point(spec: SweepSpec, point: Point, shape: JobShape, memory: int | No
         model = model_spec(cfg)
         validate_for_model(cfg, model)
         p = cfg.actor.parallel
-        if shape.world_size % (p.tp * p.pp) == 0 and not p.dp and cfg.placement.actor == "all":
-            point.overrides.append(f"actor.parallel.dp={shape.world_size // (p.tp * p.pp)}")
-            cfg.actor.parallel.dp = shape.world_size // (p.tp * p.pp)
+        model_parallel = p.tp * p.cp * p.pp
+        if shape.world_size % model_parallel == 0 and not p.dp and cfg.placement.actor == "all":
+            point.overrides.append(f"actor.parallel.dp={shape.world_size // model_parallel}")
+            cfg.actor.parallel.dp = shape.world_size // model_parallel
         check_job_shape(cfg, shape)
         if full:
             preflight(cfg, shape.world_size, this_machine=False)

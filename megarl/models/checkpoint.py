@@ -98,7 +98,8 @@ def _coords() -> tuple[ParallelLayout, int, int, int]:
     mesh = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(),
                           pp=ps.get_pipeline_model_parallel_world_size(),
                           dp=ps.get_data_parallel_world_size(),
-                          ep=ps.get_expert_model_parallel_world_size())
+                          ep=ps.get_expert_model_parallel_world_size(),
+                          cp=ps.get_context_parallel_world_size())
     return (mesh, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
             ps.get_expert_model_parallel_rank())
 

@@ -323,7 +323,8 @@ def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp
 def megatron_layout(spec: ModelSpec, mesh: ParallelLayout, *, ranks: Iterable[int] | None = None,
                     role: str = "actor", use_te: bool = False, padded_vocab: int | None = None) -> Layout:
     """The layout of a Megatron model on ``mesh``; ``ranks[i]`` is the global rank of mesh rank ``i``
-    (default: ``0 .. world-1``).
+    (default: ``0 .. world-1``). Weights are replicated over DP and CP: the DP and CP peers of a rank hold the
+    same blocks (the reshard planner may read either).
 
     Raises:
         SpecError: the mesh does not fit the model, or ``ranks`` has the wrong length.
@@ -342,7 +343,7 @@ def megatron_layout(spec: ModelSpec, mesh: ParallelLayout, *, ranks: Iterable[in
         out[g] = per_stage[key]
     return Layout("megatron", spec, canonical_shapes(spec, role), out,
                   ("megatron", _shape_key(spec), mesh.tp, mesh.pp, mesh.dp, mesh.ep, tuple(ranks), role, use_te,
-                   padded_vocab))
+                   padded_vocab, mesh.cp))
 
 
 # ----------------------------------------------------------------------------------------- vLLM

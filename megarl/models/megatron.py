@@ -58,6 +58,9 @@ def check_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
     if spec.is_moe and spec.num_experts % layout.ep:
         raise SpecError(f"ep={layout.ep} does not divide num_experts={spec.num_experts}; EP sizes that fit: "
                         f"{[e for e in range(1, spec.num_experts + 1) if spec.num_experts % e == 0]}")
+    if layout.cp > 1 and spec.is_moe:
+        raise SpecError(f"cp={layout.cp}: context parallelism runs dense models only; a {spec.family} "
+                        "mixture-of-experts model needs cp=1")
     if spec.num_layers % layout.pp:
         raise SpecError(f"pp={layout.pp} does not divide num_layers={spec.num_layers}; PP sizes that fit: "
                         f"{[p for p in range(1, spec.num_layers + 1) if spec.num_layers % p == 0]}")
@@ -127,6 +130,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         apply_query_key_layer_scaling=False,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
         sequence_parallel=sequence_parallel and layout.tp > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -254,9 +258,14 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         ``position_ids [b, s]`` and returns, on the last stage, vocab-parallel logits
         ``[b, s, padded_vocab/tp]`` (actor) or values ``[b, s, 1]`` (critic), and elsewhere the hidden states.
 
+    With ``layout.cp > 1`` each rank runs its CP share of every sequence (``input_ids [b, s / cp]``, split by
+    :func:`kernels.context_parallel.split_for_cp_rank`; megatron's RoPE picks the global positions) and returns
+    the outputs of those tokens; the local spec's attention must be "sdpa" (megatron's local attention has no
+    CP; Transformer Engine's has its own).
+
     Raises:
         SpecError: the layout does not fit the model (:func:`check_layout`), an unknown role, ``use_te`` without
-            TE, or ``fp8`` without ``use_te``.
+            TE, ``fp8`` without ``use_te``, or CP with the local spec's "local" attention.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -265,6 +274,9 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         raise SpecError(f"role must be 'actor' or 'critic', got {role!r}")
     if fp8 is not None and not use_te:
         raise SpecError(f"fp8={fp8!r} needs the Transformer Engine layer spec (use_te=True, with TE installed)")
+    if layout.cp > 1 and attention != "sdpa" and not use_te:
+        raise SpecError(f"cp={layout.cp}: context parallelism on the local layer spec needs the 'sdpa' attention "
+                        f"(set actor.kernels.attention=sdpa), got {attention!r}")
     config = transformer_config(spec, layout, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
                                 recompute=recompute, init_weights=init_weights, fp8=fp8,
                                 grouped_gemm=use_te and spec.is_moe)

@@ -9,6 +9,11 @@ every real token. A packed micro-batch (one row ``[1, T]`` of sequences back to 
 micro-batch of a call has the same ``[b, s]`` (the schedule's p2p buffers have one shape); without pipelining
 each micro-batch may have its own (micro-batches by token count, :mod:`megarl.trainer.packing`; megatron's
 ``forward_backward_no_pipelining`` ignores ``seq_length`` and ``micro_batch_size``).
+
+With context parallelism (CP > 1) the model sees this CP rank's share of each sequence
+(:func:`kernels.context_parallel.split_for_cp_rank` of ``input_ids`` and positions, ``s`` a multiple of
+``2 * cp``); ``output_fn`` receives the whole micro-batch and the output of those tokens
+(``[b, s / cp, ...]``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import torch
+
+from kernels.context_parallel import split_for_cp_rank
 
 OutputFn = Callable[[Mapping[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
@@ -34,8 +41,8 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
             ``output`` is the model output ``[b, s, v/tp]`` (actor) or ``[b, s, 1]`` (critic), or what an
             ``output_processor`` in ``model_kwargs`` returns (e.g. :class:`kernels.chunked_logprobs.LogprobOutput`'s
             ``(logprobs, entropy)``). For training,
-            ``loss`` is backpropagated after megatron divides it by ``len(micro_batches)``; ``metrics`` is
-            collected.
+            ``loss`` is backpropagated after megatron divides it by ``len(micro_batches)`` (and multiplies it
+            by CP: DDP averages gradients over DP x CP); ``metrics`` is collected.
         model_kwargs: extra keyword arguments of every model call (``GPTModel.forward``'s).
 
     Returns:
@@ -56,16 +63,21 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
                 raise ValueError(f"micro-batch {i} has shape {tuple(mb['input_ids'].shape)}, expected {(b, s)} "
                                  "(the pipeline schedule needs one shape)")
 
+    cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
+
     def forward_step(data_iterator, stage):
         mb = next(data_iterator)
         kwargs = dict(model_kwargs or {})
-        if "cu_seqlens" in mb:  # packed: one row of sequences back to back
+        input_ids = mb["input_ids"]
+        if "cu_seqlens" in mb:  # packed: one row of sequences back to back (no CP: the config refuses both)
             position_ids = mb["position_ids"]
-            kwargs["packed_seq_params"] = packed_seq_params(mb["cu_seqlens"], mb["input_ids"].shape[1])
+            kwargs["packed_seq_params"] = packed_seq_params(mb["cu_seqlens"], input_ids.shape[1])
         else:
-            rows, width = mb["input_ids"].shape
-            position_ids = torch.arange(width, device=mb["input_ids"].device).unsqueeze(0).expand(rows, width)
-        output = stage(mb["input_ids"], position_ids, None, **kwargs)
+            rows, width = input_ids.shape
+            position_ids = torch.arange(width, device=input_ids.device).unsqueeze(0).expand(rows, width)
+            if cp_group is not None:
+                input_ids, position_ids = (split_for_cp_rank(t, 1, cp_group) for t in (input_ids, position_ids))
+        output = stage(input_ids, position_ids, None, **kwargs)
 
         def loss_func(out):
             loss, metrics = output_fn(mb, out)

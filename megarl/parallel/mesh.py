@@ -1,9 +1,12 @@
-"""Parallel layouts (TP x PP x DP meshes) and the process-group set-up of one training world.
+"""Parallel layouts (TP x CP x PP x DP meshes) and the process-group set-up of one training world.
 
-Rank order follows megatron-core's default ``order="tp-cp-ep-dp-pp"`` (TP fastest, then DP, then PP), so
-the coordinates computed here are the ones ``parallel_state`` reports:
+Rank order follows megatron-core's default ``order="tp-cp-ep-dp-pp"`` (TP fastest, then CP, then DP, then PP),
+so the coordinates computed here are the ones ``parallel_state`` reports:
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+Context parallelism (CP) splits each sequence over ``cp`` ranks that hold the same weights (the CP peers of a
+DP replica); with ``cp = 1`` the order is megatron's ``tp + tp * (dp + dp * pp)``.
 
 Expert parallelism (EP, for mixture-of-experts models) splits each MoE layer's experts over ``ep`` ranks with
 expert TP = 1: megatron's expert mesh orders the ``tp * dp`` ranks of a pipeline stage EP-fastest, so
@@ -35,16 +38,17 @@ class LayoutError(ValueError):
 
 
 class RankCoords(NamedTuple):
-    """Position of one rank in a TP x PP x DP mesh."""
+    """Position of one rank in a TP x CP x PP x DP mesh."""
 
     tp: int
     pp: int
     dp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """A Megatron mesh: tensor-, pipeline- and data-parallel sizes (world = tp * pp * dp).
+    """A Megatron mesh: tensor-, context-, pipeline- and data-parallel sizes (world = tp * cp * pp * dp).
 
     Attributes:
         tp: tensor-parallel size (splits heads, FFN and vocab).
@@ -53,6 +57,7 @@ class ParallelLayout:
         ranks_per_node: GPUs (or CPU processes) per node; the reshard planner prefers same-node peers.
         ep: expert-parallel size (MoE layers' experts split over ``ep`` ranks of a stage; must divide
             ``tp * dp``); 1 for dense models.
+        cp: context-parallel size (each sequence split over ``cp`` ranks holding the same weights); 1 = off.
     """
 
     tp: int = 1
@@ -60,33 +65,39 @@ class ParallelLayout:
     dp: int = 1
     ranks_per_node: int | None = None
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "ep"):
+        for name in ("tp", "pp", "dp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"parallel layout: {name} must be >= 1, got {getattr(self, name)}")
+        if self.cp > 1 and self.ep > 1:
+            raise LayoutError(f"parallel layout: cp={self.cp} with ep={self.ep} is not supported (context "
+                              "parallelism runs dense models only; set cp=1 or ep=1)")
         if (self.tp * self.dp) % self.ep:
             raise LayoutError(f"parallel layout: ep={self.ep} does not divide the tp={self.tp} x dp={self.dp} ranks "
                               "of a pipeline stage (experts are split over ranks of one stage, expert TP = 1)")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def coords(self, rank: int) -> RankCoords:
-        """Mesh coordinates of a global rank (megatron's tp-dp-pp order)."""
+        """Mesh coordinates of a global rank (megatron's tp-cp-dp-pp order)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
-        return RankCoords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+        rest = rank // self.tp
+        return RankCoords(tp=rank % self.tp, cp=rest % self.cp, dp=(rest // self.cp) % self.dp,
+                          pp=rest // (self.cp * self.dp))
 
     def ep_rank(self, rank: int) -> int:
         """Expert-parallel rank of a global rank (which slice of the experts it holds)."""
         c = self.coords(rank)
         return (c.tp + self.tp * c.dp) % self.ep
 
-    def rank(self, tp: int, pp: int, dp: int) -> int:
+    def rank(self, tp: int, pp: int, dp: int, cp: int = 0) -> int:
         """Global rank at mesh coordinates (inverse of :meth:`coords`)."""
-        return tp + self.tp * (dp + self.dp * pp)
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def node_of(self, rank: int) -> int:
         """Node index of a rank (consecutive ranks share a node)."""
@@ -192,13 +203,14 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_
 
     world = dist.get_world_size()
     if world != layout.world_size:
-        raise LayoutError(f"the job has {world} ranks but the layout tp={layout.tp} x pp={layout.pp} x "
-                          f"dp={layout.dp} needs {layout.world_size}")
+        raise LayoutError(f"the job has {world} ranks but the layout tp={layout.tp} x cp={layout.cp} x "
+                          f"pp={layout.pp} x dp={layout.dp} needs {layout.world_size}")
     apply_cpu_patches()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
                                              pipeline_model_parallel_size=layout.pp,
+                                             context_parallel_size=layout.cp,
                                              expert_model_parallel_size=layout.ep,
                                              expert_tensor_parallel_size=1,
                                              distributed_timeout_minutes=timeout_s / 60)

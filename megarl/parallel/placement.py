@@ -51,13 +51,14 @@ class RoleLayout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
 
     def describe(self) -> str:
         """``pool 'NAME' ranks 0-3 tp=.. pp=.. dp=..`` (the layout as it applies to the role)."""
         r = self.ranks
         span = f"{r[0]}-{r[-1]}" if len(r) > 1 and list(r) == list(range(r[0], r[-1] + 1)) else ",".join(map(str, r))
         layout = {"reward": "", "rollout": f" tp={self.tp} dp={self.dp}"}.get(
-            self.role, f" tp={self.tp} pp={self.pp} dp={self.dp}")
+            self.role, f" tp={self.tp} pp={self.pp} dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else ""))
         return f"pool {self.pool!r} ranks {span}{layout}"
 
 
@@ -89,12 +90,13 @@ def role_layouts(cfg: Config, world_size: int) -> dict[str, RoleLayout]:
         ranks = pl.ranks(getattr(pl, role), world_size)
         where = f"pool {getattr(pl, role)!r} (placement.{role}) has {len(ranks)} ranks"
         field_name = "placement.reference_parallel" if role == "reference" else f"{role}.parallel"
-        require(len(ranks) % (p.tp * p.pp) == 0, field_name,
-                 f"{role} layout tp={p.tp} x pp={p.pp} does not divide its pool: {where}")
-        dp = len(ranks) // (p.tp * p.pp)
-        require(p.dp in (0, dp), f"{field_name}.dp", f"{role} dp={p.dp} but tp={p.tp} x pp={p.pp} x dp={p.dp} "
-                 f"= {p.tp * p.pp * p.dp} != {len(ranks)}: {where}; set dp to {dp} or 0 to derive it")
-        out[role] = RoleLayout(role, getattr(pl, role), tuple(ranks), p.tp, p.pp, dp)
+        cp = f" x cp={p.cp}" if p.cp > 1 else ""
+        require(len(ranks) % (p.tp * p.cp * p.pp) == 0, field_name,
+                 f"{role} layout tp={p.tp}{cp} x pp={p.pp} does not divide its pool: {where}")
+        dp = len(ranks) // (p.tp * p.cp * p.pp)
+        require(p.dp in (0, dp), f"{field_name}.dp", f"{role} dp={p.dp} but tp={p.tp}{cp} x pp={p.pp} x dp={p.dp} "
+                 f"= {p.tp * p.cp * p.pp * p.dp} != {len(ranks)}: {where}; set dp to {dp} or 0 to derive it")
+        out[role] = RoleLayout(role, getattr(pl, role), tuple(ranks), p.tp, p.pp, dp, p.cp)
     out["reward"] = RoleLayout("reward", pl.reward, tuple(pl.ranks(pl.reward, world_size)))
     ranks = pl.ranks(pl.rollout, world_size)
     tp = cfg.rollout.tp
@@ -102,6 +104,25 @@ def role_layouts(cfg: Config, world_size: int) -> dict[str, RoleLayout]:
              f"(placement.rollout) of {len(ranks)} ranks")
     out["rollout"] = RoleLayout("rollout", pl.rollout, tuple(ranks), tp, 1, len(ranks) // tp)
     return out
+
+
+def check_context_parallel(rc, role: str) -> None:
+    """What context parallelism (``{role}.parallel.cp > 1``) runs with: the "sdpa" attention of the local
+    spec (:mod:`kernels.context_parallel`; megatron's local attention has none), micro-batches of whole rows
+    (the batch's width padded to a multiple of ``8 * tp * cp``), a dense model (checked with the model,
+    :func:`megarl.models.megatron.check_layout`).
+
+    Raises:
+        ConfigError: naming the field and the fix.
+    """
+    cp = rc.parallel.cp
+    if cp == 1:
+        return
+    require(rc.kernels.attention == "sdpa", f"{role}.kernels.attention",
+            f"{rc.kernels.attention!r} has no context parallelism ({role}.parallel.cp={cp}); use sdpa or cp=1")
+    require(not rc.max_tokens_per_micro_batch, f"{role}.max_tokens_per_micro_batch",
+            f"micro-batches by token count are not supported with {role}.parallel.cp={cp} (each sequence must "
+            "split into 2 * cp equal chunks); set it to 0 or use cp=1")
 
 
 def check_turns(layouts: dict[str, RoleLayout]) -> None:
@@ -115,7 +136,7 @@ def check_turns(layouts: dict[str, RoleLayout]) -> None:
     for i, a in enumerate(roles):
         for b in roles[i + 1:]:
             shared = sorted(set(a.ranks) & set(b.ranks))
-            if shared and (a.ranks, a.tp, a.pp, a.dp) != (b.ranks, b.tp, b.pp, b.dp):
+            if shared and (a.ranks, a.tp, a.pp, a.dp, a.cp) != (b.ranks, b.tp, b.pp, b.dp, b.cp):
                 raise ConfigError(
                     f"placement.{b.role}: {b.role} ({b.describe()}) and {a.role} ({a.describe()}) share ranks {shared} but not one "
                     f"layout: roles on shared ranks take turns only on the same pool with the same tp, pp and dp "
@@ -139,6 +160,8 @@ def check_runnable(layouts: dict[str, RoleLayout], world_size: int) -> None:
     tp = layouts["actor"].tp
     for lay in megatron:
         where = f"{lay.role} on {lay.describe()} while a Megatron role is on a pool other than all"
+        require(lay.cp == 1, f"placement.{lay.role}", f"{where}: context parallelism (cp={lay.cp}) needs every "
+                 "Megatron role on the whole world (placement all); use cp=1 or drop the pools")
         require(lay.pp == 1, f"placement.{lay.role}", f"{where}: roles on split pools need pp=1 (megatron-core "
                  "holds one pipeline layout per process); use pp=1 or put every Megatron role on all")
         require(lay.tp == tp, f"placement.{lay.role}", f"{where}: roles on split pools share one tp, the "
@@ -185,6 +208,7 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
                  f"{role}.max_tokens_per_micro_batch", f"needs {role}.parallel.pp=1 (megatron's pipeline schedule "
                  f"sends one activation shape for every micro-batch); set it to 0, use pp=1 or set "
                  f"{role}.sequence_packing=true (packed micro-batches of one shape)")
+        check_context_parallel(rc, role)
     for role in MEGATRON_ROLES:
         if role in layouts:
             lay = layouts[role]
@@ -193,9 +217,9 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
                      f"dp={lay.dp} (pool {lay.pool!r})")
     if cfg.algorithm.uses_critic:
         a, c = layouts["actor"], layouts["critic"]
-        require((c.ranks, c.tp, c.pp, c.dp) == (a.ranks, a.tp, a.pp, a.dp), "critic.parallel",
+        require((c.ranks, c.tp, c.pp, c.dp, c.cp) == (a.ranks, a.tp, a.pp, a.dp, a.cp), "critic.parallel",
                  f"the critic runs on the actor's ranks and mesh: set placement.critic={a.pool!r} and tp={a.tp}, "
-                 f"pp={a.pp}, dp={a.dp} (got {c.describe()})")
+                 f"pp={a.pp}, dp={a.dp}, cp={a.cp} (got {c.describe()})")
     ro = layouts["rollout"]
     require(cfg.rollout.tp == 1 or cfg.data.prompts_per_step % ro.dp == 0, "data.prompts_per_step",
              f"{cfg.data.prompts_per_step} prompts are not divisible by the rollout's dp={ro.dp} (pool "
@@ -329,7 +353,7 @@ def global_layout(layouts: dict[str, RoleLayout], world_size: int, ep: int = 1) 
     if not is_split(layouts, world_size):
         require(ep == 1 or (a.tp * a.dp) % ep == 0, "actor.parallel.ep",
                 f"{ep} does not divide the actor's tp={a.tp} x dp={a.dp} ranks of a pipeline stage")
-        return ParallelLayout(tp=a.tp, pp=a.pp, dp=a.dp, ep=ep)
+        return ParallelLayout(tp=a.tp, pp=a.pp, dp=a.dp, ep=ep, cp=a.cp)
     require(ep == 1, "actor.parallel.ep", f"{ep}: expert parallelism needs every Megatron role on the whole "
             "world (no placement pools); set ep=1 or drop the pools")
     return ParallelLayout(tp=a.tp, pp=1, dp=world_size // a.tp)
@@ -350,7 +374,7 @@ def build_pool_groups(layouts: dict[str, RoleLayout], world_size: int, ep: int =
         lay = layouts.get(role)
         if lay is None:
             continue
-        mesh = ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=ep)
+        mesh = ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=ep, cp=lay.cp)
         key = (lay.ranks, lay.tp, lay.pp)
         if key not in built:
             groups = PoolGroups(lay.pool, lay.ranks, mesh)

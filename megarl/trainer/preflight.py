@@ -86,7 +86,8 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
     if cfg.algorithm.kl.coef > 0 and cfg.placement.reference_parallel is not None:
         meshes.append(("placement.reference_parallel", cfg.placement.reference_parallel))
     for field_name, p in meshes:
-        for name, layout in (("tp", ParallelLayout(tp=p.tp)), ("pp", ParallelLayout(pp=p.pp))):
+        for name, layout in (("tp", ParallelLayout(tp=p.tp)), ("pp", ParallelLayout(pp=p.pp)),
+                             ("cp", ParallelLayout(cp=p.cp))):
             try:
                 check_layout(spec, layout)
             except SpecError as e:

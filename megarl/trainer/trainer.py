@@ -206,8 +206,9 @@ def _layout_record(config: dict[str, Any], world_size: int | None) -> dict[str, 
     def mesh(section: dict[str, Any] | None) -> str | None:  # ep (experts' optimizer shards) where it is not 1
         if not section:
             return None
-        ep = section.get("ep") or 1
-        return f"tp={section.get('tp')} pp={section.get('pp')}" + (f" ep={ep}" if ep != 1 else "")
+        ep, cp = section.get("ep") or 1, section.get("cp") or 1
+        return (f"tp={section.get('tp')} pp={section.get('pp')}" + (f" ep={ep}" if ep != 1 else "")
+                + (f" cp={cp}" if cp != 1 else ""))
 
     placement = dict(config.get("placement") or {})
     return {"world_size": world_size, "actor.parallel": mesh(config.get("actor", {}).get("parallel")),
@@ -564,7 +565,7 @@ class Trainer:
                                                           ranks=self.reward_ranks)
         batch = build_batch([prompts.input_ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
                             [s.logprobs for s in samples], [s.prompt_index for s in samples],
-                            pad_token_id=self.pad_id, seq_multiple=8 * self.mesh.tp,
+                            pad_token_id=self.pad_id, seq_multiple=8 * self.mesh.tp * self.mesh.cp,
                             meta={"response": texts, "finish_reason": [s.finish_reason for s in samples],
                                   "index": [prompts.index[s.prompt_index] for s in samples]})
         assert len(batch) == len(prompts.input_ids) * n

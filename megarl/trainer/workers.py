@@ -7,6 +7,13 @@ over DP and broadcasts it from the last pipeline stage, so every rank again hold
 each global mini-batch over DP ranks and micro-batches; the loss is normalised by the mini-batch's global
 token (or sequence) count and scaled by ``num_microbatches * dp`` to undo megatron's averaging over
 micro-batches and DP ranks, so the gradient equals that of the whole mini-batch whatever the layout.
+
+With context parallelism (CP > 1) the model runs on this CP rank's share of each sequence; its per-token
+outputs (log-probs, entropy, values) are gathered over the CP group into whole sequences
+(:func:`kernels.context_parallel.gather_from_cp_ranks`, whose backward keeps this rank's slice of the gradient),
+so every CP rank computes the same loss with the same normalisers and back-propagates through its own tokens.
+megatron multiplies the loss by CP and DDP averages the gradients over DP x CP: their sum over the CP ranks is
+the whole sequences' gradient, and ``num_microbatches * dp`` still undoes the rest.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.chunked_logprobs import LogprobOutput
+from kernels.context_parallel import gather_from_cp_ranks, next_tokens, split_for_cp_rank
 from megarl.algos.aggregation import agg_loss
 from megarl.algos.losses import actor_loss, value_loss
 from megarl.algos.registry import POLICY_LOSSES
@@ -59,12 +67,13 @@ def reduce_to_all(values: dict[str, float] | None, keys: list[str], *, average_o
     """Metrics computed on the last pipeline stage, summed over DP (divided by ``average_over``), on every rank
     of ``group`` (the role's pool; None = the world); ``op=MAX`` takes the largest instead (of values >= 0).
 
-    ``values`` is read on ranks that are on the last stage with TP rank 0 (one per DP replica) and ignored
-    elsewhere; missing keys count as 0.
+    ``values`` is read on ranks that are on the last stage with TP rank 0 and CP rank 0 (one per DP replica) and
+    ignored elsewhere; missing keys count as 0.
     """
     from megatron.core import parallel_state as ps
 
-    contributes = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    contributes = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+                   and ps.get_context_parallel_rank() == 0)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     vec = torch.tensor([float((values or {}).get(k, 0.0)) if contributes else 0.0 for k in keys],
                        dtype=torch.float64, device=device)  # NCCL reduces device tensors only
@@ -100,6 +109,7 @@ class MegatronWorker:
         self.pg_collection = pool.collection() if pool is not None else None
         self.dp_rank = dist.get_rank(self.dp_group)
         self.dp_size = dist.get_world_size(self.dp_group)
+        self.cp_group = ps.get_context_parallel_group() if mesh.cp > 1 else None
         model = build_model(spec, mesh, role, params_dtype=dtype, init_weights=is_preset(source),
                             sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
                             attention=rc.kernels.attention, use_te=rc.kernels.transformer_engine)
@@ -211,6 +221,12 @@ class MegatronWorker:
             micro = [self._to_device(trim_to_longest({k: batch[k][idx] for k in names}, lengths[idx], multiple))
                      for idx in packed[self.dp_rank]]
         return micro, [torch.cat(p) for p in packed]
+
+    def _cp_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Per-token outputs ``[b, s / cp, ...]`` of this CP rank's tokens -> ``[b, s, ...]`` of the whole
+        sequences (as is without CP); the backward keeps this rank's slice of the gradient (every CP rank
+        computes the same loss from the gathered tensor)."""
+        return t if self.cp_group is None else gather_from_cp_ranks(t, 1, self.cp_group, reduce_grad=False)
 
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
@@ -427,9 +443,13 @@ class PolicyWorker(MegatronWorker):
         if isinstance(out, tuple):
             logp, ent = out
         else:
-            labels = torch.roll(mb["input_ids"], shifts=-1, dims=1)
+            labels = next_tokens(mb["input_ids"])
+            if self.cp_group is not None:
+                labels = split_for_cp_rank(labels, 1, self.cp_group)
             logp, ent = vocab_parallel_logprobs(out, labels, vocab_size=self.spec.vocab_size,
                                                 temperature=self.temperature, with_entropy=with_entropy)
+        logp = self._cp_gather(logp)
+        ent = self._cp_gather(ent) if with_entropy else None
         frame = functools.partial(to_response_frame, prompt_lens=mb["prompt_lens"],
                                   response_width=mb["response_mask"].shape[1], seq_offsets=mb.get("seq_offsets"))
         return frame(logp), (frame(ent) if with_entropy else None)
@@ -483,9 +503,9 @@ class PolicyWorker(MegatronWorker):
 class CriticWorker(MegatronWorker):
     """The value model: per-token values ``V(s_t)`` (the state before each response token) and its update."""
 
-    @staticmethod
-    def _values(mb, out):
-        return to_response_frame(out.float(), mb["prompt_lens"], mb["response_mask"].shape[1], mb.get("seq_offsets"))
+    def _values(self, mb, out):
+        return to_response_frame(self._cp_gather(out.float()), mb["prompt_lens"], mb["response_mask"].shape[1],
+                                 mb.get("seq_offsets"))
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """``[B, R]`` float32 values of the batch's response positions."""
