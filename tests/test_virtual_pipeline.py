@@ -312,3 +312,14 @@ def test_vpp_checkpoint_exports_bit_identical_hf_weights(world):
     source, back = open_hf_checkpoint(f"{tmp}/hf_in"), open_hf_checkpoint(f"{tmp}/hf_out")
     assert sorted(back.tensor_names) == sorted(LLAMA.hf_tensor_shapes())
     assert [n for n in LLAMA.hf_tensor_shapes() if not torch.equal(back.read(n), source.read(n))] == []
+
+
+def test_convert_checks_vpp_before_any_rank_starts(world):
+    from megarl.models.convert import check_conversion
+
+    tmp, _ = world
+    check_conversion(f"{tmp}/hf_in", 1, 2, None, vpp=2)
+    with pytest.raises(SpecError, match=r"--vpp 3: pp=2 x vpp=3 .*num_layers=4; vpp sizes that fit pp=2: \[1, 2\]"):
+        check_conversion(f"{tmp}/hf_in", 1, 2, None, vpp=3)
+    with pytest.raises(LayoutError, match=r"--vpp 2 --pp 1: .*needs pp > 1"):
+        check_conversion(f"{tmp}/hf_in", 1, 1, None, vpp=2)

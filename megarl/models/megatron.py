@@ -311,9 +311,8 @@ def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, role: Literal["a
     Raises:
         SpecError: from :func:`build_model`.
     """
-    if layout.vpp == 1:
-        return [build_model(spec, layout, role, **kwargs)]
-    return [build_model(spec, layout, role, vp_stage=c, **kwargs) for c in range(layout.vpp)]
+    return [build_model(spec, layout, role, vp_stage=c if layout.vpp > 1 else None, **kwargs)
+            for c in range(layout.vpp)]
 
 
 def chunk_parameters(model) -> dict[str, torch.Tensor]:
