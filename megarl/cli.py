@@ -1,7 +1,7 @@
 """The ``megarl`` command: one argparse tree of subcommands.
 
     megarl train [CONFIG.yaml] [key=value ...] [--resume]   RL training (no config: the CPU default)
-    megarl convert SRC OUT [--tp T] [--pp P] [--dtype D] [--overwrite]
+    megarl convert SRC OUT [--tp T] [--pp P] [--vpp V] [--dtype D] [--overwrite]
                                                             HF directory / GGUF -> megarl checkpoint
     megarl export CKPT OUT [--overwrite]                    megarl checkpoint -> HF directory
     megarl data gsm8k --src DIR|hub --out DIR               prepare GSM8K parquet files
@@ -307,6 +307,8 @@ def _convert(p: argparse.ArgumentParser):
     p.add_argument("--tp", type=positive_int("--tp"), default=1, help="tensor-parallel size of the conversion world")
     p.add_argument("--pp", type=positive_int("--pp"), default=1,
                    help="pipeline-parallel size of the conversion world")
+    p.add_argument("--vpp", type=positive_int("--vpp"), default=1,
+                   help="virtual pipeline stages (model chunks) per pipeline rank of the conversion world")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--overwrite", action="store_true", help="write into a folder that holds other files: replace "
                    "the checkpoint's own (megarl.json, model/, ranks/) and keep the rest (default: refuse)")
@@ -314,8 +316,8 @@ def _convert(p: argparse.ArgumentParser):
     def run(a: argparse.Namespace) -> int:
         from megarl.launch.convert import convert_to_megarl
 
-        path = convert_to_megarl(None if a.src == "default" else a.src, a.out, tp=a.tp, pp=a.pp, dtype=a.dtype,
-                                 overwrite=a.overwrite)
+        path = convert_to_megarl(None if a.src == "default" else a.src, a.out, tp=a.tp, pp=a.pp, vpp=a.vpp,
+                                 dtype=a.dtype, overwrite=a.overwrite)
         print(f"wrote megarl checkpoint {path}")
         return 0
     return run

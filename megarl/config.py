@@ -107,6 +107,8 @@ class ParallelConfig:
         cp: context-parallel size: each sequence split over ``cp`` ranks of one DP replica (load-balanced
             causal split into ``2 * cp`` chunks, :mod:`kernels.context_parallel`); 1 = off. The critic's and
             the reference's must equal the actor's.
+        vpp: virtual pipeline stages per pipeline rank (megatron's interleaved 1F1B schedule; needs pp > 1 and
+            pp * vpp dividing the layers); 1 = no interleaving.
     """
 
     tp: int = 1
@@ -115,11 +117,14 @@ class ParallelConfig:
     sequence_parallel: bool = False
     ep: int = 1
     cp: int = 1
+    vpp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "ep", "cp"):
+        for name in ("tp", "pp", "ep", "cp", "vpp"):
             _require_in_section(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _require_in_section(self.dp >= 0, "dp", f"must be >= 0 (0 derives it), got {self.dp}")
+        _require_in_section(self.vpp == 1 or self.pp > 1, "vpp", f"{self.vpp} interleaves pipeline stages and "
+                            f"needs pp > 1 (pp={self.pp}); set vpp=1 or pp >= 2")
 
 
 @dataclass
@@ -843,6 +848,11 @@ class Config:
                  f"{self.rollout.n}")
         require(alg.overlong.buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong.buffer_tokens",
                  f"{alg.overlong.buffer_tokens} is longer than rollout.max_new_tokens={self.rollout.max_new_tokens}")
+        for name, p in (("actor.parallel", self.actor.parallel), ("critic.parallel", self.critic.parallel),
+                        ("placement.reference_parallel", self.placement.reference_parallel)):
+            require(p is None or p.vpp == 1, f"{name}.vpp",
+                    f"{p and p.vpp}: the trainer does not run the interleaved schedule yet (its workers hold one "
+                    "model per rank); set vpp=1 (megarl convert --vpp and the models API take VPP)")
 
     @property
     def loss_norm_tokens(self) -> int:

@@ -28,10 +28,10 @@ class OutputFolderError(ValueError):
     """An output folder holding files that megarl did not write; the message names them and the way out."""
 
 
-def convert_to_megarl(src: str | None, out: str, *, tp: int = 1, pp: int = 1, dtype: str | None = None,
-                      overwrite: bool = False) -> Path:
+def convert_to_megarl(src: str | None, out: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+                      dtype: str | None = None, overwrite: bool = False) -> Path:
     """Import a Hugging Face directory or GGUF file (``None``: the default SmolLM2 GGUF) into a megarl
-    checkpoint, sharded by a TP x PP world of local processes.
+    checkpoint, sharded by a TP x PP world of local processes (``vpp`` model chunks per pipeline rank).
 
     Args:
         dtype: "float32", "bfloat16" or "float16"; default: the checkpoint's own (float32 for GGUF).
@@ -39,20 +39,21 @@ def convert_to_megarl(src: str | None, out: str, *, tp: int = 1, pp: int = 1, dt
 
     Raises:
         SpecError: unknown architecture, a TP that does not divide heads/query groups, a PP that does not
-            divide layers (before any process starts), missing or mismatched tensors.
+            divide layers, a VPP without PP or whose PP x VPP does not divide layers (before any process
+            starts), missing or mismatched tensors.
         OutputFolderError: ``out`` holds files that no conversion wrote, without ``overwrite``.
     """
-    check_conversion(src, tp, pp, dtype)
+    check_conversion(src, tp, pp, dtype, vpp)
     target = Path(out).resolve()
     staging = _staging(target, "convert", _megarl_entries(target), overwrite)
-    run_world(convert_rank, tp * pp, src, str(staging), tp, pp, dtype)
+    run_world(convert_rank, tp * pp, src, str(staging), tp, pp, dtype, vpp)
     if staging != target:
         _move_into(staging, target, stale=())
     return target
 
 
 def export_to_hf(ckpt_dir: str, out: str, *, overwrite: bool = False) -> Path:
-    """Write a megarl checkpoint (any TP/PP it was saved at) as a Hugging Face directory, with the list of
+    """Write a megarl checkpoint (any TP x PP x VPP it was saved at) as a Hugging Face directory, with the list of
     the files written (:data:`EXPORT_MANIFEST`).
 
     Raises:

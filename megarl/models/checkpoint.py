@@ -9,7 +9,8 @@ A megarl checkpoint is a directory::
 
 Checkpoints are written atomically: into ``<dir>.tmp`` and renamed once every rank has finished, so a crash
 mid-save leaves the previous checkpoint intact. Because megatron's dist checkpoints are layout-free, one saved
-at TP=2 x PP=1 loads at TP=1 x PP=2 (megatron-core's resharding loader).
+at TP=2 x PP=1 loads at TP=1 x PP=2, and one saved at PP=2 x VPP=2 (model chunks) at PP=1 (megatron-core's
+resharding loader).
 """
 
 from __future__ import annotations
@@ -91,6 +92,31 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def as_chunks(model) -> list[torch.nn.Module]:
+    """A rank's model as its list of bare chunks: ``[model]`` for one model, the chunks of a list (VPP)."""
+    return [unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+
+
+def chunks_sharded_state_dict(model) -> dict:
+    """megatron's sharded state dict of a rank's model: one chunk's own, or with VPP one per chunk under
+    ``model0``, ``model1``... (as Megatron-LM saves them). The sharded tensors carry global layer numbers
+    (``get_transformer_layer_offset``), so the checkpoint is the same whatever the PP x VPP it was saved at."""
+    chunks = as_chunks(model)
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{c}": chunk.sharded_state_dict() for c, chunk in enumerate(chunks)}
+
+
+def load_chunks_state_dict(model, state: dict) -> None:
+    """Load what :func:`load_checkpoint` returned for :func:`chunks_sharded_state_dict` into the chunks."""
+    chunks = as_chunks(model)
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state, strict=False)
+        return
+    for c, chunk in enumerate(chunks):
+        chunk.load_state_dict(state[f"model{c}"], strict=False)
+
+
 def _coords() -> tuple[ParallelLayout, int, int, int]:
     """This rank's mesh and its TP, PP and EP ranks, from megatron's ``parallel_state``."""
     from megatron.core import parallel_state as ps
@@ -99,20 +125,23 @@ def _coords() -> tuple[ParallelLayout, int, int, int]:
                           pp=ps.get_pipeline_model_parallel_world_size(),
                           dp=ps.get_data_parallel_world_size(),
                           ep=ps.get_expert_model_parallel_world_size(),
-                          cp=ps.get_context_parallel_world_size())
+                          cp=ps.get_context_parallel_world_size(),
+                          vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1)
     return (mesh, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
             ps.get_expert_model_parallel_rank())
 
 
-def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint) -> None:
-    """Fill this rank's Megatron shard of ``model`` (actor or critic, local or TE layer spec) from a Hugging Face
-    checkpoint, reading only the slices this rank holds. A critic built from a causal-LM checkpoint keeps its
-    zero value head.
+def load_hf_weights(model, ckpt: HFCheckpoint) -> None:
+    """Fill this rank's Megatron shard of ``model`` (actor or critic, local or TE layer spec; a model or, with
+    VPP, the list of its chunks) from a Hugging Face checkpoint, reading only the slices this rank holds. A critic
+    built from a causal-LM checkpoint keeps its zero value head.
 
     Raises:
         SpecError: the checkpoint misses a tensor or has another shape than the model's spec.
     """
-    bare = unwrap(model)
+    from megarl.models.megatron import chunk_parameters
+
+    bare = as_chunks(model)[0]
     spec: ModelSpec = bare.megarl_spec
     if ckpt.spec.hf_tensor_shapes() != spec.hf_tensor_shapes():
         raise SpecError(f"checkpoint {ckpt.path} describes another model than the one built: "
@@ -122,7 +151,7 @@ def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint) -> None:
                                   padded_vocab=bare.vocab_size, ep_rank=ep_rank)
     if bare.megarl_role == "critic" and VALUE_HEAD not in ckpt.tensor_names:
         local = {n: t for n, t in local.items() if not any(b.name == VALUE_HEAD for b in t.blocks)}
-    fill_local_tensors(local, dict(bare.named_parameters()), ckpt.read)
+    fill_local_tensors(local, chunk_parameters(as_chunks(model)), ckpt.read)
 
 
 def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta: dict[str, Any], *,
@@ -198,34 +227,36 @@ def model_meta(spec: ModelSpec, dtype: torch.dtype, tokenizer: str | None, *, us
             "transformer_engine": use_te, **extra}
 
 
-def save_model(directory: str | os.PathLike, model: torch.nn.Module, *, tokenizer: str | None = None,
-               **extra) -> Path:
-    """Save one model's weights (no optimizer) as a megarl checkpoint. Collective."""
-    bare = unwrap(model)
+def save_model(directory: str | os.PathLike, model, *, tokenizer: str | None = None, **extra) -> Path:
+    """Save one model's weights (no optimizer; a model or, with VPP, the list of its chunks) as a megarl
+    checkpoint. Collective."""
+    bare = as_chunks(model)[0]
     dtype = next(bare.parameters()).dtype
-    return save_checkpoint(directory, {"model": bare.sharded_state_dict()},
+    return save_checkpoint(directory, {"model": chunks_sharded_state_dict(model)},
                            model_meta(bare.megarl_spec, dtype, tokenizer, use_te=bare.megarl_use_te, **extra))
 
 
-def load_model(directory: str | os.PathLike, model: torch.nn.Module, key: str = "model") -> None:
-    """Load one model's weights from a megarl checkpoint written at any TP/PP. Collective.
+def load_model(directory: str | os.PathLike, model, key: str = "model") -> None:
+    """Load one model's weights (a model or, with VPP, the list of its chunks) from a megarl checkpoint
+    written at any TP x PP x VPP. Collective.
 
     Raises:
         SpecError: the checkpoint holds another model than ``model``'s spec, or an MoE model's experts written
             from the other layer spec (TE's grouped experts vs the local spec's sequential ones).
     """
-    bare = unwrap(model)
     stored = checkpoint_spec(directory)
-    if stored.hf_tensor_shapes() != bare.megarl_spec.hf_tensor_shapes():
-        raise SpecError(f"checkpoint {directory} holds another model: {stored} vs {bare.megarl_spec}")
+    bare = as_chunks(model)[0]
+    spec = bare.megarl_spec
+    if stored.hf_tensor_shapes() != spec.hf_tensor_shapes():
+        raise SpecError(f"checkpoint {directory} holds another model: {stored} vs {spec}")
     written_te = checkpoint_uses_te(directory)
     if stored.is_moe and written_te != bare.megarl_use_te:
         raise SpecError(f"checkpoint {directory} holds MoE experts written from the "
                         f"{'Transformer Engine' if written_te else 'local'} layer spec; load it with "
                         f"actor.kernels.transformer_engine={str(written_te).lower()}"
                         + (" (a GPU with TE: perf/gpu_te.sh)" if written_te else ""))
-    loaded = load_checkpoint(directory, {key: bare.sharded_state_dict()})
-    bare.load_state_dict(loaded[key], strict=False)
+    loaded = load_checkpoint(directory, {key: chunks_sharded_state_dict(model)})
+    load_chunks_state_dict(model, loaded[key])
 
 
 def checkpoint_uses_te(directory: str | os.PathLike) -> bool:

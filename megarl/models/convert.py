@@ -1,7 +1,7 @@
 """The per-rank work of ``megarl convert`` (HF directory or GGUF -> megarl/Megatron dist checkpoint) and
 ``megarl export`` (back), and the checks they make before any rank starts.
 
-:func:`convert_rank` builds the Megatron model at the world's TP x PP, each rank reading only the safetensors
+:func:`convert_rank` builds the Megatron model at the world's TP x PP (x VPP), each rank reading only the safetensors
 slices it holds, and saves a layout-free dist checkpoint that records the source's own config. :func:`export_rank`
 loads that checkpoint at TP=1 x PP=1 (megatron-core reshards on load), assembles the canonical tensors and
 writes them with the source's config (:func:`export_config`) and generation config: the round trip reproduces
@@ -17,12 +17,13 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def check_conversion(src: str | None, tp: int, pp: int, dtype: str | None) -> None:
+def check_conversion(src: str | None, tp: int, pp: int, dtype: str | None, vpp: int = 1) -> None:
     """What :func:`convert_rank` needs, checked from the source's config alone (no weight is read).
 
     Raises:
-        ValueError: an unknown ``dtype``. SpecError: unknown architecture, or a TP/PP that does not fit the
-            model (naming ``--tp``/``--pp`` and the sizes that would). FileNotFoundError: no such source.
+        ValueError: an unknown ``dtype``. SpecError: unknown architecture, or a TP/PP/VPP that does not fit the
+            model (naming ``--tp``/``--pp``/``--vpp`` and the sizes that would). FileNotFoundError: no such
+            source. LayoutError: ``--vpp`` above 1 with ``--pp 1``.
     """
     from megarl.models.checkpoint import DTYPES, source_spec
     from megarl.models.hf_io import load_tokenizer
@@ -33,7 +34,8 @@ def check_conversion(src: str | None, tp: int, pp: int, dtype: str | None) -> No
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     spec, _, _ = source_spec(src)
-    for flag, layout in (("--tp", ParallelLayout(tp=tp)), ("--pp", ParallelLayout(pp=pp))):
+    for flag, layout in (("--tp", ParallelLayout(tp=tp)), ("--pp", ParallelLayout(pp=pp)),
+                         ("--vpp", _vpp_layout(pp, vpp))):
         try:
             check_layout(spec, layout)
         except SpecError as e:
@@ -44,21 +46,36 @@ def check_conversion(src: str | None, tp: int, pp: int, dtype: str | None) -> No
         log.warning("converting without a tokenizer: %s", e)
 
 
-def convert_rank(rank: int, world: int, src: str | None, out: str, tp: int, pp: int, dtype_name: str | None
-                 ) -> str:
-    """One rank of a conversion world of ``tp * pp`` ranks (``torch.distributed`` initialised); returns the
-    checkpoint directory."""
+def _vpp_layout(pp: int, vpp: int):
+    """The layout whose ``--vpp`` :func:`check_conversion` checks against the model: ``pp x vpp`` virtual
+    stages (``pp`` stages when ``vpp`` is 1, as ``--pp`` is checked already).
+
+    Raises:
+        LayoutError: ``--vpp`` above 1 with ``--pp 1``, naming both flags.
+    """
+    from megarl.parallel.mesh import LayoutError, ParallelLayout
+
+    try:
+        return ParallelLayout(pp=pp, vpp=vpp)
+    except LayoutError as e:
+        raise LayoutError(f"--vpp {vpp} --pp {pp}: {e}") from None
+
+
+def convert_rank(rank: int, world: int, src: str | None, out: str, tp: int, pp: int, dtype_name: str | None,
+                 vpp: int = 1) -> str:
+    """One rank of a conversion world of ``tp * pp`` ranks (``torch.distributed`` initialised), each holding
+    ``vpp`` model chunks; returns the checkpoint directory."""
     from megarl.models import checkpoint as ck
     from megarl.models.hf_io import open_hf_checkpoint
-    from megarl.models.megatron import build_model
+    from megarl.models.megatron import build_model_chunks
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
 
     ckpt = open_hf_checkpoint(src)
     ckpt.check_complete()
     dtype = ck.DTYPES[dtype_name] if dtype_name else ckpt.dtype
-    mesh = ParallelLayout(tp=tp, pp=pp, dp=1)
+    mesh = ParallelLayout(tp=tp, pp=pp, dp=1, vpp=vpp)
     initialize_model_parallel(mesh)
-    model = build_model(ckpt.spec, mesh, params_dtype=dtype, init_weights=False)
+    model = build_model_chunks(ckpt.spec, mesh, params_dtype=dtype, init_weights=False)
     ck.load_hf_weights(model, ckpt)
     return str(ck.save_model(out, model, tokenizer=str(ckpt.path), source=str(ckpt.path),
                              source_config=ckpt.hf_config, generation_config=ck.source_generation_config(src)))
@@ -88,7 +105,7 @@ def export_config(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_canonical(ckpt_dir: str) -> dict:
-    """Every canonical (HF) tensor of a megarl checkpoint (saved at any TP/PP), loaded on this process as a
+    """Every canonical (HF) tensor of a megarl checkpoint (saved at any TP x PP x VPP), loaded on this process as a
     TP=1 x PP=1 Megatron model replicated over all ranks of the initialised world (megatron-core reshards on
     load).
 

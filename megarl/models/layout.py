@@ -7,7 +7,7 @@ weight``, shape ``[num_heads * head_dim, hidden]``). A :class:`Layout` lists, fo
 
 - :func:`megatron_layout`: megatron-core ``GPTModel`` on TP x PP x DP (QKV interleaved by query group,
   ``linear_fc1`` = ``[gate_r; up_r]``, row-parallel splits on the input dim, vocab padded and split, layers
-  split across PP stages with local numbering, tied embeddings on the first and last stage);
+  split across PP stages (and VPP chunks) with local numbering, tied embeddings on the first and last stage);
 - :func:`vllm_layout`: vLLM's Llama/Qwen2 modules at TP=t' (``qkv_proj`` = ``[q_r; k_r; v_r]`` with KV heads
   replicated when t' > num_kv_heads, ``gate_up_proj``, vocab padded to a multiple of 64 and split evenly,
   ``lm_head`` only when untied);
@@ -239,6 +239,12 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
                           ep_rank: int = 0) -> dict[str, LocalTensor]:
     """The local tensors of one Megatron rank (``GPTModel.named_parameters()`` names and shapes).
 
+    With VPP (``mesh.vpp > 1``) the rank holds ``vpp`` model chunks, chunk ``c`` the layers of virtual stage
+    ``c * pp + pp_rank`` (:meth:`~megarl.parallel.mesh.ParallelLayout.chunk_layers`) numbered from 0 within the
+    chunk; its names carry the prefix ``"{c}."`` (:func:`megarl.models.megatron.chunk_parameters`). The word
+    embeddings sit on chunk 0 of the first pipeline rank, the final norm and output layer on the last chunk of
+    the last.
+
     Args:
         padded_vocab: Megatron's padded vocab (:func:`megarl.models.megatron.padded_vocab_size`).
         ep_rank: the rank's expert-parallel rank (:meth:`ParallelLayout.ep_rank`; MoE models): it holds experts
@@ -248,10 +254,25 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
         SpecError: the mesh does not fit the model (:func:`~megarl.models.megatron.check_layout`).
     """
     check_layout(spec, mesh)
+    out: list[LocalTensor] = []
+    for c, layers in enumerate(mesh.chunk_layers(spec.num_layers, pp_rank)):
+        prefix = f"{c}." if mesh.vpp > 1 else ""
+        first = pp_rank == 0 and c == 0
+        last = pp_rank == mesh.pp - 1 and c == mesh.vpp - 1
+        for lt in _megatron_chunk_tensors(spec, mesh, tp_rank, layers, first, last, role=role, use_te=use_te,
+                                          padded_vocab=padded_vocab, ep_rank=ep_rank):
+            out.append(LocalTensor(prefix + lt.name, lt.shape, lt.blocks))
+    return {lt.name: lt for lt in out}
+
+
+def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, layers: range, first: bool,
+                            last: bool, *, role: str, use_te: bool, padded_vocab: int | None, ep_rank: int
+                            ) -> list[LocalTensor]:
+    """The tensors of one model chunk (a rank's stage without VPP) holding decoder ``layers``, named as its
+    ``GPTModel`` names them; ``first`` / ``last``: it is the first / last (virtual) pipeline stage."""
     t, r = mesh.tp, tp_rank
     h, hd = spec.hidden_size, spec.head_dim
     vp = padded_vocab or padded_vocab_size(spec.vocab_size, t)
-    first, last = pp_rank == 0, pp_rank == mesh.pp - 1
     norms = megatron_names(use_te)
     out: list[LocalTensor] = []
     if first:
@@ -260,7 +281,7 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
     groups = spec.num_kv_heads // t
     npg = spec.heads_per_group
     per_group = (npg + 2) * hd
-    for local_i, i in enumerate(mesh.stage_layers(spec.num_layers, pp_rank)):
+    for local_i, i in enumerate(layers):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{local_i}."
         for suffix, cols in (("weight", h), ("bias", None)):
             if suffix == "bias" and not spec.qkv_bias:
@@ -297,7 +318,7 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
         elif not first:  # tied, PP > 1: the last stage keeps its own copy of the word embeddings
             out.append(_vocab_shard("model.embed_tokens.weight", "output_layer.weight",
                                     spec.vocab_size, vp, t, r, h))
-    return {lt.name: lt for lt in out}
+    return out
 
 
 def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp_rank: int, ep_rank: int,
@@ -343,7 +364,7 @@ def megatron_layout(spec: ModelSpec, mesh: ParallelLayout, *, ranks: Iterable[in
         out[g] = per_stage[key]
     return Layout("megatron", spec, canonical_shapes(spec, role), out,
                   ("megatron", _shape_key(spec), mesh.tp, mesh.pp, mesh.dp, mesh.ep, tuple(ranks), role, use_te,
-                   padded_vocab, mesh.cp))
+                   padded_vocab, mesh.cp, mesh.vpp))
 
 
 # ----------------------------------------------------------------------------------------- vLLM

@@ -36,7 +36,8 @@ def check_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
     """Check that megatron-core can shard ``spec`` on ``layout``.
 
     Raises:
-        SpecError: naming the model size that the TP or PP size does not divide, and the sizes that would.
+        SpecError: naming the model size that the TP, PP or PP x VPP size does not divide, and the sizes that
+            would.
     """
     fitting_tp = [t for t in range(1, spec.num_kv_heads + 1)
                   if spec.num_kv_heads % t == 0 and spec.num_attention_heads % t == 0
@@ -64,6 +65,10 @@ def check_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
     if spec.num_layers % layout.pp:
         raise SpecError(f"pp={layout.pp} does not divide num_layers={spec.num_layers}; PP sizes that fit: "
                         f"{[p for p in range(1, spec.num_layers + 1) if spec.num_layers % p == 0]}")
+    if spec.num_layers % (layout.pp * layout.vpp):
+        raise SpecError(f"pp={layout.pp} x vpp={layout.vpp} virtual pipeline stages do not divide num_layers="
+                        f"{spec.num_layers}; vpp sizes that fit pp={layout.pp}: "
+                        f"{[v for v in range(1, spec.num_layers + 1) if spec.num_layers % (layout.pp * v) == 0]}")
 
 
 def have_transformer_engine() -> bool:
@@ -108,6 +113,12 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         kwargs.update(moe_config_kwargs(spec, grouped_gemm))
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe="tensorwise")
+    if layout.vpp > 1:
+        # Megatron-LM's p2p for the interleaved schedule (overlap_p2p_comm, hence no batch_p2p_comm): its
+        # unbatched ops split a 2-rank pipeline's two directions over two process groups. Batched, the forward
+        # activation and the backward gradient that both ranks of PP=2 exchange in one step have one peer and one
+        # shape and may be swapped (measured on gloo: wrong activations in the 1F1B steady state).
+        kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -131,6 +142,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         sequence_parallel=sequence_parallel and layout.tp > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -244,17 +256,21 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
                 params_dtype: torch.dtype = torch.float32, use_te: bool = False,
                 sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True,
                 vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, attention: str = "local",
-                fp8: str | None = None):
-    """Build this rank's stage of the actor (``GPTModel``) or critic (same trunk + :class:`ValueHead`).
+                fp8: str | None = None, vp_stage: int | None = None):
+    """Build this rank's stage (or, with VPP, one model chunk) of the actor (``GPTModel``) or critic (same
+    trunk + :class:`ValueHead`).
 
     The model's parameters are initialised randomly (megatron's init) unless ``init_weights=False``; load
     weights with :func:`megarl.models.checkpoint.load_weights`. ``attention`` picks the local spec's core
     attention (:func:`layer_spec`), ``use_te`` Transformer Engine's spec instead (recorded as the model's
     ``megarl_use_te``, which names its parameters in :mod:`megarl.models.layout`); ``fp8`` turns on FP8 training
-    (:func:`transformer_config`; TE spec only).
+    (:func:`transformer_config`; TE spec only). ``vp_stage``: the chunk ``c`` of this rank to build when
+    ``layout.vpp > 1`` (virtual stage ``c * pp + pp_rank``, :meth:`~megarl.parallel.mesh.ParallelLayout.chunk_layers`):
+    the embedding only on virtual stage 0, the output layer only on the last; :func:`build_model_chunks` builds
+    them all.
 
     Returns:
-        A ``GPTModel`` for this rank's pipeline stage. Its forward takes ``input_ids [b, s]`` (int64) and
+        A ``GPTModel`` for this rank's pipeline stage or chunk. Its forward takes ``input_ids [b, s]`` (int64) and
         ``position_ids [b, s]`` and returns, on the last stage, vocab-parallel logits
         ``[b, s, padded_vocab/tp]`` (actor) or values ``[b, s, 1]`` (critic), and elsewhere the hidden states.
 
@@ -265,7 +281,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
 
     Raises:
         SpecError: the layout does not fit the model (:func:`check_layout`), an unknown role, ``use_te`` without
-            TE, ``fp8`` without ``use_te``, or CP with the local spec's "local" attention.
+            TE, ``fp8`` without ``use_te``, CP with the local spec's "local" attention, or a ``vp_stage`` missing
+            or outside ``[0, layout.vpp)`` with VPP (given without it).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -277,6 +294,10 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     if layout.cp > 1 and attention != "sdpa" and not use_te:
         raise SpecError(f"cp={layout.cp}: context parallelism on the local layer spec needs the 'sdpa' attention "
                         f"(set actor.kernels.attention=sdpa), got {attention!r}")
+    if layout.vpp > 1 and vp_stage not in range(layout.vpp):
+        raise SpecError(f"vp_stage must be a chunk in [0, {layout.vpp}) with vpp={layout.vpp}, got {vp_stage}")
+    if layout.vpp == 1 and vp_stage is not None:
+        raise SpecError(f"vp_stage={vp_stage} given without virtual pipeline stages (vpp=1)")
     config = transformer_config(spec, layout, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
                                 recompute=recompute, init_weights=init_weights, fp8=fp8,
                                 grouped_gemm=use_te and spec.is_moe)
@@ -286,12 +307,13 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         transformer_layer_spec=layer_spec(use_te, attention, spec),
         vocab_size=padded_vocab_size(spec.vocab_size, layout.tp, vocab_divisible_by),
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         parallel_output=True,
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         rotary_base=spec.rope_theta,
+        vp_stage=vp_stage,
     )
     if hasattr(model, "rotary_pos_emb"):
         _set_rope_frequencies(model.rotary_pos_emb, spec)
@@ -303,6 +325,38 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     model.megarl_role = role
     model.megarl_use_te = use_te
     return model
+
+
+def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", "critic"] = "actor",
+                       **kwargs) -> list:
+    """This rank's model chunks: ``layout.vpp`` ``GPTModel`` s built by :func:`build_model` with ``vp_stage=c``
+    (one model without VPP), as megatron's interleaved schedule takes them (Megatron-LM's ``get_model``).
+
+    Args:
+        kwargs: :func:`build_model`'s keyword arguments.
+
+    Raises:
+        SpecError: from :func:`build_model`.
+    """
+    return [build_model(spec, layout, role, vp_stage=c if layout.vpp > 1 else None, **kwargs)
+            for c in range(layout.vpp)]
+
+
+def chunk_parameters(model) -> dict[str, torch.Tensor]:
+    """The parameters of a rank's model by local name: a single model's own names
+    (``decoder.layers.0.mlp.linear_fc1.weight``), with VPP prefixed by the chunk (``1.decoder.layers.0...``, as
+    ``torch.nn.ModuleList(chunks).named_parameters()`` names them); the names of
+    :func:`megarl.models.layout.megatron_rank_tensors`.
+
+    Args:
+        model: a ``GPTModel`` or a list of chunks (possibly DDP-wrapped: the wrapper's ``module.`` is left out).
+    """
+    from megarl.models.checkpoint import as_chunks
+
+    chunks = as_chunks(model)
+    if len(chunks) == 1:
+        return dict(chunks[0].named_parameters())
+    return {f"{c}.{n}": p for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
 
 
 def _cast_parameters(model, dtype: torch.dtype) -> None:

@@ -1,7 +1,7 @@
 """Running a Megatron model over micro-batches with megatron-core's ``forward_backward_func``.
 
 One entry point serves inference (log-probs, values) and training: the pipeline schedule (1F1B when PP > 1,
-no pipelining otherwise) calls the model on each micro-batch and, on the last stage, ``output_fn`` on its
+interleaved 1F1B over model chunks with VPP, no pipelining otherwise) calls the model on each micro-batch and, on the last stage, ``output_fn`` on its
 output. Sequences are right-padded; no attention mask is passed: attention is causal and padding sits after
 every real token. A packed micro-batch (one row ``[1, T]`` of sequences back to back, with ``cu_seqlens``:
 :func:`megarl.trainer.packing.pack_rows`) goes to the model with megatron's ``PackedSeqParams``
@@ -27,13 +27,15 @@ from kernels.context_parallel import split_for_cp_rank
 OutputFn = Callable[[Mapping[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
 
-def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, torch.Tensor]],
+def run_microbatches(model: torch.nn.Module | list[torch.nn.Module], micro_batches: list[Mapping[str, torch.Tensor]],
                      output_fn: OutputFn, *, forward_only: bool,
                      model_kwargs: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """Forward (and backward unless ``forward_only``) ``model`` over ``micro_batches``.
 
     Args:
-        model: this rank's stage (a ``GPTModel``, possibly DDP-wrapped), in train or eval mode as wanted.
+        model: this rank's stage (a ``GPTModel``, possibly DDP-wrapped), in train or eval mode as wanted; with
+            VPP the list of its chunks (:func:`megarl.models.megatron.build_model_chunks`), which megatron's
+            interleaved schedule runs, each chunk reading every micro-batch from its own iterator.
         micro_batches: dicts with at least ``input_ids`` ``[b, s]`` int64 (same ``b`` and ``s`` for all when
             PP > 1), packed ones (``b = 1``) also ``position_ids [1, s]`` and ``cu_seqlens``; every stage
             receives the whole dict, so the last stage can read labels, masks and advantages.
@@ -50,14 +52,22 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
 
     Raises:
         ValueError: micro-batches of different shapes with PP > 1.
+        LayoutError: with VPP, a number of micro-batches the interleaved schedule rejects
+            (:meth:`~megarl.parallel.mesh.ParallelLayout.check_num_microbatches`).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megarl.parallel.mesh import ParallelLayout
+
     if not micro_batches:
         return []
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if len(chunks) > 1:
+        ParallelLayout(pp=pp, vpp=len(chunks)).check_num_microbatches(len(micro_batches))
     b, s = micro_batches[0]["input_ids"].shape
-    if ps.get_pipeline_model_parallel_world_size() > 1:
+    if pp > 1:
         for i, mb in enumerate(micro_batches):
             if tuple(mb["input_ids"].shape) != (b, s):
                 raise ValueError(f"micro-batch {i} has shape {tuple(mb['input_ids'].shape)}, expected {(b, s)} "
@@ -87,8 +97,8 @@ def run_microbatches(model: torch.nn.Module, micro_batches: list[Mapping[str, to
 
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
-        model=[model],
+        data_iterator=[iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches),
+        model=chunks,
         num_microbatches=len(micro_batches),
         seq_length=s,
         micro_batch_size=b,

@@ -48,7 +48,8 @@ class RankCoords(NamedTuple):
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """A Megatron mesh: tensor-, context-, pipeline- and data-parallel sizes (world = tp * cp * pp * dp).
+    """A Megatron mesh: tensor-, context-, pipeline- and data-parallel sizes (world = tp * cp * pp * dp), and the
+    virtual pipeline stages of each pipeline rank.
 
     Attributes:
         tp: tensor-parallel size (splits heads, FFN and vocab).
@@ -58,6 +59,8 @@ class ParallelLayout:
         ep: expert-parallel size (MoE layers' experts split over ``ep`` ranks of a stage; must divide
             ``tp * dp``); 1 for dense models.
         cp: context-parallel size (each sequence split over ``cp`` ranks holding the same weights); 1 = off.
+        vpp: virtual pipeline stages per pipeline rank (megatron's interleaved 1F1B schedule): each rank holds
+            ``vpp`` model chunks (:meth:`chunk_layers`); 1 = no interleaving. Needs ``pp > 1``.
     """
 
     tp: int = 1
@@ -66,14 +69,18 @@ class ParallelLayout:
     ranks_per_node: int | None = None
     ep: int = 1
     cp: int = 1
+    vpp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "ep", "cp"):
+        for name in ("tp", "pp", "dp", "ep", "cp", "vpp"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"parallel layout: {name} must be >= 1, got {getattr(self, name)}")
         if self.cp > 1 and self.ep > 1:
             raise LayoutError(f"parallel layout: cp={self.cp} with ep={self.ep} is not supported (context "
                               "parallelism runs dense models only; set cp=1 or ep=1)")
+        if self.vpp > 1 and self.pp == 1:
+            raise LayoutError(f"parallel layout: vpp={self.vpp} interleaves pipeline stages and needs pp > 1 "
+                              "(megatron's interleaved schedule); set vpp=1 or pp >= 2")
         if (self.tp * self.dp) % self.ep:
             raise LayoutError(f"parallel layout: ep={self.ep} does not divide the tp={self.tp} x dp={self.dp} ranks "
                               "of a pipeline stage (experts are split over ranks of one stage, expert TP = 1)")
@@ -103,10 +110,43 @@ class ParallelLayout:
         """Node index of a rank (consecutive ranks share a node)."""
         return rank // (self.ranks_per_node or self.world_size)
 
-    def stage_layers(self, num_layers: int, pp_rank: int) -> range:
-        """Global indices of the decoder layers on pipeline stage ``pp_rank`` (even split)."""
-        per = num_layers // self.pp
-        return range(pp_rank * per, (pp_rank + 1) * per)
+    def chunk_layers(self, num_layers: int, pp_rank: int) -> list[range]:
+        """Global indices of the decoder layers of each model chunk on pipeline rank ``pp_rank``.
+
+        The model is cut into ``pp * vpp`` virtual stages of ``num_layers / (pp * vpp)`` layers each; chunk ``c``
+        of pipeline rank ``p`` is virtual stage ``v = c * pp + p`` and holds layers ``[v * L/(pp*vpp),
+        (v + 1) * L/(pp*vpp))`` (megatron-core's ``get_transformer_layer_offset`` with an even split). Without
+        VPP, one chunk: the rank's whole stage.
+
+        Returns:
+            ``vpp`` ranges, chunk 0 first.
+
+        Raises:
+            LayoutError: ``pp * vpp`` does not divide ``num_layers``.
+        """
+        stages = self.pp * self.vpp
+        if num_layers % stages:
+            fits = [v for v in range(1, num_layers // self.pp + 1) if num_layers % (self.pp * v) == 0]
+            raise LayoutError(f"pp={self.pp} x vpp={self.vpp} = {stages} virtual pipeline stages do not divide "
+                              f"num_layers={num_layers}; vpp sizes that fit pp={self.pp}: {fits}")
+        per = num_layers // stages
+        return [range((c * self.pp + pp_rank) * per, (c * self.pp + pp_rank + 1) * per) for c in range(self.vpp)]
+
+    def check_num_microbatches(self, num_microbatches: int) -> None:
+        """Check that megatron's interleaved schedule runs ``num_microbatches`` micro-batches (with VPP).
+
+        With its default ``microbatch_group_size_per_vp_stage = pp`` (a depth-first schedule),
+        ``forward_backward_pipelining_with_interleaving`` needs at least ``pp`` micro-batches and a remainder
+        of 0 or at least ``pp`` when divided by ``pp``: a multiple of ``pp``. Without VPP, any count runs.
+
+        Raises:
+            LayoutError: naming the count, ``pp`` and what to change.
+        """
+        if self.vpp > 1 and (num_microbatches < self.pp or num_microbatches % self.pp):
+            raise LayoutError(f"{num_microbatches} micro-batches: megatron's interleaved schedule (vpp={self.vpp}) "
+                              f"needs a multiple of pp={self.pp} micro-batches per step; make each DP rank's "
+                              f"micro-batch count a multiple of {self.pp} (the mini-batch size over dp and "
+                              "micro_batch_size), or set vpp=1")
 
 
 class LaunchInfo(NamedTuple):
@@ -211,6 +251,8 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
                                              pipeline_model_parallel_size=layout.pp,
                                              context_parallel_size=layout.cp,
+                                             virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1
+                                             else None,
                                              expert_model_parallel_size=layout.ep,
                                              expert_tensor_parallel_size=1,
                                              distributed_timeout_minutes=timeout_s / 60)
