@@ -48,14 +48,11 @@ def _save_random(path: Path, spec, seed: int) -> Path:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from megarl.models.hf_io import save_hf_checkpoint
-    from megarl.models.layout import hf_layout, local_views
-    from megarl.models.weights import assemble_canonical
+    from megarl.models.weights import transformers_canonical
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32)
-    local = hf_layout(spec, [0], fused_experts=True).tensors(0)  # transformers' fused experts -> one per expert
-    tensors = assemble_canonical(local, local_views(dict(model.named_parameters()), local), spec.hf_tensor_shapes())
-    save_hf_checkpoint(path, spec, tensors)
+    save_hf_checkpoint(path, spec, transformers_canonical(spec, dict(model.named_parameters())))
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",

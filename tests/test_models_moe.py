@@ -29,11 +29,10 @@ MESHES = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 2)]  # (tp, pp, ep)
 
 def hf_moe_model(spec: ModelSpec, seed: int):
     """A random transformers model of ``spec`` (norms randomised too) and its canonical (checkpoint-form)
-    state dict, assembled from transformers' fused experts through :func:`hf_layout`'s ``fused_experts``."""
+    state dict (:func:`~megarl.models.weights.transformers_canonical`: one tensor per expert)."""
     from transformers import AutoModelForCausalLM
 
-    from megarl.models.layout import hf_layout, local_views
-    from megarl.models.weights import assemble_canonical
+    from megarl.models.weights import transformers_canonical
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32).eval()
@@ -41,10 +40,7 @@ def hf_moe_model(spec: ModelSpec, seed: int):
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
-    local = hf_layout(spec, [0], fused_experts=True).tensors(0)
-    canonical = assemble_canonical(local, local_views(dict(model.named_parameters()), local),
-                                   spec.hf_tensor_shapes())
-    return model, canonical
+    return model, transformers_canonical(spec, dict(model.named_parameters()))
 
 
 def _world(rank, world, tmp):

@@ -70,19 +70,57 @@ def read_hf_config(path: str | os.PathLike | None) -> dict:
 
     Raises:
         FileNotFoundError: no such path, or a directory without config.json.
+        SpecError: a Mixtral GGUF file (see :func:`_gguf_moe_config`).
     """
     p = resolve_model_path(path)
     if p.is_file() and p.suffix == ".gguf":
         from transformers import AutoConfig
 
+        moe = _gguf_moe_config(p)
         cfg = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
         cfg.pop("quantization_config", None)
-        return cfg
+        return cfg | moe
     if p.is_file():
         raise FileNotFoundError(f"{p} is neither a .gguf file nor a directory")
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{p} has no config.json (a Hugging Face checkpoint directory needs one)")
     return json.loads((p / "config.json").read_text())
+
+
+# llama.cpp architecture -> {GGUF metadata key: HF config key} that transformers' GGUF config mapping does not
+# read (it leaves its config class's default there, e.g. Qwen3-MoE's moe_intermediate_size=768, whatever the
+# file holds, while it loads the tensors at their real shapes)
+_GGUF_MOE_KEYS = {
+    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+}
+
+
+def _gguf_moe_config(path: Path) -> dict:
+    """The HF config entries of a Qwen3-MoE / Qwen2-MoE GGUF file that transformers does not read: the widths
+    of its experts and shared expert (``{arch}.expert_feed_forward_length``,
+    ``{arch}.expert_shared_feed_forward_length``); empty for other architectures.
+
+    Raises:
+        SpecError: a Mixtral GGUF (llama.cpp's ``llama`` architecture with ``llama.expert_count`` experts):
+            transformers reads it as a dense Llama and drops the experts.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+
+    def value(key):
+        f = reader.get_field(key)
+        return None if f is None else f.contents()
+
+    arch = value("general.architecture")
+    if arch == "llama" and value("llama.expert_count"):
+        raise SpecError(f"{path}: a Mixtral GGUF (llama architecture with {value('llama.expert_count')} experts) "
+                        "is not supported: transformers reads Mixtral GGUF files as a dense Llama without their "
+                        "experts; convert the Hugging Face safetensors checkpoint instead")
+    keys = _GGUF_MOE_KEYS.get(arch, {})
+    return {hf: int(v) for key, hf in keys.items() if (v := value(f"{arch}.{key}")) is not None}
 
 
 def read_generation_config(path: str | os.PathLike | None) -> dict | None:
@@ -213,17 +251,19 @@ def _safetensors_index(directory: Path) -> dict[str, Path]:
 
 @functools.lru_cache(maxsize=1)
 def _open_gguf(path: Path) -> HFCheckpoint:
-    """Dequantise a GGUF file once per process (its spec and its weights are read by several roles)."""
+    """Dequantise a GGUF file once per process (its spec and its weights are read by several roles); MoE
+    experts come out one tensor per expert, as in a safetensors checkpoint."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from megarl.models.weights import transformers_canonical
+
+    cfg = read_hf_config(path)
+    spec = ModelSpec.from_hf_config(cfg)
     hf_logging.disable_progress_bar()
     log.info("dequantising GGUF %s with transformers", path)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    spec = ModelSpec.from_hf_config(cfg)
-    tensors = {n: t.detach() for n, t in model.state_dict().items()}
+    tensors = transformers_canonical(spec, {n: t.detach() for n, t in model.named_parameters()})
     return HFCheckpoint(path, spec, cfg, torch.float32, _tensors=tensors)
 
 

@@ -10,8 +10,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from megarl.models.layout import LocalTensor
-from megarl.models.spec import SpecError
+from megarl.models.layout import LocalTensor, hf_layout, local_views
+from megarl.models.spec import ModelSpec, SpecError
 
 
 def fill_local_tensors(local: Mapping[str, LocalTensor], params: Mapping[str, torch.Tensor],
@@ -85,3 +85,21 @@ def assemble_canonical(local: Mapping[str, LocalTensor], params: Mapping[str, to
     if incomplete:
         raise SpecError(f"local tensors do not cover canonical tensors {incomplete[:8]}")
     return out
+
+
+def transformers_canonical(spec: ModelSpec, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The canonical (checkpoint-form) tensors of a transformers model of ``spec``: its parameters, with
+    transformers 5's fused experts (``mlp.experts.gate_up_proj`` ``[experts, 2 * ffn, hidden]``,
+    ``mlp.experts.down_proj`` ``[experts, hidden, ffn]``) split into one tensor per expert and projection.
+
+    Args:
+        params: the model's ``named_parameters()`` (any dtype; the outputs keep it).
+
+    Returns:
+        canonical name -> whole tensor, the shapes of ``spec.hf_tensor_shapes()``.
+
+    Raises:
+        SpecError: a parameter whose size differs from the spec's (the model is not one of ``spec``).
+    """
+    local = hf_layout(spec, [0], fused_experts=True).tensors(0)
+    return assemble_canonical(local, local_views(params, local), spec.hf_tensor_shapes())
