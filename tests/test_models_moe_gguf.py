@@ -6,8 +6,8 @@ in llama.cpp's tensor names and layout (stacked experts ``blk.N.ffn_{gate,up,dow
 cols]``, Qwen2-MoE's shared expert ``ffn_{gate,up,down}_shexp`` and its 1-D gate ``ffn_gate_inp_shexp``) and
 metadata (``{arch}.expert_count``, ``expert_used_count``, ``expert_feed_forward_length``,
 ``expert_shared_feed_forward_length``), F32 so every comparison but the logits is exact. One 2-rank gloo world
-loads each file into the Megatron model at EP=1 and EP=2 and converts it at TP=2 (``megarl convert``'s rank
-function); ``megarl export`` then writes safetensors.
+loads each file into the Megatron model at EP=1 and EP=2, converts it at TP=2 and exports it to safetensors
+(the rank functions of ``megarl convert`` and ``megarl export``).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _world(rank, world, tmp):
     from megatron.core import parallel_state as ps
 
     from megarl.models import checkpoint as ck
-    from megarl.models.convert import convert_rank
+    from megarl.models.convert import convert_rank, export_rank
     from megarl.models.hf_io import open_hf_checkpoint
     from megarl.models.megatron import build_model
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
@@ -93,6 +93,7 @@ def _world(rank, world, tmp):
             ck.load_hf_weights(model, hf)
             out[(family, ep)] = megatron_logits(model, TOKENS)[..., :hf.spec.vocab_size]
         convert_rank(rank, world, f"{tmp}/{family}.gguf", f"{tmp}/{family}_mg", 2, 1, None)
+        export_rank(rank, world, f"{tmp}/{family}_mg", f"{tmp}/{family}_out{rank}")  # a folder per rank
     ps.destroy_model_parallel()
     return out
 
@@ -160,18 +161,16 @@ def test_megatron_logits_from_gguf_equal_transformers(models, family, ep):
 def test_gguf_convert_export_roundtrip_gives_the_written_tensors(models, family):
     import json
 
-    from megarl.launch.convert import export_to_hf
     from megarl.models.hf_io import open_hf_checkpoint
 
-    tmp = models["tmp"]
-    export_to_hf(f"{tmp}/{family}_mg", f"{tmp}/{family}_out")
-    back = open_hf_checkpoint(f"{tmp}/{family}_out")
-    assert back.spec == _gguf_spec(SPECS[family])
     _, canonical, _, _ = models[family]
-    assert sorted(back.tensor_names) == sorted(canonical)
-    assert not [n for n, t in canonical.items() if not torch.equal(back.read(n), t)]
-    cfg = json.loads((tmp / f"{family}_out" / "config.json").read_text())
-    assert cfg["moe_intermediate_size"] == 32
+    for rank in range(2):
+        out = models["tmp"] / f"{family}_out{rank}"
+        back = open_hf_checkpoint(out)
+        assert back.spec == _gguf_spec(SPECS[family])
+        assert sorted(back.tensor_names) == sorted(canonical)
+        assert not [n for n, t in canonical.items() if not torch.equal(back.read(n), t)]
+        assert json.loads((out / "config.json").read_text())["moe_intermediate_size"] == 32
 
 
 def test_mixtral_gguf_is_refused_naming_the_family(tmp_path):
