@@ -223,6 +223,7 @@ def test_packed_micro_batches_equal_the_padded_ones(world, tp, pp):
                     assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a, b)
 
 
+@pytest.mark.slow  # two 2-rank trainer runs (~2 minutes); the packed passes' parity is the world's test above
 def test_trainer_with_packing_at_pp2_matches_the_unpacked_run_at_step_1(tmp_path):
     from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
     from tests.test_trainer import COMPARED, LAYOUT
