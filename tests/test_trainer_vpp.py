@@ -118,3 +118,24 @@ def test_vpp_config_errors_name_the_field():
     with pytest.raises(ConfigError, match=r"data\.prompts_per_step: the rollout batch of 6 sequences"):
         check(4, "data.prompts_per_step=3", "rollout.n=2", "actor.ppo_mini_batch_size=2",
               "actor.micro_batch_size=1", "actor.parallel.pp=4", "actor.parallel.vpp=2")
+
+
+def test_sweep_plans_vpp_layouts(tmp_path):
+    """``actor.parallel.vpp`` as a sweep grid key: a VPP that does not divide the 7B model's 28 layers over PP is
+    dropped with the field named, one that does is kept (its memory estimate with the interleaved penalty)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).parents[1]
+    sweep = yaml.safe_load((root / "parallel_configs/sweeps/gpu_64xh200_qwen2.5-7b.yaml").read_text())
+    sweep["grid"] = {"actor.parallel.tp": [4], "actor.parallel.pp": [2], "actor.parallel.vpp": [1, 2, 3]}
+    (tmp_path / "vpp.yaml").write_text(yaml.safe_dump(sweep))
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "sweep", str(tmp_path / "vpp.yaml"), "--plan"],
+                       capture_output=True, text=True, cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    dropped = [line for line in r.stdout.splitlines() if "dropped " in line]
+    assert len(dropped) == 1 and "vpp3" in dropped[0] and "actor.parallel.vpp" in dropped[0] \
+        and "num_layers=28" in dropped[0], r.stdout

@@ -224,7 +224,8 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
 
     Raises:
         ConfigError: a pool or a mesh that does not fit the world (:func:`role_layouts`), roles that cannot take
-            turns (:func:`check_turns`), or batch sizes that a DP size does not divide.
+            turns (:func:`check_turns`), batch sizes that a DP size does not divide, or with VPP micro-batch
+            counts that are not a multiple of PP (:func:`check_virtual_pipeline`).
     """
     layouts = role_layouts(cfg, world_size)
     check_turns(layouts)
