@@ -28,7 +28,7 @@ VPP2 = ["actor.parallel.pp=2", "actor.parallel.vpp=2", "critic.parallel.vpp=2"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two steps at PP=2 (saving each); step 1 at PP=2 x VPP=2 (saved), then its step 2 resumed at
-    PP=2 x VPP=2 and, from a copy of its checkpoint, at PP=2."""
+    PP=2 x VPP=2 and, from a copy of its checkpoint, at PP=2; step 1 at PP=2 x VPP=2 with packed micro-batches."""
     import shutil
 
     root = tmp_path_factory.mktemp("vpp")
@@ -42,6 +42,10 @@ def runs(tmp_path_factory):
     resume = ["trainer.steps=2", "trainer.resume=true"]
     out["vpp2 resumed"] = run("vpp2", VPP2 + resume)
     out["vpp2 resumed at pp2"] = run("vpp2_at_pp2", ["actor.parallel.pp=2"] + resume)
+    # the actor's micro-batches packed by tokens: 3 rows of 4-7 tokens in 24, so each mini-batch's 3
+    # micro-batches are split into 4 and the log-prob pass's 5 into 6 (multiples of pp=2)
+    out["vpp2 packed"] = run("vpp2_packed", VPP2 + ["trainer.save_every=0", "actor.max_tokens_per_micro_batch=24",
+                                                    "actor.sequence_packing=true"])
     return out
 
 
@@ -51,6 +55,12 @@ def test_ppo_step_at_pp2_vpp2_matches_pp2(runs):
     assert ref["actor/kl"] == 0.0 and vpp["actor/kl"] == 0.0  # the reference starts as the actor's exact copy
     for key in COMPARED:
         assert vpp[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+
+
+def test_packed_micro_batches_at_pp2_vpp2_match_the_padded_ones(runs):
+    padded, packed = runs["vpp2"][0], runs["vpp2 packed"][0]
+    for key in COMPARED:
+        assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
 
 
 @pytest.mark.parametrize("name", ["vpp2 resumed", "vpp2 resumed at pp2"])
