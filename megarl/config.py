@@ -108,7 +108,8 @@ class ParallelConfig:
             causal split into ``2 * cp`` chunks, :mod:`kernels.context_parallel`); 1 = off. The critic's and
             the reference's must equal the actor's.
         vpp: virtual pipeline stages per pipeline rank (megatron's interleaved 1F1B schedule; needs pp > 1 and
-            pp * vpp dividing the layers); 1 = no interleaving.
+            pp * vpp dividing the layers, and each DP rank's micro-batch count a multiple of pp); 1 = no
+            interleaving. The critic's and the reference's must equal the actor's.
     """
 
     tp: int = 1
@@ -848,11 +849,6 @@ class Config:
                  f"{self.rollout.n}")
         require(alg.overlong.buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong.buffer_tokens",
                  f"{alg.overlong.buffer_tokens} is longer than rollout.max_new_tokens={self.rollout.max_new_tokens}")
-        for name, p in (("actor.parallel", self.actor.parallel), ("critic.parallel", self.critic.parallel),
-                        ("placement.reference_parallel", self.placement.reference_parallel)):
-            require(p is None or p.vpp == 1, f"{name}.vpp",
-                    f"{p and p.vpp}: the trainer does not run the interleaved schedule yet (its workers hold one "
-                    "model per rank); set vpp=1 (megarl convert --vpp and the models API take VPP)")
 
     @property
     def loss_norm_tokens(self) -> int:

@@ -85,8 +85,6 @@ def test_config_vpp_errors_name_the_field():
         load_config(None, ["actor.parallel.vpp=2"])
     with pytest.raises(ConfigError, match=r"critic\.parallel\.vpp: must be >= 1"):
         load_config(None, ["critic.parallel.vpp=0"])
-    with pytest.raises(ConfigError, match=r"actor\.parallel\.vpp: 2: the trainer does not run the interleaved"):
-        load_config(None, ["actor.parallel.vpp=2", "actor.parallel.pp=2"])
     assert load_config(None, []).actor.parallel.vpp == 1
 
 

@@ -26,7 +26,10 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
   ``vocab/tp`` per token, of the micro-batch, or of one chunk with ``actor.kernels.chunked_logprob``.
   ``actor.max_tokens_per_micro_batch`` caps the micro-batch's tokens. Context parallelism
   (``actor.parallel.cp``) divides the tokens of a rank by CP and adds, per layer, the keys and values of the
-  whole sequence that CP attention all-gathers (``2 * kv_size / tp`` per token of the sequence).
+  whole sequence that CP attention all-gathers (``2 * kv_size / tp`` per token of the sequence). Megatron's
+  interleaved schedule (``actor.parallel.vpp > 1``) keeps more in flight on the first stage: the 1F1B figure
+  times ``1 + (pp - 1) / (pp * vpp)`` (Korthikanti et al. 2022, Sec. 4.2.3; Megatron-LM's
+  ``interleaved_schedule_memory_penalty`` in ``theoretical_memory_usage.py``).
 - **rollout**: vLLM reserves ``rollout.gpu_memory_utilization`` of the whole GPU; the transformers engine
   (CPU) holds a full fp32 copy of the model plus the KV cache and last logits of the sequences it decodes at
   once (this rank's share of the step, at most ``rollout.max_batch_size``), and frees its weights while the
@@ -168,6 +171,8 @@ def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
     layers = spec.num_layers // pp
     per_micro = tokens * e * ((h + full / layers) if a.recompute else full) * layers
     in_flight = min(pp, max(1, a.ppo_mini_batch_size // (dp * a.micro_batch_size)))
+    if a.parallel.vpp > 1:  # the interleaved schedule's penalty (Korthikanti et al. 2022, Sec. 4.2.3)
+        in_flight *= 1 + (pp - 1) / (pp * a.parallel.vpp)
     logit_tokens = min(tokens, a.kernels.logprob_chunk_tokens) if a.kernels.chunked_logprob else tokens
     logits = logit_tokens * 3 * 4 * math.ceil(spec.vocab_size / tp)
     # the first stage holds the micro-batches in flight; the last one micro-batch and its logits (pp=1: both)
@@ -196,7 +201,7 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
         device_bytes: the device's memory (vLLM reserves a fraction of it); unused on the CPU.
 
     Raises:
-        megarl.models.spec.SpecError: TP or PP does not fit the model.
+        megarl.models.spec.SpecError: TP, PP or PP x VPP does not fit the model.
     """
     from megarl.models.megatron import check_layout
     from megarl.models.spec import SpecError
@@ -207,7 +212,7 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
     dp = max(1, len(pl.ranks(pl.actor, world_size)) // (p.tp * p.cp * p.pp))
     rollout_ranks = len(pl.ranks(pl.rollout, world_size))
     try:
-        check_layout(spec, ParallelLayout(p.tp, p.pp, dp, ep=p.ep, cp=p.cp))
+        check_layout(spec, ParallelLayout(p.tp, p.pp, dp, ep=p.ep, cp=p.cp, vpp=p.vpp))
     except LayoutError as e:
         raise SpecError(f"actor.parallel.ep: {e}") from None
     n = stage_params(spec, p.tp, p.pp, ep=p.ep)

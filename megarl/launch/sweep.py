@@ -16,7 +16,8 @@ A sweep file (``parallel_configs/sweeps/``)::
 
 Before anything starts, every point is checked and the ones that cannot run are dropped, each with its
 reason: a bad value (the config's own validation), TP/PP that does not divide the model's heads, KV heads or
-layers, a mesh that does not match the job's world, batch sizes that the DP size does not divide, and an
+layers (PP x VPP with ``actor.parallel.vpp`` in the grid), a mesh that does not match the job's world, batch
+sizes that the DP size does not divide (or, with VPP, micro-batch counts that are not a multiple of PP), and an
 estimated per-rank memory (:mod:`megarl.launch.memory`) above the device's. Points whose result file exists
 are skipped (``--retry-failed`` re-runs the failed ones). The rest run as one SLURM job array (``--slurm``;
 the command waits for it) or one after another on this machine (``--local``). Each point's ``megarl bench

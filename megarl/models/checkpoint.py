@@ -274,8 +274,8 @@ def is_preset(source) -> bool:
 
 
 def load_weights(model: torch.nn.Module, source: str | os.PathLike | None) -> None:
-    """Load ``model``'s weights from a megarl checkpoint, a Hugging Face directory or a GGUF file (a
-    ``preset:NAME`` source keeps the model's random init)."""
+    """Load ``model``'s weights (a model or, with VPP, the list of its chunks) from a megarl checkpoint, a
+    Hugging Face directory or a GGUF file (a ``preset:NAME`` source keeps the model's random init)."""
     if is_preset(source):
         return
     if source is not None and is_megarl_checkpoint(source):

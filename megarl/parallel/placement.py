@@ -43,7 +43,8 @@ from megarl.parallel.mesh import ParallelLayout
 @dataclass(frozen=True)
 class RoleLayout:
     """Where one role runs: its pool's name and global ranks, and its layout there (``pp = dp = 1`` and no
-    optimizer for the reward function; ``pp = 1`` for the rollout engine, whose ``dp`` is its replicas)."""
+    optimizer for the reward function; ``pp = 1`` for the rollout engine, whose ``dp`` is its replicas).
+    ``vpp``: the virtual pipeline stages per pipeline rank (model chunks), the same for every Megatron role."""
 
     role: str
     pool: str
@@ -52,13 +53,15 @@ class RoleLayout:
     pp: int = 1
     dp: int = 1
     cp: int = 1
+    vpp: int = 1
 
     def describe(self) -> str:
         """``pool 'NAME' ranks 0-3 tp=.. pp=.. dp=..`` (the layout as it applies to the role)."""
         r = self.ranks
         span = f"{r[0]}-{r[-1]}" if len(r) > 1 and list(r) == list(range(r[0], r[-1] + 1)) else ",".join(map(str, r))
         layout = {"reward": "", "rollout": f" tp={self.tp} dp={self.dp}"}.get(
-            self.role, f" tp={self.tp} pp={self.pp} dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else ""))
+            self.role, f" tp={self.tp} pp={self.pp} dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "")
+            + (f" vpp={self.vpp}" if self.vpp > 1 else ""))
         return f"pool {self.pool!r} ranks {span}{layout}"
 
 
@@ -69,7 +72,8 @@ def role_layouts(cfg: Config, world_size: int) -> dict[str, RoleLayout]:
     Raises:
         ConfigError: a pool larger than the world or naming ranks outside it; a layout that does not fit its
             pool (tp * pp not dividing its size, or an explicit dp other than size / (tp * pp)); naming the
-            role, the pool and the sizes.
+            role, the pool and the sizes; a role's ``vpp`` other than the actor's (megatron-core keeps one
+            virtual pipeline size per process, in ``parallel_state``).
     """
     pl = cfg.placement
     for name, ranks in pl.pools.items():
@@ -96,7 +100,11 @@ def role_layouts(cfg: Config, world_size: int) -> dict[str, RoleLayout]:
         dp = len(ranks) // (p.tp * p.cp * p.pp)
         require(p.dp in (0, dp), f"{field_name}.dp", f"{role} dp={p.dp} but tp={p.tp}{cp} x pp={p.pp} x dp={p.dp} "
                  f"= {p.tp * p.cp * p.pp * p.dp} != {len(ranks)}: {where}; set dp to {dp} or 0 to derive it")
-        out[role] = RoleLayout(role, getattr(pl, role), tuple(ranks), p.tp, p.pp, dp, p.cp)
+        vpp = cfg.actor.parallel.vpp
+        require(p.vpp == vpp, f"{field_name}.vpp", f"{p.vpp} differs from actor.parallel.vpp={vpp}: every "
+                 "Megatron role runs the same virtual pipeline stages (megatron-core keeps one VPP size per "
+                 f"process); set {field_name}.vpp={vpp}")
+        out[role] = RoleLayout(role, getattr(pl, role), tuple(ranks), p.tp, p.pp, dp, p.cp, p.vpp)
     out["reward"] = RoleLayout("reward", pl.reward, tuple(pl.ranks(pl.reward, world_size)))
     ranks = pl.ranks(pl.rollout, world_size)
     tp = cfg.rollout.tp
@@ -125,6 +133,37 @@ def check_context_parallel(rc, role: str) -> None:
             "split into 2 * cp equal chunks); set it to 0 or use cp=1")
 
 
+def check_virtual_pipeline(cfg: Config, rc, role: str, lay: RoleLayout) -> None:
+    """With VPP (``{role}.parallel.vpp > 1``) megatron's interleaved schedule runs a multiple of ``pp``
+    micro-batches per call (:meth:`~megarl.parallel.mesh.ParallelLayout.check_num_microbatches`): each DP rank's
+    rows of a mini-batch (the update) and of the rollout batch (log-probs, values) come in multiples of ``pp``,
+    and with fixed-size micro-batches ``micro_batch_size`` cuts a mini-batch's rows into a multiple of ``pp``.
+    The forward passes pick their micro-batch size to fit (:meth:`~megarl.trainer.workers.MegatronWorker.
+    forward_micro_batch_size`), and micro-batches by token count are split until their count fits
+    (:func:`~megarl.trainer.packing.pack_shares`).
+
+    Raises:
+        ConfigError: naming the field (``data.prompts_per_step``, ``{role}.ppo_mini_batch_size``,
+            ``{role}.micro_batch_size``) and the sizes that fit.
+    """
+    if lay.vpp == 1:
+        return
+    pp, dp = lay.pp, lay.dp
+    why = f"megatron's interleaved schedule ({role}.parallel.vpp={lay.vpp}) runs a multiple of pp={pp} micro-batches"
+    require(cfg.rollout_batch_size // dp % pp == 0, "data.prompts_per_step",
+            f"the rollout batch of {cfg.rollout_batch_size} sequences gives each of {role}'s dp={dp} ranks "
+            f"{cfg.rollout_batch_size // dp} rows, not a multiple of pp={pp} ({why}); use prompts_per_step x "
+            f"rollout.n a multiple of {dp * pp}")
+    rows = rc.ppo_mini_batch_size // dp
+    require(rows % pp == 0, f"{role}.ppo_mini_batch_size", f"{rc.ppo_mini_batch_size} gives each of dp={dp} ranks "
+            f"{rows} rows, not a multiple of pp={pp} ({why}); use a multiple of {dp * pp}")
+    if not rc.max_tokens_per_micro_batch and (rows // rc.micro_batch_size) % pp:
+        fits = [m for m in range(1, rows + 1) if rows % m == 0 and (rows // m) % pp == 0]
+        raise ConfigError(f"{role}.micro_batch_size: {rc.micro_batch_size} cuts each DP rank's {rows} rows of a "
+                          f"mini-batch into {rows // rc.micro_batch_size} micro-batches, not a multiple of pp={pp} "
+                          f"({why}); use one of {fits}")
+
+
 def check_turns(layouts: dict[str, RoleLayout]) -> None:
     """Megatron roles whose pools share ranks must take turns in one layout (megatron-core holds one model-
     parallel state per process): the same ranks and the same tp, pp, dp.
@@ -136,7 +175,7 @@ def check_turns(layouts: dict[str, RoleLayout]) -> None:
     for i, a in enumerate(roles):
         for b in roles[i + 1:]:
             shared = sorted(set(a.ranks) & set(b.ranks))
-            if shared and (a.ranks, a.tp, a.pp, a.dp, a.cp) != (b.ranks, b.tp, b.pp, b.dp, b.cp):
+            if shared and (a.ranks, a.tp, a.pp, a.dp, a.cp, a.vpp) != (b.ranks, b.tp, b.pp, b.dp, b.cp, b.vpp):
                 raise ConfigError(
                     f"placement.{b.role}: {b.role} ({b.describe()}) and {a.role} ({a.describe()}) share ranks {shared} but not one "
                     f"layout: roles on shared ranks take turns only on the same pool with the same tp, pp and dp "
@@ -185,7 +224,8 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
 
     Raises:
         ConfigError: a pool or a mesh that does not fit the world (:func:`role_layouts`), roles that cannot take
-            turns (:func:`check_turns`), or batch sizes that a DP size does not divide.
+            turns (:func:`check_turns`), batch sizes that a DP size does not divide, or with VPP micro-batch
+            counts that are not a multiple of PP (:func:`check_virtual_pipeline`).
     """
     layouts = role_layouts(cfg, world_size)
     check_turns(layouts)
@@ -209,6 +249,7 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
                  f"sends one activation shape for every micro-batch); set it to 0, use pp=1 or set "
                  f"{role}.sequence_packing=true (packed micro-batches of one shape)")
         check_context_parallel(rc, role)
+        check_virtual_pipeline(cfg, rc, role, layouts[role])
     for role in MEGATRON_ROLES:
         if role in layouts:
             lay = layouts[role]
@@ -217,7 +258,7 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
                      f"dp={lay.dp} (pool {lay.pool!r})")
     if cfg.algorithm.uses_critic:
         a, c = layouts["actor"], layouts["critic"]
-        require((c.ranks, c.tp, c.pp, c.dp, c.cp) == (a.ranks, a.tp, a.pp, a.dp, a.cp), "critic.parallel",
+        require((c.ranks, c.tp, c.pp, c.dp, c.cp, c.vpp) == (a.ranks, a.tp, a.pp, a.dp, a.cp, a.vpp), "critic.parallel",
                  f"the critic runs on the actor's ranks and mesh: set placement.critic={a.pool!r} and tp={a.tp}, "
                  f"pp={a.pp}, dp={a.dp}, cp={a.cp} (got {c.describe()})")
     ro = layouts["rollout"]
@@ -353,7 +394,7 @@ def global_layout(layouts: dict[str, RoleLayout], world_size: int, ep: int = 1) 
     if not is_split(layouts, world_size):
         require(ep == 1 or (a.tp * a.dp) % ep == 0, "actor.parallel.ep",
                 f"{ep} does not divide the actor's tp={a.tp} x dp={a.dp} ranks of a pipeline stage")
-        return ParallelLayout(tp=a.tp, pp=a.pp, dp=a.dp, ep=ep, cp=a.cp)
+        return ParallelLayout(tp=a.tp, pp=a.pp, dp=a.dp, ep=ep, cp=a.cp, vpp=a.vpp)
     require(ep == 1, "actor.parallel.ep", f"{ep}: expert parallelism needs every Megatron role on the whole "
             "world (no placement pools); set ep=1 or drop the pools")
     return ParallelLayout(tp=a.tp, pp=1, dp=world_size // a.tp)
@@ -374,7 +415,7 @@ def build_pool_groups(layouts: dict[str, RoleLayout], world_size: int, ep: int =
         lay = layouts.get(role)
         if lay is None:
             continue
-        mesh = ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=ep, cp=lay.cp)
+        mesh = ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=ep, cp=lay.cp, vpp=lay.vpp)
         key = (lay.ranks, lay.tp, lay.pp)
         if key not in built:
             groups = PoolGroups(lay.pool, lay.ranks, mesh)

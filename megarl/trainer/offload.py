@@ -31,7 +31,7 @@ class HostOffload:
 
     Args:
         model: the DDP-wrapped model (``buffers`` / ``expert_parallel_buffers`` of megatron's
-            ``DistributedDataParallel``).
+            ``DistributedDataParallel``), or with VPP the list of its DDP-wrapped chunks.
         optimizer: megatron's optimizer (a ``ChainedOptimizer`` or one optimizer; its ``.optimizer`` is torch's).
 
     Use :meth:`to_host` with the kinds to move (``grads`` and ``optimizer`` are idle from the end of an update
@@ -39,15 +39,17 @@ class HostOffload:
     """
 
     def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
+        self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.optimizer = optimizer
         self._host: dict[tuple[str, int], torch.Tensor] = {}  # host copies, reused from step to step
         self._away: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         self.pin = torch.cuda.is_available()
 
     def _tensors(self, kind: str) -> list[torch.Tensor]:
-        buffers = list(getattr(self.model, "buffers", [])) + list(getattr(self.model, "expert_parallel_buffers", []))
+        buffers = [b for m in self.chunks
+                   for b in list(getattr(m, "buffers", [])) + list(getattr(m, "expert_parallel_buffers", []))]
         if kind == "params":
-            return [p.data for p in self.model.parameters()]
+            return [p.data for m in self.chunks for p in m.parameters()]
         if kind == "grads":
             return [b.grad_data for b in buffers if b.grad_data is not None]
         inner = [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]

@@ -130,14 +130,20 @@ def balanced_shares(lengths: torch.Tensor, dp_size: int) -> list[torch.Tensor]:
     return [torch.tensor(sorted(s), dtype=torch.int64) for s in shares]
 
 
-def pack_shares(lengths: torch.Tensor, dp_size: int, budget: int, *, multiple: int = 1, packed: bool = False
-                ) -> list[list[torch.Tensor]]:
+def pack_shares(lengths: torch.Tensor, dp_size: int, budget: int, *, multiple: int = 1, packed: bool = False,
+                count_multiple: int = 1) -> list[list[torch.Tensor]]:
     """Rows of a batch split over DP ranks (:func:`balanced_shares`) and each rank's rows cut into micro-batches
     by tokens, with the same number of micro-batches on every rank: padded rows of similar length
     (:func:`pack_by_tokens`), or with ``packed`` rows back to back (:func:`pack_sequences`; ``multiple`` unused).
+    The count is rounded up to a multiple of ``count_multiple`` (``pp`` for megatron's interleaved schedule
+    with VPP) by splitting micro-batches, as for the DP balance.
 
     Returns:
         Per DP rank, the batch rows of its micro-batches (int64 index tensors), in micro-batch order.
+
+    Raises:
+        ValueError: a share with fewer rows than that count (the config check asks for rows per DP rank in
+            multiples of ``pp`` with VPP).
     """
     def cut(share, min_count=1):
         if packed:
@@ -145,7 +151,7 @@ def pack_shares(lengths: torch.Tensor, dp_size: int, budget: int, *, multiple: i
         return pack_by_tokens(lengths[share], budget, multiple=multiple, min_count=min_count)
 
     shares = balanced_shares(lengths, dp_size)
-    count = max(len(cut(s)) for s in shares)
+    count = -(-max(len(cut(s)) for s in shares) // count_multiple) * count_multiple
     return [[s[g] for g in cut(s, count)] for s in shares]
 
 

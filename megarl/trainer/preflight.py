@@ -76,7 +76,8 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
     """Check that ``spec`` runs under ``cfg``.
 
     Raises:
-        ConfigError: naming the field (``actor.parallel.tp``, ``actor.parallel.pp``, ``actor.parallel.ep``, ``critic.parallel.tp``,
+        ConfigError: naming the field (``actor.parallel.tp``, ``actor.parallel.pp``, ``actor.parallel.vpp``,
+            ``actor.parallel.ep``, ``critic.parallel.tp``,
             ``placement.reference_parallel.tp``, ``rollout.tp``, ``rollout.max_model_len``, ``rollout.max_new_tokens``), what does not divide or
             fit, and the sizes that would.
     """
@@ -87,7 +88,7 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
         meshes.append(("placement.reference_parallel", cfg.placement.reference_parallel))
     for field_name, p in meshes:
         for name, layout in (("tp", ParallelLayout(tp=p.tp)), ("pp", ParallelLayout(pp=p.pp)),
-                             ("cp", ParallelLayout(cp=p.cp))):
+                             ("cp", ParallelLayout(cp=p.cp)), ("vpp", ParallelLayout(pp=p.pp, vpp=p.vpp))):
             try:
                 check_layout(spec, layout)
             except SpecError as e:

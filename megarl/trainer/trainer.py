@@ -206,9 +206,9 @@ def _layout_record(config: dict[str, Any], world_size: int | None) -> dict[str, 
     def mesh(section: dict[str, Any] | None) -> str | None:  # ep (experts' optimizer shards) where it is not 1
         if not section:
             return None
-        ep, cp = section.get("ep") or 1, section.get("cp") or 1
+        ep, cp, vpp = section.get("ep") or 1, section.get("cp") or 1, section.get("vpp") or 1
         return (f"tp={section.get('tp')} pp={section.get('pp')}" + (f" ep={ep}" if ep != 1 else "")
-                + (f" cp={cp}" if cp != 1 else ""))
+                + (f" cp={cp}" if cp != 1 else "") + (f" vpp={vpp}" if vpp != 1 else ""))
 
     placement = dict(config.get("placement") or {})
     return {"world_size": world_size, "actor.parallel": mesh(config.get("actor", {}).get("parallel")),
@@ -347,8 +347,8 @@ class Trainer:
         actor_ranks = pools["actor"].ranks
         src_layout = megatron_layout(self.spec, pools["actor"].mesh, ranks=actor_ranks, role="actor",
                                      use_te=cfg.actor.kernels.transformer_engine,
-                                     padded_vocab=share_object(self.actor and self.actor.bare.vocab_size,
-                                                               actor_ranks))
+                                     padded_vocab=share_object(
+                                         self.actor and ck.as_chunks(self.actor.model)[0].vocab_size, actor_ranks))
         dst_layout = rollout_layout(cfg, self.spec, self.rollout_ranks)
         self.reshard_plan = plan_reshard(src_layout, dst_layout, ranks_per_node(self.world))
         self.sampling = dict(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,

@@ -33,9 +33,10 @@ from megarl.algos.aggregation import agg_loss
 from megarl.algos.losses import actor_loss, value_loss
 from megarl.algos.registry import POLICY_LOSSES
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
-from megarl.models.checkpoint import is_preset, load_weights, unwrap
+from megarl.models.checkpoint import (as_chunks, chunks_sharded_state_dict, is_preset, load_chunks_state_dict,
+                                      load_weights)
 from megarl.models.logprobs import vocab_parallel_logprobs
-from megarl.models.megatron import build_model
+from megarl.models.megatron import build_model_chunks, chunk_parameters
 from megarl.models.pipeline import broadcast_from_last_stage, run_microbatches
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
@@ -84,6 +85,11 @@ def reduce_to_all(values: dict[str, float] | None, keys: list[str], *, average_o
 class MegatronWorker:
     """One role's Megatron model on this rank (and, when trainable, its DDP wrapper, optimizer and LR schedule).
 
+    With VPP (``mesh.vpp > 1``) the rank holds ``vpp`` model chunks (:func:`~megarl.models.megatron.
+    build_model_chunks`), each with its own DDP wrapper and one optimizer over all of them; megatron's
+    interleaved schedule runs them. :attr:`chunks` is always the list (one chunk without VPP), :attr:`model`
+    the rank's model in the form megatron's and megarl's helpers take: the chunk itself, or with VPP the list.
+
     Args:
         spec / mesh: the model and its layout (``parallel_state`` already set to ``mesh``, or to a layout with
             the same TP and PP groups when ``pool`` is given).
@@ -110,49 +116,60 @@ class MegatronWorker:
         self.dp_rank = dist.get_rank(self.dp_group)
         self.dp_size = dist.get_world_size(self.dp_group)
         self.cp_group = ps.get_context_parallel_group() if mesh.cp > 1 else None
-        model = build_model(spec, mesh, role, params_dtype=dtype, init_weights=is_preset(source),
-                            sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
-                            attention=rc.kernels.attention, use_te=rc.kernels.transformer_engine)
+        chunks = build_model_chunks(spec, mesh, role, params_dtype=dtype, init_weights=is_preset(source),
+                                    sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
+                                    attention=rc.kernels.attention, use_te=rc.kernels.transformer_engine)
         if torch.cuda.is_available():
-            model = model.cuda()
+            chunks = [c.cuda() for c in chunks]
         if isinstance(source, MegatronWorker):
-            model.load_state_dict(source.bare.state_dict(), strict=False)
+            for chunk, src in zip(chunks, as_chunks(source.model)):
+                chunk.load_state_dict(src.state_dict(), strict=False)
         else:
-            load_weights(model, source)
+            load_weights(chunks, source)
         self.optimizer = self.scheduler = None
         if not trainable:
-            model.requires_grad_(False)
-            model.eval()
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
         else:
-            model, self.optimizer, self.scheduler = self._make_trainable(model, rc.optim, total_updates)
-        self.model = model
-        self.device = next(unwrap(model).parameters()).device
+            chunks, self.optimizer, self.scheduler = self._make_trainable(chunks, rc.optim, total_updates)
+        self.chunks = chunks
+        self.model = chunks if mesh.vpp > 1 else chunks[0]
+        self.device = next(chunks[0].parameters()).device
 
     @property
-    def bare(self) -> torch.nn.Module:
-        """The ``GPTModel`` of this rank's stage, without the DDP wrapper."""
-        return unwrap(self.model)
+    def bare(self) -> torch.nn.Module | list[torch.nn.Module]:
+        """This rank's model without the DDP wrappers: its stage's ``GPTModel``, or with VPP the list of its
+        chunks' (the form of :attr:`model`)."""
+        bare = as_chunks(self.model)
+        return bare if isinstance(self.model, list) else bare[0]
 
     def source_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters by Megatron name: the reshard engine's source tensors."""
-        return {n: p.detach() for n, p in self.bare.named_parameters()}
+        """This rank's parameters by Megatron name (with VPP prefixed by the chunk,
+        :func:`~megarl.models.megatron.chunk_parameters`): the reshard engine's source tensors."""
+        return {n: p.detach() for n, p in chunk_parameters(self.model).items()}
 
-    def _make_trainable(self, model, oc: OptimConfig, total_updates: int):
+    def _make_trainable(self, chunks: list[torch.nn.Module], oc: OptimConfig, total_updates: int):
+        """One megatron DDP per model chunk (bucketing on the first only), the gradient hooks on the first
+        chunk's config (what the pipeline schedule reads: ``no_sync_func`` a list per chunk with VPP), one
+        optimizer over every chunk and its LR schedule, as Megatron-LM's ``setup_model_and_optimizer`` builds
+        them for a list of chunks."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        config = model.config
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=oc.distributed),
-            model, pg_collection=self.pg_collection)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=oc.distributed)
+        ddps = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=c > 0,
+                                        pg_collection=self.pg_collection) for c, chunk in enumerate(chunks)]
+        config = ddps[0].config
         config.finalize_model_grads_func = functools.partial(finalize_model_grads, pg_collection=self.pg_collection)
-        config.no_sync_func = ddp.no_sync
+        config.no_sync_func = [d.no_sync for d in ddps] if len(ddps) > 1 else ddps[0].no_sync
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay, adam_beta1=oc.betas[0],
             adam_beta2=oc.betas[1], adam_eps=oc.eps, clip_grad=oc.clip_grad, bf16=config.bf16, fp16=config.fp16,
-            params_dtype=config.params_dtype, use_distributed_optimizer=oc.distributed), [ddp],
+            params_dtype=config.params_dtype, use_distributed_optimizer=oc.distributed), ddps,
             pg_collection=self.pg_collection, use_gloo_process_groups=self.pg_collection is None)
         # The scheduler is stepped after each update, so update k runs at its step k - 1. Megatron's warm-up
         # goes linearly from init_lr at step 0 to lr at step lr_warmup_steps: starting at lr / W and reaching
@@ -163,7 +180,7 @@ class MegatronWorker:
             lr_warmup_steps=warm, lr_decay_steps=max(total_updates, warm + 1),
             lr_decay_style=oc.decay, start_wd=oc.weight_decay, end_wd=oc.weight_decay, wd_incr_steps=1,
             wd_incr_style="constant")
-        return ddp, opt, sched
+        return ddps, opt, sched
 
     # ------------------------------------------------------------------ forward-only
     def forward_response_frame(self, batch: RolloutBatch, fn: Callable, names: tuple[str, ...],
@@ -172,7 +189,8 @@ class MegatronWorker:
         extra model arguments); return the whole batch's ``{name: [B, R] float32}`` on every rank."""
         width, share = batch["response_mask"].shape[1], len(batch) // self.dp_size
         micro, rows = self._micro_batches(batch, MODEL_INPUTS, self.forward_micro_batch_size(share))
-        self.model.eval()
+        for chunk in self.chunks:
+            chunk.eval()
         with torch.no_grad():
             res = run_microbatches(self.model, micro,
                                    lambda mb, out: (torch.zeros((), device=self.device), fn(mb, out)),
@@ -185,9 +203,15 @@ class MegatronWorker:
 
     def forward_micro_batch_size(self, share: int) -> int:
         """The largest divisor of ``share`` not above the configured forward micro-batch size (every
-        micro-batch must have the same shape for the pipeline schedule)."""
+        micro-batch must have the same shape for the pipeline schedule) that, with VPP, cuts ``share`` into a
+        multiple of ``pp`` micro-batches (megatron's interleaved schedule;
+        :func:`~megarl.parallel.placement.validate_for_world` checks that ``share`` is a multiple of ``pp``)."""
         want = self.rc.logprob_micro_batch_size or self.rc.micro_batch_size
-        return max(d for d in range(1, min(want, share) + 1) if share % d == 0)
+        return max(d for d in range(1, min(want, share) + 1) if share % d == 0 and self._count_fits(share // d))
+
+    def _count_fits(self, num_microbatches: int) -> bool:
+        """Whether the pipeline schedule runs ``num_microbatches`` (with VPP a multiple of ``pp``)."""
+        return self.mesh.vpp == 1 or num_microbatches % self.mesh.pp == 0
 
     def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int
                        ) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor] | None]:
@@ -196,7 +220,8 @@ class MegatronWorker:
         ``rc.max_tokens_per_micro_batch == 0``: rows ``[r * B/dp, (r + 1) * B/dp)`` in consecutive micro-batches
         of ``size`` rows, each as wide as the batch; the rows are None. Otherwise rows dealt to the DP ranks
         balanced by tokens and packed into micro-batches by token count (:func:`~megarl.trainer.packing.
-        pack_shares`), as many on every DP rank; the rows are, per DP rank, the batch rows of its micro-batches
+        pack_shares`), as many on every DP rank (with VPP a multiple of ``pp``, for megatron's interleaved
+        schedule: micro-batches are split until it is); the rows are, per DP rank, the batch rows of its micro-batches
         in order (the same on every rank). Each micro-batch is cut to its longest row, or with
         ``rc.sequence_packing`` is one packed (THD) row (:func:`~megarl.trainer.packing.pack_rows`) of its
         rows' tokens, padded at the tail to a multiple of TP under sequence parallelism and, with PP > 1, to
@@ -207,8 +232,9 @@ class MegatronWorker:
             share = dp_share(batch, self.dp_rank, self.dp_size)
             return [self._to_device(m) for m in share.micro_batches(size, names)], None
         lengths = batch["prompt_lens"] + batch["response_lens"]
+        count_multiple = self.mesh.pp if self.mesh.vpp > 1 else 1
         if self.rc.sequence_packing:
-            packed = pack_shares(lengths, self.dp_size, budget, packed=True)
+            packed = pack_shares(lengths, self.dp_size, budget, packed=True, count_multiple=count_multiple)
             multiple = self.mesh.tp if self.rc.parallel.sequence_parallel else 1
             widths = [[_round_up(int(lengths[idx].sum()), multiple) for idx in share] for share in packed]
             if self.mesh.pp > 1:
@@ -217,7 +243,7 @@ class MegatronWorker:
                      for idx, width in zip(packed[self.dp_rank], widths[self.dp_rank])]
         else:
             multiple = 8 * self.mesh.tp  # the trainer's sequence padding (build_batch's seq_multiple)
-            packed = pack_shares(lengths, self.dp_size, budget, multiple=multiple)
+            packed = pack_shares(lengths, self.dp_size, budget, multiple=multiple, count_multiple=count_multiple)
             micro = [self._to_device(trim_to_longest({k: batch[k][idx] for k in names}, lengths[idx], multiple))
                      for idx in packed[self.dp_rank]]
         return micro, [torch.cat(p) for p in packed]
@@ -267,7 +293,8 @@ class MegatronWorker:
         n_mini = len(batch) // rc.ppo_mini_batch_size
         gen = torch.Generator().manual_seed(seed)
         history = []
-        self.model.train()
+        for chunk in self.chunks:
+            chunk.train()
         for _ in range(epochs):
             order = torch.randperm(len(batch), generator=gen) if n_mini > 1 else torch.arange(len(batch))
             for k in range(n_mini):
@@ -283,7 +310,8 @@ class MegatronWorker:
                     values["tokens"] = float(mb[mask_name].sum())
                     return loss * scale, values
 
-                self.model.zero_grad_buffer()
+                for chunk in self.chunks:
+                    chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 res = run_microbatches(self.model, micro, output_fn, forward_only=False, model_kwargs=model_kwargs)
                 lr = self.optimizer.param_groups[0]["lr"]  # what this update uses
@@ -312,7 +340,7 @@ class MegatronWorker:
         sharding type (:data:`OPTIMIZER_FORMAT`; a checkpoint's own when loading one written before it)."""
         from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 
-        model_sd = unwrap(self.model).sharded_state_dict()
+        model_sd = chunks_sharded_state_dict(self.model)
         out = {"model": model_sd}
         if self.optimizer is not None:
             if is_loading:
@@ -353,7 +381,7 @@ class MegatronWorker:
         optimizer's own, keeping only the update count (megatron would otherwise fail to pair groups whose
         ``max_lr``/``min_lr`` changed, or restore the old weight decay); :meth:`resume_schedule` then sets the LR
         and weight decay of the resumed update."""
-        unwrap(self.model).load_state_dict(state["model"], strict=False)
+        load_chunks_state_dict(self.model, state["model"])
         if self.optimizer is not None and "optimizer" in state:
             self._use_current_param_groups(state["optimizer"])
             with torch.no_grad(), self._adam_steps_left_alone():  # megatron copies into the main params in place
