@@ -26,22 +26,35 @@ VPP2 = ["actor.parallel.pp=2", "actor.parallel.vpp=2", "critic.parallel.vpp=2"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Two steps at PP=2 (saving each); step 1 at PP=2 x VPP=2 (saved), then its step 2 resumed at
-    PP=2 x VPP=2 and, from a copy of its checkpoint, at PP=2; step 1 at PP=2 x VPP=2 with packed micro-batches."""
-    import shutil
-
+def setup(tmp_path_factory):
+    """The tiny model and prompts, and a function running one 2-rank trainer run with overrides."""
     root = tmp_path_factory.mktemp("vpp")
     model, data = make_tiny_model(root / "model", layers=4), write_prompts(root / "prompts.jsonl", 16)
 
     def run(name, extra):
         return run_world(train_on_rank, 2, task_overrides(model, data, root / "runs", name) + TRAIN + extra)[0]
 
-    out = {"pp2": run("pp2", ["actor.parallel.pp=2", "trainer.steps=2"]), "vpp2": run("vpp2", VPP2)}
+    return root, run
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    """Two steps at PP=2 (saving each); step 1 at PP=2 x VPP=2 (saved)."""
+    _, run = setup
+    return {"pp2": run("pp2", ["actor.parallel.pp=2", "trainer.steps=2"]), "vpp2": run("vpp2", VPP2)}
+
+
+@pytest.fixture(scope="module")
+def later_runs(setup, runs):
+    """The PP=2 x VPP=2 run's step 2 resumed at PP=2 x VPP=2 and, from a copy of its checkpoint, at PP=2; step 1
+    at PP=2 x VPP=2 with packed micro-batches."""
+    import shutil
+
+    root, run = setup
     shutil.copytree(root / "runs" / "vpp2", root / "runs" / "vpp2_at_pp2")
     resume = ["trainer.steps=2", "trainer.resume=true"]
-    out["vpp2 resumed"] = run("vpp2", VPP2 + resume)
-    out["vpp2 resumed at pp2"] = run("vpp2_at_pp2", ["actor.parallel.pp=2"] + resume)
+    out = {"vpp2 resumed": run("vpp2", VPP2 + resume),
+           "vpp2 resumed at pp2": run("vpp2_at_pp2", ["actor.parallel.pp=2"] + resume)}
     # the actor's micro-batches packed by tokens: 3 rows of 4-7 tokens in 24, so each mini-batch's 3
     # micro-batches are split into 4 and the log-prob pass's 5 into 6 (multiples of pp=2)
     out["vpp2 packed"] = run("vpp2_packed", VPP2 + ["trainer.save_every=0", "actor.max_tokens_per_micro_batch=24",
@@ -57,20 +70,22 @@ def test_ppo_step_at_pp2_vpp2_matches_pp2(runs):
         assert vpp[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
 
 
-def test_packed_micro_batches_at_pp2_vpp2_match_the_padded_ones(runs):
-    padded, packed = runs["vpp2"][0], runs["vpp2 packed"][0]
+@pytest.mark.slow  # three more 2-rank trainer runs (~1.5 minutes) for this test and the next
+def test_packed_micro_batches_at_pp2_vpp2_match_the_padded_ones(runs, later_runs):
+    padded, packed = runs["vpp2"][0], later_runs["vpp2 packed"][0]
     for key in COMPARED:
         assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["vpp2 resumed", "vpp2 resumed at pp2"])
-def test_a_pp2_vpp2_checkpoint_resumes_at_its_layout_and_at_pp2(runs, name):
+def test_a_pp2_vpp2_checkpoint_resumes_at_its_layout_and_at_pp2(runs, later_runs, name):
     """Step 2 of the resumed runs equals the uninterrupted PP=2 run's: weights, both optimizers' states and the
     RNG states came back (step 2's KL to the reference is not 0: the actor's weights are the updated ones)."""
     ref = runs["pp2"]
-    assert [h["step"] for h in runs[name]] == [1, 2] and ref[1]["actor/kl"] != 0
+    assert [h["step"] for h in later_runs[name]] == [1, 2] and ref[1]["actor/kl"] != 0
     for key in COMPARED:
-        assert runs[name][1][key] == pytest.approx(ref[1][key], rel=1e-4, abs=1e-6), key
+        assert later_runs[name][1][key] == pytest.approx(ref[1][key], rel=1e-4, abs=1e-6), key
 
 
 def test_packed_micro_batch_counts_are_split_to_a_multiple_of_pp():
