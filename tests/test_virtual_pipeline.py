@@ -109,8 +109,9 @@ def _parity(rank: int, out: dict) -> None:
     """PP=2 x VPP=2 against the single-rank model: log-probs, and gradients mapped through the layouts."""
     from megatron.core import parallel_state as ps
 
+    from megarl.models.checkpoint import chunk_parameters
     from megarl.models.layout import canonical_shapes, megatron_rank_tensors
-    from megarl.models.megatron import build_model, build_model_chunks, chunk_parameters
+    from megarl.models.megatron import build_model, build_model_chunks
     from megarl.models.pipeline import run_microbatches
     from megarl.models.weights import assemble_canonical, fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import initialize_model_parallel
@@ -160,8 +161,9 @@ def _parity(rank: int, out: dict) -> None:
 
 def _reshard(rank: int, world: int, out: dict) -> None:
     """The reshard from the PP=2 x VPP=2 layout, whose chunks hold the reference slicer's virtual stages."""
+    from megarl.models.checkpoint import chunk_parameters
     from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
-    from megarl.models.megatron import build_model_chunks, chunk_parameters
+    from megarl.models.megatron import build_model_chunks
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import initialize_model_parallel
     from megarl.reshard.executor import execute_plan
@@ -198,10 +200,11 @@ def _checkpoints(rank: int, world: int, tmp: str, out: dict) -> None:
     from megatron.core import parallel_state as ps
 
     from megarl.models import checkpoint as ck
+    from megarl.models.checkpoint import chunk_parameters
     from megarl.models.convert import convert_rank
     from megarl.models.hf_io import save_hf_checkpoint
     from megarl.models.layout import megatron_rank_tensors
-    from megarl.models.megatron import build_model, build_model_chunks, chunk_parameters
+    from megarl.models.megatron import build_model, build_model_chunks
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import initialize_model_parallel
 

@@ -97,6 +97,21 @@ def as_chunks(model) -> list[torch.nn.Module]:
     return [unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
 
 
+def chunk_parameters(model) -> dict[str, torch.Tensor]:
+    """The parameters of a rank's model by local name: a single model's own names
+    (``decoder.layers.0.mlp.linear_fc1.weight``), with VPP prefixed by the chunk (``1.decoder.layers.0...``, as
+    ``torch.nn.ModuleList(chunks).named_parameters()`` names them); the names of
+    :func:`megarl.models.layout.megatron_rank_tensors`.
+
+    Args:
+        model: a ``GPTModel`` or a list of chunks (possibly DDP-wrapped: the wrapper's ``module.`` is left out).
+    """
+    chunks = as_chunks(model)
+    if len(chunks) == 1:
+        return dict(chunks[0].named_parameters())
+    return {f"{c}.{n}": p for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+
+
 def chunks_sharded_state_dict(model) -> dict:
     """megatron's sharded state dict of a rank's model: one chunk's own, or with VPP one per chunk under
     ``model0``, ``model1``... (as Megatron-LM saves them). The sharded tensors carry global layer numbers
@@ -139,8 +154,6 @@ def load_hf_weights(model, ckpt: HFCheckpoint) -> None:
     Raises:
         SpecError: the checkpoint misses a tensor or has another shape than the model's spec.
     """
-    from megarl.models.megatron import chunk_parameters
-
     bare = as_chunks(model)[0]
     spec: ModelSpec = bare.megarl_spec
     if ckpt.spec.hf_tensor_shapes() != spec.hf_tensor_shapes():

@@ -241,7 +241,7 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
 
     With VPP (``mesh.vpp > 1``) the rank holds ``vpp`` model chunks, chunk ``c`` the layers of virtual stage
     ``c * pp + pp_rank`` (:meth:`~megarl.parallel.mesh.ParallelLayout.chunk_layers`) numbered from 0 within the
-    chunk; its names carry the prefix ``"{c}."`` (:func:`megarl.models.megatron.chunk_parameters`). The word
+    chunk; its names carry the prefix ``"{c}."`` (:func:`megarl.models.checkpoint.chunk_parameters`). The word
     embeddings sit on chunk 0 of the first pipeline rank, the final norm and output layer on the last chunk of
     the last.
 

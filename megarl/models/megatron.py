@@ -342,23 +342,6 @@ def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, role: Literal["a
             for c in range(layout.vpp)]
 
 
-def chunk_parameters(model) -> dict[str, torch.Tensor]:
-    """The parameters of a rank's model by local name: a single model's own names
-    (``decoder.layers.0.mlp.linear_fc1.weight``), with VPP prefixed by the chunk (``1.decoder.layers.0...``, as
-    ``torch.nn.ModuleList(chunks).named_parameters()`` names them); the names of
-    :func:`megarl.models.layout.megatron_rank_tensors`.
-
-    Args:
-        model: a ``GPTModel`` or a list of chunks (possibly DDP-wrapped: the wrapper's ``module.`` is left out).
-    """
-    from megarl.models.checkpoint import as_chunks
-
-    chunks = as_chunks(model)
-    if len(chunks) == 1:
-        return dict(chunks[0].named_parameters())
-    return {f"{c}.{n}": p for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
-
-
 def _cast_parameters(model, dtype: torch.dtype) -> None:
     """Give every parameter ``dtype``. The local spec's torch RMSNorm ignores ``params_dtype`` and keeps fp32
     weights (Megatron-LM casts the whole model with its Float16Module); left so, a bf16 model mixes dtypes in

@@ -33,10 +33,10 @@ from megarl.algos.aggregation import agg_loss
 from megarl.algos.losses import actor_loss, value_loss
 from megarl.algos.registry import POLICY_LOSSES
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
-from megarl.models.checkpoint import (as_chunks, chunks_sharded_state_dict, is_preset, load_chunks_state_dict,
-                                      load_weights)
+from megarl.models.checkpoint import (as_chunks, chunk_parameters, chunks_sharded_state_dict, is_preset,
+                                      load_chunks_state_dict, load_weights)
 from megarl.models.logprobs import vocab_parallel_logprobs
-from megarl.models.megatron import build_model_chunks, chunk_parameters
+from megarl.models.megatron import build_model_chunks
 from megarl.models.pipeline import broadcast_from_last_stage, run_microbatches
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
@@ -146,7 +146,7 @@ class MegatronWorker:
 
     def source_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by Megatron name (with VPP prefixed by the chunk,
-        :func:`~megarl.models.megatron.chunk_parameters`): the reshard engine's source tensors."""
+        :func:`~megarl.models.checkpoint.chunk_parameters`): the reshard engine's source tensors."""
         return {n: p.detach() for n, p in chunk_parameters(self.model).items()}
 
     def _make_trainable(self, chunks: list[torch.nn.Module], oc: OptimConfig, total_updates: int):
