@@ -76,10 +76,8 @@ def read_hf_config(path: str | os.PathLike | None) -> dict:
     if p.is_file() and p.suffix == ".gguf":
         from transformers import AutoConfig
 
-        moe = _gguf_moe_config(p)
-        cfg = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
-        cfg.pop("quantization_config", None)
-        return cfg | moe
+        _gguf_moe_config(p)  # a Mixtral file is refused before transformers reads it
+        return _gguf_hf_config(AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name), p)
     if p.is_file():
         raise FileNotFoundError(f"{p} is neither a .gguf file nor a directory")
     if not (p / "config.json").is_file():
@@ -97,10 +95,20 @@ _GGUF_MOE_KEYS = {
 }
 
 
+def _gguf_hf_config(config, path: Path) -> dict:
+    """The HF config dict of a GGUF file from the config transformers read from it (``config``): without
+    transformers' ``quantization_config``, with the expert widths it leaves out (:func:`_gguf_moe_config`)."""
+    cfg = config.to_dict()
+    cfg.pop("quantization_config", None)
+    return cfg | _gguf_moe_config(path)
+
+
+@functools.lru_cache(maxsize=8)
 def _gguf_moe_config(path: Path) -> dict:
     """The HF config entries of a Qwen3-MoE / Qwen2-MoE GGUF file that transformers does not read: the widths
     of its experts and shared expert (``{arch}.expert_feed_forward_length``,
-    ``{arch}.expert_shared_feed_forward_length``); empty for other architectures.
+    ``{arch}.expert_shared_feed_forward_length``); empty for other architectures. Read once per process and
+    file (``GGUFReader`` parses every metadata array, the tokenizer's too: seconds for the default model).
 
     Raises:
         SpecError: a Mixtral GGUF (llama.cpp's ``llama`` architecture with ``llama.expert_count`` experts):
@@ -258,11 +266,12 @@ def _open_gguf(path: Path) -> HFCheckpoint:
 
     from megarl.models.weights import transformers_canonical
 
-    cfg = read_hf_config(path)
-    spec = ModelSpec.from_hf_config(cfg)
+    _gguf_moe_config(path)  # a Mixtral file is refused before transformers reads it
     hf_logging.disable_progress_bar()
     log.info("dequantising GGUF %s with transformers", path)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    cfg = _gguf_hf_config(model.config, path)
+    spec = ModelSpec.from_hf_config(cfg)
     tensors = transformers_canonical(spec, {n: t.detach() for n, t in model.named_parameters()})
     return HFCheckpoint(path, spec, cfg, torch.float32, _tensors=tensors)
 
