@@ -120,6 +120,11 @@ class ParallelConfig:
     cp: int = 1
     vpp: int = 1
 
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one data-parallel replica: ``tp * cp * pp`` (the world is this times ``dp``)."""
+        return self.tp * self.cp * self.pp
+
     def __post_init__(self):
         for name in ("tp", "pp", "ep", "cp", "vpp"):
             _require_in_section(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
@@ -835,7 +840,7 @@ class Config:
         """Ranks the job needs: the actor's mesh with an explicit dp, else tp * cp * pp (dp = 1); at least every rank
         that ``placement.pools`` lists."""
         p = self.actor.parallel
-        return max(p.tp * p.cp * p.pp * max(p.dp, 1), self.placement.explicit_world())
+        return max(p.replica_size * max(p.dp, 1), self.placement.explicit_world())
 
     @property
     def rollout_batch_size(self) -> int:

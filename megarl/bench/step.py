@@ -222,7 +222,7 @@ def _write(report: dict[str, Any], path: Path) -> None:
 def _config_section(cfg: Config, config_path: str | None, overrides: list[str] | None) -> dict[str, Any]:
     p = cfg.actor.parallel
     world = cfg.world_size
-    layout = {"tp": p.tp, "pp": p.pp, "dp": world // (p.tp * p.cp * p.pp), "cp": p.cp, "vpp": p.vpp, "world_size": world,
+    layout = {"tp": p.tp, "pp": p.pp, "dp": world // p.replica_size, "cp": p.cp, "vpp": p.vpp, "world_size": world,
               "sequence_parallel": p.sequence_parallel, "rollout_engine": cfg.rollout.engine,
               "rollout_tp": cfg.rollout.tp, "model": cfg.model.path, "dtype": cfg.model.dtype,
               "prompts_per_step": cfg.data.prompts_per_step, "n": cfg.rollout.n,

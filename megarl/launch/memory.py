@@ -209,7 +209,7 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
 
     p = cfg.actor.parallel
     pl = cfg.placement
-    dp = max(1, len(pl.ranks(pl.actor, world_size)) // (p.tp * p.cp * p.pp))
+    dp = max(1, len(pl.ranks(pl.actor, world_size)) // p.replica_size)
     rollout_ranks = len(pl.ranks(pl.rollout, world_size))
     try:
         check_layout(spec, ParallelLayout(p.tp, p.pp, dp, ep=p.ep, cp=p.cp, vpp=p.vpp))

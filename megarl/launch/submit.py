@@ -126,7 +126,7 @@ def check_job_shape(cfg: Config, shape: JobShape) -> None:
 
     p = cfg.actor.parallel
     on_all = cfg.placement.actor == "all"  # an actor on a pool of its own: validate_for_world checks the pool
-    mp = p.tp * p.cp * p.pp
+    mp = p.replica_size
     if on_all and (shape.world_size % mp or (p.dp and mp * p.dp != shape.world_size)):
         need = f"tp={p.tp} x pp={p.pp}" + (f" x cp={p.cp}" if p.cp > 1 else "") + (
             f" x dp={p.dp} = {mp * p.dp}" if p.dp else f" = {mp} (times dp)")

@@ -219,10 +219,9 @@ def check_point(spec: SweepSpec, point: Point, shape: JobShape, memory: int | No
         model = model_spec(cfg)
         validate_for_model(cfg, model)
         p = cfg.actor.parallel
-        model_parallel = p.tp * p.cp * p.pp
-        if shape.world_size % model_parallel == 0 and not p.dp and cfg.placement.actor == "all":
-            point.overrides.append(f"actor.parallel.dp={shape.world_size // model_parallel}")
-            cfg.actor.parallel.dp = shape.world_size // model_parallel
+        if shape.world_size % p.replica_size == 0 and not p.dp and cfg.placement.actor == "all":
+            point.overrides.append(f"actor.parallel.dp={shape.world_size // p.replica_size}")
+            cfg.actor.parallel.dp = shape.world_size // p.replica_size
         check_job_shape(cfg, shape)
         if full:
             preflight(cfg, shape.world_size, this_machine=False)

@@ -132,6 +132,12 @@ class ParallelLayout:
         per = num_layers // stages
         return [range((c * self.pp + pp_rank) * per, (c * self.pp + pp_rank + 1) * per) for c in range(self.vpp)]
 
+    @property
+    def microbatch_multiple(self) -> int:
+        """What the number of micro-batches of one pipeline-schedule call must be a multiple of: ``pp`` for
+        megatron's interleaved schedule (VPP, :meth:`check_num_microbatches`), else 1."""
+        return self.pp if self.vpp > 1 else 1
+
     def check_num_microbatches(self, num_microbatches: int) -> None:
         """Check that megatron's interleaved schedule runs ``num_microbatches`` micro-batches (with VPP).
 

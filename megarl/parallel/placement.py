@@ -95,11 +95,11 @@ def role_layouts(cfg: Config, world_size: int) -> dict[str, RoleLayout]:
         where = f"pool {getattr(pl, role)!r} (placement.{role}) has {len(ranks)} ranks"
         field_name = "placement.reference_parallel" if role == "reference" else f"{role}.parallel"
         cp = f" x cp={p.cp}" if p.cp > 1 else ""
-        require(len(ranks) % (p.tp * p.cp * p.pp) == 0, field_name,
+        require(len(ranks) % p.replica_size == 0, field_name,
                  f"{role} layout tp={p.tp}{cp} x pp={p.pp} does not divide its pool: {where}")
-        dp = len(ranks) // (p.tp * p.cp * p.pp)
+        dp = len(ranks) // p.replica_size
         require(p.dp in (0, dp), f"{field_name}.dp", f"{role} dp={p.dp} but tp={p.tp}{cp} x pp={p.pp} x dp={p.dp} "
-                 f"= {p.tp * p.cp * p.pp * p.dp} != {len(ranks)}: {where}; set dp to {dp} or 0 to derive it")
+                 f"= {p.replica_size * p.dp} != {len(ranks)}: {where}; set dp to {dp} or 0 to derive it")
         vpp = cfg.actor.parallel.vpp
         require(p.vpp == vpp, f"{field_name}.vpp", f"{p.vpp} differs from actor.parallel.vpp={vpp}: every "
                  "Megatron role runs the same virtual pipeline stages (megatron-core keeps one VPP size per "

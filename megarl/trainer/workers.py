@@ -207,11 +207,8 @@ class MegatronWorker:
         multiple of ``pp`` micro-batches (megatron's interleaved schedule;
         :func:`~megarl.parallel.placement.validate_for_world` checks that ``share`` is a multiple of ``pp``)."""
         want = self.rc.logprob_micro_batch_size or self.rc.micro_batch_size
-        return max(d for d in range(1, min(want, share) + 1) if share % d == 0 and self._count_fits(share // d))
-
-    def _count_fits(self, num_microbatches: int) -> bool:
-        """Whether the pipeline schedule runs ``num_microbatches`` (with VPP a multiple of ``pp``)."""
-        return self.mesh.vpp == 1 or num_microbatches % self.mesh.pp == 0
+        return max(d for d in range(1, min(want, share) + 1)
+                   if share % d == 0 and (share // d) % self.mesh.microbatch_multiple == 0)
 
     def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int
                        ) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor] | None]:
@@ -232,7 +229,7 @@ class MegatronWorker:
             share = dp_share(batch, self.dp_rank, self.dp_size)
             return [self._to_device(m) for m in share.micro_batches(size, names)], None
         lengths = batch["prompt_lens"] + batch["response_lens"]
-        count_multiple = self.mesh.pp if self.mesh.vpp > 1 else 1
+        count_multiple = self.mesh.microbatch_multiple
         if self.rc.sequence_packing:
             packed = pack_shares(lengths, self.dp_size, budget, packed=True, count_multiple=count_multiple)
             multiple = self.mesh.tp if self.rc.parallel.sequence_parallel else 1
