@@ -71,3 +71,27 @@ def test_missing_model_path_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         open_hf_checkpoint(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("written_te", [True, False])
+def test_resuming_an_moe_checkpoint_under_the_other_layer_spec_is_refused_before_any_process(tmp_path, written_te):
+    """An MoE model's experts load only under the layer spec that wrote them (TE's ``TEGroupedMLP`` or the local
+    ``SequentialMLP``): ``check_run_folder`` refuses the resume naming ``actor.kernels.transformer_engine``, and
+    accepts the same spec (only the checkpoint's metadata is read)."""
+    from megarl.config import ConfigError, load_config, to_dict
+    from megarl.models import checkpoint as ck
+    from megarl.trainer.trainer import check_run_folder
+
+    base = [f"run.output_dir={tmp_path}", "run.name=moe", "model.path=preset:tiny-qwen3-moe", "trainer.steps=2",
+            "trainer.resume=true"]
+    then = load_config(None, base + [f"actor.kernels.transformer_engine={str(written_te).lower()}"])
+    step = tmp_path / "moe" / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+    meta = ck.model_meta(PRESETS["tiny-qwen3-moe"], torch.float32, None, use_te=written_te, step=1,
+                         optimizer_format="fully_reshardable", config=to_dict(then), critic_scheduler=None)
+    (step / ck.META_FILE).write_text(json.dumps(meta))
+    check_run_folder(then, 1)
+    with pytest.raises(ConfigError, match=r"trainer.resume: .* cannot be resumed with a changed "
+                                          r"actor.kernels.transformer_engine \(an MoE model's experts"):
+        check_run_folder(load_config(None, base + [f"actor.kernels.transformer_engine={str(not written_te).lower()}"]),
+                         1)

@@ -128,8 +128,8 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
     would load an older run's weights); a resumed run needs one, with fewer steps than ``trainer.steps``, that
     this run can load. A checkpoint resumes at any TP x PP x DP and placement (megatron-core's dist-checkpoint
     resharding, the optimizer state in its layout-free format); what cannot change is refused: the model's
-    dtype, a distributed optimizer for a plain one, the experts' EP (not resharded yet), a critic the
-    checkpoint lacks, a TP whose padded vocabulary differs, and any layout of a checkpoint written before that
+    dtype, a distributed optimizer for a plain one, the experts' EP (not resharded yet), an MoE model's layer
+    spec (TE's grouped experts or the local spec's sequential ones), a critic the checkpoint lacks, a TP whose padded vocabulary differs, and any layout of a checkpoint written before that
     format (``dp_reshardable``).
 
     Raises:
@@ -168,6 +168,9 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
                if _field(then, f) != _field(now, f) and (f != "critic.optim.distributed" or "critic" in then)]
     if cfg.algorithm.uses_critic and meta.get("critic_scheduler") is None:
         refused.append("algorithm.name (a critic the checkpoint does not hold)")
+    if ck.checkpoint_spec(newest).is_moe and ck.checkpoint_uses_te(newest) != cfg.actor.kernels.transformer_engine:
+        refused.append("actor.kernels.transformer_engine (an MoE model's experts load only under the layer spec "
+                       "that wrote them)")
     vocab = meta["hf_config"]["vocab_size"]
     for role in ("actor", "critic"):
         tp_then, tp_now = _field(then, f"{role}.parallel.tp"), _field(now, f"{role}.parallel.tp")
