@@ -706,7 +706,8 @@ class Trainer:
         return metrics
 
     def _log_samples(self, prompts, batch: RolloutBatch) -> None:
-        """Append the step's first ``trainer.log_samples`` responses to ``samples.jsonl`` (rank 0)."""
+        """Append the step's first ``trainer.log_samples`` responses to ``samples.jsonl`` (rank 0): prompt, response,
+        score, ground truth, ``length`` (response tokens), ``prompt_tokens``, policy version, finish reason."""
         k = min(self.cfg.trainer.log_samples, len(batch))
         if self.rank != 0 or k == 0:
             return
@@ -718,6 +719,7 @@ class Trainer:
                                     "response": batch.meta["response"][i], "score": float(batch["scores"][i]),
                                     "ground_truth": prompts.ground_truth[g],
                                     "length": int(batch["response_lens"][i]),
+                                    "prompt_tokens": int(batch["prompt_lens"][i]),
                                     "policy_version": batch.meta["policy_version"][i],
                                     "finish_reason": batch.meta["finish_reason"][i]}) + "\n")
 
