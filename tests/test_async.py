@@ -6,7 +6,7 @@ DP=2) into the engines on ranks 2-3, bitwise against the independent reference s
 ``tests/test_reshard_exact.py``, moving exactly the bytes the destination lacks within two staging buckets;
 ``trainer.mode=sync`` on split pools equal to the colocated run; ``trainer.mode=async`` (k = 1) learning the
 synthetic task with every sample's policy version recorded and its staleness at most k; an async run killed
-with SIGKILL and resumed.
+with SIGKILL and resumed; an async run given SIGUSR1 saved and ended, then resumed with checkpoints by time.
 """
 
 from __future__ import annotations
@@ -231,13 +231,48 @@ def test_async_one_step_off_learns_the_task_with_staleness_at_most_1_recorded_pe
     assert all(h["pool/train/busy_s"] > 0 for h in history)
 
 
+# the actor, reference and reward on rank 0, the rollout on rank 1
+SPLIT_2 = ["placement.pools.train=[0]", "placement.pools.gen=[1]", "placement.actor=train", "placement.reference=train",
+           "placement.reward=train", "placement.rollout=gen"]
+
+
+def _train_until_requeued(rank, world, overrides):
+    """:func:`train_on_rank` with SIGUSR1 watched as a job's rank watches it; ``"requeued"`` when the run saved
+    and ended on it."""
+    from megarl.parallel.restart import RequeueRequested, watch_requeue_signal
+
+    watch_requeue_signal()
+    try:
+        return train_on_rank(rank, world, overrides)
+    except RequeueRequested:
+        return "requeued"
+
+
+def test_async_run_saves_and_ends_on_sigusr1_and_checkpoints_by_time_on_resume(task, monkeypatch):
+    """Split pools, one step off: SIGUSR1 on rank 0 in step 2's update (what SLURM sends before the time
+    limit): both pools save step 2 and end to be requeued; the resumed run with ``trainer.save_every_min``
+    (and ``save_every=0``) checkpoints after every step."""
+    root, model, data = task
+    base = (task_overrides(model, data, root / "runs", "requeued") + STEPS2 + SPLIT_2 + ASYNC
+            + ["trainer.steps=4", "trainer.keep_checkpoints=4"])
+    run_dir = root / "runs" / "requeued"
+    monkeypatch.setenv("MEGARL_FAULT", "phase.actor_update@2:signal=USR1:0")
+    assert run_world(_train_until_requeued, 2, base) == ["requeued", "requeued"]
+    assert [h["step"] for h in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000002"]
+    monkeypatch.delenv("MEGARL_FAULT")
+    history = run_world(train_on_rank, 2, base + ["trainer.resume=true", "trainer.save_every_min=0.0001"])[0]
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == \
+        ["step_000002", "step_000003", "step_000004"]  # step 3 by time, step 4 the last
+
+
 def test_bench_step_runs_split_async_and_reports_each_pools_busy_and_idle_seconds(task):
     """``megarl bench step`` on 2 ranks: the actor on rank 0, the rollout on rank 1, one step off."""
     root, model, data = task
     out = root / "bench_async.json"
     args = [sys.executable, "-m", "megarl.cli", "bench", "step", *task_overrides(model, data, root / "runs", "bench"),
-            "placement.pools.train=[0]", "placement.pools.gen=[1]", "placement.actor=train",
-            "placement.reference=train", "placement.reward=train", "placement.rollout=gen", *ASYNC,
+            *SPLIT_2, *ASYNC,
             "data.prompts_per_step=4", "rollout.n=2", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=2",
             "--steps", "2", "--warmup", "0", "--json", str(out)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO)  # relaunched under torchrun

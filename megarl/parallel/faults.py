@@ -7,8 +7,9 @@ Set ``MEGARL_FAULT`` to one or more comma-separated ``POINT[@N]:ACTION[:RANK[:RE
             ``checkpoint.before_rename`` (every shard and ``megarl.json`` written, the directory still
             ``step_N.tmp``), ``checkpoint.saved`` (the checkpoint complete)
     N       act on the N-th time this process reaches the point (default 1)
-    ACTION  ``kill`` (SIGKILL itself, as ``kill -9`` would), ``sleep`` (stall for an hour) or ``sleep=S``
-            (pause S seconds)
+    ACTION  ``kill`` (SIGKILL itself, as ``kill -9`` would), ``sleep`` (stall for an hour), ``sleep=S``
+            (pause S seconds) or ``signal=NAME`` (send itself that signal, e.g. ``signal=USR1``: what SLURM's
+            ``--signal=USR1@S`` sends before a job's time limit)
     RANK    only on this global rank (default: every rank; ``*``: every rank)
     RESTART only in this attempt of a restarted run (0: the first; :func:`megarl.parallel.restart.
             restart_number`; default: every attempt)
@@ -49,5 +50,7 @@ def fault_point(name: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "sleep" or action.startswith("sleep="):
             time.sleep(float(action.partition("=")[2] or 3600))
+        elif action.startswith("signal="):
+            os.kill(os.getpid(), getattr(signal, "SIG" + action.partition("=")[2].upper()))
         else:
-            raise ValueError(f"{FAULT_ENV}: unknown action {action!r} in {entry!r}; use kill or sleep")
+            raise ValueError(f"{FAULT_ENV}: unknown action {action!r} in {entry!r}; use kill, sleep or signal=NAME")

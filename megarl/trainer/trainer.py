@@ -828,7 +828,11 @@ class Trainer:
     def fit_split(self, batches, steps: int | None = None):
         """The steps with the rollout on a pool of its own, up to ``steps`` (default ``trainer.steps``): both
         groups of ranks walk one :func:`~megarl.trainer.pipeline.schedule` (``trainer.mode``: sync is k = 0,
-        async k = ``trainer.max_staleness``), each doing its part of every event, and checkpoint where it says.
+        async k = ``trainer.max_staleness``), each doing its part of every event, and checkpoint where it says
+        (``trainer.save_every``, the last step) or where :meth:`_checkpoint_due` finds it due after a step (every
+        rank asks, both pools: ``trainer.save_every_min``, SIGUSR1). After a save on SIGUSR1 the run ends with
+        :class:`~megarl.parallel.restart.RequeueRequested`; the batches generated ahead (async) are lost with it
+        and generated again on resume, as after a crash.
 
         Args:
             batches: the prompt loader's iterator; the rollout ranks draw a batch when they generate it, the
@@ -837,6 +841,9 @@ class Trainer:
         Yields:
             ``(step, metrics)`` after each step's events (the metrics on the training ranks; ``{}`` on the
             rollout ranks), with ``step_idx`` advanced.
+
+        Raises:
+            RequeueRequested: after the checkpoint of a step during which a rank got SIGUSR1.
         """
         cfg, t = self.cfg, self.timer
         k = cfg.trainer.max_staleness if cfg.trainer.mode == "async" else 0
@@ -870,7 +877,15 @@ class Trainer:
                 elif e.kind == "save":  # after the step's timings (a colocated step's exclude it too)
                     metrics = self._split_step_metrics(metrics, trained, stats, busy, step_start)
                     self.save()
+            requeue = False
+            if steps is None:  # a world-wide meeting after every step: a save by time or on SIGUSR1
+                requeue, due = self._checkpoint_due()
+                if due and not any(e.kind == "save" for e in events):
+                    metrics = self._split_step_metrics(metrics, trained, stats, busy, step_start)
+                    self.save()
             yield step, self._split_step_metrics(metrics, trained, stats, busy, step_start)
+            if requeue and self.step_idx < end:
+                raise self._requeue_error()
 
     def _split_step_metrics(self, metrics: dict[str, Any], trained, stats, busy: dict[str, float],
                             step_start: float) -> dict[str, Any]:
@@ -894,6 +909,10 @@ class Trainer:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         requeue, by_time = bool(flags[0]), bool(flags[1])
         return requeue, self._save_due(self.step_idx) or by_time or requeue
+
+    def _requeue_error(self) -> RequeueRequested:
+        return RequeueRequested(f"saved {self.last_checkpoint} on SIGUSR1 (the job's time limit is near); a "
+                                "requeued job continues the run from it")
 
     def _validation_due(self) -> bool:
         return self.validation is not None and self.validation.due(self.step_idx, self.cfg.trainer.steps)
@@ -938,8 +957,7 @@ class Trainer:
                             self.save()
                             save_s = time.perf_counter() - start_save
                         if requeue and self.step_idx < cfg.trainer.steps:
-                            raise RequeueRequested(f"saved {self.last_checkpoint} on SIGUSR1 (the job's time limit is "
-                                                   "near); a requeued job continues the run from it")
+                            raise self._requeue_error()
         finally:
             logger.close()
         hf_path = None
