@@ -43,3 +43,40 @@ def test_smollm2_gguf_megatron_actor_answers_capital_of_france():
     assert (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads) == (30, 576, 9, 3)
     assert spec.tie_word_embeddings and spec.vocab_size == 49152
     assert "Paris" in answer, answer
+
+
+def test_a_gguf_files_config_and_tokenizer_are_read_once_then_from_the_cache(tmp_path, monkeypatch):
+    """The first read of a GGUF file's config and tokenizer fills ``$MEGARL_CACHE``; later reads come from it
+    and never open the file (here overwritten with zeros of the same size and modification time, which a real
+    read would reject), with the same config and the same token ids, specials and chat template; a file
+    modified since gets another cache folder."""
+    import os
+    import shutil
+
+    from megarl.models.hf_io import default_model_path, gguf_cache_dir, load_tokenizer, read_hf_config
+
+    monkeypatch.setenv("MEGARL_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    shutil.copy(default_model_path(), path)
+    config, tok = read_hf_config(path), load_tokenizer(path)
+    assert config["num_hidden_layers"] == 30 and "quantization_config" not in config
+    folder = gguf_cache_dir(path)
+    assert (folder / "config" / "config.json").is_file() and (folder / "tokenizer" / "tokenizer_config.json").is_file()
+
+    stat = path.stat()
+    path.write_bytes(bytes(stat.st_size))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert gguf_cache_dir(path) == folder
+    cached_config, cached_tok = read_hf_config(path), load_tokenizer(path)
+    assert cached_config == config
+    texts = ["Natalia sold clips to 48 of her friends in April. #### 72", "ça va? 12345 <|im_end|>", "\n\n  x"]
+    for text in texts:
+        assert cached_tok(text)["input_ids"] == tok(text)["input_ids"]
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert cached_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (cached_tok.eos_token_id, cached_tok.bos_token_id, cached_tok.pad_token_id, len(cached_tok)) == \
+        (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, len(tok))
+
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert gguf_cache_dir(path) != folder  # a changed file is read again

