@@ -8,6 +8,8 @@ what a fresh clone on the GPU machine has), with ``python3`` and ``bash`` replac
 ``python3 -m megarl.cli ...`` gets ``--check`` (``megarl data`` prepares data, not a config: skipped), inline
 Python that builds the synthetic task of :mod:`tests.rl_tasks` runs, and the rest (pytest, the post-processing
 of a run's metrics, kernel benchmarks) is skipped, as are ``perf/install_wheels.sh`` and ``perf/build_C.sh``.
+The Python that runs is served by one :mod:`tests.python_server` for the module (no interpreter start and no
+imports per call).
 """
 
 from __future__ import annotations
@@ -27,19 +29,32 @@ CASES = {"gpu_bench_step.sh": ["mfu-1.5b", "mem-0.5b", "grpo-1.5b", "grpo-1.5b-f
          "gpu_async.sh": ["colocated", "split-sync", "split-async"]}
 
 _STUBS = r'''
+_served() {  # python3 "$@" in the module's tests.python_server: its output, then its exit status
+  local req; req=$(mktemp -d "$MEGARL_CHECK_SERVER/call.XXXXXX")
+  printf '%s\0' "$@" > "$req/argv"; env -0 > "$req/env"; pwd > "$req/cwd"
+  [ "${1:-}" = "-" ] && cat > "$req/stdin"
+  echo "$req" > "$MEGARL_CHECK_SERVER/fifo"
+  local waited=0
+  while [ ! -f "$req/rc" ]; do
+    sleep 0.05; waited=$(( waited + 1 ))
+    [ $waited -gt 12000 ] && { echo "tests.python_server: no answer in 600 s"; return 1; }
+  done
+  cat "$req/out"
+  return "$(cat "$req/rc")"
+}
 python3() {
   if [ "${1:-}" = "-m" ] && [ "${2:-}" = "megarl.cli" ]; then
     shift 2
     [ "${1:-}" = "data" ] && return 0
     local rc=0
-    "$MEGARL_CHECK_PYTHON" -m megarl.cli "$@" --check || rc=$?
+    _served -m megarl.cli "$@" --check || rc=$?
     echo "$rc megarl $*" >> "$MEGARL_CHECK_LOG"
     return $rc
   elif [ "${1:-}" = "-c" ]; then
-    case "$2" in *tests.rl_tasks*) "$MEGARL_CHECK_PYTHON" "$@" ;; *) return 0 ;; esac
+    case "$2" in *tests.rl_tasks*) _served "$@" ;; *) return 0 ;; esac
   elif [ "${1:-}" = "-" ]; then
     local code; code=$(cat)
-    case "$code" in *tests.rl_tasks*) "$MEGARL_CHECK_PYTHON" "$@" <<< "$code" ;; *) return 0 ;; esac
+    case "$code" in *tests.rl_tasks*) _served "$@" <<< "$code" ;; *) return 0 ;; esac
   else
     return 0
   fi
@@ -48,13 +63,25 @@ bash() {
   case "${1:-}" in perf/install_wheels.sh|perf/build_C.sh) return 0 ;; esac
   command bash "$@"
 }
-export -f python3 bash
+export -f _served python3 bash
 '''
 
 
 @pytest.fixture(scope="module")
-def checkout(tmp_path_factory):
-    """The checkout's tracked top-level entries, linked into a fresh folder (no data/, runs/, .venv)."""
+def python_server(tmp_path_factory):
+    """A :mod:`tests.python_server` for the module: its folder (with the FIFO ``fifo``) for ``_served``."""
+    folder = tmp_path_factory.mktemp("python_server")
+    os.mkfifo(folder / "fifo")
+    server = subprocess.Popen([sys.executable, "-m", "tests.python_server", str(folder / "fifo")], cwd=REPO)
+    yield folder
+    server.kill()
+    server.wait()
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory, python_server):
+    """The checkout's tracked top-level entries, linked into a fresh folder (no data/, runs/, .venv), and the
+    module's Python server."""
     root = tmp_path_factory.mktemp("checkout")
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     for name in sorted({line.split("/")[0] for line in tracked.splitlines()}):
@@ -63,17 +90,17 @@ def checkout(tmp_path_factory):
     (root / "megarl").symlink_to(REPO / "megarl")  # with its built extension
     gsm8k = tmp_path_factory.mktemp("gsm8k")
     (gsm8k / "train.jsonl").write_text("")
-    return root, gsm8k
+    return root, gsm8k, python_server
 
 
 def _run_script(checkout, name: str, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
-    root, gsm8k = checkout
+    root, gsm8k, server = checkout
     out = root / "out" / f"{name}{'-' + args[0] if args else ''}"
     out.mkdir(parents=True)
     log = out / "megarl_commands.txt"
     from megarl.models.hf_io import default_model_path
 
-    env = {**os.environ, "OUT": str(out), "MEGARL_CHECK_LOG": str(log), "MEGARL_CHECK_PYTHON": sys.executable,
+    env = {**os.environ, "OUT": str(out), "MEGARL_CHECK_LOG": str(log), "MEGARL_CHECK_SERVER": str(server),
            "SMOL_GGUF": str(default_model_path()),
            "GSM8K_DIR": str(gsm8k)}
     command = f"{_STUBS}\ncommand bash perf/{name} " + " ".join(args)
