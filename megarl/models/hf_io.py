@@ -80,8 +80,8 @@ def gguf_cache_dir(path: Path) -> Path:
     :data:`_GGUF_CACHE_FORMAT`, so a changed file, library or reading reads the file again."""
     root = os.environ.get("MEGARL_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() \
         / "megarl"
-    st = path.stat()
-    key = f"{_GGUF_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{importlib.metadata.version('transformers')}"
+    st, transformers = path.stat(), importlib.metadata.version("transformers")
+    key = f"{_GGUF_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers}"
     return Path(root) / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
