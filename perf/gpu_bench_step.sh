@@ -60,14 +60,7 @@ case $CASE in
   grpo-1.5b-fast) set -- model.path=preset:qwen2.5-1.5b "${SYN[@]}" $GRPO rollout.enforce_eager=false \
               actor.micro_batch_size=32 actor.logprob_micro_batch_size=64 "$@" --steps 3 --warmup 1 \
               --standalone-vllm ;;
-  smollm2) GSM8K_DIR=${GSM8K_DIR:-/tmp/gsm8k}; SMOL_GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
-           if [ ! -f "$SMOL_GGUF" ] && [ -f /tmp/smol.gguf.part-aa ] && [ -f /tmp/smol.gguf.part-ab ]; then
-             cat /tmp/smol.gguf.part-aa /tmp/smol.gguf.part-ab > "$SMOL_GGUF"  # the two uploads of .gpu/smol
-           fi
-           [ -f "$GSM8K_DIR/train.jsonl" ] || [ ! -f .gpu/smol/p2/gsm8k/train.jsonl ] || GSM8K_DIR=$PWD/.gpu/smol/p2/gsm8k
-           [ -f "$SMOL_GGUF" ] || { echo "no $SMOL_GGUF: upload the SmolLM2 GGUF (GPU.md) or set SMOL_GGUF"; exit 1; }
-           [ -f "$GSM8K_DIR/train.jsonl" ] || { echo "no $GSM8K_DIR/train.jsonl: carry GSM8K or set GSM8K_DIR"; exit 1; }
-           export SMOL_GGUF
+  smollm2) source perf/gpu_smollm2_gsm8k.sh  # SMOL_GGUF, GSM8K_DIR
            set -- parallel_configs/gpu_1xh200_smollm2_gsm8k.yaml data.gsm8k_source="$GSM8K_DIR" \
               "data.train_files=[$OUT/gsm8k/train.parquet]" trainer.progress=false run.output_dir="$OUT" \
               run.name="$CASE" "$@" --steps 3 --warmup 1 --standalone-vllm ;;

@@ -22,15 +22,8 @@ cd "$(dirname "$0")/.."
 source perf/gpu_lib.sh  # begin, stage, finish
 begin gpu_packing 570
 
-GSM8K_DIR=${GSM8K_DIR:-/tmp/gsm8k}
-SMOL_GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
-if [ ! -f "$SMOL_GGUF" ] && [ -f /tmp/smol.gguf.part-aa ] && [ -f /tmp/smol.gguf.part-ab ]; then
-  cat /tmp/smol.gguf.part-aa /tmp/smol.gguf.part-ab > "$SMOL_GGUF"  # the two uploads of .gpu/smol
-fi
-[ -f "$GSM8K_DIR/train.jsonl" ] || [ ! -f .gpu/smol/p2/gsm8k/train.jsonl ] || GSM8K_DIR=$PWD/.gpu/smol/p2/gsm8k
-[ -f "$SMOL_GGUF" ] || { echo "no $SMOL_GGUF: upload the SmolLM2 GGUF (GPU.md) or set SMOL_GGUF"; exit 1; }
-[ -f "$GSM8K_DIR/train.jsonl" ] || { echo "no $GSM8K_DIR/train.jsonl: carry GSM8K or set GSM8K_DIR"; exit 1; }
-export SMOL_GGUF GSM8K_DIR RUNS=/tmp/runs DATA=/tmp/data/gsm8k
+source perf/gpu_smollm2_gsm8k.sh  # SMOL_GGUF, GSM8K_DIR
+export RUNS=/tmp/runs DATA=/tmp/data/gsm8k
 
 install_wheels() {
   bash perf/install_wheels.sh
