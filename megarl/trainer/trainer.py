@@ -853,6 +853,7 @@ class Trainer:
         for step, events in schedule(self.step_idx, end, k, lambda s: steps is None and self._save_due(s)):
             step_start = time.perf_counter()
             busy, stats, metrics, trained = {"train": 0.0, "rollout": 0.0}, None, {}, None
+            save = False
             for e in events:
                 if e.kind == "reshard":
                     with t("reshard"):
@@ -874,15 +875,15 @@ class Trainer:
                         busy["train"] = time.perf_counter() - start
                         trained = (batch, out)
                     self.step_idx = e.step
-                elif e.kind == "save":  # after the step's timings (a colocated step's exclude it too)
-                    metrics = self._split_step_metrics(metrics, trained, stats, busy, step_start)
-                    self.save()
+                elif e.kind == "save":  # the step's last event
+                    save = True
             requeue = False
             if steps is None:  # a world-wide meeting after every step: a save by time or on SIGUSR1
                 requeue, due = self._checkpoint_due()
-                if due and not any(e.kind == "save" for e in events):
-                    metrics = self._split_step_metrics(metrics, trained, stats, busy, step_start)
-                    self.save()
+                save = save or due
+            if save:  # after the step's timings (a colocated step's exclude it too)
+                metrics = self._split_step_metrics(metrics, trained, stats, busy, step_start)
+                self.save()
             yield step, self._split_step_metrics(metrics, trained, stats, busy, step_start)
             if requeue and self.step_idx < end:
                 raise self._requeue_error()
