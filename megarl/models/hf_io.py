@@ -108,11 +108,11 @@ def read_hf_config(path: str | os.PathLike | None) -> dict:
     """
     p = resolve_model_path(path)
     if p.is_file() and p.suffix == ".gguf":
-        from transformers import AutoConfig
-
         cached = gguf_cache_dir(p) / "config"
         if (cached / "config.json").is_file():
             return json.loads((cached / "config.json").read_text())
+        from transformers import AutoConfig
+
         moe = _gguf_moe_config(p)  # a Mixtral file is refused before transformers reads it
         cfg = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
         cfg.pop("quantization_config", None)
