@@ -67,8 +67,12 @@ def run_call(req: Path) -> int:
 
 
 def serve(fifo: Path) -> None:
-    """Run the calls whose folders arrive as lines on ``fifo``, until the process is ended."""
+    """Run the calls whose folders arrive as lines on ``fifo``, until the process or its parent (the test run,
+    SIGKILL included) is ended."""
     import megarl.cli  # noqa: F401 (imported once, before the first call)
+    from megarl.parallel.lifecycle import exit_with_parent
+
+    exit_with_parent(os.getppid())
 
     while True:
         with open(fifo) as lines:  # blocks until a caller opens it; EOF when it closes
