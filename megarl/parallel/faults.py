@@ -50,7 +50,8 @@ def fault_point(name: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "sleep" or action.startswith("sleep="):
             time.sleep(float(action.partition("=")[2] or 3600))
-        elif action.startswith("signal="):
-            os.kill(os.getpid(), getattr(signal, "SIG" + action.partition("=")[2].upper()))
+        elif action.startswith("signal=") and hasattr(signal, sig := "SIG" + action.partition("=")[2].upper()):
+            os.kill(os.getpid(), getattr(signal, sig))
         else:
-            raise ValueError(f"{FAULT_ENV}: unknown action {action!r} in {entry!r}; use kill, sleep or signal=NAME")
+            raise ValueError(f"{FAULT_ENV}: unknown action {action!r} in {entry!r}; use kill, sleep or signal=NAME "
+                             "(a signal name, e.g. USR1)")
