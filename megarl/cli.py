@@ -110,7 +110,7 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
 
     Raises:
         ConfigError: from :func:`~megarl.trainer.preflight.preflight`, naming the field, or from
-            :func:`~megarl.trainer.trainer.check_run_folder`, before any process starts.
+            :func:`~megarl.trainer.checkpointing.check_run_folder`, before any process starts.
         RunLockedError: with ``run_folder``, another run owns the folder.
     """
     if is_rank():
@@ -120,7 +120,7 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
     preflight(cfg, cfg.world_size)  # first: a config error is named even while another run owns the folder
     if run_folder:
         from megarl.trainer.run_lock import check_free
-        from megarl.trainer.trainer import check_run_folder
+        from megarl.trainer.checkpointing import check_run_folder
 
         check_free(cfg.run.run_dir)  # another run owns the folder
         check_run_folder(cfg, cfg.world_size)  # an earlier run's checkpoints, none to resume, a finished run

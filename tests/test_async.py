@@ -125,7 +125,7 @@ def _reshard_across_pools(rank: int, world: int) -> dict:
     from megarl.reshard.executor import execute_plan
     from megarl.reshard.planner import plan_reshard
     from megarl.rollout.hf_engine import HFRolloutEngine
-    from megarl.trainer.trainer import rollout_layout
+    from megarl.trainer.builders import rollout_layout
 
     init_distributed()
     actor, pool = [0, 1], [2, 3]

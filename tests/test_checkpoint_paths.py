@@ -85,7 +85,7 @@ def test_eos_from_both_configs_or_the_tokenizer_or_an_error_naming_the_fix():
     from types import SimpleNamespace
 
     from megarl.config import ConfigError
-    from megarl.trainer.trainer import resolve_eos
+    from megarl.trainer.builders import resolve_eos
 
     tok = SimpleNamespace(eos_token_id=7, eos_token="</s>")
     llama3 = PRESETS["smollm2-135m"].replace(eos_token_ids=(128001,))  # config.json: <|end_of_text|> only

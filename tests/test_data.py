@@ -296,7 +296,7 @@ def _prepare_on_rank(rank, world_size, src, out):
     import time
 
     from megarl.config import load_config
-    from megarl.trainer.trainer import prepare_data
+    from megarl.trainer.builders import prepare_data
 
     files = [str(out / "train.parquet"), str(out / "test.parquet")]
     cfg = load_config(None, [f"data.gsm8k_source={src}", "data.prepare=gsm8k"])

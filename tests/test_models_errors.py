@@ -80,7 +80,7 @@ def test_resuming_an_moe_checkpoint_under_the_other_layer_spec_is_refused_before
     accepts the same spec (only the checkpoint's metadata is read)."""
     from megarl.config import ConfigError, load_config, to_dict
     from megarl.models import checkpoint as ck
-    from megarl.trainer.trainer import check_run_folder
+    from megarl.trainer.checkpointing import check_run_folder
 
     base = [f"run.output_dir={tmp_path}", "run.name=moe", "model.path=preset:tiny-qwen3-moe", "trainer.steps=2",
             "trainer.resume=true"]

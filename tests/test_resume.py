@@ -68,13 +68,16 @@ def _train_then_optimizer(rank, world, overrides):
     param groups' weight decay at the end (rank 0)."""
     from megarl.config import load_config
     from megarl.trainer.metrics import read_metrics
-    from megarl.trainer.trainer import Trainer, check_run_folder, seed_all
+    from megarl.trainer.builders import seed_all
+    from megarl.trainer.checkpointing import check_run_folder
+    from megarl.trainer.loop import fit
+    from megarl.trainer.trainer import Trainer
 
     cfg = load_config(None, overrides)
     seed_all(cfg.run.seed)
     check_run_folder(cfg, world)
     trainer = Trainer(cfg)
-    trainer.fit()
+    fit(trainer)
     groups = trainer.actor.optimizer.param_groups
     return read_metrics(cfg.run.run_dir / "metrics.jsonl"), sorted({g["weight_decay"] for g in groups})
 
@@ -115,7 +118,7 @@ def test_an_extended_run_with_changed_optimizer_settings_follows_the_current_con
                                              "actor.optim.weight_decay": [0.0, 0.1], "trainer.steps": [2, 4]}
 
     from megarl.config import ConfigError, load_config
-    from megarl.trainer.trainer import check_run_folder
+    from megarl.trainer.checkpointing import check_run_folder
 
     with pytest.raises(ConfigError, match=r"trainer.steps: the run in .* has finished its 4 steps .*"
                                           r"--resume trainer.steps=8"):

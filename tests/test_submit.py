@@ -113,6 +113,18 @@ def test_a_job_that_does_not_fit_the_config_fails_before_submitting(args, flags,
     assert not any(tmp_path.iterdir())  # no run folder, no script
 
 
+def test_a_dry_run_without_model_path_names_the_variable(capsys, monkeypatch):
+    """Issue 33 item 11: the README's ``submit ... --dry-run`` example on a GPU config with ``MODEL_PATH`` unset
+    fails at the model check, and the error says to set ``MODEL_PATH`` (the config's default path does not
+    exist here)."""
+    monkeypatch.delenv("MODEL_PATH", raising=False)
+    rc, _, err = _submit_here(["parallel_configs/gpu_64xh200_qwen2.5-7b.yaml", "--nodes", "8", "--gpus-per-node",
+                               "8", "--partition", "batch", "--time", "04:00:00", "--dry-run"], capsys, monkeypatch)
+    assert rc == 2, err
+    assert "model.path: model path '/models/Qwen2.5-7B-Instruct' does not exist" in err, err
+    assert "export MODEL_PATH=DIR" in err, err
+
+
 def test_a_launch_whose_world_does_not_match_fails_before_any_model():
     """``megarl train`` started by srun with a task count its mesh cannot use stops at the config check."""
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "MASTER_ADDR": "127.0.0.1",

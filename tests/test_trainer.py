@@ -89,7 +89,7 @@ def test_a_run_folder_with_checkpoints_takes_only_its_own_run_resumed_at_its_lay
     loaded the older weights), and so is a resume that changes what cannot change (the model's dtype); both
     before any process starts. Another layout or placement is accepted (tests/test_resume.py resumes them)."""
     from megarl.config import ConfigError, load_config
-    from megarl.trainer.trainer import check_run_folder
+    from megarl.trainer.checkpointing import check_run_folder
 
     root, model, data = task
     base = task_overrides(model, data, root / "runs", "owned") + RESUME + ["trainer.steps=1"]

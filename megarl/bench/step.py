@@ -116,7 +116,8 @@ def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.Path
 def _measure(cfg: Config, steps: int, warmup: int, sample_interval_s: float, *, record: bool) -> dict[str, Any]:
     """Build the trainer, run the steps, and return what the report needs (the trainer is dropped on return,
     so that its GPU memory can be given back)."""
-    from megarl.trainer.trainer import Trainer, seed_all
+    from megarl.trainer.builders import seed_all
+    from megarl.trainer.trainer import Trainer
 
     seed_all(cfg.run.seed)  # as megarl train: every DP replica starts from the same random weights
     trainer = Trainer(cfg)
@@ -139,14 +140,15 @@ def _measure(cfg: Config, steps: int, warmup: int, sample_interval_s: float, *, 
 def _measure_split(trainer, steps: int, warmup: int, sample_interval_s: float, *, record: bool
                    ) -> dict[str, Any]:
     """:func:`_measure` with the rollout on a pool of its own (``trainer.mode`` sync or async,
-    :meth:`~megarl.trainer.trainer.Trainer.fit_split`): the training ranks' metrics, shared with every rank."""
+    :func:`~megarl.trainer.loop.fit_split`): the training ranks' metrics, shared with every rank."""
     from megarl.config import ConfigError
     from megarl.parallel.placement import share_object
+    from megarl.trainer.loop import fit_split
 
     if record:
         raise ConfigError("--standalone-vllm regenerates rank 0's rollout calls, but with placement.rollout on a "
                           "pool of its own rank 0 generates nothing; leave it out or use placement.rollout=all")
-    pipeline = trainer.fit_split(iter(trainer.loader), steps=warmup + steps)
+    pipeline = fit_split(trainer, iter(trainer.loader), steps=warmup + steps)
     for _ in range(warmup):
         next(pipeline)
     with UtilizationSampler(sample_interval_s) as sampler:

@@ -319,7 +319,7 @@ def run(a: argparse.Namespace) -> int:
         print(script, end="")
         return 0
     run_dir = Path(cwd) / cfg.run.run_dir
-    from megarl.trainer.trainer import check_run_folder
+    from megarl.trainer.checkpointing import check_run_folder
 
     check_run_folder(cfg, shape.world_size)  # before the queue: no checkpoint to resume, a finished run, ...
     if a.resume:

@@ -35,7 +35,7 @@ from megarl.rewards.registry import load_reward_fn
 from megarl.rollout.base import RolloutEngine, WriteFn, state_dict_writer
 from megarl.rollout.data_parallel import rollout_dp_group
 from megarl.trainer.preflight import check_files, tokenizer_source
-from megarl.trainer.trainer import load_validation, make_engine, resolve_eos
+from megarl.trainer.builders import load_validation, make_engine, resolve_eos
 from megarl.trainer.validation import append_samples, score_data_parallel
 
 

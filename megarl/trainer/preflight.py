@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import inspect
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -55,7 +56,11 @@ def _model_source(cfg: Config) -> tuple[ModelSpec, str | None]:
     try:
         spec, _, tokenizer = source_spec(None if cfg.model.path == "default" else cfg.model.path)
     except (FileNotFoundError, SpecError) as e:
-        raise ConfigError(f"model.path: {e}") from None
+        hint = ""
+        if isinstance(e, FileNotFoundError) and "MODEL_PATH" not in os.environ:  # the GPU configs' default
+            hint = ("; the GPU configs read model.path from $MODEL_PATH, which is not set: export MODEL_PATH=DIR "
+                    "(a local Hugging Face directory) or give model.path=...")
+        raise ConfigError(f"model.path: {e}{hint}") from None
     return spec, tokenizer
 
 

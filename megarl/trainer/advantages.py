@@ -1,0 +1,82 @@
+"""From a scored rollout batch to what the losses read: DAPO's overlong reward shaping, the token rewards with
+the KL penalty where it is in the reward, the advantages and returns of ``algorithm.name``, and the loss mask
+(the response tokens that enter the actor's loss, with the rollout correction's weights).
+
+Each function reads the config's ``algorithm`` section and extends the :class:`~megarl.trainer.batch.RolloutBatch`
+in place; the estimators, KL estimators and corrections themselves are the pure tensor functions of
+:mod:`megarl.algos` (chosen through its registries: nothing here names an algorithm).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megarl.algos.aggregation import masked_mean
+from megarl.algos.kl import apply_kl_penalty, kl_penalty
+from megarl.algos.registry import ADVANTAGES
+from megarl.algos.rollout_correction import rollout_correction
+from megarl.algos.shaping import overlong_penalty
+from megarl.config import AlgorithmConfig
+from megarl.trainer.batch import RolloutBatch
+
+
+def shape_rewards(batch: RolloutBatch, alg: AlgorithmConfig, max_new_tokens: int) -> None:
+    """``batch["overlong_penalty"]`` ``[B]`` float32: DAPO's overlong penalty (``algorithm.overlong``,
+    :func:`~megarl.algos.shaping.overlong_penalty`) of responses near ``max_new_tokens``, added to the scores by
+    :func:`compute_advantages`; nothing when ``algorithm.overlong.buffer_tokens`` is 0."""
+    ov = alg.overlong
+    if ov.buffer_tokens:
+        batch["overlong_penalty"] = overlong_penalty(batch["response_lens"], max_length=max_new_tokens,
+                                                     cache_length=ov.buffer_tokens, factor=ov.penalty_factor)
+
+
+def compute_advantages(batch: RolloutBatch, alg: AlgorithmConfig, kl_ctl) -> dict[str, float]:
+    """``batch["advantages"]`` and ``batch["returns"]`` ``[B, T]`` float32 of the ``algorithm.name`` estimator
+    over the token rewards: ``batch["scores"]`` ``[B]`` (plus the overlong penalty), with the KL penalty to the
+    reference (``batch["ref_logprobs"]``) in the reward when ``algorithm.kl.in_loss`` is false, its coefficient
+    from ``kl_ctl`` (a fixed or adaptive KL controller, updated here). Returns ``actor/kl``, ``actor/kl_coef``,
+    ``reward/overlong_penalty_mean`` and ``advantages/mean`` where they apply."""
+    mask = batch["response_mask"]
+    metrics = {}
+    rewards = batch["scores"] + batch["overlong_penalty"] if "overlong_penalty" in batch else batch["scores"]
+    if "overlong_penalty" in batch:
+        metrics["reward/overlong_penalty_mean"] = batch["overlong_penalty"].mean().item()
+    if "ref_logprobs" in batch:
+        kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], alg.kl.estimator)
+        metrics["actor/kl"] = masked_mean(kl, mask.bool()).item()
+        if not alg.kl.in_loss:
+            rewards, mean_kl = apply_kl_penalty(rewards, batch["old_logprobs"], batch["ref_logprobs"], mask,
+                                                coef=kl_ctl.value, kind=alg.kl.estimator)
+            kl_ctl.update(float(mean_kl), len(batch))
+        metrics["actor/kl_coef"] = kl_ctl.value
+    estimator = ADVANTAGES.bind(alg.name, alg)  # with its parameters from the config
+    adv, ret = estimator(rewards, mask, values=batch.tensors.get("values"), group_index=batch["group"])
+    batch["advantages"], batch["returns"] = adv, ret
+    metrics["advantages/mean"] = masked_mean(adv, mask.bool()).item()
+    return metrics
+
+
+def set_loss_mask(batch: RolloutBatch, alg: AlgorithmConfig) -> dict[str, float]:
+    """``batch["loss_mask"]`` ``[B, T]`` float32 (the tokens in the actor's loss): the response mask without the
+    responses cut at the limit (``algorithm.overlong.filter``) and without what the rollout correction masks;
+    and ``batch["rollout_weights"]`` ``[B, T]`` when it truncates (TIS). Returns the ``rollout_corr/...``
+    metrics (also with the correction off: the token ratios' statistics) and ``response/overlong_filtered``."""
+    mask = batch["response_mask"].bool()
+    metrics = {}
+    if alg.overlong.filter:
+        cut = torch.tensor([r == "length" for r in batch.meta["finish_reason"]], dtype=torch.bool)
+        mask = mask & ~cut[:, None]
+        metrics["response/overlong_filtered"] = float(cut.float().mean()) if len(cut) else 0.0
+    rc = alg.rollout_correction
+    level, mode, cap, lower = rc.settings() if rc.enabled else ("token", "truncate", math.inf, 0.0)
+    weights, keep, stats = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], mask,
+                                              level=level, mode=mode, cap=cap, lower=lower)
+    metrics.update({f"rollout_corr/{k}": v.item() for k, v in stats.items()})
+    if rc.enabled:
+        mask = keep
+        if mode == "truncate":
+            batch["rollout_weights"] = weights
+    batch["loss_mask"] = mask.float()
+    return metrics

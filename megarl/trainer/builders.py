@@ -1,0 +1,119 @@
+"""What a run is built from, on every rank: its data (prepared when missing), prompts, EOS tokens, validation,
+rollout engine and the engines' weight layout, and the RNG seeds (torchtitan-style builders: each a short
+function of the config, called by :class:`~megarl.trainer.trainer.Trainer` and :mod:`megarl.trainer.evaluate`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.config import Config, ConfigError
+from megarl.data.dataset import PromptDataset
+from megarl.models.layout import Layout, hf_layout, vllm_layout
+from megarl.models.spec import ModelSpec
+from megarl.trainer.preflight import check_files, prepare_files, read_prompts
+from megarl.trainer.validation import Validation
+
+log = logging.getLogger(__name__)
+
+
+def prepare_data(cfg: Config, files: list[str], field: str = "data.train_files") -> list[str]:
+    """Data files (``field`` of the config), prepared first when missing and ``data.prepare`` makes them
+    (:func:`~megarl.trainer.preflight.prepare_files`; ``megarl train`` has done so before any rank started).
+
+    Raises:
+        ConfigError: a missing file and nothing to prepare it from.
+    """
+    check_files(cfg, field, files)
+    # Rank 0 alone looks and prepares; every rank then waits at the barrier. (A rank that looked for itself and
+    # found the files rank 0 had just written skipped the barrier that rank 0 then waited at forever.)
+    if dist.get_rank() == 0:
+        prepare_files(cfg, files)
+    dist.barrier()
+    still = [f for f in files if not Path(f).is_file()]
+    if still:
+        raise ConfigError(f"{field}: {still} still missing after preparing GSM8K into {Path(still[0]).parent}")
+    return list(files)
+
+
+def load_prompts(cfg: Config, tokenizer, files: list[str] | None = None,
+                 field: str = "data.train_files") -> PromptDataset:
+    """Tokenised, templated, length-filtered prompts of ``files`` (default: the train files;
+    :func:`~megarl.trainer.preflight.read_prompts`)."""
+    return read_prompts(cfg, tokenizer, prepare_data(cfg, list(cfg.data.train_files if files is None else files),
+                                                     field), field)
+
+
+def resolve_eos(spec: ModelSpec, tokenizer, source: str, generation_config: dict | None = None) -> ModelSpec:
+    """``spec`` with every token that ends a response: the config's EOS ids, then those of the model's
+    ``generation_config.json`` that the config lacks (Llama-3-Instruct ends a chat turn with ``<|eot_id|>``,
+    named only there; vLLM and ``generate`` stop at both too); where neither names one (``eos_token_id: null``,
+    a checkpoint saved without generation settings), the tokenizer's EOS, said in a warning.
+
+    Raises:
+        ConfigError: naming ``model.path`` and the fix, when neither the configs nor the tokenizer names one.
+    """
+    extra = (generation_config or {}).get("eos_token_id")
+    extra = [extra] if isinstance(extra, int) else list(extra or [])
+    ids = tuple(dict.fromkeys([*spec.eos_token_ids, *(int(i) for i in extra)]))
+    if ids:
+        return spec.replace(eos_token_ids=ids) if ids != spec.eos_token_ids else spec
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ConfigError(f"model.path: neither the config of {source} (eos_token_id: null) nor its tokenizer "
+                          "names an end-of-sequence token, so responses could not end; set eos_token_id in its "
+                          "config.json or eos_token in its tokenizer_config.json")
+    log.warning("the config of %s has no eos_token_id: responses end at the tokenizer's EOS %r (id %d)", source,
+                tokenizer.eos_token, eos)
+    return spec.replace(eos_token_ids=(int(eos),))
+
+
+
+def load_validation(cfg: Config, tokenizer, score, spec) -> Validation:
+    """The held-out evaluation of ``cfg.validation``, its prompts templated and filtered like the training
+    prompts (:func:`load_prompts`), scored by ``score(prompts, responses, ground_truths) -> [B] scores``."""
+    return Validation(cfg.validation, load_prompts(cfg, tokenizer, cfg.validation.files, "validation.files"),
+                      score=score, tokenizer=tokenizer, seed=cfg.run.seed,
+                      max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=tuple(spec.eos_token_ids))
+
+
+def make_engine(cfg: Config, spec):
+    """The rollout engine of ``rollout.engine``, without weights: transformers on this rank's CPU, or vLLM on
+    its GPU (the trainer builds it after the Megatron roles, so its memory budget sees them on the GPU; its
+    weights arrive by reshard from the actor's GPU shards). vLLM engines of ``rollout.tp`` consecutive ranks
+    each; prompts are split over the rollout data-parallel group
+    (:func:`~megarl.rollout.data_parallel.rollout_dp_group`).
+    """
+    r = cfg.rollout
+    if r.engine == "hf":
+        from megarl.rollout.hf_engine import HFRolloutEngine
+
+        return HFRolloutEngine(spec, max_batch_size=r.max_batch_size)
+    from megarl.rollout.vllm_engine import VLLMRolloutEngine
+
+    return VLLMRolloutEngine(spec, tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization,
+                             enforce_eager=r.enforce_eager, max_model_len=r.max_model_len, seed=cfg.run.seed)
+
+
+def rollout_layout(cfg: Config, spec: ModelSpec, ranks) -> Layout:
+    """The engines' weight layout on the rollout pool's ``ranks`` (what the reshard writes), known on every
+    rank, engine or not: whole HF tensors for transformers (experts fused, as
+    :meth:`~megarl.rollout.hf_engine.HFRolloutEngine.weight_layout` holds them), vLLM's TP shards of ``rollout.tp``."""
+    if cfg.rollout.engine == "hf":
+        return hf_layout(spec, ranks, fused_experts=True)
+    return vllm_layout(spec, cfg.rollout.tp, ranks)
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global RNGs alike on every rank (CPU-initialised random weights
+    and the data order read them), before the :class:`Trainer` is built."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+

@@ -1,0 +1,208 @@
+"""A run's checkpoints: what the run folder allows (:func:`check_run_folder`, before any rank starts), saving the
+trainer's state (:func:`save`) and resuming it (:func:`resume`), and what a resumed run changed
+(:func:`config_changes`); ``trainer`` is the run's :class:`~megarl.trainer.trainer.Trainer`.
+
+A checkpoint (``runs/<name>/checkpoints/step_N``, :mod:`megarl.models.checkpoint` writes it atomically) holds a
+megatron dist checkpoint of the trained roles (the actor and its optimizer, the critic), the LR schedules, the
+data position, the KL controller, the policy version and every rank's RNG states. The optimizer state is in
+megatron-core's layout-free format, so a run resumes at any TP x PP x DP and placement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.config import Config, ConfigError, to_dict
+from megarl.models import checkpoint as ck
+from megarl.models.megatron import padded_vocab_size
+from megarl.parallel.lifecycle import phase
+from megarl.parallel.placement import share_object
+from megarl.trainer.workers import LEGACY_OPTIMIZER_FORMAT, OPTIMIZER_FORMAT
+
+log = logging.getLogger(__name__)
+
+
+def check_run_folder(cfg: Config, world_size: int) -> None:
+    """What the run folder's checkpoints allow: a new run needs a folder without any (else a later ``--resume``
+    would load an older run's weights); a resumed run needs one, with fewer steps than ``trainer.steps``, that
+    this run can load. A checkpoint resumes at any TP x PP x DP and placement (megatron-core's dist-checkpoint
+    resharding, the optimizer state in its layout-free format); what cannot change is refused: the model's
+    dtype, a distributed optimizer for a plain one, the experts' EP (not resharded yet), an MoE model's layer
+    spec (TE's grouped experts or the local spec's sequential ones), a critic the checkpoint lacks, a TP whose padded vocabulary differs, and any layout of a checkpoint written before that
+    format (``dp_reshardable``).
+
+    Raises:
+        ConfigError: naming ``run.name`` (a new run on an earlier run's checkpoints), ``trainer.resume`` (no
+            checkpoint), ``trainer.steps`` (the run has finished) or the field that cannot change, with the fix.
+    """
+    found = ck.run_checkpoints(cfg.run.run_dir)
+    if not cfg.trainer.resume:
+        if found:
+            raise ConfigError(f"run.name: the run folder {cfg.run.run_dir} holds checkpoints of an earlier run "
+                              f"(newest {found[-1].name}); continue that run with --resume (trainer.resume=true), "
+                              "or start this one under another run.name (or delete the folder)")
+        return
+    if not found:
+        raise ConfigError(f"trainer.resume: the run folder {cfg.run.run_dir} holds no checkpoint to resume from; "
+                          "start the run without --resume, or check run.name and run.output_dir")
+    newest = found[-1]
+    done = int(newest.name.removeprefix(ck.CHECKPOINT_PREFIX))
+    if done >= cfg.trainer.steps:
+        raise ConfigError(f"trainer.steps: the run in {cfg.run.run_dir} has finished its {done} steps (newest "
+                          f"checkpoint {newest.name}); to train on, raise trainer.steps (e.g. --resume "
+                          f"trainer.steps={done + cfg.trainer.steps})")
+    meta = ck.read_meta(newest)
+    then, now = meta.get("config") or {}, to_dict(cfg)
+    if meta.get("optimizer_format") is None:  # written before the reshardable format: its own layout only
+        before = _layout_record(then, meta.get("world_size"))
+        after = _layout_record(now, world_size)
+        if before != after:
+            changed = ", ".join(f"{k} {before.get(k)} -> {after.get(k)}" for k in after
+                                if before.get(k) != after.get(k))
+            raise ConfigError(f"trainer.resume: {newest} was written by an earlier megarl at another layout "
+                              f"({changed}) in an optimizer format that does not reshard: resume with the layout "
+                              f"it was written at, or start a new run from its weights alone (model.path={newest})")
+        return
+    refused = [f for f in ("model.dtype", "actor.optim.distributed", "critic.optim.distributed", "actor.parallel.ep")
+               if _field(then, f) != _field(now, f) and (f != "critic.optim.distributed" or "critic" in then)]
+    if cfg.algorithm.uses_critic and meta.get("critic_scheduler") is None:
+        refused.append("algorithm.name (a critic the checkpoint does not hold)")
+    if ck.checkpoint_spec(newest).is_moe and ck.checkpoint_uses_te(newest) != cfg.actor.kernels.transformer_engine:
+        refused.append("actor.kernels.transformer_engine (an MoE model's experts load only under the layer spec "
+                       "that wrote them)")
+    vocab = meta["hf_config"]["vocab_size"]
+    for role in ("actor", "critic"):
+        tp_then, tp_now = _field(then, f"{role}.parallel.tp"), _field(now, f"{role}.parallel.tp")
+        if tp_then and tp_now and padded_vocab_size(vocab, tp_then) != padded_vocab_size(vocab, tp_now):
+            refused.append(f"{role}.parallel.tp ({tp_then} -> {tp_now} pads the vocabulary of {vocab} to "
+                           f"{padded_vocab_size(vocab, tp_then)} -> {padded_vocab_size(vocab, tp_now)})")
+    if refused:
+        raise ConfigError(f"trainer.resume: {newest} cannot be resumed with a changed {', '.join(refused)}: "
+                          "keep the checkpoint's value, or start a new run from its weights alone "
+                          f"(model.path={newest})")
+
+
+def _field(config: dict[str, Any], dotted: str) -> Any:
+    """The value of a dotted field in a config as plain data, or None."""
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def config_changes(then: dict[str, Any], now: dict[str, Any], prefix: str = "") -> dict[str, list]:
+    """``{dotted field: [old, new]}`` of every field that differs between two configs as JSON data (a
+    checkpoint's ``config``, :func:`~megarl.config.to_dict` through JSON), ``trainer.resume`` aside: what a
+    resumed run changed."""
+    out: dict[str, list] = {}
+    for k in sorted(set(then) | set(now)):
+        a, b, name = then.get(k), now.get(k), f"{prefix}{k}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(config_changes(a, b, f"{name}."))
+        elif a != b and name != "trainer.resume":
+            out[name] = [a, b]
+    return out
+
+
+def _layout_record(config: dict[str, Any], world_size: int | None) -> dict[str, Any]:
+    """What a ``dp_reshardable`` checkpoint's sharding depends on, from a config as plain data."""
+    def mesh(section: dict[str, Any] | None) -> str | None:  # ep (experts' optimizer shards) where it is not 1
+        if not section:
+            return None
+        ep, cp, vpp = section.get("ep") or 1, section.get("cp") or 1, section.get("vpp") or 1
+        return (f"tp={section.get('tp')} pp={section.get('pp')}" + (f" ep={ep}" if ep != 1 else "")
+                + (f" cp={cp}" if cp != 1 else "") + (f" vpp={vpp}" if vpp != 1 else ""))
+
+    placement = dict(config.get("placement") or {})
+    return {"world_size": world_size, "actor.parallel": mesh(config.get("actor", {}).get("parallel")),
+            "critic.parallel": mesh(config.get("critic", {}).get("parallel")),
+            "placement.reference_parallel": mesh(placement.pop("reference_parallel", None)),
+            "placement": placement}
+
+
+
+def _state(trainer, is_loading: bool, optimizer_format: str = OPTIMIZER_FORMAT) -> dict[str, Any]:
+    """The sharded state of the trained roles held on this rank (none on a pool of other roles)."""
+    state = ({"actor": trainer.actor.sharded_state_dict(is_loading, optimizer_format)}
+             if trainer.actor is not None else {})
+    if trainer.critic is not None:
+        state["critic"] = trainer.critic.sharded_state_dict(is_loading, optimizer_format)
+    return state
+
+
+def save(trainer) -> Path:
+    """Checkpoint the trainer after ``trainer.step_idx`` steps (every rank): actor (+ optimizer), critic, LR
+    schedules, KL controller, data position and RNG states; the oldest checkpoints beyond
+    ``trainer.keep_checkpoints`` are deleted. Returns the checkpoint's folder."""
+    cfg = trainer.cfg
+    path = trainer.run_dir / "checkpoints" / f"{ck.CHECKPOINT_PREFIX}{trainer.step_idx:06d}"
+    pools = trainer.pools
+    meta = ck.model_meta(trainer.spec, ck.DTYPES[cfg.model.dtype], trainer.tokenizer_source,
+                         use_te=cfg.actor.kernels.transformer_engine,
+                         step=trainer.step_idx, loader=trainer.loader.state_dict(), kl_ctl=trainer.kl_ctl.state_dict(),
+                         actor_scheduler=share_object(trainer.actor and trainer.actor.scheduler.state_dict(),
+                                                      pools["actor"].ranks),
+                         critic_scheduler=share_object(trainer.critic and trainer.critic.scheduler.state_dict(),
+                                                       pools["critic"].ranks) if "critic" in pools else None,
+                         policy_version=trainer.step_idx,
+                         config=to_dict(cfg), world_size=trainer.world, optimizer_format=OPTIMIZER_FORMAT,
+                         source_config=trainer.source_config, generation_config=trainer.generation_config)
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    trainer.reload()  # an offloaded optimizer state is saved from the device, then goes back to the host
+    with phase("checkpoint"):
+        ck.save_checkpoint(path, _state(trainer, is_loading=False), meta, per_rank={"rng": rng})
+    trainer.offload(("grads", "optimizer"))
+    trainer.last_checkpoint = path
+    trainer.saved_at = time.monotonic()
+    if trainer.rank == 0:
+        for p in ck.run_checkpoints(trainer.run_dir)[:-cfg.trainer.keep_checkpoints]:
+            shutil.rmtree(p, ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def resume(trainer) -> None:
+    """Load the run folder's newest checkpoint into ``trainer`` (:func:`check_run_folder` found one this run can
+    load), at this run's layout: weights, optimizer state, data position, KL controller and RNG states. The LR
+    schedule follows the current config from the checkpoint's update count on; what the config changed since
+    the checkpoint is logged and kept for the summary (``trainer.resumed``)."""
+    path = ck.latest_checkpoint(trainer.run_dir)
+    meta = ck.read_meta(path)
+    trainer.reload()
+    with phase("resume"):
+        loaded = ck.load_checkpoint(path, _state(trainer, is_loading=True, optimizer_format=meta.get(
+            "optimizer_format", LEGACY_OPTIMIZER_FORMAT)))
+    if trainer.actor is not None:
+        trainer.actor.load_sharded_state(loaded["actor"])
+        trainer.actor.resume_schedule(meta["actor_scheduler"]["num_steps"])
+    if trainer.critic is not None:
+        trainer.critic.load_sharded_state(loaded["critic"])
+        trainer.critic.resume_schedule(meta["critic_scheduler"]["num_steps"])
+    trainer.loader.load_state_dict(meta["loader"])
+    trainer.kl_ctl.load_state_dict(meta["kl_ctl"])
+    # each rank's RNG states; a rank the checkpoint's world did not have takes rank 0's
+    rng = ck.load_per_rank(path, "rng", trainer.rank) or ck.load_per_rank(path, "rng", 0)
+    if rng is not None:
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+    trainer.step_idx = int(meta["step"])
+    trainer.policy_version = int(meta.get("policy_version", trainer.step_idx))  # the weights loaded
+    if trainer.engine is not None:
+        trainer.engine.calls = trainer.step_idx  # one generate call per step: the sampling seeds continue
+    trainer.offload(("grads", "optimizer"))
+    trainer.last_checkpoint = path
+    changed = config_changes(meta.get("config") or {}, json.loads(json.dumps(to_dict(trainer.cfg), default=str)))
+    trainer.resumed = {"checkpoint": str(path), "step": trainer.step_idx, "changed": changed}
+    log.info("resumed from %s at step %d%s", path, trainer.step_idx,
+             "; changed since: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+             if changed else "")

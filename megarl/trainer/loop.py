@@ -1,0 +1,231 @@
+"""The run's loop, top to bottom: :func:`fit` validates before step 1, runs
+:meth:`~megarl.trainer.trainer.Trainer.step` until ``trainer.steps`` with validation, metrics and checkpoints
+between steps, and ends with the summary and report; :func:`fit_split` is the loop of a rollout pool of its own
+(both groups of ranks walk one :func:`~megarl.trainer.pipeline.schedule`). ``trainer`` is the run's
+:class:`~megarl.trainer.trainer.Trainer` throughout.
+
+A step's metrics are logged before its checkpoint is written (a crash in the save loses no step's metrics);
+after a step every rank agrees on whether to save (``trainer.save_every``, ``trainer.save_every_min``, the last
+step, SIGUSR1) in one small all-reduce, and a SIGUSR1 ends the run after its save for the requeue.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import Config, to_dict
+from megarl.parallel.placement import share_object
+from megarl.parallel.restart import RequeueRequested, read_restarts, requeue_requested
+from megarl.parallel.watchdog import progress_watched
+from megarl.trainer import checkpointing
+from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
+from megarl.trainer.pipeline import schedule
+
+log = logging.getLogger(__name__)
+
+
+def fit(trainer) -> dict[str, Any]:
+    """Run until ``trainer.steps``; returns the summary (also printed and written to summary.json)."""
+    cfg = trainer.cfg
+    start = time.perf_counter()
+    logger = MetricsLogger(trainer.run_dir / "metrics.jsonl", cfg.trainer.steps, trainer.step_idx,
+                           enabled=trainer.rank == 0, progress=cfg.trainer.progress, loggers=cfg.trainer.loggers,
+                           config=to_dict(cfg))
+    if trainer.rank == 0:
+        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        if trainer.step_idx == 0:
+            (trainer.run_dir / "samples.jsonl").unlink(missing_ok=True)
+            (trainer.run_dir / "val_samples.jsonl").unlink(missing_ok=True)
+        (trainer.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+    batches = iter(trainer.loader)
+    more_prompts = functools.partial(next, batches)
+    first_step = trainer.step_idx
+    trainer.saved_at = time.monotonic()
+    save_s = None  # the last checkpoint's seconds, reported with the next step
+    try:
+        if trainer.split_rollout:  # validation is refused there (check_rollout_pool)
+            for step, metrics in fit_split(trainer, batches):
+                logger.log(step, metrics)
+        else:
+            with progress_watched(cfg.trainer.timeout_s):  # a rank stalled outside a collective ends the run
+                if trainer.step_idx == 0 and _validation_due(trainer):
+                    logger.log(0, trainer.validate())
+                while trainer.step_idx < cfg.trainer.steps:
+                    metrics = trainer.step(next(batches), more_prompts)
+                    trainer.step_idx += 1
+                    if _validation_due(trainer):
+                        metrics.update(trainer.validate())
+                    requeue, save = checkpoint_due(trainer)
+                    if save_s is not None:  # the last checkpoint's seconds, saved after the step before
+                        metrics["time/checkpoint_save"], save_s = save_s, None
+                    logger.log(trainer.step_idx, metrics)  # first: a crash in the save loses no step's metrics
+                    if save:
+                        start_save = time.perf_counter()
+                        checkpointing.save(trainer)
+                        save_s = time.perf_counter() - start_save
+                    if requeue and trainer.step_idx < cfg.trainer.steps:
+                        raise _requeue_error(trainer)
+    finally:
+        logger.close()
+    return _finish(trainer, time.perf_counter() - start, first_step)
+
+
+def _finish(trainer, wall_s: float, first_step: int) -> dict[str, Any]:
+    """The end of a run: the HF export (``trainer.export_hf``), the summary (printed and written to
+    ``summary.json``, rank 0) and ``report.md``; returns the summary."""
+    cfg = trainer.cfg
+    hf_path = None
+    if cfg.trainer.export_hf and trainer.last_checkpoint is not None:
+        dist.barrier()
+        if trainer.rank == 0:
+            from megarl.models.convert import export_rank
+            from megarl.parallel.launch import run_world
+
+            hf_path = Path(run_world(export_rank, 1, str(trainer.last_checkpoint), str(trainer.run_dir / "hf"))[0])
+    history = read_metrics(trainer.run_dir / "metrics.jsonl") if trainer.rank == 0 else []
+    text = summary_text(history, run_dir=trainer.run_dir, checkpoint=trainer.last_checkpoint, hf_export=hf_path,
+                        wall_s=wall_s, steps_this_session=trainer.step_idx - first_step,
+                        validation=trainer.validation.describe() if trainer.validation else None,
+                        notes=_resume_notes(trainer))
+    summary = {"run_dir": str(trainer.run_dir), "checkpoint": str(trainer.last_checkpoint), "steps": trainer.step_idx,
+               "hf_export": str(hf_path) if hf_path else None, "last": history[-1] if history else None,
+               "resumed": trainer.resumed, "restarts": read_restarts(trainer.run_dir)}
+    if trainer.rank == 0:
+        print(text, flush=True)
+        (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if cfg.trainer.report:
+            _write_report(trainer)
+    return summary
+
+
+def fit_split(trainer, batches, steps: int | None = None):
+    """The steps with the rollout on a pool of its own, up to ``steps`` (default ``trainer.steps``): both
+    groups of ranks walk one :func:`~megarl.trainer.pipeline.schedule` (``trainer.mode``: sync is k = 0,
+    async k = ``trainer.max_staleness``), each doing its part of every event, and checkpoint where it says
+    (``trainer.save_every``, the last step) or where :func:`checkpoint_due` finds it due after a step (every
+    rank asks, both pools: ``trainer.save_every_min``, SIGUSR1). After a save on SIGUSR1 the run ends with
+    :class:`~megarl.parallel.restart.RequeueRequested`; the batches generated ahead (async) are lost with it
+    and generated again on resume, as after a crash.
+
+    Args:
+        batches: the prompt loader's iterator; the rollout ranks draw a batch when they generate it, the
+            training ranks when they train on it (so the data position saved is the steps trained).
+
+    Yields:
+        ``(step, metrics)`` after each step's events (the metrics on the training ranks; ``{}`` on the
+        rollout ranks), with ``step_idx`` advanced.
+
+    Raises:
+        RequeueRequested: after the checkpoint of a step during which a rank got SIGUSR1.
+    """
+    cfg, t = trainer.cfg, trainer.timer
+    k = cfg.trainer.max_staleness if cfg.trainer.mode == "async" else 0
+    generating = trainer.engine is not None
+    ready: dict[int, tuple[Any, int]] = {}  # step -> (its samples, the version that generated them)
+    end = cfg.trainer.steps if steps is None else steps
+    for step, events in schedule(trainer.step_idx, end, k, lambda s: steps is None and save_due(cfg, s)):
+        step_start = time.perf_counter()
+        busy, stats, metrics, trained = {"train": 0.0, "rollout": 0.0}, None, {}, None
+        save = False
+        for e in events:
+            if e.kind == "reshard":
+                with t("reshard"):
+                    stats = trainer.reshard_actor_to_engine()
+                trainer.policy_version = e.step
+            elif e.kind == "generate" and generating:
+                ready[e.step] = (trainer.generate(next(batches), 0, e.step), trainer.policy_version)
+            elif e.kind == "batch":  # the rollout pool's first rank hands the samples to every rank
+                with t("wait_rollout"):
+                    got = share_object(ready.pop(e.step, None), trainer.rollout_ranks[:1])
+                busy["rollout"] += got[0].stats.seconds
+                if not generating:
+                    ready[e.step] = got
+            elif e.kind == "train":
+                if not generating:
+                    out, version = ready.pop(e.step)
+                    start = time.perf_counter()
+                    metrics, batch = trainer.train_on(next(batches), out, version)
+                    busy["train"] = time.perf_counter() - start
+                    trained = (batch, out)
+                trainer.step_idx = e.step
+            elif e.kind == "save":  # the step's last event
+                save = True
+        requeue = False
+        if steps is None:  # a world-wide meeting after every step: a save by time or on SIGUSR1
+            requeue, due = checkpoint_due(trainer)
+            save = save or due
+        if save:  # after the step's timings (a colocated step's exclude it too)
+            metrics = _split_step_metrics(trainer, metrics, trained, stats, busy, step_start)
+            checkpointing.save(trainer)
+        yield step, _split_step_metrics(trainer, metrics, trained, stats, busy, step_start)
+        if requeue and trainer.step_idx < end:
+            raise _requeue_error(trainer)
+
+
+def _split_step_metrics(trainer, metrics: dict[str, Any], trained, stats, busy: dict[str, float],
+                        step_start: float) -> dict[str, Any]:
+    """:func:`fit_split`'s metrics of a step with its timings (once; the training ranks only)."""
+    if "time/step" in metrics:
+        return metrics
+    if trained is None:  # a rollout rank: nothing to report, its phase timers start again
+        trainer.timer.reset(), trainer.timer.reset_peaks()
+        return metrics
+    return {**metrics, **trainer.timing_metrics(*trained, stats, busy, time.perf_counter() - step_start)}
+
+
+def checkpoint_due(trainer) -> tuple[bool, bool]:
+    """``(requeue, save)`` after a step, the same on every rank: whether any rank got SIGUSR1 (save, then
+    end for a requeued job: :mod:`megarl.parallel.restart`), and whether to checkpoint now (every
+    ``trainer.save_every`` steps, ``trainer.save_every_min`` minutes after the last save, at the last step,
+    or on SIGUSR1). One small all-reduce: the ranks' clocks and signals may differ."""
+    tc = trainer.cfg.trainer
+    by_time = bool(tc.save_every_min) and time.monotonic() - trainer.saved_at >= 60 * tc.save_every_min
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    flags = torch.tensor([float(requeue_requested()), float(by_time)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    requeue, by_time = bool(flags[0]), bool(flags[1])
+    return requeue, save_due(trainer.cfg, trainer.step_idx) or by_time or requeue
+
+
+def save_due(cfg: Config, step: int) -> bool:
+    """Whether ``trainer.save_every`` or the last step calls for a checkpoint after ``step``."""
+    every = cfg.trainer.save_every
+    return bool(every and step % every == 0) or step == cfg.trainer.steps
+
+
+def _validation_due(trainer) -> bool:
+    return trainer.validation is not None and trainer.validation.due(trainer.step_idx, trainer.cfg.trainer.steps)
+
+
+def _requeue_error(trainer) -> RequeueRequested:
+    return RequeueRequested(f"saved {trainer.last_checkpoint} on SIGUSR1 (the job's time limit is near); a "
+                            "requeued job continues the run from it")
+
+
+def _resume_notes(trainer) -> list[str]:
+    """Summary lines: the restarts of the run (``restarts.jsonl``) and what this session's resume changed."""
+    notes = [f"{'restart ' + str(r.get('restart')):<19}{r.get('time')}: {r.get('reason')} (from "
+             f"{Path(r['checkpoint']).name if r.get('checkpoint') else 'step 0'})"
+             for r in read_restarts(trainer.run_dir)]
+    if trainer.resumed:
+        changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in trainer.resumed["changed"].items()) or "nothing"
+        notes.append(f"{'resumed':<19}at step {trainer.resumed['step']}; config changed: {changed}")
+    return notes
+
+
+def _write_report(trainer) -> None:
+    """``report.md`` and its plots in the run folder (:mod:`.report`; skipped without matplotlib)."""
+    try:
+        from megarl.trainer.report import write_report
+    except ImportError as e:
+        log.warning("no report written (%s): pip install 'megarl[report]' for matplotlib", e)
+        return
+    print(f"report: {write_report(trainer.run_dir)}", flush=True)
