@@ -82,6 +82,136 @@ def test_every_rollout_correction_metric_is_finite_with_masked_or_no_tokens(leve
         assert all(math.isfinite(float(v)) for v in stats.values()), stats
 
 
+# ---------------------------------------------------------------- the trainer's glue (megarl.trainer.advantages)
+
+def _scored_batch(scores, rows=None):
+    """8 samples of 2 groups, 3 response tokens each, with ``scores`` and dataset rows 10 + group."""
+    from megarl.trainer.batch import build_batch
+
+    n = len(scores)
+    batch = build_batch([[5, 6]] * n, [[7, 8, 9]] * n, [torch.full((3,), -1.0)] * n, [i // 4 for i in range(n)],
+                        pad_token_id=0, meta={"index": rows or [10 + i // 4 for i in range(n)],
+                                              "finish_reason": ["stop"] * n})
+    batch["scores"] = torch.tensor(scores)
+    batch["old_logprobs"] = torch.full((n, 3), -1.1)
+    return batch
+
+
+def test_a_reward_that_returns_nan_drops_the_sample_from_its_group_and_both_losses():
+    """A NaN score (the reward function's or the server's): the sample gets advantage 0, its group's GRPO
+    statistics are the other three's (hand-computed), it leaves the actor's and the critic's masks, and the reward
+    metrics are over the scored samples; a token with a NaN rollout log-prob leaves the actor's mask alone."""
+    from megarl.algos.kl import FixedKLController
+    from megarl.config import AlgorithmConfig
+    from megarl.trainer.advantages import compute_advantages, drop_nonfinite, set_loss_mask
+
+    alg = AlgorithmConfig(name="grpo", norm_adv_eps=0.0)
+    alg.nonfinite.max_fraction = 0.25
+    batch = _scored_batch([1.0, NAN, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    batch["rollout_logprobs"][5, 2] = NAN
+    metrics = drop_nonfinite(batch, alg, step=4)
+    assert metrics == {"rollout/nonfinite_logprob_tokens": 1.0, "reward/nonfinite": 1.0,
+                       "nonfinite/sample_frac": 0.25}
+    compute_advantages(batch, alg, FixedKLController(0.0))
+    std = 1 / math.sqrt(3)
+    torch.testing.assert_close(batch["advantages"][:4, 0], torch.tensor([1 / 3 / std, 0.0, -2 / 3 / std, 1 / 3 / std]))
+    assert torch.isfinite(batch["advantages"]).all() and torch.isfinite(batch["returns"]).all()
+    rc = set_loss_mask(batch, alg)
+    assert batch["loss_mask"][1].sum() == 0 and batch["value_mask"][1].sum() == 0
+    assert batch["loss_mask"].sum() == 24 - 3 - 1 and batch["loss_mask"][5].tolist() == [1.0, 1.0, 0.0]
+    assert batch["value_mask"].sum() == 24 - 3
+    assert all(math.isfinite(v) for v in rc.values())
+    with pytest.raises(NonFiniteError, match=r"the first, sample 1 of step 4 \(prompt 0 of the step, dataset row 10\): "
+                                             r"its score is nan"):
+        alg.nonfinite.max_fraction = 0.2
+        drop_nonfinite(_scored_batch([1.0, NAN, 0.0, 1.0, 0.0, 1.0, 1.0, NAN]), alg, step=4)
+
+
+def test_dynamic_sampling_reads_a_group_signal_from_its_scored_samples():
+    """A group whose finite scores tie is tied, whatever its NaN (NaN != x would have made it a group with signal)."""
+    from megarl.data.loader import PromptBatch
+    from megarl.rollout.base import RolloutOutput, RolloutStats, Sample
+    from megarl.trainer.dynamic_sampling import dynamic_sampling
+
+    prompts = PromptBatch(input_ids=[[1], [2]], index=[0, 1], ground_truth=[None, None], raw_prompt=["a", "b"])
+    out = RolloutOutput([Sample(k, j, (3,), torch.zeros(1), "stop") for k in range(2) for j in range(3)], 3,
+                        RolloutStats(prompt_tokens=6, generated_tokens=6, seconds=1.0))
+    scores = torch.tensor([1.0, NAN, 1.0, 0.0, NAN, 1.0])
+    _, kept, got, metrics = dynamic_sampling(prompts, out, generate=None, score=lambda p, o: scores,
+                                             more_prompts=None, want=1, unit=1, max_extra_rounds=0, step=1)
+    assert metrics["dynamic_sampling/groups_with_signal"] == 1 and [s.prompt_index for s in kept.samples] == [0] * 3
+    assert got[0] == 0.0 and torch.isnan(got[1])  # the group with signal (prompt 1), its NaN for the trainer to drop
+
+
+def test_validation_metrics_leave_out_responses_without_a_score(monkeypatch):
+    """val/reward_mean over the scored responses, val/reward_nonfinite counting the others (not correct, score null)."""
+    import megarl.trainer.validation as validation
+    from megarl.data.loader import PromptBatch
+    from megarl.rollout.base import RolloutOutput, RolloutStats, Sample, SamplingConfig
+
+    out = RolloutOutput([Sample(k, 0, (3,), torch.zeros(1), "stop") for k in range(3)], 1,
+                        RolloutStats(prompt_tokens=3, generated_tokens=3, seconds=1.0))
+    monkeypatch.setattr(validation, "generate_data_parallel", lambda engine, ids, sampling, group=None: out)
+    tokenizer = type("T", (), {"batch_decode": staticmethod(lambda ids, skip_special_tokens: ["r"] * len(ids))})
+    prompts = PromptBatch(input_ids=[[1]] * 3, index=[0, 1, 2], ground_truth=["x"] * 3, raw_prompt=["p"] * 3)
+    metrics, records = validation.evaluate(None, prompts, SamplingConfig(n=1), lambda *c: torch.tensor([1.0, NAN, 0.5]),
+                                           tokenizer)
+    assert metrics["reward_mean"] == 0.75 and metrics["reward_nonfinite"] == 1.0
+    assert metrics["accuracy"] == pytest.approx(1 / 3)
+    assert [r["score"] for r in records] == [1.0, None, 0.5] and not records[1]["correct"]
+
+
+def _token_tis(rank, world):
+    """One actor update with token TIS on a batch whose rollout log-probs hold a NaN and a -inf, through the
+    trainer's glue, and the same update on the same batch with those two tokens out of the loss by hand (the
+    TIS weights min(exp(old - rollout), 2) computed here). Returns both updates' weights."""
+    from megarl.algos.kl import FixedKLController
+    from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, OptimConfig, RolloutCorrectionConfig
+    from megarl.models.checkpoint import chunk_parameters
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+    from megarl.trainer.advantages import compute_advantages, drop_nonfinite, set_loss_mask
+    from megarl.trainer.workers import PolicyWorker
+
+    mesh = ParallelLayout()
+    initialize_model_parallel(mesh, seed=0)
+    torch.manual_seed(0)
+    rc = ActorConfig(micro_batch_size=4, ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-2))
+    glued = PolicyWorker(SPEC, mesh, "actor", "preset:random", torch.float32, rc, trainable=True, temperature=1.0)
+    by_hand = PolicyWorker(SPEC, mesh, "actor", glued, torch.float32, rc, trainable=True, temperature=1.0)
+    alg = AlgorithmConfig(kl=KLConfig(coef=0.0), rollout_correction=RolloutCorrectionConfig(preset="token_tis"))
+    alg.nonfinite.max_fraction = 0.25
+    batch = _batch()
+    batch.meta.update(index=list(range(8)), finish_reason=["stop"] * 8)
+    batch["scores"] = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0])
+    batch["old_logprobs"] = glued.compute_logprobs(batch)["logprobs"]
+    noise = 0.3 * torch.randn(batch["old_logprobs"].shape, generator=torch.Generator().manual_seed(1))
+    batch["rollout_logprobs"] = batch["old_logprobs"] + noise
+    batch["rollout_logprobs"][1, 1], batch["rollout_logprobs"][5, 0] = NAN, -INF
+    drop_nonfinite(batch, alg, step=1)
+    compute_advantages(batch, alg, FixedKLController(0.0))
+    set_loss_mask(batch, alg)
+    hand = batch.select(slice(None))
+    mask = batch["response_mask"].clone()
+    mask[1, 1] = mask[5, 0] = 0
+    for name in ("dropped", "logprob_nonfinite", "value_mask", "rollout_weights"):
+        del hand.tensors[name]
+    hand["loss_mask"] = mask
+    log_ratio = torch.where(mask.bool(), batch["old_logprobs"] - batch["rollout_logprobs"], 0.0)
+    hand["rollout_weights"] = torch.where(mask.bool(), log_ratio.exp().clamp(max=2.0), 0.0)
+    for worker, b in ((glued, batch), (by_hand, hand)):
+        worker.update(b, alg, seed=0)
+    return [{n: p.detach().clone() for n, p in chunk_parameters(w.model).items()} for w in (glued, by_hand)]
+
+
+def test_a_nan_and_an_inf_rollout_logprob_leave_the_loss_under_token_tis():
+    """The weights after one step are finite and equal those of the same batch with the two tokens masked by
+    hand (without the rule, the NaN made every weight NaN after one step)."""
+    glued, by_hand = run_world(_token_tis, 1)[0]
+    for name, weight in glued.items():
+        assert torch.isfinite(weight).all(), name
+        torch.testing.assert_close(weight, by_hand[name], rtol=0, atol=1e-7)
+
+
 # ---------------------------------------------------------------- the update on 2 gloo ranks
 
 def _batch(rows: int = 8):
