@@ -511,6 +511,25 @@ class OverlongConfig:
 
 
 @dataclass
+class NonFiniteConfig:
+    """What a step does with non-finite numbers from the rollout engine and the reward
+    (``megarl.algos.nonfinite``): a token whose rollout log-prob is not finite leaves the loss, a sample whose
+    score is not finite is dropped from its group (``rollout/nonfinite_logprob_tokens``, ``reward/nonfinite``),
+    and past ``max_fraction`` the step fails naming the first such sample.
+
+    Attributes:
+        max_fraction: the share of a step's samples that may carry a non-finite rollout log-prob or score, in
+            [0, 1]; 0 fails on the first one, 1 never fails.
+    """
+
+    max_fraction: float = 0.05
+
+    def __post_init__(self):
+        require(0 <= self.max_fraction <= 1, "algorithm.nonfinite.max_fraction",
+                f"must be in [0, 1] (a share of the step's samples), got {self.max_fraction}")
+
+
+@dataclass
 class AlgorithmConfig:
     """The RL algorithm: advantage estimator, policy/value losses, KL.
 
@@ -531,7 +550,7 @@ class AlgorithmConfig:
         loss_agg_mode: token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (Dr.
             GRPO: each response's token sum over the constant loss_norm_tokens).
         loss_norm_tokens: the constant of seq-mean-token-sum-norm, tokens; null = rollout.max_new_tokens.
-        rollout_correction / dynamic_sampling / overlong: see their sections.
+        rollout_correction / dynamic_sampling / overlong / nonfinite: see their sections.
         entropy_coef: entropy bonus weight.
         value_clip: PPO value clipping range; vf_coef: value-loss weight.
     """
@@ -555,6 +574,7 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
 
     def __post_init__(self):
         require(self.name in ADVANTAGES, "algorithm.name", f"unknown algorithm {self.name!r}; choose one of "

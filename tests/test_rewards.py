@@ -154,7 +154,10 @@ def user_module(tmp_path, monkeypatch):
             return [0.0]
 
         def nan_reward(prompts, responses, ground_truths):
-            return [float("nan")] * len(responses)
+            return [float("nan"), None, float("-inf"), 1.0][:len(responses)]
+
+        def word_reward(prompts, responses, ground_truths):
+            return ["good"] * len(responses)
 
         class Constant:
             def __init__(self, value):
@@ -188,11 +191,18 @@ def test_user_path_errors(user_module):
         load_reward_fn("my_rewards:missing")
     with pytest.raises(RewardError, match="one float per response"):
         load_reward_fn("my_rewards:wrong_count")(["p", "p"], ["a", "b"], None)
-    with pytest.raises(RewardError, match="non-finite scores for samples \\[0, 1\\]"):
-        load_reward_fn("my_rewards:nan_reward")(["p", "p"], ["a", "b"], None)
+    with pytest.raises(RewardError, match=r"returned \['good', 'good'\], which is not one float per response"):
+        load_reward_fn("my_rewards:word_reward")(["p", "p"], ["a", "b"], None)
     with pytest.raises(RewardError, match=r"'my_rewards:Constant' does not accept parameters \['val'\].*"
                                           r"Constant\(value\)"):
         load_reward_fn("my_rewards:Constant", {"val": 1})
+
+
+def test_no_score_comes_back_as_nan_for_the_trainer_to_drop(user_module):
+    """None, NaN and infinities are "no score" (megarl.algos.nonfinite drops the sample), not an error."""
+    scores = load_reward_fn("my_rewards:nan_reward")(["p"] * 4, ["a", "b", "c", "d"], None)
+    assert scores.dtype == torch.float32 and scores[3] == 1.0
+    assert torch.isnan(scores[:2]).all() and scores[2] == float("-inf")
 
 
 def test_reward_parameters_of_the_wrong_type_are_refused_before_any_call():

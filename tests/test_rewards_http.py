@@ -5,11 +5,13 @@ of each text in order, retries through one injected timeout and one 503, and cle
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
 from megarl.rewards import RewardError, load_reward_fn
 
@@ -17,7 +19,9 @@ from megarl.rewards import RewardError, load_reward_fn
 class RewardServer:
     """A vLLM-pooling-shaped server: the score of a text is its length / 10. ``faults`` is a queue of
     behaviours for the next requests: "sleep" (answer after 2 s), "503", "drop" (leave out the last item),
-    "garbage" (not JSON). With ``die_after=k`` it shuts down (connections refused) once it answered k requests."""
+    "garbage" (not JSON), "null" (the first text's score null, the second's NaN), "null=K" (the first K texts'
+    scores null), "word" (every score a string). With ``die_after=k`` it shuts down (connections refused) once it
+    answered k requests."""
 
     def __init__(self, die_after: int | None = None):
         self.faults: list[str] = []
@@ -41,6 +45,13 @@ class RewardServer:
                 if fault == "sleep":
                     time.sleep(2.0)
                 items = [{"index": i, "data": [len(t) / 10]} for i, t in enumerate(body["input"])]
+                if fault == "null":
+                    items[0]["data"], items[1]["data"] = [None], [float("nan")]
+                if fault and fault.startswith("null="):
+                    for item in items[:int(fault.partition("=")[2])]:
+                        item["data"] = [None]
+                if fault == "word":
+                    items = [{**item, "data": ["high"]} for item in items]
                 payload = b"not json" if fault == "garbage" else json.dumps(
                     {"data": items[:-1] if fault == "drop" else items}).encode()
                 self.send_response(200)
@@ -107,8 +118,17 @@ def test_server_gone(server):
         reward(url, max_retries=1)(PROMPTS, RESPONSES)
 
 
+def test_null_and_nan_scores_come_back_as_nan(server):
+    """A text the server could not score (null, or NaN in the JSON) is NaN, for the trainer to drop
+    (megarl.algos.nonfinite); the others keep their scores."""
+    server.faults = ["null"]
+    scores = reward(server.url)(PROMPTS, RESPONSES)
+    assert torch.isnan(scores[:2]).all() and scores[2].item() == pytest.approx(WANT[2])
+
+
 @pytest.mark.parametrize("fault, message", [("drop", "returned no score for 1 of 2 texts"),
-                                            ("garbage", "reply that is not JSON")])
+                                            ("garbage", "reply that is not JSON"),
+                                            ("word", "item 0 scores 'high', which is neither a number nor null")])
 def test_incomplete_or_malformed_replies_fail(server, fault, message):
     server.faults = [fault]
     with pytest.raises(RewardError, match=message):
@@ -146,3 +166,33 @@ def test_a_run_whose_reward_server_dies_records_no_step_without_scores(tmp_path)
     history = read_metrics(tmp_path / "runs" / "http" / "metrics.jsonl")
     assert [h["step"] for h in history] == [1]
     assert history[0]["reward/mean"] > 0  # scored by the server (length / 10), not defaulted
+
+
+def test_a_run_drops_the_samples_its_reward_server_cannot_score_and_stops_past_the_threshold(tmp_path):
+    """The tiny task scored over HTTP, 8 samples a step: step 1's server leaves 2 of them unscored (null; 25% <=
+    algorithm.nonfinite.max_fraction=0.3): they are dropped and counted, and the step trains with finite numbers;
+    step 2's leaves 3 (37.5%): the run stops before that step's update, naming the first unscored sample."""
+    from megarl.trainer.metrics import read_metrics
+    from tests.distributed import run_world
+    from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
+
+    server = RewardServer()
+    server.faults = ["null=2", "null=3"]
+    try:
+        overrides = task_overrides(make_tiny_model(tmp_path / "model"), write_prompts(tmp_path / "p.jsonl", 16),
+                                   tmp_path / "runs", "http") + [
+            "reward.fn=http", f"reward.kwargs={{url: '{server.url}', timeout_s: 5, max_retries: 0}}",
+            "trainer.steps=2", "trainer.save_every=0", "data.prompts_per_step=4", "rollout.n=2",
+            "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4", "algorithm.nonfinite.max_fraction=0.3",
+            "data.shuffle=false"]
+        with pytest.raises(RuntimeError, match=r"NonFiniteError: 3 of 8 samples \(37.5%\) have non-finite rollout "
+                                               r"log-probs or scores \(0 tokens, 3 scores\), more than "
+                                               r"algorithm.nonfinite.max_fraction=0.3; the first, sample 0 of step 2 "
+                                               r"\(prompt 0 of the step, dataset row 4\): its score is nan"):
+            run_world(train_on_rank, 1, overrides)
+    finally:
+        server.stop()
+    (step,) = read_metrics(tmp_path / "runs" / "http" / "metrics.jsonl")
+    assert step["reward/nonfinite"] == 2 and step["nonfinite/sample_frac"] == 0.25
+    assert all(math.isfinite(v) for k, v in step.items() if isinstance(v, float)), step
+    assert step["reward/mean"] > 0  # over the 6 scored samples (length / 10)

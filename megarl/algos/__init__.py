@@ -6,6 +6,7 @@
 - :mod:`~megarl.algos.rollout_correction`: importance weights between the actor's old and the rollout engine's
   log-probs (TIS/MIS, token or sequence level) and their mismatch metrics.
 - :mod:`~megarl.algos.shaping`: DAPO's overlong reward penalty.
+- :mod:`~megarl.algos.nonfinite`: the rule for non-finite rollout log-probs, scores, losses and gradients.
 - :mod:`~megarl.algos.kl`: k1/k2/k3/k3+ KL estimators, the reward KL penalty, fixed/adaptive KL coefficient.
 - :mod:`~megarl.algos.aggregation`: masked reductions, exact group deviations, loss aggregation with global
   normalisers.
@@ -13,8 +14,11 @@
 
 One RL step uses them in this order (``B`` responses of at most ``T`` tokens)::
 
+    found = find_nonfinite(rollout_logprob, mask, scores)          # check_nonfinite: fail past the threshold
     token_rewards = as_token_rewards(scores, mask)                                   # or apply_kl_penalty
-    advantages, returns = ADVANTAGES.bind(name, cfg.algorithm)(token_rewards, mask, values=..., group_index=...)
+    advantages, returns = estimate_without(found.scores, ADVANTAGES.bind(name, cfg.algorithm), token_rewards,
+                                           mask, values=..., group_index=...)       # without the dropped
+    mask = mask & ~found.tokens & ~found.scores[:, None]
     weights, keep, _ = rollout_correction(old_logprob, rollout_logprob, mask, ...)    # optional
     tokens, seqs = count_tokens_and_seqs(keep)   # of the whole mini-batch, summed over DP ranks
     loss, metrics = actor_loss(logprob, old_logprob, advantages, keep_k, global_tokens=tokens,

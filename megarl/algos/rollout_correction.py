@@ -15,7 +15,10 @@ rollout_t))``, the ratio of the sequence's probabilities, applied to each of its
   the loss elsewhere (out of the loss mask, so out of its normalisers too).
 
 The weights are constants of the update (no gradient). With identical old and rollout log-probs every ``rho``
-is exactly 1 (``exp(0)``), so every weight is exactly 1 and nothing is masked. The config names the usual
+is exactly 1 (``exp(0)``), so every weight is exactly 1 and nothing is masked. Positions outside the response
+mask never reach a weight or a statistic, NaN or infinite as they may be, and a batch or row without a valid
+token gives finite statistics; a token whose rollout log-prob is not finite is taken out of the mask before
+(:mod:`megarl.algos.nonfinite`), and an infinite ratio inside it is clamped (``|log rho| <= 20``). The config names the usual
 settings, as verl's ``RolloutCorrectionConfig`` presets do
 (:data:`megarl.algos.registry.ROLLOUT_CORRECTION_PRESETS`: ``token_tis``, ``seq_tis``, ``token_mis``,
 ``seq_mis``, ``icepop``).

@@ -4,7 +4,8 @@ A rank's exit status tells the process that restarts runs (:mod:`megarl.launch.s
 --max-restarts N`` on one node, the batch script of ``megarl submit`` under SLURM) what happened:
 
     0                    the run finished its steps
-    2                    a config, data or usage error (:data:`EXIT_USAGE`): never retried, it would fail again
+    2                    a config, data or usage error (:data:`EXIT_USAGE`), or non-finite numbers that would
+                         reach the weights (``megarl.algos.nonfinite``): never retried, it would fail again
     75                   the ranks saved a checkpoint on SIGUSR1 (SLURM's ``--signal=USR1@S`` before the time
                          limit) and ask to continue in a new job (:data:`EXIT_REQUEUE`, BSD's EX_TEMPFAIL)
     130                  the user interrupted the run (Ctrl-C): never retried

@@ -12,7 +12,9 @@ template). Texts are sent ``batch_size`` at a time as one request::
 
 The score of text ``i`` is element ``label_index`` of its vector; where the server returns one vector per
 token (a token-level reward head), the last token's. Every text of a batch must come back exactly once: a
-reply that drops, repeats or mis-indexes a sample is an error, never a silent 0.
+reply that drops, repeats or mis-indexes a sample is an error, never a silent 0. A score of ``null`` (or
+``NaN``, ``Infinity``) is a text the server could not score: it comes back as NaN, and the trainer drops that
+sample from its group (:mod:`megarl.algos.nonfinite`); any other value that is no number is an error.
 
 Failures that a retry can cure (no connection, a timeout, HTTP 429 or 5xx) are retried ``max_retries`` times
 with exponential backoff (``backoff_s * 2**k`` seconds); other HTTP errors and malformed replies fail at once.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import urllib.error
 import urllib.request
@@ -90,7 +93,7 @@ class HTTPRewardModel:
         """Score ``B`` responses (the reward-function signature; ``ground_truths`` is unused).
 
         Returns:
-            ``B`` floats, in the order of the inputs.
+            ``B`` floats, in the order of the inputs (NaN where the server's score was null).
 
         Raises:
             RewardError: naming the URL, when a batch cannot be scored (module docstring).
@@ -151,7 +154,11 @@ class HTTPRewardModel:
             if not isinstance(vector, list) or len(vector) <= self.label_index:
                 raise RewardError(f"reward server {self.url}: item {i} has no element {self.label_index} "
                                   f"(reward.kwargs.label_index) in {str(vector)[:200]}")
-            scores[i] = float(vector[self.label_index])
+            value = vector[self.label_index]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise RewardError(f"reward server {self.url}: item {i} scores {str(value)[:100]!r}, which is "
+                                  "neither a number nor null")
+            scores[i] = math.nan if value is None else float(value)  # null: no score (module docstring)
         missing = [i for i, s in enumerate(scores) if s is None]
         if missing:
             raise RewardError(f"reward server {self.url} returned no score for {len(missing)} of {n} texts "

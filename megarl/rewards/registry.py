@@ -8,7 +8,9 @@ A reward function scores a batch of responses::
 - ``responses``: the decoded response text (special tokens stripped);
 - ``ground_truths``: the dataset's ground-truth field of each sample, or None where there is none;
 - ``**params``: the function's own keyword parameters, fixed for the run (from the config);
-- returns one finite float per sample (a list, a numpy array or a tensor).
+- returns one float per sample (a list, a numpy array or a tensor). None, NaN or an infinity means "no score":
+  the trainer drops that sample from its group and counts it (``reward/nonfinite``; the rule, and the share
+  of samples past which the step fails, are in :mod:`megarl.algos.nonfinite`).
 
 A batch at a time (not one sample) so that model-based rewards can batch their forward passes. A class whose
 instances are such callables may be registered too (e.g. :class:`~megarl.rewards.reward_model.RewardModel`);
@@ -26,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 import typing
 from typing import Any, Callable, Mapping, Sequence
 
@@ -63,25 +66,29 @@ class LoadedReward:
             ground_truths: ``B`` strings or Nones; None means no ground truth for any sample.
 
         Returns:
-            ``[B]`` float32 scores.
+            ``[B]`` float32 scores, NaN where the function gave None (no score; NaN and infinities are kept:
+            :mod:`megarl.algos.nonfinite` says what the trainer does with them).
 
         Raises:
-            RewardError: inputs of different lengths, or the function returned the wrong number of scores or a
-                non-finite one.
+            RewardError: inputs of different lengths, or the function returned the wrong number of scores or
+                a value that is no number.
         """
         b = len(responses)
         truths = [None] * b if ground_truths is None else list(ground_truths)
         if not len(prompts) == b == len(truths):
             raise RewardError(f"reward {self.name!r}: got {len(prompts)} prompts, {b} responses and "
                               f"{len(truths)} ground truths; they must match")
-        scores = torch.as_tensor(self._fn(list(prompts), list(responses), truths), dtype=torch.float32)
+        out = self._fn(list(prompts), list(responses), truths)
+        if isinstance(out, (list, tuple)):
+            out = [math.nan if s is None else s for s in out]
+        try:
+            scores = torch.as_tensor(out, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise RewardError(f"reward {self.name!r} returned {str(out)[:200]}, which is not one float per "
+                              f"response ({type(e).__name__}: {e})") from None
         if scores.shape != (b,):
             raise RewardError(f"reward {self.name!r} returned scores of shape {tuple(scores.shape)} for {b} "
                               "responses; it must return one float per response")
-        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
-        if bad:
-            raise RewardError(f"reward {self.name!r} returned non-finite scores for samples {bad[:10]}: "
-                              f"{scores[bad[:10]].tolist()}")
         return scores
 
 

@@ -4,7 +4,8 @@ and adds no gradient), generating more prompts until it has enough of them.
 
 The rule, given ``want = data.prompts_per_step`` and ``unit`` (:func:`group_unit`, the fewest groups that fill
 whole mini-batches): score each round's responses with the reward function (before overlong shaping), keep
-the groups whose scores are not all equal, and generate ``want`` more prompts until ``want`` groups have
+the groups whose scores are not all equal (among the samples with a finite score: :mod:`megarl.algos.nonfinite`
+drops the others from the group), and generate ``want`` more prompts until ``want`` groups have
 signal or ``max_extra_rounds`` extra rounds ran. The kept groups are cut to the first ``want``, or, short of
 that, to a whole number of units; with not one unit's worth, the step trains on one unit of them filled with
 tied groups (advantage 0: they add only to the KL and entropy terms and the normalisers).
@@ -76,7 +77,8 @@ def dynamic_sampling(prompts: PromptBatch, out: RolloutOutput, *,
         scores = score(prompts, out).float()
         for k in range(out.num_prompts):
             group = scores[k * n:(k + 1) * n]
-            spread = bool((group != group[0]).any())
+            scored = group[torch.isfinite(group)]  # a sample without a score leaves its group (algos.nonfinite)
+            spread = bool((scored != scored[:1]).any())
             signal += spread
             (kept if spread else tied).append((prompts, k, out.group(k), group))
         if len(kept) >= want or rounds > max_extra_rounds:

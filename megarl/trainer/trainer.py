@@ -49,7 +49,7 @@ from megarl.rollout.base import RolloutOutput, SamplingConfig
 from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel, map_data_parallel, map_share,
                                           rollout_dp_group)
 from megarl.trainer import checkpointing
-from megarl.trainer.advantages import compute_advantages, set_loss_mask, shape_rewards
+from megarl.trainer.advantages import compute_advantages, drop_nonfinite, set_loss_mask, shape_rewards
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.builders import (load_prompts, load_validation, make_engine, resolve_eos, rollout_layout,
                                      seed_all)
@@ -253,6 +253,7 @@ class Trainer:
                 values = self.critic.compute_values(batch) if self.critic else None
         with t("share"):
             self._gather_scores(batch, scores, known_scores)
+            nonfinite_metrics = drop_nonfinite(batch, alg, self.step_idx + 1)  # every rank: the same decision
             shape_rewards(batch, alg, cfg.rollout.max_new_tokens)
             frame = batch["response_mask"].shape
             batch["old_logprobs"] = share_tensor(old, self.pools["actor"].ranks, frame, group=group)
@@ -269,14 +270,14 @@ class Trainer:
         seed = cfg.run.seed * 7919 + self.step_idx
         if "critic" in self.pools:
             with t("critic_update"):
-                history = (self.critic.update(batch, alg, seed=seed, norm_tokens=cfg.loss_norm_tokens)
-                           if self.critic else None)
+                history = (self.critic.update(batch, alg, seed=seed, norm_tokens=cfg.loss_norm_tokens,
+                                              step=self.step_idx + 1) if self.critic else None)
                 metrics.update(_mean_over_updates("critic", share_object(history, self.pools["critic"].ranks,
                                                                          group=group)))
         if "critic" not in self.pools or self.step_idx >= cfg.critic.warmup_steps:
             with t("actor_update"):
-                history = (self.actor.update(batch, alg, seed=seed, norm_tokens=cfg.loss_norm_tokens)
-                           if self.actor else None)
+                history = (self.actor.update(batch, alg, seed=seed, norm_tokens=cfg.loss_norm_tokens,
+                                             step=self.step_idx + 1) if self.actor else None)
                 history = share_object(history, self.pools["actor"].ranks, group=group)
                 metrics.update(_mean_over_updates("actor", history))
                 # first-step exactness: with one mini-batch and one epoch, both are exactly 0 (slime's CI check)
@@ -285,17 +286,17 @@ class Trainer:
         self.offload(("grads", "optimizer"))  # idle until the next step's updates
 
         mask = batch["response_mask"]
-        scores = batch["scores"]
+        scores, scored = batch["scores"], ~batch["dropped"]  # the reward metrics over the scored samples
         metrics.update({
-            "reward/mean": scores.mean().item(),
-            "reward/std": masked_var(scores[None], torch.ones(1, len(scores))).sqrt().item(),  # 0 when tied
-            "reward/accuracy": float(np.mean(batch.meta["correct"])),
+            "reward/mean": masked_mean(scores, scored).item(),
+            "reward/std": masked_var(scores[None], scored[None]).sqrt().item(),  # 0 when tied
+            "reward/accuracy": masked_mean(torch.tensor(batch.meta["correct"]).float(), scored).item(),
             "response/length_mean": mask.sum(-1).mean().item(), "response/length_max": mask.sum(-1).max().item(),
             "response/clip_ratio": float(np.mean([r == "length" for r in batch.meta["finish_reason"]])),
             "prompt/length_mean": batch["prompt_lens"].float().mean().item(),
-            **kl_metrics, **loss_metrics,
+            **kl_metrics, **loss_metrics, **nonfinite_metrics,
             "actor/rollout_vs_old_logprob_diff": masked_mean((batch["rollout_logprobs"] - batch["old_logprobs"])
-                                                             .abs(), mask).item(),
+                                                             .abs(), mask.bool() & ~batch["logprob_nonfinite"]).item(),
             "rollout/policy_version": version, "rollout/staleness": staleness(self.step_idx + 1, version),
             "data/epoch": self.loader.epoch,
         })
@@ -442,7 +443,8 @@ class Trainer:
             for i in range(k):
                 g = int(batch["group"][i])
                 f.write(json.dumps({"step": self.step_idx + 1, "prompt": prompts.raw_prompt[g],
-                                    "response": batch.meta["response"][i], "score": float(batch["scores"][i]),
+                                    "response": batch.meta["response"][i],
+                                    "score": None if batch["dropped"][i] else float(batch["scores"][i]),
                                     "ground_truth": prompts.ground_truth[g],
                                     "length": int(batch["response_lens"][i]),
                                     "prompt_tokens": int(batch["prompt_lens"][i]),

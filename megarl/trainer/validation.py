@@ -14,7 +14,10 @@ Figures (``val/`` in the run's metrics), over the ``P`` prompts and ``n`` respon
   ``n = 1`` this is pass@1, sampled it is mean@n (an unbiased estimate of pass@1);
 - ``val/pass@n`` (``n > 1``): the share of prompts with at least one correct response;
 - ``val/reward_mean``, ``val/response_length_mean`` (tokens), ``val/clip_ratio`` (the share of responses cut
-  at ``max_new_tokens``), ``val/num_prompts``, ``val/seconds``.
+  at ``max_new_tokens``), ``val/num_prompts``, ``val/seconds``;
+- ``val/reward_nonfinite``: responses the reward gave no finite score (NaN, inf, None: :mod:`megarl.algos.
+  nonfinite`); they count as not correct, stay out of ``val/reward_mean`` and have ``score: null`` in their
+  records.
 
 The prompts are fixed for the whole run (the first ``num_prompts`` of the files, or a sample drawn with the
 run's seed), and never enter training: :meth:`Validation.hold_out` removes the training prompts with the same
@@ -32,6 +35,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from megarl.algos.aggregation import masked_mean
 from megarl.config import ValidationConfig
 from megarl.data.dataset import PromptDataset
 from megarl.data.loader import PromptBatch
@@ -81,15 +85,18 @@ def evaluate(engine: RolloutEngine, prompts: PromptBatch, sampling: SamplingConf
     truths = [prompts.ground_truth[s.prompt_index] for s in samples]
     scores = score(raw, texts, truths)
     correct = (scores >= CORRECT_SCORE).reshape(len(prompts), sampling.n)
+    scored = torch.isfinite(scores)
     lengths = [len(s.token_ids) for s in samples]
     cut = [s.finish_reason == "length" for s in samples]
-    metrics = {"accuracy": correct.float().mean().item(), "reward_mean": scores.mean().item(),
+    metrics = {"accuracy": correct.float().mean().item(), "reward_mean": masked_mean(scores, scored).item(),
+               "reward_nonfinite": float((~scored).sum()),
                "response_length_mean": float(np.mean(lengths)), "clip_ratio": float(np.mean(cut)),
                "num_prompts": len(prompts), "seconds": time.perf_counter() - start}
     if sampling.n > 1:
         metrics[f"pass@{sampling.n}"] = correct.any(dim=1).float().mean().item()
     records = [{"index": prompts.index[s.prompt_index], "sample": s.sample_index, "prompt": raw[i],
-                "response": texts[i], "ground_truth": truths[i], "score": float(scores[i]),
+                "response": texts[i], "ground_truth": truths[i],
+                "score": float(scores[i]) if scored[i] else None,
                 "correct": bool(scores[i] >= CORRECT_SCORE), "length": lengths[i], "finish_reason": s.finish_reason}
                for i, s in enumerate(samples)]
     return metrics, records

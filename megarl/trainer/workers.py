@@ -31,6 +31,7 @@ from kernels.chunked_logprobs import LogprobOutput
 from kernels.context_parallel import gather_from_cp_ranks, next_tokens, split_for_cp_rank
 from megarl.algos.aggregation import agg_loss
 from megarl.algos.losses import actor_loss, value_loss
+from megarl.algos.nonfinite import NonFiniteError
 from megarl.algos.registry import POLICY_LOSSES
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
 from megarl.models.checkpoint import (as_chunks, chunk_parameters, chunks_sharded_state_dict, is_preset,
@@ -265,11 +266,13 @@ class MegatronWorker:
     def train_minibatches(self, batch: RolloutBatch, names: tuple[str, ...], loss_fn: Callable, *,
                           epochs: int, seed: int, mean_keys: list[str], sum_keys: list[str],
                           max_keys: tuple[str, ...] = (), mask_name: str = "response_mask",
-                          model_kwargs: dict[str, Any] | None = None) -> list[dict[str, float]]:
+                          model_kwargs: dict[str, Any] | None = None, step: int | None = None
+                          ) -> list[dict[str, float]]:
         """PPO-style updates: ``epochs`` passes over ``batch`` in shuffled global mini-batches, one optimizer
         step each. With one mini-batch per epoch its rows keep the batch's order, so the first update's
         micro-batches are those of the log-prob pass (first-step exactness: the update's log-probs are the old
-        ones bit for bit).
+        ones bit for bit). An update whose loss or gradient is not finite does not step
+        (:meth:`_check_finite`).
 
         Args:
             loss_fn: ``(micro_batch, output, normalisers) -> (loss, metrics)``; ``normalisers`` holds the
@@ -281,10 +284,15 @@ class MegatronWorker:
             sum_keys / max_keys: metrics summed (loss shares) / maximised over micro-batches and DP.
             mask_name: the batch's ``[B, R]`` mask of the tokens in the loss.
             model_kwargs: extra model arguments (an ``output_processor``).
+            step: the RL step (1-based), named in errors.
 
         Returns:
             One metrics dict per optimizer step (with ``grad_norm`` and ``lr``, the learning rate the step
             used), identical on every rank.
+
+        Raises:
+            NonFiniteError: on every rank of the role's pool, when a micro-batch's loss or the gradient of a
+                mini-batch is not finite; the optimizer has not stepped on it.
         """
         rc = self.rc
         n_mini = len(batch) // rc.ppo_mini_batch_size
@@ -292,7 +300,7 @@ class MegatronWorker:
         history = []
         for chunk in self.chunks:
             chunk.train()
-        for _ in range(epochs):
+        for epoch in range(epochs):
             order = torch.randperm(len(batch), generator=gen) if n_mini > 1 else torch.arange(len(batch))
             for k in range(n_mini):
                 mini = batch.select(order[k * rc.ppo_mini_batch_size:(k + 1) * rc.ppo_mini_batch_size])
@@ -305,12 +313,15 @@ class MegatronWorker:
                     loss, metrics = loss_fn(mb, out, norms)
                     values = {k: float(v) for k, v in metrics.items()}
                     values["tokens"] = float(mb[mask_name].sum())
+                    values["loss"] = float(loss.detach())
                     return loss * scale, values
 
                 for chunk in self.chunks:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 res = run_microbatches(self.model, micro, output_fn, forward_only=False, model_kwargs=model_kwargs)
+                self._check_finite(res, len(micro), ("" if step is None else f"step {step}: ") + f"the {self.role}"
+                                   f" update of mini-batch {k + 1}/{n_mini} (epoch {epoch + 1}/{epochs})")
                 lr = self.optimizer.param_groups[0]["lr"]  # what this update uses
                 _, grad_norm, _ = self.optimizer.step()
                 self.scheduler.step(increment=1)
@@ -327,6 +338,53 @@ class MegatronWorker:
                 m["lr"] = lr
                 history.append(m)
         return history
+
+    def _check_finite(self, res: list[dict[str, float]], n_micro: int, update: str) -> None:
+        """Stop the update ``update`` (its name in the error) before ``optimizer.step()`` when the loss of one
+        of its ``n_micro`` micro-batches per DP rank (``res``: their metrics on the last pipeline stage, ``[]``
+        elsewhere) or its gradient is not finite on any rank of the role's pool (:mod:`megarl.algos.nonfinite`,
+        rule 4).
+
+        One all-reduce (MAX) over the pool decides, so every rank of every DP, TP and PP group raises or none
+        does: no rank steps alone. The gradient is this rank's DDP gradient buffers after the backward
+        (reduced over DP, or on the distributed optimizer this rank's reduce-scattered shard and its own
+        contributions to the others), tested through their sums: any NaN or infinity makes a sum non-finite.
+        (megatron-core's ``DistributedDataParallelConfig.check_for_nan_in_grad`` tests the same buffers, but on
+        each rank alone: the rank that finds one raises before the gradients' collective and leaves its peers
+        waiting in it; its mixed-precision optimizer's ``found_inf`` skips a step silently, and only with a
+        loss scale.)
+
+        Raises:
+            NonFiniteError: naming the update, the first micro-batch with a non-finite loss (its DP rank and
+                place) and its value, or, with every loss finite, the first rank whose gradient is not finite.
+        """
+        n = max(n_micro, 1)
+        bad = next(((i, r["loss"]) for i, r in enumerate(res) if not math.isfinite(r["loss"])), None)
+        sums = [buf.grad_data.sum() for chunk in self.chunks for buf in (*chunk.buffers,
+                                                                         *chunk.expert_parallel_buffers)]
+        grad_ok = not sums or bool(torch.isfinite(torch.stack(sums).sum()))
+        # MAX over the pool of big - position finds the first: the micro-batch (4 codes a place: + 1 NaN, + 2
+        # inf, + 3 -inf, so that every rank can name the value) and the global rank; exact in float64
+        big = float(2 ** 50)
+        kind = 0 if bad is None else 1 if math.isnan(bad[1]) else 2 if bad[1] > 0 else 3
+        flags = torch.tensor([0.0 if bad is None else big - 4 * (self.dp_rank * n + bad[0]) + kind,
+                              0.0 if grad_ok else big - dist.get_rank()], dtype=torch.float64, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pool_group)
+        loss_code, grad_code = flags.tolist()
+        if not (loss_code or grad_code):
+            return
+        if loss_code:
+            place = (int(big - loss_code) + 3) // 4
+            dp_rank, micro = divmod(place, n)
+            value = {1: "nan", 2: "inf", 3: "-inf"}[int(loss_code - (big - 4 * place))]
+            what = f"the loss of micro-batch {micro + 1} on DP rank {dp_rank} is {value}"
+        else:
+            what = (f"the gradient is not finite (a NaN or infinity in the gradient buffers of global rank "
+                    f"{int(big - grad_code)}) although every micro-batch's loss is finite")
+        raise NonFiniteError(f"{update}: {what}; the optimizer did not step (the weights and optimizer state are "
+                             "those of the update before). Non-finite rollout log-probs and scores never reach "
+                             "the loss (megarl.algos.nonfinite): look at the learning rate, the advantages and "
+                             "the model's numerics (model.dtype)")
 
     # ------------------------------------------------------------------ checkpoint state
     def sharded_state_dict(self, is_loading: bool = False,
@@ -490,15 +548,19 @@ class PolicyWorker(MegatronWorker):
         return self.forward_response_frame(batch, fn, names, self._model_kwargs(with_entropy))
 
     def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int,
-               norm_tokens: float | None = None) -> list[dict[str, float]]:
+               norm_tokens: float | None = None, step: int | None = None) -> list[dict[str, float]]:
         """Policy-loss updates of the actor on ``batch`` (needs old_logprobs, advantages, loss_mask (the tokens
-        in the loss: the response mask minus what overlong filtering and rollout correction leave out; without
-        it, the response mask),
+        in the loss: the response mask minus what overlong filtering, rollout correction and the non-finite
+        rule leave out; without it, the response mask),
         rollout_weights when the rollout correction weighs tokens, and ref_logprobs when the KL is in the
-        loss); ``norm_tokens``: the constant of ``loss_agg_mode=seq-mean-token-sum-norm``. Returns
-        per-optimizer-step metrics: pg_loss, entropy, kl_loss, clipfrac, clipfrac_lower, ppo_kl, approx_kl
-        (token means over the mini-batch), log_ratio_absmax (largest |log-prob - old log-prob|), grad_norm,
-        lr."""
+        loss); ``norm_tokens``: the constant of ``loss_agg_mode=seq-mean-token-sum-norm``; ``step``: the RL
+        step, for errors. Returns per-optimizer-step metrics: pg_loss, entropy, kl_loss, clipfrac,
+        clipfrac_lower, ppo_kl, approx_kl (token means over the mini-batch), log_ratio_absmax (largest |log-prob
+        - old log-prob|), grad_norm, lr.
+
+        Raises:
+            NonFiniteError: a loss or gradient that is not finite (:meth:`train_minibatches`).
+        """
         kl_in_loss = alg.kl.in_loss and alg.kl.coef > 0
         mask_name = "loss_mask" if "loss_mask" in batch else "response_mask"
         names = (MODEL_INPUTS + ("old_logprobs", "advantages") + (("loss_mask",) if mask_name == "loss_mask" else ())
@@ -522,7 +584,7 @@ class PolicyWorker(MegatronWorker):
                                       sum_keys=["pg_loss", "kl_loss", "entropy"],
                                       mean_keys=["clipfrac", "clipfrac_lower", "ppo_kl", "approx_kl"],
                                       max_keys=("log_ratio_absmax",), mask_name=mask_name,
-                                      model_kwargs=self._model_kwargs(with_entropy=True))
+                                      model_kwargs=self._model_kwargs(with_entropy=True), step=step)
 
 
 class CriticWorker(MegatronWorker):
@@ -538,16 +600,24 @@ class CriticWorker(MegatronWorker):
                                            ("values",))["values"]
 
     def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int,
-               norm_tokens: float | None = None) -> list[dict[str, float]]:
-        """Clipped value-loss updates on ``batch`` (needs values (old), returns); ``norm_tokens`` as the
-        actor's. Returns per-step metrics: vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr."""
-        names = MODEL_INPUTS + ("values", "returns")
+               norm_tokens: float | None = None, step: int | None = None) -> list[dict[str, float]]:
+        """Clipped value-loss updates on ``batch`` (needs values (old), returns, and value_mask where samples
+        leave the value loss (the response mask without the samples the non-finite rule drops; without it, the
+        response mask)); ``norm_tokens`` and ``step`` as the actor's. Returns per-step metrics: vf_loss,
+        vf_clipfrac, vpred_mean, grad_norm, lr.
+
+        Raises:
+            NonFiniteError: a loss or gradient that is not finite (:meth:`train_minibatches`).
+        """
+        mask_name = "value_mask" if "value_mask" in batch else "response_mask"
+        names = MODEL_INPUTS + ("values", "returns") + (("value_mask",) if mask_name == "value_mask" else ())
 
         def loss_fn(mb, out, norms):
-            loss, metrics = value_loss(self._values(mb, out), mb["values"], mb["returns"], mb["response_mask"],
+            loss, metrics = value_loss(self._values(mb, out), mb["values"], mb["returns"], mb[mask_name],
                                        cliprange_value=alg.value_clip, agg_mode=alg.loss_agg_mode,
                                        norm_tokens=norm_tokens, **norms)
             return loss * alg.vf_coef, metrics
 
         return self.train_minibatches(batch, names, loss_fn, epochs=self.rc.ppo_epochs, seed=seed,
-                                      sum_keys=["vf_loss"], mean_keys=["vf_clipfrac", "vpred_mean"])
+                                      sum_keys=["vf_loss"], mean_keys=["vf_clipfrac", "vpred_mean"],
+                                      mask_name=mask_name, step=step)
