@@ -87,6 +87,14 @@ class LoRASpec:
         if unknown or not self.target_modules:
             raise SpecError(f"LoRA target_modules {list(self.target_modules)}: choose among {list(TARGET_MODULES)}")
 
+    @classmethod
+    def from_config(cls, config) -> "LoRASpec | None":
+        """The spec of a config section with ``rank``, ``alpha``, ``dropout``, ``target_modules`` and ``experts``
+        (``actor.lora``); None when its rank is 0 (no LoRA)."""
+        if not config.rank:
+            return None
+        return cls(config.rank, config.alpha, config.dropout, tuple(config.target_modules), config.experts)
+
     @property
     def scale(self) -> float:
         """``alpha / rank``, the factor of the adapter's output."""
@@ -344,19 +352,19 @@ def adapt_layer_spec(layer, lora: LoRASpec, *, use_te: bool, gated: bool = True)
         if (cls := adapted(name)) is not None:
             setattr(attn, name, cls)
     mlp = layer.submodules.mlp
-    if isinstance(mlp, functools.partial):  # MoELayer
-        if use_te:
-            raise SpecError("LoRA on a mixture-of-experts model runs on the local layer spec (TE's grouped and "
-                            "shared experts have no adapters yet); set actor.kernels.transformer_engine=false")
-        subs = mlp.keywords["submodules"]
-        if lora.experts:
-            _adapt_mlp(subs.experts.keywords["submodules"], adapted)
-        if getattr(subs, "shared_experts", None) is not None:
-            shared = subs.shared_experts
-            _adapt_mlp(shared.keywords["submodules"] if isinstance(shared, functools.partial) else shared.submodules,
-                       adapted)
+    subs = mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+    if not hasattr(subs, "experts"):  # a dense MLP
+        _adapt_mlp(subs, adapted)
         return
-    _adapt_mlp(mlp.submodules, adapted)
+    if use_te:
+        raise SpecError("LoRA on a mixture-of-experts model runs on the local layer spec (TE's grouped and "
+                        "shared experts have no adapters yet); set actor.kernels.transformer_engine=false")
+    if lora.experts:
+        _adapt_mlp(subs.experts.keywords["submodules"], adapted)
+    shared = getattr(subs, "shared_experts", None)
+    if shared is not None:
+        _adapt_mlp(shared.keywords["submodules"] if isinstance(shared, functools.partial) else shared.submodules,
+                   adapted)
 
 
 def _adapt_mlp(subs, adapted: Callable) -> None:
@@ -406,15 +414,18 @@ def adapters_disabled(model):
 
 def reduce_partial_grads(model, tp_group) -> None:
     """Sum over ``tp_group`` the gradients that are partial sums per TP rank (the whole factor of an adapted
-    layer: module docstring), in their DDP buffers (``main_grad``), in one all-reduce. Call after the backward
+    layer: module docstring), in their DDP buffers (``main_grad``; ``grad`` without DDP), in one all-reduce. Call after the backward
     passes of an optimizer step and before megatron's ``finalize_model_grads``; no-op at TP = 1."""
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     if tp_group is None or tp_group.size() == 1:
         return
-    grads = [p.main_grad for m in lora_modules(model) for p in (m.lora_a, m.lora_b)
-             if p.requires_grad and p.megarl_lora_partial_grad and getattr(p, "main_grad", None) is not None]
+    grads = []
+    for p in (p for m in lora_modules(model) for p in (m.lora_a, m.lora_b)):
+        g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+        if p.requires_grad and p.megarl_lora_partial_grad and g is not None:
+            grads.append(g)
     if not grads:
         return
     flat = _flatten_dense_tensors(grads)
