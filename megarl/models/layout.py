@@ -47,7 +47,7 @@ from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
-from megarl.models.lora import COLUMN_PARALLEL, LoRASpec
+from megarl.models.lora import LoRASpec, Merge
 from megarl.models.megatron import check_layout, padded_vocab_size
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
@@ -96,31 +96,6 @@ class LocalTensor:
     name: str
     shape: tuple[int, ...]
     blocks: tuple[Block, ...]
-
-
-class Merge(NamedTuple):
-    """One LoRA merge on a destination rank: ``tensor[rows, cols] = W + scale * B_aux[rows] @ A_aux[a_row:a_row + r,
-    cols]``, computed wider than the tensor and rounded to its dtype once (:func:`with_lora_merge`;
-    :func:`megarl.reshard.executor.apply_merges`).
-
-    Attributes:
-        tensor: the destination tensor (its ``W`` block has arrived in place).
-        b_aux / a_aux: the auxiliary local tensors holding the block's rows of ``B`` and columns of ``A``.
-        rows / cols: ``(start, count)`` of the block in ``tensor`` (the same rows in ``b_aux``, columns in
-            ``a_aux``).
-        a_row: the first row of the block's ``A`` in ``a_aux`` (tensors made of several adapted weights with
-            their own ``A``, such as fused experts, stack them).
-        rank / scale: ``r`` and ``alpha / r``.
-    """
-
-    tensor: str
-    b_aux: str
-    a_aux: str
-    rows: tuple[int, int]
-    cols: tuple[int, int]
-    a_row: int
-    rank: int
-    scale: float
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from megarl.models.spec import SpecError
 
 TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+MERGE_CHUNK_BYTES = 64 << 20  # fp64 bytes of W + B A that one merge step computes at once
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 ADAPTER_NAMES = ("lora_a", "lora_b")  # the adapted module's parameter names
 
@@ -445,3 +446,65 @@ def finalize_with_partial_grads(finalize: Callable, tp_group_of: Callable[[], ob
     return run
 
 
+class Merge(NamedTuple):
+    """One LoRA merge on a destination rank: ``tensor[rows, cols] = W + scale * B_aux[rows] @ A_aux[a_row:a_row + r,
+    cols]``, computed wider than the tensor and rounded to its dtype once (:func:`apply_merges`; built by
+    :func:`megarl.models.layout.with_lora_merge`).
+
+    Attributes:
+        tensor: the destination tensor (its ``W`` block has arrived in place).
+        b_aux / a_aux: the auxiliary local tensors holding the block's rows of ``B`` and columns of ``A``.
+        rows / cols: ``(start, count)`` of the block in ``tensor`` (the same rows in ``b_aux``, columns in
+            ``a_aux``).
+        a_row: the first row of the block's ``A`` in ``a_aux`` (tensors made of several adapted weights with
+            their own ``A``, such as fused experts, stack them).
+        rank / scale: ``r`` and ``alpha / r``.
+    """
+
+    tensor: str
+    b_aux: str
+    a_aux: str
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    a_row: int
+    rank: int
+    scale: float
+
+
+def _coalesce(merges: tuple[Merge, ...]) -> list[Merge]:
+    """Join merges of one tensor whose rows continue each other with the same columns and ``A`` rows (q, k and
+    v of ``qkv_proj``; gate and up of ``gate_up_proj``): one product each."""
+    out: list[Merge] = []
+    for m in merges:
+        if out:
+            p = out[-1]
+            if (p.tensor, p.b_aux, p.a_aux, p.cols, p.a_row) == (m.tensor, m.b_aux, m.a_aux, m.cols, m.a_row) \
+                    and p.rows[0] + p.rows[1] == m.rows[0]:
+                out[-1] = p._replace(rows=(p.rows[0], p.rows[1] + m.rows[1]))
+                continue
+        out.append(m)
+    return out
+
+
+def apply_merges(merges: tuple[Merge, ...], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write ``W + scale * B A`` into each merge's block in place (:class:`Merge`): ``W`` (the block as it is),
+    ``B``'s rows and ``A``'s columns (their auxiliary tensors) widened to fp64 (exact), the product and the sum
+    there, one rounding to the tensor's dtype; at most ``MERGE_CHUNK_BYTES`` of fp64 per product. fp64 rather than
+    fp32 because an fp32 sum of the ``r`` products depends on how the matmul blocks the tensor (measured: one ulp
+    between a whole tensor and its TP column halves); in fp64 every engine rank's shard and an independent
+    whole-tensor merge round to the same bits.
+
+    Args:
+        merges: the merges (e.g. a destination layout's :attr:`~megarl.models.layout.Layout.merges` of a rank).
+        tensors: the merged tensors and the auxiliary ones, by the names the merges give.
+    """
+    with torch.no_grad():
+        for m in _coalesce(merges):
+            t, b, a = tensors[m.tensor], tensors[m.b_aux], tensors[m.a_aux]
+            (r0, rows), (c0, cols) = m.rows, m.cols
+            a_block = a[m.a_row:m.a_row + m.rank, c0:c0 + cols].double()
+            step = max(1, MERGE_CHUNK_BYTES // 8 // cols)
+            for lo in range(r0, r0 + rows, step):
+                hi = min(lo + step, r0 + rows)
+                w = t[lo:hi, c0:c0 + cols]
+                w.copy_(w.double() + m.scale * (b[lo:hi].double() @ a_block))

@@ -25,10 +25,7 @@ same schedule runs in order.
 Merged LoRA weights (a destination layout of :func:`~megarl.models.layout.with_lora_merge`): the plan also fills
 each merged tensor's auxiliary tensors (its rows of ``B``, its columns of ``A``, in the wire dtype, allocated
 here), and once every transfer has landed each merge writes ``W + (alpha / r) B A`` into the engine's tensor in
-place: ``W``, ``B`` and ``A`` widened to fp64 (exact), the product and sum there, one rounding to the tensor's dtype,
-``MERGE_CHUNK_BYTES`` of fp64 at a time. fp64 rather than fp32 because an fp32 sum of the ``r`` products depends on
-how the matmul blocks the tensor (measured: one ulp between a whole tensor and its TP column halves); in fp64 every
-engine rank and an independent whole-tensor merge round to the same bits.
+place (:func:`megarl.models.lora.apply_merges`: fp64, one rounding to the tensor's dtype).
 
 Extra memory of a rank: two staging buffers (one with a single round) of at most ``bucket_bytes`` each, plus
 the descriptor tables of the copies (bookkeeping) and, with merges, the auxiliary adapter tensors (adapter-sized)
@@ -51,7 +48,8 @@ from typing import Mapping, NamedTuple
 import torch
 import torch.distributed as dist
 
-from megarl.models.layout import LocalTensor, Merge
+from megarl.models.layout import LocalTensor
+from megarl.models.lora import MERGE_CHUNK_BYTES, apply_merges
 from megarl.reshard.boxcopy import Box, BoxBatch
 from megarl.reshard.planner import Plan, Transfer
 
@@ -61,7 +59,6 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 MIN_BUCKET_BYTES = 64
 ROUND_MIN_BYTES = 128 << 20  # a round may move this much per rank through direct ends, whatever the bucket
 DIRECT_MIN_BYTES = 256 << 10  # smaller pieces travel staged, bundled per peer (one message each costs more)
-MERGE_CHUNK_BYTES = 64 << 20  # fp64 bytes of W + B A that one LoRA merge step computes at once
 LOCAL_PARTS = 64  # the same-rank copies are issued in at most this many parts, spread over the rounds
 _SCAN = 32  # rounds a piece may be placed back from the newest open one (bounds the schedule's cost)
 
@@ -548,34 +545,3 @@ def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensor
     del buffers, wires, bound, flat
     stats.times_s["total"] = time.perf_counter() - t_total
     return stats
-
-
-def _coalesce(merges: tuple[Merge, ...]) -> list[Merge]:
-    """Join merges of one tensor whose rows continue each other with the same columns and ``A`` rows (q, k and
-    v of ``qkv_proj``; gate and up of ``gate_up_proj``): one product each."""
-    out: list[Merge] = []
-    for m in merges:
-        if out:
-            p = out[-1]
-            if (p.tensor, p.b_aux, p.a_aux, p.cols, p.a_row) == (m.tensor, m.b_aux, m.a_aux, m.cols, m.a_row) \
-                    and p.rows[0] + p.rows[1] == m.rows[0]:
-                out[-1] = p._replace(rows=(p.rows[0], p.rows[1] + m.rows[1]))
-                continue
-        out.append(m)
-    return out
-
-
-def apply_merges(merges: tuple[Merge, ...], tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write ``W + scale * B A`` into each merge's block in place (:class:`~megarl.models.layout.Merge`): ``W``
-    (the block as received), ``B``'s rows and ``A``'s columns (their auxiliary tensors) in fp64 (module
-    docstring), one rounding to the tensor's dtype; at most ``MERGE_CHUNK_BYTES`` of fp64 per product."""
-    with torch.no_grad():
-        for m in _coalesce(merges):
-            t, b, a = tensors[m.tensor], tensors[m.b_aux], tensors[m.a_aux]
-            (r0, rows), (c0, cols) = m.rows, m.cols
-            a_block = a[m.a_row:m.a_row + m.rank, c0:c0 + cols].double()
-            step = max(1, MERGE_CHUNK_BYTES // 8 // cols)
-            for lo in range(r0, r0 + rows, step):
-                hi = min(lo + step, r0 + rows)
-                w = t[lo:hi, c0:c0 + cols]
-                w.copy_(w.double() + m.scale * (b[lo:hi].double() @ a_block))
