@@ -113,3 +113,25 @@ def test_merged_reshard_equals_merge_then_slice():
                 assert v > 0, (rank, k)
             else:
                 assert v == [], (rank, k, v)
+
+
+def test_config_and_memory_estimate_know_lora():
+    """``actor.lora``'s target names are the model's; the memory estimate of a LoRA run counts the adapters'
+    gradients and optimizer state only (hand-counted here) and no reference copy; ``parameter_counts`` counts
+    the adapters once."""
+    from megarl.config import LORA_TARGETS, load_config
+    from megarl.launch.memory import estimate_memory
+    from megarl.models.layout import parameter_counts
+    from megarl.models.lora import TARGET_MODULES, LoRASpec
+    from megarl.models.spec import PRESETS
+
+    assert LORA_TARGETS == TARGET_MODULES
+    spec = PRESETS["qwen2.5-1.5b"]  # hidden 1536, q 1536, kv 256, ffn 8960, 28 layers
+    r = 16
+    layer = (r * 1536 + (1536 + 512) * r) + (r * 1536 + 1536 * r) + (r * 1536 + 2 * 8960 * r) + (r * 8960 + 1536 * r)
+    assert parameter_counts(spec, LoRASpec(r, 32.0))["trainable"] == 28 * layer
+    full = estimate_memory(load_config(None, ["model.dtype=bfloat16"]), spec, 1, gpu=False)
+    lora = estimate_memory(load_config(None, ["model.dtype=bfloat16", f"actor.lora.rank={r}"]), spec, 1, gpu=False)
+    assert lora.reference == 0 and full.reference == full.params
+    assert lora.grads == 28 * layer * 4 and lora.optimizer == 28 * layer * 12
+    assert lora.params == full.params + 28 * layer * 2

@@ -617,6 +617,13 @@ def lora_canonical_shapes(spec: ModelSpec, lora: LoRASpec) -> dict[str, tuple[in
     return out
 
 
+def parameter_counts(spec: ModelSpec, lora: LoRASpec | None) -> dict[str, int]:
+    """``{"model", "adapters", "trainable"}``: the base model's parameters, the LoRA adapters' (0 without), and
+    those an update trains (the adapters with LoRA, else every weight), counted once over any layout."""
+    adapters = sum(math.prod(s) for s in lora_canonical_shapes(spec, lora).values()) if lora else 0
+    return {"model": spec.num_params(), "adapters": adapters, "trainable": adapters if lora else spec.num_params()}
+
+
 def adapter_tensors(lt: LocalTensor, targets: Mapping[str, tuple[str, str]], rank: int, a_name: str, b_name: str
                     ) -> tuple[LocalTensor, LocalTensor, list[Merge]]:
     """The adapter factors that a local tensor made of adapted weights' blocks holds (module docstring).

@@ -329,6 +329,7 @@ class Trainer:
             "offload/to_host_s": moves["to_host"], "offload/to_device_s": moves["to_device"],
             "reshard/bytes_sent": getattr(stats, "bytes_sent", 0), "reshard/peak_extra_bytes":
                 getattr(stats, "peak_extra_bytes", 0), "reshard/bytes_staged": getattr(stats, "bytes_staged", 0),
+            "reshard/merge_s": getattr(stats, "times_s", {}).get("merge", 0.0),
             **{f"time/{k}": v for k, v in phases.items()}, "time/step": step_s,
             **{f"pool/{p}/busy_s": b for p, b in busy.items()},
             **{f"pool/{p}/idle_s": max(0.0, step_s - b - reshard_s) for p, b in busy.items()},
