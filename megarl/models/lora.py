@@ -111,15 +111,17 @@ class _Adapter:
 
     lora_enabled: bool
 
-    def _add_adapter(self, lora: LoRASpec, in_local: int, out_local: int, *, split: str | None,
+    def _add_adapter(self, lora: LoRASpec, in_local: int, out_local: int, *, column: bool, split: bool,
                      partial_grad: bool, swiglu: bool) -> None:
-        """``split``: which factor is split over TP ("b" column-parallel, "a" row-parallel, None: both whole);
+        """``column``: a column-parallel layer (else row-parallel); ``split``: its factor split over TP (``B``
+        column-parallel, ``A`` row-parallel; else both whole);
         ``partial_grad``: the other factor's gradient is a partial sum over TP (summed by
         :func:`reduce_partial_grads`); ``swiglu``: ``lora_b``'s rows are ``[gate_r; up_r]`` (checkpointed as
         megatron checkpoints ``linear_fc1.weight``)."""
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         w = self.weight
+        split = ("b" if column else "a") if split else None
         self.lora_a = torch.nn.Parameter(torch.zeros(lora.rank, in_local, dtype=w.dtype, device=w.device))
         self.lora_b = torch.nn.Parameter(torch.zeros(out_local, lora.rank, dtype=w.dtype, device=w.device))
         for name, p in (("a", self.lora_a), ("b", self.lora_b)):
@@ -131,6 +133,7 @@ class _Adapter:
         self.lora_scale = lora.scale
         self.lora_dropout = lora.dropout
         self.lora_swiglu = swiglu
+        self._lora_column = column
         self.lora_enabled = True
 
     def _lora_delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,17 +142,24 @@ class _Adapter:
             x = F.dropout(x, self.lora_dropout)
         return F.linear(F.linear(x, self.lora_a), self.lora_b) * self.lora_scale
 
-    def _lora_sharded(self, sharded: dict, prefix: str, sharded_offsets, metadata) -> dict:
-        """The sharded state dict with ``lora_b`` of a gated ``linear_fc1`` cut into its gate and up halves, as
-        megatron's MLP does for the weight (so the checkpoint is the same at every TP)."""
+    def _lora_sharded_state_dict(self, prefix: str, sharded_offsets, metadata, tp_group) -> dict:
+        """megatron's sharded state dict of the layer with its adapters: the weight (and a column-parallel
+        bias) and the split factor sharded over TP like the weight, the whole factor replicated; ``lora_b`` of a
+        gated ``linear_fc1`` cut into its gate and up halves, as megatron's MLP does for the weight (so the
+        checkpoint is the same at every TP)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axes = {"weight": 0, "bias": 0, "lora_b": 0} if self._lora_column else {"weight": 1, "lora_a": 1}
+        sharded = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                      sharded_offsets, tp_group=tp_group,
+                                                      dp_cp_group=metadata["dp_cp_group"])
         if self.lora_swiglu:
             from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
             key = f"{prefix}lora_b"
             sharded[key] = apply_swiglu_sharded_factory(
                 sharded[key], sharded_offsets, (metadata or {}).get("singleton_local_shards", False),
-                tp_group=self.tp_group if hasattr(self, "tp_group") else self._tp_group,
-                dp_group=(metadata or {}).get("dp_cp_group"))
+                tp_group=tp_group, dp_group=metadata["dp_cp_group"])
         return sharded
 
 
@@ -161,7 +171,6 @@ def _local_classes() -> tuple[type, type]:
                                                         gather_from_sequence_parallel_region,
                                                         reduce_from_tensor_model_parallel_region,
                                                         reduce_scatter_to_sequence_parallel_region)
-    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
     class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
         """megatron's ``ColumnParallelLinear`` with a LoRA adapter (``B`` split with the output, ``A`` whole).
@@ -175,7 +184,7 @@ def _local_classes() -> tuple[type, type]:
             if self.gather_output:
                 raise SpecError("LoRA on a ColumnParallelLinear that gathers its output is not supported")
             tp_split = not self.explicit_expert_comm and self.tp_group.size() > 1
-            self._add_adapter(lora, input_size, self.output_size_per_partition, split="b" if tp_split else None,
+            self._add_adapter(lora, input_size, self.output_size_per_partition, column=True, split=tp_split,
                               partial_grad=tp_split, swiglu=swiglu)
 
         def forward(self, input_, weight=None, runtime_gather_output=None):
@@ -199,10 +208,7 @@ def _local_classes() -> tuple[type, type]:
             return out + self._lora_delta(x), (self.bias if self.skip_bias_add else None)
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            sharded = make_sharded_tensors_for_checkpoint(
-                self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0, "bias": 0, "lora_b": 0},
-                sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
-            return self._lora_sharded(sharded, prefix, sharded_offsets, metadata)
+            return self._lora_sharded_state_dict(prefix, sharded_offsets, metadata, self.tp_group)
 
     class LoRARowParallelLinear(_Adapter, RowParallelLinear):
         """megatron's ``RowParallelLinear`` with a LoRA adapter (``A`` split with the input, ``B`` whole).
@@ -216,7 +222,7 @@ def _local_classes() -> tuple[type, type]:
             if not self.input_is_parallel:
                 raise SpecError("LoRA on a RowParallelLinear whose input is not split is not supported")
             tp_split = not self.explicit_expert_comm and self.tp_group.size() > 1
-            self._add_adapter(lora, self.input_size_per_partition, output_size, split="a" if tp_split else None,
+            self._add_adapter(lora, self.input_size_per_partition, output_size, column=False, split=tp_split,
                               partial_grad=tp_split, swiglu=False)
 
         def forward(self, input_):
@@ -238,9 +244,7 @@ def _local_classes() -> tuple[type, type]:
             return (out + self.bias if self.bias is not None else out), None
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return make_sharded_tensors_for_checkpoint(
-                self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 1, "lora_a": 1}, sharded_offsets,
-                tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+            return self._lora_sharded_state_dict(prefix, sharded_offsets, metadata, self.tp_group)
 
     return LoRAColumnParallelLinear, LoRARowParallelLinear
 
@@ -258,7 +262,6 @@ def te_lora_modules() -> tuple[type, type]:
     from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                         reduce_from_tensor_model_parallel_region,
                                                         reduce_scatter_to_sequence_parallel_region)
-    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
     class TELoRALayerNormColumnParallelLinear(_Adapter, TELayerNormColumnParallelLinear):
         """TE's fused norm + column-parallel GEMM with a LoRA adapter on the normalised input."""
@@ -269,7 +272,7 @@ def te_lora_modules() -> tuple[type, type]:
             self._lora_tp = tp
             # with sequence parallelism TE hands back its gathered input and sums its gradient into its own
             # reduce-scatter: A's gradient is then a partial sum over TP; without it u's gradient is all-reduced
-            self._add_adapter(lora, input_size, output_size // tp, split="b" if tp > 1 else None,
+            self._add_adapter(lora, input_size, output_size // tp, column=True, split=tp > 1,
                               partial_grad=tp > 1 and self.sequence_parallel, swiglu=swiglu)
 
         def forward(self, x):
@@ -291,10 +294,7 @@ def te_lora_modules() -> tuple[type, type]:
             return out + F.linear(u, self.lora_b) * self.lora_scale, bias  # u's gradient all-reduced: [s, b, r]
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            sharded = make_sharded_tensors_for_checkpoint(
-                self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0, "bias": 0, "lora_b": 0},
-                sharded_offsets, tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
-            return self._lora_sharded(sharded, prefix, sharded_offsets, metadata)
+            return self._lora_sharded_state_dict(prefix, sharded_offsets, metadata, self._tp_group)
 
     class TELoRARowParallelLinear(_Adapter, TERowParallelLinear):
         """TE's row-parallel GEMM with a LoRA adapter whose rank-``r`` partial sums take their own reduction."""
@@ -303,7 +303,7 @@ def te_lora_modules() -> tuple[type, type]:
             super().__init__(input_size, output_size, **kwargs)
             tp = self._tp_group.size() if self._tp_group is not None else 1
             self._lora_tp = tp
-            self._add_adapter(lora, input_size // tp, output_size, split="a" if tp > 1 else None,
+            self._add_adapter(lora, input_size // tp, output_size, column=False, split=tp > 1,
                               partial_grad=False, swiglu=False)
 
         def forward(self, x):
@@ -319,9 +319,7 @@ def te_lora_modules() -> tuple[type, type]:
             return out + F.linear(u, self.lora_b) * self.lora_scale, bias
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return make_sharded_tensors_for_checkpoint(
-                self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 1, "lora_a": 1}, sharded_offsets,
-                tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
+            return self._lora_sharded_state_dict(prefix, sharded_offsets, metadata, self._tp_group)
 
     return TELoRALayerNormColumnParallelLinear, TELoRARowParallelLinear
 
