@@ -22,7 +22,7 @@ def make_tiny_model(path: Path, *, layers: int = 2, seed: int = 0, tied: bool = 
 
     ``embedding_scale`` multiplies the (tied) embeddings: at transformers' init (std 0.02) the logits of a frozen
     output layer stay within about +-1.3 whatever the hidden state (RMSNorm bounds it), too flat for a LoRA actor
-    (whose embeddings and norms do not train) to make one word likely; 5 gives a base that LoRA can sharpen."""
+    (whose embeddings and norms do not train) to make one word likely; 3 gives a base that LoRA can sharpen (tests/test_lora_trainer.py)."""
     from megarl.models.spec import ModelSpec
 
     spec = ModelSpec("llama", vocab_size=len(WORDS), hidden_size=64, num_layers=layers, num_attention_heads=4,
