@@ -198,6 +198,50 @@ class KernelsConfig:
                             f"must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megarl.models.lora.TARGET_MODULES (tested)
+LORA_SYNC = ("merged", "adapter")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters on the actor (Hu et al. 2021): only they train; the base weights stay frozen in the model's
+    dtype (no gradient, no optimizer state), and the reference policy is the actor with its adapters off.
+
+    Attributes:
+        rank: the adapters' rank ``r``; 0 = no LoRA (every weight trains).
+        alpha: the adapter's output is scaled by ``alpha / rank``.
+        dropout: dropout on the adapters' input while training, in [0, 1) (0 keeps the update's first log-probs
+            equal to the old ones).
+        target_modules: megatron layers that get adapters: ``linear_qkv`` (q, k, v), ``linear_proj`` (attention
+            output), ``linear_fc1`` (gate and up), ``linear_fc2`` (down).
+        experts: also a mixture-of-experts model's routed experts (their ``linear_fc1`` / ``linear_fc2`` among
+            ``target_modules``; local layer spec).
+        sync: how the weights reach the rollout engine each step: ``merged`` (the reshard writes ``W + (alpha / r)
+            B A`` into the engine's own weights, shard by shard: the engine runs the plain model) or ``adapter``
+            (vLLM with LoRA enabled gets the adapters alone, in memory; its base weights are written once).
+    """
+
+    rank: int = 0
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    experts: bool = False
+    sync: str = "merged"
+
+    def __post_init__(self):
+        _require_in_section(self.rank >= 0, "rank", f"must be >= 0 (0 = no LoRA), got {self.rank}")
+        _require_in_section(self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
+        _require_in_section(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        _require_in_section(bool(self.target_modules) and not unknown, "target_modules",
+                            f"{list(self.target_modules)}: choose one or more of {list(LORA_TARGETS)}")
+        _require_in_section(self.sync in LORA_SYNC, "sync", f"must be one of {LORA_SYNC}, got {self.sync!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 @dataclass
 class ActorConfig:
     """The policy being trained (and the critic, which has the same fields).
@@ -225,6 +269,7 @@ class ActorConfig:
             the next step's log-probs, and the parameters too while the rollout engine generates
             (:mod:`megarl.trainer.offload`), so that a model that fits only one phase at a time still runs.
         kernels: fast paths (chunked log-probs, SDPA attention).
+        lora: LoRA adapters instead of training every weight (the actor only).
     """
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -238,8 +283,12 @@ class ActorConfig:
     sequence_packing: bool = False
     offload: bool = False
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self):
+        _require_in_section(not (self.lora.experts and self.kernels.transformer_engine), "lora.experts",
+                            "adapters on the experts run on the local layer spec; set "
+                            "kernels.transformer_engine=false or lora.experts=false")
         _require_in_section(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
         _require_in_section(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
                             f"must be >= 0 (0 = fixed-size micro-batches), got {self.max_tokens_per_micro_batch}")
@@ -265,6 +314,11 @@ class CriticConfig(ActorConfig):
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     warmup_steps: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require_in_section(not self.lora.enabled, "lora.rank", f"{self.lora.rank}: LoRA trains the actor only "
+                            "(the critic trains every weight); set critic.lora.rank=0")
 
 
 @dataclass
@@ -874,6 +928,15 @@ class Config:
                  f"{self.rollout.n}")
         require(alg.overlong.buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong.buffer_tokens",
                  f"{alg.overlong.buffer_tokens} is longer than rollout.max_new_tokens={self.rollout.max_new_tokens}")
+        lora = self.actor.lora
+        if lora.enabled:
+            require(lora.sync == "merged" or self.rollout.engine == "vllm", "actor.lora.sync",
+                    "adapter sends the adapters to vLLM's LoRA layers; the transformers engine takes merged "
+                    "weights: set actor.lora.sync=merged or rollout.engine=vllm")
+            pl = self.placement
+            require(pl.reference == pl.actor and pl.reference_parallel is None, "placement.reference",
+                    "with actor.lora the reference policy is the actor with its adapters off, on the actor's pool "
+                    f"and layout: set placement.reference={pl.actor} and placement.reference_parallel=null")
 
     @property
     def loss_norm_tokens(self) -> int:

@@ -16,15 +16,20 @@ WORDS = ["<pad>", "<eos>", "<unk>", "a", "b", "c", "d", "e", "f", "g", "h", "i",
 TARGET = "x"
 
 
-def make_tiny_model(path: Path, *, layers: int = 2, seed: int = 0, tied: bool = True) -> Path:
-    """Write a random Llama (hidden 64, 4 heads, 2 KV heads) and its word-level tokenizer as an HF directory."""
+def make_tiny_model(path: Path, *, layers: int = 2, seed: int = 0, tied: bool = True,
+                    embedding_scale: float = 1.0) -> Path:
+    """Write a random Llama (hidden 64, 4 heads, 2 KV heads) and its word-level tokenizer as an HF directory.
+
+    ``embedding_scale`` multiplies the (tied) embeddings: at transformers' init (std 0.02) the logits of a frozen
+    output layer stay within about +-1.3 whatever the hidden state (RMSNorm bounds it), too flat for a LoRA actor
+    (whose embeddings and norms do not train) to make one word likely; 3 gives a base that LoRA can sharpen (tests/test_lora_trainer.py)."""
     from megarl.models.spec import ModelSpec
 
     spec = ModelSpec("llama", vocab_size=len(WORDS), hidden_size=64, num_layers=layers, num_attention_heads=4,
                      num_kv_heads=2, head_dim=16, ffn_hidden_size=128, rope_theta=10000.0, rms_norm_eps=1e-5,
                      tie_word_embeddings=tied, max_position_embeddings=64, bos_token_id=None,
                      eos_token_ids=(WORDS.index("<eos>"),), pad_token_id=WORDS.index("<pad>"))
-    return _save_random(path, spec, seed)
+    return _save_random(path, spec, seed, embedding_scale)
 
 
 def make_tiny_moe_model(path: Path, *, family: str = "qwen3_moe", layers: int = 2, seed: int = 0) -> Path:
@@ -41,7 +46,7 @@ def make_tiny_moe_model(path: Path, *, family: str = "qwen3_moe", layers: int = 
     return _save_random(path, spec, seed)
 
 
-def _save_random(path: Path, spec, seed: int) -> Path:
+def _save_random(path: Path, spec, seed: int, embedding_scale: float = 1.0) -> Path:
     """A random transformers model of ``spec`` in its checkpoint form (experts one tensor each), with the
     word-level tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -52,6 +57,8 @@ def _save_random(path: Path, spec, seed: int) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(embedding_scale)
     save_hf_checkpoint(path, spec, transformers_canonical(spec, dict(model.named_parameters())))
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

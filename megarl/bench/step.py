@@ -21,6 +21,8 @@ by rank 0, that ``megarl sweep`` collects. Its keys:
 - ``config``: ``path``, ``overrides``, ``layout`` (tp, pp, dp, world size, rollout engine and tp, model,
   dtype, batch sizes) and ``resolved`` (the whole config);
 - ``world_size``, ``device``, ``peak_tflops`` (``datasheet``, ``measured``: per GPU), ``steps``, ``warmup``;
+- ``parameters``: ``model`` (the base model's), ``adapters`` (LoRA's, 0 without) and ``trainable`` (what an update
+  trains: the adapters with ``actor.lora``, else every weight);
 - ``step_time_s`` (mean over the measured steps), ``tokens_per_s`` and ``tokens_per_s_per_gpu`` (prompt +
   response tokens of the batch over the step), ``generate_tokens_per_s``, ``mfu``, ``mfu_vs_measured`` (all
   model FLOPs of the step over the step), ``peak_memory_bytes`` (largest phase peak);
@@ -62,6 +64,8 @@ from megarl.measure.flops import device_name, measured_bf16_flops, mfu, peak_bf1
 from megarl.measure.monitor import UtilizationSampler
 from megarl.bench.vllm_standalone import GenerateRecorder
 from megarl.config import Config, to_dict
+from megarl.models.layout import parameter_counts
+from megarl.models.lora import LoRASpec
 
 PHASE_ORDER = ("wake_up", "reshard", "generate", "reward", "old_logprobs", "reference", "values", "advantages",
                "critic_update", "actor_update")
@@ -94,6 +98,7 @@ def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.Path
         peaks = {"datasheet": peak_tflops * 1e12 if peak_tflops else peak_bf16_flops(),
                  "measured": measured_bf16_flops()}
         report["world_size"] = run["world"]  # under torchrun with dp=0 the config alone does not know it
+        report["parameters"] = parameter_counts(run["spec"], LoRASpec.from_config(cfg.actor.lora))
         layout = report["config"]["layout"]
         layout.update(world_size=run["world"], dp=run["world"] // (layout["tp"] * layout["pp"]))
         report.update(summarize(run["history"], run["world"], peaks))
@@ -329,6 +334,9 @@ def format_table(report: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "-" * len(lines[0]))
+    counts = report.get("parameters")
+    if counts:
+        lines.append(f"parameters: {counts['trainable']:,} trainable of {counts['model'] + counts['adapters']:,}")
     pools = report.get("pools") or {}
     if pools:
         lines.append("pools (s/step): " + "; ".join(f"{name} busy {p['busy_s']:.3f} idle {p['idle_s']:.3f}"

@@ -12,7 +12,11 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
 - **optimizer**: Adam's two fp32 moments, plus fp32 master weights for bf16/fp16 parameters: 8 or 12 bytes per
   parameter, divided by DP x CP under ``actor.optim.distributed`` (megatron's DistributedOptimizer shards over
   the DP x CP ranks, which hold the same weights).
-- **reference** (``algorithm.kl.coef > 0``): a frozen copy of the actor's parameters.
+- **reference** (``algorithm.kl.coef > 0``): a frozen copy of the actor's parameters (none with ``actor.lora``: the
+  reference is the actor's base).
+- **LoRA** (``actor.lora.rank > 0``): the base is frozen in the model dtype (no gradient buffer, no optimizer
+  state); the stage's adapters (:func:`stage_adapter_params`: ``r x in`` and ``out x r`` per adapted layer, split
+  over TP like their weights) are added to the parameters and take the gradients and optimizer state alone.
   **critic** (PPO): parameters, gradients and optimizer like the actor's (its output layer is one column).
 - **activations**: one micro-batch of ``data.max_prompt_length + rollout.max_new_tokens`` tokens through the
   stage's layers, times the micro-batches in flight on the first stage of a 1F1B pipeline (``min(pp, micro-
@@ -146,6 +150,35 @@ def stage_params(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 
     return max(layers + embed, layers + output + h)
 
 
+def stage_adapter_params(spec, lora, tp: int, pp: int, ep: int = 1) -> int:
+    """LoRA adapter parameters of one pipeline stage of a TP x PP (x EP) actor: per adapted layer ``A`` ``[r,
+    in]`` and ``B`` ``[out, r]``, the column-parallel layers' ``B`` and the row-parallel layers' ``A`` split over TP,
+    the routed experts' whole (``lora.experts``; ``num_experts / ep`` of them per rank)."""
+    h, r = spec.hidden_size, lora.rank
+    qkv_out = spec.q_size + 2 * spec.kv_size
+    layer = 0
+    want = set(lora.target_modules)
+    if "linear_qkv" in want:
+        layer += r * h + qkv_out * r // tp
+    if "linear_proj" in want:
+        layer += r * spec.q_size // tp + h * r
+    mlps = []  # (width, split over TP?, count)
+    if not spec.is_moe:
+        mlps.append((spec.ffn_hidden_size, True, 1))
+    else:
+        if spec.shared_expert_ffn_hidden_size:
+            mlps.append((spec.shared_expert_ffn_hidden_size, True, 1))
+        if lora.experts:
+            mlps.append((spec.moe_ffn_hidden_size, False, spec.num_experts // ep))
+    for f, split, count in mlps:
+        t = tp if split else 1
+        if "linear_fc1" in want:
+            layer += count * (r * h + 2 * f * r // t)
+        if "linear_fc2" in want:
+            layer += count * (r * f // t + h * r)
+    return spec.num_layers // pp * layer
+
+
 def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
     """Activations of the busiest stage during an update (micro-batches in flight x per-micro-batch bytes).
 
@@ -226,13 +259,24 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
             return params * opt_per_param
         return (params - experts) * opt_per_param // (dp * p.cp) + experts * opt_per_param * p.ep // (p.tp * dp)
 
+    lora = cfg.actor.lora
+    if lora.enabled:  # the base frozen: adapters alone have gradients and optimizer state; no reference copy
+        from megarl.models.lora import LoRASpec
+
+        ad = stage_adapter_params(spec, LoRASpec.from_config(lora), p.tp, p.pp, ep=p.ep)
+        trained, reference = ad, 0
+        adapter_optimizer = ad * opt_per_param // (dp * p.cp) if cfg.actor.optim.distributed else ad * opt_per_param
+    else:
+        ad, trained, reference = 0, n, n * e if cfg.algorithm.kl.coef > 0 else 0
+        adapter_optimizer = None
     critic = 0
     if cfg.algorithm.uses_critic:
         c = stage_params(spec, p.tp, p.pp, value_head=True, ep=p.ep)
         critic = c * (e + 4) + optimizer(c, cfg.critic.optim.distributed)
     return MemoryEstimate(
-        params=n * e, grads=n * 4, optimizer=optimizer(n, cfg.actor.optim.distributed),
-        reference=n * e if cfg.algorithm.kl.coef > 0 else 0, critic=critic,
+        params=(n + ad) * e, grads=trained * 4,
+        optimizer=adapter_optimizer if adapter_optimizer is not None else optimizer(n, cfg.actor.optim.distributed),
+        reference=reference, critic=critic,
         activations=activation_bytes(cfg, spec, p.tp, p.pp, dp),
         rollout=rollout_bytes(cfg, spec, rollout_ranks, device_bytes, gpu),
         runtime=RUNTIME_BYTES["gpu" if gpu else "cpu"],

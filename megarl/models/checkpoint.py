@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ import torch.distributed as dist
 
 from megarl.models.hf_io import (HFCheckpoint, open_hf_checkpoint, read_generation_config, read_hf_config,
                                  resolve_model_path)
-from megarl.models.layout import VALUE_HEAD, megatron_rank_tensors
+from megarl.models.layout import VALUE_HEAD, lora_canonical_shapes, megatron_rank_tensors
+from megarl.models.lora import is_adapter
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.models.weights import fill_local_tensors
 from megarl.parallel.faults import fault_point
@@ -47,6 +49,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def is_megarl_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / META_FILE).is_file()
+
+
+def is_lora_checkpoint(source) -> bool:
+    """A megarl checkpoint of a LoRA actor: its adapters, and the base model it names (``lora.base``)."""
+    return isinstance(source, (str, os.PathLike)) and is_megarl_checkpoint(source) and "lora" in read_meta(source)
 
 
 def run_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -167,6 +174,31 @@ def load_hf_weights(model, ckpt: HFCheckpoint) -> None:
     fill_local_tensors(local, chunk_parameters(as_chunks(model)), ckpt.read)
 
 
+def init_adapters(model, seed: int) -> None:
+    """Give this rank's LoRA adapters (a model built with ``lora``, or the list of its chunks) their start values,
+    the same at every layout: each canonical ``A`` uniform in ``[-1/sqrt(cols), 1/sqrt(cols)]`` (PEFT's and
+    ``torch.nn.Linear``'s Kaiming-uniform init), drawn by a generator seeded with ``seed`` and the tensor's name,
+    and every ``B`` zero, so the model starts as its base."""
+    bare = as_chunks(model)[0]
+    spec, lora = bare.megarl_spec, bare.megarl_lora
+    shapes = lora_canonical_shapes(spec, lora)
+    mesh, tp_rank, pp_rank, ep_rank = _coords()
+    local = megatron_rank_tensors(spec, mesh, tp_rank, pp_rank, use_te=bare.megarl_use_te,
+                                  padded_vocab=bare.vocab_size, ep_rank=ep_rank, lora=lora)
+    drawn: dict[str, torch.Tensor] = {}
+
+    def start(name: str, box: tuple[slice, ...]) -> torch.Tensor:
+        if ".lora_B." in name:
+            return torch.zeros(shapes[name])[box]
+        if name not in drawn:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            bound = 1.0 / shapes[name][1] ** 0.5
+            drawn[name] = torch.empty(shapes[name]).uniform_(-bound, bound, generator=g)
+        return drawn[name][box]
+
+    fill_local_tensors({n: t for n, t in local.items() if is_adapter(n)}, chunk_parameters(as_chunks(model)), start)
+
+
 def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta: dict[str, Any], *,
                     per_rank: dict[str, Any] | None = None) -> Path:
     """Save a megatron sharded state dict and ``meta`` as a megarl checkpoint, atomically. Collective.
@@ -262,6 +294,9 @@ def load_model(directory: str | os.PathLike, model, key: str = "model") -> None:
     spec = bare.megarl_spec
     if stored.hf_tensor_shapes() != spec.hf_tensor_shapes():
         raise SpecError(f"checkpoint {directory} holds another model: {stored} vs {spec}")
+    if is_lora_checkpoint(directory):
+        _load_lora_model(directory, model, key)
+        return
     written_te = checkpoint_uses_te(directory)
     if stored.is_moe and written_te != bare.megarl_use_te:
         raise SpecError(f"checkpoint {directory} holds MoE experts written from the "
@@ -269,6 +304,39 @@ def load_model(directory: str | os.PathLike, model, key: str = "model") -> None:
                         f"actor.kernels.transformer_engine={str(written_te).lower()}"
                         + (" (a GPU with TE: perf/gpu_te.sh)" if written_te else ""))
     loaded = load_checkpoint(directory, {key: chunks_sharded_state_dict(model)})
+    load_chunks_state_dict(model, loaded[key])
+
+
+def lora_meta(spec_dict: dict, base: str | None) -> dict[str, Any]:
+    """The ``lora`` entry of a LoRA actor's ``megarl.json``: its :class:`~megarl.models.lora.LoRASpec` fields and
+    ``base``, the model it adapts (``model.path``; None = the default model)."""
+    return {**spec_dict, "base": base}
+
+
+def adapters_only(sharded: dict) -> dict:
+    """A sharded state dict (one chunk's, or ``model0``, ``model1``... of several) without the frozen weights:
+    a LoRA actor's adapters."""
+    return {k: (adapters_only(v) if isinstance(v, dict) else v) for k, v in sharded.items()
+            if isinstance(v, dict) or is_adapter(k)}
+
+
+def _load_lora_model(directory: str | os.PathLike, model, key: str) -> None:
+    """The base a LoRA checkpoint names, then its adapters (into a model built with the same LoRA settings).
+
+    Raises:
+        SpecError: the model has no adapters or other LoRA settings than the checkpoint's.
+    """
+    from megarl.models.lora import LoRASpec
+
+    meta = read_meta(directory)["lora"]
+    stored = LoRASpec(**{k: v for k, v in meta.items() if k != "base"})
+    built = as_chunks(model)[0].megarl_lora
+    if built != stored:
+        raise SpecError(f"checkpoint {directory} holds LoRA adapters {stored.as_dict()}, the model was built with "
+                        f"{built.as_dict() if built else 'none'}: build it with the checkpoint's actor.lora, or "
+                        f"`megarl export {directory}` the merged model to start from")
+    load_weights(model, meta["base"])
+    loaded = load_checkpoint(directory, {key: adapters_only(chunks_sharded_state_dict(model))})
     load_chunks_state_dict(model, loaded[key])
 
 

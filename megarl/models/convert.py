@@ -5,7 +5,9 @@
 slices it holds, and saves a layout-free dist checkpoint that records the source's own config. :func:`export_rank`
 loads that checkpoint at TP=1 x PP=1 (megatron-core reshards on load), assembles the canonical tensors and
 writes them with the source's config (:func:`export_config`) and generation config: the round trip reproduces
-every HF tensor bit for bit when the dtype is kept, and both configs as they were. :mod:`megarl.launch.convert` starts the ranks.
+every HF tensor bit for bit when the dtype is kept, and both configs as they were. A LoRA actor's checkpoint (its
+adapters and the base it names) exports as the merged model ``W + (alpha / r) B A`` (fp64, one rounding) and, in
+its ``adapter/`` folder, the adapters in PEFT's format on that base (:mod:`megarl.models.peft`). :mod:`megarl.launch.convert` starts the ranks.
 """
 
 from __future__ import annotations
@@ -104,10 +106,14 @@ def export_config(meta: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def load_canonical(ckpt_dir: str) -> dict:
+ADAPTER_FOLDER = "adapter"  # an export's PEFT adapter folder, for a LoRA checkpoint
+
+
+def load_canonical(ckpt_dir: str, *, merged: bool = True) -> dict:
     """Every canonical (HF) tensor of a megarl checkpoint (saved at any TP x PP x VPP), loaded on this process as a
     TP=1 x PP=1 Megatron model replicated over all ranks of the initialised world (megatron-core reshards on
-    load).
+    load). A LoRA checkpoint: its base with the adapters merged in (``merged``), else the base and the adapters'
+    canonical factors (:func:`megarl.models.layout.lora_canonical_shapes`).
 
     Returns:
         canonical name -> tensor, in the checkpoint's dtype.
@@ -120,30 +126,66 @@ def load_canonical(ckpt_dir: str) -> dict:
     import torch.distributed as dist
 
     from megarl.models import checkpoint as ck
-    from megarl.models.layout import megatron_rank_tensors
+    from megarl.models.layout import lora_canonical_shapes, megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import assemble_canonical
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
 
     meta = ck.read_meta(ckpt_dir)
     spec = ck.checkpoint_spec(ckpt_dir)
+    lora = checkpoint_lora(ckpt_dir)
     mesh = ParallelLayout(dp=dist.get_world_size())
     initialize_model_parallel(mesh)
     use_te = spec.is_moe and ck.checkpoint_uses_te(ckpt_dir)  # dense: the local spec reads TE's keys
-    model = build_model(spec, mesh, params_dtype=ck.DTYPES[meta["dtype"]], init_weights=False, use_te=use_te)
+    model = build_model(spec, mesh, params_dtype=ck.DTYPES[meta["dtype"]], init_weights=False, use_te=use_te,
+                        lora=lora)
     ck.load_model(ckpt_dir, model)
-    return assemble_canonical(megatron_rank_tensors(spec, mesh, 0, 0, padded_vocab=model.vocab_size, use_te=use_te),
-                              dict(model.named_parameters()), spec.hf_tensor_shapes())
+    shapes = {**spec.hf_tensor_shapes(), **(lora_canonical_shapes(spec, lora) if lora else {})}
+    out = assemble_canonical(megatron_rank_tensors(spec, mesh, 0, 0, padded_vocab=model.vocab_size, use_te=use_te,
+                                                   lora=lora), dict(model.named_parameters()), shapes)
+    return merge_adapters(spec, lora, out) if lora is not None and merged else out
+
+
+def merge_adapters(spec, lora, canonical: dict) -> dict:
+    """The canonical tensors of a LoRA model with its adapters merged in: ``W + (alpha / r) B A`` for every adapted
+    weight (the reshard's merge on whole tensors, :func:`megarl.models.lora.apply_merges`: fp64, one rounding),
+    the other base tensors as they are, no adapter factor."""
+    from megarl.models.layout import hf_layout, lora_targets, with_lora_merge
+    from megarl.models.lora import apply_merges
+
+    merges = with_lora_merge(hf_layout(spec, [0]), lora).merges[0]
+    by_weight = {m.tensor: m for m in merges}
+    out = {n: canonical[n].clone() for n in spec.hf_tensor_shapes()}
+    for w, (a, b) in lora_targets(spec, lora).items():
+        out[by_weight[w].a_aux], out[by_weight[w].b_aux] = canonical[a], canonical[b]
+    apply_merges(merges, out)
+    return {n: out[n] for n in spec.hf_tensor_shapes()}
+
+
+def checkpoint_lora(ckpt_dir: str):
+    """The :class:`~megarl.models.lora.LoRASpec` of a LoRA actor's checkpoint, or None."""
+    from megarl.models import checkpoint as ck
+    from megarl.models.lora import LoRASpec
+
+    meta = ck.read_meta(ckpt_dir).get("lora")
+    return LoRASpec(**{k: v for k, v in meta.items() if k != "base"}) if meta else None
 
 
 def export_rank(rank: int, world: int, ckpt_dir: str, out: str) -> str:
-    """The one rank of an export world; returns the Hugging Face directory."""
+    """The one rank of an export world; returns the Hugging Face directory (a LoRA checkpoint's: the merged model,
+    and the PEFT adapter in its ``adapter/`` folder)."""
     from megarl.models import checkpoint as ck
     from megarl.models.hf_io import save_hf_checkpoint
 
     meta = ck.read_meta(ckpt_dir)
-    path = save_hf_checkpoint(out, ck.checkpoint_spec(ckpt_dir), load_canonical(ckpt_dir), config=export_config(meta),
-                              generation_config=meta.get("generation_config"))
+    spec, lora = ck.checkpoint_spec(ckpt_dir), checkpoint_lora(ckpt_dir)
+    canonical = load_canonical(ckpt_dir, merged=False)
+    path = save_hf_checkpoint(out, spec, merge_adapters(spec, lora, canonical) if lora else canonical,
+                              config=export_config(meta), generation_config=meta.get("generation_config"))
+    if lora is not None:  # beside the merged model (save_hf_checkpoint replaced the folder)
+        from megarl.models.peft import save_peft_adapter
+
+        save_peft_adapter(path / ADAPTER_FOLDER, spec, lora, canonical, meta["lora"]["base"] or "default")
     _copy_tokenizer(meta.get("tokenizer"), path)
     return str(path)
 

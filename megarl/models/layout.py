@@ -24,6 +24,16 @@ intermediate dim (:func:`vllm_rank_tensors`). Fused 3-D expert tensors are descr
 Tensors are at most 2-D; a block is a box given by its start in the canonical tensor, its start in the local
 tensor and its size (one entry per dim).
 
+LoRA adapters (:mod:`megarl.models.lora`) are canonical tensors too (:func:`lora_targets`): each adapted weight ``W``
+(``[rows, cols]``) has ``B`` ``[rows, r]`` named ``<W>.lora_B.weight`` and ``A`` ``[r, cols]``, shared by the
+projections that megatron fuses into one layer (``self_attn.qkv_proj.lora_A.weight`` for q, k and v,
+``mlp.gate_up_proj.lora_A.weight`` for gate and up; ``<W>.lora_A.weight`` otherwise). A local tensor's adapter
+factors follow its blocks: the ``B`` side holds, for each block of ``W`` rows, those rows of ``B``; the ``A`` side,
+for each block's columns, those columns of ``A`` (:func:`adapter_tensors`). That describes megatron's adapters
+(``lora_b`` split like a column-parallel weight's rows, ``lora_a`` like a row-parallel weight's columns) and, in a
+merged destination (:func:`with_lora_merge`), the factors each engine tensor needs to compute its own
+``W + (alpha / r) B A`` in place.
+
 Layouts sit in ``models`` because loading Hugging Face weights into a Megatron model is itself a layout
 change (:mod:`megarl.models.weights`); the reshard's planner and executor (:mod:`megarl.reshard`) build on
 them, so ``reshard`` imports ``models`` and never the other way.
@@ -32,11 +42,12 @@ them, so ``reshard`` imports ``models`` and never the other way.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
+from megarl.models.lora import LoRASpec, Merge
 from megarl.models.megatron import check_layout, padded_vocab_size
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
@@ -97,6 +108,8 @@ class Layout:
         canonical: canonical name -> shape of every tensor the layout covers.
         ranks: global rank -> (local name -> :class:`LocalTensor`).
         key: hashable description (kind, sizes, ranks) used to cache plans.
+        merges: global rank -> the LoRA merges its tensors need after the transfers (:func:`with_lora_merge`;
+            their auxiliary tensors are among the rank's local tensors, allocated by the executor).
     """
 
     kind: str
@@ -104,6 +117,7 @@ class Layout:
     canonical: dict[str, tuple[int, ...]]
     ranks: dict[int, dict[str, LocalTensor]]
     key: tuple
+    merges: dict[int, tuple[Merge, ...]] = field(default_factory=dict)
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -236,7 +250,7 @@ def megatron_names(use_te: bool = False) -> dict[str, str]:
 
 def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, pp_rank: int, *,
                           role: str = "actor", use_te: bool = False, padded_vocab: int | None = None,
-                          ep_rank: int = 0) -> dict[str, LocalTensor]:
+                          ep_rank: int = 0, lora: LoRASpec | None = None) -> dict[str, LocalTensor]:
     """The local tensors of one Megatron rank (``GPTModel.named_parameters()`` names and shapes).
 
     With VPP (``mesh.vpp > 1``) the rank holds ``vpp`` model chunks, chunk ``c`` the layers of virtual stage
@@ -249,11 +263,14 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
         padded_vocab: Megatron's padded vocab (:func:`megarl.models.megatron.padded_vocab_size`).
         ep_rank: the rank's expert-parallel rank (:meth:`ParallelLayout.ep_rank`; MoE models): it holds experts
             ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` of every layer.
+        lora: the adapters of a LoRA actor: each adapted layer's ``lora_a`` and ``lora_b`` beside its weight
+            (:func:`adapter_tensors`).
 
     Raises:
         SpecError: the mesh does not fit the model (:func:`~megarl.models.megatron.check_layout`).
     """
     check_layout(spec, mesh)
+    targets = lora_targets(spec, lora) if lora is not None else {}
     out: list[LocalTensor] = []
     for c, layers in enumerate(mesh.chunk_layers(spec.num_layers, pp_rank)):
         prefix = f"{c}." if mesh.vpp > 1 else ""
@@ -262,6 +279,10 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
         for lt in _megatron_chunk_tensors(spec, mesh, tp_rank, layers, first, last, role=role, use_te=use_te,
                                           padded_vocab=padded_vocab, ep_rank=ep_rank):
             out.append(LocalTensor(prefix + lt.name, lt.shape, lt.blocks))
+            if any(b.name in targets for b in lt.blocks):
+                base = out[-1].name.removesuffix("weight")
+                a, b, _ = adapter_tensors(out[-1], targets, lora.rank, base + "lora_a", base + "lora_b")
+                out += [a, b]
     return {lt.name: lt for lt in out}
 
 
@@ -342,10 +363,11 @@ def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp
 
 
 def megatron_layout(spec: ModelSpec, mesh: ParallelLayout, *, ranks: Iterable[int] | None = None,
-                    role: str = "actor", use_te: bool = False, padded_vocab: int | None = None) -> Layout:
+                    role: str = "actor", use_te: bool = False, padded_vocab: int | None = None,
+                    lora: LoRASpec | None = None) -> Layout:
     """The layout of a Megatron model on ``mesh``; ``ranks[i]`` is the global rank of mesh rank ``i``
     (default: ``0 .. world-1``). Weights are replicated over DP and CP: the DP and CP peers of a rank hold the
-    same blocks (the reshard planner may read either).
+    same blocks (the reshard planner may read either). ``lora``: a LoRA actor's adapters too.
 
     Raises:
         SpecError: the mesh does not fit the model, or ``ranks`` has the wrong length.
@@ -360,11 +382,12 @@ def megatron_layout(spec: ModelSpec, mesh: ParallelLayout, *, ranks: Iterable[in
         key = (c.tp, c.pp, mesh.ep_rank(i))
         if key not in per_stage:
             per_stage[key] = megatron_rank_tensors(spec, mesh, c.tp, c.pp, role=role, use_te=use_te,
-                                                   padded_vocab=padded_vocab, ep_rank=key[2])
+                                                   padded_vocab=padded_vocab, ep_rank=key[2], lora=lora)
         out[g] = per_stage[key]
-    return Layout("megatron", spec, canonical_shapes(spec, role), out,
+    canonical = {**canonical_shapes(spec, role), **(lora_canonical_shapes(spec, lora) if lora else {})}
+    return Layout("megatron", spec, canonical, out,
                   ("megatron", _shape_key(spec), mesh.tp, mesh.pp, mesh.dp, mesh.ep, tuple(ranks), role, use_te,
-                   padded_vocab, mesh.cp, mesh.vpp))
+                   padded_vocab, mesh.cp, mesh.vpp, lora))
 
 
 # ----------------------------------------------------------------------------------------- vLLM
@@ -532,3 +555,143 @@ def hf_layout(spec: ModelSpec, ranks: Iterable[int], role: str = "actor", *, fus
     ranks = tuple(ranks)
     return Layout("hf", spec, shapes, {g: tensors for g in ranks},
                   ("hf", _shape_key(spec), ranks, role, fused_experts and spec.is_moe))
+
+
+# ----------------------------------------------------------------------------------------- LoRA
+def lora_targets(spec: ModelSpec, lora: LoRASpec) -> dict[str, tuple[str, str]]:
+    """Every weight that ``lora`` adapts, by canonical name, with its adapter's canonical ``(A, B)`` names (module
+    docstring): q/k/v share ``self_attn.qkv_proj.lora_A.weight``, gate/up ``<mlp>.gate_up_proj.lora_A.weight``
+    (one per expert, and the shared expert's), ``o_proj`` / ``down_proj`` have their own.
+
+    Raises:
+        SpecError: ``lora.experts`` on a dense model.
+    """
+    if lora.experts and not spec.is_moe:
+        raise SpecError(f"LoRA on the experts (experts=true) needs a mixture-of-experts model; a {spec.family} "
+                        "model has none")
+    out: dict[str, tuple[str, str]] = {}
+    want = set(lora.target_modules)
+
+    def own(w: str) -> None:
+        out[w] = (w.removesuffix("weight") + "lora_A.weight", w.removesuffix("weight") + "lora_B.weight")
+
+    def shared(ws: tuple[str, ...], a_name: str) -> None:
+        for w in ws:
+            out[w] = (a_name, w.removesuffix("weight") + "lora_B.weight")
+
+    def mlp(prefix: str, gate: str, up: str, down: str) -> None:
+        if "linear_fc1" in want:
+            shared((gate, up), prefix + "gate_up_proj.lora_A.weight")
+        if "linear_fc2" in want:
+            own(down)
+
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}.self_attn."
+        if "linear_qkv" in want:
+            shared(tuple(p + f"{x}_proj.weight" for x in "qkv"), p + "qkv_proj.lora_A.weight")
+        if "linear_proj" in want:
+            own(p + "o_proj.weight")
+        m = f"model.layers.{i}.mlp."
+        if not spec.is_moe:
+            mlp(m, m + "gate_proj.weight", m + "up_proj.weight", m + "down_proj.weight")
+            continue
+        if spec.shared_expert_ffn_hidden_size:
+            s = m + "shared_expert."
+            mlp(s, s + "gate_proj.weight", s + "up_proj.weight", s + "down_proj.weight")
+        if lora.experts:
+            for e in range(spec.num_experts):
+                gate, up, down = spec.expert_names(i, e)
+                mlp(gate.rsplit(".", 2)[0] + ".", gate, up, down)
+    return out
+
+
+def lora_canonical_shapes(spec: ModelSpec, lora: LoRASpec) -> dict[str, tuple[int, int]]:
+    """Canonical name -> shape of every adapter factor: ``A`` ``[r, cols]`` and ``B`` ``[rows, r]`` of each
+    adapted weight ``[rows, cols]`` (:func:`lora_targets`)."""
+    shapes = spec.hf_tensor_shapes()
+    out: dict[str, tuple[int, int]] = {}
+    for w, (a, b) in lora_targets(spec, lora).items():
+        rows, cols = shapes[w]
+        out[a] = (lora.rank, cols)
+        out[b] = (rows, lora.rank)
+    return out
+
+
+def parameter_counts(spec: ModelSpec, lora: LoRASpec | None) -> dict[str, int]:
+    """``{"model", "adapters", "trainable"}``: the base model's parameters, the LoRA adapters' (0 without), and
+    those an update trains (the adapters with LoRA, else every weight), counted once over any layout."""
+    adapters = sum(math.prod(s) for s in lora_canonical_shapes(spec, lora).values()) if lora else 0
+    return {"model": spec.num_params(), "adapters": adapters, "trainable": adapters if lora else spec.num_params()}
+
+
+def adapter_tensors(lt: LocalTensor, targets: Mapping[str, tuple[str, str]], rank: int, a_name: str, b_name: str
+                    ) -> tuple[LocalTensor, LocalTensor, list[Merge]]:
+    """The adapter factors that a local tensor made of adapted weights' blocks holds (module docstring).
+
+    Returns:
+        ``(A side, B side, merges)``: ``a_name`` ``[slots * rank, cols]`` holding each block's columns of its
+        weight's ``A`` (one slot of ``rank`` rows per distinct ``A``), ``b_name`` ``[rows, rank]`` holding each
+        block's rows of its ``B``, and one :class:`Merge` per block (scale 1: :func:`with_lora_merge` sets it).
+        Identical blocks (q, k and v's shared ``A``) are listed once.
+
+    Raises:
+        SpecError: ``lt`` is not 2-D, or two blocks of different adapted weights share rows.
+    """
+    if len(lt.shape) != 2:
+        raise SpecError(f"LoRA: local tensor {lt.name!r} {lt.shape} is not a 2-D weight")
+    slots: dict[str, int] = {}
+    a_blocks: dict[tuple, Block] = {}
+    b_blocks: dict[tuple, Block] = {}
+    merges: list[Merge] = []
+    for blk in lt.blocks:
+        if blk.name not in targets:
+            continue
+        a, b = targets[blk.name]
+        slot = slots.setdefault(a, len(slots))
+        (r0, c0), (d0, d1), (n0, n1) = blk.src, blk.dst, blk.size
+        ab = Block(a, (0, c0), (slot * rank, d1), (rank, n1))
+        bb = Block(b, (r0, 0), (d0, 0), (n0, rank))
+        a_blocks.setdefault((ab.src, ab.dst, ab.name), ab)
+        if any(o.dst[0] < d0 + n0 and d0 < o.dst[0] + o.size[0] for o in b_blocks.values()):
+            raise SpecError(f"LoRA: blocks of {lt.name!r} share rows; its B rows cannot be laid out")
+        b_blocks[(bb.src, bb.dst, bb.name)] = bb
+        merges.append(Merge(lt.name, b_name, a_name, (d0, n0), (d1, n1), slot * rank, rank, 1.0))
+    return (LocalTensor(a_name, (len(slots) * rank, lt.shape[1]), tuple(a_blocks.values())),
+            LocalTensor(b_name, (lt.shape[0], rank), tuple(b_blocks.values())), merges)
+
+
+def with_lora_merge(dst: Layout, lora: LoRASpec) -> Layout:
+    """``dst`` (an engine's layout) receiving merged weights ``W + (alpha / r) B A``: each local tensor made of
+    adapted weights gets two auxiliary tensors (``<name>:lora_a``, ``<name>:lora_b``, :func:`adapter_tensors`)
+    that the reshard fills with the rows of ``B`` and the columns of ``A`` its blocks need, besides its own
+    ``W`` blocks, and the merges that then write it (:attr:`Layout.merges`, run by the executor). No rank
+    receives more of the adapters than its own tensors' rows and columns (and a whole factor where its tensor
+    is whole along it).
+
+    Raises:
+        SpecError: from :func:`lora_targets` / :func:`adapter_tensors`.
+    """
+    targets = lora_targets(dst.spec, lora)
+    per_dict: dict[int, tuple[dict[str, LocalTensor], tuple[Merge, ...]]] = {}
+    ranks, merges = {}, {}
+    for g, tensors in dst.ranks.items():
+        if id(tensors) not in per_dict:
+            out, ops = dict(tensors), []
+            for lt in tensors.values():
+                if len(lt.shape) == 2 and any(b.name in targets for b in lt.blocks):
+                    a, b, m = adapter_tensors(lt, targets, lora.rank, f"{lt.name}:lora_a", f"{lt.name}:lora_b")
+                    out.update({a.name: a, b.name: b})
+                    ops += [op._replace(scale=lora.scale) for op in m]
+            per_dict[id(tensors)] = (out, tuple(ops))
+        ranks[g], merges[g] = per_dict[id(tensors)]
+    return Layout(dst.kind, dst.spec, {**dst.canonical, **lora_canonical_shapes(dst.spec, lora)}, ranks,
+                  dst.key + ("lora-merged", lora), merges)
+
+
+def adapter_layout(spec: ModelSpec, lora: LoRASpec, ranks: Iterable[int]) -> Layout:
+    """Every rank in ``ranks`` holds every adapter factor whole under its canonical name (the adapter-only
+    weight sync to vLLM, whose LoRA layers cut their own TP shards; the PEFT export)."""
+    shapes = lora_canonical_shapes(spec, lora)
+    tensors = {n: _whole(n, s) for n, s in shapes.items()}
+    ranks = tuple(ranks)
+    return Layout("hf", spec, shapes, {g: tensors for g in ranks}, ("lora-adapters", _shape_key(spec), ranks, lora))

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from megarl.models.lora import LoRASpec, adapt_layer_spec, freeze_base
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 
@@ -191,8 +192,10 @@ def moe_config_kwargs(spec: ModelSpec, grouped_gemm: bool = False) -> dict:
     return kwargs
 
 
-def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec | None = None):
-    """megatron-core's GPT layer spec: the local one, or Transformer Engine's (``use_te``).
+def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec | None = None,
+               lora: LoRASpec | None = None):
+    """megatron-core's GPT layer spec: the local one, or Transformer Engine's (``use_te``), with LoRA adapters on
+    ``lora``'s target layers (:func:`megarl.models.lora.adapt_layer_spec`).
 
     Args:
         attention: the local spec's core attention: "local" (megatron's ``DotProductAttention``) or "sdpa"
@@ -202,8 +205,8 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
             Qwen3 model RMSNorm of queries and keys.
 
     Raises:
-        SpecError: an unknown ``attention``, or ``use_te=True`` where Transformer Engine does not import (or
-            there is no GPU).
+        SpecError: an unknown ``attention``, ``use_te=True`` where Transformer Engine does not import (or there is
+            no GPU), or LoRA on what it does not adapt (:func:`~megarl.models.lora.adapt_layer_spec`).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -218,12 +221,15 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
                         "local spec")
     moe = dict(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm) if spec is not None else {}
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(**moe, moe_grouped_gemm=bool(moe.get("num_experts")))
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
-    if attention == "sdpa":
-        from kernels.attention import SDPAttention
+        layer = get_gpt_layer_with_transformer_engine_spec(**moe, moe_grouped_gemm=bool(moe.get("num_experts")))
+    else:
+        layer = get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
+        if attention == "sdpa":
+            from kernels.attention import SDPAttention
 
-        layer.submodules.self_attention.submodules.core_attention = SDPAttention
+            layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    if lora is not None:
+        adapt_layer_spec(layer, lora, use_te=use_te)
     return layer
 
 
@@ -256,7 +262,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
                 params_dtype: torch.dtype = torch.float32, use_te: bool = False,
                 sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True,
                 vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, attention: str = "local",
-                fp8: str | None = None, vp_stage: int | None = None):
+                fp8: str | None = None, vp_stage: int | None = None, lora: LoRASpec | None = None):
     """Build this rank's stage (or, with VPP, one model chunk) of the actor (``GPTModel``) or critic (same
     trunk + :class:`ValueHead`).
 
@@ -267,7 +273,9 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     (:func:`transformer_config`; TE spec only). ``vp_stage``: the chunk ``c`` of this rank to build when
     ``layout.vpp > 1`` (virtual stage ``c * pp + pp_rank``, :meth:`~megarl.parallel.mesh.ParallelLayout.chunk_layers`):
     the embedding only on virtual stage 0, the output layer only on the last; :func:`build_model_chunks` builds
-    them all.
+    them all. ``lora``: LoRA adapters on its target layers (:mod:`megarl.models.lora`; the actor only), every
+    other parameter frozen (``requires_grad=False``), recorded as the model's ``megarl_lora``; the adapters are
+    zero until :func:`megarl.models.weights.init_adapters` or a checkpoint fills them.
 
     Returns:
         A ``GPTModel`` for this rank's pipeline stage or chunk. Its forward takes ``input_ids [b, s]`` (int64) and
@@ -289,6 +297,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
 
     if role not in ("actor", "critic"):
         raise SpecError(f"role must be 'actor' or 'critic', got {role!r}")
+    if lora is not None and role != "actor":
+        raise SpecError("LoRA adapters are built on the actor only (the critic trains every weight)")
     if fp8 is not None and not use_te:
         raise SpecError(f"fp8={fp8!r} needs the Transformer Engine layer spec (use_te=True, with TE installed)")
     if layout.cp > 1 and attention != "sdpa" and not use_te:
@@ -304,7 +314,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     tied = spec.tie_word_embeddings and role == "actor"
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te, attention, spec),
+        transformer_layer_spec=layer_spec(use_te, attention, spec, lora),
         vocab_size=padded_vocab_size(spec.vocab_size, layout.tp, vocab_divisible_by),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -324,7 +334,19 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     model.megarl_spec = spec
     model.megarl_role = role
     model.megarl_use_te = use_te
+    model.megarl_lora = lora
+    if lora is not None:
+        _freeze_for_lora(model, recompute)
     return model
+
+
+def _freeze_for_lora(model, recompute: bool) -> None:
+    """Freeze everything but the adapters. With recomputation, the embedding's output is made to require a
+    gradient: megatron's checkpointed layers get gradients only through inputs that require one, and the frozen
+    embedding's output does not (the adapters inside would get none)."""
+    freeze_base(model)
+    if recompute and model.pre_process:
+        model.embedding.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
 
 
 def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", "critic"] = "actor",

@@ -22,8 +22,14 @@ the pack of round ``k + 1`` waits only for the unpack of round ``k - 1`` (its bu
 ``k``'s messages overlap the pack of ``k + 1`` and the unpack of ``k - 1``. On CPU (and with ``profile``) the
 same schedule runs in order.
 
+Merged LoRA weights (a destination layout of :func:`~megarl.models.layout.with_lora_merge`): the plan also fills
+each merged tensor's auxiliary tensors (its rows of ``B``, its columns of ``A``, in the wire dtype, allocated
+here), and once every transfer has landed each merge writes ``W + (alpha / r) B A`` into the engine's tensor in
+place (:func:`megarl.models.lora.apply_merges`: fp64, one rounding to the tensor's dtype).
+
 Extra memory of a rank: two staging buffers (one with a single round) of at most ``bucket_bytes`` each, plus
-the descriptor tables of the copies (bookkeeping), accounted in :class:`ReshardStats`. Bytes travel in the
+the descriptor tables of the copies (bookkeeping) and, with merges, the auxiliary adapter tensors (adapter-sized)
+and one merge chunk, accounted in :class:`ReshardStats`. Bytes travel in the
 wire dtype (the source tensors' dtype unless given); a destination of another dtype (e.g. fp32 master weights
 into a bf16 engine) is cast on unpack, by torch, and then no end is direct (all ranks agree on that).
 """
@@ -43,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.layout import LocalTensor
+from megarl.models.lora import MERGE_CHUNK_BYTES, apply_merges
 from megarl.reshard.boxcopy import Box, BoxBatch
 from megarl.reshard.planner import Plan, Transfer
 
@@ -76,9 +83,10 @@ class ReshardStats:
         peak_staging_bytes: bytes of this rank's staging buffers (two, double-buffered; one when it has one
             round), each at most the bucket.
         bookkeeping_bytes: largest descriptor tables allocated for the copies of one round (host and device).
+        merge_bytes: the LoRA merges' auxiliary adapter tensors plus one fp64 merge chunk (0 without merges).
         times_s: wall seconds per phase: ``"local"``, ``"pack"``, ``"comm"``, ``"unpack"`` (summed over
-            rounds; exact only with ``profile=True``, which runs the phases one after the other) and
-            ``"total"`` (always exact).
+            rounds; exact only with ``profile=True``, which runs the phases one after the other), ``"merge"``
+            (the LoRA merges) and ``"total"`` (always exact).
     """
 
     rank: int
@@ -90,13 +98,15 @@ class ReshardStats:
     direct: bool = False
     peak_staging_bytes: int = 0
     bookkeeping_bytes: int = 0
+    merge_bytes: int = 0
     times_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("local", "pack", "comm", "unpack", "total"), 0.0))
+        ("local", "pack", "comm", "unpack", "merge", "total"), 0.0))
 
     @property
     def peak_extra_bytes(self) -> int:
-        """Peak memory beyond the source and destination tensors: staging plus bookkeeping, bytes."""
-        return self.peak_staging_bytes + self.bookkeeping_bytes
+        """Peak memory beyond the source and destination tensors: staging, bookkeeping and the merges' adapter
+        tensors, bytes."""
+        return self.peak_staging_bytes + self.bookkeeping_bytes + self.merge_bytes
 
 
 STAGING = "staging"  # the key of the staging buffer in the copy batches
@@ -410,14 +420,21 @@ def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensor
         rank = dist.get_rank() if dist.is_initialized() else 0
     stats = ReshardStats(rank)
     mine = plan.for_rank(rank)
+    merges = plan.dst.merges.get(rank, ())
+    aux = {n for m in merges for n in (m.a_aux, m.b_aux)}
     src_names = {t.src_name for t in mine.local + mine.sends}
-    dst_names = {t.dst_name for t in mine.local + mine.recvs}
+    dst_names = {t.dst_name for t in mine.local + mine.recvs} | {m.tensor for m in merges}
     _check_tensors(src_tensors, plan.src.tensors(rank), src_names, "source", rank)
-    _check_tensors(dst_tensors, plan.dst.tensors(rank), dst_names, "destination", rank)
-    device = _device_of([src_tensors[n] for n in src_names] + [dst_tensors[n] for n in dst_names], group)
+    _check_tensors(dst_tensors, plan.dst.tensors(rank), dst_names - aux, "destination", rank)
+    device = _device_of([src_tensors[n] for n in src_names] + [dst_tensors[n] for n in dst_names - aux], group)
     if wire_dtype is None:
         wire_dtype = _agree_wire_dtype({src_tensors[t.src_name].dtype for t in mine.sends}, group, device, rank)
     elem = torch.empty((), dtype=wire_dtype).element_size()
+    if aux:  # the merges' adapter rows and columns, in the wire dtype (what the sources hold)
+        layout = plan.dst.tensors(rank)
+        dst_tensors = {**dst_tensors, **{n: torch.empty(layout[n].shape, dtype=wire_dtype, device=device)
+                                         for n in sorted(aux)}}
+        stats.merge_bytes = sum(dst_tensors[n].numel() for n in aux) * elem + MERGE_CHUNK_BYTES
     if direct_min_bytes is not None:
         rounds = _rank_rounds(plan, rank, elem, bucket_bytes, direct_min_bytes)
         given = {**{("src", n): t for n, t in src_tensors.items()}, **{("dst", n): t for n, t in dst_tensors.items()}}
@@ -519,6 +536,10 @@ def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensor
     if overlap:
         for s in (pack_s, comm_s, unpack_s):
             current.wait_stream(s)
+    if merges:
+        t0 = time.perf_counter()
+        apply_merges(merges, dst_tensors)
+        phase_end("merge", t0)
     if cuda:
         torch.cuda.synchronize(device)
     del buffers, wires, bound, flat

@@ -98,6 +98,9 @@ class Sample:
         logprobs: ``[len(token_ids)]`` float32, log-prob of each sampled token (module docstring).
         finish_reason: "stop" (an EOS or stop token was sampled) or "length" (``max_new_tokens`` or the
             context length was reached).
+        adapter_version: the version (step) of the LoRA adapters it was sampled with, merged into the weights
+            or applied by the engine's LoRA layers (the engine's ``adapter_version`` when the request started);
+            None without LoRA.
     """
 
     prompt_index: int
@@ -105,6 +108,7 @@ class Sample:
     token_ids: tuple[int, ...]
     logprobs: torch.Tensor
     finish_reason: FinishReason
+    adapter_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -181,9 +185,12 @@ class RolloutEngine(Protocol):
 
     Attributes:
         spec: the model the engine runs.
+        adapter_version: the version of the LoRA adapters its weights hold (set by whoever writes them), stamped
+            on every sample (:attr:`Sample.adapter_version`); None without LoRA.
     """
 
     spec: ModelSpec
+    adapter_version: int | None
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
                  prompt_offset: int = 0) -> RolloutOutput:

@@ -45,6 +45,8 @@ class HFRolloutEngine:
         spec: the model.
         model: the transformers model (its parameters are the engine's weights, written in place).
         calls: ``generate`` calls so far; part of every sample's seed, so a resumed run restores it.
+        adapter_version: the LoRA adapters' version merged into its weights (None without LoRA), stamped on every
+            sample.
 
     Raises:
         RolloutError: ``max_batch_size < 1``.
@@ -70,6 +72,7 @@ class HFRolloutEngine:
                             f"(name, shape) in one but not the other: {diff[:6]}")
         self._shapes = {n: p.shape for n, p in self.model.named_parameters()}
         self.calls = 0
+        self.adapter_version: int | None = None
         self._has_weights = False
         self._asleep = False
 
@@ -155,8 +158,8 @@ class HFRolloutEngine:
                 outs = self._generate_batch([prompts[rows[r][0]] for r in batch], seeds, sampling)
                 for r, out in zip(batch, outs):
                     results[r] = out
-        samples = [Sample(prompt_offset + k, j, tuple(tokens), torch.tensor(logprobs, dtype=torch.float32), reason)
-                   for (k, j), (tokens, logprobs, reason) in zip(rows, results)]
+        samples = [Sample(prompt_offset + k, j, tuple(tokens), torch.tensor(logprobs, dtype=torch.float32), reason,
+                          self.adapter_version) for (k, j), (tokens, logprobs, reason) in zip(rows, results)]
         return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)
 
     def _generate_batch(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingConfig

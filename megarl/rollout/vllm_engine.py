@@ -43,6 +43,18 @@ object in this process whose parameters the executor can write directly. A megar
 have to carry the plan's pieces through its RPC dicts to workers that run the same executor: the same bytes,
 plus a process boundary.
 
+LoRA adapter sync (``actor.lora.sync=adapter``; ``lora_rank > 0``): the engine starts with vLLM's LoRA layers
+(``enable_lora``, one adapter slot, ``max_lora_rank`` the smallest vLLM allows at or above the rank). Its base
+weights are written once through :meth:`VLLMRolloutEngine.update_weights` (with LoRA on, vLLM's layers hold the base
+as ``<module>.base_layer.weight``; the names here leave ``base_layer`` out, so the layout is the plain model's), and
+each step :meth:`~VLLMRolloutEngine.update_adapters` hands vLLM the new adapters in memory, read in vLLM 0.24.0's
+source: ``LoRAModel.from_lora_tensors`` (``vllm/lora/lora_model.py``) builds the adapter from PEFT-named whole
+tensors (vLLM's LoRA layers cut their own TP shards in ``set_lora``), the worker's ``LRUCacheWorkerLoRAManager``
+(``model_runner.lora_manager``, ``vllm/lora/worker_manager.py``) registers and activates it in its adapter manager
+(``add_adapter`` / ``activate_adapter``, which pack q/k/v and gate/up), and the requests name it by a
+``LoRARequest`` with a new id per version (a request whose id is registered is served without reading
+``lora_path``). Each sample records the version its request named.
+
 Memory: ``sleep(1)`` moves the weights to CPU and drops the KV cache; ``sleep(2)`` drops both. vLLM's
 ``CuMemAllocator`` keeps the virtual addresses, so the parameter tensors held here stay valid across sleeps.
 One engine per process: vLLM's parallel state is process-global.
@@ -79,6 +91,7 @@ from megarl.rollout.base import (
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "NCCL_NVLS_ENABLE": "0"}
 FINISH_REASONS = ("stop", "length")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks (0.24.0)
 
 
 def prepare_environment(rank: int, local_rank: int) -> None:
@@ -133,9 +146,10 @@ def request_params(prompt: Sequence[int], sampling: SamplingConfig, *, context: 
                 seed=seed, logprobs=0, detokenize=False)
 
 
-def completion_to_sample(completion, prompt_index: int, sample_index: int) -> Sample:
+def completion_to_sample(completion, prompt_index: int, sample_index: int, adapter_version: int | None = None
+                         ) -> Sample:
     """A :class:`~megarl.rollout.base.Sample` from a vLLM ``CompletionOutput`` (``token_ids``, ``logprobs``:
-    one ``{token id: Logprob}`` per token, ``finish_reason``).
+    one ``{token id: Logprob}`` per token, ``finish_reason``), sampled with LoRA adapters ``adapter_version``.
 
     Raises:
         RolloutError: a finish reason other than "stop" / "length" (an aborted or failed request), or
@@ -151,7 +165,7 @@ def completion_to_sample(completion, prompt_index: int, sample_index: int) -> Sa
         raise RolloutError(f"vLLM returned {len(logprobs)} log-probs for {len(tokens)} tokens (prompt "
                            f"{prompt_index} sample {sample_index})")
     values = torch.tensor([position[t].logprob for position, t in zip(logprobs, tokens)], dtype=torch.float32)
-    return Sample(prompt_index, sample_index, tokens, values, reason)
+    return Sample(prompt_index, sample_index, tokens, values, reason, adapter_version)
 
 
 class VLLMRolloutEngine:
@@ -167,6 +181,7 @@ class VLLMRolloutEngine:
         max_model_len: context length of the engine (prompt + response), tokens, in [2,
             ``spec.max_position_embeddings``]; None = ``spec.max_position_embeddings``.
         seed: vLLM's global seed (it seeds Python's, numpy's and torch's global RNGs at construction).
+        lora_rank: start vLLM's LoRA layers for adapters of this rank (module docstring); 0 = none.
 
     Attributes:
         spec: the model, with ``max_position_embeddings`` cut to ``max_model_len``: the context that prompts
@@ -175,16 +190,18 @@ class VLLMRolloutEngine:
         llm: the ``vllm.LLM``.
         model: vLLM's model on this rank (its parameters are the engine's weights, written in place).
         calls: ``generate`` calls so far; part of every sample's seed, so a resumed run restores it.
+        adapter_version: the LoRA adapters' version its weights (merged) or its LoRA layers hold; None without.
 
     Raises:
-        RolloutError: no CUDA device, bad sizes, or vLLM's TP group is not the expected block of ranks.
+        RolloutError: no CUDA device, bad sizes, a LoRA rank above vLLM's largest, or vLLM's TP group is not the
+            expected block of ranks.
         SpecError: the model does not split at TP=``tp`` (:func:`~megarl.models.layout.check_vllm_tp`), or
             vLLM's parameter names or shapes differ from :func:`~megarl.models.layout.vllm_rank_tensors`.
         ImportError: vllm is not installed.
     """
 
     def __init__(self, spec: ModelSpec, *, tp: int = 1, gpu_memory_utilization: float = 0.5,
-                 enforce_eager: bool = True, max_model_len: int | None = None, seed: int = 0):
+                 enforce_eager: bool = True, max_model_len: int | None = None, seed: int = 0, lora_rank: int = 0):
         if not torch.cuda.is_available():
             raise RolloutError("the vLLM engine needs a CUDA GPU; use rollout.engine=hf on a CPU machine")
         if not 0 < gpu_memory_utilization <= 1:
@@ -194,6 +211,13 @@ class VLLMRolloutEngine:
             raise RolloutError(f"max_model_len must be in [2, {spec.max_position_embeddings}] (the model's "
                                f"max_position_embeddings), got {max_model_len}")
         check_vllm_tp(spec, tp)
+        lora = {}
+        if lora_rank:
+            fits = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
+            if not fits:
+                raise RolloutError(f"vLLM 0.24 serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, got {lora_rank}; use "
+                                   "actor.lora.sync=merged")
+            lora = dict(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
         init_distributed()
         rank, world = dist.get_rank(), dist.get_world_size()
         if world % tp:
@@ -210,20 +234,37 @@ class VLLMRolloutEngine:
                             dtype="bfloat16", enforce_eager=enforce_eager, enable_sleep_mode=True,
                             tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
                             gpu_memory_utilization=gpu_memory_utilization, seed=seed, max_model_len=context,
-                            logprobs_mode="processed_logprobs")
+                            logprobs_mode="processed_logprobs", **lora)
         group = get_tp_group().ranks
         first = rank - self.tp_rank
         if list(group) != list(range(first, first + tp)):
             raise RolloutError(f"vLLM put rank {rank} in the TP group {group}, expected ranks "
                                f"[{first}, {first + tp}) (consecutive blocks of tp={tp})")
-        self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
-        self._params = {n: p.detach() for n, p in self.model.named_parameters()}  # fused experts viewed 2-D:
+        self._runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        self.model = self._runner.get_model()
+        self._params = {n.replace(".base_layer.", "."): p.detach()  # LoRA layers wrap the base (module docstring)
+                        for n, p in self.model.named_parameters()}  # fused experts viewed 2-D:
         self._params = local_views(self._params, vllm_rank_tensors(self.spec, self.tp, self.tp_rank))
         self._check_parameters()
         self.calls = 0
+        self.adapter_version: int | None = None
+        self._lora_request = None  # the adapters' request once update_adapters ran
         self._has_weights = False
         self._asleep = False
         self._cache_empty = True  # nothing generated since the last prefix-cache reset
+
+    @property
+    def has_weights(self) -> bool:
+        """Whether the engine holds weights (written since its start or its last level-2 sleep)."""
+        return self._has_weights
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
 
     def _check_parameters(self) -> None:
         """Raise SpecError where vLLM's parameters (names, shapes) differ from this rank's layout entry."""
@@ -258,6 +299,41 @@ class VLLMRolloutEngine:
             self._reset_prefix_cache()
         self._has_weights = True
         return result
+
+    def update_adapters(self, adapters: dict[str, torch.Tensor], lora, *, version: int) -> None:
+        """Serve the LoRA adapters ``adapters`` (whole canonical factors by name,
+        :func:`~megarl.models.layout.adapter_layout`; this rank's copy) from now on, as adapter version ``version``
+        (module docstring); the previous version is dropped, and so is the prefix cache.
+
+        Raises:
+            RolloutError: the engine was started without LoRA (``lora_rank=0``) or is asleep.
+        """
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.lora.request import LoRARequest
+
+        from megarl.models.peft import adapter_config, peft_tensors
+
+        manager = getattr(self._runner, "lora_manager", None)
+        if manager is None:
+            raise RolloutError("update_adapters on an engine started without LoRA layers (lora_rank=0)")
+        if self._asleep:
+            raise RolloutError("update_adapters on a sleeping engine: call wake_up() first")
+        helper = PEFTHelper.from_dict({**adapter_config(self.spec, lora, None),
+                                       "vllm_max_position_embeddings": manager.max_position_embeddings})
+        helper.validate_legal(manager.lora_config)
+        model = LoRAModel.from_lora_tensors(version + 1, peft_tensors(self.spec, lora, adapters), helper,
+                                            device="cpu", dtype=manager.lora_config.lora_dtype,
+                                            model_vocab_size=manager.vocab_size,
+                                            weights_mapper=getattr(self.model, "hf_to_vllm_mapper", None))
+        adapters_of = manager._adapter_manager
+        adapters_of.remove_all_adapters()
+        adapters_of.add_adapter(model)
+        adapters_of.activate_adapter(model.id)
+        self._lora_request = LoRARequest(f"megarl-v{version}", version + 1, lora_path="megarl-in-memory")
+        self.adapter_version = version
+        if not self._cache_empty:
+            self._reset_prefix_cache()
 
     def _reset_prefix_cache(self) -> None:
         """Drop vLLM's prefix cache. Its cost grows with the number of KV-cache blocks, not with the model
@@ -329,7 +405,9 @@ class VLLMRolloutEngine:
         params = [SamplingParams(**request_params(prompts[k], sampling, context=context, stop_token_ids=stop,
                                                   seed=sample_seed(sampling.seed, call, prompt_offset + k, j)))
                   for k, j in rows]
+        request, version = self._lora_request, self.adapter_version  # one version for the whole call
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
-                                    use_tqdm=False) if rows else []
-        samples = [completion_to_sample(out.outputs[0], prompt_offset + k, j) for (k, j), out in zip(rows, outputs)]
+                                    use_tqdm=False, lora_request=request) if rows else []
+        samples = [completion_to_sample(out.outputs[0], prompt_offset + k, j, version)
+                   for (k, j), out in zip(rows, outputs)]
         return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)

@@ -97,8 +97,10 @@ def make_engine(cfg: Config, spec):
         return HFRolloutEngine(spec, max_batch_size=r.max_batch_size)
     from megarl.rollout.vllm_engine import VLLMRolloutEngine
 
+    lora = cfg.actor.lora
     return VLLMRolloutEngine(spec, tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization,
-                             enforce_eager=r.enforce_eager, max_model_len=r.max_model_len, seed=cfg.run.seed)
+                             enforce_eager=r.enforce_eager, max_model_len=r.max_model_len, seed=cfg.run.seed,
+                             lora_rank=lora.rank if lora.enabled and lora.sync == "adapter" else 0)
 
 
 def rollout_layout(cfg: Config, spec: ModelSpec, ranks) -> Layout:

@@ -5,7 +5,9 @@ trainer's state (:func:`save`) and resuming it (:func:`resume`), and what a resu
 A checkpoint (``runs/<name>/checkpoints/step_N``, :mod:`megarl.models.checkpoint` writes it atomically) holds a
 megatron dist checkpoint of the trained roles (the actor and its optimizer, the critic), the LR schedules, the
 data position, the KL controller, the policy version and every rank's RNG states. The optimizer state is in
-megatron-core's layout-free format, so a run resumes at any TP x PP x DP and placement.
+megatron-core's layout-free format, so a run resumes at any TP x PP x DP and placement. A LoRA actor's checkpoint
+holds its adapters and their optimizer state, and names its base (``megarl.json``'s ``lora.base``: the run's
+``model.path``), which a resume loads again.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
     resharding, the optimizer state in its layout-free format); what cannot change is refused: the model's
     dtype, a distributed optimizer for a plain one, the experts' EP (not resharded yet), an MoE model's layer
     spec (TE's grouped experts or the local spec's sequential ones), a critic the checkpoint lacks, a TP whose padded vocabulary differs, and any layout of a checkpoint written before that
-    format (``dp_reshardable``).
+    format (``dp_reshardable``); for a LoRA actor the adapters' shape (``actor.lora`` rank, alpha, target modules,
+    experts: dropout and sync may change) and its base (``model.path``).
 
     Raises:
         ConfigError: naming ``run.name`` (a new run on an earlier run's checkpoints), ``trainer.resume`` (no
@@ -73,8 +76,12 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
                               f"({changed}) in an optimizer format that does not reshard: resume with the layout "
                               f"it was written at, or start a new run from its weights alone (model.path={newest})")
         return
-    refused = [f for f in ("model.dtype", "actor.optim.distributed", "critic.optim.distributed", "actor.parallel.ep")
-               if _field(then, f) != _field(now, f) and (f != "critic.optim.distributed" or "critic" in then)]
+    fixed = ("model.dtype", "actor.optim.distributed", "critic.optim.distributed", "actor.parallel.ep",
+             "actor.lora.rank", "actor.lora.alpha", "actor.lora.target_modules", "actor.lora.experts")
+    refused = [f for f in fixed if _field(then, f) != _field(now, f) and (f != "critic.optim.distributed" or
+                                                                           "critic" in then)]
+    if "lora" in meta and _field(then, "model.path") != _field(now, "model.path"):
+        refused.append(f"model.path (the base the LoRA adapters were trained on: {_field(then, 'model.path')})")
     if cfg.algorithm.uses_critic and meta.get("critic_scheduler") is None:
         refused.append("algorithm.name (a critic the checkpoint does not hold)")
     if ck.checkpoint_spec(newest).is_moe and ck.checkpoint_uses_te(newest) != cfg.actor.kernels.transformer_engine:
@@ -155,7 +162,10 @@ def save(trainer) -> Path:
                                                        pools["critic"].ranks) if "critic" in pools else None,
                          policy_version=trainer.step_idx,
                          config=to_dict(cfg), world_size=trainer.world, optimizer_format=OPTIMIZER_FORMAT,
-                         source_config=trainer.source_config, generation_config=trainer.generation_config)
+                         source_config=trainer.source_config, generation_config=trainer.generation_config,
+                         **({"lora": ck.lora_meta(trainer.actor_lora.as_dict(),
+                                                  None if cfg.model.path == "default" else cfg.model.path)}
+                            if trainer.actor_lora else {}))
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     trainer.reload()  # an offloaded optimizer state is saved from the device, then goes back to the host
     with phase("checkpoint"):

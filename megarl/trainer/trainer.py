@@ -36,7 +36,8 @@ from megarl.measure.throughput import step_perf_metrics
 from megarl.measure.timers import PhaseTimer
 from megarl.models import checkpoint as ck
 from megarl.models.hf_io import load_tokenizer
-from megarl.models.layout import megatron_layout
+from megarl.models.layout import adapter_layout, megatron_layout, with_lora_merge
+from megarl.models.lora import LoRASpec
 from megarl.parallel.lifecycle import peer_failures_named, record_peers
 from megarl.parallel.mesh import init_distributed, initialize_model_parallel, launch_info, ranks_per_node
 from megarl.parallel.placement import (build_pool_groups, global_layout, join_optimizer_setup, placement_summary,
@@ -60,7 +61,7 @@ from megarl.trainer.pipeline import staleness
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.validation import append_samples
-from megarl.trainer.workers import CriticWorker, PolicyWorker
+from megarl.trainer.workers import BasePolicy, CriticWorker, PolicyWorker
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +138,16 @@ class Trainer:
         updates = cfg.trainer.steps * cfg.actor.ppo_epochs * (cfg.rollout_batch_size // cfg.actor.ppo_mini_batch_size)
         self.actor = self.ref = self.critic = None
         pools = self.pools
+        self.actor_lora = LoRASpec.from_config(cfg.actor.lora)
         if pools["actor"].holds_here:
             self.actor = PolicyWorker(self.spec, pools["actor"].mesh, "actor", source, dtype, cfg.actor,
                                       trainable=True, total_updates=updates, temperature=cfg.rollout.temperature,
-                                      pool=pools["actor"])
+                                      pool=pools["actor"], seed=cfg.run.seed)
         else:
             join_optimizer_setup()
-        if "reference" in pools and pools["reference"].holds_here:  # a copy of the actor where it is here
+        if "reference" in pools and self.actor_lora and self.actor:  # the actor's base: its adapters off
+            self.ref = BasePolicy(self.actor)
+        elif "reference" in pools and pools["reference"].holds_here:  # a copy of the actor where it is here
             self.ref = PolicyWorker(self.spec, pools["reference"].mesh, "actor", self.actor or source, dtype,
                                     cfg.actor, trainable=False, temperature=cfg.rollout.temperature,
                                     pool=pools["reference"])
@@ -182,12 +186,19 @@ class Trainer:
         self.rollout_group = rollout_dp_group(cfg.rollout.tp if cfg.rollout.engine == "vllm" else 1,
                                               self.rollout_ranks)
         actor_ranks = pools["actor"].ranks
+        lora = self.actor_lora
         src_layout = megatron_layout(self.spec, pools["actor"].mesh, ranks=actor_ranks, role="actor",
-                                     use_te=cfg.actor.kernels.transformer_engine,
+                                     use_te=cfg.actor.kernels.transformer_engine, lora=lora,
                                      padded_vocab=share_object(
                                          self.actor and ck.as_chunks(self.actor.model)[0].vocab_size, actor_ranks))
         dst_layout = rollout_layout(cfg, self.spec, self.rollout_ranks)
+        # LoRA: merged weights shard by shard, or (adapter sync) the base once and then the adapters, whole
+        self.adapter_sync = lora is not None and cfg.actor.lora.sync == "adapter"
+        if lora is not None and not self.adapter_sync:
+            dst_layout = with_lora_merge(dst_layout, lora)
         self.reshard_plan = plan_reshard(src_layout, dst_layout, ranks_per_node(self.world))
+        self.adapter_plan = (plan_reshard(src_layout, adapter_layout(self.spec, lora, self.rollout_ranks),
+                                          ranks_per_node(self.world)) if self.adapter_sync else None)
         self.sampling = dict(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                              top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
                              stop_token_ids=tuple(self.spec.eos_token_ids))
@@ -217,7 +228,7 @@ class Trainer:
                     max_extra_rounds=alg.dynamic_sampling.max_extra_rounds, step=self.step_idx + 1,
                     verbose=self.rank == 0)
             in_use = _device_bytes_in_use()  # the engine's weights and cache, and what training left resident
-            self.engine.sleep(level=2)  # the next reshard rewrites every weight: nothing to keep
+            self.engine.sleep(level=self.sleep_level)
         self.reload()
         train_start = time.perf_counter()
         metrics, batch = self.train_on(prompts, out, self.policy_version, known_scores)
@@ -242,6 +253,8 @@ class Trainer:
         with t("reward"):
             batch, scores = self._score(prompts, out, known_scores)
         batch.meta["policy_version"] = [version] * len(batch)
+        if self.actor_lora:
+            batch.meta["adapter_version"] = [s.adapter_version for s in out.samples]
         # each role on its pool (at the same time where the pools are disjoint), then shared with every rank
         with t("old_logprobs"):
             old = self.actor.compute_logprobs(batch)["logprobs"] if self.actor else None
@@ -316,6 +329,7 @@ class Trainer:
             "offload/to_host_s": moves["to_host"], "offload/to_device_s": moves["to_device"],
             "reshard/bytes_sent": getattr(stats, "bytes_sent", 0), "reshard/peak_extra_bytes":
                 getattr(stats, "peak_extra_bytes", 0), "reshard/bytes_staged": getattr(stats, "bytes_staged", 0),
+            "reshard/merge_s": getattr(stats, "times_s", {}).get("merge", 0.0),
             **{f"time/{k}": v for k, v in phases.items()}, "time/step": step_s,
             **{f"pool/{p}/busy_s": b for p, b in busy.items()},
             **{f"pool/{p}/idle_s": max(0.0, step_s - b - reshard_s) for p, b in busy.items()},
@@ -340,21 +354,54 @@ class Trainer:
                                          "critic_update": self.cfg.critic.ppo_epochs},
                                  peak_flops=self.peak_flops)
 
+    @property
+    def sleep_level(self) -> int:
+        """How deep the engine sleeps after generating: 2 (weights dropped) where the next reshard rewrites every
+        weight; 1 (weights kept on the host) with LoRA adapter sync, whose base is written once."""
+        return 1 if self.adapter_sync else 2
+
     def reshard_actor_to_engine(self):
         """Wake the rollout engine and write the actor's current weights into it (every rank: a rank without
-        an engine sends its shards or just takes part); returns this rank's reshard stats."""
+        an engine sends its shards or just takes part); returns this rank's reshard stats. A LoRA actor sends
+        merged weights, or with adapter sync its base once and then its adapters alone (:meth:`_sync_adapters`);
+        the engine records the version (:attr:`step_idx`) its samples come from."""
         rc = self.cfg.reshard
 
-        def write(dst: dict[str, torch.Tensor]):
-            return execute_plan(self.reshard_plan, self.actor.source_tensors() if self.actor else {}, dst,
+        def run(plan, dst: dict[str, torch.Tensor]):
+            return execute_plan(plan, self.actor.source_tensors() if self.actor else {}, dst,
                                 bucket_bytes=int(rc.bucket_mb * 2**20),
                                 direct_min_bytes=None if rc.direct_min_kb is None else
                                 math.ceil(rc.direct_min_kb * 2**10))
 
+        if self.adapter_sync:
+            return self._sync_adapters(run)
         if self.engine is None:
-            return write({})
+            return run(self.reshard_plan, {})
         self.engine.wake_up()
-        return self.engine.update_weights(write)
+        stats = self.engine.update_weights(lambda dst: run(self.reshard_plan, dst))
+        self.engine.adapter_version = self.step_idx if self.actor_lora else None
+        return stats
+
+    def _sync_adapters(self, run):
+        """LoRA adapter sync: the base weights into the engine where it has none (the first step; its sleep keeps
+        them: :attr:`sleep_level`), then the adapters, whole on every engine rank (vLLM's LoRA layers cut their
+        own TP shards), handed to the engine in memory as version :attr:`step_idx`."""
+        engine = self.engine
+        has_base = share_object(engine is not None and engine.has_weights, self.rollout_ranks[:1])
+        if not has_base:
+            if engine is None:
+                run(self.reshard_plan, {})
+            else:
+                engine.wake_up()
+                engine.update_weights(lambda dst: run(self.reshard_plan, dst))
+        if engine is None:
+            return run(self.adapter_plan, {})
+        engine.wake_up()
+        layout = self.adapter_plan.dst.tensors(self.rank)
+        tensors = {n: torch.empty(lt.shape, dtype=engine.dtype, device=engine.device) for n, lt in layout.items()}
+        stats = run(self.adapter_plan, tensors)
+        engine.update_adapters(tensors, self.actor_lora, version=self.step_idx)
+        return stats
 
     def validate(self) -> dict[str, Any]:
         """Validation metrics (``val/...``) of the current actor; its responses go to ``val_samples.jsonl``.
@@ -372,7 +419,7 @@ class Trainer:
             log.info("validation at step %d: accuracy %.3f, mean reward %.3f (%.0f s)", self.step_idx,
                      metrics.get("val/accuracy", float("nan")), metrics.get("val/reward_mean", float("nan")),
                      time.perf_counter() - start)
-        self.engine.sleep(level=2)
+        self.engine.sleep(level=self.sleep_level)
         self.engine.calls = calls
         if self.rank == 0:
             append_samples(self.run_dir / "val_samples.jsonl", records, step=self.step_idx)
@@ -449,6 +496,8 @@ class Trainer:
                                     "length": int(batch["response_lens"][i]),
                                     "prompt_tokens": int(batch["prompt_lens"][i]),
                                     "policy_version": batch.meta["policy_version"][i],
+                                    **({"adapter_version": batch.meta["adapter_version"][i]}
+                                       if "adapter_version" in batch.meta else {}),
                                     "finish_reason": batch.meta["finish_reason"][i]}) + "\n")
 
 

@@ -34,9 +34,11 @@ from megarl.algos.losses import actor_loss, value_loss
 from megarl.algos.nonfinite import NonFiniteError
 from megarl.algos.registry import POLICY_LOSSES
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
-from megarl.models.checkpoint import (as_chunks, chunk_parameters, chunks_sharded_state_dict, is_preset,
-                                      load_chunks_state_dict, load_weights)
+from megarl.models.checkpoint import (adapters_only, as_chunks, chunk_parameters, chunks_sharded_state_dict,
+                                      init_adapters, is_lora_checkpoint, is_preset, load_chunks_state_dict,
+                                      load_weights)
 from megarl.models.logprobs import vocab_parallel_logprobs
+from megarl.models.lora import LoRASpec, adapters_disabled, finalize_with_partial_grads
 from megarl.models.megatron import build_model_chunks
 from megarl.models.pipeline import broadcast_from_last_stage, run_microbatches
 from megarl.models.spec import ModelSpec
@@ -104,10 +106,17 @@ class MegatronWorker:
         total_updates: optimizer steps over the whole run (for the LR decay).
         pool: the process groups of the role's pool (:mod:`megarl.parallel.placement`); None = the world, in
             megatron's layout.
+        seed: seeds the LoRA adapters' start values (``rc.lora``, the actor; :func:`~megarl.models.checkpoint.
+            init_adapters`) where the source does not hold them.
+
+    With ``rc.lora`` (the actor) only the adapters train: the base weights are frozen before megatron's DDP wraps
+    the model (no gradient buffer, no optimizer state, no fp32 copy), the optimizer covers the adapters, and the
+    checkpointed state is the adapters' (:meth:`sharded_state_dict`); :attr:`lora` is its spec (else None).
     """
 
     def __init__(self, spec: ModelSpec, mesh: ParallelLayout, role: str, source, dtype: torch.dtype,
-                 rc: ActorConfig, *, trainable: bool, total_updates: int = 1, pool: PoolGroups | None = None):
+                 rc: ActorConfig, *, trainable: bool, total_updates: int = 1, pool: PoolGroups | None = None,
+                 seed: int = 0):
         from megatron.core import parallel_state as ps
 
         self.spec, self.mesh, self.role, self.rc = spec, mesh, role, rc
@@ -117,9 +126,11 @@ class MegatronWorker:
         self.dp_rank = dist.get_rank(self.dp_group)
         self.dp_size = dist.get_world_size(self.dp_group)
         self.cp_group = ps.get_context_parallel_group() if mesh.cp > 1 else None
+        self.lora = LoRASpec.from_config(rc.lora) if role == "actor" else None
         chunks = build_model_chunks(spec, mesh, role, params_dtype=dtype, init_weights=is_preset(source),
                                     sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
-                                    attention=rc.kernels.attention, use_te=rc.kernels.transformer_engine)
+                                    attention=rc.kernels.attention, use_te=rc.kernels.transformer_engine,
+                                    lora=self.lora)
         if torch.cuda.is_available():
             chunks = [c.cuda() for c in chunks]
         if isinstance(source, MegatronWorker):
@@ -127,6 +138,8 @@ class MegatronWorker:
                 chunk.load_state_dict(src.state_dict(), strict=False)
         else:
             load_weights(chunks, source)
+            if self.lora is not None and not is_lora_checkpoint(source):
+                init_adapters(chunks, seed)
         self.optimizer = self.scheduler = None
         if not trainable:
             for chunk in chunks:
@@ -166,6 +179,12 @@ class MegatronWorker:
                                         pg_collection=self.pg_collection) for c, chunk in enumerate(chunks)]
         config = ddps[0].config
         config.finalize_model_grads_func = functools.partial(finalize_model_grads, pg_collection=self.pg_collection)
+        if self.lora is not None:  # the adapters' TP-partial gradients summed first (megarl.models.lora)
+            from megatron.core import parallel_state as ps
+
+            pg = self.pg_collection
+            config.finalize_model_grads_func = finalize_with_partial_grads(
+                config.finalize_model_grads_func, lambda: pg.tp if pg is not None else ps.get_tensor_model_parallel_group())
         config.no_sync_func = [d.no_sync for d in ddps] if len(ddps) > 1 else ddps[0].no_sync
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay, adam_beta1=oc.betas[0],
@@ -392,10 +411,13 @@ class MegatronWorker:
         """Model (and optimizer) state for megatron's dist checkpointing. The critic's checkpoint keys carry
         the prefix ``critic.`` so that both models fit one checkpoint; the actor's have none, so converted
         model checkpoints and trainer checkpoints load alike. ``optimizer_format``: the DistributedOptimizer's
-        sharding type (:data:`OPTIMIZER_FORMAT`; a checkpoint's own when loading one written before it)."""
+        sharding type (:data:`OPTIMIZER_FORMAT`; a checkpoint's own when loading one written before it). A LoRA
+        actor's model state is its adapters alone (the frozen base is the run's ``model.path``)."""
         from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 
         model_sd = chunks_sharded_state_dict(self.model)
+        if self.lora is not None:
+            model_sd = adapters_only(model_sd)
         out = {"model": model_sd}
         if self.optimizer is not None:
             if is_loading:
@@ -537,15 +559,19 @@ class PolicyWorker(MegatronWorker):
                                   response_width=mb["response_mask"].shape[1], seq_offsets=mb.get("seq_offsets"))
         return frame(logp), (frame(ent) if with_entropy else None)
 
-    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """``{"logprobs": [B, R]}`` (and ``"entropy"``) of the batch's responses under this policy, fp32."""
+    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False, *,
+                         adapters: bool = True) -> dict[str, torch.Tensor]:
+        """``{"logprobs": [B, R]}`` (and ``"entropy"``) of the batch's responses under this policy, fp32;
+        ``adapters=False``: under a LoRA actor's base (its adapters off, :func:`~megarl.models.lora.
+        adapters_disabled`)."""
         names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
 
         def fn(mb, logits):
             logp, ent = self._logprobs(mb, logits, with_entropy)
             return {"logprobs": logp, "entropy": ent} if with_entropy else {"logprobs": logp}
 
-        return self.forward_response_frame(batch, fn, names, self._model_kwargs(with_entropy))
+        with contextlib.nullcontext() if adapters else adapters_disabled(self.chunks):
+            return self.forward_response_frame(batch, fn, names, self._model_kwargs(with_entropy))
 
     def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int,
                norm_tokens: float | None = None, step: int | None = None) -> list[dict[str, float]]:
@@ -585,6 +611,22 @@ class PolicyWorker(MegatronWorker):
                                       mean_keys=["clipfrac", "clipfrac_lower", "ppo_kl", "approx_kl"],
                                       max_keys=("log_ratio_absmax",), mask_name=mask_name,
                                       model_kwargs=self._model_kwargs(with_entropy=True), step=step)
+
+
+class BasePolicy:
+    """The reference policy of a LoRA actor: the actor itself with its adapters off, so no second copy of the
+    weights exists (the frozen base is the reference's weights, bit for bit).
+
+    Args:
+        actor: the LoRA actor's :class:`PolicyWorker`.
+    """
+
+    def __init__(self, actor: PolicyWorker):
+        self.actor = actor
+
+    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """:meth:`PolicyWorker.compute_logprobs` under the base."""
+        return self.actor.compute_logprobs(batch, with_entropy, adapters=False)
 
 
 class CriticWorker(MegatronWorker):

@@ -173,7 +173,7 @@ class LLM:
                     full[b.name][b.src_box] = new
         return full
 
-    def generate(self, prompts, sampling_params, use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params, use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
         assert not self.asleep, "generate on a sleeping engine"
         ids = [p["prompt_token_ids"] for p in prompts]
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(ids)
