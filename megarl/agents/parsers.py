@@ -28,6 +28,7 @@ import re
 from typing import Any, Mapping, Protocol, Sequence
 
 from megarl.agents.tools import Tool, ToolCall
+from megarl.algos.registry import Registry
 
 
 class ParserError(ValueError):
@@ -184,21 +185,23 @@ class PlainParser:
         return "\n".join(lines)
 
 
-PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "plain": PlainParser}
+PARSERS: Registry[type] = Registry("tool-call parser", "register_parser")
+register_parser = PARSERS.register
+PARSERS.register("hermes")(HermesParser)
+PARSERS.register("llama3_json")(Llama3JsonParser)
+PARSERS.register("plain")(PlainParser)
 
 
 def load_parser(name: str, chat_template: str | None) -> ToolCallParser:
-    """The parser ``name`` (``auto``: :func:`parser_for_template` of ``chat_template``).
+    """The parser ``name``: ``auto`` (:func:`parser_for_template` of ``chat_template``), a registered name, or a
+    dotted path to a parser class of your own (the :class:`ToolCallParser` protocol), built without arguments.
 
     Raises:
-        ParserError: an unknown name.
+        ParserError: an unknown name or path.
     """
     if name == "auto":
         name = parser_for_template(chat_template)
-    if name not in PARSERS:
-        raise ParserError(f"rollout.multi_turn.tool_parser: unknown parser {name!r}; known: auto, "
-                          f"{', '.join(PARSERS)}")
-    return PARSERS[name]()
+    return PARSERS.find(name, ParserError)()
 
 
 def parser_for_template(chat_template: str | None) -> str:
@@ -237,4 +240,5 @@ def check_parser(parser: ToolCallParser, tools: Sequence[Tool], render_call) -> 
         raise ParserError(f"rollout.multi_turn.tool_parser: the {parser.name!r} parser reads "
                           f"{[(c.name, dict(c.arguments)) for c in got]} from {text!r}, the chat template's own "
                           f"rendering of the call {call.name}({dict(call.arguments)}): its calls would never "
-                          f"fire; set rollout.multi_turn.tool_parser to the template's family ({', '.join(PARSERS)})")
+                          f"fire; set rollout.multi_turn.tool_parser to the template's family "
+                          f"({', '.join(PARSERS.names())})")

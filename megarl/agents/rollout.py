@@ -22,10 +22,12 @@ most ``min(rollout.max_new_tokens, the episode's tokens left, the context left)`
 (:func:`~megarl.rollout.base.turn_seed` seeds it), the parser reads its tool calls, the tools run
 (:func:`~megarl.agents.tools.run_tool_calls`, ``tool_timeout_s`` each), ``env.step(turn)`` answers, and the
 observation messages (each cut to ``max_observation_tokens``) are appended as tokens
-(:mod:`megarl.agents.episode`). It ends when the environment says done, after ``max_turns`` turns, at a turn cut
-by its token budget (a cut turn's tool call cannot be trusted), when the episode's ``max_episode_tokens``
-(sampled and observation tokens after the first prompt) or the context would be exceeded, or when the
-environment raises. ``EpisodeResult.end`` says which; the metrics count each.
+(:mod:`megarl.agents.episode`). A turn cut at ``rollout.max_new_tokens`` goes on like any other (its
+``finish_reason`` is "length"; the template closes it, a half-written call is malformed; ``agent/turns_cut``).
+The episode ends when the environment says done, after ``max_turns`` turns, when the episode's
+``max_episode_tokens`` (sampled and observation tokens after the first prompt) or the context would be
+exceeded (a turn cut by either ends it too), or when the environment raises. ``EpisodeResult.end`` says which;
+the metrics count each.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from megarl.rollout.data_parallel import shard_bounds
 
 log = logging.getLogger(__name__)
 
-ENDS = ("done", "max_turns", "turn_budget", "episode_budget", "context", "env_error")
+ENDS = ("done", "max_turns", "episode_budget", "context", "env_error")
 ENV_SEED_TURN = 2**31 - 1  # the "turn" of turn_seed that seeds an episode's environment (env.rng)
 
 
@@ -177,7 +179,9 @@ class EpisodeResult:
             ends the episode with ``end == "env_error"`` instead).
         env_seconds: wall seconds in ``reset``, ``step`` and the tools.
         splits: times the history was split into a new sample.
-        finish_reason: "length" when it ended on a turn cut by a token budget, else "stop".
+        turns_cut: turns cut at ``rollout.max_new_tokens``.
+        finish_reason: "length" when the episode was cut by its token budget or the context, or its last turn
+            at ``rollout.max_new_tokens``; else "stop".
     """
 
     prompt_index: int
@@ -192,10 +196,12 @@ class EpisodeResult:
     tool_errors: dict[str, int]
     env_seconds: float
     splits: int
+    turns_cut: int = 0
+    last_cut: bool = False
 
     @property
     def finish_reason(self) -> str:
-        return "length" if self.end in ("turn_budget", "episode_budget", "context") else "stop"
+        return "length" if self.end in ("episode_budget", "context") or self.last_cut else "stop"
 
     @property
     def sampled_tokens(self) -> int:
@@ -241,6 +247,7 @@ class EpisodeBatch:
             "agent/sampled_tokens": float(sum(e.sampled_tokens for e in eps)),
             "agent/observation_tokens": float(sum(e.observation_tokens for e in eps)),
             "agent/samples_split": float(sum(e.splits for e in eps)),
+            "agent/turns_cut": float(sum(e.turns_cut for e in eps)),
             "agent/prefix_cache_hit_rate": self.cached_tokens / max(self.stats.prompt_tokens, 1),
         }
         out.update({f"agent/tool_errors/{k}": float(errors.get(k, 0)) for k in ERROR_KINDS})
@@ -301,14 +308,14 @@ def _episode(loop: GenerationLoop, renderer: ChatRenderer, env, tools: Mapping[s
     tokens = EpisodeTokens(renderer, stop)
     env.rng = random.Random(turn_seed(sampling.seed, call, prompt_index, sample_index, ENV_SEED_TURN))
     errors: Counter = Counter()
-    state = {"env_s": 0.0, "calls": 0, "rewards": [], "text": "", "turns": 0, "used": 0}
+    state = {"env_s": 0.0, "calls": 0, "rewards": [], "text": "", "turns": 0, "used": 0, "cut": 0, "last_cut": False}
 
     def finish(end: str) -> EpisodeResult:
         rewards = state["rewards"]
         reward = 0.0 if end == "env_error" else (float(sum(rewards)) if rewards else None)
         return EpisodeResult(prompt_index, sample_index, tokens.trained_samples, reward, end, state["text"],
                              tokens.messages, state["turns"], state["calls"], dict(errors), state["env_s"],
-                             tokens.splits)
+                             tokens.splits, state["cut"], state["last_cut"])
 
     t0 = time.perf_counter()
     try:
@@ -321,7 +328,7 @@ def _episode(loop: GenerationLoop, renderer: ChatRenderer, env, tools: Mapping[s
     state["env_s"] += time.perf_counter() - t0
     tokens.begin(first)
     for turn in range(settings.max_turns):
-        limits = {"turn_budget": settings.max_turn_tokens,
+        limits = {"turn": settings.max_turn_tokens,
                   "episode_budget": settings.max_episode_tokens - state["used"] if settings.max_episode_tokens
                   else settings.max_turn_tokens,
                   "context": context - len(tokens.current.ids)}
@@ -333,8 +340,10 @@ def _episode(loop: GenerationLoop, renderer: ChatRenderer, env, tools: Mapping[s
         state["turns"] += 1
         state["used"] += len(done.token_ids)
         state["text"] = text = tokens.add_turn(done.token_ids, done.logprobs.tolist())
-        if done.finish_reason == "length":
+        state["last_cut"] = done.finish_reason == "length"
+        if state["last_cut"] and binding != "turn":
             return finish(binding)
+        state["cut"] += state["last_cut"]
         t0 = time.perf_counter()
         calls, malformed = renderer.parser.parse(text, tools)
         results = run_tool_calls(calls, tools, settings.tool_timeout_s) if calls else []
