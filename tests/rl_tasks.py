@@ -20,7 +20,7 @@ TARGET = "x"
 # <eos> (what the model samples last), so the history renders append-only (decode joins words with spaces).
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% if m['content'] %}{{ m['content'] }} "
                  "{% endif %}<eos> {% else %}{{ m['content'] }} {% endif %}{% endfor %}")
-SECRETS = ["h", "i", "j", "k"]  # SecretWord's secrets
+SECRETS = ["h", "i"]  # SecretWord's secrets
 
 
 def make_tiny_model(path: Path, *, layers: int = 2, seed: int = 0, tied: bool = True,
@@ -131,7 +131,7 @@ def half_tied(prompts, responses, ground_truths):
 class SecretWord:
     """A two-turn environment whose reward needs the observation: after the first turn (whatever it says) it
     tells a secret word drawn for the episode from :data:`SECRETS`; the second turn scores 1 when its first
-    word is the secret, else 0. A policy that ignores the observation scores 1/4 at best."""
+    word is the secret, else 0. A policy that ignores the observation scores 1/2 at best."""
 
     def reset(self, row, prompt):
         return prompt
@@ -146,10 +146,10 @@ class SecretWord:
 
 
 def multi_turn_overrides(model_dir: Path, data_file: Path, run_dir: Path, name: str) -> list[str]:
-    """:func:`task_overrides` for the :class:`SecretWord` task: two turns of at most 2 tokens each."""
+    """:func:`task_overrides` for the :class:`SecretWord` task: two turns of one token each."""
     return task_overrides(model_dir, data_file, run_dir, name) + [
         "rollout.multi_turn.enabled=true", "rollout.multi_turn.env=tests.rl_tasks:SecretWord",
-        "rollout.multi_turn.max_turns=2", "rollout.max_new_tokens=2"]
+        "rollout.multi_turn.max_turns=2", "rollout.max_new_tokens=1"]
 
 
 class WordCallParser:
