@@ -429,7 +429,7 @@ class RolloutConfig:
                  f"must be null (the model's context) or >= 2 tokens, got {self.max_model_len}")
 
 
-PREPARED = ("arithmetic", "gsm8k")  # data.prepare's datasets; each writes its train.parquet and test.parquet
+PREPARED = ("arithmetic", "calculator", "gsm8k")  # data.prepare's datasets; each writes its train.parquet and test.parquet
 
 
 @dataclass
@@ -439,7 +439,8 @@ class DataConfig:
     Attributes:
         train_files: jsonl or parquet files with one prompt per row.
         prepare: if the train files are missing, prepare them first: "arithmetic" (the CPU default's task,
-            :mod:`megarl.data.arithmetic`), "gsm8k" (from ``gsm8k_source``) or null.
+            :mod:`megarl.data.arithmetic`), "calculator" (its 5-digit version, for the calculator tool), "gsm8k"
+            (from ``gsm8k_source``) or null.
         gsm8k_source: a local GSM8K folder ({train,test}.jsonl) or "hub" (openai/gsm8k, online only);
             "auto" tries ../shared/data/gsm8k, then the hub.
         prompt_key / answer_key: row fields holding the prompt and the ground truth.

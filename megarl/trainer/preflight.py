@@ -160,6 +160,10 @@ def prepare_files(cfg: Config, files: list[str]) -> None:
         from megarl.data.arithmetic import prepare_arithmetic as write
 
         what = "the arithmetic task"
+    elif name == "calculator":
+        from megarl.data.arithmetic import prepare_calculator as write
+
+        what = "the calculator task"
     else:
         from megarl.data.gsm8k import prepare_gsm8k
 
