@@ -34,14 +34,6 @@ export CONFIG=parallel_configs/gpu_1xh200_smollm2_gsm8k_tools.yaml RUNS=/tmp/run
 export STEPS=${STEPS:-120}
 export DEADLINE=$(( $(date +%s) + BUDGET_S ))
 
-install_wheels() {
-  bash perf/install_wheels.sh && python3 -c "import pytest"
-}
-
-build_extension() {
-  bash perf/build_C.sh
-}
-
 copy_run() {  # copy_run NAME: the run's records into $OUT/NAME
   mkdir -p "$OUT/$1"
   for f in metrics.jsonl summary.json report.md samples.jsonl val_samples.jsonl config.json; do
@@ -149,10 +141,10 @@ assert len(steps) >= 100, f"{len(steps)} steps logged (fewer than 100: run again
 EOF
 }
 
-export -f install_wheels build_extension copy_run agentic single summary
+export -f copy_run agentic single summary
 
-stage install 200 install_wheels
-[ $failed -eq 0 ] && stage build 200 build_extension
+stage install 200 "bash perf/install_wheels.sh"
+[ $failed -eq 0 ] && stage build 200 "bash perf/build_C.sh"
 if [ $failed -eq 0 ]; then
   stage agentic 600 agentic  # whatever is left of the budget but 150 s
   stage single 150 single

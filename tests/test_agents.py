@@ -13,10 +13,10 @@ import torch
 
 from megarl.agents.calculator import CalculatorError, evaluate
 from megarl.agents.env import EnvironmentFactory, StepResult, ToolEnvironment
-from megarl.agents.episode import ChatRenderer, TokenSample, samples_from_calls
+from megarl.agents.episode import ChatRenderer, samples_from_calls
 from megarl.agents.parsers import HermesParser, Llama3JsonParser, ParserError, PlainParser, check_parser, load_parser
 from megarl.agents.rollout import EpisodeSettings, run_episodes
-from megarl.agents.tools import Tool, ToolCall, load_tool, tool
+from megarl.agents.tools import ToolCall, load_tool, tool
 from megarl.rollout.base import SamplingConfig
 from tests.agent_fixtures import CHATML, CHATML_STRIP, ScriptedEngine, bpe_tokenizer
 
