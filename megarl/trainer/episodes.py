@@ -153,7 +153,10 @@ def episode_metrics(batch: RolloutBatch, out: EpisodeBatch) -> dict[str, float]:
     for k, i in enumerate(batch.meta["episode"]):
         if i >= 0:
             first.setdefault(i, k)
-    scores = batch["scores"][[first[i] for i in sorted(first)]]
+    rows = [first[i] for i in sorted(first)]
+    scores = batch["scores"][rows]
+    if "dropped" in batch:  # a score that is not finite (megarl.algos.nonfinite) is out of the figures
+        scores = scores[~batch["dropped"][rows]]
     return {**out.metrics(), "reward/mean": scores.mean().item(), "reward/std": scores.std(unbiased=False).item(),
             "reward/accuracy": (scores >= CORRECT_SCORE).float().mean().item(), "agent/rows": float(len(batch)),
             "agent/padding_rows": float(sum(i < 0 for i in batch.meta["episode"]))}
