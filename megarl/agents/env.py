@@ -115,7 +115,19 @@ register_env = ENVIRONMENTS.register
 @register_env("tools")
 class ToolEnvironment(Environment):
     """Tool calls get their results; a turn without a call is the answer and ends the episode (its reward:
-    the run's ``reward.fn``)."""
+    the run's ``reward.fn``).
+
+    Args:
+        few_shot: messages put before the prompt's user message (after its system message): a worked example
+            of a call, its result and the answer, which small models copy far more readily than an instruction.
+    """
+
+    def __init__(self, few_shot: Sequence[Message] = ()):
+        self.few_shot = [dict(m) for m in few_shot]
+
+    def reset(self, row: Mapping[str, Any], prompt: list[Message]) -> list[Message]:
+        system = [m for m in prompt[:1] if m.get("role") == "system"]
+        return system + self.few_shot + prompt[len(system):]
 
 
 @register_env("guess_number")

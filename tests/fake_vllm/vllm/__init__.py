@@ -142,7 +142,7 @@ class _LLMEngine:
         self._cached_blocks: set[tuple[int, ...]] = set()
         self.added: list[tuple[str, list[int]]] = []  # every request's id and prompt, in order
 
-    def add_request(self, request_id: str, prompt: dict, params: SamplingParams) -> str:
+    def add_request(self, request_id: str, prompt: dict, params: SamplingParams, lora_request=None) -> str:
         assert isinstance(request_id, str), request_id
         assert prompt.get("type") == "token", prompt  # an already rendered TokensInput
         assert not self._llm.asleep, "add_request on a sleeping engine"
