@@ -6,6 +6,7 @@
     megarl export CKPT OUT [--overwrite]                    megarl checkpoint -> HF directory
     megarl data gsm8k --src DIR|hub --out DIR               prepare GSM8K parquet files
     megarl data arithmetic --out DIR                        write the arithmetic task's parquet files
+    megarl data calculator --out DIR                        write the calculator task's parquet files
     megarl eval MODEL [CONFIG.yaml] [key=value ...]         held-out accuracy of a model or checkpoint
     megarl report RUN_DIR                                   plots and a markdown page of a run
     megarl bench reshard ...                                reshard benchmark (see --help)
@@ -360,6 +361,18 @@ def _data_arithmetic(p: argparse.ArgumentParser):
         from megarl.data.arithmetic import prepare_arithmetic
 
         return _print_written(prepare_arithmetic(a.out))
+    return run
+
+
+@command("data", "calculator", help="write the calculator task (5-digit sums for the calculator tool; train/test "
+                                   "parquet files)")
+def _data_calculator(p: argparse.ArgumentParser):
+    p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
+
+    def run(a: argparse.Namespace) -> int:
+        from megarl.data.arithmetic import prepare_calculator
+
+        return _print_written(prepare_calculator(a.out))
     return run
 
 

@@ -322,6 +322,52 @@ class CriticConfig(ActorConfig):
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn episodes with tools and environments (:mod:`megarl.agents`; README "Agentic RL").
+
+    Attributes:
+        enabled: generate episodes instead of one response per sample (``rollout.n`` episodes per prompt: the
+            GRPO/RLOO group).
+        env: the environment, a registered name ("tools": tool calls answered, a turn without one ends the
+            episode; "guess_number") or a dotted path ("pkg.mod:MyEnv"); built once per episode.
+        env_kwargs: keyword arguments of the environment's constructor.
+        tools: the tools offered, registered names ("calculator") or dotted paths; rendered by the chat template.
+        tool_parser: "auto" (from the chat template), "hermes" (Qwen2.5/Qwen3 ``<tool_call>``), "llama3_json"
+            or "plain" (``CALL name(args)`` lines, the tools described in the system message: templates without
+            tools, such as SmolLM2's), or a dotted path to a parser class of your own
+            (:mod:`megarl.agents.parsers`); checked against the chat template before the run starts.
+        max_turns: turns per episode, >= 1.
+        max_episode_tokens: sampled plus observation tokens after the first prompt; 0 = up to the context.
+            Each turn samples at most rollout.max_new_tokens.
+        tool_timeout_s: seconds per tool call (> 0); a call past it is a "timeout" observation.
+        max_observation_tokens: observation messages are cut to this many tokens ("truncated"); 0 = no limit.
+        max_parallel_episodes: episodes running at once per rank (worker threads), >= 1.
+    """
+
+    enabled: bool = False
+    env: str = "tools"
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[str] = field(default_factory=list)
+    tool_parser: str = "auto"
+    max_turns: int = 4
+    max_episode_tokens: int = 0
+    tool_timeout_s: float = 10.0
+    max_observation_tokens: int = 256
+    max_parallel_episodes: int = 256
+
+    def __post_init__(self):
+        require(self.max_turns >= 1, "rollout.multi_turn.max_turns", f"must be >= 1, got {self.max_turns}")
+        require(self.max_episode_tokens >= 0, "rollout.multi_turn.max_episode_tokens",
+                f"must be >= 0 (0: up to the context), got {self.max_episode_tokens}")
+        require(self.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s",
+                f"must be > 0 seconds, got {self.tool_timeout_s}")
+        require(self.max_observation_tokens >= 0, "rollout.multi_turn.max_observation_tokens",
+                f"must be >= 0 (0: no limit), got {self.max_observation_tokens}")
+        require(self.max_parallel_episodes >= 1, "rollout.multi_turn.max_parallel_episodes",
+                f"must be >= 1, got {self.max_parallel_episodes}")
+
+
+@dataclass
 class RolloutConfig:
     """Generation (the rollout engine) and its sampling.
 
@@ -343,6 +389,8 @@ class RolloutConfig:
         max_model_len: vLLM's context (prompt + response), tokens; null = the model's
             max_position_embeddings. vLLM refuses to start when its KV cache cannot hold one sequence of this
             length; data.max_prompt_length + max_new_tokens is enough for RL.
+        multi_turn: episodes with tools and environments (:class:`MultiTurnConfig`); max_new_tokens is then
+            each turn's limit.
     """
 
     engine: str = "hf"
@@ -356,6 +404,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     max_model_len: Optional[int] = None
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     def __post_init__(self):
         require(self.engine in ("hf", "vllm"), "rollout.engine", f"must be 'hf' or 'vllm', got {self.engine!r}")
@@ -380,7 +429,7 @@ class RolloutConfig:
                  f"must be null (the model's context) or >= 2 tokens, got {self.max_model_len}")
 
 
-PREPARED = ("arithmetic", "gsm8k")  # data.prepare's datasets; each writes its train.parquet and test.parquet
+PREPARED = ("arithmetic", "calculator", "gsm8k")  # data.prepare's datasets; each writes its train.parquet and test.parquet
 
 
 @dataclass
@@ -390,7 +439,8 @@ class DataConfig:
     Attributes:
         train_files: jsonl or parquet files with one prompt per row.
         prepare: if the train files are missing, prepare them first: "arithmetic" (the CPU default's task,
-            :mod:`megarl.data.arithmetic`), "gsm8k" (from ``gsm8k_source``) or null.
+            :mod:`megarl.data.arithmetic`), "calculator" (its 5-digit version, for the calculator tool), "gsm8k"
+            (from ``gsm8k_source``) or null.
         gsm8k_source: a local GSM8K folder ({train,test}.jsonl) or "hub" (openai/gsm8k, online only);
             "auto" tries ../shared/data/gsm8k, then the hub.
         prompt_key / answer_key: row fields holding the prompt and the ground truth.
@@ -937,6 +987,16 @@ class Config:
             require(pl.reference == pl.actor and pl.reference_parallel is None, "placement.reference",
                     "with actor.lora the reference policy is the actor with its adapters off, on the actor's pool "
                     f"and layout: set placement.reference={pl.actor} and placement.reference_parallel=null")
+        if self.rollout.multi_turn.enabled:
+            not_yet = "not with rollout.multi_turn.enabled=true yet (README 'Agentic RL')"
+            require(not alg.dynamic_sampling.enabled, "algorithm.dynamic_sampling.enabled", f"must be false: {not_yet}")
+            require(not alg.overlong.buffer_tokens and not alg.overlong.filter, "algorithm.overlong",
+                    f"buffer_tokens must be 0 and filter false: an episode's length is not one response's; {not_yet}")
+            require(self.rollout.engine == "hf" or self.rollout.tp == 1, "rollout.tp",
+                    f"must be 1 with rollout.multi_turn.enabled=true, got {self.rollout.tp}: the ranks of one vLLM "
+                    "engine must add the same requests at the same scheduler steps, which episodes timed by their "
+                    "tools do not (use rollout data parallelism: engines of tp=1 on every rank)")
+            require(not lora.enabled, "actor.lora.enabled", f"must be false: {not_yet}")
 
     @property
     def loss_norm_tokens(self) -> int:

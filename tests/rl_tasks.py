@@ -1,8 +1,10 @@
-"""A tiny model and a synthetic task for trainer tests: answer every prompt with one target word.
+"""A tiny model and synthetic tasks for trainer tests: answer every prompt with one target word; and, over two
+turns, say back the secret word that the environment told (:class:`SecretWord`).
 
 The model is a randomly initialised 2-layer Llama (or a mixture of experts: :func:`make_tiny_moe_model`) with
-a 16-word vocabulary (a word-level tokenizer saved beside it), so a random policy says the target first with probability ~1/16: enough signal for GRPO/PPO to
-learn the task within a few steps on the CPU.
+a 16-word vocabulary (a word-level tokenizer saved beside it, with a chat template: :data:`CHAT_TEMPLATE`), so a
+random policy says the target first with probability ~1/16: enough signal for GRPO/PPO to learn the task within
+a few steps on the CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ import torch
 
 WORDS = ["<pad>", "<eos>", "<unk>", "a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "x", "y"]
 TARGET = "x"
+# The word-level tokenizer's chat template: every message's words then a space, an assistant turn closed by
+# <eos> (what the model samples last), so the history renders append-only (decode joins words with spaces).
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% if m['content'] %}{{ m['content'] }} "
+                 "{% endif %}<eos> {% else %}{{ m['content'] }} {% endif %}{% endfor %}")
+SECRETS = ["h", "i"]  # SecretWord's secrets
 
 
 def make_tiny_model(path: Path, *, layers: int = 2, seed: int = 0, tied: bool = True,
@@ -62,8 +69,8 @@ def _save_random(path: Path, spec, seed: int, embedding_scale: float = 1.0) -> P
     save_hf_checkpoint(path, spec, transformers_canonical(spec, dict(model.named_parameters())))
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(str(path))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(str(path))
     return path
 
 
@@ -119,3 +126,61 @@ def half_tied(prompts, responses, ground_truths):
     policy says one of those with probability 7/16, so such a group's rewards nearly always differ)."""
     return [0.5 if p.split()[0] in "abcde" else float(r.split()[:1] != [] and r.split()[0] in "abcdefg")
             for p, r in zip(prompts, responses)]
+
+
+class SecretWord:
+    """A two-turn environment whose reward needs the observation: after the first turn (whatever it says) it
+    tells a secret word drawn for the episode from :data:`SECRETS`; the second turn scores 1 when its first
+    word is the secret, else 0. A policy that ignores the observation scores 1/2 at best."""
+
+    def reset(self, row, prompt):
+        return prompt
+
+    def step(self, turn):
+        from megarl.agents.env import StepResult
+
+        if turn.turn == 0:
+            self.secret = self.rng.choice(SECRETS)
+            return StepResult([{"role": "user", "content": self.secret}])
+        return StepResult(reward=float(turn.text.split()[:1] == [self.secret]), done=True)
+
+
+def multi_turn_overrides(model_dir: Path, data_file: Path, run_dir: Path, name: str) -> list[str]:
+    """:func:`task_overrides` for the :class:`SecretWord` task: two turns of one token each."""
+    return task_overrides(model_dir, data_file, run_dir, name) + [
+        "rollout.multi_turn.enabled=true", "rollout.multi_turn.env=tests.rl_tasks:SecretWord",
+        "rollout.multi_turn.max_turns=2", "rollout.max_new_tokens=1"]
+
+
+class WordCallParser:
+    """A tool-call parser for the word-level model (trainer tests of failing tools): the word ``x`` calls the
+    tool ``explode``, ``y`` calls ``hang``, ``j`` calls a tool that does not exist, ``k`` is a malformed call."""
+
+    name = "words"
+    template_tools = False
+
+    def parse(self, text, tools):
+        from megarl.agents.tools import ToolCall
+
+        names = {"x": "explode", "y": "hang", "j": "no_such_tool"}
+        words = text.split()
+        return [ToolCall(names[w], {}, w) for w in words if w in names], [w for w in words if w == "k"]
+
+    def format_call(self, call):
+        return {"explode": "x", "hang": "y"}.get(call.name, "j")
+
+    def system_text(self, tools):
+        return ""
+
+
+def explode() -> str:
+    """A tool that always raises."""
+    raise RuntimeError("boom")
+
+
+def hang() -> str:
+    """A tool that never answers in time (its daemon thread sleeps on)."""
+    import time
+
+    time.sleep(3600)
+    return "late"

@@ -134,6 +134,37 @@ class Registry(Generic[F]):
         entry = self.entry(name)
         return functools.partial(entry.fn, **entry.config_params(cfg))
 
+    def find(self, spec: str, error: type[Exception] = ValueError) -> Any:
+        """The function or class that ``spec`` names: a registered name, or a dotted path to user code,
+        ``"package.module:attr"`` or ``"package.module.attr"`` (importable from ``sys.path``), not yet bound.
+
+        Raises:
+            error: unknown name, a module that fails to import, a missing attribute, or not callable (each
+                message names ``spec`` and the fix).
+        """
+        if spec in self._entries:
+            return self.get(spec)
+        if ":" in spec:
+            module_name, attr = spec.split(":", 1)
+        elif "." in spec:
+            module_name, attr = spec.rsplit(".", 1)
+        else:
+            raise error(f"unknown {self.kind} {spec!r}; built-in: {self.names()}; or give the path of your own, "
+                        "'package.module:function'")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise error(f"cannot import module {module_name!r} for {self.kind} {spec!r}: {type(e).__name__}: {e}. "
+                        "Install the package or put its directory on PYTHONPATH") from e
+        obj = module
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise error(f"{self.kind} {spec!r}: module {module_name!r} has no attribute {attr!r}")
+            obj = getattr(obj, part)
+        if not callable(obj):
+            raise error(f"{self.kind} {spec!r} is a {type(obj).__name__}, not a function or class")
+        return obj
+
     def names(self) -> list[str]:
         """The registered names (aliases included), sorted."""
         return sorted(self._entries)

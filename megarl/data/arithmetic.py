@@ -10,7 +10,13 @@ Output: ``<out>/train.parquet`` and ``<out>/test.parquet``, every pair ``(a, b)`
 as a string, what ``reward.fn=arithmetic``, :mod:`megarl.rewards.arithmetic`, compares the response's last
 number with). The files are the same on every machine: the shuffle's seed is fixed.
 
-Command line: ``megarl data arithmetic --out DIR`` (:mod:`megarl.cli`).
+The calculator task (:func:`calculator_rows`, ``data.prepare=calculator``, ``megarl data calculator``): the same
+question over 5-digit operands ("What is 48213 + 93847?"), too large for a 135M model to add reliably in its
+head, for the multi-turn runs that offer it the calculator tool (:mod:`megarl.agents.calculator`,
+``parallel_configs/cpu_smollm2_calculator.yaml``): ``CALCULATOR_TRAIN`` training and ``TEST_PROBLEMS`` test
+problems, drawn with a fixed seed, no pair in both.
+
+Command line: ``megarl data arithmetic --out DIR``, ``megarl data calculator --out DIR`` (:mod:`megarl.cli`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from pathlib import Path
 OPERAND_LIMIT = 20  # operands 0..19
 TEST_PROBLEMS = 64
 SEED = 0
+CALCULATOR_DIGITS = 5
+CALCULATOR_TRAIN = 2048
 
 
 def arithmetic_rows() -> dict[str, list[dict]]:
@@ -33,19 +41,41 @@ def arithmetic_rows() -> dict[str, list[dict]]:
     return {"train": rows[TEST_PROBLEMS:], "test": rows[:TEST_PROBLEMS]}
 
 
+def calculator_rows() -> dict[str, list[dict]]:
+    """The calculator task's train and test rows (module docstring), as :func:`arithmetic_rows`."""
+    rng = random.Random(SEED)
+    low, high = 10 ** (CALCULATOR_DIGITS - 1), 10 ** CALCULATOR_DIGITS - 1
+    pairs: dict[tuple[int, int], None] = {}
+    while len(pairs) < CALCULATOR_TRAIN + TEST_PROBLEMS:
+        pairs[(rng.randint(low, high), rng.randint(low, high))] = None
+    rows = [{"question": f"What is {a} + {b}?", "ground_truth": str(a + b)} for a, b in pairs]
+    return {"train": rows[TEST_PROBLEMS:], "test": rows[:TEST_PROBLEMS]}
+
+
 def prepare_arithmetic(out_dir: str | os.PathLike) -> dict[str, Path]:
     """Write the task's train and test splits as parquet into ``out_dir`` (created if missing).
 
     Returns:
         split name -> written file.
     """
+    return write_splits(out_dir, arithmetic_rows())
+
+
+def prepare_calculator(out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write the calculator task's splits (:func:`calculator_rows`) as :func:`prepare_arithmetic` does."""
+    return write_splits(out_dir, calculator_rows())
+
+
+def write_splits(out_dir: str | os.PathLike, splits: dict[str, list[dict]]) -> dict[str, Path]:
+    """Write ``{split: rows}`` as ``<out_dir>/<split>.parquet`` (columns ``index``, ``question``,
+    ``ground_truth``), each file atomically; returns split name -> written file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = {}
-    for split, rows in arithmetic_rows().items():
+    for split, rows in splits.items():
         table = pa.table({"index": pa.array(range(len(rows)), pa.int64()),
                           "question": [r["question"] for r in rows],
                           "ground_truth": [r["ground_truth"] for r in rows]})

@@ -65,6 +65,7 @@ class PromptDataset:
         index: the row number (0-based, in the source) of each kept prompt.
         raw_prompts: each kept prompt's text before templating (the last user message's for message lists).
         ground_truths: each kept prompt's ground truth as a string, or None.
+        rows: each kept prompt's source row (a dict of its fields).
         dropped: row numbers of the prompts dropped for length.
 
     Raises:
@@ -108,6 +109,7 @@ class PromptDataset:
         self.index = keep
         self.raw_prompts = [_raw_text(prompts[k]) for k in keep]
         self.ground_truths = [truths[k] for k in keep]
+        self.rows = [dict(rows[k]) for k in keep]
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, tokenizer: Any, **kwargs: Any) -> "PromptDataset":
@@ -129,7 +131,7 @@ class PromptDataset:
         if not keep:
             raise DataError(f"{self.source}: every prompt is also a validation prompt; point validation.files "
                             "at other data, or lower validation.num_prompts")
-        for name in ("input_ids", "index", "raw_prompts", "ground_truths"):
+        for name in ("input_ids", "index", "raw_prompts", "ground_truths", "rows"):
             setattr(self, name, [getattr(self, name)[k] for k in keep])
         return removed
 

@@ -20,12 +20,14 @@ class PromptBatch:
         index: each prompt's row number (0-based) in the source file.
         ground_truth: each prompt's ground truth (string) or None.
         raw_prompt: each prompt's text before templating (what reward functions receive as ``prompts``).
+        rows: each prompt's source row (every field; what a multi-turn environment's ``reset`` gets), or None.
     """
 
     input_ids: list[list[int]]
     index: list[int]
     ground_truth: list[str | None]
     raw_prompt: list[str]
+    rows: list[dict[str, Any]] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -96,7 +98,7 @@ class PromptLoader:
                 self.position += len(chosen)
                 yield PromptBatch(input_ids=[ds.input_ids[k] for k in chosen], index=[ds.index[k] for k in chosen],
                                   ground_truth=[ds.ground_truths[k] for k in chosen],
-                                  raw_prompt=[ds.raw_prompts[k] for k in chosen])
+                                  raw_prompt=[ds.raw_prompts[k] for k in chosen], rows=[ds.rows[k] for k in chosen])
             self.epoch += 1
             self.position = 0
 

@@ -26,7 +26,6 @@ or name them by path, ``"mypkg.mymod:fn"`` or ``"mypkg.mymod.fn"`` (importable f
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import math
 import typing
@@ -152,27 +151,4 @@ def find_reward(spec: str) -> Any:
     Raises:
         RewardError: unknown name, a module that fails to import, a missing attribute, not callable.
     """
-    return REWARDS.get(spec) if spec in REWARDS else _import(spec)
-
-
-def _import(spec: str) -> Any:
-    if ":" in spec:
-        module_name, attr = spec.split(":", 1)
-    elif "." in spec:
-        module_name, attr = spec.rsplit(".", 1)
-    else:
-        raise RewardError(f"unknown reward function {spec!r}; built-in: {REWARDS.names()}; or give the path of "
-                          "your own, 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise RewardError(f"cannot import module {module_name!r} for reward function {spec!r}: "
-                          f"{type(e).__name__}: {e}. Install the package or put its directory on PYTHONPATH") from e
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise RewardError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardError(f"reward function {spec!r} is a {type(obj).__name__}, not a function or class")
-    return obj
+    return REWARDS.find(spec, RewardError)

@@ -112,6 +112,26 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class Completion:
+    """One finished request of a :class:`RequestEngine` (one turn of an episode).
+
+    Attributes:
+        request_id: the id it was added under.
+        token_ids: the sampled tokens, ending with the stop token when ``finish_reason == "stop"``.
+        logprobs: ``[len(token_ids)]`` float32, log-prob of each sampled token (module docstring).
+        finish_reason: "stop" or "length" (its ``max_new_tokens`` or the context was reached).
+        cached_tokens: prompt tokens the engine's prefix cache held already (vLLM's ``num_cached_tokens``;
+            0 where the engine keeps no cache between requests).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: torch.Tensor
+    finish_reason: FinishReason
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class RolloutStats:
     """Throughput of one ``generate`` call (summed over data-parallel ranks; seconds of the slowest rank).
 
@@ -226,6 +246,33 @@ class RolloutEngine(Protocol):
         """Undo :meth:`sleep`; after a level-2 sleep, ``update_weights`` must run before ``generate``."""
 
 
+@runtime_checkable
+class RequestEngine(Protocol):
+    """An engine that takes requests one at a time and finishes each on its own (what multi-turn episodes
+    need: :mod:`megarl.agents.rollout` adds an episode's next turn as soon as its tools have answered, while
+    the other requests decode). vLLM drives its ``LLMEngine`` request by request; the transformers engine
+    generates the requests added since its last :meth:`step` as one batch.
+
+    Log-probs and seeding as for :meth:`RolloutEngine.generate`: a request's random draws come from its
+    ``seed`` alone.
+    """
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingConfig,
+                    seed: int) -> None:
+        """Queue one request: ``sampling.n`` must be 1; ``sampling.max_new_tokens`` is this request's limit
+        (cut further at the context).
+
+        Raises:
+            RolloutError: a bad prompt (:func:`check_prompts`), ``n != 1``, a sleeping engine or no weights.
+        """
+
+    def step(self) -> list[Completion]:
+        """Advance generation and return the requests that finished (in any order; none yet is ``[]``)."""
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request is queued or running."""
+
+
 def check_prompts(prompt_token_ids: Sequence[Sequence[int]], *, max_context: int,
                   vocab_size: int) -> list[list[int]]:
     """Validate prompts and return them as lists of ints.
@@ -272,6 +319,15 @@ def sample_seed(seed: int, call: int, prompt_index: int, sample_index: int) -> i
     """The 63-bit seed of one sample's random draws: a hash of the base seed, the engine's call counter, the
     global prompt index and the sample index (numpy's ``SeedSequence``), independent of batching."""
     state = np.random.SeedSequence([seed, call, prompt_index, sample_index]).generate_state(2, np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+def turn_seed(seed: int, call: int, prompt_index: int, sample_index: int, turn: int) -> int:
+    """The seed of turn ``turn`` (0-based) of an episode: :func:`sample_seed` for the first turn (a one-turn
+    episode samples as :meth:`RolloutEngine.generate` would), a hash of all five numbers for the others."""
+    if turn == 0:
+        return sample_seed(seed, call, prompt_index, sample_index)
+    state = np.random.SeedSequence([seed, call, prompt_index, sample_index, turn]).generate_state(2, np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])
 
 

@@ -8,10 +8,17 @@ cache (``DynamicCache``): prompts are left-padded into micro-batches of at most 
 row per sample, rows sorted by prompt length to limit padding), prefilled in one forward, then decoded one
 token per forward; a row that samples an EOS/stop token or reaches its length limit leaves the batch (its
 KV-cache rows are dropped). Token selection and log-prob semantics: :mod:`megarl.rollout.sampler`.
+
+Request by request (:class:`~megarl.rollout.base.RequestEngine`, multi-turn episodes): :meth:`HFRolloutEngine.
+add_request` queues a request and :meth:`HFRolloutEngine.step` generates every request queued since the last
+step as micro-batches of the decode loop above (requests of other sampling settings in batches of their own),
+so a request added while a step runs (an episode whose tool answered meanwhile) waits for the next step only,
+never for the other episodes' tools. No KV cache is kept between requests (every turn prefills its prompt).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Iterable, Sequence
 
@@ -20,6 +27,7 @@ import torch
 from megarl.models.layout import Layout, hf_layout, local_views
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.rollout.base import (
+    Completion,
     RolloutError,
     RolloutOutput,
     Sample,
@@ -75,6 +83,7 @@ class HFRolloutEngine:
         self.adapter_version: int | None = None
         self._has_weights = False
         self._asleep = False
+        self._queued: list[tuple[str, list[int], SamplingConfig, int]] = []  # add_request's, for step
 
     # ------------------------------------------------------------------ weights and memory
     def weight_layout(self, ranks: Iterable[int]) -> Layout:
@@ -162,9 +171,47 @@ class HFRolloutEngine:
                           self.adapter_version) for (k, j), (tokens, logprobs, reason) in zip(rows, results)]
         return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)
 
-    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingConfig
-                        ) -> list[tuple[list[int], list[float], str]]:
-        """Decode one micro-batch; returns ``(tokens, logprobs, finish reason)`` per row."""
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingConfig,
+                    seed: int) -> None:
+        """Queue one request for the next :meth:`step` (:class:`~megarl.rollout.base.RequestEngine`).
+
+        Raises:
+            RolloutError: ``sampling.n != 1``, a bad prompt, a sleeping engine or no weights.
+        """
+        check_ready(self._asleep, self._has_weights)
+        if sampling.n != 1:
+            raise RolloutError(f"add_request takes one sample per request (sampling.n=1), got n={sampling.n}")
+        prompt = check_prompts([prompt_token_ids], max_context=self.spec.max_position_embeddings,
+                               vocab_size=self.spec.vocab_size)[0]
+        self._queued.append((request_id, prompt, sampling, seed))
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether requests are queued for the next :meth:`step`."""
+        return bool(self._queued)
+
+    def step(self) -> list[Completion]:
+        """Generate every queued request to its end (micro-batches of ``max_batch_size`` rows sorted by prompt
+        length, one batch family per sampling setting) and return them all."""
+        queued, self._queued = self._queued, []
+        families: dict[SamplingConfig, list[int]] = {}
+        for k, (_, _, sampling, _) in enumerate(queued):  # one decode loop per sampling setting
+            families.setdefault(dataclasses.replace(sampling, max_new_tokens=1, seed=0), []).append(k)
+        done = []
+        with torch.inference_mode():
+            for rows in families.values():
+                rows.sort(key=lambda k: len(queued[k][1]))
+                for lo in range(0, len(rows), self.max_batch_size):
+                    batch = [queued[k] for k in rows[lo:lo + self.max_batch_size]]
+                    outs = self._generate_batch([b[1] for b in batch], [b[3] for b in batch], batch[0][2],
+                                                limits=[b[2].max_new_tokens for b in batch])
+                    done += [Completion(b[0], tuple(t), torch.tensor(lp, dtype=torch.float32), reason)
+                             for b, (t, lp, reason) in zip(batch, outs)]
+        return done
+
+    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingConfig,
+                        limits: list[int] | None = None) -> list[tuple[list[int], list[float], str]]:
+        """Decode one micro-batch; returns ``(tokens, logprobs, finish reason)`` per row. ``limits``: each
+        row's ``max_new_tokens`` (default ``sampling.max_new_tokens`` for all)."""
         from transformers import DynamicCache
 
         rows, width = len(prompts), max(len(p) for p in prompts)
@@ -175,7 +222,8 @@ class HFRolloutEngine:
             input_ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        budget = [min(sampling.max_new_tokens, self.spec.max_position_embeddings - len(p)) for p in prompts]
+        limits = limits or [sampling.max_new_tokens] * rows
+        budget = [min(m, self.spec.max_position_embeddings - len(p)) for m, p in zip(limits, prompts)]
         stop = set(self.spec.eos_token_ids) | set(sampling.stop_token_ids)
         generators = [torch.Generator().manual_seed(s) for s in seeds]
         tokens: list[list[int]] = [[] for _ in prompts]

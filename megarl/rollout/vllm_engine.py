@@ -29,6 +29,19 @@ sampler puts the sampled token first, ``vllm/v1/engine/logprobs.py``). A stop to
 the scheduler appends every sampled token before checking ``stop_token_ids`` (``vllm/v1/core/sched/utils.py:
 check_stop``) and, without a tokenizer, the output keeps all of them (``vllm/v1/engine/detokenizer.py``).
 
+Request by request (:class:`~megarl.rollout.base.RequestEngine`, multi-turn episodes), read in vLLM 0.24.0's
+``vllm/v1/engine/llm_engine.py`` and ``vllm/entrypoints/offline_utils.py`` (what ``LLM.generate`` itself does):
+:meth:`VLLMRolloutEngine.add_request` hands one request to ``llm.llm_engine.add_request(request_id,
+tokens_input(ids), SamplingParams(..., output_kind=FINAL_ONLY))`` (a ``TokensInput`` is taken as already rendered;
+the output keeps the id given, ``RequestOutput.request_id`` is the external one), and :meth:`VLLMRolloutEngine.
+step` runs one ``llm_engine.step()`` (one scheduler iteration: a decode step of every running request, prefill
+of new ones) and returns the requests that finished in it. So an episode's next turn joins the running batch at
+the next iteration, and its prompt (the previous turn's prompt, its sampled tokens and the observation) hits the
+prefix cache (``enable_prefix_caching=True``; ``RequestOutput.num_cached_tokens`` is reported per turn). With
+``rollout.tp > 1`` the ranks of one engine would have to add the same requests at the same iterations (their
+schedulers run in lockstep under the external launcher), which episodes timed by their tools do not; multi-turn
+rollouts refuse it (:mod:`megarl.trainer.preflight`).
+
 A rollout pool of its own (``placement.rollout`` disjoint from the training ranks,
 :mod:`megarl.trainer.pipeline`): the engines run on the pool's ranks only, ``rollout.tp`` consecutive ranks
 of the pool each, and the other ranks take part in what vLLM's construction does over the whole world
@@ -74,6 +87,7 @@ from megarl.models.layout import Layout, check_vllm_tp, local_views, vllm_layout
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import init_distributed
 from megarl.rollout.base import (
+    Completion,
     RolloutError,
     RolloutOutput,
     Sample,
@@ -168,6 +182,18 @@ def completion_to_sample(completion, prompt_index: int, sample_index: int, adapt
     return Sample(prompt_index, sample_index, tokens, values, reason, adapter_version)
 
 
+def request_output_to_completion(output) -> Completion:
+    """A :class:`~megarl.rollout.base.Completion` from a finished vLLM ``RequestOutput`` of one request
+    (``outputs[0]``: its only sample; ``num_cached_tokens``: prompt tokens found in the prefix cache).
+
+    Raises:
+        RolloutError: as :func:`completion_to_sample` (an aborted request, missing log-probs).
+    """
+    sample = completion_to_sample(output.outputs[0], -1, 0)
+    return Completion(output.request_id, sample.token_ids, sample.logprobs, sample.finish_reason,
+                      int(output.num_cached_tokens or 0))
+
+
 class VLLMRolloutEngine:
     """A :class:`~megarl.rollout.base.RolloutEngine` running vLLM 0.24.0 (bf16) on this rank's GPU.
 
@@ -234,7 +260,7 @@ class VLLMRolloutEngine:
                             dtype="bfloat16", enforce_eager=enforce_eager, enable_sleep_mode=True,
                             tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
                             gpu_memory_utilization=gpu_memory_utilization, seed=seed, max_model_len=context,
-                            logprobs_mode="processed_logprobs", **lora)
+                            logprobs_mode="processed_logprobs", enable_prefix_caching=True, **lora)
         group = get_tp_group().ranks
         first = rank - self.tp_rank
         if list(group) != list(range(first, first + tp)):
@@ -411,3 +437,34 @@ class VLLMRolloutEngine:
         samples = [completion_to_sample(out.outputs[0], prompt_offset + k, j, version)
                    for (k, j), out in zip(rows, outputs)]
         return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingConfig,
+                    seed: int) -> None:
+        """Hand one request to vLLM's ``LLMEngine`` (module docstring; :class:`~megarl.rollout.base.
+        RequestEngine`); it decodes from the next :meth:`step` on, beside the requests already running.
+
+        Raises:
+            RolloutError: ``sampling.n != 1``, a bad prompt, a sleeping engine or no weights.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        check_ready(self._asleep, self._has_weights)
+        if sampling.n != 1:
+            raise RolloutError(f"add_request takes one sample per request (sampling.n=1), got n={sampling.n}")
+        context = self.spec.max_position_embeddings
+        prompt = check_prompts([prompt_token_ids], max_context=context, vocab_size=self.spec.vocab_size)[0]
+        self._cache_empty = False
+        stop = sorted(set(self.spec.eos_token_ids) | set(sampling.stop_token_ids))
+        params = SamplingParams(**request_params(prompt, sampling, context=context, stop_token_ids=stop, seed=seed),
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        self.llm.llm_engine.add_request(request_id, tokens_input(prompt), params, lora_request=self._lora_request)
+
+    def step(self) -> list[Completion]:
+        """One iteration of vLLM's scheduler; the requests that finished in it."""
+        return [request_output_to_completion(out) for out in self.llm.llm_engine.step() if out.finished]
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether vLLM holds a request that has not finished."""
+        return self.llm.llm_engine.has_unfinished_requests()

@@ -44,7 +44,8 @@ class RolloutBatch:
 
     Tensors set by :func:`build_batch`:
         input_ids ``[B, S]`` int64 (prompt + response, right-padded), prompt_lens / response_lens ``[B]``
-        int64, response_mask ``[B, R]`` float32 (1 on response tokens, EOS included), rollout_logprobs
+        int64, response_mask ``[B, R]`` float32 (1 on sampled response tokens, EOS included; 0 on padding and on a
+        multi-turn episode's observation tokens), rollout_logprobs
         ``[B, R]`` float32 (from the rollout engine), group ``[B]`` int64 (prompt index: GRPO/RLOO groups).
     Added by the step: scores ``[B]``, old_logprobs, ref_logprobs, values, token_rewards, advantages,
     returns (``[B, R]`` float32).
@@ -88,14 +89,20 @@ class RolloutBatch:
 
 def build_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                 rollout_logprobs: Sequence[torch.Tensor], groups: Sequence[int], *, pad_token_id: int,
-                seq_multiple: int = 8, meta: dict[str, list[Any]] | None = None) -> RolloutBatch:
+                seq_multiple: int = 8, meta: dict[str, list[Any]] | None = None,
+                response_masks: Sequence[Sequence[int]] | None = None) -> RolloutBatch:
     """Pack prompt/response token lists into a :class:`RolloutBatch`.
 
     Args:
         prompts / responses: token ids per sample (a prompt repeated for each of its samples).
-        rollout_logprobs: ``[len(response)]`` float32 per sample, from the rollout engine.
+        rollout_logprobs: ``[len(response)]`` float32 per sample, from the rollout engine (0 where not sampled).
         groups: prompt index per sample.
         seq_multiple: ``S`` is rounded up to a multiple of this (tensor-parallel sequence sharding, kernels).
+        response_masks: per sample, ``len(response)`` 0/1: 1 on the tokens the engine sampled (trained), 0 on
+            tokens in the context only (a multi-turn episode's observations, :mod:`megarl.agents.episode`);
+            None: every response token is sampled. ``response_mask`` is 1 where both this and the length say so,
+            so the losses, the KL and the advantages see sampled tokens only; ``response_lens`` counts every
+            response token (what the sequences' lengths and packing need).
     """
     b = len(prompts)
     if not (len(responses) == len(rollout_logprobs) == len(groups) == b):
@@ -114,6 +121,11 @@ def build_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[i
         input_ids[i, len(p):len(p) + len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
         logprobs[i, :len(r)] = lp
     mask = (torch.arange(width).unsqueeze(0) < r_lens.unsqueeze(1)).float()
+    if response_masks is not None:
+        for i, m in enumerate(response_masks):
+            if len(m) != len(responses[i]):
+                raise ValueError(f"response_masks[{i}] has {len(m)} entries for a response of {len(responses[i])}")
+            mask[i, :len(m)] *= torch.as_tensor(list(m), dtype=torch.float32)
     tensors = {"input_ids": input_ids, "prompt_lens": p_lens, "response_lens": r_lens, "response_mask": mask,
                "rollout_logprobs": logprobs, "group": torch.as_tensor(list(groups), dtype=torch.int64)}
     return RolloutBatch(tensors, dict(meta or {}))

@@ -160,6 +160,10 @@ def prepare_files(cfg: Config, files: list[str]) -> None:
         from megarl.data.arithmetic import prepare_arithmetic as write
 
         what = "the arithmetic task"
+    elif name == "calculator":
+        from megarl.data.arithmetic import prepare_calculator as write
+
+        what = "the calculator task"
     else:
         from megarl.data.gsm8k import prepare_gsm8k
 
@@ -280,7 +284,8 @@ def preflight(cfg: Config, world_size: int, *, this_machine: bool = True) -> Mod
     machine: :func:`~megarl.parallel.placement.validate_for_world`, the model (:func:`validate_for_model`),
     the reward function and its parameters, with ``this_machine`` what this machine must have (``--check``
     leaves it out: a GPU config checked on a CPU machine), then the data (:func:`check_data`: prepared when
-    missing, every row read and tokenised). Returns the model's spec.
+    missing, every row read and tokenised) and the multi-turn agent's tools, parser and environment
+    (:func:`~megarl.trainer.episodes.build_agent`). Returns the model's spec.
 
     Raises:
         ConfigError: naming the field.
@@ -292,5 +297,10 @@ def preflight(cfg: Config, world_size: int, *, this_machine: bool = True) -> Mod
     if this_machine:
         check_this_machine(cfg)
     check_data_files(cfg)
-    check_data(cfg, check_tokenizer(cfg, model_tokenizer), prepare=this_machine)
+    tokenizer = check_tokenizer(cfg, model_tokenizer)
+    check_data(cfg, tokenizer, prepare=this_machine)
+    if cfg.rollout.multi_turn.enabled:  # tools found, the parser fits the chat template, the environment builds
+        from megarl.trainer.episodes import build_agent
+
+        build_agent(cfg, tokenizer)
     return spec

@@ -16,6 +16,7 @@ sample of a group and every rank agrees on them.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -55,6 +56,8 @@ from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.builders import (load_prompts, load_validation, make_engine, resolve_eos, rollout_layout,
                                      seed_all)
 from megarl.trainer.dynamic_sampling import dynamic_sampling, group_unit
+from megarl.trainer.episodes import (build_agent, episode_batch, episode_metrics, evaluate_episodes, fill_scores,
+                                     generate_episodes, row_multiple, to_score)
 from megarl.trainer.loop import fit
 from megarl.trainer.offload import HostOffload
 from megarl.trainer.pipeline import staleness
@@ -113,6 +116,7 @@ class Trainer:
         self.prompts = load_prompts(cfg, self.tokenizer)
         self.reward_ranks = self.layouts["reward"].ranks  # a reward model is loaded on its pool only
         self.reward_fn = load_reward_fn(cfg.reward.fn, cfg.reward.kwargs) if self.rank in self.reward_ranks else None
+        self.agent = build_agent(cfg, self.tokenizer) if cfg.rollout.multi_turn.enabled else None  # episodes
         self.validation = None
         if cfg.validation.enabled:
             self.validation = load_validation(cfg, self.tokenizer, self._rewards, self.spec)
@@ -313,6 +317,8 @@ class Trainer:
             "rollout/policy_version": version, "rollout/staleness": staleness(self.step_idx + 1, version),
             "data/epoch": self.loader.epoch,
         })
+        if self.agent is not None:  # turns, tools, tokens by role; the reward figures per episode
+            metrics.update(episode_metrics(batch, out))
         return metrics, batch
 
     def timing_metrics(self, batch: RolloutBatch, out, stats, busy: dict[str, float], step_s: float
@@ -414,7 +420,8 @@ class Trainer:
             log.info("validating at step %d: %s", self.step_idx, self.validation.describe())
         start = time.perf_counter()
         self.reshard_actor_to_engine()
-        metrics, records = self.validation.run(self.engine, group=self.rollout_group)
+        metrics, records = self.validation.run(self.engine, group=self.rollout_group, evaluate_fn=self.agent and
+                                               functools.partial(evaluate_episodes, self.agent))
         if self.rank == 0:
             log.info("validation at step %d: accuracy %.3f, mean reward %.3f (%.0f s)", self.step_idx,
                      metrics.get("val/accuracy", float("nan")), metrics.get("val/reward_mean", float("nan")),
@@ -440,6 +447,11 @@ class Trainer:
         a share each, None elsewhere; no collective, so the other pools go on meanwhile);
         :meth:`_gather_scores` puts every score into the batch. With ``known`` (the ``[B]`` scores, already
         computed on every rank: dynamic sampling) nothing is scored."""
+        if self.agent is not None:  # one row per trained sample of an episode; reward.fn where the env gave none
+            batch = episode_batch(prompts, out, self.tokenizer, pad_token_id=self.pad_id,
+                                  seq_multiple=8 * self.mesh.tp * self.mesh.cp,
+                                  multiple=row_multiple(self.cfg, "critic" in self.pools))
+            return batch, map_share(self.reward_fn, *to_score(batch, prompts, out), ranks=self.reward_ranks)
         n = out.n
         samples = out.samples
         texts = self.tokenizer.batch_decode([list(s.token_ids) for s in samples], skip_special_tokens=True)
@@ -460,6 +472,8 @@ class Trainer:
         ``batch.meta["correct"]`` (score >= 1), on every rank (``known``: all of them, already on every rank)."""
         scores = known if known is not None else torch.cat(gather_shares(local, self.reward_ranks,
                                                                          group=self.train_group))
+        if self.agent is not None:
+            scores = fill_scores(batch, scores)
         batch["scores"] = scores
         batch.meta["correct"] = (scores >= 1.0).tolist()
 
@@ -471,10 +485,11 @@ class Trainer:
         of its own generates ahead)."""
         calls = self.engine.calls
         index = self.step_idx if step is None else step - 1
-        out = generate_data_parallel(self.engine, prompts.input_ids,
-                                     SamplingConfig(seed=self.cfg.run.seed * 1_000_003 + index
-                                                    + round_idx * 7_919_993, **self.sampling),
-                                     group=self.rollout_group)
+        sampling = SamplingConfig(seed=self.cfg.run.seed * 1_000_003 + index + round_idx * 7_919_993, **self.sampling)
+        if self.agent is not None:
+            out = generate_episodes(self.agent, self.engine, prompts, sampling, group=self.rollout_group)
+        else:
+            out = generate_data_parallel(self.engine, prompts.input_ids, sampling, group=self.rollout_group)
         self.engine.calls = calls + 1
         return out
 

@@ -57,7 +57,7 @@ def select_prompts(dataset: PromptDataset, num_prompts: int, *, shuffle: bool = 
               else list(range(k)))
     return PromptBatch(input_ids=[dataset.input_ids[i] for i in chosen], index=[dataset.index[i] for i in chosen],
                        ground_truth=[dataset.ground_truths[i] for i in chosen],
-                       raw_prompt=[dataset.raw_prompts[i] for i in chosen])
+                       raw_prompt=[dataset.raw_prompts[i] for i in chosen], rows=[dataset.rows[i] for i in chosen])
 
 
 def evaluate(engine: RolloutEngine, prompts: PromptBatch, sampling: SamplingConfig, score: ScoreFn,
@@ -162,7 +162,10 @@ class Validation:
             return self.cfg.before_train
         return (self.cfg.every > 0 and step % self.cfg.every == 0) or (step == last_step and self.cfg.at_end)
 
-    def run(self, engine: RolloutEngine, group=None) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """:func:`evaluate` on the validation prompts; metrics keyed ``val/...``."""
-        metrics, records = evaluate(engine, self.prompts, self.sampling, self.score, self.tokenizer, group)
+    def run(self, engine: RolloutEngine, group=None, evaluate_fn: Callable | None = None
+            ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """:func:`evaluate` (or ``evaluate_fn`` with its arguments: multi-turn episodes,
+        :func:`megarl.trainer.episodes.evaluate_episodes`) on the validation prompts; metrics keyed ``val/...``."""
+        metrics, records = (evaluate_fn or evaluate)(engine, self.prompts, self.sampling, self.score, self.tokenizer,
+                                                     group)
         return {f"val/{k}": v for k, v in metrics.items()}, records

@@ -15,6 +15,13 @@ parameter (names and shapes of :func:`megarl.models.layout.vllm_rank_tensors`, z
   and the request's seed (:func:`fake_completion`), so the ranks of one engine return the same samples and
   an engine with any wrong weight returns other ones.
 
+Request by request, like 0.24.0's ``LLMEngine`` (``llm.llm_engine``: ``add_request(request_id, tokens_input(ids),
+params)``, ``step()``, ``has_unfinished_requests()``): a request's completion is the same function of the weights,
+prompt and seed, produced one token per ``step`` (so requests of different lengths finish at different steps, as
+under continuous batching), returned once finished with ``RequestOutputKind.FINAL_ONLY`` (all that megarl asks
+for), with ``num_cached_tokens``: the longest run of whole 16-token blocks of its prompt that an earlier request's
+prompt and output began with (vLLM's prefix cache hashes full blocks and always computes the last prompt token).
+
 :func:`install` puts this package first on ``sys.path`` and lets :class:`~megarl.rollout.vllm_engine.
 VLLMRolloutEngine` start without CUDA (it checks for a GPU before importing vllm).
 """
@@ -49,6 +56,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     detokenize: bool = True
+    output_kind: Any = None
 
 
 def TokensPrompt(prompt_token_ids):  # noqa: N802 (vLLM's name: a TypedDict)
@@ -71,6 +79,12 @@ class CompletionOutput:
 class RequestOutput:
     prompt_token_ids: list
     outputs: list
+    request_id: str = ""
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+BLOCK_SIZE = 16  # tokens of one KV-cache block (vLLM's default on CUDA)
 
 
 def fingerprint(canonical: dict[str, torch.Tensor]) -> int:
@@ -117,6 +131,51 @@ class _Model:
         return self
 
 
+class _LLMEngine:
+    """``llm.llm_engine``: the model object behind ``model_executor...`` and the request-level API (module
+    docstring)."""
+
+    def __init__(self, llm: "LLM"):
+        self._llm = llm
+        self.model_executor = _Model(llm.params)
+        self._running: dict[str, list] = {}  # request id -> [prompt, completion, tokens produced so far]
+        self._cached_blocks: set[tuple[int, ...]] = set()
+        self.added: list[tuple[str, list[int]]] = []  # every request's id and prompt, in order
+
+    def add_request(self, request_id: str, prompt: dict, params: SamplingParams, lora_request=None) -> str:
+        assert isinstance(request_id, str), request_id
+        assert prompt.get("type") == "token", prompt  # an already rendered TokensInput
+        assert not self._llm.asleep, "add_request on a sleeping engine"
+        assert request_id not in self._running, f"duplicate request id {request_id}"
+        ids = list(prompt["prompt_token_ids"])
+        weights = fingerprint(self._llm._assemble())
+        self._running[request_id] = [ids, fake_completion(weights, ids, params, self._llm.spec.vocab_size), 0]
+        self.added.append((request_id, ids))
+        return request_id
+
+    def _cached(self, ids: list[int]) -> int:
+        blocks = 0
+        while (blocks + 1) * BLOCK_SIZE <= len(ids) - 1 and tuple(ids[:(blocks + 1) * BLOCK_SIZE]) in self._cached_blocks:
+            blocks += 1
+        return blocks * BLOCK_SIZE
+
+    def step(self) -> list[RequestOutput]:
+        finished = []
+        for rid, state in list(self._running.items()):
+            state[2] += 1
+            ids, completion, made = state
+            if made >= len(completion.token_ids):
+                cached = self._cached(ids)
+                full = ids + list(completion.token_ids)
+                self._cached_blocks.update(tuple(full[:b]) for b in range(BLOCK_SIZE, len(full) + 1, BLOCK_SIZE))
+                finished.append(RequestOutput(ids, [completion], rid, True, cached))
+                del self._running[rid]
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._running)
+
+
 class _GroupCoordinator:
     def __init__(self, ranks: list[int]):
         self.ranks = ranks
@@ -152,7 +211,7 @@ class LLM:
         self.dtype = getattr(torch, dtype)
         self.params = {n: torch.nn.Parameter(torch.zeros(lt.shape, dtype=self.dtype), requires_grad=False)
                        for n, lt in vllm_rank_tensors(self.spec, tp, self.tp_rank).items()}
-        self.llm_engine = _Model(self.params)
+        self.llm_engine = _LLMEngine(self)
         self.generated: list[list[list[int]]] = []
         self.seen_weights: list[int] = []
         self.asleep = False
