@@ -4,9 +4,9 @@
     megarl convert SRC OUT [--tp T] [--pp P] [--vpp V] [--dtype D] [--overwrite]
                                                             HF directory / GGUF -> megarl checkpoint
     megarl export CKPT OUT [--overwrite]                    megarl checkpoint -> HF directory
-    megarl data gsm8k --src DIR|hub --out DIR               prepare GSM8K parquet files
-    megarl data arithmetic --out DIR                        write the arithmetic task's parquet files
-    megarl data calculator --out DIR                        write the calculator task's parquet files
+    megarl data gsm8k --src DIR|hub --out DIR [--overwrite] prepare GSM8K parquet files
+    megarl data arithmetic --out DIR [--overwrite]          write the arithmetic task's parquet files
+    megarl data calculator --out DIR [--overwrite]          write the calculator task's parquet files
     megarl eval MODEL [CONFIG.yaml] [key=value ...]         held-out accuracy of a model or checkpoint
     megarl report RUN_DIR                                   plots and a markdown page of a run
     megarl bench reshard ...                                reshard benchmark (see --help)
@@ -152,6 +152,9 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
     return True
 
 
+OVERWRITE_HELP = ("write into a folder that holds other files, which stay as they are (a file of a name the "
+                  "command writes is refused, never replaced; a training run's folder or checkpoint is refused "
+                  "always). Default: only a new or empty folder, or one this command wrote")
 CHECK_HELP = ("check the config against its model, tokenizer, files and reward function (every check made "
               "before a run, less what this machine lacks, e.g. a GPU), print the result and run nothing")
 
@@ -311,8 +314,7 @@ def _convert(p: argparse.ArgumentParser):
     p.add_argument("--vpp", type=positive_int("--vpp"), default=1,
                    help="virtual pipeline stages (model chunks) per pipeline rank of the conversion world")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--overwrite", action="store_true", help="write into a folder that holds other files: replace "
-                   "the checkpoint's own (megarl.json, model/, ranks/) and keep the rest (default: refuse)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.launch.convert import convert_to_megarl
@@ -328,8 +330,7 @@ def _convert(p: argparse.ArgumentParser):
 def _export(p: argparse.ArgumentParser):
     p.add_argument("ckpt", help="megarl checkpoint directory (from `megarl convert` or `megarl train`)")
     p.add_argument("out", help="output Hugging Face directory")
-    p.add_argument("--overwrite", action="store_true", help="write into a folder that holds other files: replace "
-                   "the files an export writes and keep the rest (default: refuse)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.launch.convert import export_to_hf
@@ -345,22 +346,24 @@ def _data_gsm8k(p: argparse.ArgumentParser):
                    help="directory with train.jsonl and test.jsonl, or a Hugging Face hub dataset id ('hub': "
                         "GSM8K's own, megarl.data.gsm8k.HF_REPO)")
     p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.data.gsm8k import prepare_gsm8k
 
-        return _print_written(prepare_gsm8k(a.src, a.out))
+        return _print_written(prepare_gsm8k(a.src, a.out, overwrite=a.overwrite))
     return run
 
 
 @command("data", "arithmetic", help="write the arithmetic task (train/test parquet files; the CPU main job's data)")
 def _data_arithmetic(p: argparse.ArgumentParser):
     p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.data.arithmetic import prepare_arithmetic
 
-        return _print_written(prepare_arithmetic(a.out))
+        return _print_written(prepare_arithmetic(a.out, overwrite=a.overwrite))
     return run
 
 
@@ -368,11 +371,12 @@ def _data_arithmetic(p: argparse.ArgumentParser):
                                    "parquet files)")
 def _data_calculator(p: argparse.ArgumentParser):
     p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.data.arithmetic import prepare_calculator
 
-        return _print_written(prepare_calculator(a.out))
+        return _print_written(prepare_calculator(a.out, overwrite=a.overwrite))
     return run
 
 

@@ -56,6 +56,15 @@ def is_lora_checkpoint(source) -> bool:
     return isinstance(source, (str, os.PathLike)) and is_megarl_checkpoint(source) and "lora" in read_meta(source)
 
 
+def is_training_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a checkpoint that ``megarl train`` wrote (its ``megarl.json`` records the step; a
+    conversion's does not), wherever it now lies."""
+    try:
+        return is_megarl_checkpoint(path) and "step" in json.loads((Path(path) / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def run_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """A run folder's complete ``checkpoints/step_<N>`` checkpoints, oldest first (a ``step_<N>.tmp`` left by
     a save that died is never one of them)."""
