@@ -22,12 +22,13 @@ reason and the checkpoint it continues from; the run's summary lists them.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 from pathlib import Path
 from typing import Any
+
+from megarl.jsonl import append_records, read_records
 
 EXIT_USAGE = 2
 EXIT_REQUEUE = 75
@@ -62,16 +63,11 @@ def record_restart(run_dir: str | os.PathLike, **fields: Any) -> dict[str, Any]:
     """Append one restart (``reason``, ``job``, ``checkpoint``, ``counted``, ...) with the time to the run
     folder's :data:`RESTARTS_FILE`; returns the record."""
     rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **fields}
-    path = Path(run_dir) / RESTARTS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(rec, default=str) + "\n")
+    append_records(Path(run_dir) / RESTARTS_FILE, [rec])
     return rec
 
 
 def read_restarts(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """The restart records of a run folder, oldest first (none: an empty list)."""
-    path = Path(run_dir) / RESTARTS_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The restart records of a run folder, oldest first (none: an empty list; a torn line is skipped:
+    :func:`megarl.jsonl.read_records`)."""
+    return read_records(Path(run_dir) / RESTARTS_FILE)
