@@ -581,9 +581,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0
         args = parser.parse_args(argv)
-        if getattr(args, "run", None) is None:
+        run = getattr(args, "run", None)
+        if run is None:
             parser.print_help()
             return 0
+        del args.run  # a command's namespace holds its flags alone, picklable (bench reshard sends it to its ranks)
         args.argv = argv[1:]
         from megarl.console import quiet_libraries, quiet_other_ranks
         from megarl.parallel.lifecycle import own_descendants
@@ -592,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libraries()
         if is_rank():
             quiet_other_ranks()
-        return args.run(args)
+        return run(args)
     except (UsageError, ConfigError, ValueError, FileNotFoundError, RunLockedError) as e:  # errors naming the fix
         if os.environ.get("MEGARL_TRACEBACK"):
             raise
@@ -655,8 +657,21 @@ def end_process(status: int) -> NoReturn:
 
 
 def entry() -> NoReturn:
-    """The ``megarl`` command and ``python -m megarl.cli``: :func:`main`, then :func:`end_process`."""
-    end_process(main())
+    """The ``megarl`` command and ``python -m megarl.cli``: :func:`main`, then :func:`end_process` with its
+    status; a crash (an exception that :func:`main` does not turn into a message) prints its traceback and ends
+    with status 1, never 0."""
+    try:
+        status = main()
+    except SystemExit as e:  # a status chosen on the way (relaunch_world's for its ranks' failure)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:  # noqa: BLE001 (a crash: said in full, and a failed status whatever teardown does)
+        import traceback
+
+        traceback.print_exc()
+        status = 1
+    end_process(status)
 
 
 if __name__ == "__main__":
