@@ -120,10 +120,12 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
 
     preflight(cfg, cfg.world_size)  # first: a config error is named even while another run owns the folder
     if run_folder:
+        from megarl.storage import check_writable
         from megarl.trainer.run_lock import check_free
         from megarl.trainer.checkpointing import check_run_folder
 
         check_free(cfg.run.run_dir)  # another run owns the folder
+        check_writable(cfg.run.run_dir, "run.output_dir")  # a file in the way, a read-only or full file system
         check_run_folder(cfg, cfg.world_size)  # an earlier run's checkpoints, none to resume, a finished run
     if cfg.world_size == 1:
         return False
@@ -145,10 +147,11 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
         failed = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in e.failures.items())
         print(f"megarl: error: megarl {argv[0]} failed on {failed}; see the ranks' messages above",
               file=sys.stderr)
-        from megarl.parallel.restart import EXIT_USAGE
+        from megarl.parallel.restart import NOT_RETRIED
 
-        # a rank's config or data error keeps its status: a restart would fail again (megarl.launch.supervise)
-        raise SystemExit(EXIT_USAGE if any(f.exitcode == EXIT_USAGE for f in e.failures.values()) else 1) from None
+        # a rank's config, data or storage error keeps its status: a restart would fail again (launch.supervise)
+        kept = [f.exitcode for f in e.failures.values() if f.exitcode in NOT_RETRIED]
+        raise SystemExit(min(kept) if kept else 1) from None
     return True
 
 
@@ -572,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from megarl.config import ConfigError
     from megarl.parallel.lifecycle import PeerLostError, interrupted
-    from megarl.parallel.restart import EXIT_REQUEUE, RequeueRequested
+    from megarl.parallel.restart import EXIT_REQUEUE, EXIT_STORAGE, RequeueRequested
+    from megarl.storage import StorageError, is_storage_fault
     from megarl.trainer.run_lock import RunLockedError
 
     try:
@@ -600,6 +604,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megarl: error: {e}", file=sys.stderr)  # every rank of a job says it: a rank that stayed silent
         return 2  # could be the one its launcher leaves standing, and the message would be lost
+    except OSError as e:  # a full disk, a read-only folder, a file where a folder must be: one line, not retried
+        if not is_storage_fault(e) or os.environ.get("MEGARL_TRACEBACK"):
+            raise
+        print(f"megarl: error: {e if isinstance(e, StorageError) else _storage_line(e)}", file=sys.stderr, flush=True)
+        return EXIT_STORAGE
     except (Interrupted, KeyboardInterrupt) as e:  # the user's Ctrl-C: no traceback, and how to go on
         return _interrupted(e)
     except RequeueRequested as e:  # SIGUSR1: saved; the job's supervisor requeues it
@@ -612,6 +621,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megarl: error: {e}", file=sys.stderr, flush=True)
         return 1
+
+
+def _storage_line(e: OSError) -> str:
+    """The message of a storage fault that megarl's code did not describe itself (:mod:`megarl.storage`)."""
+    from megarl.storage import describe
+
+    return (f"cannot write: {describe(e)}; free space or fix the folder, then run again (a training run continues "
+            "from its newest checkpoint with --resume)")
 
 
 def _interrupted(e: BaseException) -> int:

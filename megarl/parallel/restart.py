@@ -6,6 +6,9 @@ A rank's exit status tells the process that restarts runs (:mod:`megarl.launch.s
     0                    the run finished its steps
     2                    a config, data or usage error (:data:`EXIT_USAGE`), or non-finite numbers that would
                          reach the weights (``megarl.algos.nonfinite``): never retried, it would fail again
+    74                   a fault of the storage (:data:`EXIT_STORAGE`, BSD's EX_IOERR): a full disk or quota, a
+                         read-only file system, a file where a folder must be (:mod:`megarl.storage`); never
+                         retried, it would fail again until someone fixes it
     75                   the ranks saved a checkpoint on SIGUSR1 (SLURM's ``--signal=USR1@S`` before the time
                          limit) and ask to continue in a new job (:data:`EXIT_REQUEUE`, BSD's EX_TEMPFAIL)
     130                  the user interrupted the run (Ctrl-C): never retried
@@ -31,8 +34,10 @@ from typing import Any
 from megarl.jsonl import append_records, read_records
 
 EXIT_USAGE = 2
+EXIT_STORAGE = 74
 EXIT_REQUEUE = 75
 EXIT_INTERRUPTED = 130
+NOT_RETRIED = (EXIT_USAGE, EXIT_STORAGE)  # errors that a run started again would meet again
 RESTARTS_FILE = "restarts.jsonl"
 RESTART_ENV = "MEGARL_RESTART"  # the attempt's restart number (0: the first attempt), set by the supervisor
 
