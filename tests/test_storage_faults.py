@@ -98,7 +98,8 @@ def test_a_run_whose_checkpoint_cannot_be_written_ends_in_one_line_and_is_not_re
     cause, the status is 74, no restart is made, and no ``step_N.tmp`` is left."""
     root, model, data = task
     run = root / "runs" / "fsize"
-    r = subprocess.run([sys.executable, "-m", "megarl.cli", "train", *task_overrides(model, data, root / "runs", "fsize"),
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "train",
+                        *task_overrides(model, data, root / "runs", "fsize"),
                         "data.prompts_per_step=2", "rollout.n=2", "actor.ppo_mini_batch_size=4",
                         "actor.micro_batch_size=4", "trainer.steps=2", "trainer.save_every=1", "--max-restarts", "2"],
                        capture_output=True, text=True, timeout=600, cwd=REPO, preexec_fn=_limit_file_size)
@@ -106,8 +107,9 @@ def test_a_run_whose_checkpoint_cannot_be_written_ends_in_one_line_and_is_not_re
     last = r.stderr.strip().splitlines()[-1]
     step = run / "checkpoints" / "step_000001"
     assert last == (f"megarl: error: cannot save the checkpoint {step}: File too large for this process's limit of "
-                    f"262144 bytes (ulimit -f) (EFBIG): {step}.tmp; the partial step_000001.tmp was removed. Free space "
-                    "or fix the folder, then --resume continues from the newest complete checkpoint"), r.stderr[-3000:]
+                    f"262144 bytes (ulimit -f) (EFBIG): {step}.tmp; the partial step_000001.tmp was removed. Free "
+                    "space or fix the folder, then --resume continues from the newest complete checkpoint"), \
+        r.stderr[-3000:]
     assert [line for line in r.stderr.splitlines() if "ERROR" in line or "error" in line] == [last], r.stderr[-3000:]
     assert "Traceback" not in r.stderr and "restart" not in r.stderr, r.stderr[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == []
@@ -122,7 +124,8 @@ def test_a_run_folder_that_cannot_be_made_or_written_is_refused_before_any_proce
 
     root, model, data = task
     (tmp_path / "runs").write_text("a file")
-    r = subprocess.run([sys.executable, "-m", "megarl.cli", "train", *task_overrides(model, data, tmp_path / "runs", "x"),
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "train",
+                        *task_overrides(model, data, tmp_path / "runs", "x"),
                         "--max-restarts", "2"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 74, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1] == (

@@ -93,7 +93,8 @@ class MetricsLogger:
 
     Args:
         path: the JSONL file (appended to, so a resumed run continues it, after a torn last line left by a crash
-            is set aside: :func:`megarl.jsonl.append_records`); TensorBoard and W&B write beside it, in
+            is set aside: :func:`megarl.jsonl.append_records`; a run at step 0 finds none there, an earlier run's
+            moved aside: :mod:`megarl.trainer.run_record`); TensorBoard and W&B write beside it, in
             ``tensorboard/`` and ``wandb/``.
         total_steps / start_step: for the progress bar.
         enabled: False on every rank but the one that reports.
@@ -110,8 +111,6 @@ class MetricsLogger:
         self.writers: list[TensorBoardWriter | WandbWriter] = []
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if start_step == 0 and self.path.exists():
-                self.path.unlink()  # a fresh run starts a fresh file
             if "tensorboard" in loggers:
                 self.writers.append(TensorBoardWriter(self.path.parent / "tensorboard"))
             if "wandb" in loggers:
