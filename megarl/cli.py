@@ -4,9 +4,9 @@
     megarl convert SRC OUT [--tp T] [--pp P] [--vpp V] [--dtype D] [--overwrite]
                                                             HF directory / GGUF -> megarl checkpoint
     megarl export CKPT OUT [--overwrite]                    megarl checkpoint -> HF directory
-    megarl data gsm8k --src DIR|hub --out DIR               prepare GSM8K parquet files
-    megarl data arithmetic --out DIR                        write the arithmetic task's parquet files
-    megarl data calculator --out DIR                        write the calculator task's parquet files
+    megarl data gsm8k --src DIR|hub --out DIR [--overwrite] prepare GSM8K parquet files
+    megarl data arithmetic --out DIR [--overwrite]          write the arithmetic task's parquet files
+    megarl data calculator --out DIR [--overwrite]          write the calculator task's parquet files
     megarl eval MODEL [CONFIG.yaml] [key=value ...]         held-out accuracy of a model or checkpoint
     megarl report RUN_DIR                                   plots and a markdown page of a run
     megarl bench reshard ...                                reshard benchmark (see --help)
@@ -120,10 +120,12 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
 
     preflight(cfg, cfg.world_size)  # first: a config error is named even while another run owns the folder
     if run_folder:
+        from megarl.storage import check_writable
         from megarl.trainer.run_lock import check_free
         from megarl.trainer.checkpointing import check_run_folder
 
         check_free(cfg.run.run_dir)  # another run owns the folder
+        check_writable(cfg.run.run_dir, "run.output_dir")  # a file in the way, a read-only or full file system
         check_run_folder(cfg, cfg.world_size)  # an earlier run's checkpoints, none to resume, a finished run
     if cfg.world_size == 1:
         return False
@@ -145,13 +147,17 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
         failed = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in e.failures.items())
         print(f"megarl: error: megarl {argv[0]} failed on {failed}; see the ranks' messages above",
               file=sys.stderr)
-        from megarl.parallel.restart import EXIT_USAGE
+        from megarl.parallel.restart import NOT_RETRIED
 
-        # a rank's config or data error keeps its status: a restart would fail again (megarl.launch.supervise)
-        raise SystemExit(EXIT_USAGE if any(f.exitcode == EXIT_USAGE for f in e.failures.values()) else 1) from None
+        # a rank's config, data or storage error keeps its status: a restart would fail again (launch.supervise)
+        kept = [f.exitcode for f in e.failures.values() if f.exitcode in NOT_RETRIED]
+        raise SystemExit(min(kept) if kept else 1) from None
     return True
 
 
+OVERWRITE_HELP = ("write into a folder that holds other files, which stay as they are (a file of a name the "
+                  "command writes is refused, never replaced; a training run's folder or checkpoint is refused "
+                  "always). Default: only a new or empty folder, or one this command wrote")
 CHECK_HELP = ("check the config against its model, tokenizer, files and reward function (every check made "
               "before a run, less what this machine lacks, e.g. a GPU), print the result and run nothing")
 
@@ -311,8 +317,7 @@ def _convert(p: argparse.ArgumentParser):
     p.add_argument("--vpp", type=positive_int("--vpp"), default=1,
                    help="virtual pipeline stages (model chunks) per pipeline rank of the conversion world")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--overwrite", action="store_true", help="write into a folder that holds other files: replace "
-                   "the checkpoint's own (megarl.json, model/, ranks/) and keep the rest (default: refuse)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.launch.convert import convert_to_megarl
@@ -328,8 +333,7 @@ def _convert(p: argparse.ArgumentParser):
 def _export(p: argparse.ArgumentParser):
     p.add_argument("ckpt", help="megarl checkpoint directory (from `megarl convert` or `megarl train`)")
     p.add_argument("out", help="output Hugging Face directory")
-    p.add_argument("--overwrite", action="store_true", help="write into a folder that holds other files: replace "
-                   "the files an export writes and keep the rest (default: refuse)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.launch.convert import export_to_hf
@@ -345,22 +349,24 @@ def _data_gsm8k(p: argparse.ArgumentParser):
                    help="directory with train.jsonl and test.jsonl, or a Hugging Face hub dataset id ('hub': "
                         "GSM8K's own, megarl.data.gsm8k.HF_REPO)")
     p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.data.gsm8k import prepare_gsm8k
 
-        return _print_written(prepare_gsm8k(a.src, a.out))
+        return _print_written(prepare_gsm8k(a.src, a.out, overwrite=a.overwrite))
     return run
 
 
 @command("data", "arithmetic", help="write the arithmetic task (train/test parquet files; the CPU main job's data)")
 def _data_arithmetic(p: argparse.ArgumentParser):
     p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.data.arithmetic import prepare_arithmetic
 
-        return _print_written(prepare_arithmetic(a.out))
+        return _print_written(prepare_arithmetic(a.out, overwrite=a.overwrite))
     return run
 
 
@@ -368,11 +374,12 @@ def _data_arithmetic(p: argparse.ArgumentParser):
                                    "parquet files)")
 def _data_calculator(p: argparse.ArgumentParser):
     p.add_argument("--out", required=True, help="output directory for train.parquet and test.parquet")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.data.arithmetic import prepare_calculator
 
-        return _print_written(prepare_calculator(a.out))
+        return _print_written(prepare_calculator(a.out, overwrite=a.overwrite))
     return run
 
 
@@ -568,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from megarl.config import ConfigError
     from megarl.parallel.lifecycle import PeerLostError, interrupted
-    from megarl.parallel.restart import EXIT_REQUEUE, RequeueRequested
+    from megarl.parallel.restart import EXIT_REQUEUE, EXIT_STORAGE, RequeueRequested
+    from megarl.storage import StorageError, is_storage_fault
     from megarl.trainer.run_lock import RunLockedError
 
     try:
@@ -577,9 +585,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0
         args = parser.parse_args(argv)
-        if getattr(args, "run", None) is None:
+        run = getattr(args, "run", None)
+        if run is None:
             parser.print_help()
             return 0
+        del args.run  # a command's namespace holds its flags alone, picklable (bench reshard sends it to its ranks)
         args.argv = argv[1:]
         from megarl.console import quiet_libraries, quiet_other_ranks
         from megarl.parallel.lifecycle import own_descendants
@@ -588,12 +598,17 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libraries()
         if is_rank():
             quiet_other_ranks()
-        return args.run(args)
+        return run(args)
     except (UsageError, ConfigError, ValueError, FileNotFoundError, RunLockedError) as e:  # errors naming the fix
         if os.environ.get("MEGARL_TRACEBACK"):
             raise
         print(f"megarl: error: {e}", file=sys.stderr)  # every rank of a job says it: a rank that stayed silent
         return 2  # could be the one its launcher leaves standing, and the message would be lost
+    except OSError as e:  # a full disk, a read-only folder, a file where a folder must be: one line, not retried
+        if not is_storage_fault(e) or os.environ.get("MEGARL_TRACEBACK"):
+            raise
+        print(f"megarl: error: {e if isinstance(e, StorageError) else _storage_line(e)}", file=sys.stderr, flush=True)
+        return EXIT_STORAGE
     except (Interrupted, KeyboardInterrupt) as e:  # the user's Ctrl-C: no traceback, and how to go on
         return _interrupted(e)
     except RequeueRequested as e:  # SIGUSR1: saved; the job's supervisor requeues it
@@ -606,6 +621,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megarl: error: {e}", file=sys.stderr, flush=True)
         return 1
+
+
+def _storage_line(e: OSError) -> str:
+    """The message of a storage fault that megarl's code did not describe itself (:mod:`megarl.storage`)."""
+    from megarl.storage import describe
+
+    return (f"cannot write: {describe(e)}; free space or fix the folder, then run again (a training run continues "
+            "from its newest checkpoint with --resume)")
 
 
 def _interrupted(e: BaseException) -> int:
@@ -651,8 +674,21 @@ def end_process(status: int) -> NoReturn:
 
 
 def entry() -> NoReturn:
-    """The ``megarl`` command and ``python -m megarl.cli``: :func:`main`, then :func:`end_process`."""
-    end_process(main())
+    """The ``megarl`` command and ``python -m megarl.cli``: :func:`main`, then :func:`end_process` with its
+    status; a crash (an exception that :func:`main` does not turn into a message) prints its traceback and ends
+    with status 1, never 0."""
+    try:
+        status = main()
+    except SystemExit as e:  # a status chosen on the way (relaunch_world's for its ranks' failure)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:  # noqa: BLE001 (a crash: said in full, and a failed status whatever teardown does)
+        import traceback
+
+        traceback.print_exc()
+        status = 1
+    end_process(status)
 
 
 if __name__ == "__main__":

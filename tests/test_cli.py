@@ -1,4 +1,5 @@
-"""The ``megarl`` command itself: what ``--help`` costs, and the defaults of ``bench reshard``."""
+"""The ``megarl`` command itself: what ``--help`` costs, the defaults of ``bench reshard``, and the status of a
+crash."""
 
 from __future__ import annotations
 
@@ -42,6 +43,43 @@ def test_bench_reshard_micro_runs_with_its_defaults_and_says_what_it_measured():
         "Megatron TP=1 -> vLLM TP=3" in head, r.stdout
     assert [line.split()[0] for line in r.stdout.splitlines()[-3:]] == ["local_copy", "pack", "unpack"]
     assert all(line.split()[-1] in ("True", "-") for line in r.stdout.splitlines()[-3:]), r.stdout
+
+
+def test_bench_reshard_layout_runs_its_spawned_world(tmp_path):
+    """Issue 33 item 7: ``bench reshard`` (layout mode, local processes) crashed at once, pickling the command's
+    own function with its arguments for the ranks (``Can't pickle local object '_bench_reshard.<locals>.run'``)."""
+    out = tmp_path / "reshard.json"
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "bench", "reshard", "--model", "tiny-llama", "--layers",
+                        "2", "--nproc", "2", "--src-tp", "2", "--iters", "1", "--warmup", "0", "--json", str(out)],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = __import__("json").loads(out.read_text())["ranks"]
+    assert [sorted(m) for m in (rank["methods"] for rank in ranks)] == \
+        [["gather_full", "per_tensor_allgather", "reshard"]] * 2
+    assert all(m["exact"] for rank in ranks for m in rank["methods"].values()), ranks
+
+
+_CRASH = """
+import sys
+import megarl.cli as cli
+
+@cli.command("crash", help="a command with a bug")
+def _crash(p):
+    def run(a):
+        raise AttributeError("a bug")
+    return run
+
+sys.argv = ["megarl", "crash"]
+cli.entry()
+"""
+
+
+def test_a_crash_prints_its_traceback_and_never_exits_0():
+    """Issue 33 item 7: a crash must not end with status 0; it ends through :func:`megarl.cli.end_process` (the
+    processes it started end with it) with status 1 and its traceback."""
+    r = subprocess.run([sys.executable, "-c", _CRASH], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    assert r.stderr.strip().splitlines()[-1] == "AttributeError: a bug", r.stderr[-3000:]
 
 
 _LOG_AS_RANK = """

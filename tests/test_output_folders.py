@@ -1,6 +1,7 @@
-"""``megarl convert`` and ``megarl export`` write a new or empty folder, replace their own earlier output, and
-refuse a folder holding anything else unless ``--overwrite``, which replaces only their own files: megarl never
-deletes a file it did not write.
+"""The output folders of ``megarl convert``, ``megarl export`` and ``megarl data`` (:mod:`megarl.output_folder`):
+a new or empty folder is written, the command's own earlier output replaced, and a folder holding anything else
+refused unless ``--overwrite``, which keeps the other files and never replaces one of them; a training run's
+folder or checkpoint is refused always. megarl never deletes or replaces a file it did not write.
 
 The conversion and export worlds are replaced by functions that write what the ranks write (a folder replaced
 whole, as :func:`megarl.models.checkpoint.save_checkpoint` and :func:`megarl.models.hf_io.save_hf_checkpoint`
@@ -81,3 +82,102 @@ def test_export_refuses_a_full_folder_and_replaces_only_its_own_files(cli, tmp_p
     (tmp_path / "afile").write_text("x")
     status, err = cli("export", str(ckpt), "afile")
     assert status == 2 and "is a file; name a folder" in err
+
+
+def _training_run(root: Path) -> dict[Path, bytes]:
+    """A run folder as ``megarl train`` leaves it, with one checkpoint; returns every file and its bytes."""
+    run = root / "runs" / "r"
+    step = run / "checkpoints" / "step_000002"
+    (step / "model").mkdir(parents=True)
+    (step / "ranks").mkdir()
+    (step / "megarl.json").write_text(json.dumps({"format": "megarl", "step": 2, "loader": {"epoch": 0}}))
+    (step / "model" / "shard").write_text("trained weights and Adam state")
+    (step / "ranks" / "rng_0.pt").write_text("rng")
+    for name in ("run.lock", "metrics.jsonl", "config.json", "summary.json"):
+        (run / name).write_text(name)
+    return _files(root)
+
+
+def _files(root: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_convert_never_replaces_a_training_checkpoint_nor_writes_into_a_run(cli, tmp_path):
+    """Issue 33 item 1: ``convert SRC runs/<name>/checkpoints/step_N`` replaced the run's checkpoint (a megarl
+    checkpoint, so "its own output") with a fresh conversion, without ``--overwrite``."""
+    _training_run(tmp_path)
+    step = tmp_path / "runs" / "r" / "checkpoints" / "step_000002"
+    shutil.copytree(step, tmp_path / "best")  # a training checkpoint copied out of its run
+    before = _files(tmp_path)
+    for out, what in ((step, "in the checkpoints of the training run in"),
+                      (step.with_name("step_000009"), "in the checkpoints of the training run in"),
+                      (step.parent.parent, "the folder of a training run"),
+                      (tmp_path / "best", "a training checkpoint")):
+        for flags in ((), ("--overwrite",)):
+            status, err = cli("convert", "src", str(out), *flags)
+            assert status == 2 and what in err and "--overwrite included" in err, (out, flags, err)
+    assert _files(tmp_path) == before
+    assert not step.with_name("step_000009").exists() and not list(tmp_path.rglob(".*megarl-*"))
+
+
+def test_export_overwrite_keeps_every_file_it_did_not_write(cli, tmp_path):
+    """Issue 33 item 3: ``export CKPT runs/<name> --overwrite`` replaced the run's ``config.json`` (then ``megarl
+    eval`` of the run failed), although the refusal said the files export did not write stay."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "megarl.json").write_text("{}")
+    _training_run(tmp_path)
+    user = tmp_path / "hf"
+    user.mkdir()
+    (user / "config.json").write_text("the user's")
+    (user / "notes.txt").write_text("mine")
+    before = _files(tmp_path)
+    status, err = cli("export", str(ckpt), str(tmp_path / "runs" / "r"), "--overwrite")
+    assert status == 2 and "is the folder of a training run" in err, err
+    status, err = cli("export", str(ckpt), "hf", "--overwrite")   # known before the export runs
+    assert status == 2 and "holds config.json, which megarl export writes but did not write there" in err, err
+    (user / "config.json").unlink()
+    (user / "tokenizer.json").write_text("the user's")              # found once the export has written its files
+    before = _files(tmp_path)
+    status, err = cli("export", str(ckpt), "hf", "--overwrite")
+    assert status == 2 and "holds tokenizer.json, which megarl export writes" in err, err
+    assert _files(tmp_path) == before and not list(tmp_path.glob(".hf*"))
+    (user / "tokenizer.json").unlink()
+    assert cli("export", str(ckpt), "hf", "--overwrite")[0] == 0
+    assert (user / "notes.txt").read_text() == "mine" and (user / "config.json").read_text() == "config.json"
+    assert cli("export", str(ckpt), "hf", "--overwrite")[0] == 0    # its own files, replaced
+
+
+def test_data_arithmetic_never_replaces_the_users_parquet_files(cli, tmp_path):
+    """Issue 33 item 5: ``megarl data arithmetic --out DIR`` replaced a user's ``DIR/train.parquet``."""
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "mydata"
+    out.mkdir()
+    (out / "train.parquet").write_text("the user's own data")
+    for flags in ((), ("--overwrite",)):
+        status, err = cli("data", "arithmetic", "--out", "mydata", *flags)
+        assert status == 2 and "train.parquet" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["train.parquet"]
+    assert (out / "train.parquet").read_text() == "the user's own data"
+    (out / "train.parquet").rename(out / "notes.parquet")
+    assert cli("data", "arithmetic", "--out", "mydata", "--overwrite")[0] == 0
+    assert (out / "notes.parquet").read_text() == "the user's own data"
+    assert json.loads((out / "megarl_data_arithmetic.json").read_text())["files"] == ["test.parquet", "train.parquet"]
+    assert pq.read_metadata(out / "train.parquet").num_rows == 336
+    (out / "notes.parquet").unlink()
+    assert cli("data", "arithmetic", "--out", "mydata")[0] == 0      # its own earlier output: replaced
+    assert cli("data", "arithmetic", "--out", "new/folder")[0] == 0
+    assert sorted(p.name for p in (tmp_path / "new" / "folder").iterdir()) == [
+        "megarl_data_arithmetic.json", "test.parquet", "train.parquet"]
+
+
+def test_a_run_folder_is_known_by_what_megarl_train_writes_first():
+    """:data:`megarl.output_folder.RUN_FOLDER_SIGNS` names the trainer's own files (the module sits below the
+    trainer and cannot import their names)."""
+    from megarl.output_folder import RUN_CHECKPOINTS, RUN_FOLDER_SIGNS
+    from megarl.trainer.run_lock import LOCK_FILE
+    from megarl.trainer.run_record import RECORD
+
+    assert LOCK_FILE in RUN_FOLDER_SIGNS and RUN_CHECKPOINTS in RUN_FOLDER_SIGNS
+    assert set(RUN_FOLDER_SIGNS) - {LOCK_FILE, RUN_CHECKPOINTS} <= set(RECORD)

@@ -168,7 +168,8 @@ def test_train_max_restarts_continues_a_killed_run_to_the_uninterrupted_metrics(
 
 def test_the_supervisor_retries_failures_up_to_the_limit_and_never_a_config_error(tmp_path):
     """:func:`megarl.launch.supervise.supervise_local` with stand-in commands: a command that always fails
-    runs 1 + N times, each restart recorded; a config error (status 2) and an interrupt (130) run once."""
+    runs 1 + N times, each restart recorded; a config error (status 2), a storage fault (74: a full disk, a
+    read-only folder; issue 33 item 9) and an interrupt (130) run once."""
     import sys
 
     from megarl.launch.supervise import supervise_local
@@ -180,7 +181,7 @@ def test_the_supervisor_retries_failures_up_to_the_limit_and_never_a_config_erro
     assert supervise_local([*fail, "1"], tmp_path / "run", 2) == 1
     assert count.read_text() == "012"
     assert [(r["restart"], r["status"]) for r in read_restarts(tmp_path / "run")] == [(1, 1), (2, 1)]
-    for status in (2, 130):
+    for status in (2, 74, 130):
         count.unlink()
         assert supervise_local([*fail, str(status)], tmp_path / f"run{status}", 2) == status
         assert count.read_text() == "0" and read_restarts(tmp_path / f"run{status}") == []

@@ -16,7 +16,8 @@ head, for the multi-turn runs that offer it the calculator tool (:mod:`megarl.ag
 ``parallel_configs/cpu_smollm2_calculator.yaml``): ``CALCULATOR_TRAIN`` training and ``TEST_PROBLEMS`` test
 problems, drawn with a fixed seed, no pair in both.
 
-Command line: ``megarl data arithmetic --out DIR``, ``megarl data calculator --out DIR`` (:mod:`megarl.cli`).
+Command line: ``megarl data arithmetic --out DIR``, ``megarl data calculator --out DIR`` (:mod:`megarl.cli`;
+the output folder's rule: :mod:`megarl.output_folder`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from typing import Callable
 
+from megarl.data.dataset import write_splits
+
+SPLITS = ("train", "test")
 OPERAND_LIMIT = 20  # operands 0..19
 TEST_PROBLEMS = 64
 SEED = 0
@@ -52,36 +57,38 @@ def calculator_rows() -> dict[str, list[dict]]:
     return {"train": rows[TEST_PROBLEMS:], "test": rows[:TEST_PROBLEMS]}
 
 
-def prepare_arithmetic(out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write the task's train and test splits as parquet into ``out_dir`` (created if missing).
+def prepare_arithmetic(out_dir: str | os.PathLike, *, overwrite: bool = False) -> dict[str, Path]:
+    """Write the task's train and test splits as parquet into ``out_dir`` (created if missing), with the list of
+    the files written, ``megarl_data_arithmetic.json``.
+
+    Args:
+        overwrite: write into a folder that holds other files, keeping them (:mod:`megarl.output_folder`).
 
     Returns:
         split name -> written file.
+
+    Raises:
+        OutputFolderError: ``out_dir`` holds files that this command did not write (without ``overwrite``; with
+            it, a ``train.parquet`` or ``test.parquet`` of someone else's), or is part of a training run.
     """
-    return write_splits(out_dir, arithmetic_rows())
+    return _write_task(arithmetic_rows, out_dir, "data arithmetic", overwrite)
 
 
-def prepare_calculator(out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write the calculator task's splits (:func:`calculator_rows`) as :func:`prepare_arithmetic` does."""
-    return write_splits(out_dir, calculator_rows())
+def prepare_calculator(out_dir: str | os.PathLike, *, overwrite: bool = False) -> dict[str, Path]:
+    """Write the calculator task's splits (:func:`calculator_rows`) as :func:`prepare_arithmetic` does
+    (``megarl_data_calculator.json``)."""
+    return _write_task(calculator_rows, out_dir, "data calculator", overwrite)
 
 
-def write_splits(out_dir: str | os.PathLike, splits: dict[str, list[dict]]) -> dict[str, Path]:
-    """Write ``{split: rows}`` as ``<out_dir>/<split>.parquet`` (columns ``index``, ``question``,
-    ``ground_truth``), each file atomically; returns split name -> written file."""
+def _write_task(rows: Callable[[], dict[str, list[dict]]], out_dir: str | os.PathLike, command: str,
+                overwrite: bool) -> dict[str, Path]:
+    """``megarl <command>``'s output: the ``rows()`` of each split as ``<out_dir>/<split>.parquet`` (columns
+    ``index``, ``question``, ``ground_truth``; :func:`megarl.data.dataset.write_splits`)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = {}
-    for split, rows in splits.items():
-        table = pa.table({"index": pa.array(range(len(rows)), pa.int64()),
-                          "question": [r["question"] for r in rows],
-                          "ground_truth": [r["ground_truth"] for r in rows]})
-        path = out / f"{split}.parquet"
-        tmp = path.with_suffix(".parquet.tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)  # a reader never sees half a file
-        written[split] = path
-    return written
+    def tables():
+        return {split: pa.table({"index": pa.array(range(len(split_rows)), pa.int64()),
+                                 "question": [r["question"] for r in split_rows],
+                                 "ground_truth": [r["ground_truth"] for r in split_rows]})
+                for split, split_rows in rows().items()}
+    return write_splits(SPLITS, tables, out_dir, command, overwrite=overwrite)

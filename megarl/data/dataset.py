@@ -1,4 +1,5 @@
-"""Prompt datasets: rows from jsonl or parquet, templated, tokenised and filtered by length."""
+"""Prompt datasets: rows from jsonl or parquet, templated, tokenised and filtered by length; the parquet splits that
+``megarl data`` writes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from megarl.data.template import DataError, PromptTemplate
 
@@ -44,6 +45,35 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
             rows.append(row)
     return rows
 
+
+
+def write_splits(splits: Sequence[str], make_tables: Callable[[], Mapping[str, Any]], out_dir: str | os.PathLike,
+                 command: str, *, overwrite: bool = False) -> dict[str, Path]:
+    """``megarl <command>``'s output: claim ``out_dir`` (:class:`megarl.output_folder.OutputFolder`), then write
+    each ``pyarrow.Table`` that ``make_tables()`` returns for the ``splits`` as ``<out_dir>/<split>.parquet``, each
+    file whole or not at all, listed in the folder's manifest.
+
+    Returns:
+        split name -> written file.
+
+    Raises:
+        OutputFolderError: ``out_dir`` may not be written (:meth:`~megarl.output_folder.OutputFolder.claim`),
+            before ``make_tables`` is called. Whatever ``make_tables`` raises (nothing is written then).
+    """
+    import pyarrow.parquet as pq
+
+    from megarl.output_folder import OutputFolder
+
+    names = {split: f"{split}.parquet" for split in splits}
+    folder = OutputFolder.claim(out_dir, command, overwrite=overwrite, writes=names.values())
+    tables = make_tables()
+    folder.staging.mkdir(parents=True, exist_ok=True)
+    for split, name in names.items():
+        tmp = folder.staging / f"{name}.tmp"
+        pq.write_table(tables[split], tmp)
+        os.replace(tmp, folder.staging / name)  # a reader never sees half a file
+    folder.finish()
+    return {split: folder.target / name for split, name in names.items()}
 
 class PromptDataset:
     """Tokenised prompts with their metadata, in the source's order, without the too-long ones.

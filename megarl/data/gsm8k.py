@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from megarl.data.dataset import read_rows
+from megarl.data.dataset import read_rows, write_splits
 from megarl.data.template import DataError
 from megarl.rewards.gsm8k import ground_truth_number
 from megarl.rewards.registry import RewardError
@@ -28,13 +28,16 @@ HF_REPO = "openai/gsm8k"
 HF_FILES = {split: f"main/{split}-00000-of-00001.parquet" for split in SPLITS}
 
 
-def prepare_gsm8k(src: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Read GSM8K from ``src`` and write its train and test splits as parquet (module docstring).
+def prepare_gsm8k(src: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False
+                  ) -> dict[str, Path]:
+    """Read GSM8K from ``src`` and write its train and test splits as parquet (module docstring), with the list
+    of the files written, ``megarl_data_gsm8k.json``.
 
     Args:
         src: a local directory with ``{train,test}.jsonl`` (or ``.parquet``), or a hub dataset id
             ("openai/gsm8k", or "hub" for it).
         out_dir: where to write ``train.parquet`` and ``test.parquet`` (created if missing).
+        overwrite: write into a folder that holds other files, keeping them (:mod:`megarl.output_folder`).
 
     Returns:
         split name -> written file.
@@ -42,36 +45,40 @@ def prepare_gsm8k(src: str | os.PathLike, out_dir: str | os.PathLike) -> dict[st
     Raises:
         DataError: ``src`` is neither a directory nor a reachable hub dataset, a split is missing, or a row
             lacks ``question``/``answer`` or a number after ``####`` (the message names the file and row).
+        OutputFolderError: ``out_dir`` holds files that this command did not write (without ``overwrite``; with
+            it, a ``train.parquet`` or ``test.parquet`` of someone else's), or is part of a training run.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     src = HF_REPO if str(src) == "hub" else src
     if not Path(src).is_dir() and not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", str(src)):
         raise DataError(f"GSM8K source {str(src)!r} is not a directory (expected one holding train.jsonl and "
                         "test.jsonl) nor a hub dataset id like openai/gsm8k; pass --src DIR or --src hub")
-    out = Path(out_dir)
-    tables = {}
-    for split in SPLITS:  # both read before anything is written: a source that fails leaves no folder behind
-        source = _local_split(Path(src), split) if Path(src).is_dir() else _hub_split(str(src), split)
-        rows = read_rows(source)
-        questions, answers, truths = [], [], []
-        for k, row in enumerate(rows):
-            if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
-                raise DataError(f"{source}: row {k} needs string fields 'question' and 'answer', has {sorted(row)}")
-            try:
-                truths.append(ground_truth_number(row["answer"]))
-            except RewardError as e:
-                raise DataError(f"{source}: row {k}: {e}") from None
-            questions.append(row["question"])
-            answers.append(row["answer"])
-        tables[split] = pa.table({"index": pa.array(range(len(rows)), pa.int64()), "question": questions,
-                                  "answer": answers, "ground_truth": truths})
-    out.mkdir(parents=True, exist_ok=True)
-    written = {split: out / f"{split}.parquet" for split in SPLITS}
-    for split, table in tables.items():
-        pq.write_table(table, written[split])
-    return written
+    # both splits read before anything is written: a source that fails leaves no folder behind
+    return write_splits(SPLITS, lambda: {split: _split_table(src, split) for split in SPLITS}, out_dir, "data gsm8k",
+                        overwrite=overwrite)
+
+
+def _split_table(src: str | os.PathLike, split: str):
+    """One split of the GSM8K source as the output's ``pyarrow.Table`` (module docstring).
+
+    Raises:
+        DataError: naming the file and row (:func:`prepare_gsm8k`).
+    """
+    import pyarrow as pa
+
+    source = _local_split(Path(src), split) if Path(src).is_dir() else _hub_split(str(src), split)
+    rows = read_rows(source)
+    questions, answers, truths = [], [], []
+    for k, row in enumerate(rows):
+        if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+            raise DataError(f"{source}: row {k} needs string fields 'question' and 'answer', has {sorted(row)}")
+        try:
+            truths.append(ground_truth_number(row["answer"]))
+        except RewardError as e:
+            raise DataError(f"{source}: row {k}: {e}") from None
+        questions.append(row["question"])
+        answers.append(row["answer"])
+    return pa.table({"index": pa.array(range(len(rows)), pa.int64()), "question": questions, "answer": answers,
+                     "ground_truth": truths})
 
 
 def _local_split(src: Path, split: str) -> Path:

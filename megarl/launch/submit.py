@@ -322,6 +322,9 @@ def run(a: argparse.Namespace) -> int:
     from megarl.trainer.checkpointing import check_run_folder
 
     check_run_folder(cfg, shape.world_size)  # before the queue: no checkpoint to resume, a finished run, ...
+    from megarl.storage import check_writable
+
+    check_writable(run_dir, "run.output_dir")  # a file in the way, a read-only or full file system
     if a.resume:
         from megarl.models.checkpoint import latest_checkpoint
 

@@ -5,8 +5,8 @@ node, and the batch script of ``megarl submit`` under SLURM (``launch.max_restar
 The supervisor runs the run's command (``megarl train ...``, or ``srun ... megarl train ...`` in a batch job)
 and acts on its exit status (:mod:`megarl.parallel.restart`):
 
-- finished (0), a config or data error (2), interrupted (130): that is the supervisor's status; an error is
-  never retried (it would fail again);
+- finished (0), a config or data error (2), a fault of the storage (74: a full disk, a read-only folder),
+  interrupted (130): that is the supervisor's status; an error is never retried (it would fail again);
 - saved on SIGUSR1 (75, the time limit is near): under SLURM the job is requeued (``scontrol requeue``) and
   the new allocation continues the run; it counts as a restart only when no newer checkpoint was written;
 - anything else is a failure: the run continues from its newest complete checkpoint (``--resume``; from step
@@ -33,14 +33,14 @@ import sys
 from pathlib import Path
 
 from megarl.models.checkpoint import latest_checkpoint
-from megarl.parallel.restart import (EXIT_INTERRUPTED, EXIT_REQUEUE, EXIT_USAGE, RESTART_ENV, read_restarts,
+from megarl.parallel.restart import (EXIT_INTERRUPTED, EXIT_REQUEUE, NOT_RETRIED, RESTART_ENV, read_restarts,
                                      record_restart)
 
 
 def failure_kind(status: int) -> str | None:
-    """What an exit status asks for: None (finished, or an error or interrupt not to retry), ``"requeue"``
-    (saved on SIGUSR1) or ``"failure"`` (restart)."""
-    if status in (0, EXIT_USAGE, EXIT_INTERRUPTED, -signal.SIGINT):
+    """What an exit status asks for: None (finished, or an error or interrupt not to retry: a config, data or
+    storage error, a Ctrl-C), ``"requeue"`` (saved on SIGUSR1) or ``"failure"`` (restart)."""
+    if status in (0, *NOT_RETRIED, EXIT_INTERRUPTED, -signal.SIGINT):
         return None
     return "requeue" if status == EXIT_REQUEUE else "failure"
 

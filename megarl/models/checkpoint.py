@@ -15,6 +15,7 @@ resharding loader).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import re
 import shutil
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from megarl.models.spec import ModelSpec, SpecError
 from megarl.models.weights import fill_local_tensors
 from megarl.parallel.faults import fault_point
 from megarl.parallel.mesh import ParallelLayout
+from megarl.storage import STORAGE_ERRNOS, StorageError, describe, storage_cause, write_fault
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,15 @@ def is_megarl_checkpoint(path: str | os.PathLike) -> bool:
 def is_lora_checkpoint(source) -> bool:
     """A megarl checkpoint of a LoRA actor: its adapters, and the base model it names (``lora.base``)."""
     return isinstance(source, (str, os.PathLike)) and is_megarl_checkpoint(source) and "lora" in read_meta(source)
+
+
+def is_training_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a checkpoint that ``megarl train`` wrote (its ``megarl.json`` records the step; a
+    conversion's does not), wherever it now lies."""
+    try:
+        return is_megarl_checkpoint(path) and "step" in json.loads((Path(path) / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def run_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -211,38 +222,112 @@ def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta
 
     Returns:
         The checkpoint directory.
+
+    Raises:
+        StorageError: the checkpoint could not be written for a fault of the storage (a full disk or quota, a
+            read-only file system, a file where a folder must be: :mod:`megarl.storage`), naming the folder and
+            the cause. On any failure rank 0 removes the partial ``<directory>.tmp``; the previous checkpoint of
+            that name, if any, is kept.
     """
     from megatron.core import dist_checkpointing
 
     final = Path(directory)
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / "model").mkdir(parents=True)
-    dist.barrier()
-    dist_checkpointing.save(sharded_state_dict, str(tmp / "model"))
-    if per_rank:
-        (tmp / "ranks").mkdir(exist_ok=True)
-        for name, obj in per_rank.items():
-            torch.save(obj, tmp / "ranks" / f"{name}_{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
-        fault_point("checkpoint.before_rename")
-        if final.exists():
-            old = final.with_name(final.name + ".old")
-            if old.exists():
+    writer_errors: list[str] = []
+    try:
+        with _writer_errors(writer_errors):
+            if rank == 0:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                (tmp / "model").mkdir(parents=True)
+            dist.barrier()
+            dist_checkpointing.save(sharded_state_dict, str(tmp / "model"))
+        if per_rank:
+            (tmp / "ranks").mkdir(exist_ok=True)
+            for name, obj in per_rank.items():
+                torch.save(obj, tmp / "ranks" / f"{name}_{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+            fault_point("checkpoint.before_rename")
+            if final.exists():
+                old = final.with_name(final.name + ".old")
+                if old.exists():
+                    shutil.rmtree(old)
+                final.rename(old)
+                tmp.rename(final)
                 shutil.rmtree(old)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
+            else:
+                tmp.rename(final)
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        fault = _save_fault(e, writer_errors, tmp)  # first: removing the partial files frees the full disk
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would keep a full disk full
+        if fault is None:
+            for message in writer_errors:  # held back while the save ran, in case they were the fault's
+                log.error("megatron-core's checkpoint writer: %s", message)
+            raise
+        raise StorageError(f"cannot save the checkpoint {final}: {fault[0]}; the partial {tmp.name} was removed. "
+                           "Free space or fix the folder, then --resume continues from the newest complete checkpoint",
+                           fault[1]) from e
     dist.barrier()
     fault_point("checkpoint.saved")
     return final
+
+
+WRITER_LOGGER = "megatron.core.dist_checkpointing"  # its file writer logs a worker's error, then raises without it
+
+
+@contextlib.contextmanager
+def _writer_errors(messages: list[str]) -> Iterator[None]:
+    """Collect the errors that megatron-core's checkpoint writer logs while the block runs into ``messages``
+    instead of printing them: it raises ``Worker failure: ... error: <class 'OSError'>`` and names the cause
+    (``[Errno 28] No space left on device: '<file>'``) only in its log."""
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(logging.ERROR)
+    logger = logging.getLogger(WRITER_LOGGER)
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+def _save_fault(exc: BaseException, writer_errors: list[str], folder: Path) -> tuple[str, int | None] | None:
+    """The storage fault behind a failed save on this rank, in words and its errno, or None: an ``OSError`` it was
+    raised from, one that megatron's writer logged (``writer_errors``) or reported, the state of the file system
+    and of this process's limits (full, read-only, a file size limit: :func:`megarl.storage.write_fault`; torch's
+    serialization reports a short write as ``unexpected pos``, without the cause), or another rank's writer
+    failing on an ``OSError`` (megatron's coordinator hears of it without the cause, which that rank names)."""
+    cause = storage_cause(exc)
+    for text in [] if cause else [*writer_errors, str(exc)]:
+        m = re.search(r"\[Errno (\d+)\] ([^:\n']+)(?::\s*'([^']+)')?", text)
+        if m and int(m[1]) in STORAGE_ERRNOS:
+            cause = OSError(int(m[1]), m[2].strip(), m[3])
+            break
+    cause = cause or write_fault(folder, failed=True)
+    if cause is not None:
+        return describe(cause), cause.errno
+    failures = getattr(exc, "failures", None) or {}  # megatron's coordinator: rank -> (exception, traceback)
+    ranks = [r for r, f in failures.items() if _names_os_error(str(f[0] if isinstance(f, tuple) else f))]
+    if ranks:
+        return (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))} could not write "
+                "its part (an OSError; that rank's message names it)", None)
+    return None
+
+
+def _names_os_error(text: str) -> bool:
+    """Whether megatron's worker-failure text names an ``OSError`` class (``error: <class 'OSError'>``)."""
+    import builtins
+
+    return any(isinstance(t := getattr(builtins, name, None), type) and issubclass(t, OSError)
+               for name in re.findall(r"<class '(\w+)'>", text))
 
 
 def load_per_rank(directory: str | os.PathLike, name: str, rank: int) -> Any | None:

@@ -6,6 +6,9 @@ A rank's exit status tells the process that restarts runs (:mod:`megarl.launch.s
     0                    the run finished its steps
     2                    a config, data or usage error (:data:`EXIT_USAGE`), or non-finite numbers that would
                          reach the weights (``megarl.algos.nonfinite``): never retried, it would fail again
+    74                   a fault of the storage (:data:`EXIT_STORAGE`, BSD's EX_IOERR): a full disk or quota, a
+                         read-only file system, a file where a folder must be (:mod:`megarl.storage`); never
+                         retried, it would fail again until someone fixes it
     75                   the ranks saved a checkpoint on SIGUSR1 (SLURM's ``--signal=USR1@S`` before the time
                          limit) and ask to continue in a new job (:data:`EXIT_REQUEUE`, BSD's EX_TEMPFAIL)
     130                  the user interrupted the run (Ctrl-C): never retried
@@ -22,16 +25,19 @@ reason and the checkpoint it continues from; the run's summary lists them.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
+from megarl.jsonl import append_records, read_records
+
 EXIT_USAGE = 2
+EXIT_STORAGE = 74
 EXIT_REQUEUE = 75
 EXIT_INTERRUPTED = 130
+NOT_RETRIED = (EXIT_USAGE, EXIT_STORAGE)  # errors that a run started again would meet again
 RESTARTS_FILE = "restarts.jsonl"
 RESTART_ENV = "MEGARL_RESTART"  # the attempt's restart number (0: the first attempt), set by the supervisor
 
@@ -62,16 +68,11 @@ def record_restart(run_dir: str | os.PathLike, **fields: Any) -> dict[str, Any]:
     """Append one restart (``reason``, ``job``, ``checkpoint``, ``counted``, ...) with the time to the run
     folder's :data:`RESTARTS_FILE`; returns the record."""
     rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **fields}
-    path = Path(run_dir) / RESTARTS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(rec, default=str) + "\n")
+    append_records(Path(run_dir) / RESTARTS_FILE, [rec])
     return rec
 
 
 def read_restarts(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """The restart records of a run folder, oldest first (none: an empty list)."""
-    path = Path(run_dir) / RESTARTS_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The restart records of a run folder, oldest first (none: an empty list; a torn line is skipped:
+    :func:`megarl.jsonl.read_records`)."""
+    return read_records(Path(run_dir) / RESTARTS_FILE)

@@ -28,22 +28,25 @@ from megarl.parallel.watchdog import progress_watched
 from megarl.trainer import checkpointing
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
 from megarl.trainer.pipeline import schedule
+from megarl.trainer.run_record import keep_earlier_record
 
 log = logging.getLogger(__name__)
 
 
 def fit(trainer) -> dict[str, Any]:
-    """Run until ``trainer.steps``; returns the summary (also printed and written to summary.json)."""
+    """Run until ``trainer.steps``; returns the summary (also printed and written to summary.json). A run that
+    starts at step 0 first moves an earlier run's record aside (:func:`~megarl.trainer.run_record.
+    keep_earlier_record`)."""
     cfg = trainer.cfg
     start = time.perf_counter()
+    if trainer.rank == 0:
+        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        if trainer.step_idx == 0:  # first: the logger opens its files
+            keep_earlier_record(trainer.run_dir)
     logger = MetricsLogger(trainer.run_dir / "metrics.jsonl", cfg.trainer.steps, trainer.step_idx,
                            enabled=trainer.rank == 0, progress=cfg.trainer.progress, loggers=cfg.trainer.loggers,
                            config=to_dict(cfg))
     if trainer.rank == 0:
-        trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        if trainer.step_idx == 0:
-            (trainer.run_dir / "samples.jsonl").unlink(missing_ok=True)
-            (trainer.run_dir / "val_samples.jsonl").unlink(missing_ok=True)
         (trainer.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
     batches = iter(trainer.loader)
     more_prompts = functools.partial(next, batches)

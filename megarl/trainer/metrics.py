@@ -7,10 +7,11 @@ step ``k`` is part of step ``k``'s record.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
+
+from megarl.jsonl import append_records, read_records
 
 # (metric key, label, format) of the one-line digest printed after every step
 DIGEST = [
@@ -91,8 +92,10 @@ class MetricsLogger:
     one rank only.
 
     Args:
-        path: the JSONL file (appended to, so a resumed run continues it); TensorBoard and W&B write beside
-            it, in ``tensorboard/`` and ``wandb/``.
+        path: the JSONL file (appended to, so a resumed run continues it, after a torn last line left by a crash
+            is set aside: :func:`megarl.jsonl.append_records`; a run at step 0 finds none there, an earlier run's
+            moved aside: :mod:`megarl.trainer.run_record`); TensorBoard and W&B write beside it, in
+            ``tensorboard/`` and ``wandb/``.
         total_steps / start_step: for the progress bar.
         enabled: False on every rank but the one that reports.
         progress: show a tqdm bar (with "console").
@@ -108,8 +111,6 @@ class MetricsLogger:
         self.writers: list[TensorBoardWriter | WandbWriter] = []
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if start_step == 0 and self.path.exists():
-                self.path.unlink()  # a fresh run starts a fresh file
             if "tensorboard" in loggers:
                 self.writers.append(TensorBoardWriter(self.path.parent / "tensorboard"))
             if "wandb" in loggers:
@@ -123,8 +124,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        append_records(self.path, [{"step": step, **metrics}])
         for writer in self.writers:
             writer.log(step, metrics)
         if not self.console:
@@ -146,13 +146,9 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All step records of a metrics JSONL file (the last record wins for a repeated step)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    if Path(path).exists():
-        for line in Path(path).read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                by_step[rec["step"]] = rec
+    """All step records of a metrics JSONL file, by step (the last record wins for a repeated step; a torn or
+    damaged line is skipped with a warning: :func:`megarl.jsonl.read_records`)."""
+    by_step = {rec["step"]: rec for rec in read_records(path) if isinstance(rec.get("step"), int)}
     return [by_step[k] for k in sorted(by_step)]
 
 

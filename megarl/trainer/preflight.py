@@ -146,11 +146,13 @@ def check_files(cfg: Config, field: str, files: list[str], alternative: str = ""
 
 def prepare_files(cfg: Config, files: list[str]) -> None:
     """Write the missing ``files`` that ``data.prepare`` makes (:func:`preparable`; both splits into the file's
-    folder): GSM8K from ``data.gsm8k_source``, the arithmetic task from its generator. One process only: the
-    caller keeps others waiting.
+    folder): GSM8K from ``data.gsm8k_source``, the arithmetic task from its generator, beside the folder's other
+    files (kept: :mod:`megarl.output_folder`). One process only: the caller keeps others waiting.
 
     Raises:
         DataError: the GSM8K source cannot be read.
+        OutputFolderError: the folder holds a ``train.parquet`` or ``test.parquet`` that the preparation did not
+            write (never replaced), or is part of a training run.
     """
     name = cfg.data.prepare
     folders = dict.fromkeys(Path(f).parent for f in files if not Path(f).is_file() and preparable(name, f))
@@ -175,7 +177,7 @@ def prepare_files(cfg: Config, files: list[str]) -> None:
         write, what = functools.partial(prepare_gsm8k, src), f"GSM8K from {src}"
     for folder in folders:
         log.info("writing %s into %s", what, folder)
-        write(folder)
+        write(folder, overwrite=True)
 
 
 def read_prompts(cfg: Config, tokenizer, files: list[str], field: str = "data.train_files") -> PromptDataset:

@@ -22,6 +22,7 @@ from typing import Any
 from matplotlib.figure import Figure  # ImportError without matplotlib: the trainer then skips the report
 from matplotlib.ticker import MaxNLocator
 
+from megarl.jsonl import read_records
 from megarl.trainer.metrics import read_metrics
 
 SAMPLES_SHOWN = 2  # of each kind: best, worst, cut off
@@ -115,9 +116,7 @@ def plot_run(history: list[dict[str, Any]], out_dir: Path) -> dict[str, Path]:
 
 
 def _read_jsonl(path: Path, **tag: Any) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [{**json.loads(line), **tag} for line in path.read_text().splitlines() if line.strip()]
+    return [{**record, **tag} for record in read_records(path)]
 
 
 def pick_samples(samples: list[dict[str, Any]], k: int = SAMPLES_SHOWN) -> dict[str, list[dict[str, Any]]]:

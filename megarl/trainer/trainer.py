@@ -17,7 +17,6 @@ sample of a group and every rank agrees on them.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
@@ -500,20 +499,15 @@ class Trainer:
         k = min(self.cfg.trainer.log_samples, len(batch))
         if self.rank != 0 or k == 0:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with (self.run_dir / "samples.jsonl").open("a") as f:
-            for i in range(k):
-                g = int(batch["group"][i])
-                f.write(json.dumps({"step": self.step_idx + 1, "prompt": prompts.raw_prompt[g],
-                                    "response": batch.meta["response"][i],
-                                    "score": None if batch["dropped"][i] else float(batch["scores"][i]),
-                                    "ground_truth": prompts.ground_truth[g],
-                                    "length": int(batch["response_lens"][i]),
-                                    "prompt_tokens": int(batch["prompt_lens"][i]),
-                                    "policy_version": batch.meta["policy_version"][i],
-                                    **({"adapter_version": batch.meta["adapter_version"][i]}
-                                       if "adapter_version" in batch.meta else {}),
-                                    "finish_reason": batch.meta["finish_reason"][i]}) + "\n")
+        adapters = "adapter_version" in batch.meta
+        append_samples(self.run_dir / "samples.jsonl", [
+            {"prompt": prompts.raw_prompt[g], "response": batch.meta["response"][i],
+             "score": None if batch["dropped"][i] else float(batch["scores"][i]),
+             "ground_truth": prompts.ground_truth[g], "length": int(batch["response_lens"][i]),
+             "prompt_tokens": int(batch["prompt_lens"][i]), "policy_version": batch.meta["policy_version"][i],
+             **({"adapter_version": batch.meta["adapter_version"][i]} if adapters else {}),
+             "finish_reason": batch.meta["finish_reason"][i]}
+            for i, g in ((i, int(batch["group"][i])) for i in range(k))], step=self.step_idx + 1)
 
 
 def _device_bytes_in_use() -> int:

@@ -26,7 +26,6 @@ text (the check that matters when ``validation.files`` and ``data.train_files`` 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from megarl.algos.aggregation import masked_mean
 from megarl.config import ValidationConfig
 from megarl.data.dataset import PromptDataset
 from megarl.data.loader import PromptBatch
+from megarl.jsonl import append_records
 from megarl.rollout.base import RolloutEngine, SamplingConfig
 from megarl.rollout.data_parallel import generate_data_parallel, map_data_parallel
 
@@ -108,11 +108,9 @@ def score_data_parallel(reward_fn: Callable[..., Any]) -> ScoreFn:
 
 
 def append_samples(path: Path, records: list[dict[str, Any]], **fields: Any) -> None:
-    """Append ``records`` to a JSONL file, one line each, with ``fields`` (e.g. ``step``) first."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for r in records:
-            f.write(json.dumps({**fields, **r}) + "\n")
+    """Append ``records`` to a JSONL file, one line each, with ``fields`` (e.g. ``step``) first
+    (:func:`megarl.jsonl.append_records`)."""
+    append_records(path, [{**fields, **r} for r in records])
 
 
 class Validation:

@@ -1,0 +1,69 @@
+"""JSON-lines record files after a crash (:mod:`megarl.jsonl`; issue 33 item 4): a torn last line of a run's
+``metrics.jsonl`` is set aside before the next record is appended, and a line damaged by an older megarl (a record
+appended onto a torn one) is read from where its record starts; no complete record is lost, and the summary and
+``megarl report`` read the folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from megarl.jsonl import append_records, read_records
+from megarl.parallel.restart import read_restarts, record_restart
+from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
+
+STEPS = [{"step": s, "reward/mean": s / 10, "time/step": 1.0} for s in (1, 2)]
+
+
+def test_a_resumed_run_appends_after_a_torn_metrics_line_and_the_summary_and_report_read_it(tmp_path, caplog):
+    """The run crashed while writing step 3's record; resumed from step 2's checkpoint it logs steps 3 and 4."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torn = '{"step": 3, "reward/mean": 0.3, "time/st'
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in STEPS) + torn)
+    logger = MetricsLogger(run / "metrics.jsonl", 4, 2, enabled=True, progress=False, loggers=("jsonl",))
+    with caplog.at_level(logging.WARNING, logger="megarl.jsonl"):
+        logger.log(3, {"reward/mean": 0.35, "time/step": 1.0})
+        logger.log(4, {"reward/mean": 0.4, "time/step": 1.0})
+    logger.close()
+    assert [(h["step"], h["reward/mean"]) for h in read_metrics(run / "metrics.jsonl")] == [
+        (1, 0.1), (2, 0.2), (3, 0.35), (4, 0.4)]
+    assert (run / "metrics.jsonl.torn").read_text() == torn + "\n"           # its bytes kept aside
+    assert [r.message for r in caplog.records if "torn line" in r.message] == [
+        f"{run / 'metrics.jsonl'} ended in a torn line (a process stopped while writing it): its {len(torn)} bytes "
+        f"were moved to {run / 'metrics.jsonl.torn'}; every complete record is kept"]
+    text = summary_text(read_metrics(run / "metrics.jsonl"), run_dir=run, checkpoint=None, hf_export=None, wall_s=1,
+                        steps_this_session=2)
+    assert "finished at step 4" in text and "0.100 0.200 0.350 0.400" in text, text
+    from megarl.trainer.report import write_report
+
+    assert "4 steps; last step: reward 0.400" in write_report(run).read_text()
+
+
+def test_a_record_appended_onto_a_torn_line_by_an_older_megarl_is_read(tmp_path, caplog):
+    """A folder that an older megarl left (step 3's record appended onto step 2's torn one, a garbage line): every
+    complete record is read, each damaged line named in a warning, and a nested object of a torn record is not
+    taken for a record; ``megarl report`` and the restart records read such files too."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [json.dumps(STEPS[0]), '{"step": 2, "reward/mean": 0.2, "ti' + json.dumps({"step": 3, "reward/mean": 0.3}),
+             "\x00\x00garbage", '{"step": 4, "nested": {"a": 9}', json.dumps({"step": 5, "reward/mean": 0.5})]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with caplog.at_level(logging.WARNING, logger="megarl.jsonl"):
+        assert [h["step"] for h in read_metrics(run / "metrics.jsonl")] == [1, 3, 5]
+    warned = [r.message for r in caplog.records]
+    assert any("line 2 starts with 35 characters of a torn record" in m for m in warned), warned
+    assert any("line 3 is not a complete JSON record" in m for m in warned), warned
+    assert any("line 4 is not a complete JSON record" in m for m in warned), warned
+    from megarl.trainer.report import write_report
+
+    assert "5 steps; last step: reward 0.500" in write_report(run).read_text()
+
+    record_restart(run, restart=1, reason="the run failed")
+    with (run / "restarts.jsonl").open("a") as f:
+        f.write('{"time": "2026')                                              # the supervisor killed mid-write
+    record_restart(run, restart=2, reason="the run failed")
+    assert [r["restart"] for r in read_restarts(run)] == [1, 2]
+    append_records(run / "new" / "samples.jsonl", [{"step": 1}, {"step": 2}])  # folder made; nothing torn
+    assert read_records(run / "new" / "samples.jsonl") == [{"step": 1}, {"step": 2}]
+    assert not (run / "new" / "samples.jsonl.torn").exists()
