@@ -164,9 +164,9 @@ LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 
 
 def _hf(model: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from tests.test_reshard_exact import MODELS as EXACT, hf_weights
-    EXACT.setdefault(model, MODELS[model])  # the exact test's weight maker, for these shapes too
-    return {k: v.to(dtype) for k, v in hf_weights(model, seed=1).items()}
+    from tests.test_reshard_exact import hf_weights
+
+    return {k: v.to(dtype) for k, v in hf_weights(MODELS[model], seed=1).items()}
 
 
 def ref_vllm_fp8(model: str, w: dict, tp: int, r: int) -> dict[str, torch.Tensor]:
@@ -233,7 +233,7 @@ def _fp8_world(rank: int, world: int) -> dict:
             w = _hf(model, dtype)
             src = megatron_layout(spec, src_mesh)
             dst = vllm_layout(spec, dst_tp, range(2), quantization="fp8")
-            src_tensors = ref_megatron(model, w, src_mesh.tp, 1, rank % src_mesh.tp, 0)
+            src_tensors = ref_megatron(MODELS[model], w, src_mesh.tp, 1, rank % src_mesh.tp, 0)
             want = ref_vllm_fp8(model, w, dst_tp, rank % dst_tp)
             got = {}  # the quantised tensors start as NaN (unwritten bytes show), the others as the padding's 0
             for name, lt in dst.tensors(rank).items():

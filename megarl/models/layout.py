@@ -47,6 +47,7 @@ from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
+from megarl.config import QUANTIZATIONS
 from megarl.models import fp8
 from megarl.models.lora import LoRASpec, Merge
 from megarl.models.megatron import check_layout, padded_vocab_size
@@ -450,7 +451,6 @@ def check_vllm_tp(spec: ModelSpec, tp: int) -> None:
                         "of embed_tokens")
 
 
-QUANTIZATIONS = ("fp8",)  # rollout.quantization's values besides null (bf16)
 FP8_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
