@@ -39,6 +39,8 @@ def fill_local_tensors(local: Mapping[str, LocalTensor], params: Mapping[str, to
             dst = params[name]
             if tuple(dst.shape) != lt.shape:
                 raise SpecError(f"parameter {name!r} has shape {tuple(dst.shape)}, layout expects {lt.shape}")
+            if lt.scale and dst.dtype not in (fp8.FP8_DTYPE, torch.uint8):
+                raise SpecError(f"parameter {name!r} is block-FP8 in the layout but {dst.dtype} in the model")
             values = torch.zeros(lt.shape, dtype=torch.float32, device=dst.device) if lt.scale else dst
             for block in lt.blocks:
                 src = read_canonical(block.name, block.src_box)

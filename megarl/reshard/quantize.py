@@ -133,3 +133,25 @@ def _view(t: torch.Tensor, row: int, col: int, rows: int, cols: int) -> torch.Te
     if t.dim() == 2:
         return t[row:row + rows, col:col + cols]
     return t[col:col + rows * cols].view(rows, cols)
+
+
+def quantize_tensor(weight: torch.Tensor, use_extension: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a whole 2-D tensor on its own device, tile by tile, with one :class:`QuantBatch` (the reshard's
+    kernel; :func:`megarl.models.fp8.quantize_blocks` is the torch reference).
+
+    Returns:
+        ``(E4M3 [rows, cols], float32 scales [ceil(rows / 128), ceil(cols / 128)])`` on ``weight``'s device.
+    """
+    from megarl.models.fp8 import BLOCK, scale_shape
+
+    rows, cols = weight.shape
+    jobs = []
+    for i in range(0, rows, BLOCK):
+        for j in range(0, cols, BLOCK):
+            size = (min(BLOCK, rows - i), min(BLOCK, cols - j))
+            jobs.append(TileJob(Box("q", (i, j), size), Box("s", (i // BLOCK, j // BLOCK), (1, 1)),
+                                ((Box("w", (i, j), size), (0, 0)),)))
+    out = {"w": weight, "q": torch.empty(rows, cols, dtype=FP8_DTYPE, device=weight.device),
+           "s": torch.empty(scale_shape((rows, cols)), dtype=torch.float32, device=weight.device)}
+    QuantBatch(jobs).run(out, use_extension)
+    return out["q"], out["s"]

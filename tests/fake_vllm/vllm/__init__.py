@@ -63,6 +63,7 @@ class SamplingParams:
     logprobs: int | None = None
     detokenize: bool = True
     output_kind: Any = None
+    ignore_eos: bool = False  # the EOS token of the model's config stops nothing; stop_token_ids still do
 
 
 def TokensPrompt(prompt_token_ids):  # noqa: N802 (vLLM's name: a TypedDict)
