@@ -501,14 +501,13 @@ def _bench_step(p: argparse.ArgumentParser):
 @command("bench", "generation", help="where a vLLM rollout's generation time goes: per-token asks, engine steps, "
                                       "GPU busy vs idle")
 def _bench_generation(p: argparse.ArgumentParser):
-    from megarl.bench.generation import VARIANTS
-
     p.add_argument("config", nargs="?", help="YAML file (parallel_configs/...); omitted: the CPU default")
     p.add_argument("overrides", nargs="*", help="dotted overrides: model.path, rollout.* (the engine and its vLLM "
                    "knobs), data.prompts_per_step, rollout.n, rollout.max_new_tokens (the batch)")
     p.add_argument("--label", default="engine", help="this engine configuration's name in the report")
-    p.add_argument("--variants", default="megarl", help=f"comma-separated, from {','.join(VARIANTS)} (default "
-                   "megarl); the first is profiled")
+    p.add_argument("--variants", default="megarl", help="comma-separated: megarl (the RL generate call), raw, "
+                   "no_seeds, no_logprobs, no_stop, bare (megarl/bench/generation.py); the first is profiled "
+                   "(default megarl)")
     p.add_argument("--repeats", type=positive_int("--repeats"), default=1,
                    help="timed calls per variant; the median is reported (default 1)")
     p.add_argument("--profile-tokens", type=int_at_least("--profile-tokens", 0), default=0,
@@ -518,7 +517,7 @@ def _bench_generation(p: argparse.ArgumentParser):
                    "result; nothing is run")
 
     def run(a: argparse.Namespace) -> int:
-        from megarl.bench.generation import model_spec
+        from megarl.bench.generation import VARIANTS, model_spec
         from megarl.config import load_config
         from megarl.trainer.preflight import validate_for_model
 

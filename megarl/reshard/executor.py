@@ -596,7 +596,9 @@ def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensor
         stats.merge_bytes = sum(dst_tensors[n].numel() for n in aux) * elem + MERGE_CHUNK_BYTES
     gathered = {}
     if plan.gather_rows.get(rank):  # pieces of block-FP8 tiles that no source rank holds whole, then quantised
-        gathered[GATHER] = torch.empty(plan.dst_shape(rank, GATHER), dtype=wire_dtype, device=device)
+        local = [src_tensors[t.src_name].dtype for t in mine.local if t.dst_name == GATHER]
+        dtype = wire_dtype if any(t.dst_name == GATHER for t in mine.recvs) or not local else local[0]
+        gathered[GATHER] = torch.empty(plan.dst_shape(rank, GATHER), dtype=dtype, device=device)
         dst_names.add(GATHER)
     dst_tensors = {**dst_tensors, **gathered}
     if direct_min_bytes is not None:

@@ -21,9 +21,8 @@ from typing import Hashable, Mapping, NamedTuple, Sequence
 import torch
 
 from megarl.models.fp8 import FP8_DTYPE, quantize_tile
-from megarl.reshard.boxcopy import Box, _C, warn_fallback
-
-_warned_missing = False
+from megarl.reshard import boxcopy
+from megarl.reshard.boxcopy import Box, choose_extension
 
 
 class TileJob(NamedTuple):
@@ -98,19 +97,12 @@ class QuantBatch:
             RuntimeError: a box outside its tensor, a wrong dtype, tensors on several devices (the extension's
                 checks; the torch path raises torch's errors).
         """
-        global _warned_missing
         if not len(self):
             return 0
-        if use_extension and _C is None:
-            raise ValueError("use_extension=True but megarl._C is not built (python setup.py build_ext --inplace)")
         bound = [tensors[k] for k in self.keys]
-        if use_extension is None:
-            use_extension = _C is not None
-            if not use_extension and not _warned_missing:
-                warn_fallback(bound[0].device, len(self))
-                _warned_missing = True
-        if use_extension:
-            return _C.quantize_fp8_blocks(self.tiles, self.parts, bound) + (self.tiles.numel() + self.parts.numel()) * 8
+        if choose_extension(use_extension, bound[0].device, len(self)):
+            return boxcopy._C.quantize_fp8_blocks(self.tiles, self.parts, bound) + \
+                (self.tiles.numel() + self.parts.numel()) * 8
         rows_of = self.tiles[:, 8].tolist() + [len(self.parts)]
         parts = self.parts.tolist()
         with torch.no_grad():
