@@ -21,9 +21,10 @@
 #   6. gen_fp8: gen_after with rollout.quantization=fp8 (block-FP8 weights): tokens/s FP8 vs bf16;
 #   7. step_fp8: step_after with FP8 rollouts (token TIS by default): rollout-vs-actor log-prob difference and
 #      TIS truncation, FP8 against stage 4's bf16.
-# With EXTRA=1, three more (~4 minutes): gen_hf (an HF config.json of the same shape: max_position_embeddings
+# With EXTRA=1, five more (~6 minutes): gen_hf (an HF config.json of the same shape: max_position_embeddings
 # 131072, eos and generation_config.json of Qwen2.5-1.5B, the "HF directory" of the peers' comparison),
-# gen_sync (AFTER with async scheduling off) and step_before (the step with main's settings).
+# gen_sync (AFTER with async scheduling off), step_before (the step with main's settings) and gen_7b, gen_7b_fp8
+# (the Qwen2.5-7B shape, bf16 and FP8, the same batch).
 # $OUT/summary.md gets the table (generation before/after with the goal of 1.8x, the step against 7.0 s, the
 # per-step breakdowns, FP8 vs bf16, the baseline's spread against 5%); the last line is "gpu_generation: PASS"
 # or "gpu_generation: FAIL" (exit status 0 or 1).
@@ -93,6 +94,8 @@ gen_after() { generation after megarl,no_logprobs,bare $AFTER; }
 gen_fp8() { generation fp8 megarl $AFTER rollout.quantization=fp8; }
 gen_hf() { hf_config && generation hf megarl model.path="$OUT/hf15"; }
 gen_sync() { generation sync megarl $AFTER rollout.async_scheduling=false; }
+gen_7b() { generation 7b megarl $AFTER model.path=preset:qwen2.5-7b; }
+gen_7b_fp8() { generation 7b_fp8 megarl $AFTER model.path=preset:qwen2.5-7b rollout.quantization=fp8; }
 step_after() {
   step after $AFTER algorithm.rollout_correction.preset=token_tis --steps 3 --warmup 1 --standalone-vllm \
     --standalone-repeats 3
@@ -102,7 +105,7 @@ step_before() { step before --steps 3 --warmup 1; }
 fp8_kernel() { python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_fp8.py; }
 
 export -f install_wheels build_extension generation step hf_config gen_before gen_after gen_fp8 gen_hf gen_sync \
-  step_after step_fp8 step_before fp8_kernel
+  gen_7b gen_7b_fp8 step_after step_fp8 step_before fp8_kernel
 
 stage install 200 install_wheels
 [ $failed -eq 0 ] && stage build 200 build_extension
@@ -117,6 +120,8 @@ if [ $failed -eq 0 ]; then  # the rest runs whatever one of them does, so that o
     stage gen_hf 110 gen_hf
     stage gen_sync 90 gen_sync
     stage step_before 180 step_before
+    stage gen_7b 150 gen_7b
+    stage gen_7b_fp8 150 gen_7b_fp8
   fi
 fi
 python3 -c "from megarl.bench.generation import summary_table; print(summary_table('$OUT'))" > "$OUT/summary.md" 2>&1

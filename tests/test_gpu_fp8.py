@@ -162,8 +162,10 @@ def test_the_fp8_engine_holds_the_quantised_actor_and_decodes_like_it(fp8_engine
     agree = [sum(a == b for a, b in zip(x, y)) / len(y) for x, y in zip(r["vllm_greedy"], r["actor_greedy"])]
     print(f"\nFP8 vLLM engine vs the bf16 actor: greedy tokens agree {agree}, |log-prob diff| mean "
           f"{r['logprob_mean_diff']:.4f}, max {r['logprob_max_diff']:.3f}")
-    assert r["logprob_mean_diff"] < 0.2, r["logprob_mean_diff"]  # noise from wrong weights: several nats
-    assert min(a[0] == b[0] for a, b in zip(r["vllm_greedy"], r["actor_greedy"]))  # the first token of each
+    # FP8 weights and activations are close to bf16, not equal: bounds that wrong or stale weights (noise, ~17
+    # nats on the fake engine of tests/test_rollout_vllm_tp.py's shapes) cannot meet
+    assert r["logprob_mean_diff"] < 1.0, r["logprob_mean_diff"]
+    assert sum(a[0] == b[0] for a, b in zip(r["vllm_greedy"], r["actor_greedy"])) >= 3  # first tokens, of 4 prompts
 
 
 def test_fp8_weights_written_again_take_effect_and_survive_sleep(fp8_engine):

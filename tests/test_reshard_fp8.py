@@ -106,7 +106,7 @@ def _run(case, use_extension):
 
 
 @needs_ext
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(tilings())
 def test_the_extension_quantises_as_the_independent_reference_on_cpu(case):
     want_q, want_s = ref_quantize(case[0])

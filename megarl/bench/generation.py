@@ -337,7 +337,7 @@ def summary_table(folder: str | os.PathLike) -> str:
     before/after with the issue's goal (1.8x), the per-step breakdowns and profiles, FP8 against bf16, the RL step
     against 7.0 s, the standalone baseline's spread against 5%, the HF-directory config against the preset."""
     folder = Path(folder)
-    gens = {label: r for label in ("before", "after", "fp8", "hf", "sync")
+    gens = {label: r for label in ("before", "after", "fp8", "hf", "sync", "7b", "7b_fp8")
             if (r := _load(folder, f"gen_{label}.json")) is not None}
     steps = {label: r for label in ("before", "after", "fp8") if (r := _load(folder, f"step_{label}.json")) is not None}
     out = ["## Generation, one engine per row (megarl bench generation)", "",
@@ -392,6 +392,10 @@ def summary_table(folder: str | os.PathLike) -> str:
     if "fp8" in gens and "after" in gens:
         f, b = gens["fp8"]["variants"]["megarl"], gens["after"]["variants"]["megarl"]
         out.append(f"\nFP8 vs bf16 generation (after settings): {f['tokens_per_s']:,.0f} vs {b['tokens_per_s']:,.0f} "
+                   f"tokens/s ({f['tokens_per_s'] / b['tokens_per_s']:.2f}x)")
+    if "7b" in gens and "7b_fp8" in gens:
+        f, b = gens["7b_fp8"]["variants"]["megarl"], gens["7b"]["variants"]["megarl"]
+        out.append(f"FP8 vs bf16 generation, Qwen2.5-7B shape: {f['tokens_per_s']:,.0f} vs {b['tokens_per_s']:,.0f} "
                    f"tokens/s ({f['tokens_per_s'] / b['tokens_per_s']:.2f}x)")
     if "hf" in gens and "before" in gens:
         h, b = gens["hf"], gens["before"]
