@@ -1,4 +1,5 @@
-"""Build of the ``megarl._C`` extension (the reshard's batched box copies, sources in ``csrc/``).
+"""Build of the ``megarl._C`` extension (the reshard's batched box copies and block-FP8 quantisation, sources in
+``csrc/``).
 
 Package metadata lives in ``pyproject.toml``; this file only adds the extension. Build in place with
 
@@ -21,6 +22,7 @@ try:
 except ImportError:  # an isolated build environment (plain `pip install .`): no torch, so no extension
     torch = None
 
+SOURCES = ["csrc/box_copy.cpp", "csrc/quantize_fp8.cpp"]  # the C++ of both builds; the CUDA build adds csrc/*.cu
 CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
               "-gencode=arch=compute_80,code=compute_80"]
@@ -33,11 +35,11 @@ def _have_nvcc() -> bool:
 
 def _extension():
     if torch.cuda.is_available() and _have_nvcc():
-        return CUDAExtension("megarl._C", ["csrc/box_copy.cpp", "csrc/box_copy_cuda.cu"],
+        return CUDAExtension("megarl._C", SOURCES + ["csrc/box_copy_cuda.cu", "csrc/quantize_fp8_cuda.cu"],
                              define_macros=[("MEGARL_WITH_CUDA", None)],
                              extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
                              extra_link_args=["-fopenmp"])
-    return CppExtension("megarl._C", ["csrc/box_copy.cpp"], extra_compile_args=CXX_FLAGS,
+    return CppExtension("megarl._C", SOURCES, extra_compile_args=CXX_FLAGS,
                         extra_link_args=["-fopenmp"])
 
 

@@ -27,69 +27,15 @@
 #endif
 
 #include "box_copy.h"
+#include "quantize_fp8.h"
+#include "tensor_info.h"
 
 namespace megarl {
 namespace {
-
-// Error messages are built with std::to_string, not with TORCH_CHECK's ostream formatting of several
-// arguments: on the GPU machine's toolchain (g++ 13.3 in /opt/gcc, torch 2.11+cu130) an extension formatting an
-// integer through std::ostringstream in a failing TORCH_CHECK crashed the process (seen 2026-11-29).
-std::string text(const char* s) { return s; }
-std::string text(c10::ScalarType t) { return c10::toString(t); }
-std::string text(const c10::Device& d) { return d.str(); }
-std::string text(c10::IntArrayRef sizes) {
-  std::string out = "[";
-  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
-  return out + "]";
-}
-template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
-std::string text(T v) {
-  return std::to_string(v);
-}
-template <typename... Args>
-std::string cat(const Args&... args) {
-  std::string out;
-  ((out += text(args)), ...);
-  return out;
-}
-
-// What box_copy reads of one tensor, once per call.
-struct TensorInfo {
-  char* data;
-  int64_t elem;
-  int64_t dim;
-  int64_t size0;
-  int64_t size1;
-  int64_t stride0;
-  at::ScalarType dtype;
-};
-
-TensorInfo info_of(const at::Tensor& t, size_t i, const at::Device& device) {
-  TORCH_CHECK(t.device() == device, cat("box_copy: tensor ", i, " is on ", t.device(), ", the others on ", device));
-  TORCH_CHECK(t.dim() == 1 || t.dim() == 2, cat("box_copy: tensor ", i, " has ", t.dim(), " dims (1 or 2 expected)"));
-  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1,
-              cat("box_copy: tensor ", i, " has last-dim stride ", t.stride(-1)));
-  return {static_cast<char*>(t.data_ptr()), static_cast<int64_t>(t.element_size()), t.dim(), t.size(0),
-          t.dim() == 2 ? t.size(1) : 1, t.dim() == 2 ? t.stride(0) : 0, t.scalar_type()};
-}
-
-// Byte address and row stride of one side of box `i`, after checking that the box lies inside its tensor.
-void locate(const TensorInfo& t, int64_t row, int64_t col, int64_t rows, int64_t cols, int64_t i, int64_t* address,
-            int64_t* stride) {
-  if (t.dim == 2) {
-    TORCH_CHECK(row >= 0 && col >= 0 && row + rows <= t.size0 && col + cols <= t.size1,
-                cat("box_copy: box ", i, " [", row, ", ", row + rows, ") x [", col, ", ", col + cols,
-                    ") lies outside its tensor of ", t.size0, " x ", t.size1));
-    *address = reinterpret_cast<int64_t>(t.data) + (row * t.stride0 + col) * t.elem;
-    *stride = t.stride0 * t.elem;
-  } else {
-    TORCH_CHECK(row == 0 && col >= 0 && col + rows * cols <= t.size0,
-                cat("box_copy: packed box ", i, " of ", rows, " x ", cols, " at ", col, " lies outside its buffer of ",
-                    t.size0));
-    *address = reinterpret_cast<int64_t>(t.data) + col * t.elem;
-    *stride = cols * t.elem;
-  }
-}
+using detail::cat;
+using detail::info_of;
+using detail::locate;
+using detail::TensorInfo;
 
 int64_t widest_unit(const BoxDesc& d) {
   uint64_t bits = static_cast<uint64_t>(d.src) | static_cast<uint64_t>(d.dst) | static_cast<uint64_t>(d.row_bytes);
@@ -198,13 +144,23 @@ std::tuple<int64_t, at::Tensor> box_copy(const at::Tensor& boxes, const std::vec
 }  // namespace megarl
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megarl reshard kernels: batched box copies (CPU and CUDA)";
+  m.doc() = "megarl reshard kernels: batched box copies and block-FP8 quantisation (CPU and CUDA)";
   m.def("box_copy", &megarl::box_copy, pybind11::arg("boxes"), pybind11::arg("tensors"),
         "Copy every box of an int64 CPU tensor [n, 8] (src tensor index, src row, src col, dst tensor index, dst "
         "row, dst col, rows, cols), in elements of the listed tensors (2-D: a box; 1-D: rows * cols packed from "
         "col), all on one device: one CUDA launch on the current stream, or at::parallel_for on CPU. Boxes are "
         "checked against their tensors. Returns (bookkeeping bytes, int64 indices of the boxes skipped because "
         "their dtypes differ).");
+  m.def("quantize_fp8_blocks", &megarl::quantize_fp8_blocks, pybind11::arg("tiles"), pybind11::arg("parts"),
+        pybind11::arg("tensors"),
+        "Quantise tiles to block FP8 (E4M3 values, one float32 scale a tile: amax / 448, the format of "
+        "megarl.models.fp8): int64 CPU tables tiles [n, 9] (dst tensor index, dst row, dst col, rows, cols, scale "
+        "tensor index, scale row, scale col, first part) and parts [m, 7] (src tensor index, src row, src col, "
+        "rows, cols, row offset in the tile, col offset in the tile), tile i made of parts [tiles[i, 8], "
+        "tiles[i + 1, 8]) (the last up to m), in elements of the listed tensors (2-D boxes, or 1-D packed as in "
+        "box_copy), all on one device: one CUDA launch on the current stream, or at::parallel_for on CPU. "
+        "Sources float32 / bfloat16 / float16, destinations float8_e4m3fn or uint8, scales float32. Returns "
+        "the bookkeeping bytes.");
   m.attr("cuda") = pybind11::bool_(
 #ifdef MEGARL_WITH_CUDA
       true

@@ -479,6 +479,9 @@ def _bench_step(p: argparse.ArgumentParser):
     p.add_argument("--standalone-vllm", action="store_true",
                    help="then generate the measured batches on a plain vLLM on the same GPU and report the ratio "
                         "(rollout.engine=vllm)")
+    p.add_argument("--standalone-repeats", type=positive_int("--standalone-repeats"), default=3,
+                   help="timed passes of the standalone baseline over the batches; it reports the median and the "
+                        "spread (default 3)")
     p.add_argument("--check", action="store_true", help=CHECK_HELP)
 
     def run(a: argparse.Namespace) -> int:
@@ -497,8 +500,54 @@ def _bench_step(p: argparse.ArgumentParser):
 
         report = bench_step(cfg, steps=a.steps, warmup=a.warmup, json_path=a.json, peak_tflops=a.peak_tflops,
                             sample_interval_s=a.sample_interval, standalone_vllm=a.standalone_vllm,
-                            config_path=config, overrides=overrides)
+                            standalone_repeats=a.standalone_repeats, config_path=config, overrides=overrides)
         return 0 if report["status"] == "ok" else 1
+    return run
+
+
+@command("bench", "generation", help="where a vLLM rollout's generation time goes: per-token asks, engine steps, "
+                                      "GPU busy vs idle")
+def _bench_generation(p: argparse.ArgumentParser):
+    p.add_argument("config", nargs="?", help="YAML file (parallel_configs/...); omitted: the CPU default")
+    p.add_argument("overrides", nargs="*", help="dotted overrides: model.path, rollout.* (the engine and its vLLM "
+                   "knobs), data.prompts_per_step, rollout.n, rollout.max_new_tokens (the batch)")
+    p.add_argument("--label", default="engine", help="this engine configuration's name in the report")
+    p.add_argument("--variants", default="megarl", help="comma-separated: megarl (the RL generate call), raw, "
+                   "no_seeds, no_logprobs, no_stop, bare (megarl/bench/generation.py); the first is profiled "
+                   "(default megarl)")
+    p.add_argument("--repeats", type=positive_int("--repeats"), default=1,
+                   help="timed calls per variant; the median is reported (default 1)")
+    p.add_argument("--profile-tokens", type=int_at_least("--profile-tokens", 0), default=0,
+                   help="profile the first variant on this many new tokens with the torch profiler (default 0: no)")
+    p.add_argument("--json", default=None, help="report file")
+    p.add_argument("--check", action="store_true", help="check the config against its model and print the "
+                   "result; nothing is run")
+
+    def run(a: argparse.Namespace) -> int:
+        from megarl.bench.generation import VARIANTS, model_spec
+        from megarl.config import load_config
+        from megarl.trainer.preflight import validate_for_model
+
+        config, overrides = split_config_and_overrides(a.config, a.overrides)
+        cfg = load_config(config, overrides + ["validation.enabled=false"])
+        variants = [v for v in a.variants.split(",") if v]
+        bad = [v for v in variants if v not in VARIANTS]
+        if bad or not variants:
+            raise UsageError(f"bench generation: --variants {a.variants!r}: choose from {','.join(VARIANTS)}")
+        if cfg.rollout.engine != "vllm" or cfg.rollout.tp != 1:
+            raise UsageError(f"bench generation measures one vLLM engine on one GPU: set rollout.engine=vllm and "
+                             f"rollout.tp=1 (got {cfg.rollout.engine}, tp={cfg.rollout.tp})")
+        spec = model_spec(cfg.model.path)
+        validate_for_model(cfg, spec)
+        if a.check:
+            print(f"megarl bench generation: check passed (model {cfg.model.path}: {spec.num_layers} layers, hidden "
+                  f"{spec.hidden_size}); nothing was run", flush=True)
+            return 0
+        from megarl.bench.generation import bench_generation
+
+        bench_generation(cfg, label=a.label, variants=variants, repeats=a.repeats, profile_tokens=a.profile_tokens,
+                         json_path=a.json)
+        return 0
     return run
 
 

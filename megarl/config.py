@@ -20,6 +20,10 @@ from typing import Any, Optional
 from megarl.algos.registry import (ADVANTAGES, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTION_LEVELS,
                                    ROLLOUT_CORRECTION_MODES, ROLLOUT_CORRECTION_PRESETS)
 
+QUANTIZATIONS = ("fp8",)  # rollout.quantization besides null: the engine weight formats (megarl.models.fp8)
+MODEL_RUNNERS = ("v1", "v2")  # rollout.model_runner besides null (megarl.rollout.vllm_engine: VLLM_USE_V2_MODEL_RUNNER)
+ROLLOUT_CORRECTION_OFF = "none"  # algorithm.rollout_correction.preset that turns it off, also where it defaults on
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot run; the message names the field and the fix."""
@@ -391,6 +395,31 @@ class RolloutConfig:
             length; data.max_prompt_length + max_new_tokens is enough for RL.
         multi_turn: episodes with tools and environments (:class:`MultiTurnConfig`); max_new_tokens is then
             each turn's limit.
+        quantization: the rollout engine's weights: null (bf16) or "fp8": block-FP8 (E4M3, one float32 scale a
+            128 x 128 tile, vLLM's ``fp8`` with ``weight_block_size``), quantised by the reshard while it moves
+            the actor's bf16 shards (half the bytes; the actor trains in bf16); vllm engine, dense models whose
+            TP shards are whole 128-blocks (:func:`megarl.models.layout.check_vllm_fp8`). Its rollout log-probs
+            are those of the FP8 model: ``algorithm.rollout_correction`` then defaults to token-level TIS
+            (``preset: token_tis``; ``preset: none`` turns it off).
+        model_runner: vLLM's model runner: "v1", "v2" or null (vLLM's choice for the architecture: V1 for Qwen2,
+            V2 for Llama, Mistral, Qwen3). V2 samples seeded requests in one kernel; V1 draws each seeded
+            request's noise in a Python loop (see :mod:`megarl.rollout.vllm_engine`).
+        async_scheduling: vLLM's async scheduler (the next step is scheduled while the GPU runs this one); null =
+            vLLM's default (on for megarl's engine).
+        max_num_seqs: sequences vLLM decodes at once; null = vLLM's default (1024 on an H200, 256 on GPUs under
+            70 GiB); a rollout batch above it decodes in waves.
+        max_num_batched_tokens: tokens per vLLM step (prefill chunks); null = vLLM's default (16384 on an
+            H200, 8192 under 70 GiB); at least max_num_seqs.
+        cudagraph_capture_sizes: decode batch sizes vLLM captures as CUDA graphs (enforce_eager=false); null =
+            vLLM's (1, 2, 4, multiples of 8 to 248, of 16 up to max_cudagraph_capture_size).
+        max_cudagraph_capture_size: the largest captured batch (enforce_eager=false); null = vLLM's
+            min(2 * max_num_seqs, 512). A decode step of more sequences runs without graphs.
+        request_seeds: seed every sample on its own (its tokens do not depend on how prompts are batched or split
+            over engines); false: vLLM's generator seeded by run.seed (reproducible for the same batches only),
+            which saves the V1 runner's per-request noise loop.
+
+    The vLLM knobs (quantization to request_seeds) apply to ``engine: vllm``; ``perf/gpu_generation.sh``
+    measures them side by side.
     """
 
     engine: str = "hf"
@@ -405,9 +434,18 @@ class RolloutConfig:
     enforce_eager: bool = True
     max_model_len: Optional[int] = None
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    quantization: Optional[str] = None
+    model_runner: Optional[str] = None
+    async_scheduling: Optional[bool] = None
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    max_cudagraph_capture_size: Optional[int] = None
+    request_seeds: bool = True
 
     def __post_init__(self):
         require(self.engine in ("hf", "vllm"), "rollout.engine", f"must be 'hf' or 'vllm', got {self.engine!r}")
+        self._check_vllm_knobs()
         require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
         require(self.temperature > 0, "rollout.temperature",
                  "must be > 0 for RL (log-probs of a greedy policy are not defined)")
@@ -427,6 +465,36 @@ class RolloutConfig:
                  f"must be in (0, 1] (a fraction of the GPU's memory), got {self.gpu_memory_utilization}")
         require(self.max_model_len is None or self.max_model_len >= 2, "rollout.max_model_len",
                  f"must be null (the model's context) or >= 2 tokens, got {self.max_model_len}")
+
+    def _check_vllm_knobs(self) -> None:
+        require(self.quantization in (None, *QUANTIZATIONS), "rollout.quantization",
+                f"must be null (bf16) or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        require(self.quantization is None or self.engine == "vllm", "rollout.quantization",
+                f"{self.quantization} rollouts need rollout.engine=vllm (the hf engine runs the model dtype)")
+        require(self.model_runner in (None, *MODEL_RUNNERS), "rollout.model_runner",
+                f"must be null (vLLM's choice) or one of {list(MODEL_RUNNERS)}, got {self.model_runner!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_cudagraph_capture_size"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"rollout.{name}", f"must be null (vLLM's default) or >= 1, got {value}")
+        require(None in (self.max_num_seqs, self.max_num_batched_tokens)
+                or self.max_num_batched_tokens >= self.max_num_seqs, "rollout.max_num_batched_tokens",
+                f"{self.max_num_batched_tokens} is below rollout.max_num_seqs={self.max_num_seqs} (vLLM refuses it)")
+        sizes = self.cudagraph_capture_sizes
+        require(sizes is None or (len(sizes) > 0 and min(sizes) >= 1), "rollout.cudagraph_capture_sizes",
+                f"must be null (vLLM's sizes) or a non-empty list of batch sizes >= 1, got {sizes}")
+        for name in ("cudagraph_capture_sizes", "max_cudagraph_capture_size"):
+            require(getattr(self, name) is None or not self.enforce_eager, f"rollout.{name}",
+                    "CUDA graphs are off with rollout.enforce_eager=true; set rollout.enforce_eager=false or leave it null")
+        require(sizes is None or self.max_cudagraph_capture_size is None or max(sizes) == self.max_cudagraph_capture_size,
+                "rollout.max_cudagraph_capture_size", f"{self.max_cudagraph_capture_size} differs from the largest of "
+                f"rollout.cudagraph_capture_sizes ({max(sizes or [0])}); vLLM refuses both given and unequal, set one")
+        vllm_only = {name: getattr(self, name) for name in ("model_runner", "async_scheduling", "max_num_seqs",
+                                                            "max_num_batched_tokens", "cudagraph_capture_sizes",
+                                                            "max_cudagraph_capture_size")}
+        set_fields = [f"rollout.{k}" for k, v in vllm_only.items() if v is not None]
+        set_fields += [] if self.request_seeds else ["rollout.request_seeds"]
+        require(self.engine == "vllm" or not set_fields, set_fields[0] if set_fields else "rollout",
+                f"is a vLLM knob, but rollout.engine={self.engine}; use rollout.engine=vllm or leave its default")
 
 
 PREPARED = ("arithmetic", "calculator", "gsm8k")  # data.prepare's datasets; each writes its train.parquet and test.parquet
@@ -525,13 +593,15 @@ class KLConfig:
 @dataclass
 class RolloutCorrectionConfig:
     """Importance weights between the actor's old log-probs and the rollout engine's, applied to every policy
-    loss (``megarl.algos.rollout_correction``). Off by default (``level: null``); the metrics
-    ``rollout_corr/...`` (k3 KL rollout vs old, ratio mean/min/max, fractions truncated or masked) are logged
-    every step whatever the setting.
+    loss (``megarl.algos.rollout_correction``). Off by default (``level: null``), except with FP8 rollouts
+    (``rollout.quantization: fp8``: token-level TIS, ``preset: token_tis``, as verl and NVIDIA's FP8 recipes); the
+    metrics ``rollout_corr/...`` (k3 KL rollout vs old, ratio mean/min/max, fractions truncated or masked) are
+    logged every step whatever the setting.
 
     Attributes:
         preset: fills the fields left null: "token_tis", "seq_tis" (truncate at 2), "token_mis", "seq_mis"
-            (mask outside [0.5, 2]), "icepop" (token mask outside [0.5, 5]); null = none.
+            (mask outside [0.5, 2]), "icepop" (token mask outside [0.5, 5]); "none": off (also with FP8
+            rollouts); null = none, or token_tis with FP8 rollouts.
         level: "token", "sequence", or null (off).
         mode: "truncate" (TIS: weight min(ratio, cap)) or "mask" (MIS: outside [lower, cap] leaves the loss);
             null = "truncate".
@@ -546,8 +616,11 @@ class RolloutCorrectionConfig:
     lower: Optional[float] = None
 
     def __post_init__(self):
-        require(self.preset is None or self.preset in ROLLOUT_CORRECTION_PRESETS, "algorithm.rollout_correction.preset",
-                 f"must be one of {list(ROLLOUT_CORRECTION_PRESETS)} or null, got {self.preset!r}")
+        require(self.preset in (None, ROLLOUT_CORRECTION_OFF, *ROLLOUT_CORRECTION_PRESETS),
+                "algorithm.rollout_correction.preset",
+                f"must be one of {[*ROLLOUT_CORRECTION_PRESETS, ROLLOUT_CORRECTION_OFF]} or null, got {self.preset!r}")
+        require(self.preset != ROLLOUT_CORRECTION_OFF or self.level is None, "algorithm.rollout_correction.level",
+                f"is {self.level!r} but preset=none turns the correction off; leave one of them null")
         level, mode, cap, lower = self.settings() if self.enabled else (None, "truncate", 2.0, 0.5)
         require(self.level is None or self.level in ROLLOUT_CORRECTION_LEVELS, "algorithm.rollout_correction.level",
                  f"must be one of {ROLLOUT_CORRECTION_LEVELS} or null (off), got {self.level!r}")
@@ -559,8 +632,8 @@ class RolloutCorrectionConfig:
 
     @property
     def enabled(self) -> bool:
-        """A level is set, by the field or by the preset."""
-        return self.level is not None or self.preset is not None
+        """A level is set, by the field or by the preset (not "none")."""
+        return self.level is not None or self.preset not in (None, ROLLOUT_CORRECTION_OFF)
 
     def settings(self) -> tuple[str, str, float, float]:
         """``(level, mode, cap, lower)``: the fields, those left null from the preset, then the defaults."""
@@ -987,6 +1060,10 @@ class Config:
             require(pl.reference == pl.actor and pl.reference_parallel is None, "placement.reference",
                     "with actor.lora the reference policy is the actor with its adapters off, on the actor's pool "
                     f"and layout: set placement.reference={pl.actor} and placement.reference_parallel=null")
+            require(self.rollout.quantization is None, "rollout.quantization",
+                    f"{self.rollout.quantization} rollouts with actor.lora are not supported: the merge writes W + BA "
+                    "into the engine's weights in their dtype, and vLLM's LoRA layers over block-FP8 weights are "
+                    "untested here; use rollout.quantization=null")
         if self.rollout.multi_turn.enabled:
             not_yet = "not with rollout.multi_turn.enabled=true yet (README 'Agentic RL')"
             require(not alg.dynamic_sampling.enabled, "algorithm.dynamic_sampling.enabled", f"must be false: {not_yet}")
@@ -997,6 +1074,9 @@ class Config:
                     "engine must add the same requests at the same scheduler steps, which episodes timed by their "
                     "tools do not (use rollout data parallelism: engines of tp=1 on every rank)")
             require(not lora.enabled, "actor.lora.enabled", f"must be false: {not_yet}")
+        rc = alg.rollout_correction
+        if self.rollout.quantization is not None and rc.preset is None and rc.level is None:
+            rc.preset = "token_tis"  # the FP8 model's log-probs differ from the bf16 actor's (RolloutCorrectionConfig)
 
     @property
     def loss_norm_tokens(self) -> int:

@@ -84,9 +84,14 @@ print(f"step {r['step_time_s']:.2f} s, {r['tokens_per_s_per_gpu']:.0f} tokens/s/
       f"{r['generate_tokens_per_s']:.0f} tokens/s, actor update MFU {upd.get('mfu') or 0:.1%} (datasheet) / "
       f"{upd.get('mfu_vs_measured') or 0:.1%} (measured peak), actor update peak "
       f"{upd.get('peak_memory_bytes', 0) / 2**30:.1f} GiB, GPU util {r['gpu_util']['util_mean_pct'] or 0:.0f}%")
+q = r.get("rollout") or {}
+if q:
+    print("rollout vs actor: " + ", ".join(f"{k} {v:.4g}" for k, v in q.items()))
 s = r.get("standalone_vllm")
 if s:
-    print(f"standalone vLLM: {s.get('tokens_per_s') or 0:.0f} tokens/s, RL generate calls "
+    runs = ", ".join(f"{x:.0f}" for x in s.get("tokens_per_s_runs") or [])
+    print(f"standalone vLLM: median {s.get('tokens_per_s') or 0:.0f} tokens/s of [{runs}] (spread "
+          f"{s.get('spread') or 0:.1%}), RL generate calls "
           f"{s.get('rl_generate_call_tokens_per_s') or 0:.0f} tokens/s: ratio {s.get('ratio') or 0:.3f} "
           f"(phase, sleep included: {s.get('ratio_generate_phase') or 0:.3f}); status {s['status']} "
           f"{s.get('error', '')}")

@@ -166,3 +166,38 @@ def test_generate_recorder_keeps_the_calls_and_forwards_the_rest():
                              "lengths": [1, 2, 2, 3], "seconds": 0.5}]
     rec.calls = 5  # the trainer restores the engine's call counter through the wrapper
     assert engine.calls == 5 and rec.calls == 5
+
+
+def _standalone_on_fake_vllm(rank: int, world: int, request: dict) -> dict:
+    from tests.test_rollout_vllm_tp import _fake_vllm
+
+    _fake_vllm()
+    from megarl.bench.vllm_standalone import run_standalone
+
+    return run_standalone(request)
+
+
+def test_the_standalone_baseline_is_the_median_of_its_timed_passes(tmp_path):
+    """On the fake vLLM (tests/fake_vllm): the baseline builds the rollout engine with the run's settings,
+    generates every recorded call to its recorded lengths once per pass after a warm-up, and reports the median
+    pass with every pass and the spread."""
+    from megarl.models.spec import ModelSpec
+    from megarl.rollout.vllm_engine import VLLMSettings, write_model_dir
+    from tests.distributed import run_world
+
+    spec = ModelSpec("llama", 50, 16, 1, 2, 1, 8, 24, max_position_embeddings=32, eos_token_ids=(1,))
+    write_model_dir(spec, tmp_path)
+    calls = [{"prompts": [[3, 4], [5]], "n": 2, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+              "lengths": [3, 1, 7, 2], "seconds": 0.1},
+             {"prompts": [[6]], "n": 3, "temperature": 0.5, "top_p": 1.0, "top_k": -1, "lengths": [4, 4, 5],
+              "seconds": 0.1}]
+    settings = VLLMSettings(request_seeds=False, max_num_seqs=8).as_dict()
+    request = {"model_dir": str(tmp_path), "calls": calls, "repeats": 3,
+               "engine": {"enforce_eager": True, "gpu_memory_utilization": 0.3, "max_model_len": 32, "seed": 0,
+                          "settings": settings}}
+    r = run_world(_standalone_on_fake_vllm, 1, request, timeout_s=120)[0]
+    assert r["status"] == "ok" and r["repeats"] == 3 and len(r["tokens_per_s_runs"]) == 3
+    assert r["tokens"] == 26 and [c["tokens"] for c in r["per_call"]] == [13, 13]
+    assert r["tokens_per_s"] == sorted(r["tokens_per_s_runs"])[1]
+    runs = r["tokens_per_s_runs"]
+    assert r["spread"] == pytest.approx((max(runs) - min(runs)) / r["tokens_per_s"])

@@ -63,6 +63,62 @@ def test_truncated_sampling_is_refused_naming_the_field_and_the_fix():
     assert (cfg.rollout.top_p, cfg.rollout.top_k) == (1.0, -1)
 
 
+VLLM = ["rollout.engine=vllm"]
+
+
+@pytest.mark.parametrize("overrides,field,says", [
+    (["rollout.quantization=fp8"], "rollout.quantization", "need rollout.engine=vllm"),
+    (VLLM + ["rollout.quantization=int4"], "rollout.quantization", "one of \\['fp8'\\]"),
+    (VLLM + ["rollout.model_runner=v3"], "rollout.model_runner", "one of \\['v1', 'v2'\\]"),
+    (["rollout.model_runner=v2"], "rollout.model_runner", "is a vLLM knob, but rollout.engine=hf"),
+    (["rollout.request_seeds=false"], "rollout.request_seeds", "is a vLLM knob"),
+    (VLLM + ["rollout.max_num_seqs=0"], "rollout.max_num_seqs", ">= 1"),
+    (VLLM + ["rollout.max_num_seqs=512", "rollout.max_num_batched_tokens=256"], "rollout.max_num_batched_tokens",
+     "below rollout.max_num_seqs=512"),
+    (VLLM + ["rollout.cudagraph_capture_sizes=[1,8]"], "rollout.cudagraph_capture_sizes", "enforce_eager=true"),
+    (VLLM + ["rollout.enforce_eager=false", "rollout.cudagraph_capture_sizes=[]"], "rollout.cudagraph_capture_sizes",
+     "non-empty"),
+    (VLLM + ["rollout.enforce_eager=false", "rollout.cudagraph_capture_sizes=[1,8]",
+             "rollout.max_cudagraph_capture_size=16"], "rollout.max_cudagraph_capture_size", "largest"),
+    (VLLM + ["rollout.quantization=fp8", "algorithm.rollout_correction.preset=none",
+             "algorithm.rollout_correction.level=token"], "algorithm.rollout_correction.level", "preset=none"),
+])
+def test_the_vllm_knobs_are_validated_naming_the_field(overrides, field, says):
+    with pytest.raises(ConfigError, match=f"{field}: .*{says}"):
+        load_config(None, overrides)
+
+
+def test_fp8_rollouts_default_to_token_tis_which_preset_none_turns_off():
+    rc = load_config(None, VLLM + ["rollout.quantization=fp8"]).algorithm.rollout_correction
+    assert rc.enabled and rc.settings() == ("token", "truncate", 2.0, 0.0)
+    assert not load_config(None, VLLM).algorithm.rollout_correction.enabled  # bf16: off, as before
+    off = load_config(None, VLLM + ["rollout.quantization=fp8", "algorithm.rollout_correction.preset=none"])
+    assert not off.algorithm.rollout_correction.enabled
+    seq = load_config(None, VLLM + ["rollout.quantization=fp8", "algorithm.rollout_correction.preset=seq_mis"])
+    assert seq.algorithm.rollout_correction.settings()[:2] == ("sequence", "mask")  # a choice of one's own stays
+    knobs = load_config(None, VLLM + ["rollout.enforce_eager=false", "rollout.cudagraph_capture_sizes=[1,8,512]",
+                                      "rollout.async_scheduling=false", "rollout.max_num_seqs=512"]).rollout
+    from megarl.rollout.vllm_engine import VLLMSettings, llm_kwargs
+
+    kwargs = llm_kwargs(VLLMSettings.from_config(knobs), model_dir="m", context=64, seed=0, enforce_eager=False,
+                        gpu_memory_utilization=0.5)
+    assert kwargs["compilation_config"] == {"cudagraph_capture_sizes": [1, 8, 512]}
+    assert (kwargs["async_scheduling"], kwargs["max_num_seqs"]) == (False, 512) and "max_num_batched_tokens" not in kwargs
+
+
+def test_fp8_rollouts_need_whole_128_blocks_at_the_rollout_tp():
+    from megarl.models.spec import preset
+    from megarl.trainer.preflight import validate_for_model
+
+    cfg = load_config(None, VLLM + ["rollout.quantization=fp8", "rollout.tp=4"])
+    with pytest.raises(ConfigError, match="rollout.quantization: vLLM tp=4 with block-FP8 weights: .*gate_up_proj "
+                                          "has 2240 rows"):
+        validate_for_model(cfg, preset("qwen2.5-1.5b"))
+    with pytest.raises(ConfigError, match="rollout.quantization: .*qkv_proj has 576 rows"):
+        validate_for_model(load_config(None, VLLM + ["rollout.quantization=fp8"]), preset("smollm2-135m"))
+    validate_for_model(load_config(None, VLLM + ["rollout.quantization=fp8", "rollout.tp=2"]), preset("qwen2.5-1.5b"))
+
+
 def test_readme_test_command_is_what_ci_runs():
     readme = [ln.strip() for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("    ./build.sh")]
     assert len(readme) == 2 and "megarl train" in readme[0]

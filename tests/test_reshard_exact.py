@@ -35,9 +35,15 @@ MODELS = {
 
 
 # ------------------------------------------------------------------------------ independent reference slicer
-def hf_weights(model: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def _shape(model) -> tuple:
+    """A test model's (family, vocab, hidden, layers, heads, kv heads, head_dim, ffn, tied): its name in
+    :data:`MODELS`, or the tuple itself (other tests' shapes)."""
+    return MODELS[model] if isinstance(model, str) else model
+
+
+def hf_weights(model, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random HF state dict of a test model (fp32)."""
-    fam, vocab, h, layers, heads, kv, hd, ffn, tied = MODELS[model]
+    fam, vocab, h, layers, heads, kv, hd, ffn, tied = _shape(model)
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape):
@@ -71,9 +77,9 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def ref_megatron(model: str, w: dict, tp: int, pp: int, r: int, stage: int) -> dict[str, torch.Tensor]:
+def ref_megatron(model, w: dict, tp: int, pp: int, r: int, stage: int) -> dict[str, torch.Tensor]:
     """megatron-core GPTModel parameters of TP rank ``r`` on pipeline stage ``stage`` (local layer spec)."""
-    fam, vocab, h, layers, heads, kv, hd, ffn, tied = MODELS[model]
+    fam, vocab, h, layers, heads, kv, hd, ffn, tied = _shape(model)
     multiple = 128 * tp // math.gcd(128, tp)
     padded = -(-vocab // multiple) * multiple
     out = {}

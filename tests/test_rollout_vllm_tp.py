@@ -72,6 +72,7 @@ def _engines(rank: int, world: int, task: tuple) -> dict:
             wrong_shards=wrong, engine_ranks=engine.llm.ranks, generated=engine.llm.generated,
             samples=[(s.prompt_index, s.sample_index, s.token_ids, s.logprobs.tolist(), s.finish_reason)
                      for s in result.samples])
+    out["fp8"] = _fp8_engines(rank, world)
     # the check can fail: ranks of one TP engine splitting the prompts over the world disagree
     try:
         generate_data_parallel(engine, PROMPTS, SamplingConfig(**SAMPLING), group=None)
@@ -80,6 +81,47 @@ def _engines(rank: int, world: int, task: tuple) -> dict:
         out["split_over_world"] = str(e)
     out["trainer"] = _trainer_step(rank, *task)
     return out
+
+
+def _fp8_engines(rank: int, world: int) -> dict:
+    """Block-FP8 engines of TP=2 with every vLLM knob of VLLMSettings set: the reshard from Megatron TP=2 x DP=2
+    and the HF state dict's writer (each quantising on its own) give the same E4M3 bytes and scales, those of
+    quantising the HF tensors then slicing (tests.test_reshard_fp8), and the same samples."""
+    from megarl.models.layout import megatron_layout
+    from megarl.models.spec import ModelSpec
+    from megarl.parallel.mesh import ParallelLayout
+    from megarl.reshard.executor import execute_plan
+    from megarl.reshard.planner import plan_reshard
+    from megarl.rollout.base import SamplingConfig, state_dict_writer
+    from megarl.rollout.vllm_engine import VLLMRolloutEngine, VLLMSettings
+    from tests.test_reshard_fp8 import MODELS as FP8_MODELS, _hf, ref_vllm_fp8
+
+    fam, vocab, h, layers, heads, kv, hd, ffn, tied = FP8_MODELS["aligned"]
+    spec = ModelSpec(fam, vocab, h, layers, heads, kv, hd, ffn, tie_word_embeddings=tied, max_position_embeddings=64)
+    w = _hf("aligned", torch.bfloat16)
+    settings = VLLMSettings(quantization="fp8", model_runner="v2", async_scheduling=True, max_num_seqs=8,
+                            max_num_batched_tokens=64, cudagraph_capture_sizes=(1, 8), max_cudagraph_capture_size=8,
+                            request_seeds=False)
+    by_reshard = VLLMRolloutEngine(spec, tp=2, settings=settings, enforce_eager=False)
+    mesh = ParallelLayout(2, 1, world // 2)
+    plan = plan_reshard(megatron_layout(spec, mesh), by_reshard.weight_layout(range(world)))
+    src = ref_megatron(FP8_MODELS["aligned"], w, 2, 1, rank % 2, 0)
+    by_reshard.update_weights(lambda dst: execute_plan(plan, src, dst, bucket_bytes=20_000))
+    by_writer = VLLMRolloutEngine(spec, tp=2, settings=settings, enforce_eager=False)
+    by_writer.update_weights(state_dict_writer(w, by_writer.weight_layout(range(world)), rank))
+    want = ref_vllm_fp8("aligned", w, 2, rank % 2)
+
+    def raw(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    sampling = SamplingConfig(**SAMPLING)
+    return dict(
+        wrong_reshard=[n for n, t in by_reshard._params.items() if not torch.equal(raw(t), want[n])],
+        wrong_writer=[n for n, t in by_writer._params.items() if not torch.equal(raw(t), want[n])],
+        dtypes=sorted({str(t.dtype) for t in by_reshard._params.values()}),
+        kwargs=by_reshard.llm.kwargs,
+        same_samples=[s.token_ids for s in by_reshard.generate(PROMPTS, sampling).samples] ==
+        [s.token_ids for s in by_writer.generate(PROMPTS, sampling).samples])
 
 
 def _trainer_step(rank: int, model_dir: Path, data: Path, runs: Path) -> dict:
@@ -166,6 +208,17 @@ def test_ranks_of_one_engine_must_make_the_same_calls(engines):
     # the last case has 2 engines of TP=2: splitting over the world gives its two ranks different shares
     assert all("made different generate calls" in r["split_over_world"] for r in engines), engines[0]
     assert FAKE not in sys.path  # the fake lives in the spawned ranks only (later worlds inherit this path)
+
+
+def test_fp8_engines_hold_the_quantised_shards_and_take_every_vllm_knob(engines):
+    for rank, r in enumerate(engines):
+        f = r["fp8"]
+        assert not f["wrong_reshard"] and not f["wrong_writer"], (rank, f["wrong_reshard"], f["wrong_writer"])
+        assert f["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float8_e4m3fn"], f["dtypes"]
+        assert f["same_samples"], rank
+        assert f["kwargs"]["compilation_config"] == {"cudagraph_capture_sizes": [1, 8], "max_cudagraph_capture_size": 8}
+        assert (f["kwargs"]["async_scheduling"], f["kwargs"]["max_num_seqs"], f["kwargs"]["max_num_batched_tokens"]) == \
+            (True, 8, 64)
 
 
 def test_the_trainer_generates_with_rollout_tp_2(engines):

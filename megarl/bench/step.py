@@ -37,11 +37,17 @@ by rank 0, that ``megarl sweep`` collects. Its keys:
   ``mode``, ``max_staleness`` and ``rollout_pool``; ``wait_rollout`` is then the training ranks' wait for a
   batch, and ``generate`` the rollout pool's seconds, beside the other phases);
 - ``per_step``: the seconds of every phase of every measured step;
+- ``rollout``: means over the measured steps of the rollout's agreement with the actor (present when the
+  trainer logs them): ``rollout_vs_old_logprob_diff`` (mean |rollout - old log-prob| of response tokens),
+  ``kl_k3`` and ``truncated_frac`` (``rollout_corr/*``: the k3 KL of rollout vs old, the share of tokens whose
+  TIS weight was cut), the quantity FP8 rollouts change;
 - with ``--standalone-vllm`` (vLLM rollouts), ``standalone_vllm``: rank 0's generate calls of the measured
-  steps run again on a plain vLLM on the same GPU (:mod:`megarl.bench.vllm_standalone`): ``status``,
-  ``init_s``, ``tokens``, ``seconds``, ``tokens_per_s``, ``rl_generate_call_tokens_per_s`` (the engine's own
-  calls), ``rl_generate_phase_tokens_per_s_per_gpu`` (the phase, its sleep included), ``ratio`` (RL call /
-  standalone) and ``ratio_generate_phase``; null on the other ranks.
+  steps run again on a one-rank rollout engine of the same settings on the same GPU, warmed up, median of
+  ``--standalone-repeats`` passes (:mod:`megarl.bench.vllm_standalone`): ``status``, ``init_s``, ``tokens``,
+  ``seconds``, ``tokens_per_s`` (median pass), ``tokens_per_s_runs``, ``spread`` ((max - min) / median),
+  ``repeats``, ``rl_generate_call_tokens_per_s`` (the engine's own calls), ``rl_generate_phase_tokens_per_s_per_gpu``
+  (the phase, its sleep included), ``ratio`` (RL call / standalone) and ``ratio_generate_phase``; null on the
+  other ranks.
 
 Units: seconds, tokens, FLOPs, bytes, percent for utilisation, fractions (0-1) for MFU.
 """
@@ -73,12 +79,14 @@ PHASE_ORDER = ("wake_up", "reshard", "generate", "reward", "old_logprobs", "refe
 
 def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.PathLike | None = None,
                peak_tflops: float | None = None, sample_interval_s: float = 0.1, standalone_vllm: bool = False,
-               config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+               standalone_repeats: int = 3, config_path: str | None = None,
+               overrides: list[str] | None = None) -> dict[str, Any]:
     """Run ``warmup + steps`` RL steps of ``cfg`` on this rank (call on every rank) and report the measured ones.
 
     Args:
         standalone_vllm: afterwards, generate rank 0's batches of the measured steps again on a plain vLLM
             (:mod:`megarl.bench.vllm_standalone`) and report the ratio (``standalone_vllm`` in the report).
+        standalone_repeats: timed passes of that baseline (its median and spread are reported).
 
     Returns:
         The report (see the module docstring), on every rank; rank 0 prints the table and writes the JSON.
@@ -104,8 +112,9 @@ def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.Path
         report.update(summarize(run["history"], run["world"], peaks))
         report["gpu_util"] = _gather_utilization(run["utilization"])
         report["peak_memory_bytes"] = max((p["peak_memory_bytes"] for p in report["phases"].values()), default=0)
+        report["rollout"] = rollout_agreement(run["history"])
         if standalone_vllm:
-            report["standalone_vllm"] = _standalone_vllm(cfg, run, report)
+            report["standalone_vllm"] = _standalone_vllm(cfg, run, report, standalone_repeats)
     except Exception as e:
         oom = isinstance(e, torch.cuda.OutOfMemoryError)
         report.update(status="oom" if oom else "error", error=f"{type(e).__name__}: {e}")
@@ -168,20 +177,38 @@ def _one_step(trainer, batches) -> dict[str, Any]:
     return metrics
 
 
-def _standalone_vllm(cfg: Config, run: dict[str, Any], report: dict[str, Any]) -> dict[str, Any] | None:
+ROLLOUT_METRICS = {"rollout_vs_old_logprob_diff": "actor/rollout_vs_old_logprob_diff", "kl_k3": "rollout_corr/kl_k3",
+                   "truncated_frac": "rollout_corr/truncated_frac"}
+
+
+def rollout_agreement(history: list[dict[str, Any]]) -> dict[str, float]:
+    """The report's ``rollout`` section: the mean of each of :data:`ROLLOUT_METRICS` over the measured steps
+    that logged it (absent where none did)."""
+    out = {}
+    for name, key in ROLLOUT_METRICS.items():
+        values = [float(h[key]) for h in history if key in h]
+        if values:
+            out[name] = sum(values) / len(values)
+    return out
+
+
+def _standalone_vllm(cfg: Config, run: dict[str, Any], report: dict[str, Any], repeats: int) -> dict[str, Any] | None:
     """Rank 0 runs :mod:`megarl.bench.vllm_standalone` in a child process on its GPU on its recorded calls
     (the other ranks wait); returns the child's result with the RL rates and their ratios to it."""
+    from megarl.rollout.vllm_engine import VLLMSettings, write_model_dir
+
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     result = None
     if _rank() == 0:
         with tempfile.TemporaryDirectory(prefix="megarl-standalone-") as tmp:
-            run["spec"].to_hf_config().save_pretrained(tmp)
             r = cfg.rollout
-            request = {"model_dir": tmp, "calls": run["recorded"],
+            write_model_dir(run["spec"], tmp, r.quantization)
+            request = {"model_dir": tmp, "calls": run["recorded"], "repeats": repeats,
                        "engine": {"enforce_eager": r.enforce_eager, "gpu_memory_utilization": r.gpu_memory_utilization,
-                                  "max_model_len": run["spec"].max_position_embeddings, "seed": cfg.run.seed}}
+                                  "max_model_len": run["spec"].max_position_embeddings, "seed": cfg.run.seed,
+                                  "settings": VLLMSettings.from_config(r).as_dict()}}
             Path(tmp, "request.json").write_text(json.dumps(request))
             free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
             proc = subprocess.run([sys.executable, "-m", "megarl.bench.vllm_standalone", f"{tmp}/request.json",

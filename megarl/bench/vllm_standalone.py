@@ -6,19 +6,26 @@ the trainer, and runs this module in a child process on the same GPU::
 
     python -m megarl.bench.vllm_standalone REQUEST.json RESULT.json
 
-The child starts a plain ``vllm.LLM`` (no sleep mode, no external launcher, no weight updates) on the same
-model shape with dummy weights, the same dtype (bf16), ``enforce_eager``, ``gpu_memory_utilization`` and
-``max_model_len``, and the same in-process engine core (:data:`megarl.rollout.vllm_engine.VLLM_ENV`). It
-generates every recorded call again: one seeded request per sample, as the rollout engine sends them, each
-forced to the recorded response length (``min_tokens = max_tokens = length``, ``ignore_eos``) so that both
-runs decode exactly the same number of tokens per request, with the sampled token's log-prob as in RL. The
-first call is run once untimed (warm-up). The ratio RL / standalone is reported by ``bench step``.
+The child builds the rollout engine itself (:class:`~megarl.rollout.vllm_engine.VLLMRolloutEngine` on a world of
+one rank, with the RL engine's TP-1 settings: the same ``vllm.LLM`` arguments, :func:`~megarl.rollout.vllm_engine.
+llm_kwargs`, sleep mode and external launcher included, the same :class:`~megarl.rollout.vllm_engine.VLLMSettings`,
+dtype, ``enforce_eager``, ``gpu_memory_utilization``, ``max_model_len`` and block-FP8 weights where the run had
+them), and generates the recorded calls again on its dummy weights, without sleeping or weight updates: one
+request per sample as the rollout engine sends them (seeded when the run seeds them, the sampled token's
+log-prob asked for), each forced to the recorded length (``max_tokens = length``, ``ignore_eos``, no stop ids;
+no ``min_tokens``, whose logits processor the RL requests do not pay), so that both decode the same tokens.
+The prefix cache is dropped before each call, as the rollout engine does at every wake-up.
+
+Measurement: the first recorded call once, untimed (warm-up: lazily built kernels and graphs), then
+``repeats`` timed passes over all recorded calls (garbage collected before each call); the result is the median
+pass, with every pass's rate and the spread ``(max - min) / median``. The ratio RL / standalone is reported by
+``bench step``.
 """
 
 from __future__ import annotations
 
+import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -57,53 +64,69 @@ class GenerateRecorder:
 
 
 def run_standalone(request: dict[str, Any]) -> dict[str, Any]:
-    """Generate the recorded calls of ``request`` on a plain ``vllm.LLM`` (see the module docstring).
+    """Generate the recorded calls of ``request`` on a one-rank rollout engine (see the module docstring).
 
     Args:
-        request: ``{"model_dir": a directory with the model's config.json, "engine": {enforce_eager,
-            gpu_memory_utilization, max_model_len, seed}, "calls": [GenerateRecorder.recorded entries]}``.
+        request: ``{"model_dir": a directory with the engine's config.json, "engine": {enforce_eager,
+            gpu_memory_utilization, max_model_len, seed, settings (VLLMSettings fields)}, "calls":
+            [GenerateRecorder.recorded entries], "repeats": timed passes (default 3)}``.
 
     Returns:
-        ``{"status": "ok", "init_s", "tokens", "seconds", "tokens_per_s", "per_call": [{tokens, seconds}]}``.
+        ``{"status": "ok", "init_s", "tokens" (a pass), "seconds" (the median pass), "tokens_per_s" (its rate),
+        "tokens_per_s_runs" (every pass), "spread" ((max - min) / median rate), "repeats", "per_call": [{tokens,
+        seconds}] (the median pass)}``.
 
     Raises:
-        ImportError: vllm is not installed. ValueError: no recorded call.
+        ImportError: vllm is not installed. ValueError: no recorded call, or repeats < 1.
     """
-    from megarl.rollout.vllm_engine import VLLM_ENV
+    from types import SimpleNamespace
 
+    from megarl.models.spec import ModelSpec
+    from megarl.parallel.mesh import init_distributed
+    from megarl.rollout.vllm_engine import VLLMRolloutEngine, VLLMSettings
+
+    repeats = int(request.get("repeats", 3))
     if not request["calls"]:
         raise ValueError("no generate call was recorded")
-    os.environ.update(VLLM_ENV)
-    import vllm
-    from vllm import SamplingParams, TokensPrompt
-
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     e = request["engine"]
+    settings = VLLMSettings.from_config(SimpleNamespace(**e["settings"]))
+    spec = ModelSpec.from_hf_config(json.loads((Path(request["model_dir"]) / "config.json").read_text()))
     start = time.perf_counter()
-    llm = vllm.LLM(model=request["model_dir"], skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
-                   enforce_eager=e["enforce_eager"], gpu_memory_utilization=e["gpu_memory_utilization"],
-                   max_model_len=e["max_model_len"], seed=e["seed"], logprobs_mode="processed_logprobs")
+    init_distributed()  # a world of this one process (no torchrun variables: see bench step's child env)
+    engine = VLLMRolloutEngine(spec, tp=1, gpu_memory_utilization=e["gpu_memory_utilization"],
+                               enforce_eager=e["enforce_eager"], max_model_len=e["max_model_len"], seed=e["seed"],
+                               settings=settings)
     init_s = time.perf_counter() - start
+    from vllm import SamplingParams, TokensPrompt
 
     def requests(call):
         rows = [(k, j) for k in range(len(call["prompts"])) for j in range(call["n"])]
         prompts = [TokensPrompt(prompt_token_ids=call["prompts"][k]) for k, _ in rows]
         params = [SamplingParams(n=1, temperature=call["temperature"], top_p=call["top_p"],
                                  top_k=0 if call["top_k"] == -1 else call["top_k"], max_tokens=length,
-                                 min_tokens=length, ignore_eos=True, seed=i, logprobs=0, detokenize=False)
+                                 ignore_eos=True, seed=i if settings.request_seeds else None, logprobs=0,
+                                 detokenize=False)
                   for i, length in enumerate(call["lengths"])]
         return prompts, params
 
-    llm.generate(*requests(request["calls"][0]), use_tqdm=False)  # warm-up
-    per_call = []
-    for call in request["calls"]:
+    def timed(call) -> dict[str, float]:
+        engine.llm.reset_prefix_cache()  # as the rollout engine at every wake-up
+        gc.collect()
         prompts, params = requests(call)
         t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t
-        per_call.append({"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": seconds})
-    tokens, seconds = sum(c["tokens"] for c in per_call), sum(c["seconds"] for c in per_call)
-    return {"status": "ok", "init_s": init_s, "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "per_call": per_call}
+        outs = engine.llm.generate(prompts, params, use_tqdm=False)
+        return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": time.perf_counter() - t}
+
+    timed(request["calls"][0])  # warm-up
+    passes = [[timed(call) for call in request["calls"]] for _ in range(repeats)]
+    rates = [sum(c["tokens"] for c in p) / sum(c["seconds"] for c in p) for p in passes]
+    median = sorted(range(repeats), key=lambda i: rates[i])[repeats // 2]
+    tokens, seconds = (sum(c[k] for c in passes[median]) for k in ("tokens", "seconds"))
+    return {"status": "ok", "init_s": init_s, "tokens": tokens, "seconds": seconds, "tokens_per_s": rates[median],
+            "tokens_per_s_runs": rates, "spread": (max(rates) - min(rates)) / rates[median], "repeats": repeats,
+            "per_call": passes[median]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,6 +47,8 @@ from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
+from megarl.config import QUANTIZATIONS
+from megarl.models import fp8
 from megarl.models.lora import LoRASpec, Merge
 from megarl.models.megatron import check_layout, padded_vocab_size
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
@@ -91,11 +93,20 @@ class LocalTensor:
     """One tensor a rank holds: its local name, its shape and the canonical blocks it is made of.
 
     Elements of the local tensor covered by no block (vocab padding) are not part of the model.
+
+    Attributes:
+        scale: for a block-FP8 weight (vLLM's ``quantization: fp8``, :mod:`megarl.models.fp8`): the local name
+            of its float32 scale tensor; the tensor itself holds E4M3 values of its blocks' elements, quantised
+            per 128 x 128 tile of *this local tensor* (tile ``(i, j)`` covers rows ``[128 i, 128 i + 128)`` and
+            columns ``[128 j, 128 j + 128)``, cut at the edges). The scale tensor is a :class:`LocalTensor` of
+            its own, of shape :func:`megarl.models.fp8.scale_shape` and without blocks (it is derived from the
+            weight, not part of the canonical model). None: the tensor holds the values themselves.
     """
 
     name: str
     shape: tuple[int, ...]
     blocks: tuple[Block, ...]
+    scale: str | None = None
 
 
 @dataclass(frozen=True)
@@ -440,8 +451,71 @@ def check_vllm_tp(spec: ModelSpec, tp: int) -> None:
                         "of embed_tokens")
 
 
-def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int) -> dict[str, LocalTensor]:
-    """The local tensors of vLLM TP rank ``r`` (``model.named_parameters()`` names of vLLM's Llama/Qwen2)."""
+FP8_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+# vLLM 0.24.0's block-FP8 linear layers (model_executor/layers/quantization/fp8.py, Fp8LinearMethod with
+# weight_block_size [128, 128], read 2026-12-02): create_weights registers `weight` (float8_e4m3fn
+# [out_per_partition, in_per_partition]) and `weight_scale_inv` (float32 [ceil(out / 128), ceil(in / 128)]) and
+# calls utils/fp8_utils.py validate_fp8_block_shape, which raises unless (a) a row-parallel layer split over TP
+# (input_size // input_per_partition == tp > 1) has input_per_partition % 128 == 0, and (b) a layer split over TP
+# on its output (output_size // sum(partitions) == tp > 1) has every output partition % 128 == 0, a merged layer
+# (QKV, gate/up) that is not such a split every partition but the last. Embeddings, the LM head and norms stay
+# in the model dtype (VocabParallelEmbedding is no LinearBase); MoE experts take another method (Fp8MoEMethod).
+def check_vllm_fp8(spec: ModelSpec, tp: int) -> None:
+    """Check that vLLM 0.24 can serve ``spec`` at TP=``tp`` with block-FP8 weights (vLLM's rules above).
+
+    Raises:
+        SpecError: naming the layer and the size that 128 does not divide, or an MoE model.
+    """
+    check_vllm_tp(spec, tp)
+    if spec.is_moe:
+        raise SpecError("block-FP8 rollouts are described for dense models only (vLLM's Fp8MoEMethod lays the "
+                        "experts out otherwise); use rollout.quantization=null for an MoE model")
+    hd, b = spec.head_dim, fp8.BLOCK
+    kv_local = 1 if tp >= spec.num_kv_heads else spec.num_kv_heads // tp
+    merged = {"qkv_proj": ([spec.q_size // tp, kv_local * hd, kv_local * hd], spec.q_size + 2 * spec.num_kv_heads * hd),
+              "gate_up_proj": ([spec.ffn_hidden_size // tp] * 2, 2 * spec.ffn_hidden_size)}
+    for layer, (parts, total) in merged.items():
+        checked = parts if tp > 1 and total // sum(parts) == tp else parts[:-1]
+        for size in checked:
+            if size % b:
+                raise SpecError(f"vLLM tp={tp} with block-FP8 weights: an output partition of {layer} has {size} "
+                                f"rows, not a multiple of the {b}-row quantisation block (partitions {parts})")
+    if tp > 1:
+        for layer, cols in (("o_proj", spec.q_size), ("down_proj", spec.ffn_hidden_size)):
+            if (cols // tp) % b:
+                raise SpecError(f"vLLM tp={tp} with block-FP8 weights: {layer} holds {cols // tp} input columns "
+                                f"a rank, not a multiple of the {b}-column quantisation block")
+
+
+def _block_fp8(out: list[LocalTensor]) -> list[LocalTensor]:
+    """``out`` with the weights of :data:`FP8_LINEARS` marked block-FP8 and their scale tensors added."""
+    quantised = []
+    for lt in out:
+        if lt.name.endswith(".weight") and lt.name.removesuffix(".weight").endswith(FP8_LINEARS):
+            scale = lt.name.removesuffix("weight") + "weight_scale_inv"
+            quantised += [LocalTensor(lt.name, lt.shape, lt.blocks, scale),
+                          LocalTensor(scale, fp8.scale_shape(lt.shape), ())]
+        else:
+            quantised.append(lt)
+    return quantised
+
+
+def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None = None) -> dict[str, LocalTensor]:
+    """The local tensors of vLLM TP rank ``r`` (``model.named_parameters()`` names of vLLM's Llama/Qwen2).
+
+    Args:
+        quantization: None (the model dtype) or "fp8": the four linear weights of every layer block-FP8
+            (:attr:`LocalTensor.scale`), each with its ``weight_scale_inv`` (:func:`check_vllm_fp8`).
+
+    Raises:
+        SpecError: the TP (or FP8 at this TP) does not fit the model, or an unknown quantization.
+    """
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise SpecError(f"quantization must be null or one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "fp8":
+        check_vllm_fp8(spec, tp)
     check_vllm_tp(spec, tp)
     h, hd = spec.hidden_size, spec.head_dim
     vp = vllm_padded_vocab(spec.vocab_size)
@@ -478,6 +552,8 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int) -> dict[str, LocalTensor
     out.append(_whole("model.norm.weight", (h,)))
     if not spec.tie_word_embeddings:
         out.append(_vocab_shard("lm_head.weight", "lm_head.weight", spec.vocab_size, vp, tp, r, h))
+    if quantization == "fp8":
+        out = _block_fp8(out)
     return {lt.name: lt for lt in out}
 
 
@@ -514,19 +590,21 @@ def _vllm_moe(spec: ModelSpec, layer: int, tp: int, r: int) -> list[LocalTensor]
     return out
 
 
-def vllm_layout(spec: ModelSpec, tp: int, ranks: Iterable[int]) -> Layout:
+def vllm_layout(spec: ModelSpec, tp: int, ranks: Iterable[int], quantization: str | None = None) -> Layout:
     """vLLM engines of TP=``tp`` on ``ranks``: engine ``k`` is ``ranks[k*tp:(k+1)*tp]``, its TP rank ``i``
-    is ``ranks[k*tp + i]`` (several engines = rollout data parallelism).
+    is ``ranks[k*tp + i]`` (several engines = rollout data parallelism); ``quantization`` as in
+    :func:`vllm_rank_tensors`.
 
     Raises:
-        SpecError: the TP does not fit the model (:func:`check_vllm_tp`) or does not divide ``len(ranks)``.
+        SpecError: the TP (or FP8 at this TP) does not fit the model (:func:`check_vllm_tp`,
+            :func:`check_vllm_fp8`) or does not divide ``len(ranks)``.
     """
     ranks = list(ranks)
     if len(ranks) % tp:
         raise SpecError(f"vLLM layout: tp={tp} does not divide the {len(ranks)} rollout ranks")
-    per_tp = [vllm_rank_tensors(spec, tp, r) for r in range(tp)]
+    per_tp = [vllm_rank_tensors(spec, tp, r, quantization) for r in range(tp)]
     return Layout("vllm", spec, canonical_shapes(spec), {g: per_tp[i % tp] for i, g in enumerate(ranks)},
-                  ("vllm", _shape_key(spec), tp, tuple(ranks)))
+                  ("vllm", _shape_key(spec), tp, tuple(ranks), quantization))
 
 
 # ----------------------------------------------------------------------------------------- HF

@@ -10,6 +10,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from megarl.models import fp8
 from megarl.models.layout import LocalTensor, hf_layout, local_views
 from megarl.models.spec import ModelSpec, SpecError
 
@@ -24,6 +25,9 @@ def fill_local_tensors(local: Mapping[str, LocalTensor], params: Mapping[str, to
         read_canonical: ``(canonical name, box) -> tensor`` giving that box of the canonical tensor (a
             safetensors slice, a slice of an in-memory state dict, ...).
 
+    A block-FP8 local tensor (:attr:`~megarl.models.layout.LocalTensor.scale`) is assembled in float32 and
+    quantised (:func:`megarl.models.fp8.quantize_blocks`) into it and its scale tensor.
+
     Raises:
         SpecError: a local tensor missing from ``params`` or of another shape.
     """
@@ -35,9 +39,16 @@ def fill_local_tensors(local: Mapping[str, LocalTensor], params: Mapping[str, to
             dst = params[name]
             if tuple(dst.shape) != lt.shape:
                 raise SpecError(f"parameter {name!r} has shape {tuple(dst.shape)}, layout expects {lt.shape}")
+            if lt.scale and dst.dtype not in (fp8.FP8_DTYPE, torch.uint8):
+                raise SpecError(f"parameter {name!r} is block-FP8 in the layout but {dst.dtype} in the model")
+            values = torch.zeros(lt.shape, dtype=torch.float32, device=dst.device) if lt.scale else dst
             for block in lt.blocks:
                 src = read_canonical(block.name, block.src_box)
-                dst[block.dst_box].copy_(src)
+                values[block.dst_box].copy_(src)
+            if lt.scale:
+                q, scales = fp8.quantize_blocks(values)
+                dst.copy_(q.view(dst.dtype))
+                params[lt.scale].copy_(scales)
 
 
 def state_dict_reader(state_dict: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]):

@@ -67,6 +67,24 @@ class Box(NamedTuple):
     packed: bool = False
 
 
+def choose_extension(use_extension: bool | None, device: torch.device, boxes: int) -> bool:
+    """Whether a batch of ``boxes`` copies (or tiles) on ``device`` runs on ``megarl._C``: ``use_extension`` as
+    given, None meaning where built (the first run without it warns once, :func:`warn_fallback`).
+
+    Raises:
+        ValueError: ``use_extension=True`` without the extension.
+    """
+    global _warned_missing
+    if use_extension and _C is None:
+        raise ValueError("use_extension=True but megarl._C is not built (python setup.py build_ext --inplace)")
+    if use_extension is None:
+        use_extension = _C is not None
+        if not use_extension and not _warned_missing:
+            warn_fallback(device, boxes)
+            _warned_missing = True
+    return use_extension
+
+
 def extension_available() -> bool:
     """True where ``megarl._C`` is built and importable."""
     return _C is not None
@@ -136,17 +154,10 @@ class BoxBatch:
             ValueError: ``use_extension=True`` without the extension.
             RuntimeError: a box outside its tensor, tensors on several devices or without a contiguous last dim.
         """
-        global _warned_missing
         if not len(self):
             return 0
-        if use_extension and _C is None:
-            raise ValueError("use_extension=True but megarl._C is not built (python setup.py build_ext --inplace)")
         bound = [tensors[k] for k in self.keys]
-        if use_extension is None:
-            use_extension = _C is not None
-            if not use_extension and not _warned_missing:
-                warn_fallback(bound[0].device, len(self))
-                _warned_missing = True
+        use_extension = choose_extension(use_extension, bound[0].device, len(self))
         booked = 0
         if use_extension:
             booked, left = _C.box_copy(self.table, bound)

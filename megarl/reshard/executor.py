@@ -27,9 +27,19 @@ each merged tensor's auxiliary tensors (its rows of ``B``, its columns of ``A``,
 here), and once every transfer has landed each merge writes ``W + (alpha / r) B A`` into the engine's tensor in
 place (:func:`megarl.models.lora.apply_merges`: fp64, one rounding to the tensor's dtype).
 
+Block-FP8 destinations (:attr:`Plan.tiles <megarl.reshard.planner.Plan.tiles>`) run after the transfers: the
+tiles a rank quantises for itself in one batched call (:class:`~megarl.reshard.quantize.QuantBatch`, straight
+from the source tensors, or from the gather buffer for gathered tiles), the others in rounds of their own:
+the quantising rank packs each tile's E4M3 bytes and float32 scale into its staging buffer (the quantisation
+*is* the pack: one read of the source, one write of a byte an element), one message per peer and round
+carries ``[scales | tile bytes ...]`` (each part 16-byte aligned), and the receiver copies bytes and scales
+into the engine's tensors. A round stages at most ``bucket_bytes`` per rank, and at least one tile. So an
+FP8 destination moves one byte an element (plus 4 bytes a 128 x 128 tile) instead of the source's two.
+
 Extra memory of a rank: two staging buffers (one with a single round) of at most ``bucket_bytes`` each, plus
-the descriptor tables of the copies (bookkeeping) and, with merges, the auxiliary adapter tensors (adapter-sized)
-and one merge chunk, accounted in :class:`ReshardStats`. Bytes travel in the
+the descriptor tables of the copies (bookkeeping), with merges the auxiliary adapter tensors (adapter-sized)
+and one merge chunk, and with gathered FP8 tiles their gather buffer (``Plan.gather_rows[rank] x 128``
+elements), accounted in :class:`ReshardStats`. Bytes travel in the
 wire dtype (the source tensors' dtype unless given); a destination of another dtype (e.g. fp32 master weights
 into a bf16 engine) is cast on unpack, by torch, and then no end is direct (all ranks agree on that).
 """
@@ -48,10 +58,12 @@ from typing import Mapping, NamedTuple
 import torch
 import torch.distributed as dist
 
+from megarl.models.fp8 import FP8_DTYPE
 from megarl.models.layout import LocalTensor
 from megarl.models.lora import MERGE_CHUNK_BYTES, apply_merges
 from megarl.reshard.boxcopy import Box, BoxBatch
-from megarl.reshard.planner import Plan, Transfer
+from megarl.reshard.planner import GATHER, Plan, Tile, Transfer
+from megarl.reshard.quantize import QuantBatch, TileJob
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +90,8 @@ class ReshardStats:
         bytes_sent / bytes_received: bytes this rank moved to / from other ranks (wire dtype).
         bytes_copied_local: bytes of same-rank region copies (destination dtype).
         bytes_staged: bytes this rank packed plus unpacked (the rest of its traffic went direct).
-        rounds: communication rounds this rank took part in.
+        rounds: communication rounds this rank took part in (block-FP8 tile rounds included).
+        tiles_quantized: block-FP8 tiles this rank quantised (for itself or for a peer).
         direct: whether direct ends were used (all ranks agree).
         peak_staging_bytes: bytes of this rank's staging buffers (two, double-buffered; one when it has one
             round), each at most the bucket.
@@ -86,7 +99,7 @@ class ReshardStats:
         merge_bytes: the LoRA merges' auxiliary adapter tensors plus one fp64 merge chunk (0 without merges).
         times_s: wall seconds per phase: ``"local"``, ``"pack"``, ``"comm"``, ``"unpack"`` (summed over
             rounds; exact only with ``profile=True``, which runs the phases one after the other), ``"merge"``
-            (the LoRA merges) and ``"total"`` (always exact).
+            (the LoRA merges), ``"quantize"`` (the block-FP8 tiles, all of it) and ``"total"`` (always exact).
     """
 
     rank: int
@@ -95,12 +108,13 @@ class ReshardStats:
     bytes_copied_local: int = 0
     bytes_staged: int = 0
     rounds: int = 0
+    tiles_quantized: int = 0
     direct: bool = False
     peak_staging_bytes: int = 0
     bookkeeping_bytes: int = 0
     merge_bytes: int = 0
     times_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("local", "pack", "comm", "unpack", "merge", "total"), 0.0))
+        ("local", "pack", "comm", "unpack", "merge", "quantize", "total"), 0.0))
 
     @property
     def peak_extra_bytes(self) -> int:
@@ -181,13 +195,13 @@ def _pieces(plan: Plan, t: Transfer, elem_size: int, cap: int, vcap: int, direct
     """The pieces of a remote transfer: at most ``cap / 2`` elements where an end is staged, ``vcap / 2``
     where both are direct."""
     src_ok = dst_ok = False
+    src_shape = plan.src.tensors(t.src_rank)[t.src_name].shape
+    dst_shape = plan.dst_shape(t.dst_rank, t.dst_name)
     if direct_min_bytes is not None and t.numel * elem_size >= direct_min_bytes:
-        src_ok = _contiguous(t.size, plan.src.tensors(t.src_rank)[t.src_name].shape)
-        dst_ok = _contiguous(t.size, plan.dst.tensors(t.dst_rank)[t.dst_name].shape)
+        src_ok = _contiguous(t.size, src_shape)
+        dst_ok = _contiguous(t.size, dst_shape)
     if src_ok and dst_ok:
         return [Piece(p, True, True) for p in _split(t, max(1, vcap // 2))]
-    src_shape = plan.src.tensors(t.src_rank)[t.src_name].shape
-    dst_shape = plan.dst.tensors(t.dst_rank)[t.dst_name].shape
     return [Piece(p, src_ok and _contiguous(p.size, src_shape), dst_ok and _contiguous(p.size, dst_shape))
             for p in _split(t, max(1, cap // 2))]
 
@@ -257,7 +271,10 @@ def _rank_rounds(plan: Plan, rank: int, elem_size: int, bucket_bytes: int, direc
     peer ascending, each peer's bundle then its own-message pieces, then the receive ends likewise), its
     messages and its pack and unpack copies compiled (cached with the plan)."""
     out = []
-    src_shapes, dst_shapes = plan.src.tensors(rank), plan.dst.tensors(rank)
+    src_shapes = {n: lt.shape for n, lt in plan.src.tensors(rank).items()}
+    dst_shapes = {n: lt.shape for n, lt in plan.dst.tensors(rank).items()}
+    if rank in plan.gather_rows:
+        dst_shapes[GATHER] = plan.dst_shape(rank, GATHER)
     for pieces in _schedule(plan, elem_size, bucket_bytes, direct_min_bytes):
         by_peer: dict[bool, dict[int, list[Piece]]] = {True: defaultdict(list), False: defaultdict(list)}
         for p in pieces:
@@ -283,7 +300,7 @@ def _rank_rounds(plan: Plan, rank: int, elem_size: int, bucket_bytes: int, direc
                         name, start, shapes = (t.src_name, t.src_start, src_shapes) if send else \
                             (t.dst_name, t.dst_start, dst_shapes)
                         messages.append(Message(send, peer, ("src" if send else "dst", name),
-                                                _flat_offset(start, shapes[name].shape), t.numel))
+                                                _flat_offset(start, shapes[name]), t.numel))
                         continue
                     if p.own_message:
                         messages.append(Message(send, peer, STAGING, offset, t.numel))
@@ -311,6 +328,145 @@ def _local_parts(plan: Plan, rank: int, parts: int) -> tuple[BoxBatch, ...]:
                               Box(("dst", t.dst_name), t.dst_start, t.size)))
         done += t.numel
     return tuple(BoxBatch(b) for b in batches)
+
+
+TILE_ALIGN = 16  # bytes: every part of a tile message starts at a multiple of this (vector copies, float32 scales)
+STAGING_F32 = "staging.f32"  # the staging buffer seen as float32 (the tiles' scales)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // TILE_ALIGN) * TILE_ALIGN
+
+
+def _tile_bytes(t: Tile) -> int:
+    """Staged bytes of one remote tile: its E4M3 values and its scale, each aligned."""
+    return _aligned(t.numel) + TILE_ALIGN
+
+
+@functools.lru_cache(maxsize=32)
+def _tile_schedule(plan: Plan, bucket_bytes: int) -> tuple[tuple[Tile, ...], ...]:
+    """Every rank's remote tiles assigned to rounds (the same on every rank), in plan order, first fit: each
+    rank stages at most ``bucket_bytes`` (sends plus receives) a round, and a round takes at least one tile."""
+    rounds: list[list[Tile]] = []
+    staged: list[dict[int, int]] = []
+    first = 0  # rounds before it are (almost) full for every rank
+    for t in plan.tiles:
+        if t.src_rank == t.dst_rank:
+            continue
+        n = _tile_bytes(t)
+        k = first
+        while k < len(rounds) and not all(staged[k][r] + n <= bucket_bytes for r in (t.src_rank, t.dst_rank)):
+            k += 1
+        if k == len(rounds):
+            rounds.append([])
+            staged.append(defaultdict(int))
+        rounds[k].append(t)
+        for r in (t.src_rank, t.dst_rank):
+            staged[k][r] += n
+        while first < len(rounds) and k - first > _SCAN:
+            first += 1
+    return tuple(tuple(r) for r in rounds)
+
+
+def _part_key(name: str) -> tuple[str, str]:
+    """The key a tile part's tensor is bound to: the gather buffer is a destination-side tensor."""
+    return ("dst", GATHER) if name == GATHER else ("src", name)
+
+
+def _tile_job(t: Tile, dst: Box, scale: Box) -> TileJob:
+    return TileJob(dst, scale, tuple((Box(_part_key(p.src_name), p.src_start, p.size), p.offset) for p in t.parts))
+
+
+class _TileRound(NamedTuple):
+    """One round of remote tiles seen from one rank; offsets and sizes in bytes."""
+
+    pack: QuantBatch  # source parts -> staging (E4M3 bytes and scales)
+    unpack: BoxBatch  # staging -> the engine's E4M3 tensors (as uint8) and scale tensors
+    messages: tuple[Message, ...]
+    staging: int
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_tiles(plan: Plan, rank: int, bucket_bytes: int) -> tuple[QuantBatch, tuple[_TileRound, ...]]:
+    """This rank's block-FP8 work, compiled (cached with the plan): the tiles it quantises for itself, and its
+    rounds of :func:`_tile_schedule` (staging layout: sends by peer ascending, then receives; each peer's
+    message ``[scales | tile bytes ...]``)."""
+    local = QuantBatch([_tile_job(t, Box(("dst", t.dst_name), t.dst_start, t.size),
+                                  Box(("dst", t.scale_name), t.scale_index, (1, 1)))
+                        for t in plan.tiles_for(rank).local])
+    rounds = []
+    for tiles in _tile_schedule(plan, bucket_bytes):
+        by_peer: dict[bool, dict[int, list[Tile]]] = {True: defaultdict(list), False: defaultdict(list)}
+        for t in tiles:
+            if t.src_rank == rank:
+                by_peer[True][t.dst_rank].append(t)
+            elif t.dst_rank == rank:
+                by_peer[False][t.src_rank].append(t)
+        if not by_peer[True] and not by_peer[False]:
+            continue
+        offset, messages, pack, unpack = 0, [], [], []
+        for send in (True, False):
+            for peer in sorted(by_peer[send]):
+                mine = by_peer[send][peer]
+                start = offset
+                scales = offset
+                offset += _aligned(4 * len(mine))
+                for i, t in enumerate(mine):
+                    values = Box(STAGING, (offset,), t.size, True)
+                    scale = Box(STAGING_F32, ((scales + 4 * i) // 4,), (1,), True)
+                    if send:
+                        pack.append(_tile_job(t, values, scale))
+                    else:
+                        unpack += [(values, Box(("dst8", t.dst_name), t.dst_start, t.size)),
+                                   (scale, Box(("dst", t.scale_name), t.scale_index, (1, 1)))]
+                    offset += _aligned(t.numel)
+                messages.append(Message(send, peer, STAGING, start, offset - start))
+        rounds.append(_TileRound(QuantBatch(pack), BoxBatch(unpack), tuple(messages), offset))
+    return local, tuple(rounds)
+
+
+def _check_fp8(dst_tensors: Mapping[str, torch.Tensor], tiles, rank: int) -> None:
+    """Block-FP8 destinations are E4M3 (or raw uint8) and their scales float32."""
+    for t in tiles:
+        for name, ok, want in ((t.dst_name, (FP8_DTYPE, torch.uint8), "float8_e4m3fn"),
+                               (t.scale_name, (torch.float32,), "float32")):
+            if dst_tensors[name].dtype not in ok:
+                raise ValueError(f"rank {rank}: block-FP8 destination tensor {name!r} is {dst_tensors[name].dtype}, "
+                                 f"expected {want}")
+
+
+def _run_tiles(plan: Plan, rank: int, bound: dict, group, device: torch.device, bucket_bytes: int,
+               use_extension: bool | None, stats: "ReshardStats") -> None:
+    """Quantise this rank's block-FP8 tiles (module docstring), on the current stream; updates ``stats``."""
+    local, rounds = _rank_tiles(plan, rank, bucket_bytes)
+    mine = plan.tiles_for(rank)
+    booked = local.run(bound, use_extension)
+    stats.tiles_quantized = len(mine.local) + len(mine.sends)
+    stats.bytes_copied_local += sum(t.numel + 4 for t in mine.local)
+    size = max((r.staging for r in rounds), default=0)
+    if not rounds:
+        stats.bookkeeping_bytes = max(stats.bookkeeping_bytes, booked)
+        return
+    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    bound[STAGING] = buffer
+    bound[STAGING_F32] = buffer[:size // 4 * 4].view(torch.float32)
+    stats.peak_staging_bytes = max(stats.peak_staging_bytes, size)
+    for rd in rounds:
+        booked = max(booked, rd.pack.run(bound, use_extension))
+        ops = [dist.P2POp(dist.isend if m.send else dist.irecv, buffer[m.offset:m.offset + m.elements], m.peer, group)
+               for m in rd.messages]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for m in rd.messages:
+            if m.send:
+                stats.bytes_sent += m.elements
+            else:
+                stats.bytes_received += m.elements
+        booked = max(booked, rd.unpack.run(bound, use_extension))
+        stats.bytes_staged += rd.staging
+    stats.rounds += len(rounds)
+    stats.bookkeeping_bytes = max(stats.bookkeeping_bytes, booked)
+    del bound[STAGING], bound[STAGING_F32]
 
 
 def _check_tensors(given: Mapping[str, torch.Tensor], layout: Mapping[str, LocalTensor], names: set[str],
@@ -419,13 +575,16 @@ def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensor
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
     stats = ReshardStats(rank)
-    mine = plan.for_rank(rank)
+    mine, tiles = plan.for_rank(rank), plan.tiles_for(rank)
     merges = plan.dst.merges.get(rank, ())
     aux = {n for m in merges for n in (m.a_aux, m.b_aux)}
-    src_names = {t.src_name for t in mine.local + mine.sends}
-    dst_names = {t.dst_name for t in mine.local + mine.recvs} | {m.tensor for m in merges}
+    src_names = {t.src_name for t in mine.local + mine.sends} | \
+        {p.src_name for t in tiles.local + tiles.sends for p in t.parts if p.src_name != GATHER}
+    dst_names = {t.dst_name for t in mine.local + mine.recvs if t.dst_name != GATHER} | {m.tensor for m in merges} | \
+        {n for t in tiles.local + tiles.recvs for n in (t.dst_name, t.scale_name)}
     _check_tensors(src_tensors, plan.src.tensors(rank), src_names, "source", rank)
     _check_tensors(dst_tensors, plan.dst.tensors(rank), dst_names - aux, "destination", rank)
+    _check_fp8(dst_tensors, tiles.local + tiles.recvs, rank)
     device = _device_of([src_tensors[n] for n in src_names] + [dst_tensors[n] for n in dst_names - aux], group)
     if wire_dtype is None:
         wire_dtype = _agree_wire_dtype({src_tensors[t.src_name].dtype for t in mine.sends}, group, device, rank)
@@ -435,6 +594,13 @@ def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensor
         dst_tensors = {**dst_tensors, **{n: torch.empty(layout[n].shape, dtype=wire_dtype, device=device)
                                          for n in sorted(aux)}}
         stats.merge_bytes = sum(dst_tensors[n].numel() for n in aux) * elem + MERGE_CHUNK_BYTES
+    gathered = {}
+    if plan.gather_rows.get(rank):  # pieces of block-FP8 tiles that no source rank holds whole, then quantised
+        local = [src_tensors[t.src_name].dtype for t in mine.local if t.dst_name == GATHER]
+        dtype = wire_dtype if any(t.dst_name == GATHER for t in mine.recvs) or not local else local[0]
+        gathered[GATHER] = torch.empty(plan.dst_shape(rank, GATHER), dtype=dtype, device=device)
+        dst_names.add(GATHER)
+    dst_tensors = {**dst_tensors, **gathered}
     if direct_min_bytes is not None:
         rounds = _rank_rounds(plan, rank, elem, bucket_bytes, direct_min_bytes)
         given = {**{("src", n): t for n, t in src_tensors.items()}, **{("dst", n): t for n, t in dst_tensors.items()}}
@@ -453,6 +619,7 @@ def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensor
 
     casts = {(src_tensors[t.src_name].dtype, dst_tensors[t.dst_name].dtype) for t in mine.local} | \
             {(wire_dtype, dst_tensors[t.dst_name].dtype) for t in mine.recvs}
+    casts = {c for c in casts if c[1] != FP8_DTYPE}
     if any(a != b for a, b in casts) and not _logged_cast:
         log.info("reshard casts on copy/unpack (%s) with torch copy_",
                  sorted({f"{a}->{b}" for a, b in casts if a != b}))
@@ -540,8 +707,16 @@ def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensor
         t0 = time.perf_counter()
         apply_merges(merges, dst_tensors)
         phase_end("merge", t0)
+    del buffers, wires
+    if plan.tiles:
+        t0 = time.perf_counter()
+        bound.update({("src", n): src_tensors[n] for n in src_names})
+        bound.update({("dst", n): dst_tensors[n] for n in dst_names})
+        bound.update({("dst8", t.dst_name): dst_tensors[t.dst_name].view(torch.uint8) for t in tiles.recvs})
+        _run_tiles(plan, rank, bound, group, device, bucket_bytes, use_extension, stats)
+        phase_end("quantize", t0)
     if cuda:
         torch.cuda.synchronize(device)
-    del buffers, wires, bound, flat
+    del bound, flat, gathered
     stats.times_s["total"] = time.perf_counter() - t_total
     return stats

@@ -1,8 +1,10 @@
 """The vLLM rollout engine (GPU): vLLM 0.24.0 running in the training process, its weights written in place.
 
-Construction. The engine writes ``spec.to_hf_config()`` (config.json only) into a temporary directory and
-starts ``vllm.LLM`` on it with dummy weights, no tokenizer (prompts and responses are token ids) and sleep
-mode, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that the model is a Python object here
+Construction. The engine writes ``spec.to_hf_config()`` (config.json only; with block-FP8 weights its
+``quantization_config``, :func:`write_model_dir`) into a temporary directory and starts ``vllm.LLM`` on it with
+dummy weights, no tokenizer (prompts and responses are token ids) and sleep mode, with the knobs of
+:class:`VLLMSettings` (the same ``LLM`` arguments as the standalone baseline of ``megarl bench step``:
+:func:`llm_kwargs`), in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that the model is a Python object here
 (``llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()``) and the reshard executor
 writes the actor's shards straight into its parameters (:meth:`VLLMRolloutEngine.update_weights`). Its
 sampled-token log-probs are those of :mod:`megarl.rollout.base` (``logprobs_mode="processed_logprobs"``, see
@@ -24,8 +26,22 @@ Construction is collective: every rank of the world builds its engine at the sam
 process groups and takes the minimum free memory over the world).
 
 Generation: one vLLM request per (prompt, sample), ``n=1``, seeded by
-:func:`~megarl.rollout.base.sample_seed`, asking for the sampled token's log-prob only (``logprobs=0``; the
-sampler puts the sampled token first, ``vllm/v1/engine/logprobs.py``). A stop token is kept in the response:
+:func:`~megarl.rollout.base.sample_seed` (``rollout.request_seeds``, the default; else vLLM's own generator),
+asking for the sampled token's log-prob only (``logprobs=0``; the sampler puts the sampled token first,
+``vllm/v1/engine/logprobs.py``).
+
+What these cost per decode step (vLLM 0.24.0's source; measured by ``perf/gpu_generation.sh``): a seeded
+request gets a ``torch.Generator`` of its own, and the V1 model runner's sampler
+(``vllm/v1/sample/ops/topk_topp_sampler.py``: ``random_sample``) then draws every seeded row's noise in a
+Python loop, one ``exponential_`` launch per request and step ("TODO(woosuk): This can be slow because we handle
+each request one by one"), 512 launches a step for an RL batch; the V2 model runner
+(``vllm/v1/worker/gpu/sample/gumbel.py``) draws all rows in one Triton kernel from per-request seeds (Philox of
+seed and position) for free. The sampled log-prob is a ``log_softmax`` over the vocab on the GPU, a gather and a
+rank count, then one ``Logprob`` object per token in the output processor (``vllm/v1/engine/logprobs.py``) on the
+CPU. Stop ids are a set lookup per request and step in the scheduler (``check_stop``). vLLM 0.24 runs
+``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen3ForCausalLM`` on the V2 runner by default and
+``Qwen2ForCausalLM`` on V1 (``vllm/config/vllm.py``: ``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES``), hence
+``rollout.model_runner``. A stop token is kept in the response:
 the scheduler appends every sampled token before checking ``stop_token_ids`` (``vllm/v1/core/sched/utils.py:
 check_stop``) and, without a tokenizer, the output keeps all of them (``vllm/v1/engine/detokenizer.py``).
 
@@ -71,19 +87,30 @@ tensors (vLLM's LoRA layers cut their own TP shards in ``set_lora``), the worker
 Memory: ``sleep(1)`` moves the weights to CPU and drops the KV cache; ``sleep(2)`` drops both. vLLM's
 ``CuMemAllocator`` keeps the virtual addresses, so the parameter tensors held here stay valid across sleeps.
 One engine per process: vLLM's parallel state is process-global.
+
+Block-FP8 weights (``rollout.quantization: fp8``, :mod:`megarl.models.fp8`): the config carries vLLM's
+serialized-FP8 ``quantization_config`` (``quant_method: fp8``, ``weight_block_size: [128, 128]``, dynamic
+activations), so vLLM creates every linear weight as E4M3 with its ``weight_scale_inv`` (no bf16 copy), and
+DeepGEMM is off (``VLLM_USE_DEEP_GEMM=0``) so that these tensors stay as created (see
+:mod:`megarl.models.fp8`); the reshard quantises the actor's shards into them
+(:func:`~megarl.models.layout.vllm_layout` with ``quantization="fp8"``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megarl.models.layout import Layout, check_vllm_tp, local_views, vllm_layout, vllm_rank_tensors
+from megarl.config import QUANTIZATIONS
+from megarl.models.fp8 import BLOCK
+from megarl.models.layout import Layout, check_vllm_fp8, check_vllm_tp, local_views, vllm_layout, vllm_rank_tensors
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import init_distributed
 from megarl.rollout.base import (
@@ -108,15 +135,106 @@ FINISH_REASONS = ("stop", "length")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks (0.24.0)
 
 
-def prepare_environment(rank: int, local_rank: int) -> None:
-    """Set :data:`VLLM_ENV` and the ``RANK`` / ``LOCAL_RANK`` that vLLM's external launcher reads.
+@dataclass(frozen=True)
+class VLLMSettings:
+    """The vLLM 0.24 knobs of generation speed and weights format, one field per ``rollout.*`` field of the same
+    name (validated there, :class:`megarl.config.RolloutConfig`); None leaves vLLM's own default.
 
-    ``VLLM_ENABLE_V1_MULTIPROCESSING`` and the two ranks are forced (the engine cannot work otherwise); the
-    other variables keep a value the user set.
+    Attributes:
+        model_runner: "v1" or "v2" (``VLLM_USE_V2_MODEL_RUNNER``); None: vLLM's choice for the architecture
+            (V1 for Qwen2, V2 for Llama/Mistral/Qwen3).
+        async_scheduling: vLLM's async scheduler (schedule step n + 1 while step n runs on the GPU; two batches
+            in flight); None: vLLM's default, which is on for this engine (the external launcher is a
+            ``UniProcExecutor``, which supports it).
+        max_num_seqs: sequences decoded at once; None: 1024 on an H200 (vLLM's default for the offline
+            ``LLM`` on GPUs of >= 70 GiB; 256 on smaller ones).
+        max_num_batched_tokens: tokens per engine step (prefill chunks); None: 16384 on an H200 (8192 on GPUs
+            under 70 GiB).
+        cudagraph_capture_sizes: batch sizes captured as CUDA graphs (``compilation_config``); None: vLLM's
+            1, 2, 4, 8, ..., 248 by 8, then by 16 up to ``max_cudagraph_capture_size``.
+        max_cudagraph_capture_size: the largest captured batch; None: ``min(2 * max_num_seqs, 512)`` (a decode
+            batch above it runs without graphs).
+        request_seeds: seed every request (:func:`~megarl.rollout.base.sample_seed`: samples independent of
+            batching); False: vLLM's generator, seeded once by ``run.seed`` (samples then depend on the batch).
+        quantization: None (the model dtype) or "fp8" (block-FP8 weights, module docstring).
+    """
+
+    model_runner: str | None = None
+    async_scheduling: bool | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_cudagraph_capture_size: int | None = None
+    request_seeds: bool = True
+    quantization: str | None = None
+
+    @classmethod
+    def from_config(cls, rollout) -> "VLLMSettings":
+        """The settings of a :class:`megarl.config.RolloutConfig` (its fields of the same names)."""
+        values = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(cls)}
+        if values["cudagraph_capture_sizes"] is not None:
+            values["cudagraph_capture_sizes"] = tuple(values["cudagraph_capture_sizes"])
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as JSON-able values (for a child process, :mod:`megarl.bench.vllm_standalone`)."""
+        return dataclasses.asdict(self)
+
+    def environment(self) -> dict[str, str]:
+        """The variables vLLM must see (set before it is imported): the model runner; DeepGEMM off for FP8."""
+        env = {}
+        if self.model_runner is not None:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if self.model_runner == "v2" else "0"
+        if self.quantization == "fp8":
+            env["VLLM_USE_DEEP_GEMM"] = "0"
+        return env
+
+
+def llm_kwargs(settings: VLLMSettings, *, model_dir: str, context: int, seed: int, enforce_eager: bool,
+               gpu_memory_utilization: float) -> dict[str, Any]:
+    """The ``vllm.LLM`` keyword arguments of megarl's engines, shared by the rollout engine and the standalone
+    baseline of ``megarl bench step`` (which adds the rollout engine's ``tensor_parallel_size``,
+    ``distributed_executor_backend`` and ``enable_sleep_mode``): the model directory of :func:`write_model_dir`
+    with dummy weights and no tokenizer, bf16, sampled-token log-probs of the processed distribution
+    (:mod:`megarl.rollout.sampler`), the prefix cache on (multi-turn episodes reuse it), and the knobs of
+    ``settings`` that are not None."""
+    kwargs: dict[str, Any] = dict(model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
+                                  enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+                                  seed=seed, max_model_len=context, logprobs_mode="processed_logprobs",
+                                  enable_prefix_caching=True)
+    for name in ("async_scheduling", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(settings, name) is not None:
+            kwargs[name] = getattr(settings, name)
+    compilation = {name: list(v) if isinstance(v, tuple) else v
+                   for name in ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+                   if (v := getattr(settings, name)) is not None}
+    if compilation:
+        kwargs["compilation_config"] = compilation
+    return kwargs
+
+
+def write_model_dir(spec: ModelSpec, path: str | os.PathLike, quantization: str | None = None) -> None:
+    """Write the engine's model directory: ``spec``'s config.json and, for ``quantization="fp8"``, vLLM's
+    serialized block-FP8 ``quantization_config`` (``vllm/model_executor/layers/quantization/fp8.py``:
+    ``Fp8Config.from_config`` reads ``quant_method``, ``activation_scheme``, ``weight_block_size``)."""
+    config = spec.to_hf_config()
+    if quantization == "fp8":
+        config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [BLOCK, BLOCK], "fmt": "e4m3"}
+    config.save_pretrained(str(path))
+
+
+def prepare_environment(rank: int, local_rank: int, settings: VLLMSettings | None = None) -> None:
+    """Set :data:`VLLM_ENV`, the variables of ``settings`` (:meth:`VLLMSettings.environment`) and the ``RANK`` /
+    ``LOCAL_RANK`` that vLLM's external launcher reads.
+
+    ``VLLM_ENABLE_V1_MULTIPROCESSING``, the two ranks and the settings' variables are forced (the engine cannot
+    work otherwise, or would not be what was asked); the other variables keep a value the user set.
     """
     for key, value in VLLM_ENV.items():
         os.environ.setdefault(key, value)
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", RANK=str(rank), LOCAL_RANK=str(local_rank))
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", RANK=str(rank), LOCAL_RANK=str(local_rank),
+                      **(settings or VLLMSettings()).environment())
 
 
 def join_engine_construction(tp: int) -> None:
@@ -147,8 +265,8 @@ def join_engine_construction(tp: int) -> None:
 
 
 def request_params(prompt: Sequence[int], sampling: SamplingConfig, *, context: int, stop_token_ids: list[int],
-                   seed: int) -> dict[str, Any]:
-    """The ``vllm.SamplingParams`` keyword arguments of one sample of ``prompt``.
+                   seed: int | None) -> dict[str, Any]:
+    """The ``vllm.SamplingParams`` keyword arguments of one sample of ``prompt`` (``seed`` None: vLLM's generator).
 
     ``n=1``; temperature 0 is greedy in vLLM too; top-k -1 (off) becomes vLLM's 0 (off); ``max_tokens`` is
     ``min(sampling.max_new_tokens, context - len(prompt))`` tokens; ``logprobs=0`` returns the sampled token's
@@ -208,11 +326,13 @@ class VLLMRolloutEngine:
             ``spec.max_position_embeddings``]; None = ``spec.max_position_embeddings``.
         seed: vLLM's global seed (it seeds Python's, numpy's and torch's global RNGs at construction).
         lora_rank: start vLLM's LoRA layers for adapters of this rank (module docstring); 0 = none.
+        settings: the vLLM knobs of :class:`VLLMSettings` (default: vLLM's defaults, seeded requests, bf16).
 
     Attributes:
         spec: the model, with ``max_position_embeddings`` cut to ``max_model_len``: the context that prompts
             are checked against (:func:`~megarl.rollout.data_parallel.generate_data_parallel` reads it).
         tp / tp_rank: the engine's TP size and this rank's place in it.
+        settings: the :class:`VLLMSettings`.
         llm: the ``vllm.LLM``.
         model: vLLM's model on this rank (its parameters are the engine's weights, written in place).
         calls: ``generate`` calls so far; part of every sample's seed, so a resumed run restores it.
@@ -221,13 +341,15 @@ class VLLMRolloutEngine:
     Raises:
         RolloutError: no CUDA device, bad sizes, a LoRA rank above vLLM's largest, or vLLM's TP group is not the
             expected block of ranks.
-        SpecError: the model does not split at TP=``tp`` (:func:`~megarl.models.layout.check_vllm_tp`), or
-            vLLM's parameter names or shapes differ from :func:`~megarl.models.layout.vllm_rank_tensors`.
+        SpecError: the model does not split at TP=``tp`` (:func:`~megarl.models.layout.check_vllm_tp`; with FP8
+            :func:`~megarl.models.layout.check_vllm_fp8`), or vLLM's parameter names or shapes differ from
+            :func:`~megarl.models.layout.vllm_rank_tensors`.
         ImportError: vllm is not installed.
     """
 
     def __init__(self, spec: ModelSpec, *, tp: int = 1, gpu_memory_utilization: float = 0.5,
-                 enforce_eager: bool = True, max_model_len: int | None = None, seed: int = 0, lora_rank: int = 0):
+                 enforce_eager: bool = True, max_model_len: int | None = None, seed: int = 0, lora_rank: int = 0,
+                 settings: VLLMSettings | None = None):
         if not torch.cuda.is_available():
             raise RolloutError("the vLLM engine needs a CUDA GPU; use rollout.engine=hf on a CPU machine")
         if not 0 < gpu_memory_utilization <= 1:
@@ -236,7 +358,13 @@ class VLLMRolloutEngine:
         if not 2 <= context <= spec.max_position_embeddings:
             raise RolloutError(f"max_model_len must be in [2, {spec.max_position_embeddings}] (the model's "
                                f"max_position_embeddings), got {max_model_len}")
-        check_vllm_tp(spec, tp)
+        self.settings = settings = settings or VLLMSettings()
+        if settings.quantization is not None and settings.quantization not in QUANTIZATIONS:
+            raise RolloutError(f"quantization must be null or one of {QUANTIZATIONS}, got {settings.quantization!r}")
+        if settings.quantization == "fp8":
+            check_vllm_fp8(spec, tp)
+        else:
+            check_vllm_tp(spec, tp)
         lora = {}
         if lora_rank:
             fits = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
@@ -248,19 +376,18 @@ class VLLMRolloutEngine:
         rank, world = dist.get_rank(), dist.get_world_size()
         if world % tp:
             raise RolloutError(f"vLLM tp={tp} does not divide the world size {world}")
-        prepare_environment(rank, torch.cuda.current_device())
+        prepare_environment(rank, torch.cuda.current_device(), settings)
         import vllm
         from vllm.distributed.parallel_state import get_tp_group
 
         self.spec = spec.replace(max_position_embeddings=context)
         self.tp, self.tp_rank = tp, rank % tp
         self._config_dir = tempfile.TemporaryDirectory(prefix="megarl-vllm-")
-        spec.to_hf_config().save_pretrained(self._config_dir.name)
-        self.llm = vllm.LLM(model=self._config_dir.name, skip_tokenizer_init=True, load_format="dummy",
-                            dtype="bfloat16", enforce_eager=enforce_eager, enable_sleep_mode=True,
-                            tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
-                            gpu_memory_utilization=gpu_memory_utilization, seed=seed, max_model_len=context,
-                            logprobs_mode="processed_logprobs", enable_prefix_caching=True, **lora)
+        write_model_dir(spec, self._config_dir.name, settings.quantization)
+        self.llm = vllm.LLM(**llm_kwargs(settings, model_dir=self._config_dir.name, context=context, seed=seed,
+                                         enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization),
+                            enable_sleep_mode=True, tensor_parallel_size=tp,
+                            distributed_executor_backend="external_launcher", **lora)
         group = get_tp_group().ranks
         first = rank - self.tp_rank
         if list(group) != list(range(first, first + tp)):
@@ -270,7 +397,7 @@ class VLLMRolloutEngine:
         self.model = self._runner.get_model()
         self._params = {n.replace(".base_layer.", "."): p.detach()  # LoRA layers wrap the base (module docstring)
                         for n, p in self.model.named_parameters()}  # fused experts viewed 2-D:
-        self._params = local_views(self._params, vllm_rank_tensors(self.spec, self.tp, self.tp_rank))
+        self._params = local_views(self._params, self._rank_tensors())
         self._check_parameters()
         self.calls = 0
         self.adapter_version: int | None = None
@@ -292,10 +419,13 @@ class VLLMRolloutEngine:
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
 
+    def _rank_tensors(self):
+        return vllm_rank_tensors(self.spec, self.tp, self.tp_rank, self.settings.quantization)
+
     def _check_parameters(self) -> None:
         """Raise SpecError where vLLM's parameters (names, shapes) differ from this rank's layout entry."""
         have = {n: tuple(p.shape) for n, p in self._params.items()}
-        want = {n: lt.shape for n, lt in vllm_rank_tensors(self.spec, self.tp, self.tp_rank).items()}
+        want = {n: lt.shape for n, lt in self._rank_tensors().items()}
         if have != want:
             diff = sorted(set(have.items()) ^ set(want.items()))
             raise SpecError(f"vLLM's parameters on TP rank {self.tp_rank} differ from megarl's vLLM layout "
@@ -303,13 +433,15 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ weights and memory
     def weight_layout(self, ranks: Iterable[int]) -> Layout:
-        """vLLM's TP shards on ``ranks`` (:func:`~megarl.models.layout.vllm_layout`): engine ``k`` is
-        ``ranks[k*tp:(k+1)*tp]``; with tied embeddings there is no ``lm_head.weight``."""
-        return vllm_layout(self.spec, self.tp, ranks)
+        """vLLM's TP shards on ``ranks`` (:func:`~megarl.models.layout.vllm_layout`, block-FP8 with
+        ``settings.quantization``): engine ``k`` is ``ranks[k*tp:(k+1)*tp]``; with tied embeddings there is no
+        ``lm_head.weight``."""
+        return vllm_layout(self.spec, self.tp, ranks, self.settings.quantization)
 
     def update_weights(self, write: WriteFn) -> Any:
-        """Call ``write({name: parameter})`` on this rank's vLLM parameters (bf16, on this GPU), written in
-        place, then drop the prefix cache (its KV entries were computed with the old weights).
+        """Call ``write({name: parameter})`` on this rank's vLLM parameters (bf16, on this GPU; with FP8 the
+        linear weights E4M3 and their float32 ``weight_scale_inv``), written in place, then drop the prefix cache
+        (its KV entries were computed with the old weights).
 
         Returns:
             What ``write`` returns (e.g. the reshard executor's stats).
@@ -428,8 +560,10 @@ class VLLMRolloutEngine:
         start = time.perf_counter()
         stop = sorted(set(self.spec.eos_token_ids) | set(sampling.stop_token_ids))
         rows = sample_rows(len(prompts), sampling.n)
+        seeded = self.settings.request_seeds
         params = [SamplingParams(**request_params(prompts[k], sampling, context=context, stop_token_ids=stop,
-                                                  seed=sample_seed(sampling.seed, call, prompt_offset + k, j)))
+                                                  seed=sample_seed(sampling.seed, call, prompt_offset + k, j)
+                                                  if seeded else None))
                   for k, j in rows]
         request, version = self._lora_request, self.adapter_version  # one version for the whole call
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,

@@ -95,21 +95,23 @@ def make_engine(cfg: Config, spec):
         from megarl.rollout.hf_engine import HFRolloutEngine
 
         return HFRolloutEngine(spec, max_batch_size=r.max_batch_size)
-    from megarl.rollout.vllm_engine import VLLMRolloutEngine
+    from megarl.rollout.vllm_engine import VLLMRolloutEngine, VLLMSettings
 
     lora = cfg.actor.lora
     return VLLMRolloutEngine(spec, tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization,
                              enforce_eager=r.enforce_eager, max_model_len=r.max_model_len, seed=cfg.run.seed,
-                             lora_rank=lora.rank if lora.enabled and lora.sync == "adapter" else 0)
+                             lora_rank=lora.rank if lora.enabled and lora.sync == "adapter" else 0,
+                             settings=VLLMSettings.from_config(r))
 
 
 def rollout_layout(cfg: Config, spec: ModelSpec, ranks) -> Layout:
     """The engines' weight layout on the rollout pool's ``ranks`` (what the reshard writes), known on every
     rank, engine or not: whole HF tensors for transformers (experts fused, as
-    :meth:`~megarl.rollout.hf_engine.HFRolloutEngine.weight_layout` holds them), vLLM's TP shards of ``rollout.tp``."""
+    :meth:`~megarl.rollout.hf_engine.HFRolloutEngine.weight_layout` holds them), vLLM's TP shards of ``rollout.tp``
+    (block-FP8 with ``rollout.quantization: fp8``)."""
     if cfg.rollout.engine == "hf":
         return hf_layout(spec, ranks, fused_experts=True)
-    return vllm_layout(spec, cfg.rollout.tp, ranks)
+    return vllm_layout(spec, cfg.rollout.tp, ranks, cfg.rollout.quantization)
 
 
 def seed_all(seed: int) -> None:

@@ -28,7 +28,7 @@ from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.template import DataError, PromptTemplate
 from megarl.models.checkpoint import source_spec
 from megarl.models.hf_io import load_tokenizer
-from megarl.models.layout import check_vllm_tp
+from megarl.models.layout import check_vllm_fp8, check_vllm_tp
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
@@ -83,7 +83,8 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
     Raises:
         ConfigError: naming the field (``actor.parallel.tp``, ``actor.parallel.pp``, ``actor.parallel.vpp``,
             ``actor.parallel.ep``, ``critic.parallel.tp``,
-            ``placement.reference_parallel.tp``, ``rollout.tp``, ``rollout.max_model_len``, ``rollout.max_new_tokens``), what does not divide or
+            ``placement.reference_parallel.tp``, ``rollout.tp``, ``rollout.quantization``, ``rollout.max_model_len``,
+            ``rollout.max_new_tokens``), what does not divide or
             fit, and the sizes that would.
     """
     meshes = [("actor.parallel", cfg.actor.parallel)]
@@ -109,6 +110,12 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
             check_vllm_tp(spec, r.tp)
         except SpecError as e:
             raise ConfigError(f"rollout.tp: {e}") from None
+        if r.quantization == "fp8":
+            try:
+                check_vllm_fp8(spec, r.tp)
+            except SpecError as e:
+                raise ConfigError(f"rollout.quantization: {e}; use rollout.quantization=null (bf16) or another "
+                                  "rollout.tp") from None
     context = spec.max_position_embeddings
     if r.max_model_len is not None and r.max_model_len > context:
         raise ConfigError(f"rollout.max_model_len: {r.max_model_len} exceeds the model's context "

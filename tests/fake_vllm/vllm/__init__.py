@@ -22,6 +22,12 @@ under continuous batching), returned once finished with ``RequestOutputKind.FINA
 for), with ``num_cached_tokens``: the longest run of whole 16-token blocks of its prompt that an earlier request's
 prompt and output began with (vLLM's prefix cache hashes full blocks and always computes the last prompt token).
 
+Its constructor takes the ``vllm.LLM`` keyword arguments megarl passes and nothing else (vLLM's ``EngineArgs``
+refuses unknown ones too), checks their types as vLLM's configs do, and, when config.json carries vLLM's
+serialized block-FP8 ``quantization_config`` (``weight_block_size: [128, 128]``), holds the linear weights as
+E4M3 with float32 ``weight_scale_inv`` (the model is then assembled from their dequantised values) and requires
+``VLLM_USE_DEEP_GEMM=0`` (megarl's condition for those tensors staying as created, megarl.models.fp8).
+
 :func:`install` puts this package first on ``sys.path`` and lets :class:`~megarl.rollout.vllm_engine.
 VLLMRolloutEngine` start without CUDA (it checks for a GPU before importing vllm).
 """
@@ -57,6 +63,7 @@ class SamplingParams:
     logprobs: int | None = None
     detokenize: bool = True
     output_kind: Any = None
+    ignore_eos: bool = False  # the EOS token of the model's config stops nothing; stop_token_ids still do
 
 
 def TokensPrompt(prompt_token_ids):  # noqa: N802 (vLLM's name: a TypedDict)
@@ -181,6 +188,14 @@ class _GroupCoordinator:
         self.ranks = ranks
 
 
+# the vllm.LLM keyword arguments megarl passes (megarl.rollout.vllm_engine.llm_kwargs and the engine), with the
+# types of vLLM 0.24.0's EngineArgs fields (vllm/engine/arg_utils.py)
+_ENGINE_ARGS = {"skip_tokenizer_init": bool, "load_format": str, "enforce_eager": bool, "enable_sleep_mode": bool,
+                "gpu_memory_utilization": float, "max_model_len": int, "logprobs_mode": str, "async_scheduling": bool,
+                "max_num_seqs": int, "max_num_batched_tokens": int, "compilation_config": dict, "enable_lora": bool,
+                "max_lora_rank": int, "max_loras": int, "enable_prefix_caching": bool}
+
+
 class LLM:
     """One fake engine of ``tensor_parallel_size`` consecutive ranks (see the module docstring).
 
@@ -195,11 +210,28 @@ class LLM:
         from megarl.models.spec import ModelSpec
         from megarl.models.layout import vllm_rank_tensors
 
+        unknown = set(kwargs) - set(_ENGINE_ARGS)
+        if unknown:
+            raise TypeError(f"EngineArgs.__init__() got unexpected keyword arguments {sorted(unknown)}")
+        for name, value in kwargs.items():
+            if value is not None and not isinstance(value, _ENGINE_ARGS[name]):
+                raise TypeError(f"fake vLLM: {name}={value!r} is not {_ENGINE_ARGS[name]}")
+        bad = set(kwargs.get("compilation_config") or {}) - {"cudagraph_capture_sizes", "max_cudagraph_capture_size"}
+        assert not bad, f"fake vLLM: compilation_config keys megarl does not set: {bad}"
+        self.kwargs = kwargs
         assert distributed_executor_backend == "external_launcher", distributed_executor_backend
         assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         rank, world, tp = int(os.environ["RANK"]), dist.get_world_size(), tensor_parallel_size
         assert rank == dist.get_rank(), (rank, dist.get_rank())
-        self.spec = ModelSpec.from_hf_config(json.loads((Path(model) / "config.json").read_text()))
+        config = json.loads((Path(model) / "config.json").read_text())
+        quant = config.get("quantization_config")
+        self.quantization = None
+        if quant is not None:
+            assert quant == {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                             "fmt": "e4m3"}, quant
+            assert os.environ.get("VLLM_USE_DEEP_GEMM") == "0", "block FP8 needs VLLM_USE_DEEP_GEMM=0 (megarl.models.fp8)"
+            self.quantization = "fp8"
+        self.spec = ModelSpec.from_hf_config(config)
         self.tp, self.tp_rank = tp, rank % tp
         first = rank - self.tp_rank
         for start in range(0, world, tp):  # collective: every rank creates every engine's group
@@ -209,8 +241,12 @@ class LLM:
         self.ranks = list(range(first, first + tp))
         _TP_GROUP = _GroupCoordinator(self.ranks)
         self.dtype = getattr(torch, dtype)
-        self.params = {n: torch.nn.Parameter(torch.zeros(lt.shape, dtype=self.dtype), requires_grad=False)
-                       for n, lt in vllm_rank_tensors(self.spec, tp, self.tp_rank).items()}
+        self.layout = vllm_rank_tensors(self.spec, tp, self.tp_rank, self.quantization)
+        scales = {lt.scale for lt in self.layout.values() if lt.scale}
+        self.params = {n: torch.nn.Parameter(torch.zeros(lt.shape, dtype=torch.float8_e4m3fn if lt.scale else
+                                                         torch.float32 if n in scales else self.dtype),
+                                             requires_grad=False)
+                       for n, lt in self.layout.items()}
         self.llm_engine = _LLMEngine(self)
         self.generated: list[list[list[int]]] = []
         self.seen_weights: list[int] = []
@@ -220,11 +256,16 @@ class LLM:
         """The canonical tensors from every TP rank's shard (all-gathered over the engine's group)."""
         from megarl.models.layout import canonical_shapes, vllm_rank_tensors
 
+        from megarl.models.fp8 import dequantize_blocks
+
+        values = {n: dequantize_blocks(p.detach(), self.params[lt.scale].detach()) if lt.scale else p.detach().clone()
+                  for n, p in self.params.items() if (lt := self.layout[n]).blocks}
         shards = [None] * self.tp
-        dist.all_gather_object(shards, {n: p.detach().clone() for n, p in self.params.items()}, group=self.group)
-        full = {n: torch.full(s, float("nan"), dtype=self.dtype) for n, s in canonical_shapes(self.spec).items()}
+        dist.all_gather_object(shards, values, group=self.group)
+        dtype = torch.float32 if self.quantization else self.dtype
+        full = {n: torch.full(s, float("nan"), dtype=dtype) for n, s in canonical_shapes(self.spec).items()}
         for r, shard in enumerate(shards):
-            for name, lt in vllm_rank_tensors(self.spec, self.tp, r).items():
+            for name, lt in vllm_rank_tensors(self.spec, self.tp, r, self.quantization).items():
                 for b in lt.blocks:
                     have, new = full[b.name][b.src_box], shard[name][b.dst_box]
                     if not torch.isnan(have).all() and not torch.equal(have, new):
