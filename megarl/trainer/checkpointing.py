@@ -208,7 +208,7 @@ def resume(trainer) -> None:
     trainer.step_idx = int(meta["step"])
     trainer.policy_version = int(meta.get("policy_version", trainer.step_idx))  # the weights loaded
     if trainer.engine is not None:
-        trainer.engine.calls = trainer.step_idx  # one generate call per step: the sampling seeds continue
+        trainer.engine.calls = trainer.step_idx  # what it is between steps (Trainer.generate sets it per step)
     trainer.offload(("grads", "optimizer"))
     trainer.last_checkpoint = path
     changed = config_changes(meta.get("config") or {}, json.loads(json.dumps(to_dict(trainer.cfg), default=str)))
