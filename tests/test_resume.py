@@ -210,6 +210,18 @@ RESUMED = {  # case: (world, steps, resumed after, overrides)
 }
 
 
+def _train_until_requeued(rank, world, overrides):
+    """:func:`train_on_rank` with SIGUSR1 watched as a job's rank watches it; ``"requeued"`` when the run saved
+    and ended on it."""
+    from megarl.parallel.restart import RequeueRequested, watch_requeue_signal
+
+    watch_requeue_signal()
+    try:
+        return train_on_rank(rank, world, overrides)
+    except RequeueRequested:
+        return "requeued"
+
+
 def _records(run_dir, name):
     import json as _json
 
@@ -223,8 +235,9 @@ def _records(run_dir, name):
     pytest.param("multi_turn", marks=pytest.mark.slow),
     pytest.param("async_split", marks=pytest.mark.slow),
 ])
-def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(task, case):
-    """Issue 33: ``steps`` steps straight against ``k`` steps, then ``--resume`` to ``steps``, for each option
+def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(task, case, monkeypatch):
+    """Issue 33: ``steps`` steps straight against a run of ``steps`` steps that saves and ends on SIGUSR1 in
+    step ``k`` (as a SLURM job near its time limit), then ``--resume`` to the end, for each option
     that changes how many generate calls, prompts or samples a step uses: DAPO's dynamic sampling with extra
     rounds (the engine's call counter, the loader's position after the extra prompts), the same with packed
     micro-batches and with validation after every step (its generate calls between the steps), multi-turn
@@ -233,12 +246,16 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(task, case):
     response with its score, lengths and policy version) and ``val_samples.jsonl`` are the straight run's,
     exactly (the same computations on the same inputs on the CPU)."""
     world, steps, k, extra = RESUMED[case]
-    root = task[0]
+    root, model, data = task
     base = ["trainer.save_every=1", "trainer.log_samples=64", *extra]
     if case == "validation":
-        base.append(f"validation.files=[{task[2]}]")
+        base.append(f"validation.files=[{data}]")
     straight = _run(task, f"straight_{case}", world, [*base, f"trainer.steps={steps}"])[0]
-    _run(task, f"resumed_{case}", world, [*base, f"trainer.steps={k}"])
+    overrides = task_overrides(model, data, root / "runs", f"resumed_{case}") + BASE + [*base, f"trainer.steps={steps}"]
+    monkeypatch.setenv("MEGARL_FAULT", f"phase.actor_update@{k}:signal=USR1:0")
+    assert run_world(_train_until_requeued, world, overrides) == ["requeued"] * world
+    monkeypatch.delenv("MEGARL_FAULT")
+    assert [p.name for p in (root / "runs" / f"resumed_{case}" / "checkpoints").iterdir()] == [f"step_{k:06d}"]
     resumed = _run(task, f"resumed_{case}", world, [*base, f"trainer.steps={steps}", "trainer.resume=true"])[0]
     first = 0 if case == "validation" else 1  # validation before step 1: its figures as step 0's
     assert [h["step"] for h in resumed] == [h["step"] for h in straight] == list(range(first, steps + 1))

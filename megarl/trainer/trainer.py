@@ -98,6 +98,9 @@ class Trainer:
         self.policy_version = 0  # the step whose weights the engines hold (or last got)
         self.last_checkpoint: Path | None = None
         self.resumed: dict[str, Any] | None = None  # the checkpoint, step and config changes of a resume
+        # a resume's batches in flight at the save (rollout pool of its own): step -> (samples, version) on the
+        # training ranks, step -> None on the rollout ranks (checkpointing.resume; fit_split takes them)
+        self.in_flight: dict[int, Any] = {}
         if cfg.trainer.resume:
             checkpointing.resume(self)
 
