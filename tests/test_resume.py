@@ -201,7 +201,7 @@ SPLIT_2 = ["placement.pools.train=[0]", "placement.pools.gen=[1]", "placement.ac
            "placement.reward=train", "placement.rollout=gen"]
 ASYNC = ["trainer.mode=async", "trainer.max_staleness=1", "algorithm.rollout_correction.preset=token_tis"]
 RESUMED = {  # case: (world, steps, resumed after, overrides)
-    "dynamic_sampling": (1, 3, 1, DYNAMIC),
+    "dynamic_sampling": (1, 2, 1, DYNAMIC),  # the fast one: the first resumed step
     "packing": (1, 3, 1, DYNAMIC + ["actor.max_tokens_per_micro_batch=64", "actor.sequence_packing=true"]),
     "validation": (1, 3, 1, DYNAMIC + ["validation.enabled=true", "validation.num_prompts=4", "validation.every=1"]),
     "multi_turn": (1, 3, 1, ["rollout.multi_turn.enabled=true", "rollout.multi_turn.env=tests.rl_tasks:SecretWord",
