@@ -185,3 +185,86 @@ def test_the_supervisor_retries_failures_up_to_the_limit_and_never_a_config_erro
         count.unlink()
         assert supervise_local([*fail, str(status)], tmp_path / f"run{status}", 2) == status
         assert count.read_text() == "0" and read_restarts(tmp_path / f"run{status}") == []
+
+
+# ------------------------------------------------------------------ issue 33: resume whatever the options
+# the rollout's seeds, prompts and samples after a resume: each case changes how many generate calls, prompts or
+# samples a step uses; every per-step figure below is a function of the samples and the updates alone
+EXACT = ["reward/mean", "reward/std", "response/length_mean", "response/length_max", "prompt/length_mean",
+         "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "actor/lr", "rollout/policy_version",
+         "rollout/staleness", "data/epoch", "dynamic_sampling/rounds", "dynamic_sampling/groups_generated",
+         "dynamic_sampling/groups_kept", "dynamic_sampling/groups_tied_kept", "val/accuracy", "val/reward_mean"]
+# half the groups tied (tests.rl_tasks.half_tied): most steps draw 2-4 rounds of prompts
+DYNAMIC = ["reward.fn=tests.rl_tasks:half_tied", "algorithm.dynamic_sampling.enabled=true",
+           "algorithm.dynamic_sampling.max_extra_rounds=3"]
+SPLIT_2 = ["placement.pools.train=[0]", "placement.pools.gen=[1]", "placement.actor=train", "placement.reference=train",
+           "placement.reward=train", "placement.rollout=gen"]
+ASYNC = ["trainer.mode=async", "trainer.max_staleness=1", "algorithm.rollout_correction.preset=token_tis"]
+RESUMED = {  # case: (world, steps, resumed after, overrides)
+    "dynamic_sampling": (1, 2, 1, DYNAMIC),  # the fast one: the first resumed step
+    "packing": (1, 3, 1, DYNAMIC + ["actor.max_tokens_per_micro_batch=64", "actor.sequence_packing=true"]),
+    "validation": (1, 3, 1, DYNAMIC + ["validation.enabled=true", "validation.num_prompts=4", "validation.every=1"]),
+    "multi_turn": (1, 3, 1, ["rollout.multi_turn.enabled=true", "rollout.multi_turn.env=tests.rl_tasks:SecretWord",
+                             "rollout.multi_turn.max_turns=2", "rollout.max_new_tokens=1"]),
+    "async_split": (2, 4, 2, SPLIT_2 + ASYNC),
+}
+
+
+def _train_until_requeued(rank, world, overrides):
+    """:func:`train_on_rank` with SIGUSR1 watched as a job's rank watches it; ``"requeued"`` when the run saved
+    and ended on it."""
+    from megarl.parallel.restart import RequeueRequested, watch_requeue_signal
+
+    watch_requeue_signal()
+    try:
+        return train_on_rank(rank, world, overrides)
+    except RequeueRequested:
+        return "requeued"
+
+
+def _records(run_dir, name):
+    import json as _json
+
+    return [_json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("case", [
+    "dynamic_sampling",
+    pytest.param("packing", marks=pytest.mark.slow),
+    pytest.param("validation", marks=pytest.mark.slow),
+    pytest.param("multi_turn", marks=pytest.mark.slow),
+    pytest.param("async_split", marks=pytest.mark.slow),
+])
+def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(task, case, monkeypatch):
+    """Issue 33: ``steps`` steps straight against a run of ``steps`` steps that saves and ends on SIGUSR1 in
+    step ``k`` (as a SLURM job near its time limit), then ``--resume`` to the end, for each option
+    that changes how many generate calls, prompts or samples a step uses: DAPO's dynamic sampling with extra
+    rounds (the engine's call counter, the loader's position after the extra prompts), the same with packed
+    micro-batches and with validation after every step (its generate calls between the steps), multi-turn
+    episodes (every turn's and environment's seed) and split pools one step off (the batch in flight at the
+    save, generated with the weights of the step before). Every step's figures, ``samples.jsonl`` (every
+    response with its score, lengths and policy version) and ``val_samples.jsonl`` are the straight run's,
+    exactly (the same computations on the same inputs on the CPU)."""
+    world, steps, k, extra = RESUMED[case]
+    root, model, data = task
+    base = ["trainer.save_every=1", "trainer.log_samples=64", *extra]
+    if case == "validation":
+        base.append(f"validation.files=[{data}]")
+    straight = _run(task, f"straight_{case}", world, [*base, f"trainer.steps={steps}"])[0]
+    overrides = task_overrides(model, data, root / "runs", f"resumed_{case}") + BASE + [*base, f"trainer.steps={steps}"]
+    monkeypatch.setenv("MEGARL_FAULT", f"phase.actor_update@{k}:signal=USR1:0")
+    assert run_world(_train_until_requeued, world, overrides) == ["requeued"] * world
+    monkeypatch.delenv("MEGARL_FAULT")
+    assert [p.name for p in (root / "runs" / f"resumed_{case}" / "checkpoints").iterdir()] == [f"step_{k:06d}"]
+    resumed = _run(task, f"resumed_{case}", world, [*base, f"trainer.steps={steps}", "trainer.resume=true"])[0]
+    first = 0 if case == "validation" else 1  # validation before step 1: its figures as step 0's
+    assert [h["step"] for h in resumed] == [h["step"] for h in straight] == list(range(first, steps + 1))
+    if case != "multi_turn" and not case.startswith("async"):  # the case changes what it names: the check can fail
+        assert max(h.get("dynamic_sampling/rounds", 0) for h in straight[k:]) > 1, straight
+    for got, want in zip(resumed, straight):
+        for key in EXACT:
+            assert got.get(key) == want.get(key), (case, got["step"], key, got.get(key), want.get(key))
+    for name in ("samples.jsonl", "val_samples.jsonl"):
+        if (root / "runs" / f"straight_{case}" / name).exists() or name == "samples.jsonl":
+            assert _records(root / "runs" / f"resumed_{case}", name) == \
+                _records(root / "runs" / f"straight_{case}", name), (case, name)

@@ -4,10 +4,26 @@ trainer's state (:func:`save`) and resuming it (:func:`resume`), and what a resu
 
 A checkpoint (``runs/<name>/checkpoints/step_N``, :mod:`megarl.models.checkpoint` writes it atomically) holds a
 megatron dist checkpoint of the trained roles (the actor and its optimizer, the critic), the LR schedules, the
-data position, the KL controller, the policy version and every rank's RNG states. The optimizer state is in
+data position (the steps trained, with every prompt dynamic sampling's extra rounds drew), the KL controller,
+the policy version, every rank's RNG states (Python's, numpy's, torch's CPU and CUDA generators, megatron's
+model-parallel CUDA RNG tracker) and, with a rollout pool of its own, the batches in flight. The optimizer state is in
 megatron-core's layout-free format, so a run resumes at any TP x PP x DP and placement. A LoRA actor's checkpoint
 holds its adapters and their optimizer state, and names its base (``megarl.json``'s ``lora.base``: the run's
 ``model.path``), which a resume loads again.
+
+What a resumed run samples: every rollout seed is a function of the run's seed, the step, dynamic sampling's
+round, the prompt and the sample alone (:meth:`~megarl.trainer.trainer.Trainer.generate` sets the engine's call
+counter from the step, whatever ran before), so the checkpoint's step restores the rollout's seeds, and the
+loader's position the prompts of the next step and of its extra rounds; nothing else carries over between
+steps (dynamic sampling keeps no groups beyond its step). With a rollout pool of its own
+(:func:`~megarl.trainer.loop.fit_split`) the checkpoint of step ``s`` means the state after ``save s`` of the
+schedule (:mod:`megarl.trainer.pipeline`): the weights of step ``s``, the data position of the steps trained,
+and the batches of steps ``s+1 .. s+k`` that the rollout pool had generated ahead with older weights and
+handed over (``ranks/in_flight_<rank>.pt``, written by the first training rank): a resume trains on them as the
+uninterrupted run did, instead of generating them again with newer weights. So a resumed run reproduces the
+uninterrupted one's samples and metrics exactly at the same layout on the CPU (``tests/test_resume.py``), up to
+float rounding at another layout; vLLM with ``rollout.request_seeds=false`` samples from its own generator,
+whose state no checkpoint holds (a resumed run samples other responses).
 """
 
 from __future__ import annotations
@@ -146,16 +162,28 @@ def _state(trainer, is_loading: bool, optimizer_format: str = OPTIMIZER_FORMAT) 
     return state
 
 
-def save(trainer) -> Path:
+def save(trainer, in_flight: dict[int, tuple[Any, int]] | None = None) -> Path:
     """Checkpoint the trainer after ``trainer.step_idx`` steps (every rank): actor (+ optimizer), critic, LR
-    schedules, KL controller, data position and RNG states; the oldest checkpoints beyond
-    ``trainer.keep_checkpoints`` are deleted. Returns the checkpoint's folder."""
+    schedules, KL controller, data position (the training ranks'), RNG states and the batches in flight; the
+    oldest checkpoints beyond ``trainer.keep_checkpoints`` are deleted. Returns the checkpoint's folder.
+
+    Args:
+        in_flight: with a rollout pool of its own, ``{step: (RolloutOutput, policy version)}`` of the batches
+            generated ahead and handed over, on the training ranks (None on the rollout ranks and colocated);
+            the first training rank writes them, and the meta's ``in_flight`` names their steps and that rank.
+    """
     cfg = trainer.cfg
     path = trainer.run_dir / "checkpoints" / f"{ck.CHECKPOINT_PREFIX}{trainer.step_idx:06d}"
     pools = trainer.pools
+    flight_rank = next(r for r in range(trainer.world) if r not in trainer.rollout_ranks) \
+        if trainer.split_rollout else None
+    flight_steps = share_object(sorted(in_flight or {}), [flight_rank]) if trainer.split_rollout else []
     meta = ck.model_meta(trainer.spec, ck.DTYPES[cfg.model.dtype], trainer.tokenizer_source,
                          use_te=cfg.actor.kernels.transformer_engine,
-                         step=trainer.step_idx, loader=trainer.loader.state_dict(), kl_ctl=trainer.kl_ctl.state_dict(),
+                         step=trainer.step_idx, kl_ctl=trainer.kl_ctl.state_dict(),
+                         # the training ranks' (a rollout pool of its own draws the batches it generates ahead)
+                         loader=share_object(trainer.loader.state_dict(), pools["actor"].ranks),
+                         in_flight={"steps": flight_steps, "rank": flight_rank} if flight_steps else None,
                          actor_scheduler=share_object(trainer.actor and trainer.actor.scheduler.state_dict(),
                                                       pools["actor"].ranks),
                          critic_scheduler=share_object(trainer.critic and trainer.critic.scheduler.state_dict(),
@@ -166,10 +194,12 @@ def save(trainer) -> Path:
                          **({"lora": ck.lora_meta(trainer.actor_lora.as_dict(),
                                                   None if cfg.model.path == "default" else cfg.model.path)}
                             if trainer.actor_lora else {}))
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    per_rank = {"rng": rng_states()}
+    if flight_steps and trainer.rank == flight_rank:
+        per_rank["in_flight"] = in_flight
     trainer.reload()  # an offloaded optimizer state is saved from the device, then goes back to the host
     with phase("checkpoint"):
-        ck.save_checkpoint(path, _state(trainer, is_loading=False), meta, per_rank={"rng": rng})
+        ck.save_checkpoint(path, _state(trainer, is_loading=False), meta, per_rank=per_rank)
     trainer.offload(("grads", "optimizer"))
     trainer.last_checkpoint = path
     trainer.saved_at = time.monotonic()
@@ -180,9 +210,39 @@ def save(trainer) -> Path:
     return path
 
 
+def rng_states() -> dict[str, Any]:
+    """This rank's RNG states: Python's, numpy's, torch's CPU generator, and where there is a GPU every CUDA
+    device's generator and megatron's model-parallel CUDA RNG tracker (dropout's streams)."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        states["cuda"] = torch.cuda.get_rng_state_all()
+        states["megatron_tracker"] = get_cuda_rng_tracker().get_states()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore :func:`rng_states`; the CUDA ones where this rank has a GPU and as many devices as the saving
+    rank (a checkpoint written on the CPU, or by an earlier megarl, has none: those generators keep their seeds)."""
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if torch.cuda.is_available() and "cuda" in states:
+        if len(states["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states["cuda"])
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        tracker = get_cuda_rng_tracker()
+        if set(states["megatron_tracker"]) == set(tracker.get_states()):
+            tracker.set_states(states["megatron_tracker"])
+
+
 def resume(trainer) -> None:
     """Load the run folder's newest checkpoint into ``trainer`` (:func:`check_run_folder` found one this run can
-    load), at this run's layout: weights, optimizer state, data position, KL controller and RNG states. The LR
+    load), at this run's layout: weights, optimizer state, data position, KL controller, RNG states, the
+    engine's call counter (from the step) and, with a rollout pool of its own, the batches in flight
+    (``trainer.in_flight``, for :func:`~megarl.trainer.loop.fit_split`). The LR
     schedule follows the current config from the checkpoint's update count on; what the config changed since
     the checkpoint is logged and kept for the summary (``trainer.resumed``)."""
     path = ck.latest_checkpoint(trainer.run_dir)
@@ -202,13 +262,18 @@ def resume(trainer) -> None:
     # each rank's RNG states; a rank the checkpoint's world did not have takes rank 0's
     rng = ck.load_per_rank(path, "rng", trainer.rank) or ck.load_per_rank(path, "rng", 0)
     if rng is not None:
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
+        set_rng_states(rng)
     trainer.step_idx = int(meta["step"])
+    flight = meta.get("in_flight")  # the batches a rollout pool of its own had generated ahead
+    if flight and trainer.split_rollout:
+        held = None if trainer.rank in trainer.rollout_ranks else ck.load_per_rank(path, "in_flight", flight["rank"])
+        trainer.in_flight = {int(s): held and held[int(s)] for s in flight["steps"]}
+    elif flight:
+        log.warning("resuming without a rollout pool of its own: the batches of steps %s, in flight at the save, "
+                    "are generated again with the checkpoint's weights", flight["steps"])
     trainer.policy_version = int(meta.get("policy_version", trainer.step_idx))  # the weights loaded
     if trainer.engine is not None:
-        trainer.engine.calls = trainer.step_idx  # one generate call per step: the sampling seeds continue
+        trainer.engine.calls = trainer.step_idx  # what it is between steps (Trainer.generate sets it per step)
     trainer.offload(("grads", "optimizer"))
     trainer.last_checkpoint = path
     changed = config_changes(meta.get("config") or {}, json.loads(json.dumps(to_dict(trainer.cfg), default=str)))

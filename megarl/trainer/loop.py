@@ -115,12 +115,14 @@ def fit_split(trainer, batches, steps: int | None = None):
     async k = ``trainer.max_staleness``), each doing its part of every event, and checkpoint where it says
     (``trainer.save_every``, the last step) or where :func:`checkpoint_due` finds it due after a step (every
     rank asks, both pools: ``trainer.save_every_min``, SIGUSR1). After a save on SIGUSR1 the run ends with
-    :class:`~megarl.parallel.restart.RequeueRequested`; the batches generated ahead (async) are lost with it
-    and generated again on resume, as after a crash.
+    :class:`~megarl.parallel.restart.RequeueRequested`. A checkpoint holds the batches generated ahead (async)
+    and handed over by then; a resume (``trainer.in_flight``) trains on them instead of generating them
+    again, so it walks the rest of the uninterrupted run's schedule (:mod:`megarl.trainer.pipeline`).
 
     Args:
         batches: the prompt loader's iterator; the rollout ranks draw a batch when they generate it, the
-            training ranks when they train on it (so the data position saved is the steps trained).
+            training ranks when they train on it (so the data position saved is the steps trained; on resume
+            the rollout ranks skip the batches in flight).
 
     Yields:
         ``(step, metrics)`` after each step's events (the metrics on the training ranks; ``{}`` on the
@@ -134,7 +136,19 @@ def fit_split(trainer, batches, steps: int | None = None):
     generating = trainer.engine is not None
     ready: dict[int, tuple[Any, int]] = {}  # step -> (its samples, the version that generated them)
     end = cfg.trainer.steps if steps is None else steps
-    for step, events in schedule(trainer.step_idx, end, k, lambda s: steps is None and save_due(cfg, s)):
+    # a resume's batches in flight, as many as this run's k keeps (a smaller k: the later ones generated again)
+    flight, trainer.in_flight = trainer.in_flight, {}
+    restored = []
+    for s in range(trainer.step_idx + 1, min(trainer.step_idx + k, end) + 1):
+        if s not in flight:
+            break
+        restored.append(s)
+        if generating:
+            next(batches)  # drawn and generated before the save
+        else:
+            ready[s] = flight[s]
+    for step, events in schedule(trainer.step_idx, end, k, lambda s: steps is None and save_due(cfg, s),
+                                 in_flight=len(restored)):
         step_start = time.perf_counter()
         busy, stats, metrics, trained = {"train": 0.0, "rollout": 0.0}, None, {}, None
         save = False
@@ -167,7 +181,7 @@ def fit_split(trainer, batches, steps: int | None = None):
             save = save or due
         if save:  # after the step's timings (a colocated step's exclude it too)
             metrics = _split_step_metrics(trainer, metrics, trained, stats, busy, step_start)
-            checkpointing.save(trainer)
+            checkpointing.save(trainer, None if generating else ready)
         yield step, _split_step_metrics(trainer, metrics, trained, stats, busy, step_start)
         if requeue and trainer.step_idx < end:
             raise _requeue_error(trainer)

@@ -98,6 +98,9 @@ class Trainer:
         self.policy_version = 0  # the step whose weights the engines hold (or last got)
         self.last_checkpoint: Path | None = None
         self.resumed: dict[str, Any] | None = None  # the checkpoint, step and config changes of a resume
+        # a resume's batches in flight at the save (rollout pool of its own): step -> (samples, version) on the
+        # training ranks, step -> None on the rollout ranks (checkpointing.resume; fit_split takes them)
+        self.in_flight: dict[int, Any] = {}
         if cfg.trainer.resume:
             checkpointing.resume(self)
 
@@ -477,19 +480,24 @@ class Trainer:
         batch.meta["correct"] = (scores >= 1.0).tolist()
 
     def generate(self, prompts: PromptBatch, round_idx: int, step: int | None = None) -> RolloutOutput:
-        """Generate ``rollout.n`` responses to each prompt, over the rollout data-parallel group. Round
-        ``round_idx`` of a step (dynamic sampling's extra rounds) has its own sampling seed; the engine's call
-        counter advances once per step, whatever the rounds, so a resumed run samples as the straight one.
+        """Generate ``rollout.n`` responses to each prompt, over the rollout data-parallel group.
+
+        Every sample's seed is a function of ``(run.seed, step, round, prompt, sample)`` alone, never of what
+        ran before: round ``round_idx`` of a step (dynamic sampling's extra rounds) has its own sampling seed,
+        and the engine's call counter (the other part of the seed) is set to the step's index before the
+        call and to the next step's after it, whatever the rounds, validations or generations ahead before
+        it. So the checkpoint's step is all a resumed run needs to sample as the uninterrupted one
+        (:func:`~megarl.trainer.checkpointing.resume` sets the counter from it).
         ``step``: the (1-based) step whose batch this is, when not the one after ``step_idx`` (a rollout pool
         of its own generates ahead)."""
-        calls = self.engine.calls
         index = self.step_idx if step is None else step - 1
         sampling = SamplingConfig(seed=self.cfg.run.seed * 1_000_003 + index + round_idx * 7_919_993, **self.sampling)
+        self.engine.calls = index
         if self.agent is not None:
             out = generate_episodes(self.agent, self.engine, prompts, sampling, group=self.rollout_group)
         else:
             out = generate_data_parallel(self.engine, prompts.input_ids, sampling, group=self.rollout_group)
-        self.engine.calls = calls + 1
+        self.engine.calls = index + 1
         return out
 
 
