@@ -66,7 +66,8 @@ def save_peft_adapter(directory: str | os.PathLike, spec: ModelSpec, lora: LoRAS
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in peft_tensors(spec, lora, adapters).items()}
+    # a shared A is one tensor under several names; safetensors stores each name's own copy (clone)
+    tensors = {k: v.detach().cpu().clone().contiguous() for k, v in peft_tensors(spec, lora, adapters).items()}
     save_file(tensors, str(out / (WEIGHTS_FILE + ".tmp")), metadata={"format": "pt"})
     os.replace(out / (WEIGHTS_FILE + ".tmp"), out / WEIGHTS_FILE)
     (out / (CONFIG_FILE + ".tmp")).write_text(json.dumps(adapter_config(spec, lora, base), indent=2))
