@@ -4,9 +4,10 @@
 # Needs what perf/gpu_dapo.sh needs: the vLLM wheels (perf/install_wheels.sh: chunks uploaded to /tmp/whl;
 # skipped on a kept machine where they import), the SmolLM2-135M GGUF (SMOL_GGUF, default /tmp/smol.gguf) and
 # GSM8K (GSM8K_DIR, default /tmp/gsm8k; perf/gpu_smollm2_gsm8k.sh). Stages:
-#   1. install, build: the wheels into /tmp/site, megarl._C (both skipped when already done);
+#   1. install: the wheels into /tmp/site (skipped when already done); no megarl._C build (84 s on a fresh
+#      machine): the 135M model's colocated TP 1 -> TP 1 weight sync takes the pure-torch box copies;
 #   2. agentic: parallel_configs/gpu_1xh200_smollm2_gsm8k_tools.yaml, GRPO on GSM8K with the calculator tool
-#      over up to 3 turns, STEPS (default 120) steps of 16 prompts x 8 episodes, vLLM driven request by request
+#      over up to 3 turns, STEPS (default 100) steps of 16 prompts x 8 episodes, vLLM driven request by request
 #      (prefix caching on); greedy validation by episodes on 128 GSM8K test problems before step 1 and after
 #      the last step; report.md and its plots at the end;
 #   3. single: the same config and the same model, back to back, with one turn per sample
@@ -19,9 +20,9 @@
 #      tokens/s of the multi-turn steps against the single-turn run's (its steps 2-10), and |rollout - old
 #      log-prob| of the multi-turn samples against the single-turn ones.
 # $OUT (default runs/gpu_agentic) receives the logs, both runs' metrics.jsonl, samples, validation samples,
-# report.md and plots. Expected on one H200 (not measured yet): ~1.5 min start-up per run (GGUF load, vLLM with
-# CUDA graphs), ~2 s per multi-turn step (128 episodes of <= 384 tokens, a third of the main job's 512 samples of
-# <= 256), ~10 s per validation, ~1 s per single-turn step: about 8.5 minutes in all. With less time left, stage
+# report.md and plots. Measured on one H200 (2026-12-02, perf/RESULTS.md): ~1.5 min start-up per run (GGUF load,
+# vLLM with CUDA graphs), 2.0-2.3 s per multi-turn step (128 episodes of <= 384 tokens), the single-turn run of 10
+# steps 123 s with its start-up: about 9.5 minutes in all. With less time left, stage
 # 2 is stopped cleanly (SIGINT) at its limit and the summary says how many steps ran (STEPS=60 halves it). The last
 # line is "gpu_agentic: PASS" or "gpu_agentic: FAIL" (exit status 0 or 1).
 set -uo pipefail
@@ -31,7 +32,7 @@ begin gpu_agentic 585
 
 source perf/gpu_smollm2_gsm8k.sh  # SMOL_GGUF, GSM8K_DIR
 export CONFIG=parallel_configs/gpu_1xh200_smollm2_gsm8k_tools.yaml RUNS=/tmp/runs DATA=/tmp/data/gsm8k
-export STEPS=${STEPS:-120}
+export STEPS=${STEPS:-100}
 export DEADLINE=$(( $(date +%s) + BUDGET_S ))
 
 copy_run() {  # copy_run NAME: the run's records into $OUT/NAME
@@ -144,7 +145,6 @@ EOF
 export -f copy_run agentic single summary
 
 stage install 200 "bash perf/install_wheels.sh"
-[ $failed -eq 0 ] && stage build 200 "bash perf/build_C.sh"
 if [ $failed -eq 0 ]; then
   stage agentic 600 agentic  # whatever is left of the budget but 150 s
   stage single 150 single

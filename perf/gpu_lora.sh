@@ -3,10 +3,11 @@
 # random weights of the Qwen2.5-1.5B and 7B shapes in bf16, 32 prompts x 8 samples x 128 new tokens, 3 steps per
 # case (step 1 is the warm-up; steps 2-3 are reported). Cases, in this order:
 #   1.5b-full   1.5b-r64-merged   1.5b-r64-adapter
-#   7b-full     7b-r16-merged     7b-r64-merged     7b-r64-adapter
-# The full 7B run needs gradients and Adam state for 7.6B parameters: megarl's memory estimate puts it at ~248 GiB
-# on one GPU with the 1.5B config's batch, so it runs with actor.offload=true (gradients and optimizer state on the
-# host between updates) and recompute; its LoRA runs need neither (~121 GiB estimated, most of it vLLM's share).
+#   7b-r16-merged     7b-r64-merged     7b-r64-adapter
+# 7b-full runs by name only: gradients and Adam state for 7.6B parameters (megarl's estimate ~248 GiB with the
+# 1.5B config's batch) do not fit one H200 beside vLLM; even with actor.offload=true and recompute (which that
+# case sets) the first optimizer step ran out of memory on 2026-12-02 (perf/RESULTS.md). The LoRA runs need
+# neither (~121 GiB estimated, most of it vLLM's share; 68.7 GiB update peak measured at rank 16).
 # Per case, from metrics.jsonl: actor-update peak memory (memory/actor_update/peak_bytes: torch's tensors, not
 # vLLM's pool), seconds per phase, tokens/s/GPU, the weight sync (time/reshard, and reshard/merge_s: the merge of
 # W + (alpha/r) B A on the engine ranks), generation tokens/s, and actor/rollout_vs_old_logprob_diff (mean
@@ -18,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_lora}; BUDGET_S=${BUDGET_S:-520}
 source perf/gpu_synthetic_task.sh
-CASES=("$@"); [ ${#CASES[@]} -gt 0 ] || CASES=(1.5b-full 1.5b-r64-merged 1.5b-r64-adapter 7b-full 7b-r16-merged
+CASES=("$@"); [ ${#CASES[@]} -gt 0 ] || CASES=(1.5b-full 1.5b-r64-merged 1.5b-r64-adapter 7b-r16-merged
                                                7b-r64-merged 7b-r64-adapter)
 STEP="data.prompts_per_step=32 rollout.n=8 rollout.max_new_tokens=128 actor.micro_batch_size=16
       actor.ppo_mini_batch_size=256 actor.logprob_micro_batch_size=32 rollout.gpu_memory_utilization=0.3
