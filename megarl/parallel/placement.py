@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from megarl.algos.registry import ADVANTAGES
 from megarl.config import MEGATRON_ROLES, Config, ConfigError, require
-from megarl.parallel.mesh import ParallelLayout
+from megarl.parallel.mesh import LayoutError, ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -224,12 +224,17 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
 
     Raises:
         ConfigError: a pool or a mesh that does not fit the world (:func:`role_layouts`), roles that cannot take
-            turns (:func:`check_turns`), batch sizes that a DP size does not divide, or with VPP micro-batch
+            turns (:func:`check_turns`), an ``actor.parallel.ep`` that megatron's layout cannot hold
+            (:func:`global_layout`), batch sizes that a DP size does not divide, or with VPP micro-batch
             counts that are not a multiple of PP (:func:`check_virtual_pipeline`).
     """
     layouts = role_layouts(cfg, world_size)
     check_turns(layouts)
     check_runnable(layouts, world_size)
+    try:  # megatron's own layout, as the ranks set it (expert parallelism over the ranks of a stage)
+        global_layout(layouts, world_size, cfg.actor.parallel.ep)
+    except LayoutError as e:
+        raise ConfigError(f"actor.parallel.ep: {e}") from None
     check_rollout_pool(cfg, layouts, world_size)
     roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.algorithm.uses_critic else [])
     for role, rc in roles:
