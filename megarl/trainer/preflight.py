@@ -289,6 +289,8 @@ def check_data(cfg: Config, tokenizer, *, prepare: bool = True) -> None:
     datasets = {field: read_prompts(cfg, tokenizer, files, field) for field, files in fields
                 if all(Path(f).is_file() for f in files)}
     train = datasets.get("data.train_files")
+    if train is not None:
+        check_one_batch(cfg, train, datasets.get("validation.files"))
     if train is None or inspect.isclass(find_reward(cfg.reward.fn)):
         return  # a reward model: built on the ranks
     first = range(min(4, len(train)))
@@ -298,6 +300,29 @@ def check_data(cfg: Config, tokenizer, *, prepare: bool = True) -> None:
     except Exception as e:  # noqa: BLE001 (any failure of the user's function, named with its data)
         raise ConfigError(f"reward.fn: {cfg.reward.fn!r} failed on the first rows of data.train_files "
                           f"({type(e).__name__}: {e}); check data.answer_key and reward.kwargs") from None
+
+
+def check_one_batch(cfg: Config, train: PromptDataset, validation: PromptDataset | None) -> None:
+    """The training prompts, less those the validation holds out (:meth:`~megarl.trainer.validation.Validation.
+    hold_out`: its prompts of the same text), fill one step's batch of ``data.prompts_per_step`` (the run's prompt
+    loader drops an incomplete batch, :class:`~megarl.data.loader.PromptLoader`).
+
+    Raises:
+        ConfigError: naming ``data.prompts_per_step``, the files and the counts.
+    """
+    from megarl.trainer.validation import select_prompts
+
+    held = set()
+    if validation is not None:
+        held = set(select_prompts(validation, cfg.validation.num_prompts, shuffle=cfg.validation.shuffle,
+                                  seed=cfg.run.seed).raw_prompt)
+    left = sum(p not in held for p in train.raw_prompts)
+    if left < cfg.data.prompts_per_step:
+        why = (f" ({len(train) - left} of its {len(train)} are validation prompts, held out)" if left < len(train)
+               else "")
+        raise ConfigError(f"data.prompts_per_step: data.train_files {train.source} holds {left} training prompts"
+                          f"{why} that fit data.max_prompt_length={cfg.data.max_prompt_length}, fewer than one "
+                          f"step's batch of {cfg.data.prompts_per_step}; lower data.prompts_per_step or add data")
 
 
 def check_reward(cfg: Config) -> None:
