@@ -66,3 +66,15 @@ def test_expert_parallelism_must_fit_the_ranks_of_a_stage():
     validate_for_world(load_config(None, ["actor.parallel.ep=2"]), 2)
     with pytest.raises(ConfigError, match=r"actor\.parallel\.ep: 2 does not divide the actor's tp=1 x dp=1"):
         validate_for_world(load_config(None, ["actor.parallel.ep=2", "actor.parallel.pp=2"]), 2)
+
+
+def test_a_token_budget_below_one_row_is_a_warning(caplog):
+    # a row longer than max_tokens_per_micro_batch gets a micro-batch of its own (megarl.trainer.packing): over budget
+    base = ["data.max_prompt_length=64", "rollout.max_new_tokens=64"]
+    with caplog.at_level("WARNING", logger="megarl.parallel.placement"):
+        validate_for_world(load_config(None, base + ["actor.max_tokens_per_micro_batch=100"]), 1)
+    assert "actor.max_tokens_per_micro_batch=100 is below one row of up to 128 tokens" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megarl.parallel.placement"):
+        validate_for_world(load_config(None, base + ["actor.max_tokens_per_micro_batch=128"]), 1)
+    assert "max_tokens_per_micro_batch" not in caplog.text

@@ -29,6 +29,7 @@ the hand-over of a batch, checkpoints).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -38,6 +39,8 @@ import torch.distributed as dist
 from megarl.algos.registry import ADVANTAGES
 from megarl.config import MEGATRON_ROLES, Config, ConfigError, require
 from megarl.parallel.mesh import LayoutError, ParallelLayout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,11 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
                  f"{role}.max_tokens_per_micro_batch", f"needs {role}.parallel.pp=1 (megatron's pipeline schedule "
                  f"sends one activation shape for every micro-batch); set it to 0, use pp=1 or set "
                  f"{role}.sequence_packing=true (packed micro-batches of one shape)")
+        longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+        if 0 < rc.max_tokens_per_micro_batch < longest:
+            log.warning("%s.max_tokens_per_micro_batch=%d is below one row of up to %d tokens (data.max_prompt_length"
+                        " + rollout.max_new_tokens): a longer row gets a micro-batch of its own, over the budget; set "
+                        "it to at least %d", role, rc.max_tokens_per_micro_batch, longest, longest)
         check_context_parallel(rc, role)
         check_virtual_pipeline(cfg, rc, role, layouts[role])
     for role in MEGATRON_ROLES:
