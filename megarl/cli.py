@@ -162,9 +162,13 @@ CHECK_HELP = ("check the config against its model, tokenizer, files and reward f
               "before a run, less what this machine lacks, e.g. a GPU), print the result and run nothing")
 
 
-def check_only(cfg, what: str) -> int:
+def check_only(cfg, what: str, *, run_folder: bool = False) -> int:
     """``--check``: :func:`~megarl.trainer.preflight.preflight` of ``cfg`` without the checks of this machine
-    (a GPU config checked on a CPU machine, as CI checks ``perf/gpu_*.sh``); prints one line; returns 0.
+    (a GPU config checked on a CPU machine, as CI checks ``perf/gpu_*.sh``), and with ``run_folder`` what the
+    run folder's checkpoints allow (:func:`~megarl.trainer.checkpointing.check_run_folder`, read only: a new run
+    over an earlier run's checkpoints, a finished run, a checkpoint this config cannot resume). A ``--resume``
+    whose folder holds no checkpoint yet is a warning on stderr, not a refusal: a script's earlier command may
+    write it (``perf/gpu_resume.sh``, checked command by command). Prints one line; returns 0.
 
     Raises:
         ConfigError: naming the field, as a run would before starting.
@@ -172,6 +176,16 @@ def check_only(cfg, what: str) -> int:
     from megarl.trainer.preflight import preflight
 
     spec = preflight(cfg, cfg.world_size, this_machine=False)
+    if run_folder:
+        from megarl.models.checkpoint import run_checkpoints
+        from megarl.trainer.checkpointing import check_run_folder
+
+        if cfg.trainer.resume and not run_checkpoints(cfg.run.run_dir):
+            print(f"megarl {what}: warning: trainer.resume: the run folder {cfg.run.run_dir} holds no checkpoint "
+                  "yet; the run would be refused unless one is written first (start it without --resume, or check "
+                  "run.name and run.output_dir)", file=sys.stderr, flush=True)
+        else:
+            check_run_folder(cfg, cfg.world_size)
     print(f"megarl {what}: check passed ({cfg.world_size} rank(s), model {cfg.model.path}: {spec.num_layers} "
           f"layers, hidden {spec.hidden_size}); nothing was run", flush=True)
     return 0
@@ -201,7 +215,7 @@ def _train(p: argparse.ArgumentParser):
         overrides += [f"launch.max_restarts={a.max_restarts}"] if a.max_restarts is not None else []
         cfg = load_config(config, overrides)  # fails here, before any process or model, on a bad config
         if a.check:
-            return check_only(cfg, "train")
+            return check_only(cfg, "train", run_folder=True)
 
         from megarl.parallel.restart import RESTART_ENV
 

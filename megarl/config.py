@@ -104,7 +104,8 @@ class ParallelConfig:
 
     Attributes:
         tp: tensor-parallel size. pp: pipeline-parallel size. dp: data-parallel size (0 = derive).
-        sequence_parallel: shard norm/dropout activations over TP (tp > 1).
+        sequence_parallel: shard norm/dropout activations over TP (tp > 1); a mixture-of-experts model trained
+            with tp > 1 needs it (megatron-core's MoE layer refuses to train without).
         ep: expert-parallel size of a mixture-of-experts model (its experts split over ``ep`` ranks of each
             pipeline stage, expert TP = 1; must divide the experts and ``tp * dp``); 1 for dense models. The
             actor's ``ep`` applies to every Megatron role, which all run on the whole world.

@@ -148,6 +148,15 @@ CASES = [
      "reward.kwargs: reward function 'http' does not accept parameters ['urll']"),
     (["TINY", "reward.fn=gsm8k"], "reward.fn: 'gsm8k' failed on the first rows of data.train_files (RewardError: "
                                   "GSM8K ground truth 'x' has no number"),
+    # what the ranks refused seconds later, refused by the launching process and by --check too (issue 33, item 10)
+    (["TINY", "data.prompts_per_step=16"],
+     "data.prompts_per_step: data.train_files DATA:prompts.jsonl holds 8 training prompts that fit "
+     "data.max_prompt_length=16, fewer than one step's batch of 16"),
+    (["TINY", "data.prompts_per_step=16", "--check"], "data.prompts_per_step: data.train_files"),
+    (["TINY", "data.prompts_per_step=6", "validation.enabled=true", "validation.files=[DATA:prompts.jsonl]",
+      "validation.num_prompts=4", "actor.ppo_mini_batch_size=48", "--check"],
+     "holds 4 training prompts (4 of its 8 are validation prompts, held out)"),
+    (["TINY", "actor.parallel.ep=2", "--check"], "actor.parallel.ep: 2 does not divide the actor's tp=1 x dp=1"),
     # the data's content (read in the launching process, before any rank), and paths that data.prepare never writes
     (["TINY", "data.train_files=[DATA:null_prompt.jsonl]"],
      "data.train_files: DATA:null_prompt.jsonl: row 1's field 'question' (data.prompt_key) is null"),
@@ -224,6 +233,19 @@ def test_bench_reshard_defaults_fit_their_world_and_model():
 
     args = build_parser().parse_args(["bench", "reshard"])
     check_layout_args(args, args.nproc)  # raises on a default that cannot run (it was TP=2 on 9 heads)
+
+
+def test_check_reads_the_run_folder_as_a_run_would(tiny, run_cli, tmp_path, capsys):
+    """``megarl train --check`` refuses a new run over an earlier run's checkpoints (as the run does, seconds
+    later); a ``--resume`` with no checkpoint yet is a warning (a script's earlier command may write it)."""
+    out = tmp_path / "out"
+    status, err = run_cli(_tiny_train(tiny, f"run.output_dir={out}", "--check", "--resume"))
+    assert status == 0 and "warning: trainer.resume: the run folder" in err and "holds no checkpoint yet" in err
+    step = out / "bad" / "checkpoints" / "step_1"
+    step.mkdir(parents=True)
+    (step / "megarl.json").write_text('{"format": "megarl", "step": 1}')
+    status, err = run_cli(_tiny_train(tiny, f"run.output_dir={out}", "--check"))
+    assert status == 2 and "run.name: the run folder" in err and "holds checkpoints of an earlier run" in err, err
 
 
 def test_every_megatron_mesh_is_checked_against_the_model():

@@ -55,12 +55,38 @@ def test_extract_answer(response, expected):
     ("#### unknown\n#### 7", "7"),                          # the first #### that has a number
     # must NOT be read as a number
     ("#### 1,00", None), ("#### 12,5", None), ("#### 1,0000", None), ("#### 1.000.000", None),
+    ("#### 12,34", None), ("#### 123,45,678", None), ("#### 1,00,00", None),   # no Indian grouping either
     ("#### 10:30", None),                                   # a separator that groups no three digits
     ("\\boxed{5+3}", None), ("\\boxed{2x}", None), ("\\boxed{8, 9}", None),   # not one number
     ("\\boxed{x = 5 \\leq 7}", None), ("\\boxed{\\frac{1}{3}}", "1/3"),  # 1/3 equals no decimal answer
 ])
 def test_extract_answer_number_spellings(response, expected):
     assert extract_answer(response)[0] == expected
+
+
+# Digit groupings that lm-evaluation-harness's gsm8k filters accept, with the values they give, derived by hand
+# from their rules: strict-match takes the first "#### (\-?[0-9\.\,]+)", flexible-extract the last
+# "(-?[$0-9.,]{2,})|(-?[0-9]+)"; both then drop "$", "," and a final "." (exact_match's regexes_to_ignore).
+# verl's gsm8k.py reads the same digits ("#### (\-?[0-9\.\,]+)" or the last "(\-?[0-9\.\,]+)", "," and "$"
+# dropped) but keeps a final ".". megarl must give each of them the same value (issue 33: the Indian groupings
+# "1,00,000" and "12,34,567" were no answer).
+@pytest.mark.parametrize("response, expected", [
+    # strict: "#### 1,000" -> "1,000" -> "1000"
+    ("#### 1,000", "1000"), ("#### 1,234,567", "1234567"), ("#### -1,000", "-1000"),
+    ("#### 1,000.", "1000"),                        # the final "." dropped (lm-eval); verl's "1000." would miss
+    ("#### 1,234.5", "1234.5"), ("#### -1,234,567.25.", "-1234567.25"), ("#### 10,000, in all", "10000"),
+    ("#### 1,00,000", "100000"), ("#### 12,34,567", "1234567"),           # Indian lakh / crore grouping
+    ("#### 1,23,45,678", "12345678"), ("#### -1,00,000.", "-100000"), ("#### 2,50,000.75", "250000.75"),
+    # flexible: the last number, "$" dropped: "costs $1,234." -> "$1,234." -> "1234"
+    ("It costs $1,234.", "1234"), ("It costs -$1,000", "-1000"), ("so 1,00,000 rupees", "100000"),
+    ("a total of 12,34,56,789.", "123456789"), ("then 7 and finally 1,000,000.", "1000000"),
+    ("\\boxed{1,00,000}", "100000"), ("\\boxed{12{,}34{,}567}", "1234567"),   # LaTeX's comma
+])
+def test_extract_answer_matches_the_harnesses_digit_groupings(response, expected):
+    got = extract_answer(response, last_number=True)[0]
+    assert got == expected
+    if expected is not None:
+        assert gsm8k_reward([""], [response], [expected], last_number=True) == [1.0]
 
 
 def test_number_spellings_score_as_their_value():

@@ -33,7 +33,7 @@ from megarl.models.hf_io import (HFCheckpoint, open_hf_checkpoint, read_generati
 from megarl.models.layout import VALUE_HEAD, lora_canonical_shapes, megatron_rank_tensors
 from megarl.models.lora import is_adapter
 from megarl.models.spec import ModelSpec, SpecError
-from megarl.models.weights import fill_local_tensors
+from megarl.models.weights import fill_local_tensors, preset_reader
 from megarl.parallel.faults import fault_point
 from megarl.parallel.mesh import ParallelLayout
 from megarl.storage import STORAGE_ERRNOS, StorageError, describe, storage_cause, write_fault
@@ -177,12 +177,30 @@ def load_hf_weights(model, ckpt: HFCheckpoint) -> None:
     if ckpt.spec.hf_tensor_shapes() != spec.hf_tensor_shapes():
         raise SpecError(f"checkpoint {ckpt.path} describes another model than the one built: "
                         f"{ckpt.spec} vs {spec}")
+    _fill_from_canonical(model, ckpt.read, value_head=VALUE_HEAD in ckpt.tensor_names)
+
+
+def _fill_from_canonical(model, read, *, value_head: bool = True) -> None:
+    """Fill this rank's Megatron shard of ``model`` (a model or the list of its chunks) from canonical tensors
+    (``read(name, box)``, :func:`~megarl.models.weights.fill_local_tensors`); a critic without ``value_head``
+    keeps its own (zero) value head."""
+    bare = as_chunks(model)[0]
     mesh, tp_rank, pp_rank, ep_rank = _coords()
-    local = megatron_rank_tensors(spec, mesh, tp_rank, pp_rank, role=bare.megarl_role, use_te=bare.megarl_use_te,
-                                  padded_vocab=bare.vocab_size, ep_rank=ep_rank)
-    if bare.megarl_role == "critic" and VALUE_HEAD not in ckpt.tensor_names:
+    local = megatron_rank_tensors(bare.megarl_spec, mesh, tp_rank, pp_rank, role=bare.megarl_role,
+                                  use_te=bare.megarl_use_te, padded_vocab=bare.vocab_size, ep_rank=ep_rank)
+    if bare.megarl_role == "critic" and not value_head:
         local = {n: t for n, t in local.items() if not any(b.name == VALUE_HEAD for b in t.blocks)}
-    fill_local_tensors(local, chunk_parameters(as_chunks(model)), ckpt.read)
+    fill_local_tensors(local, chunk_parameters(as_chunks(model)), read)
+
+
+def load_preset_weights(model, seed: int) -> None:
+    """Give this rank's shard of a ``preset:NAME`` model (a model or the list of its chunks) its random weights:
+    the canonical tensors of :func:`~megarl.models.weights.preset_reader` (megatron's init distribution, drawn
+    from ``seed`` and each tensor's name), sliced like a Hugging Face checkpoint's, so the model is the same at
+    every TP / PP / EP / VPP layout (a critic's value head zero, as one built from a causal LM)."""
+    bare = as_chunks(model)[0]
+    device = next(bare.parameters()).device
+    _fill_from_canonical(model, preset_reader(bare.megarl_spec, bare.megarl_role, seed, device))
 
 
 def init_adapters(model, seed: int) -> None:
@@ -439,10 +457,12 @@ def is_preset(source) -> bool:
     return isinstance(source, str) and source.startswith(PRESET_PREFIX)
 
 
-def load_weights(model: torch.nn.Module, source: str | os.PathLike | None) -> None:
+def load_weights(model: torch.nn.Module, source: str | os.PathLike | None, *, seed: int = 0) -> None:
     """Load ``model``'s weights (a model or, with VPP, the list of its chunks) from a megarl checkpoint, a
-    Hugging Face directory or a GGUF file (a ``preset:NAME`` source keeps the model's random init)."""
+    Hugging Face directory or a GGUF file; a ``preset:NAME`` source gets the random weights of ``seed``, the
+    same at every layout (:func:`load_preset_weights`)."""
     if is_preset(source):
+        load_preset_weights(model, seed)
         return
     if source is not None and is_megarl_checkpoint(source):
         load_model(source, model)

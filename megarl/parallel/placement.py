@@ -29,6 +29,7 @@ the hand-over of a batch, checkpoints).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -37,7 +38,9 @@ import torch.distributed as dist
 
 from megarl.algos.registry import ADVANTAGES
 from megarl.config import MEGATRON_ROLES, Config, ConfigError, require
-from megarl.parallel.mesh import ParallelLayout
+from megarl.parallel.mesh import LayoutError, ParallelLayout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -224,12 +227,17 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
 
     Raises:
         ConfigError: a pool or a mesh that does not fit the world (:func:`role_layouts`), roles that cannot take
-            turns (:func:`check_turns`), batch sizes that a DP size does not divide, or with VPP micro-batch
+            turns (:func:`check_turns`), an ``actor.parallel.ep`` that megatron's layout cannot hold
+            (:func:`global_layout`), batch sizes that a DP size does not divide, or with VPP micro-batch
             counts that are not a multiple of PP (:func:`check_virtual_pipeline`).
     """
     layouts = role_layouts(cfg, world_size)
     check_turns(layouts)
     check_runnable(layouts, world_size)
+    try:  # megatron's own layout, as the ranks set it (expert parallelism over the ranks of a stage)
+        global_layout(layouts, world_size, cfg.actor.parallel.ep)
+    except LayoutError as e:
+        raise ConfigError(f"actor.parallel.ep: {e}") from None
     check_rollout_pool(cfg, layouts, world_size)
     roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.algorithm.uses_critic else [])
     for role, rc in roles:
@@ -248,6 +256,11 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
                  f"{role}.max_tokens_per_micro_batch", f"needs {role}.parallel.pp=1 (megatron's pipeline schedule "
                  f"sends one activation shape for every micro-batch); set it to 0, use pp=1 or set "
                  f"{role}.sequence_packing=true (packed micro-batches of one shape)")
+        longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+        if 0 < rc.max_tokens_per_micro_batch < longest:
+            log.warning("%s.max_tokens_per_micro_batch=%d is below one row of up to %d tokens (data.max_prompt_length"
+                        " + rollout.max_new_tokens): a longer row gets a micro-batch of its own, over the budget; set "
+                        "it to at least %d", role, rc.max_tokens_per_micro_batch, longest, longest)
         check_context_parallel(rc, role)
         check_virtual_pipeline(cfg, rc, role, layouts[role])
     for role in MEGATRON_ROLES:

@@ -19,14 +19,25 @@ The response's answer is, in order of preference:
 A number is an optional sign (``-``, ``+`` or the Unicode minus; not a ``-`` right after a digit or a letter,
 so ``5-3`` holds 5 and 3), an integer part and an optional decimal part ``.dd``, written as
 
-- plain digits (``1000``), or digits grouped by threes with one separator throughout: a comma
-  (``1,000,000``), LaTeX's ``{,}`` (``8{,}000``), or, in a ``####`` or ``\\boxed{}`` answer, a space: a plain or
-  no-break space, a thin space (U+2009, U+202F) or LaTeX's ``\\,``, ``\\;``, ``\\:``, ``\\ `` or ``~``
-  (``1 000``, ``1\\,000``; math-verify accepts both separators). LaTeX's negative space ``\\!`` is dropped
-  (``1\\!,\\!000``), as math-verify does;
+- plain digits (``1000``), or digits grouped with one separator throughout, in one of these conventions:
+
+  - by threes with a comma: ``1,000``, ``1,234,567``, ``-1,000``, ``$1,234`` (lm-evaluation-harness's strict
+    ``#### (\\-?[0-9\\.\\,]+)`` and flexible ``(-?[$0-9.,]{2,})|(-?[0-9]+)``, and verl's ``(\\-?[0-9\\.\\,]+)``,
+    all drop the commas: the same value);
+  - the Indian lakh / crore grouping with a comma: the last three digits, then pairs (``1,00,000`` is 100000,
+    ``12,34,56,789`` is 123456789), which the harnesses read the same way (their commas dropped);
+  - either of them with LaTeX's comma ``{,}`` (``8{,}000``, ``1{,}00{,}000``; math-verify reads ``{,}``);
+  - in a ``####`` or ``\\boxed{}`` answer only, by threes with a space: a plain or no-break space, a thin space
+    (U+2009, U+202F) or LaTeX's ``\\,``, ``\\;``, ``\\:``, ``\\ `` or ``~`` (``1 000``, ``1\\,000``; math-verify
+    accepts both separators; the harnesses read ``1 000`` as 1). LaTeX's negative space ``\\!`` is dropped
+    (``1\\!,\\!000``), as math-verify does;
+
+  with any of them, a final ``.`` ends a sentence (``#### 1,000.`` is 1000, as lm-evaluation-harness drops a final
+  ``.``; verl compares ``1000.`` as a string and misses it);
 - and the number must end there: a digit or a ``,``/``.``/``:`` followed by a digit right after it means it was
-  not a number of this form (``1,00``, ``12,5``, ``1.000.000``, ``10:30``, ``1,0000`` are no answer; the
-  harnesses' ``[0-9.,]+`` would read ``1,00`` as 100, math-verify ``12,5`` as 12.5).
+  not a number of this form (``1,00``, ``12,5``, ``12,34``, ``123,45,678``, ``1.000.000``, ``10:30``, ``1,0000``
+  are no answer: pairs only before a last group of three, after a first group of one or two; the harnesses'
+  ``[0-9.,]+`` would read ``1,00`` as 100, math-verify ``12,5`` as 12.5).
 
 ``$`` and ``\\$`` are dropped (``#### $1,234``), as are ``\\text{...}``, ``\\mbox{...}`` and ``\\mathrm{...}``
 around their text. Numbers are then compared by value (:func:`normalize_number`): ``5.00``, ``+5`` and ``5``
@@ -52,7 +63,8 @@ GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after 
 
 def _number_pattern(space_groups: bool) -> str:
     """A number (module docstring): sign, integer part grouped by threes or plain, decimal part, and the end."""
-    groups = r"\d{1,3}(?:,\d{3})+" + (r"|\d{1,3}(?: \d{3})+" if space_groups else "")
+    groups = (r"\d{1,3}(?:,\d{3})+|\d{1,2}(?:,\d{2})+,\d{3}"  # 1,234,567 | Indian 12,34,567
+              + (r"|\d{1,3}(?: \d{3})+" if space_groups else ""))
     return (r"(?:(?<![\w)])(?P<sign>[-+]))?(?<!\d)(?<!\d[.,])"
             rf"(?P<int>(?:{groups})(?![\d])|\d+)?(?P<dec>(?(int)(?:\.\d+)?|\.\d+))(?!\d|[.,:]\d)")
 

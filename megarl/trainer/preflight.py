@@ -85,7 +85,8 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
             ``actor.parallel.ep``, ``critic.parallel.tp``,
             ``placement.reference_parallel.tp``, ``rollout.tp``, ``rollout.quantization``, ``rollout.max_model_len``,
             ``rollout.max_new_tokens``), what does not divide or
-            fit, and the sizes that would.
+            fit, and the sizes that would; what megatron-core refuses to build or train
+            (:func:`check_megatron_build`).
     """
     meshes = [("actor.parallel", cfg.actor.parallel)]
     if cfg.algorithm.uses_critic:
@@ -104,6 +105,7 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
         check_layout(spec, ParallelLayout(dp=ep, ep=ep))
     except SpecError as e:
         raise ConfigError(f"actor.parallel.ep: {e}") from None
+    check_megatron_build(cfg, spec)
     r = cfg.rollout
     if r.engine == "vllm":
         try:
@@ -125,6 +127,66 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
         raise ConfigError(f"rollout.max_new_tokens: data.max_prompt_length ({cfg.data.max_prompt_length}) + "
                           f"rollout.max_new_tokens ({r.max_new_tokens}) exceeds the model's context of {limit} "
                           "tokens; shorten one of them")
+
+
+def _megatron_roles(cfg: Config) -> list[tuple[str, str, object, object, bool]]:
+    """``(role, parallel field, ParallelConfig, role config, trained)`` of every Megatron model the run builds:
+    the actor, the critic (PPO), the reference on its own pool (``placement.reference_parallel``, the actor's
+    config, forward only)."""
+    roles = [("actor", "actor.parallel", cfg.actor.parallel, cfg.actor, True)]
+    if cfg.algorithm.uses_critic:
+        roles.append(("critic", "critic.parallel", cfg.critic.parallel, cfg.critic, True))
+    if cfg.algorithm.kl.coef > 0 and cfg.placement.reference_parallel is not None:
+        roles.append(("reference", "placement.reference_parallel", cfg.placement.reference_parallel, cfg.actor,
+                      False))
+    return roles
+
+
+def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
+    """What megatron-core 0.19 refuses when the ranks build or first train ``spec`` in each role's layout, beyond
+    the sizes of :func:`~megarl.models.megatron.check_layout` (checked by :func:`validate_for_model`), so that
+    ``megarl train --check`` refuses it too:
+
+    * an MoE model trained with ``tp > 1`` needs sequence parallelism (``MoELayer.forward`` raises in training
+      without it); the reference, forward only, does not;
+    * a top-1 router whose weights are renormalised over the top-k (``norm_topk_prob``, Mixtral) has no
+      megatron form (``TransformerConfig`` asks for ``moe_router_pre_softmax`` with top-1, which weighs the expert
+      by its softmax probability instead of 1: another model);
+    * LoRA on an MoE model runs on the local layer spec (:func:`megarl.models.lora.adapt_layer_spec`);
+    * then the role's ``TransformerConfig`` itself is built (:func:`~megarl.models.megatron.transformer_config`,
+      no process group, no weight), so any other refusal of its ``__post_init__`` is reported here, naming the
+      role's parallel field.
+
+    Raises:
+        ConfigError: naming the field (``{role}.parallel.sequence_parallel``, ``model.path``,
+            ``actor.kernels.transformer_engine``, ``{role}.parallel``) and the fix.
+    """
+    from megarl.models.checkpoint import DTYPES
+    from megarl.models.megatron import transformer_config
+
+    if spec.is_moe and spec.moe_top_k == 1 and spec.moe_norm_topk_prob:
+        raise ConfigError(f"model.path: {cfg.model.path} routes each token to its top-1 expert with the weights "
+                          "renormalised over the top-k (norm_topk_prob; weight 1), which megatron-core cannot "
+                          "build (it needs moe_router_pre_softmax with top-1: the softmax probability as the weight); "
+                          "use a model with num_experts_per_tok >= 2 or norm_topk_prob=false")
+    if spec.is_moe and cfg.actor.lora.enabled and cfg.actor.kernels.transformer_engine:
+        raise ConfigError("actor.kernels.transformer_engine: LoRA on a mixture-of-experts model runs on the local "
+                          "layer spec (TE's grouped and shared experts have no adapters); set "
+                          "actor.kernels.transformer_engine=false or actor.lora.rank=0")
+    for role, field_name, p, rc, trained in _megatron_roles(cfg):
+        if trained and spec.is_moe and p.tp > 1 and not p.sequence_parallel:
+            raise ConfigError(f"{field_name}.sequence_parallel: megatron-core's MoE layer refuses to train with "
+                              f"tp={p.tp} without sequence parallelism ({spec.family} has {spec.num_experts} "
+                              f"experts); set {field_name}.sequence_parallel=true or tp=1")
+        ep = cfg.actor.parallel.ep
+        layout = ParallelLayout(tp=p.tp, pp=p.pp, dp=ep, ep=ep, cp=p.cp, vpp=p.vpp)
+        try:
+            transformer_config(spec, layout, params_dtype=DTYPES[cfg.model.dtype],
+                               sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
+                               init_weights=False, grouped_gemm=rc.kernels.transformer_engine and spec.is_moe)
+        except (ValueError, AssertionError, SpecError) as e:
+            raise ConfigError(f"{field_name}: megatron-core refuses the {role}'s model config on tp={p.tp}, "
+                              f"pp={p.pp}, cp={p.cp}, vpp={p.vpp}, ep={ep}: {e}") from None
 
 
 def preparable(name: str | None, path: str | Path) -> bool:
@@ -227,6 +289,8 @@ def check_data(cfg: Config, tokenizer, *, prepare: bool = True) -> None:
     datasets = {field: read_prompts(cfg, tokenizer, files, field) for field, files in fields
                 if all(Path(f).is_file() for f in files)}
     train = datasets.get("data.train_files")
+    if train is not None:
+        check_one_batch(cfg, train, datasets.get("validation.files"))
     if train is None or inspect.isclass(find_reward(cfg.reward.fn)):
         return  # a reward model: built on the ranks
     first = range(min(4, len(train)))
@@ -236,6 +300,29 @@ def check_data(cfg: Config, tokenizer, *, prepare: bool = True) -> None:
     except Exception as e:  # noqa: BLE001 (any failure of the user's function, named with its data)
         raise ConfigError(f"reward.fn: {cfg.reward.fn!r} failed on the first rows of data.train_files "
                           f"({type(e).__name__}: {e}); check data.answer_key and reward.kwargs") from None
+
+
+def check_one_batch(cfg: Config, train: PromptDataset, validation: PromptDataset | None) -> None:
+    """The training prompts, less those the validation holds out (:meth:`~megarl.trainer.validation.Validation.
+    hold_out`: its prompts of the same text), fill one step's batch of ``data.prompts_per_step`` (the run's prompt
+    loader drops an incomplete batch, :class:`~megarl.data.loader.PromptLoader`).
+
+    Raises:
+        ConfigError: naming ``data.prompts_per_step``, the files and the counts.
+    """
+    from megarl.trainer.validation import select_prompts
+
+    held = set()
+    if validation is not None:
+        held = set(select_prompts(validation, cfg.validation.num_prompts, shuffle=cfg.validation.shuffle,
+                                  seed=cfg.run.seed).raw_prompt)
+    left = sum(p not in held for p in train.raw_prompts)
+    if left < cfg.data.prompts_per_step:
+        why = (f" ({len(train) - left} of its {len(train)} are validation prompts, held out)" if left < len(train)
+               else "")
+        raise ConfigError(f"data.prompts_per_step: data.train_files {train.source} holds {left} training prompts"
+                          f"{why} that fit data.max_prompt_length={cfg.data.max_prompt_length}, fewer than one "
+                          f"step's batch of {cfg.data.prompts_per_step}; lower data.prompts_per_step or add data")
 
 
 def check_reward(cfg: Config) -> None:

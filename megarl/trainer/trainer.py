@@ -156,12 +156,12 @@ class Trainer:
         elif "reference" in pools and pools["reference"].holds_here:  # a copy of the actor where it is here
             self.ref = PolicyWorker(self.spec, pools["reference"].mesh, "actor", self.actor or source, dtype,
                                     cfg.actor, trainable=False, temperature=cfg.rollout.temperature,
-                                    pool=pools["reference"])
+                                    pool=pools["reference"], seed=cfg.run.seed)
         if "critic" in pools and pools["critic"].holds_here:
             self.critic = CriticWorker(self.spec, pools["critic"].mesh, "critic", source, dtype, cfg.critic,
                                        trainable=True, total_updates=cfg.trainer.steps * cfg.critic.ppo_epochs
                                        * (cfg.rollout_batch_size // cfg.critic.ppo_mini_batch_size),
-                                       pool=pools["critic"])
+                                       pool=pools["critic"], seed=cfg.run.seed)
         elif "critic" in pools:
             join_optimizer_setup()
         kl = cfg.algorithm.kl

@@ -35,7 +35,7 @@ from megarl.algos.nonfinite import NonFiniteError
 from megarl.algos.registry import POLICY_LOSSES
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
 from megarl.models.checkpoint import (adapters_only, as_chunks, chunk_parameters, chunks_sharded_state_dict,
-                                      init_adapters, is_lora_checkpoint, is_preset, load_chunks_state_dict,
+                                      init_adapters, is_lora_checkpoint, load_chunks_state_dict,
                                       load_weights)
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.lora import LoRASpec, adapters_disabled, finalize_with_partial_grads
@@ -98,7 +98,7 @@ class MegatronWorker:
             the same TP and PP groups when ``pool`` is given).
         role: "actor" (actor and reference) or "critic".
         source: weights to load (megarl checkpoint, HF directory, GGUF file, None = the default model, or
-            ``preset:NAME`` = random init), or another worker of the same role and mesh to copy them from (the
+            ``preset:NAME`` = random weights from ``seed``, the same at every layout), or another worker of the same role and mesh to copy them from (the
             reference policy starts as a copy of the actor).
         dtype: parameter dtype.
         rc: the role's config (micro-batch sizes, optimizer).
@@ -106,8 +106,10 @@ class MegatronWorker:
         total_updates: optimizer steps over the whole run (for the LR decay).
         pool: the process groups of the role's pool (:mod:`megarl.parallel.placement`); None = the world, in
             megatron's layout.
-        seed: seeds the LoRA adapters' start values (``rc.lora``, the actor; :func:`~megarl.models.checkpoint.
-            init_adapters`) where the source does not hold them.
+        seed: the run's seed (``run.seed``): seeds a ``preset:NAME`` model's weights (:func:`~megarl.models.
+            checkpoint.load_preset_weights`; every role of a run must get the same) and the LoRA adapters' start
+            values (``rc.lora``, the actor; :func:`~megarl.models.checkpoint.init_adapters`) where the source does
+            not hold them.
 
     With ``rc.lora`` (the actor) only the adapters train: the base weights are frozen before megatron's DDP wraps
     the model (no gradient buffer, no optimizer state, no fp32 copy), the optimizer covers the adapters, and the
@@ -127,7 +129,7 @@ class MegatronWorker:
         self.dp_size = dist.get_world_size(self.dp_group)
         self.cp_group = ps.get_context_parallel_group() if mesh.cp > 1 else None
         self.lora = LoRASpec.from_config(rc.lora) if role == "actor" else None
-        chunks = build_model_chunks(spec, mesh, role, params_dtype=dtype, init_weights=is_preset(source),
+        chunks = build_model_chunks(spec, mesh, role, params_dtype=dtype, init_weights=False,
                                     sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
                                     attention=rc.kernels.attention, use_te=rc.kernels.transformer_engine,
                                     lora=self.lora)
@@ -137,7 +139,7 @@ class MegatronWorker:
             for chunk, src in zip(chunks, as_chunks(source.model)):
                 chunk.load_state_dict(src.state_dict(), strict=False)
         else:
-            load_weights(chunks, source)
+            load_weights(chunks, source, seed=seed)
             if self.lora is not None and not is_lora_checkpoint(source):
                 init_adapters(chunks, seed)
         self.optimizer = self.scheduler = None

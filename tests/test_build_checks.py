@@ -1,0 +1,80 @@
+"""``megarl train --check`` refuses what megatron-core refuses when the ranks build or train the model (issue 33,
+item B): :func:`megarl.trainer.preflight.check_megatron_build` and the world checks of
+:func:`megarl.parallel.placement.validate_for_world`, on the config and the model's spec alone (no rank, no
+weight)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.config import ConfigError, load_config
+from megarl.models.spec import preset
+from megarl.parallel.placement import validate_for_world
+from megarl.trainer.preflight import validate_for_model
+
+MOE = preset("tiny-qwen3-moe")  # 8 experts, top-2, 4 heads / 2 KV heads
+DENSE = preset("tiny-llama")
+
+
+def test_an_moe_model_trained_with_tp_needs_sequence_parallel():
+    # MoELayer.forward raises in training with tp > 1 and no sequence parallelism (megatron-core 0.19)
+    with pytest.raises(ConfigError, match=r"actor\.parallel\.sequence_parallel: .*tp=2 .*sequence_parallel=true"):
+        validate_for_model(load_config(None, ["actor.parallel.tp=2"]), MOE)
+    validate_for_model(load_config(None, ["actor.parallel.tp=2", "actor.parallel.sequence_parallel=true"]), MOE)
+    validate_for_model(load_config(None, ["actor.parallel.tp=2"]), DENSE)  # a dense model trains without it
+    ppo = ["algorithm.name=ppo", "actor.parallel.tp=2", "actor.parallel.sequence_parallel=true", "critic.parallel.tp=2"]
+    with pytest.raises(ConfigError, match=r"critic\.parallel\.sequence_parallel"):
+        validate_for_model(load_config(None, ppo), MOE)
+    validate_for_model(load_config(None, ppo + ["critic.parallel.sequence_parallel=true"]), MOE)
+
+
+def test_the_reference_runs_forward_only_and_needs_no_sequence_parallel():
+    validate_for_model(load_config(None, ["algorithm.kl.coef=0.01", "placement.reference_parallel.tp=2"]), MOE)
+
+
+def test_a_top1_router_renormalised_over_the_top_k_is_refused():
+    # TransformerConfig: "Please use --moe-router-pre-softmax when topk is 1"; with pre-softmax it is another model
+    with pytest.raises(ConfigError, match=r"model\.path: .*top-1 expert .*norm_topk_prob"):
+        validate_for_model(load_config(None), MOE.replace(moe_top_k=1, moe_norm_topk_prob=True))
+    validate_for_model(load_config(None), MOE.replace(moe_top_k=1, moe_norm_topk_prob=False))
+
+
+def test_lora_on_an_moe_model_refuses_transformer_engine():
+    cfg = load_config(None, ["actor.lora.rank=4", "actor.kernels.transformer_engine=true"])
+    with pytest.raises(ConfigError, match=r"actor\.kernels\.transformer_engine: LoRA on a mixture-of-experts"):
+        validate_for_model(cfg, MOE)
+    validate_for_model(cfg, DENSE)
+
+
+def test_any_other_refusal_of_megatrons_transformer_config_names_the_parallel_field(monkeypatch):
+    # with megarl's own size checks out of the way, megatron's TransformerConfig.__post_init__ is what refuses
+    import megarl.models.megatron as mg
+    import megarl.trainer.preflight as pf
+
+    monkeypatch.setattr(pf, "check_layout", lambda spec, layout: None)
+    monkeypatch.setattr(mg, "check_layout", lambda spec, layout: None)
+    with pytest.raises(ConfigError, match=r"actor\.parallel: megatron-core refuses the actor's model config on tp=3"
+                                          r".*num_attention_heads \(4\) must be a multiple of "
+                                          r"tensor_model_parallel_size \(3\)"):
+        validate_for_model(load_config(None, ["actor.parallel.tp=3"]), DENSE)
+
+
+def test_expert_parallelism_must_fit_the_ranks_of_a_stage():
+    # placement.global_layout on the ranks: ep must divide tp x dp (here one rank)
+    with pytest.raises(ConfigError, match=r"actor\.parallel\.ep: 2 does not divide the actor's tp=1 x dp=1"):
+        validate_for_world(load_config(None, ["actor.parallel.ep=2"]), 1)
+    validate_for_world(load_config(None, ["actor.parallel.ep=2"]), 2)
+    with pytest.raises(ConfigError, match=r"actor\.parallel\.ep: 2 does not divide the actor's tp=1 x dp=1"):
+        validate_for_world(load_config(None, ["actor.parallel.ep=2", "actor.parallel.pp=2"]), 2)
+
+
+def test_a_token_budget_below_one_row_is_a_warning(caplog):
+    # a row longer than max_tokens_per_micro_batch gets a micro-batch of its own (megarl.trainer.packing): over budget
+    base = ["data.max_prompt_length=64", "rollout.max_new_tokens=64"]
+    with caplog.at_level("WARNING", logger="megarl.parallel.placement"):
+        validate_for_world(load_config(None, base + ["actor.max_tokens_per_micro_batch=100"]), 1)
+    assert "actor.max_tokens_per_micro_batch=100 is below one row of up to 128 tokens" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megarl.parallel.placement"):
+        validate_for_world(load_config(None, base + ["actor.max_tokens_per_micro_batch=128"]), 1)
+    assert "max_tokens_per_micro_batch" not in caplog.text
