@@ -93,11 +93,13 @@ def test_sigusr1_to_one_rank_of_two_under_max_restarts_is_not_a_failure(task):
 
 
 _STAND_IN = """
-import signal, sys, time
+import os, signal, sys, time
 signal.signal(signal.SIGUSR1, lambda s, f: sys.exit(75))  # as megarl train: saved, stopped for the requeue
 signal.signal(signal.SIGINT, lambda s, f: sys.exit(130))  # as megarl train: interrupted
+parent = os.getppid()
 open(sys.argv[1], "a").write("ran ")
-time.sleep(600)
+while os.getppid() == parent:  # ends with the supervisor, as megarl's attempts do
+    time.sleep(0.05)
 """
 
 
