@@ -139,11 +139,19 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
     # each rank's threads: this machine's cores shared out (torchrun would set 1, with a banner saying so)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // cfg.world_size)))
     print(f"megarl: launching {cfg.world_size} processes with torchrun", flush=True)
+    _quiet_torchrun_stop()
     try:
         torchrun([f"--nproc_per_node={cfg.world_size}", "--standalone", "-m", "megarl.cli", *argv])
     except SignalException:  # torchrun's agent got SIGINT/SIGTERM and has stopped the ranks
         raise KeyboardInterrupt from None
     except ChildFailedError as e:
+        from megarl.parallel.restart import EXIT_REQUEUE, requeue_message, requeue_stop
+
+        if requeue_stop(f.exitcode for f in e.failures.values()):  # saved on SIGUSR1: this launcher speaks for them
+            from megarl.models.checkpoint import latest_checkpoint
+
+            print(f"megarl: {requeue_message(latest_checkpoint(cfg.run.run_dir))}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_REQUEUE) from None
         failed = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in e.failures.items())
         print(f"megarl: error: megarl {argv[0]} failed on {failed}; see the ranks' messages above",
               file=sys.stderr)
@@ -153,6 +161,23 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
         kept = [f.exitcode for f in e.failures.values() if f.exitcode in NOT_RETRIED]
         raise SystemExit(min(kept) if kept else 1) from None
     return True
+
+
+def _quiet_torchrun_stop() -> None:
+    """Drop torchrun's agent's lines about ranks ending: ``Sending process N closing signal SIGTERM`` (the ranks
+    left once one has ended, always) and ``failed (exitcode: 75)`` (a stop for the requeue, not a failure):
+    :func:`relaunch_world` says what happened in one line of its own."""
+    import logging
+
+    from megarl.parallel.restart import EXIT_REQUEUE
+
+    def keep(record: logging.LogRecord) -> bool:
+        msg, args = str(record.msg), record.args if isinstance(record.args, tuple) else ()
+        if msg.startswith("Sending process") and "closing signal" in msg:
+            return False
+        return not (msg.startswith("failed (exitcode:") and args[:1] == (EXIT_REQUEUE,))
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(keep)
 
 
 OVERWRITE_HELP = ("write into a folder that holds other files, which stay as they are (a file of a name the "
@@ -191,6 +216,11 @@ def check_only(cfg, what: str, *, run_folder: bool = False) -> int:
     return 0
 
 
+def _rank() -> int:
+    """This rank's global rank (torchrun's ``RANK``, srun's ``SLURM_PROCID``); 0 outside a job."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
+
+
 def is_rank() -> bool:
     """Whether this process is one rank of a job (started by torchrun or SLURM), not a launcher."""
     return "RANK" in os.environ or "SLURM_PROCID" in os.environ
@@ -217,8 +247,13 @@ def _train(p: argparse.ArgumentParser):
         if a.check:
             return check_only(cfg, "train", run_folder=True)
 
-        from megarl.parallel.restart import RESTART_ENV
+        from megarl.parallel.restart import RESTART_ENV, watch_requeue_signal
 
+        if not is_rank():  # the process the user (or a scheduler) signals: the supervisor, a launcher, a run of 1
+            from megarl.parallel.lifecycle import stop_on_sigterm
+
+            watch_requeue_signal()  # SIGUSR1: noted here (a run of one rank) and passed on to the ranks/attempt
+            stop_on_sigterm()  # SIGTERM: stopped as Ctrl-C stops it (torchrun's agent, several ranks, does too)
         if cfg.launch.max_restarts and not is_rank() and RESTART_ENV not in os.environ:
             from megarl.launch.supervise import supervise_local  # each attempt a child launcher
 
@@ -675,7 +710,10 @@ def main(argv: list[str] | None = None) -> int:
     except (Interrupted, KeyboardInterrupt) as e:  # the user's Ctrl-C: no traceback, and how to go on
         return _interrupted(e)
     except RequeueRequested as e:  # SIGUSR1: saved; the job's supervisor requeues it
-        print(f"megarl: {e}", file=sys.stderr, flush=True)
+        from megarl.parallel.lifecycle import started_by_megarl
+
+        if not (is_rank() and (started_by_megarl() or _rank() != 0)):  # one line: megarl's launcher's, or rank 0's
+            print(f"megarl: {e}", file=sys.stderr, flush=True)
         return EXIT_REQUEUE
     except PeerLostError as e:  # one rank's view of a failed job: what it lost, and where
         if interrupted():  # the peer stopped on the same Ctrl-C

@@ -8,7 +8,10 @@ and acts on its exit status (:mod:`megarl.parallel.restart`):
 - finished (0), a config or data error (2), a fault of the storage (74: a full disk, a read-only folder),
   interrupted (130): that is the supervisor's status; an error is never retried (it would fail again);
 - saved on SIGUSR1 (75, the time limit is near): under SLURM the job is requeued (``scontrol requeue``) and
-  the new allocation continues the run; it counts as a restart only when no newer checkpoint was written;
+  the new allocation continues the run; it counts as a restart only when no newer checkpoint was written. On
+  one node it is the supervisor's status, never a failure and never run again here (the signal asked the run
+  to stop; whoever sent it requeues it, or ``--resume`` continues it); a SIGUSR1 to the supervisor is passed
+  on to its attempt, and a SIGTERM stops it as Ctrl-C does;
 - anything else is a failure: the run continues from its newest complete checkpoint (``--resume``; from step
   0 when none was written yet) by running the command again (under SLURM in the same allocation: no wait in
   the queue, which delays a requeued job by 2 minutes), up to ``launch.max_restarts`` times; then the
@@ -79,12 +82,23 @@ def _with_resume(command: list[str], resume_flag: str) -> list[str]:
 
 def supervise_local(command: list[str], run_dir: Path, max_restarts: int) -> int:
     """Run ``command`` (``megarl train ...``) and run it again with ``--resume`` after each failure, up to
-    ``max_restarts`` times; returns the last attempt's exit status."""
+    ``max_restarts`` times; returns the last attempt's exit status. A stop on SIGUSR1 (:data:`EXIT_REQUEUE`,
+    or the attempt ended by the signal that this process passed on before it watched it) is not a failure: it
+    ends here with :data:`EXIT_REQUEUE`, unrecorded."""
+    from megarl.parallel.lifecycle import stop_on_sigterm
+    from megarl.parallel.restart import requeue_message, requeue_requested, watch_requeue_signal
+
+    watch_requeue_signal()  # passed on to the attempt (bound to this process)
+    stop_on_sigterm()  # a KeyboardInterrupt in _run: passed on to the attempt as Ctrl-C
     restarts = 0
     while True:
         attempt = _with_resume(command, "--resume") if restarts and latest_checkpoint(run_dir) else command
         status = _run(attempt, restarts, bind=True)
         kind = failure_kind(status)
+        if kind == "requeue" or requeue_requested() and status == -signal.SIGUSR1:
+            if status != EXIT_REQUEUE:  # the attempt said nothing: SIGUSR1 reached it before it watched it
+                print(f"megarl: {requeue_message(latest_checkpoint(run_dir))}", file=sys.stderr, flush=True)
+            return EXIT_REQUEUE  # the attempt said what it saved; nothing failed, nothing to run again here
         if status == EXIT_INTERRUPTED:  # the attempt, bound to this process, leaves the word to it
             newest = latest_checkpoint(run_dir)
             how = f"--resume continues the run from {newest}" if newest else "no checkpoint was written yet"

@@ -3,12 +3,18 @@
 A megarl checkpoint is a directory::
 
     megarl.json          what it holds: {"format": "megarl", "hf_config": ..., "dtype": ..., "tokenizer": ...,
-                         plus whatever the trainer adds: step, dataloader state, ...}
+                         "files": {every other file's path: its size in bytes}, plus whatever the trainer adds:
+                         step, dataloader state, ...}
     model/               megatron-core dist checkpoint (torch_dist) of the actor ("model") and, when saved by
-                         the trainer, its optimizer and the critic
+                         the trainer, its optimizer and the critic: metadata.json (its format), .metadata (the
+                         index: every tensor's file, offset and length), __<rank>_<k>.distcp, common.pt
+    ranks/               per-rank objects (the trainer's RNG states)
 
 Checkpoints are written atomically: into ``<dir>.tmp`` and renamed once every rank has finished, so a crash
-mid-save leaves the previous checkpoint intact. Because megatron's dist checkpoints are layout-free, one saved
+mid-save leaves the previous checkpoint intact. A checkpoint damaged afterwards (a file truncated or deleted, a
+torn ``megarl.json``) is found before anything loads it by :func:`checkpoint_fault`, a cheap look at its files
+(sizes, JSON, megatron's index; no tensor is read); :func:`sound_checkpoint` is a run folder's newest checkpoint
+that passes it. Because megatron's dist checkpoints are layout-free, one saved
 at TP=2 x PP=1 loads at TP=1 x PP=2, and one saved at PP=2 x VPP=2 (model chunks) at PP=1 (megatron-core's
 resharding loader).
 """
@@ -79,6 +85,77 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint of a run folder, or None."""
     found = run_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def checkpoint_fault(path: str | os.PathLike) -> str | None:
+    """What is wrong with the files of the checkpoint at ``path``, in words naming the file (relative to
+    ``path``) and the cause, or None when they look sound. Cheap (no tensor is read): ``megarl.json`` parses;
+    every file it records (``files``, written by :func:`save_checkpoint`) is there with its size; megatron's
+    ``model/metadata.json`` parses and its index ``model/.metadata`` loads; every file that index names is there
+    and long enough for the tensors it places in it (checkpoints written before ``files`` was recorded get this
+    check alone)."""
+    path = Path(path)
+
+    def read_json(rel: str) -> tuple[Any, str | None]:
+        try:
+            return json.loads((path / rel).read_text()), None
+        except FileNotFoundError:
+            return None, f"{rel} is missing"
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            return None, f"{rel} is not valid JSON ({e})"
+        except OSError as e:
+            return None, f"{rel} cannot be read ({describe(e)})"
+
+    meta, fault = read_json(META_FILE)
+    if fault:
+        return fault
+    if not isinstance(meta, dict):
+        return f"{META_FILE} does not hold a checkpoint's description (a JSON {type(meta).__name__})"
+    for rel, size in sorted((meta.get("files") or {}).items()):
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if (have := f.stat().st_size) != size:
+            return f"{rel} has {have} bytes, {size} were written"
+    _, fault = read_json("model/metadata.json")
+    if fault:
+        return fault
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (path / "model" / ".metadata").is_file():
+        return "model/.metadata is missing"
+    try:
+        index = FileSystemReader(str(path / "model")).read_metadata()
+        needed: dict[str, int] = {}
+        for info in (index.storage_data or {}).values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as e:  # noqa: BLE001 (a torn pickle: EOFError, UnpicklingError, ...)
+        return f"model/.metadata cannot be read ({type(e).__name__}: {str(e)[:200] or 'no detail'})"
+    for rel, size in sorted(needed.items()):
+        f = path / "model" / rel
+        if not f.is_file():
+            return f"model/{rel} is missing (model/.metadata places tensors in it)"
+        if (have := f.stat().st_size) < size:
+            return f"model/{rel} is truncated: {have} bytes, model/.metadata places tensors up to byte {size}"
+    return None
+
+
+def sound_checkpoint(run_dir: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint of a run folder that :func:`checkpoint_fault` finds sound (None: none is), and the
+    newer ones found damaged, newest first, each with its fault."""
+    damaged: list[tuple[Path, str]] = []
+    for p in reversed(run_checkpoints(run_dir)):
+        fault = checkpoint_fault(p)
+        if fault is None:
+            return p, damaged
+        damaged.append((p, fault))
+    return None, damaged
+
+
+def _file_sizes(directory: Path) -> dict[str, int]:
+    """Every file under ``directory`` (relative path, POSIX form) with its size in bytes."""
+    return {f.relative_to(directory).as_posix(): f.stat().st_size for f in sorted(directory.rglob("*"))
+            if f.is_file()}
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -267,6 +344,7 @@ def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta
                 torch.save(obj, tmp / "ranks" / f"{name}_{rank}.pt")
         dist.barrier()
         if rank == 0:
+            meta = {**meta, "files": _file_sizes(tmp)}  # every rank's files are written: checkpoint_fault's sizes
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
             fault_point("checkpoint.before_rename")
             if final.exists():

@@ -123,6 +123,43 @@ def watch_interrupts() -> None:
     signal.signal(signal.SIGINT, on_sigint)
 
 
+def stop_on_sigterm() -> None:
+    """A SIGTERM to this process (a launcher: ``kill PID``, a scheduler's stop) stops it as Ctrl-C does: a
+    ``KeyboardInterrupt`` in the main thread, so the command ends with the message and status of an interrupt
+    (130, never retried) instead of dying without a word. torchrun's agent does the same for the launcher of
+    several ranks (its ``SignalException``); this covers the launcher that is itself the run's one rank, and the
+    restart supervisor (which passes the stop on to its attempt). Call from the main thread."""
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def bound_children() -> list[int]:
+    """This process's children that it bound to itself (:func:`mark_children`, :data:`PARENT_ENV` naming this
+    process in the environment they started with): a launcher's ranks, a restart supervisor's attempt; not the
+    helpers that libraries start. Linux only (``/proc``); elsewhere none."""
+    me, found = os.getpid(), []
+    entry = f"{PARENT_ENV}={me}".encode()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != me:
+                    continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if entry in f.read().split(b"\0"):
+                    found.append(int(name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
 def interrupted() -> bool:
     """Whether this process got a SIGINT since :func:`watch_interrupts`."""
     return bool(_interrupts)

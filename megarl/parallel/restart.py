@@ -17,7 +17,12 @@ A rank's exit status tells the process that restarts runs (:mod:`megarl.launch.s
 
 SIGUSR1 may reach the ranks at different moments; each notes it (:func:`watch_requeue_signal`), and the ranks
 agree at the end of a step (the trainer reduces the flag over the world), save, and exit with
-:data:`EXIT_REQUEUE` together.
+:data:`EXIT_REQUEUE` together. It may be sent to any process of the run: a rank (SLURM's ``--signal``), or the
+``megarl train`` that the user started: a launcher passes it on to its ranks, the local restart supervisor to
+its attempt, and a run of one rank is its own launcher. Whatever the launcher and the world size, the run
+then ends with one line saying that it stopped for the requeue and what it saved (:func:`requeue_message`),
+and status :data:`EXIT_REQUEUE`; the local supervisor does not run it again (nothing failed: a later
+``--resume`` continues it), the SLURM one requeues the job.
 
 Every restart is a line of ``<run folder>/restarts.jsonl`` (:func:`record_restart`): its time, the job, the
 reason and the checkpoint it continues from; the run's summary lists them.
@@ -49,9 +54,38 @@ class RequeueRequested(Exception):
 
 
 def watch_requeue_signal() -> None:
-    """Note every SIGUSR1 this process gets (its default action would end it) for :func:`requeue_requested`.
-    Call from the main thread of a rank."""
-    signal.signal(signal.SIGUSR1, lambda signum, frame: _requeue.append(signum))
+    """Note every SIGUSR1 this process gets (its default action would end it) for :func:`requeue_requested`,
+    and pass it on to the megarl processes this one started and bound to itself (a launcher's ranks, the
+    restart supervisor's attempt: :func:`megarl.parallel.lifecycle.bound_children`). Call from the main
+    thread of a rank, of a launcher, of a supervisor."""
+    from megarl.parallel.lifecycle import bound_children
+
+    def on_usr1(signum, frame):
+        _requeue.append(signum)
+        for pid in bound_children():
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except OSError:  # it has just ended
+                pass
+
+    signal.signal(signal.SIGUSR1, on_usr1)
+
+
+def requeue_message(checkpoint: str | os.PathLike | None) -> str:
+    """The line of a run that stopped on SIGUSR1 for the requeue, having saved ``checkpoint`` (None: nothing
+    was saved yet)."""
+    if checkpoint is None:
+        return "stopped for the requeue on SIGUSR1 before any checkpoint was saved; the run starts over"
+    return (f"stopped for the requeue on SIGUSR1 (a job's time limit is near): saved {checkpoint}; the requeued "
+            "job, or megarl train --resume, continues the run from it")
+
+
+def requeue_stop(exit_codes) -> bool:
+    """Whether the exit codes of a world's ranks (a torchrun failure's) are those of a stop for the requeue: a
+    rank ended with :data:`EXIT_REQUEUE` (the ranks save together before any ends so) and the others did too or
+    were stopped by their launcher after it (SIGTERM, SIGKILL: torchrun stops the ranks left once one ends)."""
+    codes = set(exit_codes)
+    return EXIT_REQUEUE in codes and codes <= {EXIT_REQUEUE, -signal.SIGTERM, -signal.SIGKILL}
 
 
 def requeue_requested() -> bool:

@@ -62,7 +62,7 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
 
     Raises:
         ConfigError: naming ``run.name`` (a new run on an earlier run's checkpoints), ``trainer.resume`` (no
-            checkpoint), ``trainer.steps`` (the run has finished) or the field that cannot change, with the fix.
+            checkpoint, or none sound: :func:`resumable_checkpoint`), ``trainer.steps`` (the run has finished) or the field that cannot change, with the fix.
     """
     found = ck.run_checkpoints(cfg.run.run_dir)
     if not cfg.trainer.resume:
@@ -74,7 +74,7 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
     if not found:
         raise ConfigError(f"trainer.resume: the run folder {cfg.run.run_dir} holds no checkpoint to resume from; "
                           "start the run without --resume, or check run.name and run.output_dir")
-    newest = found[-1]
+    newest = resumable_checkpoint(cfg)
     done = int(newest.name.removeprefix(ck.CHECKPOINT_PREFIX))
     if done >= cfg.trainer.steps:
         raise ConfigError(f"trainer.steps: the run in {cfg.run.run_dir} has finished its {done} steps (newest "
@@ -113,6 +113,39 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"trainer.resume: {newest} cannot be resumed with a changed {', '.join(refused)}: "
                           "keep the checkpoint's value, or start a new run from its weights alone "
                           f"(model.path={newest})")
+
+
+_warned: set[str] = set()  # damaged checkpoints this process has warned of (check_run_folder runs twice in one)
+
+
+def resumable_checkpoint(cfg: Config) -> Path:
+    """The checkpoint a resume of ``cfg``'s run loads: its newest one whose files are sound
+    (:func:`megarl.models.checkpoint.sound_checkpoint`, checked before any rank loads it). Newer ones found
+    damaged are passed over with a warning naming the file and the cause (once per job: megarl's launcher
+    speaks for its ranks).
+
+    Raises:
+        ConfigError: naming ``trainer.resume``, the damaged checkpoint, its file and the cause, when no sound
+            checkpoint is left (``trainer.keep_checkpoints`` may have kept only that one) and how to go on. Its
+            status (2) is never retried by ``--max-restarts``: a restart would meet the same files.
+    """
+    from megarl.parallel.lifecycle import started_by_megarl
+
+    path, damaged = ck.sound_checkpoint(cfg.run.run_dir)
+    if path is None:
+        newest, fault = damaged[0]
+        older = (f"; the older ones are damaged too: " + ", ".join(f"{p.name} ({f})" for p, f in damaged[1:])
+                 if len(damaged) > 1 else f"; no older checkpoint is kept (trainer.keep_checkpoints="
+                 f"{cfg.trainer.keep_checkpoints})")
+        raise ConfigError(f"trainer.resume: the checkpoint {newest} is damaged: {fault}{older}. Restore the file, "
+                          f"or start the run over without --resume after moving {cfg.run.run_dir / 'checkpoints'} "
+                          "aside (or under another run.name)")
+    for p, fault in damaged:
+        if str(p) not in _warned and not started_by_megarl():
+            log.warning("the checkpoint %s is damaged: %s; resuming from the older %s instead (the steps after it "
+                        "are trained again)", p, fault, path.name)
+        _warned.add(str(p))
+    return path
 
 
 def _field(config: dict[str, Any], dotted: str) -> Any:
@@ -245,7 +278,7 @@ def resume(trainer) -> None:
     (``trainer.in_flight``, for :func:`~megarl.trainer.loop.fit_split`). The LR
     schedule follows the current config from the checkpoint's update count on; what the config changed since
     the checkpoint is logged and kept for the summary (``trainer.resumed``)."""
-    path = ck.latest_checkpoint(trainer.run_dir)
+    path = resumable_checkpoint(trainer.cfg)  # the newest sound one (check_run_folder warned of damaged ones)
     meta = ck.read_meta(path)
     trainer.reload()
     with phase("resume"):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megarl.config import Config, to_dict
 from megarl.parallel.placement import share_object
-from megarl.parallel.restart import RequeueRequested, read_restarts, requeue_requested
+from megarl.parallel.restart import RequeueRequested, read_restarts, requeue_message, requeue_requested
 from megarl.parallel.watchdog import progress_watched
 from megarl.trainer import checkpointing
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
@@ -223,8 +223,7 @@ def _validation_due(trainer) -> bool:
 
 
 def _requeue_error(trainer) -> RequeueRequested:
-    return RequeueRequested(f"saved {trainer.last_checkpoint} on SIGUSR1 (the job's time limit is near); a "
-                            "requeued job continues the run from it")
+    return RequeueRequested(requeue_message(trainer.last_checkpoint))
 
 
 def _resume_notes(trainer) -> list[str]:

@@ -1,0 +1,136 @@
+"""Damaged checkpoints on ``--resume`` (issue 33 item 8): a truncated file, a deleted metadata file, a torn
+``megarl.json`` in a real saved checkpoint of a tiny run are found before any rank loads it, named in one line
+(the file and the cause), passed over for the older complete checkpoint with a warning, and refused in one
+line when no sound one is left, with a status (2) that ``--max-restarts`` never retries.
+
+Each test damages a copy of one run (:mod:`tests.rl_tasks`' tiny model, world size 1) that saved steps 1 and 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["data.prompts_per_step=2", "rollout.n=2", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4",
+         "trainer.save_every=1", "trainer.keep_checkpoints=2"]
+
+
+def _train(root: Path, model: Path, data: Path, name: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megarl.cli", "train",
+                           *task_overrides(model, data, root / "runs", name), *SMALL, *flags],
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ})
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A run folder whose run saved ``step_000001`` and ``step_000002`` (its 2 steps), and how to train in it."""
+    root = tmp_path_factory.mktemp("damaged")
+    model, data = make_tiny_model(root / "model"), write_prompts(root / "prompts.jsonl", 64)
+    r = _train(root, model, data, "saved", "trainer.steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root, model, data
+
+
+def _copy(saved, name: str) -> Path:
+    """A copy of the saved run folder under ``name``; returns its folder."""
+    root = saved[0]
+    shutil.rmtree(root / "runs" / name, ignore_errors=True)
+    shutil.copytree(root / "runs" / "saved", root / "runs" / name)
+    return root / "runs" / name
+
+
+def _distcp(step: Path) -> Path:
+    return sorted((step / "model").glob("*.distcp"), key=lambda f: f.stat().st_size)[-1]
+
+
+def test_a_truncated_file_is_passed_over_for_the_older_checkpoint_with_a_warning(saved):
+    """The newest checkpoint's largest ``.distcp`` cut to half: the run says which file of which checkpoint is
+    damaged and how, resumes from ``step_000001`` instead and trains step 2 again (it ended in an ``EOFError``
+    traceback on every rank)."""
+    run = _copy(saved, "truncated")
+    f = _distcp(run / "checkpoints" / "step_000002")
+    size = f.stat().st_size
+    os.truncate(f, size // 2)
+    r = _train(*saved, "truncated", "trainer.steps=3", "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    warning = [x for x in r.stderr.splitlines() if "WARNING" in x and "damaged" in x]
+    assert len(warning) == 1, r.stderr[-3000:]
+    assert warning[0].endswith(
+        f"the checkpoint {run / 'checkpoints' / 'step_000002'} is damaged: model/{f.name} has {size // 2} bytes, "
+        f"{size} were written; resuming from the older step_000001 instead (the steps after it are trained "
+        "again)"), warning[0]
+    assert "Traceback" not in r.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed"]["checkpoint"] == str(run / "checkpoints" / "step_000001") and summary["steps"] == 3
+    assert (run / "checkpoints" / "step_000003").is_dir()
+
+
+def test_a_deleted_metadata_file_with_no_older_checkpoint_is_refused_and_not_retried(saved):
+    """megatron's ``model/metadata.json`` deleted from the only checkpoint kept (``trainer.keep_checkpoints=1``):
+    one line names the checkpoint, the file, that nothing older is kept and how to go on; status 2, which
+    ``--max-restarts 2`` does not retry (it was ``AssertionError: metadata is None`` on every rank, retried
+    twice on the same files)."""
+    run = _copy(saved, "no-metadata")
+    shutil.rmtree(run / "checkpoints" / "step_000001")
+    (run / "checkpoints" / "step_000002" / "model" / "metadata.json").unlink()
+    r = _train(*saved, "no-metadata", "trainer.steps=3", "trainer.keep_checkpoints=1", "--resume",
+               "--max-restarts", "2")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"megarl: error: trainer.resume: the checkpoint {run / 'checkpoints' / 'step_000002'} is damaged: "
+        "model/metadata.json is missing; no older checkpoint is kept (trainer.keep_checkpoints=1). Restore the "
+        f"file, or start the run over without --resume after moving {run / 'checkpoints'} aside (or under "
+        "another run.name)"), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "restart" not in r.stderr, r.stderr[-3000:]
+    assert not (run / "restarts.jsonl").exists()
+
+
+def test_damaged_json_and_index_name_their_file(saved, caplog):
+    """A torn ``megarl.json`` (it was ``Expecting value: line 137 column 15``, no file named), a torn or
+    missing megatron index (``model/.metadata``) and a missing ``.distcp``: :func:`checkpoint_fault` names the
+    file and the cause, and :func:`check_run_folder` passes the checkpoint over for the older one, warning once
+    however often it is called (a run of one rank checks twice: its launcher, then the trainer)."""
+    from megarl.config import load_config
+    from megarl.models.checkpoint import checkpoint_fault
+    from megarl.trainer.checkpointing import check_run_folder
+
+    run = _copy(saved, "torn")
+    step2 = run / "checkpoints" / "step_000002"
+    assert checkpoint_fault(step2) is None and checkpoint_fault(run / "checkpoints" / "step_000001") is None
+    meta = step2 / "megarl.json"
+    text = meta.read_text()
+    meta.write_text(text[:len(text) // 2])
+    assert checkpoint_fault(step2).startswith("megarl.json is not valid JSON (")
+    cfg = load_config(None, [*task_overrides(saved[1], saved[2], saved[0] / "runs", "torn"), *SMALL,
+                             "trainer.steps=3", "trainer.resume=true"])
+    with caplog.at_level("WARNING", logger="megarl"):
+        check_run_folder(cfg, 1)
+        check_run_folder(cfg, 1)
+    warned = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(warned) == 1 and f"{step2} is damaged: megarl.json is not valid JSON" in warned[0], warned
+    assert "resuming from the older step_000001" in warned[0]
+    meta.write_text(text)
+
+    index = step2 / "model" / ".metadata"
+    blob = index.read_bytes()
+    index.write_bytes(blob[:len(blob) // 2])  # the size megarl.json recorded is caught first
+    assert checkpoint_fault(step2) == f"model/.metadata has {len(blob) // 2} bytes, {len(blob)} were written"
+    files = json.loads(text).pop("files")
+    meta.write_text(json.dumps({k: v for k, v in json.loads(text).items() if k != "files"}))  # an older save's
+    assert checkpoint_fault(step2).startswith("model/.metadata cannot be read (")
+    index.unlink()
+    assert checkpoint_fault(step2) == "model/.metadata is missing"
+    index.write_bytes(blob)
+    distcp = _distcp(step2)
+    distcp.unlink()
+    assert checkpoint_fault(step2) == f"model/{distcp.name} is missing (model/.metadata places tensors in it)"
+    assert f"model/{distcp.name}" in files
