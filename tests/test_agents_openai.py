@@ -280,3 +280,37 @@ def test_megarl_train_drives_an_agent_function_end_to_end(tmp_path):
         # the trainer's log-probs of the recorded ids are the engine's: the ids trained are the ids sampled
         assert h["actor/rollout_vs_old_logprob_diff"] < 1e-4, h["actor/rollout_vs_old_logprob_diff"]
         assert 0.0 <= h["reward/mean"] <= 1.0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.multi_turn.tools=[calculator]"], "rollout.multi_turn.tools: must be empty with rollout.multi_turn.agent"),
+    (["rollout.multi_turn.env=guess_number"], "rollout.multi_turn.env: is not used with rollout.multi_turn.agent"),
+    (["rollout.multi_turn.agent=tests.rl_tasks:says_target"],
+     "rollout.multi_turn.agent: 'tests.rl_tasks:says_target' is not an async function"),
+    (["rollout.multi_turn.agent=tests.rl_tasks:no_such_agent"],
+     "rollout.multi_turn.agent: agent 'tests.rl_tasks:no_such_agent': module 'tests.rl_tasks' has no attribute"),
+    (["rollout.multi_turn.agent=''", "rollout.multi_turn.agent_server=true"],
+     "rollout.multi_turn.agent_server: serves an agent function"),
+])
+def test_bad_agent_settings_are_refused_naming_the_field(tok, overrides, message):
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer.episodes import build_agent
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        build_agent(load_config(None, ["rollout.multi_turn.enabled=true",
+                                       "rollout.multi_turn.agent=tests.rl_tasks:secret_agent", *overrides]), tok)
+
+
+def test_the_http_endpoint_needs_the_openai_package_or_says_how_to_do_without(tok):
+    import importlib.util
+
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer.episodes import build_agent
+
+    cfg = load_config(None, ["rollout.multi_turn.enabled=true", "rollout.multi_turn.agent=tests.rl_tasks:secret_agent",
+                             "rollout.multi_turn.agent_server=true"])
+    if importlib.util.find_spec("openai") is not None:
+        assert build_agent(cfg, tok).server
+    else:
+        with pytest.raises(ConfigError, match="the openai package is not installed .* rollout.multi_turn.agent_server=false"):
+            build_agent(cfg, tok)

@@ -131,7 +131,10 @@ def load_agent(spec: str) -> AgentFunction:
     Raises:
         AgentError: not found, or not an ``async def`` of ``(row, client[, prompt])``.
     """
-    fn = AGENTS.find(spec, AgentError)
+    try:
+        fn = AGENTS.find(spec, AgentError)
+    except AgentError as e:
+        raise AgentError(f"rollout.multi_turn.agent: {e}") from e
     if not inspect.iscoroutinefunction(fn):
         raise AgentError(f"rollout.multi_turn.agent: {spec!r} is not an async function; write it as "
                          "`async def agent(row, client)` (it awaits client.chat.completions.create)")
