@@ -283,7 +283,8 @@ def test_megarl_train_drives_an_agent_function_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout.multi_turn.tools=[calculator]"], "rollout.multi_turn.tools: must be empty with rollout.multi_turn.agent"),
+    (["rollout.multi_turn.tools=[calculator]"],
+     "rollout.multi_turn.tools: must be empty with rollout.multi_turn.agent"),
     (["rollout.multi_turn.env=guess_number"], "rollout.multi_turn.env: is not used with rollout.multi_turn.agent"),
     (["rollout.multi_turn.agent=tests.rl_tasks:says_target"],
      "rollout.multi_turn.agent: 'tests.rl_tasks:says_target' is not an async function"),
@@ -312,5 +313,6 @@ def test_the_http_endpoint_needs_the_openai_package_or_says_how_to_do_without(to
     if importlib.util.find_spec("openai") is not None:
         assert build_agent(cfg, tok).server
     else:
-        with pytest.raises(ConfigError, match="the openai package is not installed .* rollout.multi_turn.agent_server=false"):
+        with pytest.raises(ConfigError,
+                           match="the openai package is not installed .* rollout.multi_turn.agent_server=false"):
             build_agent(cfg, tok)

@@ -499,11 +499,11 @@ def _error(message: str, kind: str, param: str = "") -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param or None, "code": None}}
 
 
-def openai_client(base_url: str) -> Any:
-    """``openai.AsyncOpenAI`` at ``base_url`` (no retries: a refused call is the agent's to handle).
+def require_openai() -> Any:
+    """The ``openai`` module.
 
     Raises:
-        AgentError: the ``openai`` package is not installed.
+        AgentError: it is not installed (the message says how to do without).
     """
     try:
         import openai
@@ -511,7 +511,16 @@ def openai_client(base_url: str) -> Any:
         raise AgentError("rollout.multi_turn.agent_server=true gives the agent an openai.AsyncOpenAI client, and "
                          "the openai package is not installed (pip install openai; vLLM installs it); or set "
                          "rollout.multi_turn.agent_server=false for the in-process client") from e
-    return openai.AsyncOpenAI(base_url=base_url, api_key="megarl", max_retries=0)
+    return openai
+
+
+def openai_client(base_url: str) -> Any:
+    """``openai.AsyncOpenAI`` at ``base_url`` (no retries: a refused call is the agent's to handle).
+
+    Raises:
+        AgentError: the ``openai`` package is not installed.
+    """
+    return require_openai().AsyncOpenAI(base_url=base_url, api_key="megarl", max_retries=0)
 
 
 def run_agent_episodes(engine: RequestEngine, renderer: ChatRenderer, agent: AgentFunction,

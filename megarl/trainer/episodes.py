@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from megarl.agents.endpoint import AgentError, AgentFunction, load_agent, openai_client, \
+from megarl.agents.endpoint import AgentError, AgentFunction, load_agent, require_openai, \
     run_agent_episodes_data_parallel
 from megarl.agents.env import EnvError, EnvironmentFactory, load_environment
 from megarl.agents.episode import ChatRenderer
@@ -88,7 +88,7 @@ def build_agent(cfg: Config, tokenizer) -> Agent:
                           {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]})]
             check_parser(parser, probe, renderer.with_tools(probe).render_call)
             if mt.agent_server:
-                openai_client("http://127.0.0.1:1/v1")
+                require_openai()
     except (ToolError, ParserError, EnvError, AgentError) as e:
         msg = str(e)
         raise ConfigError(msg if msg.startswith("rollout.") else f"rollout.multi_turn: {msg}") from e
