@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -203,26 +201,38 @@ def test_agent_functions_are_checked_when_loaded_and_by_what_they_return(tok):
         _run(tok, AgentFunction("t", says_yes, False))
 
 
-class UrllibClient:
-    """An OpenAI-style client over HTTP with the standard library (``openai`` is not in the test venv):
-    ``chat.completions.create`` POSTs to ``<base>/chat/completions``; the answer as a JSON dict."""
+class StreamsClient:
+    """An OpenAI-style client over HTTP/1.1 with asyncio streams (``openai`` is not in the CPU venv): every
+    episode's connection opened at once and kept alive, as ``openai.AsyncOpenAI``'s are;
+    ``chat.completions.create`` POSTs to ``<base>/chat/completions`` and returns the JSON answer as a dict."""
 
     def __init__(self, base_url):
-        self.base_url = base_url
-        self.chat = self
-        self.completions = self
+        host_port, self.path = base_url.removeprefix("http://").split("/", 1)
+        self.host, self.port = host_port.split(":")
+        self.chat = self.completions = self
+        self.streams = None
 
     async def create(self, **body):
-        def post():
-            req = urllib.request.Request(self.base_url + "/chat/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=60) as f:
-                    return json.loads(f.read())
-            except urllib.error.HTTPError as e:
-                raise ChatRequestError(json.loads(e.read())["error"]["message"]) from e
+        if self.streams is None:
+            self.streams = await asyncio.open_connection(self.host, int(self.port))
+        reader, writer = self.streams
+        data = json.dumps(body).encode()
+        writer.write(f"POST /{self.path}/chat/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            key, value = line.decode().split(":", 1)
+            headers[key.strip().lower()] = value.strip()
+        answer = json.loads(await reader.readexactly(int(headers["content-length"])))
+        if status != 200:
+            raise ChatRequestError(answer["error"]["message"])
+        return answer
 
-        return await asyncio.to_thread(post)
+    async def close(self):
+        if self.streams is not None:
+            self.streams[1].close()
 
 
 async def http_agent(row, client, prompt):
@@ -245,9 +255,9 @@ async def http_agent(row, client, prompt):
 
 
 def test_the_http_endpoint_serves_the_same_episodes_as_the_in_process_client(tok):
-    served, engine, _ = _run(tok, http_agent, n=2, server=True, client_factory=UrllibClient)
-    local, _, _ = _run(tok, http_agent, n=2)
-    assert [e.end for e in served.episodes] == ["done", "done"] and served.episodes[0].turns == 3
+    served, engine, _ = _run(tok, http_agent, n=32, server=True, client_factory=StreamsClient)
+    local, _, _ = _run(tok, http_agent, n=32)
+    assert [e.end for e in served.episodes] == ["done"] * 32 and served.episodes[0].turns == 3
     for a, b in zip(served.episodes, local.episodes):
         assert [(s.ids, s.mask, s.logprobs) for s in a.samples] == [(s.ids, s.mask, s.logprobs) for s in b.samples]
         assert a.reward == 1.0 and a.splits == 0 and a.tool_calls == 2
@@ -316,3 +326,15 @@ def test_the_http_endpoint_needs_the_openai_package_or_says_how_to_do_without(to
         with pytest.raises(ConfigError,
                            match="the openai package is not installed .* rollout.multi_turn.agent_server=false"):
             build_agent(cfg, tok)
+
+
+def test_an_agent_on_the_openai_client_trains_the_same_ids_over_http(tok):
+    pytest.importorskip("openai")  # vLLM's environments have it; the CPU venv may not
+    replies.clear()
+    served, _, _ = _run(tok, calculator_agent, n=32, server=True)  # openai.AsyncOpenAI at the local endpoint
+    assert type(replies[0]).__module__.startswith("openai")
+    replies.clear()
+    local, _, _ = _run(tok, calculator_agent, n=32)
+    for a, b in zip(served.episodes, local.episodes):  # 32 connections at once
+        assert a.end == "done" and a.turns == 3 and a.tool_calls == 2 and a.splits == 0
+        assert [(s.ids, s.mask, s.logprobs) for s in a.samples] == [(s.ids, s.mask, s.logprobs) for s in b.samples]

@@ -477,8 +477,7 @@ class ChatServer:
                 except Exception as e:  # noqa: BLE001 (the engine's refusal: the agent sees it, the run goes on)
                     self._send(500, _error(f"{type(e).__name__}: {e}", "server_error"))
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="chat-server", daemon=True)
         self._thread.start()
@@ -493,6 +492,11 @@ class ChatServer:
         self.httpd.shutdown()
         self.httpd.server_close()
         self._thread.join()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 4096  # every episode connects at once (the default 5 resets connections past it)
 
 
 def _error(message: str, kind: str, param: str = "") -> dict[str, Any]:
