@@ -346,7 +346,14 @@ class MultiTurnConfig:
             Each turn samples at most rollout.max_new_tokens.
         tool_timeout_s: seconds per tool call (> 0); a call past it is a "timeout" observation.
         max_observation_tokens: observation messages are cut to this many tokens ("truncated"); 0 = no limit.
-        max_parallel_episodes: episodes running at once per rank (worker threads), >= 1.
+        max_parallel_episodes: episodes running at once per rank (worker threads; agents: coroutines), >= 1.
+        agent: an agent written as ordinary code instead of ``env`` and ``tools``: a registered name or a
+            dotted path ("pkg.mod:my_agent") to ``async def my_agent(row, client[, prompt])`` that talks to an
+            OpenAI-compatible chat client served from the rollout engine and returns the episode's reward (or
+            None: ``reward.fn`` on its last reply; :mod:`megarl.agents.endpoint`). "" = none.
+        agent_server: give the agent an ``openai.AsyncOpenAI`` client pointed at a local HTTP endpoint
+            (``/v1/chat/completions``; needs the ``openai`` package) instead of the in-process client of the same
+            interface.
     """
 
     enabled: bool = False
@@ -359,6 +366,8 @@ class MultiTurnConfig:
     tool_timeout_s: float = 10.0
     max_observation_tokens: int = 256
     max_parallel_episodes: int = 256
+    agent: str = ""
+    agent_server: bool = False
 
     def __post_init__(self):
         require(self.max_turns >= 1, "rollout.multi_turn.max_turns", f"must be >= 1, got {self.max_turns}")
@@ -370,6 +379,15 @@ class MultiTurnConfig:
                 f"must be >= 0 (0: no limit), got {self.max_observation_tokens}")
         require(self.max_parallel_episodes >= 1, "rollout.multi_turn.max_parallel_episodes",
                 f"must be >= 1, got {self.max_parallel_episodes}")
+        if self.agent:
+            require(not self.tools, "rollout.multi_turn.tools",
+                    f"must be empty with rollout.multi_turn.agent (the agent sends its tools in each request), "
+                    f"got {self.tools}")
+            require(self.env == "tools" and not self.env_kwargs, "rollout.multi_turn.env",
+                    f"is not used with rollout.multi_turn.agent (the agent is the environment): leave env and "
+                    f"env_kwargs unset, got env={self.env!r}, env_kwargs={self.env_kwargs}")
+        require(self.agent or not self.agent_server, "rollout.multi_turn.agent_server",
+                "serves an agent function: set rollout.multi_turn.agent too, or agent_server=false")
 
 
 @dataclass

@@ -152,6 +152,24 @@ def multi_turn_overrides(model_dir: Path, data_file: Path, run_dir: Path, name: 
         "rollout.multi_turn.max_turns=2", "rollout.max_new_tokens=1"]
 
 
+async def secret_agent(row, client, prompt):
+    """:class:`SecretWord` written as an agent function on an OpenAI-style client (``rollout.multi_turn.agent``):
+    one call on the prompt, the secret told as a user message after the reply, a second call; reward 1 when the
+    second reply's first word is the secret."""
+    first = await client.chat.completions.create(model="tiny", messages=prompt)
+    secret = SECRETS[int(first.id[-2:], 16) % len(SECRETS)]  # a draw per episode (the reply's id is random)
+    messages = prompt + [first.choices[0].message, {"role": "user", "content": secret}]
+    second = await client.chat.completions.create(model="tiny", messages=messages)
+    return float((second.choices[0].message.content or "").split()[:1] == [secret])
+
+
+def agent_overrides(model_dir: Path, data_file: Path, run_dir: Path, name: str) -> list[str]:
+    """:func:`task_overrides` for :func:`secret_agent`: two calls of one token each."""
+    return task_overrides(model_dir, data_file, run_dir, name) + [
+        "rollout.multi_turn.enabled=true", "rollout.multi_turn.agent=tests.rl_tasks:secret_agent",
+        "rollout.multi_turn.max_turns=2", "rollout.max_new_tokens=1"]
+
+
 class WordCallParser:
     """A tool-call parser for the word-level model (trainer tests of failing tools): the word ``x`` calls the
     tool ``explode``, ``y`` calls ``hang``, ``j`` calls a tool that does not exist, ``k`` is a malformed call."""

@@ -80,6 +80,12 @@ class ChatRenderer:
         self._schemas = [t.schema() for t in tools] if tools and parser.template_tools else None
         self._lock = threading.Lock()
 
+    def with_tools(self, tools: Sequence[Tool]) -> "ChatRenderer":
+        """This renderer with other tools (an agent's request names its own), sharing the tokenizer's lock."""
+        other = ChatRenderer(self.tokenizer, tools, self.parser)
+        other._lock = self._lock
+        return other
+
     def first_messages(self, messages: Sequence[Message]) -> list[Message]:
         """``messages`` with the plain parser's tool description in the system message (a new first message,
         or before the existing system message's text); as they are where the template renders the tools."""

@@ -399,11 +399,18 @@ def run_episodes_data_parallel(engine: RequestEngine | None, renderer: ChatRende
     lo, hi = shard_bounds(len(rows), rank, world)
     local = run_episodes(engine, renderer, env_factory, rows[lo:hi], prompts[lo:hi], sampling, settings,
                          call=call, prompt_offset=lo)
+    return gather_episodes(local, sampling.n, group)
+
+
+def gather_episodes(local: EpisodeBatch, n: int, group=None) -> EpisodeBatch:
+    """Every rank's ``local`` episodes (contiguous shares of the prompts, in rank order) on every rank of
+    ``group``, prompt-major (stats: tokens summed, seconds of the slowest rank)."""
+    world = dist.get_world_size(group)
     if world == 1:
         return local
     parts: list[EpisodeBatch | None] = [None] * world
     dist.all_gather_object(parts, local, group=group)
-    return EpisodeBatch([e for p in parts for e in p.episodes], sampling.n,
+    return EpisodeBatch([e for p in parts for e in p.episodes], n,
                         RolloutStats(prompt_tokens=sum(p.stats.prompt_tokens for p in parts),
                                      generated_tokens=sum(p.stats.generated_tokens for p in parts),
                                      seconds=max(p.stats.seconds for p in parts)),

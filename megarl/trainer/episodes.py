@@ -21,11 +21,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from megarl.agents.endpoint import AgentError, AgentFunction, load_agent, require_openai, \
+    run_agent_episodes_data_parallel
 from megarl.agents.env import EnvError, EnvironmentFactory, load_environment
 from megarl.agents.episode import ChatRenderer
 from megarl.agents.parsers import ParserError, check_parser, load_parser
 from megarl.agents.rollout import EpisodeBatch, EpisodeSettings, run_episodes_data_parallel
-from megarl.agents.tools import ToolError, load_tools
+from megarl.agents.tools import Tool, ToolError, load_tools
 from megarl.config import Config, ConfigError
 from megarl.data.loader import PromptBatch
 from megarl.data.template import PromptTemplate
@@ -40,10 +42,12 @@ class Agent:
 
     Attributes:
         renderer: the chat template with the tools, and the tool-call parser.
-        env: builds each episode's environment.
+        env: builds each episode's environment (unused with ``function``).
         settings: turn and token budgets, timeouts, parallelism.
         template: how a row's prompt field becomes chat messages (``data.system_prompt``, ``data.instruction``).
         prompt_key: the rows' prompt field (``data.prompt_key``).
+        function: the agent written as ordinary code (``rollout.multi_turn.agent``), or None.
+        server: serve it over HTTP (``rollout.multi_turn.agent_server``).
     """
 
     renderer: ChatRenderer
@@ -51,6 +55,8 @@ class Agent:
     settings: EpisodeSettings
     template: PromptTemplate
     prompt_key: str
+    function: AgentFunction | None = None
+    server: bool = False
 
     def prompt_messages(self, prompts: PromptBatch) -> list[list[dict[str, Any]]]:
         """Each prompt's chat messages (what :meth:`~megarl.agents.env.Environment.reset` gets as ``prompt``)."""
@@ -59,7 +65,9 @@ class Agent:
 
 def build_agent(cfg: Config, tokenizer) -> Agent:
     """The run's :class:`Agent` (``rollout.multi_turn``), every part checked: tools found, the parser reads the
-    chat template's own tool calls (:func:`~megarl.agents.parsers.check_parser`), the environment builds.
+    chat template's own tool calls (:func:`~megarl.agents.parsers.check_parser`; for an agent function, of a
+    one-parameter tool), the environment builds, or the agent function loads (and, served over HTTP, the
+    ``openai`` package imports).
 
     Raises:
         ConfigError: no chat template, or naming the ``rollout.multi_turn`` field that fails.
@@ -74,7 +82,14 @@ def build_agent(cfg: Config, tokenizer) -> Agent:
         renderer = ChatRenderer(tokenizer, tools, parser)
         check_parser(parser, tools, renderer.render_call)
         env = load_environment(mt.env, mt.env_kwargs)
-    except (ToolError, ParserError, EnvError) as e:
+        function = load_agent(mt.agent) if mt.agent else None
+        if function is not None:  # the agent's requests name their tools: check the parser on one of them
+            probe = [Tool("lookup", lambda query: query, "Look a word up.",
+                          {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]})]
+            check_parser(parser, probe, renderer.with_tools(probe).render_call)
+            if mt.agent_server:
+                require_openai()
+    except (ToolError, ParserError, EnvError, AgentError) as e:
         msg = str(e)
         raise ConfigError(msg if msg.startswith("rollout.") else f"rollout.multi_turn: {msg}") from e
     settings = EpisodeSettings(max_turns=mt.max_turns, max_turn_tokens=cfg.rollout.max_new_tokens,
@@ -82,16 +97,24 @@ def build_agent(cfg: Config, tokenizer) -> Agent:
                                max_observation_tokens=mt.max_observation_tokens,
                                max_parallel_episodes=mt.max_parallel_episodes)
     template = PromptTemplate(system_prompt=cfg.data.system_prompt, instruction=cfg.data.instruction)
-    return Agent(renderer, env, settings, template, cfg.data.prompt_key)
+    return Agent(renderer, env, settings, template, cfg.data.prompt_key, function, mt.agent_server)
 
 
 def generate_episodes(agent: Agent, engine, prompts: PromptBatch, sampling: SamplingConfig, group=None
                       ) -> EpisodeBatch:
     """``sampling.n`` episodes per prompt over the rollout data-parallel ``group``; the engine's call counter
     seeds every turn (the caller advances it)."""
-    return run_episodes_data_parallel(engine, agent.renderer, agent.env, prompts.rows,
-                                      agent.prompt_messages(prompts), sampling, agent.settings, call=engine.calls,
-                                      group=group)
+    return _run(agent, engine, prompts, sampling, engine.calls, group)
+
+
+def _run(agent: Agent, engine, prompts: PromptBatch, sampling: SamplingConfig, call: int, group) -> EpisodeBatch:
+    """The episodes of ``prompts``: the environment loop, or the agent function behind its chat endpoint."""
+    if agent.function is not None:
+        return run_agent_episodes_data_parallel(engine, agent.renderer, agent.function, prompts.rows,
+                                                agent.prompt_messages(prompts), sampling, agent.settings, call=call,
+                                                group=group, server=agent.server)
+    return run_episodes_data_parallel(engine, agent.renderer, agent.env, prompts.rows, agent.prompt_messages(prompts),
+                                      sampling, agent.settings, call=call, group=group)
 
 
 def row_multiple(cfg: Config, uses_critic: bool) -> int:
@@ -170,8 +193,7 @@ def evaluate_episodes(agent: Agent, engine, prompts: PromptBatch, sampling: Samp
     the ``agent/...`` figures (``tool_use_rate``, ``turns_mean``, ...); one record per episode."""
     start = time.perf_counter()
     calls = engine.calls
-    out = run_episodes_data_parallel(engine, agent.renderer, agent.env, prompts.rows, agent.prompt_messages(prompts),
-                                     sampling, agent.settings, call=calls, group=group)
+    out = _run(agent, engine, prompts, sampling, calls, group)
     eps = out.episodes
     need = [k for k, e in enumerate(eps) if e.reward is None]
     scored = iter(score([prompts.raw_prompt[eps[k].prompt_index] for k in need], [eps[k].last_text for k in need],
