@@ -114,6 +114,23 @@ def train_on_rank(rank, world, overrides):
     return read_metrics(cfg.run.run_dir / "metrics.jsonl") if rank == 0 else summary
 
 
+# split pools on 2 ranks: the actor, reference and reward on rank 0, the rollout on rank 1
+SPLIT_2 = ["placement.pools.train=[0]", "placement.pools.gen=[1]", "placement.actor=train", "placement.reference=train",
+           "placement.reward=train", "placement.rollout=gen"]
+
+
+def train_until_requeued(rank, world, overrides):
+    """:func:`train_on_rank` with SIGUSR1 watched as a job's rank watches it; ``"requeued"`` when the run saved
+    and ended on it."""
+    from megarl.parallel.restart import RequeueRequested, watch_requeue_signal
+
+    watch_requeue_signal()
+    try:
+        return train_on_rank(rank, world, overrides)
+    except RequeueRequested:
+        return "requeued"
+
+
 def digit_share(prompts, responses, ground_truths):
     """The share of a response's characters that are digits: a dense reward that differs between samples
     (for layout-comparison runs of real models, whose short GSM8K answers all score 0)."""

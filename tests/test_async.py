@@ -25,7 +25,7 @@ from megarl.parallel.placement import validate_for_world
 from megarl.trainer.metrics import read_metrics
 from megarl.trainer.pipeline import generating_versions, schedule, staleness
 from tests.distributed import run_world
-from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
+from tests.rl_tasks import SPLIT_2, make_tiny_model, task_overrides, train_on_rank, train_until_requeued, write_prompts
 from tests.test_reshard_exact import MODELS, hf_weights, megatron_coords, missing_elements, ref_megatron, ref_vllm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,21 +250,6 @@ def test_async_one_step_off_learns_the_task_with_staleness_at_most_1_recorded_pe
     assert all(h["pool/train/busy_s"] > 0 for h in history)
 
 
-# the actor, reference and reward on rank 0, the rollout on rank 1
-SPLIT_2 = ["placement.pools.train=[0]", "placement.pools.gen=[1]", "placement.actor=train", "placement.reference=train",
-           "placement.reward=train", "placement.rollout=gen"]
-
-
-def _train_until_requeued(rank, world, overrides):
-    """:func:`train_on_rank` with SIGUSR1 watched as a job's rank watches it; ``"requeued"`` when the run saved
-    and ended on it."""
-    from megarl.parallel.restart import RequeueRequested, watch_requeue_signal
-
-    watch_requeue_signal()
-    try:
-        return train_on_rank(rank, world, overrides)
-    except RequeueRequested:
-        return "requeued"
 
 
 def test_async_run_saves_and_ends_on_sigusr1_and_checkpoints_by_time_on_resume(task, monkeypatch):
@@ -276,7 +261,7 @@ def test_async_run_saves_and_ends_on_sigusr1_and_checkpoints_by_time_on_resume(t
             + ["trainer.steps=4", "trainer.keep_checkpoints=4"])
     run_dir = root / "runs" / "requeued"
     monkeypatch.setenv("MEGARL_FAULT", "phase.actor_update@2:signal=USR1:0")
-    assert run_world(_train_until_requeued, 2, base) == ["requeued", "requeued"]
+    assert run_world(train_until_requeued, 2, base) == ["requeued", "requeued"]
     assert [h["step"] for h in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000002"]
     monkeypatch.delenv("MEGARL_FAULT")

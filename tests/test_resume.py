@@ -11,7 +11,7 @@ import json
 import pytest
 
 from tests.distributed import run_world
-from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
+from tests.rl_tasks import SPLIT_2, make_tiny_model, task_overrides, train_on_rank, train_until_requeued, write_prompts
 
 COMPARED = ["reward/mean", "response/length_mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
             "actor/clipfrac", "actor/ppo_kl", "actor/lr"]
@@ -197,8 +197,6 @@ EXACT = ["reward/mean", "reward/std", "response/length_mean", "response/length_m
 # half the groups tied (tests.rl_tasks.half_tied): most steps draw 2-4 rounds of prompts
 DYNAMIC = ["reward.fn=tests.rl_tasks:half_tied", "algorithm.dynamic_sampling.enabled=true",
            "algorithm.dynamic_sampling.max_extra_rounds=3"]
-SPLIT_2 = ["placement.pools.train=[0]", "placement.pools.gen=[1]", "placement.actor=train", "placement.reference=train",
-           "placement.reward=train", "placement.rollout=gen"]
 ASYNC = ["trainer.mode=async", "trainer.max_staleness=1", "algorithm.rollout_correction.preset=token_tis"]
 RESUMED = {  # case: (world, steps, resumed after, overrides)
     "dynamic_sampling": (1, 2, 1, DYNAMIC),  # the fast one: the first resumed step
@@ -208,18 +206,6 @@ RESUMED = {  # case: (world, steps, resumed after, overrides)
                              "rollout.multi_turn.max_turns=2", "rollout.max_new_tokens=1"]),
     "async_split": (2, 4, 2, SPLIT_2 + ASYNC),
 }
-
-
-def _train_until_requeued(rank, world, overrides):
-    """:func:`train_on_rank` with SIGUSR1 watched as a job's rank watches it; ``"requeued"`` when the run saved
-    and ended on it."""
-    from megarl.parallel.restart import RequeueRequested, watch_requeue_signal
-
-    watch_requeue_signal()
-    try:
-        return train_on_rank(rank, world, overrides)
-    except RequeueRequested:
-        return "requeued"
 
 
 def _records(run_dir, name):
@@ -253,7 +239,7 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(task, case, m
     straight = _run(task, f"straight_{case}", world, [*base, f"trainer.steps={steps}"])[0]
     overrides = task_overrides(model, data, root / "runs", f"resumed_{case}") + BASE + [*base, f"trainer.steps={steps}"]
     monkeypatch.setenv("MEGARL_FAULT", f"phase.actor_update@{k}:signal=USR1:0")
-    assert run_world(_train_until_requeued, world, overrides) == ["requeued"] * world
+    assert run_world(train_until_requeued, world, overrides) == ["requeued"] * world
     monkeypatch.delenv("MEGARL_FAULT")
     assert [p.name for p in (root / "runs" / f"resumed_{case}" / "checkpoints").iterdir()] == [f"step_{k:06d}"]
     resumed = _run(task, f"resumed_{case}", world, [*base, f"trainer.steps={steps}", "trainer.resume=true"])[0]
