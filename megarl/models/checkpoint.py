@@ -321,8 +321,9 @@ def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta
     Raises:
         StorageError: the checkpoint could not be written for a fault of the storage (a full disk or quota, a
             read-only file system, a file where a folder must be: :mod:`megarl.storage`), naming the folder and
-            the cause. On any failure rank 0 removes the partial ``<directory>.tmp``; the previous checkpoint of
-            that name, if any, is kept.
+            the cause. On a failure each rank that meets it removes the partial ``<directory>.tmp`` once its own
+            writes have stopped (a rank's writer may still add files after another rank failed and removed the
+            folder); the previous checkpoint of that name, if any, is kept.
     """
     from megatron.core import dist_checkpointing
 
@@ -358,8 +359,7 @@ def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta
                 tmp.rename(final)
     except BaseException as e:  # torch's CheckpointException is a BaseException
         fault = _save_fault(e, writer_errors, tmp)  # first: removing the partial files frees the full disk
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would keep a full disk full
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would keep a full disk full
         if fault is None:
             for message in writer_errors:  # held back while the save ran, in case they were the fault's
                 log.error("megatron-core's checkpoint writer: %s", message)
