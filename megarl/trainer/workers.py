@@ -58,6 +58,7 @@ MODEL_INPUTS = ("input_ids", "prompt_lens", "response_mask")
 # (The default, "fully_sharded_model_space", builds flattened ShardedTensors that its torch_dist saver refuses.)
 OPTIMIZER_FORMAT = "fully_reshardable"
 LEGACY_OPTIMIZER_FORMAT = "dp_reshardable"
+FP16_INITIAL_LOSS_SCALE = 2.0 ** 16  # model.dtype float16: the dynamic loss scale's start (torch.amp.GradScaler's)
 
 
 def dp_share(batch: RolloutBatch, dp_rank: int, dp_size: int) -> RolloutBatch:
@@ -191,8 +192,17 @@ class MegatronWorker:
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay, adam_beta1=oc.betas[0],
             adam_beta2=oc.betas[1], adam_eps=oc.eps, clip_grad=oc.clip_grad, bf16=config.bf16, fp16=config.fp16,
-            params_dtype=config.params_dtype, use_distributed_optimizer=oc.distributed), ddps,
+            params_dtype=config.params_dtype, use_distributed_optimizer=oc.distributed,
+            # fp16's dynamic loss scale starts at torch.amp.GradScaler's 2**16: megatron's 2**32 overflowed the
+            # first updates (each then skipped) until halved 16 times; hysteresis and window stay megatron's
+            initial_loss_scale=FP16_INITIAL_LOSS_SCALE), ddps,
             pg_collection=self.pg_collection, use_gloo_process_groups=self.pg_collection is None)
+        # The schedule multiplies the last stage's loss by the optimizer's loss scale before the backward (1.0
+        # for bf16/fp32; fp16's dynamic scale, which the optimizer divides out of the gradients), as Megatron-LM's
+        # setup_model_and_optimizer sets it; without it fp16 gradients were 2**-32 of their size.
+        for chunk_config in {id(d.config): d.config for d in ddps}.values():
+            chunk_config.grad_scale_func = opt.scale_loss
+        self.fp16 = bool(config.fp16)
         # The scheduler is stepped after each update, so update k runs at its step k - 1. Megatron's warm-up
         # goes linearly from init_lr at step 0 to lr at step lr_warmup_steps: starting at lr / W and reaching
         # lr at step W - 1 makes update k (1-based) of the warm-up run at lr * k / W, none at 0.
@@ -344,8 +354,11 @@ class MegatronWorker:
                 self._check_finite(res, len(micro), ("" if step is None else f"step {step}: ") + f"the {self.role}"
                                    f" update of mini-batch {k + 1}/{n_mini} (epoch {epoch + 1}/{epochs})")
                 lr = self.optimizer.param_groups[0]["lr"]  # what this update uses
-                _, grad_norm, _ = self.optimizer.step()
-                self.scheduler.step(increment=1)
+                stepped, grad_norm, _ = self.optimizer.step()
+                if stepped:  # fp16: an overflow of the scaled gradients skips the step (the scale halves)
+                    self.scheduler.step(increment=1)
+                else:
+                    self._check_loss_scale(step)
                 local = None
                 if res:
                     local = {k: sum(r.get(k, 0.0) for r in res) for k in sum_keys}
@@ -357,6 +370,9 @@ class MegatronWorker:
                 m.update(reduce_to_all(local, list(max_keys), op=dist.ReduceOp.MAX, group=self.pool_group))
                 m["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
                 m["lr"] = lr
+                if self.fp16:
+                    m["loss_scale"] = float(self.optimizer.get_loss_scale())
+                    m["skipped_steps"] = 0.0 if stepped else 1.0
                 history.append(m)
         return history
 
@@ -381,8 +397,10 @@ class MegatronWorker:
         """
         n = max(n_micro, 1)
         bad = next(((i, r["loss"]) for i, r in enumerate(res) if not math.isfinite(r["loss"])), None)
-        sums = [buf.grad_data.sum() for chunk in self.chunks for buf in (*chunk.buffers,
-                                                                         *chunk.expert_parallel_buffers)]
+        # fp16 gradients are scaled by the dynamic loss scale, so an overflow there is the scaler's to handle
+        # (the step skipped, the scale halved: _check_loss_scale); its losses are tested as any others
+        sums = [] if self.fp16 else [buf.grad_data.sum() for chunk in self.chunks
+                                     for buf in (*chunk.buffers, *chunk.expert_parallel_buffers)]
         grad_ok = not sums or bool(torch.isfinite(torch.stack(sums).sum()))
         # MAX over the pool of big - position finds the first: the micro-batch (4 codes a place: + 1 NaN, + 2
         # inf, + 3 -inf, so that every rank can name the value) and the global rank; exact in float64
@@ -406,6 +424,23 @@ class MegatronWorker:
                              "those of the update before). Non-finite rollout log-probs and scores never reach "
                              "the loss (megarl.algos.nonfinite): look at the learning rate, the advantages and "
                              "the model's numerics (model.dtype)")
+
+    def _check_loss_scale(self, step: int | None) -> None:
+        """After an fp16 step that the optimizer skipped (its scaled gradients overflowed): nothing while the
+        dynamic loss scale can still be halved; at megatron's ``min_loss_scale`` (1.0) the gradient itself is not
+        finite, so the run stops as for bf16 and fp32 (:meth:`_check_finite`).
+
+        Raises:
+            NonFiniteError: the step was skipped at the smallest loss scale (the same on every rank: megatron's
+                optimizer all-reduces its overflow flag).
+        """
+        scale = float(self.optimizer.get_loss_scale())
+        if scale > 1.0:
+            return
+        raise NonFiniteError(f"{'' if step is None else f'step {step}: '}the {self.role} update: the fp16 gradient "
+                             f"is not finite at the smallest loss scale ({scale:g}); the optimizer did not step. "
+                             "Look at the learning rate, the advantages and the model's numerics (model.dtype: "
+                             "bfloat16 has fp32's range)")
 
     # ------------------------------------------------------------------ checkpoint state
     def sharded_state_dict(self, is_loading: bool = False,
