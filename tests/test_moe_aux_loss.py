@@ -17,11 +17,11 @@ COMPARED = ("router.weight", "layernorm.weight")  # replicated at every layout: 
 
 
 def _spec(family: str, z_loss: float) -> ModelSpec:
-    """A tiny MoE model of ``family`` (8 experts, top-2; tests/rl_tasks.py's shape)."""
+    """A tiny MoE model of ``family``: 8 experts, top-2 (tests/rl_tasks.py's), narrower; a z-loss of ``z_loss``."""
     return ModelSpec(family, vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-                     head_dim=8, ffn_hidden_size=16 if family == "mixtral" else 64, tie_word_embeddings=True, max_position_embeddings=128,
-                     eos_token_ids=(1,), num_experts=8, moe_top_k=2, moe_ffn_hidden_size=16,
-                     moe_aux_loss_coef=0.01, moe_z_loss_coef=z_loss,
+                     head_dim=8, ffn_hidden_size=16 if family == "mixtral" else 64,  # Mixtral's: the experts'
+                     tie_word_embeddings=True, max_position_embeddings=128, eos_token_ids=(1,), num_experts=8,
+                     moe_top_k=2, moe_ffn_hidden_size=16, moe_aux_loss_coef=0.01, moe_z_loss_coef=z_loss,
                      shared_expert_ffn_hidden_size=24 if family == "qwen2_moe" else 0)
 
 

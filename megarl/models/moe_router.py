@@ -45,6 +45,8 @@ class GlobalBatchRouter(TopKRouter):
         self.batch: tuple[torch.Tensor, float, float] | None = None  # N_e [E], T, gradient scale
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        """megatron's top-k routing of ``logits [s, b, E]`` (``padding_mask [s, b]`` bool, True on padding),
+        counted into :attr:`stats` while :func:`count_routing` runs."""
         if self.stats is not None:
             self._count(logits, padding_mask)
         return super().routing(logits, padding_mask)
@@ -61,6 +63,8 @@ class GlobalBatchRouter(TopKRouter):
         self.stats += torch.cat([routing_map.sum(0).double(), scores.sum(0).double(), real.sum()[None], z[None]])
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        """Attach this micro-batch's share of the mini-batch's switch loss to ``probs`` (``scores_for_aux_loss
+        [N, E]``: the softmax, zero on padding), or megatron's own loss outside :func:`global_batch_loss`."""
         coeff = self.get_aux_loss_coeff("aux_loss")
         if self.batch is None or coeff == 0:
             return super()._apply_aux_loss(probs, scores_for_aux_loss, routing_map, with_padding_mask)
@@ -70,6 +74,8 @@ class GlobalBatchRouter(TopKRouter):
         return MoEAuxLossAutoScaler.apply(probs, aux)
 
     def apply_z_loss(self, logits, padding_mask=None):
+        """Attach this micro-batch's share of the mini-batch's z-loss to ``logits [N, E]`` (``padding_mask [N]``
+        True on padding) in a training pass inside :func:`global_batch_loss`; megatron's own otherwise."""
         coeff = self.config.moe_z_loss_coeff
         if self.batch is None or not coeff or not (self.training and torch.is_grad_enabled()):
             return super().apply_z_loss(logits, padding_mask)
