@@ -40,6 +40,7 @@ from megarl.models.checkpoint import (adapters_only, as_chunks, chunk_parameters
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.lora import LoRASpec, adapters_disabled, finalize_with_partial_grads
 from megarl.models.megatron import build_model_chunks
+from megarl.models.moe_router import count_routing, global_batch_loss, needs_batch_stats, routers, routing_metrics
 from megarl.models.pipeline import broadcast_from_last_stage, run_microbatches
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
@@ -303,7 +304,10 @@ class MegatronWorker:
         step each. With one mini-batch per epoch its rows keep the batch's order, so the first update's
         micro-batches are those of the log-prob pass (first-step exactness: the update's log-probs are the old
         ones bit for bit). An update whose loss or gradient is not finite does not step
-        (:meth:`_check_finite`).
+        (:meth:`_check_finite`). An MoE model with a load-balancing loss or z-loss first runs a forward pass
+        without gradients over each mini-batch, whose routing statistics make those losses the whole
+        mini-batch's (:mod:`megarl.models.moe_router`); their values join the step's metrics
+        (:func:`~megarl.models.moe_router.routing_metrics`).
 
         Args:
             loss_fn: ``(micro_batch, output, normalisers) -> (loss, metrics)``; ``normalisers`` holds the
@@ -325,8 +329,12 @@ class MegatronWorker:
             NonFiniteError: on every rank of the role's pool, when a micro-batch's loss or the gradient of a
                 mini-batch is not finite; the optimizer has not stepped on it.
         """
+        from megatron.core import parallel_state as ps
+
         rc = self.rc
         n_mini = len(batch) // rc.ppo_mini_batch_size
+        found = routers(self.model)
+        moe_names = ("response_lens",) if needs_batch_stats(found) else ()
         gen = torch.Generator().manual_seed(seed)
         history = []
         for chunk in self.chunks:
@@ -337,8 +345,15 @@ class MegatronWorker:
                 mini = batch.select(order[k * rc.ppo_mini_batch_size:(k + 1) * rc.ppo_mini_batch_size])
                 mask = mini[mask_name]
                 norms = {"global_tokens": float(mask.sum()), "global_seqs": float((mask.sum(-1) > 0).sum())}
-                micro, _ = self._micro_batches(mini, names, rc.micro_batch_size)
+                micro, _ = self._micro_batches(mini, names + moe_names, rc.micro_batch_size)
                 scale = len(micro) * self.dp_size  # the same number of micro-batches on every DP rank
+                moe_loss, moe_metrics = contextlib.nullcontext(), {}
+                if moe_names:  # the MoE aux loss and z-loss of the whole mini-batch (megarl.models.moe_router)
+                    stats = count_routing(found, functools.partial(
+                        run_microbatches, self.model, micro, lambda mb, out: (torch.zeros((), device=self.device), {}),
+                        forward_only=True, model_kwargs=model_kwargs), self.dp_group)
+                    moe_loss = global_batch_loss(found, stats, scale)
+                    moe_metrics = routing_metrics(found, stats, ps.get_pipeline_model_parallel_group())
 
                 def output_fn(mb, out):
                     loss, metrics = loss_fn(mb, out, norms)
@@ -350,7 +365,9 @@ class MegatronWorker:
                 for chunk in self.chunks:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                res = run_microbatches(self.model, micro, output_fn, forward_only=False, model_kwargs=model_kwargs)
+                with moe_loss:
+                    res = run_microbatches(self.model, micro, output_fn, forward_only=False,
+                                           model_kwargs=model_kwargs)
                 self._check_finite(res, len(micro), ("" if step is None else f"step {step}: ") + f"the {self.role}"
                                    f" update of mini-batch {k + 1}/{n_mini} (epoch {epoch + 1}/{epochs})")
                 lr = self.optimizer.param_groups[0]["lr"]  # what this update uses
@@ -368,6 +385,7 @@ class MegatronWorker:
                 m.update(reduce_to_all(local, mean_keys, average_over=max(norms["global_tokens"], 1.0),
                                        group=self.pool_group))
                 m.update(reduce_to_all(local, list(max_keys), op=dist.ReduceOp.MAX, group=self.pool_group))
+                m.update(moe_metrics)
                 m["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
                 m["lr"] = lr
                 if self.fp16:
