@@ -1,0 +1,132 @@
+"""Router replay (``actor.moe.router_replay``, issue 32): the transformers engine records the experts of every token
+it routes, and the actor's old-log-prob and update passes route those tokens to the same experts; the routing
+agreement metric (engine vs trainer, per layer) with replay on and off.
+
+The trainer's routers are perturbed (noise on the router weights of the Megatron actor), so that without replay
+they choose other experts than the engine for a good share of the tokens and the checks can fail. What the
+trainer dispatched is read by a hook of the test's own on megatron's routers (their ``routing_map``), laid out
+against the engine's routes here, independently of :class:`megarl.models.router_replay.RouteReplay`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_world
+from tests.rl_tasks import make_tiny_moe_model
+
+PROMPTS = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 3], [5, 6]]
+
+
+def _engine_routes_reference(engine, samples, prompts):
+    """Per sample ``[tokens - 1, layers, top_k]``: the top-k experts of the engine's own model run once, teacher
+    forced, over the sample's whole sequence alone (``output_router_logits``), sorted."""
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([prompts[s.prompt_index] + list(s.token_ids)])
+            logits = engine.model(input_ids=ids, output_router_logits=True).router_logits  # per layer [T, E]
+            top = torch.stack([lg.topk(engine.spec.moe_top_k, dim=-1).indices for lg in logits], dim=1)
+            out.append(top[:-1].sort(-1).values)
+    return out
+
+
+def _replay_world(rank, world, model_dir, replay):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, MoEConfig
+    from megarl.models.hf_io import open_hf_checkpoint
+    from megarl.models.router_replay import ROUTES
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+    from megarl.rollout.base import SamplingConfig, state_dict_writer
+    from megarl.rollout.hf_engine import HFRolloutEngine
+    from megarl.trainer.batch import build_batch
+    from megarl.trainer.workers import PolicyWorker
+
+    layout = ParallelLayout()
+    initialize_model_parallel(layout)
+    hf = open_hf_checkpoint(model_dir)
+    spec = hf.spec
+    engine = HFRolloutEngine(spec, max_batch_size=3)  # prompts of several lengths in batches: left padding
+    engine.update_weights(state_dict_writer({n: hf.read(n) for n in hf.tensor_names}, engine.weight_layout([0]), 0))
+    samples = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=6, seed=3)).samples
+    reference = _engine_routes_reference(engine, samples, PROMPTS)
+    recorded_vs_reference = [bool((s.routed_experts.long().sort(-1).values == r).all(-1).all(-1).float().mean() == 1)
+                             for s, r in zip(samples, reference)]
+
+    batch = build_batch([PROMPTS[s.prompt_index] for s in samples], [s.token_ids for s in samples],
+                        [s.logprobs for s in samples], [s.prompt_index for s in samples], pad_token_id=0,
+                        routed_experts=[s.routed_experts for s in samples])
+    batch["old_logprobs"] = torch.stack([torch.nn.functional.pad(s.logprobs, (0, batch["response_mask"].shape[1]
+                                                                               - len(s.logprobs))) for s in samples])
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(0))
+    mbs = 2
+    rc = ActorConfig(micro_batch_size=mbs, logprob_micro_batch_size=mbs, ppo_mini_batch_size=len(batch),
+                     moe=MoEConfig(router_replay=replay))
+    worker = PolicyWorker(spec, layout, "actor", model_dir, torch.float32, rc, trainable=True, temperature=1.0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in worker.model.named_parameters():
+            if name.endswith("router.weight"):
+                p.add_(0.5 * p.std() * torch.randn(p.shape, generator=g))
+
+    used = []  # (layer, routing_map [s * b, experts]) of every router forward, in order
+    for m in worker.model.modules():
+        if isinstance(m, TopKRouter):
+            m.register_forward_hook(lambda mod, args, out: used.append((mod.layer_number - 1, out[1].bool())))
+
+    def agreement_of_pass():
+        """Per layer, the share of the routed tokens whose dispatched experts are the engine's."""
+        agree, total = [0] * spec.num_layers, [0] * spec.num_layers
+        for k, (layer, routing_map) in enumerate(used):
+            rows = batch[ROUTES][(k // spec.num_layers) * mbs:(k // spec.num_layers + 1) * mbs]  # [b, S, L, K]
+            engine_routes = rows.transpose(0, 1).reshape(-1, *rows.shape[2:])[:, layer].long()  # megatron's [s, b]
+            valid = engine_routes[:, 0] >= 0
+            engine_map = torch.zeros_like(routing_map).scatter_(1, engine_routes.clamp(min=0), True)
+            agree[layer] += int(((routing_map == engine_map).all(1) & valid).sum())
+            total[layer] += int(valid.sum())
+        used.clear()
+        return [a / n for a, n in zip(agree, total)]
+
+    worker.compute_logprobs(batch)
+    old_pass = agreement_of_pass()
+    metrics = worker.routing_agreement()
+    worker.update(batch, AlgorithmConfig(kl=KLConfig(coef=0.0)), seed=0)
+    update_pass = agreement_of_pass()
+    return {"recorded_vs_reference": recorded_vs_reference, "old_pass": old_pass, "update_pass": update_pass,
+            "metrics": metrics, "routes_shape": tuple(batch[ROUTES].shape), "num_layers": spec.num_layers,
+            "lengths": [(len(PROMPTS[s.prompt_index]) + len(s.token_ids) - 1, s.routed_experts.shape[0])
+                        for s in samples]}
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    return str(make_tiny_moe_model(tmp_path_factory.mktemp("replay") / "model"))
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_router_replay_routes_the_trainer_to_the_engine_experts(moe_model, replay):
+    r = run_world(_replay_world, 1, moe_model, replay)[0]
+    # the engine recorded every token but the last of each sample, the experts its model routes them to alone
+    assert all(want == got for want, got in r["lengths"]), r["lengths"]
+    assert all(r["recorded_vs_reference"]), r["recorded_vs_reference"]
+    layers = [r["metrics"][f"moe/routing_agreement/layer_{i}"] for i in range(r["num_layers"])]
+    assert layers == pytest.approx(r["old_pass"], abs=1e-12)  # the metric: the old-log-prob pass's agreement
+    assert r["metrics"]["moe/routing_agreement"] == pytest.approx(sum(layers) / len(layers))
+    if replay:  # every token the engine routed goes to its experts, in the old-log-prob pass and in the update
+        assert r["old_pass"] == [1.0] * r["num_layers"] and r["update_pass"] == [1.0] * r["num_layers"]
+    else:  # the perturbed routers choose otherwise for a good share of the tokens, and the metric says so
+        assert max(r["old_pass"] + r["update_pass"]) < 0.9, r
+
+
+def test_router_replay_refuses_what_it_cannot_replay():
+    from megarl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"actor\.moe\.router_replay: needs the engine's routes.*vllm"):
+        load_config(None, ["rollout.engine=vllm", "actor.moe.router_replay=true"])
+    with pytest.raises(ConfigError, match=r"actor\.moe\.router_replay: with recompute and parallel\.pp > 1"):
+        load_config(None, ["actor.moe.router_replay=true", "actor.recompute=true", "actor.parallel.pp=2"])
+    with pytest.raises(ConfigError, match=r"critic\.moe\.router_replay"):
+        load_config(None, ["critic.moe.router_replay=true"])
+    assert not load_config(None, []).actor.moe.router_replay  # off by default
