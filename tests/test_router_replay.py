@@ -10,6 +10,8 @@ against the engine's routes here, independently of :class:`megarl.models.router_
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,44 +34,61 @@ def _engine_routes_reference(engine, samples, prompts):
     return out
 
 
-def _replay_world(rank, world, model_dir, replay):
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, MoEConfig
+def _engine_batch(model_dir):
+    """The engine's samples of :data:`PROMPTS` and their batch (routes, old log-probs, advantages)."""
     from megarl.models.hf_io import open_hf_checkpoint
-    from megarl.models.router_replay import ROUTES
-    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.rollout.base import SamplingConfig, state_dict_writer
     from megarl.rollout.hf_engine import HFRolloutEngine
     from megarl.trainer.batch import build_batch
-    from megarl.trainer.workers import PolicyWorker
 
-    layout = ParallelLayout()
-    initialize_model_parallel(layout)
     hf = open_hf_checkpoint(model_dir)
     spec = hf.spec
     engine = HFRolloutEngine(spec, max_batch_size=3)  # prompts of several lengths in batches: left padding
     engine.update_weights(state_dict_writer({n: hf.read(n) for n in hf.tensor_names}, engine.weight_layout([0]), 0))
     samples = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=6, seed=3)).samples
-    reference = _engine_routes_reference(engine, samples, PROMPTS)
-    recorded_vs_reference = [bool((s.routed_experts.long().sort(-1).values == r).all(-1).all(-1).float().mean() == 1)
-                             for s, r in zip(samples, reference)]
-
     batch = build_batch([PROMPTS[s.prompt_index] for s in samples], [s.token_ids for s in samples],
                         [s.logprobs for s in samples], [s.prompt_index for s in samples], pad_token_id=0,
                         routed_experts=[s.routed_experts for s in samples])
     batch["old_logprobs"] = torch.stack([torch.nn.functional.pad(s.logprobs, (0, batch["response_mask"].shape[1]
                                                                                - len(s.logprobs))) for s in samples])
     batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(0))
+    return engine, samples, batch
+
+
+def _perturbed_actor(spec, layout, model_dir, rc):
+    """The actor of ``model_dir`` on ``layout`` with noise on every router's weights (the same at any layout:
+    seeded by the global layer)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megarl.trainer.workers import PolicyWorker
+
+    worker = PolicyWorker(spec, layout, "actor", model_dir, torch.float32, rc, trainable=True, temperature=1.0)
+    with torch.no_grad():
+        for m in worker.model.modules():
+            if isinstance(m, TopKRouter):
+                g = torch.Generator().manual_seed(m.layer_number)
+                m.weight.add_(0.5 * m.weight.std() * torch.randn(m.weight.shape, generator=g))
+    return worker
+
+
+def _replay_world(rank, world, model_dir, replay):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, MoEConfig
+    from megarl.models.router_replay import ROUTES
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+
+    layout = ParallelLayout()
+    initialize_model_parallel(layout)
+    engine, samples, batch = _engine_batch(model_dir)
+    spec = engine.spec
+    reference = _engine_routes_reference(engine, samples, PROMPTS)
+    recorded_vs_reference = [bool((s.routed_experts.long().sort(-1).values == r).all(-1).all(-1).float().mean() == 1)
+                             for s, r in zip(samples, reference)]
     mbs = 2
     rc = ActorConfig(micro_batch_size=mbs, logprob_micro_batch_size=mbs, ppo_mini_batch_size=len(batch),
                      moe=MoEConfig(router_replay=replay))
-    worker = PolicyWorker(spec, layout, "actor", model_dir, torch.float32, rc, trainable=True, temperature=1.0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in worker.model.named_parameters():
-            if name.endswith("router.weight"):
-                p.add_(0.5 * p.std() * torch.randn(p.shape, generator=g))
+    worker = _perturbed_actor(spec, layout, model_dir, rc)
 
     used = []  # (layer, routing_map [s * b, experts]) of every router forward, in order
     for m in worker.model.modules():
@@ -89,12 +108,18 @@ def _replay_world(rank, world, model_dir, replay):
         used.clear()
         return [a / n for a, n in zip(agree, total)]
 
-    worker.compute_logprobs(batch)
+    padded = worker.compute_logprobs(batch)["logprobs"]
     old_pass = agreement_of_pass()
     metrics = worker.routing_agreement()
+    worker.rc = dataclasses.replace(rc, max_tokens_per_micro_batch=24, sequence_packing=True)  # rows packed
+    packed = worker.compute_logprobs(batch)["logprobs"]
+    used.clear()
+    worker.rc = rc
     worker.update(batch, AlgorithmConfig(kl=KLConfig(coef=0.0)), seed=0)
     update_pass = agreement_of_pass()
+    mask = batch["response_mask"].bool()
     return {"recorded_vs_reference": recorded_vs_reference, "old_pass": old_pass, "update_pass": update_pass,
+            "packed_vs_padded": float((packed - padded)[mask].abs().max()),
             "metrics": metrics, "routes_shape": tuple(batch[ROUTES].shape), "num_layers": spec.num_layers,
             "lengths": [(len(PROMPTS[s.prompt_index]) + len(s.token_ids) - 1, s.routed_experts.shape[0])
                         for s in samples]}
@@ -116,6 +141,8 @@ def test_router_replay_routes_the_trainer_to_the_engine_experts(moe_model, repla
     assert r["metrics"]["moe/routing_agreement"] == pytest.approx(sum(layers) / len(layers))
     if replay:  # every token the engine routed goes to its experts, in the old-log-prob pass and in the update
         assert r["old_pass"] == [1.0] * r["num_layers"] and r["update_pass"] == [1.0] * r["num_layers"]
+        # packed back to back, each token still gets its own routes: the log-probs of the padded pass
+        assert r["packed_vs_padded"] < 1e-5, r["packed_vs_padded"]
     else:  # the perturbed routers choose otherwise for a good share of the tokens, and the metric says so
         assert max(r["old_pass"] + r["update_pass"]) < 0.9, r
 
@@ -130,3 +157,60 @@ def test_router_replay_refuses_what_it_cannot_replay():
     with pytest.raises(ConfigError, match=r"critic\.moe\.router_replay"):
         load_config(None, ["critic.moe.router_replay=true"])
     assert not load_config(None, []).actor.moe.router_replay  # off by default
+
+
+def test_router_replay_in_a_training_run(tmp_path):
+    """``megarl train`` with an MoE actor and ``actor.moe.router_replay=true``: the routes travel from the engine's
+    samples through the batch to the actor, and every step reports the routing agreement, 1 on every layer."""
+    from tests.rl_tasks import task_overrides, train_on_rank, write_prompts
+
+    model = make_tiny_moe_model(tmp_path / "model")
+    data = write_prompts(tmp_path / "prompts.jsonl", 16)
+    history = run_world(train_on_rank, 1, task_overrides(model, data, tmp_path / "runs", "replay") + [
+        "trainer.steps=2", "trainer.save_every=0", "data.prompts_per_step=2", "rollout.n=4",
+        "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4", "actor.moe.router_replay=true"])[0]
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert [h[f"moe/routing_agreement{k}"] for k in ("", "/layer_0", "/layer_1")] == [1.0] * 3, h
+
+
+LAYOUTS = [dict(dp=2), dict(tp=2, sequence_parallel=True), dict(pp=2), dict(dp=2, ep=2)]
+
+
+def _layouts_world(rank, world, model_dir):
+    """Per layout of :data:`LAYOUTS` (2 ranks): the old log-probs with replay, and the routing agreement with
+    replay and without."""
+    from megarl.config import ActorConfig, MoEConfig, ParallelConfig
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+
+    engine, _, batch = _engine_batch(model_dir)  # the same samples on both ranks
+    spec = engine.spec
+    out = {}
+    for kw in LAYOUTS:
+        sp = kw.pop("sequence_parallel", False)
+        layout = ParallelLayout(**kw)
+        initialize_model_parallel(layout)
+        rc = ActorConfig(parallel=ParallelConfig(**kw, sequence_parallel=sp), micro_batch_size=2,
+                         logprob_micro_batch_size=2, ppo_mini_batch_size=len(batch), moe=MoEConfig(router_replay=True))
+        worker = _perturbed_actor(spec, layout, model_dir, rc)
+        logprobs = worker.compute_logprobs(batch)["logprobs"]
+        with_replay = worker.routing_agreement()
+        worker.routes.replay = False  # the same actor routing for itself
+        worker.compute_logprobs(batch)
+        out[str(kw) + ("sp" if sp else "")] = (logprobs[batch["response_mask"].bool()], with_replay,
+                                              worker.routing_agreement())
+    return out
+
+
+def test_router_replay_at_every_layout(moe_model):
+    """TP with sequence parallelism, PP and EP (2 ranks): each rank's routers get their own tokens' routes, so
+    the replayed log-probs are those of DP=2 (whose micro-batches are the single rank's, checked above), and
+    the agreement without replay is the same share at every layout."""
+    res = run_world(_layouts_world, 2, moe_model)[0]
+    base_logprobs, _, base_off = res["{'dp': 2}"]
+    assert base_off["moe/routing_agreement"] < 0.9, base_off
+    for name, (logprobs, with_replay, without) in res.items():
+        assert (logprobs - base_logprobs).abs().max() < 1e-4, name
+        assert with_replay == {"moe/routing_agreement": 1.0, "moe/routing_agreement/layer_0": 1.0,
+                               "moe/routing_agreement/layer_1": 1.0}, name
+        assert without == pytest.approx(base_off, abs=0.035), name  # a near-tie may flip between layouts

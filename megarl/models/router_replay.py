@@ -99,21 +99,20 @@ class RouteReplay:
     them as every router's target. A forward without a queued micro-batch routes as usual.
 
     What a rank's router sees (megatron's ``[s, b]`` token order, flattened): the micro-batch's positions
-    (cut to its width, or packed back to back like ``input_ids``), this CP rank's share of them
-    (:func:`kernels.context_parallel.split_for_cp_rank`), and under sequence parallelism this TP rank's
-    ``s / tp`` slice.
+    (cut to its width, or packed back to back like ``input_ids``), under sequence parallelism this TP rank's
+    ``s / tp`` slice of them (an MoE model runs without context parallelism: :func:`megarl.models.megatron.
+    check_layout`).
 
     Args:
         chunks: the rank's model chunks (``GPTModel``, DDP-wrapped or not), built from ``config``.
         replay: route the queued tokens to their recorded experts (``actor.moe.router_replay``).
-        cp_group: the context-parallel group (None without CP).
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], *, replay: bool, cp_group=None):
+    def __init__(self, chunks: list[torch.nn.Module], *, replay: bool):
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
-        self.replay, self.cp_group = replay, cp_group
+        self.replay = replay
         self.routers = [[m for m in chunk.modules() if isinstance(m, TopKRouter)] for chunk in chunks]
         self.num_layers = chunks[0].config.num_layers
         self.top_k = chunks[0].config.moe_router_topk
@@ -174,9 +173,9 @@ class RouteReplay:
         routes = self._local_routes(mb) if mb is not None and ROUTES in mb else None
         for router in self.routers[c]:
             layer = router.layer_number - 1
+            if router.router_replay is not None:
+                router.router_replay.clear_router_replay_action()
             if routes is None:
-                if router.router_replay is not None:
-                    router.router_replay.clear_router_replay_action()
                 continue
             valid = routes[:, layer, 0] >= 0
             fill = torch.arange(self.top_k, device=routes.device).expand(routes.shape[0], -1)
@@ -204,8 +203,6 @@ class RouteReplay:
 
     def _local_routes(self, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``[N, layers, top_k]`` routes of the tokens this rank's routers see, in their order."""
-        from kernels.context_parallel import split_for_cp_rank
-
         routes = mb[ROUTES]
         width = mb["input_ids"].shape[1]
         if "seq_offsets" in mb:  # packed: the rows' tokens back to back, as pack_rows lays out input_ids
@@ -215,8 +212,6 @@ class RouteReplay:
             routes = torch.cat(rows).unsqueeze(0)
         else:
             routes = routes[:, :width]
-        if self.cp_group is not None:
-            routes = split_for_cp_rank(routes, 1, self.cp_group)
         routes = routes.transpose(0, 1)  # [s, b, layers, top_k]: megatron's token order
         if self.sequence_parallel:
             from megatron.core import parallel_state as ps

@@ -540,7 +540,7 @@ class PolicyWorker(MegatronWorker):
     def __init__(self, *args, temperature: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.temperature = temperature
-        self.routes = (RouteReplay(self.chunks, replay=self.rc.moe.router_replay, cp_group=self.cp_group)
+        self.routes = (RouteReplay(self.chunks, replay=self.rc.moe.router_replay)
                        if self.spec.is_moe and self.optimizer is not None else None)
 
     def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int):
