@@ -104,7 +104,7 @@ class RouteReplay:
     check_layout`).
 
     Args:
-        chunks: the rank's model chunks (``GPTModel``, DDP-wrapped or not), built from ``config``.
+        chunks: the rank's model chunks (``GPTModel`` s of an MoE spec, DDP-wrapped or not).
         replay: route the queued tokens to their recorded experts (``actor.moe.router_replay``).
     """
 
@@ -116,13 +116,12 @@ class RouteReplay:
         self.routers = [[m for m in chunk.modules() if isinstance(m, TopKRouter)] for chunk in chunks]
         self.num_layers = chunks[0].config.num_layers
         self.top_k = chunks[0].config.moe_router_topk
-        self.num_experts = chunks[0].config.num_moe_experts
         self.sequence_parallel = chunks[0].config.sequence_parallel
         self.device = next(chunks[0].parameters()).device
         self._queues: list[list[Mapping[str, torch.Tensor]]] = [[] for _ in chunks]
         self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (routes [N, K], valid [N])
         self._measure = False
-        self._counts = torch.zeros(self.num_layers, 2, dtype=torch.float64)  # per layer: agreeing, routed
+        self._counts = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=self.device)  # agreeing, routed
         for routers in self.routers:
             for router in routers:
                 if replay and router.router_replay is None:
@@ -155,7 +154,7 @@ class RouteReplay:
         Each rank counts the tokens its routers see; ranks that see the same tokens (TP without sequence
         parallelism) count every one of a layer's tokens equally often, which the share does not change.
         """
-        counts = self._counts.to(self.device, copy=True)
+        counts = self._counts.clone()
         self._counts.zero_()
         dist.all_reduce(counts, group=group)
         layers = {i: float(a / n) for i, (a, n) in enumerate(counts.tolist()) if n > 0}
@@ -170,7 +169,8 @@ class RouteReplay:
         """Before chunk ``c``'s forward: its next queued micro-batch's routes onto its routers."""
         self._current = {}
         mb = self._queues[c].pop(0) if self._queues[c] else None
-        routes = self._local_routes(mb) if mb is not None and ROUTES in mb else None
+        wanted = mb is not None and ROUTES in mb and (self.replay or self._measure)
+        routes = self._local_routes(mb) if wanted else None
         for router in self.routers[c]:
             layer = router.layer_number - 1
             if router.router_replay is not None:
@@ -198,8 +198,8 @@ class RouteReplay:
         routing_map = output[1]
         engine = torch.zeros_like(routing_map, dtype=torch.bool).scatter_(1, target, True)
         agree = (routing_map.bool() == engine).all(dim=1) & valid
-        self._counts[layer, 0] += float(agree.sum())
-        self._counts[layer, 1] += float(valid.sum())
+        self._counts[layer, 0] += agree.sum()
+        self._counts[layer, 1] += valid.sum()
 
     def _local_routes(self, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``[N, layers, top_k]`` routes of the tokens this rank's routers see, in their order."""
