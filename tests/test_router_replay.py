@@ -71,7 +71,10 @@ def _perturbed_actor(spec, layout, model_dir, rc):
     return worker
 
 
-def _replay_world(rank, world, model_dir, replay):
+def _replay_world(rank, world, model_dir):
+    """The engine's routes against an independent run of its model; then, for an actor with replay off and one
+    with replay on, per layer the agreement of what its routers dispatched in the old-log-prob and update
+    passes, its metric, and the log-probs of packed micro-batches against padded ones."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, MoEConfig
@@ -83,17 +86,12 @@ def _replay_world(rank, world, model_dir, replay):
     engine, samples, batch = _engine_batch(model_dir)
     spec = engine.spec
     reference = _engine_routes_reference(engine, samples, PROMPTS)
-    recorded_vs_reference = [bool((s.routed_experts.long().sort(-1).values == r).all(-1).all(-1).float().mean() == 1)
-                             for s, r in zip(samples, reference)]
+    out = {"recorded_vs_reference": [bool((s.routed_experts.long().sort(-1).values == r).all())
+                                     for s, r in zip(samples, reference)],
+           "lengths": [(len(PROMPTS[s.prompt_index]) + len(s.token_ids) - 1, s.routed_experts.shape[0])
+                       for s in samples]}
     mbs = 2
-    rc = ActorConfig(micro_batch_size=mbs, logprob_micro_batch_size=mbs, ppo_mini_batch_size=len(batch),
-                     moe=MoEConfig(router_replay=replay))
-    worker = _perturbed_actor(spec, layout, model_dir, rc)
-
     used = []  # (layer, routing_map [s * b, experts]) of every router forward, in order
-    for m in worker.model.modules():
-        if isinstance(m, TopKRouter):
-            m.register_forward_hook(lambda mod, args, out: used.append((mod.layer_number - 1, out[1].bool())))
 
     def agreement_of_pass():
         """Per layer, the share of the routed tokens whose dispatched experts are the engine's."""
@@ -108,21 +106,25 @@ def _replay_world(rank, world, model_dir, replay):
         used.clear()
         return [a / n for a, n in zip(agree, total)]
 
-    padded = worker.compute_logprobs(batch)["logprobs"]
-    old_pass = agreement_of_pass()
-    metrics = worker.routing_agreement()
-    worker.rc = dataclasses.replace(rc, max_tokens_per_micro_batch=24, sequence_packing=True)  # rows packed
-    packed = worker.compute_logprobs(batch)["logprobs"]
-    used.clear()
-    worker.rc = rc
-    worker.update(batch, AlgorithmConfig(kl=KLConfig(coef=0.0)), seed=0)
-    update_pass = agreement_of_pass()
     mask = batch["response_mask"].bool()
-    return {"recorded_vs_reference": recorded_vs_reference, "old_pass": old_pass, "update_pass": update_pass,
-            "packed_vs_padded": float((packed - padded)[mask].abs().max()),
-            "metrics": metrics, "routes_shape": tuple(batch[ROUTES].shape), "num_layers": spec.num_layers,
-            "lengths": [(len(PROMPTS[s.prompt_index]) + len(s.token_ids) - 1, s.routed_experts.shape[0])
-                        for s in samples]}
+    for replay in (False, True):
+        rc = ActorConfig(micro_batch_size=mbs, logprob_micro_batch_size=mbs, ppo_mini_batch_size=len(batch),
+                         moe=MoEConfig(router_replay=replay))
+        worker = _perturbed_actor(spec, layout, model_dir, rc)
+        for m in worker.model.modules():
+            if isinstance(m, TopKRouter):
+                m.register_forward_hook(lambda mod, args, o: used.append((mod.layer_number - 1, o[1].bool())))
+        padded = worker.compute_logprobs(batch)["logprobs"]
+        old_pass = agreement_of_pass()
+        metrics = worker.routing_agreement()
+        worker.rc = dataclasses.replace(rc, max_tokens_per_micro_batch=24, sequence_packing=True)  # rows packed
+        packed = worker.compute_logprobs(batch)["logprobs"]
+        used.clear()
+        worker.rc = rc
+        worker.update(batch, AlgorithmConfig(kl=KLConfig(coef=0.0)), seed=0)
+        out[replay] = {"old_pass": old_pass, "update_pass": agreement_of_pass(), "metrics": metrics,
+                       "packed_vs_padded": float((packed - padded)[mask].abs().max())}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -130,25 +132,29 @@ def moe_model(tmp_path_factory):
     return str(make_tiny_moe_model(tmp_path_factory.mktemp("replay") / "model"))
 
 
-@pytest.mark.parametrize("replay", [False, True])
-def test_router_replay_routes_the_trainer_to_the_engine_experts(moe_model, replay):
-    r = run_world(_replay_world, 1, moe_model, replay)[0]
+def test_router_replay_routes_the_trainer_to_the_engine_experts(moe_model):
+    res = run_world(_replay_world, 1, moe_model)[0]
     # the engine recorded every token but the last of each sample, the experts its model routes them to alone
-    assert all(want == got for want, got in r["lengths"]), r["lengths"]
-    assert all(r["recorded_vs_reference"]), r["recorded_vs_reference"]
-    layers = [r["metrics"][f"moe/routing_agreement/layer_{i}"] for i in range(r["num_layers"])]
-    assert layers == pytest.approx(r["old_pass"], abs=1e-12)  # the metric: the old-log-prob pass's agreement
-    assert r["metrics"]["moe/routing_agreement"] == pytest.approx(sum(layers) / len(layers))
-    if replay:  # every token the engine routed goes to its experts, in the old-log-prob pass and in the update
-        assert r["old_pass"] == [1.0] * r["num_layers"] and r["update_pass"] == [1.0] * r["num_layers"]
-        # packed back to back, each token still gets its own routes: the log-probs of the padded pass
-        assert r["packed_vs_padded"] < 1e-5, r["packed_vs_padded"]
-    else:  # the perturbed routers choose otherwise for a good share of the tokens, and the metric says so
-        assert max(r["old_pass"] + r["update_pass"]) < 0.9, r
+    assert all(want == got for want, got in res["lengths"]), res["lengths"]
+    assert all(res["recorded_vs_reference"]), res["recorded_vs_reference"]
+    for replay in (False, True):
+        r = res[replay]
+        layers = [r["metrics"][f"moe/routing_agreement/layer_{i}"] for i in range(len(r["old_pass"]))]
+        assert layers == pytest.approx(r["old_pass"], abs=1e-12)  # the metric: the old-log-prob pass's agreement
+        assert r["metrics"]["moe/routing_agreement"] == pytest.approx(sum(layers) / len(layers))
+    on, off = res[True], res[False]
+    # with replay every token the engine routed goes to its experts, in the old-log-prob pass and in the update
+    assert on["old_pass"] == [1.0, 1.0] and on["update_pass"] == [1.0, 1.0], on
+    # packed back to back, each token still gets its own routes: the log-probs of the padded pass
+    assert on["packed_vs_padded"] < 1e-5, on["packed_vs_padded"]
+    # without, the perturbed routers choose otherwise for a good share of the tokens, and the metric says so
+    assert max(off["old_pass"] + off["update_pass"]) < 0.9, off
 
 
 def test_router_replay_refuses_what_it_cannot_replay():
     from megarl.config import ConfigError, load_config
+    from megarl.models.spec import ModelSpec
+    from megarl.trainer.preflight import validate_for_model
 
     with pytest.raises(ConfigError, match=r"actor\.moe\.router_replay: needs the engine's routes.*vllm"):
         load_config(None, ["rollout.engine=vllm", "actor.moe.router_replay=true"])
@@ -157,6 +163,9 @@ def test_router_replay_refuses_what_it_cannot_replay():
     with pytest.raises(ConfigError, match=r"critic\.moe\.router_replay"):
         load_config(None, ["critic.moe.router_replay=true"])
     assert not load_config(None, []).actor.moe.router_replay  # off by default
+    dense = ModelSpec("llama", 64, 32, 1, 4, 2, 16, 64, tie_word_embeddings=True)
+    with pytest.raises(ConfigError, match=r"actor\.moe\.router_replay: a llama model has no experts"):
+        validate_for_model(load_config(None, ["actor.moe.router_replay=true"]), dense)
 
 
 def test_router_replay_in_a_training_run(tmp_path):
