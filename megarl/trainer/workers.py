@@ -42,6 +42,7 @@ from megarl.models.lora import LoRASpec, adapters_disabled, finalize_with_partia
 from megarl.models.megatron import build_model_chunks
 from megarl.models.moe_router import count_routing, global_batch_loss, needs_batch_stats, routers, routing_metrics
 from megarl.models.pipeline import broadcast_from_last_stage, run_microbatches
+from megarl.models.router_replay import ROUTES, RouteReplay
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
 from megarl.parallel.placement import PoolGroups
@@ -582,11 +583,33 @@ def _unpermute(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
 
 
 class PolicyWorker(MegatronWorker):
-    """The actor (trainable) or the reference policy (frozen): per-token log-probs and the PPO update."""
+    """The actor (trainable) or the reference policy (frozen): per-token log-probs and the PPO update.
+
+    An MoE actor's passes read the batch's engine routes (``routed_experts``): :attr:`routes` replays them
+    (``rc.moe.router_replay``) and measures the routing agreement of the old-log-prob pass
+    (:meth:`routing_agreement`); None for a dense model and the reference policy.
+    """
 
     def __init__(self, *args, temperature: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.temperature = temperature
+        self.routes = (RouteReplay(self.chunks, replay=self.rc.moe.router_replay)
+                       if self.spec.is_moe and self.optimizer is not None else None)
+
+    def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int):
+        """:meth:`MegatronWorker._micro_batches`, with the batch's routes in each micro-batch and queued for
+        :attr:`routes` (the pass that follows runs them in this order)."""
+        if self.routes is None:
+            return super()._micro_batches(batch, names, size)
+        micro, rows = super()._micro_batches(batch, names + ((ROUTES,) if ROUTES in batch else ()), size)
+        self.routes.queue(micro)
+        return micro, rows
+
+    def routing_agreement(self) -> dict[str, float]:
+        """The routing agreement between the engine and the old-log-prob passes since the last call
+        (:meth:`~megarl.models.router_replay.RouteReplay.agreement`, over the role's pool: every rank of it
+        calls); ``{}`` without routes."""
+        return self.routes.agreement(self.pool_group) if self.routes is not None else {}
 
     def _model_kwargs(self, with_entropy: bool) -> dict[str, Any] | None:
         """With ``kernels.chunked_logprob`` the model itself returns ``(logprobs, entropy)``, computed in chunks
@@ -625,7 +648,8 @@ class PolicyWorker(MegatronWorker):
             logp, ent = self._logprobs(mb, logits, with_entropy)
             return {"logprobs": logp, "entropy": ent} if with_entropy else {"logprobs": logp}
 
-        with contextlib.nullcontext() if adapters else adapters_disabled(self.chunks):
+        measure = self.routes.measuring() if self.routes is not None and adapters else contextlib.nullcontext()
+        with contextlib.nullcontext() if adapters else adapters_disabled(self.chunks), measure:
             return self.forward_response_frame(batch, fn, names, self._model_kwargs(with_entropy))
 
     def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int,
