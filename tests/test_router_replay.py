@@ -94,10 +94,12 @@ def _replay_world(rank, world, model_dir):
     used = []  # (layer, routing_map [s * b, experts]) of every router forward, in order
 
     def agreement_of_pass():
-        """Per layer, the share of the routed tokens whose dispatched experts are the engine's."""
+        """Per layer, the share of the routed tokens whose dispatched experts are the engine's (over every
+        pass of the micro-batches since the last call: an update may run a counting pass first)."""
         agree, total = [0] * spec.num_layers, [0] * spec.num_layers
         for k, (layer, routing_map) in enumerate(used):
-            rows = batch[ROUTES][(k // spec.num_layers) * mbs:(k // spec.num_layers + 1) * mbs]  # [b, S, L, K]
+            lo = (k // spec.num_layers) % (len(batch) // mbs) * mbs
+            rows = batch[ROUTES][lo:lo + mbs]  # [b, S, L, K]
             engine_routes = rows.transpose(0, 1).reshape(-1, *rows.shape[2:])[:, layer].long()  # megatron's [s, b]
             valid = engine_routes[:, 0] >= 0
             engine_map = torch.zeros_like(routing_map).scatter_(1, engine_routes.clamp(min=0), True)

@@ -91,17 +91,18 @@ class RouteReplay:
     """The recorded routes of each micro-batch applied to (``replay``) and compared with (:meth:`measuring`)
     the routers of a Megatron policy's model chunks.
 
-    :meth:`queue` takes the micro-batches of the next pass (those of ``run_microbatches``, every one holding
-    :data:`ROUTES`); a forward pre-hook on each chunk takes the next one in order (every megatron schedule
-    runs each chunk's forwards in micro-batch order, and a recomputed layer's router reruns inside its own
-    micro-batch's backward, which with ``pp = 1`` comes before the next forward: the config refuses
-    ``recompute`` with ``pp > 1``), cuts its routes to what this rank's routers see and, with ``replay``, sets
-    them as every router's target. A forward without a queued micro-batch routes as usual.
+    :meth:`queue` takes the micro-batches of the next passes (those that ``run_microbatches`` gets, every one
+    holding :data:`ROUTES`; one pass or several over the same list, e.g. the aux loss's counting pass before an
+    update, :mod:`megarl.models.moe_router`); a forward pre-hook on each chunk finds the micro-batch by its
+    ``input_ids`` tensor (the one ``run_microbatches`` passes; an MoE model runs without context parallelism:
+    :func:`megarl.models.megatron.check_layout`), cuts its routes to what this rank's routers see and, with
+    ``replay``, sets them as every router's target. A recomputed layer's router reruns inside its micro-batch's
+    backward on the target of the chunk's last forward, its own with ``pp = 1`` (the config refuses
+    ``recompute`` with ``pp > 1``). A forward of another input routes as usual.
 
     What a rank's router sees (megatron's ``[s, b]`` token order, flattened): the micro-batch's positions
     (cut to its width, or packed back to back like ``input_ids``), under sequence parallelism this TP rank's
-    ``s / tp`` slice of them (an MoE model runs without context parallelism: :func:`megarl.models.megatron.
-    check_layout`).
+    ``s / tp`` slice of them.
 
     Args:
         chunks: the rank's model chunks (``GPTModel`` s of an MoE spec, DDP-wrapped or not).
@@ -118,7 +119,7 @@ class RouteReplay:
         self.top_k = chunks[0].config.moe_router_topk
         self.sequence_parallel = chunks[0].config.sequence_parallel
         self.device = next(chunks[0].parameters()).device
-        self._queues: list[list[Mapping[str, torch.Tensor]]] = [[] for _ in chunks]
+        self._queued: dict[int, Mapping[str, torch.Tensor]] = {}  # id(input_ids) -> its micro-batch
         self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (routes [N, K], valid [N])
         self._measure = False
         self._counts = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=self.device)  # agreeing, routed
@@ -129,12 +130,14 @@ class RouteReplay:
                     RouterReplay.global_router_replay_instances.remove(router.router_replay)
                 router.register_forward_hook(self._compare)
         for c, chunk in enumerate(chunks):
-            chunk.register_forward_pre_hook(lambda module, args, c=c: self._start(c))
+            chunk.register_forward_pre_hook(
+                lambda module, args, kwargs, c=c: self._start(c, args[0] if args else kwargs.get("input_ids")),
+                with_kwargs=True)
 
     def queue(self, micro_batches: list[Mapping[str, torch.Tensor]]) -> None:
-        """The micro-batches of the next pass, in the order ``run_microbatches`` gets them (each with
-        :data:`ROUTES`, ``input_ids`` and, packed, ``cu_seqlens`` and ``seq_offsets``)."""
-        self._queues = [list(micro_batches) for _ in self._queues]
+        """The micro-batches of the next passes (each with :data:`ROUTES`, ``input_ids`` and, packed,
+        ``cu_seqlens`` and ``seq_offsets``), in place of the last ones."""
+        self._queued = {id(mb["input_ids"]): mb for mb in micro_batches}
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
@@ -165,10 +168,12 @@ class RouteReplay:
         return out
 
     # ------------------------------------------------------------------ hooks
-    def _start(self, c: int) -> None:
-        """Before chunk ``c``'s forward: its next queued micro-batch's routes onto its routers."""
+    def _start(self, c: int, input_ids: torch.Tensor | None) -> None:
+        """Before chunk ``c``'s forward of ``input_ids``: its queued micro-batch's routes onto its routers."""
         self._current = {}
-        mb = self._queues[c].pop(0) if self._queues[c] else None
+        mb = self._queued.get(id(input_ids))
+        if mb is not None and mb["input_ids"] is not input_ids:
+            mb = None
         wanted = mb is not None and ROUTES in mb and (self.replay or self._measure)
         routes = self._local_routes(mb) if wanted else None
         for router in self.routers[c]:
