@@ -597,8 +597,8 @@ class PolicyWorker(MegatronWorker):
                        if self.spec.is_moe and self.optimizer is not None else None)
 
     def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int):
-        """:meth:`MegatronWorker._micro_batches`, with the batch's routes in each micro-batch and queued for
-        :attr:`routes` (the pass that follows runs them in this order)."""
+        """:meth:`MegatronWorker._micro_batches`, with the batch's routes in each micro-batch, handed to
+        :attr:`routes` (which finds each micro-batch of the passes that follow by its ``input_ids``)."""
         if self.routes is None:
             return super()._micro_batches(batch, names, size)
         micro, rows = super()._micro_batches(batch, names + ((ROUTES,) if ROUTES in batch else ()), size)
