@@ -90,7 +90,7 @@ cols = [("reward", "reward/mean", "{:.3f}"), ("accuracy", "reward/accuracy", "{:
         ("errors/ep", "agent/tool_errors", "{:.2f}"), ("turns", "agent/turns_mean", "{:.2f}"),
         ("sampled tok/ep", "agent/sampled_tokens", "{:.0f}"), ("obs tok/ep", "agent/observation_tokens", "{:.0f}"),
         ("prefix hits", "agent/prefix_cache_hit_rate", "{:.0%}"),
-        ("|rollout-old| lp", "actor/rollout_vs_old_logprob_diff", "{:.4f}"),
+        ("rollout-old lp", "actor/rollout_vs_old_logprob_diff", "{:.4f}"),
         ("step s", "time/step", "{:.2f}"), ("generate s", "time/generate", "{:.2f}")]
 per_episode = {"agent/tool_errors", "agent/sampled_tokens", "agent/observation_tokens"}
 out = ["| steps | " + " | ".join(c for c, _, _ in cols) + " |", "| --- |" + " ---: |" * len(cols)]
