@@ -23,7 +23,9 @@
 # report.md and plots. Measured on one H200 (2026-12-02, perf/RESULTS.md): ~1.5 min start-up per run (GGUF load,
 # vLLM with CUDA graphs), 2.0-2.3 s per multi-turn step (128 episodes of <= 384 tokens), the single-turn run of 10
 # steps 123 s with its start-up: about 9.5 minutes in all. With less time left, stage
-# 2 is stopped cleanly (SIGINT) at its limit and the summary says how many steps ran (STEPS=60 halves it). The last
+# 2 is stopped cleanly (SIGINT) at its limit and the summary says how many steps ran (STEPS=60 halves it). The
+# 100 steps took 391 s of stage 2 on 2026-12-03, about all one call's budget leaves it; to be sure of them, run it
+# in two calls on one machine: OUT=/tmp/ag BUDGET_S=680 STAGES=agentic, then OUT=/tmp/ag STAGES="single summary". The last
 # line is "gpu_agentic: PASS" or "gpu_agentic: FAIL" (exit status 0 or 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
