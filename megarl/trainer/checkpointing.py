@@ -45,7 +45,7 @@ from megarl.models import checkpoint as ck
 from megarl.models.megatron import padded_vocab_size
 from megarl.parallel.lifecycle import phase
 from megarl.parallel.placement import share_object
-from megarl.trainer.workers import LEGACY_OPTIMIZER_FORMAT, OPTIMIZER_FORMAT
+from megarl.trainer.workers import LEGACY_OPTIMIZER_FORMAT, OPTIMIZER_CHAIN_PREFIX, OPTIMIZER_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
                               f"({changed}) in an optimizer format that does not reshard: resume with the layout "
                               f"it was written at, or start a new run from its weights alone (model.path={newest})")
         return
-    fixed = ("model.dtype", "actor.optim.distributed", "critic.optim.distributed", "actor.parallel.ep",
+    fixed = ("model.dtype", "actor.optim.distributed", "critic.optim.distributed",
              "actor.lora.rank", "actor.lora.alpha", "actor.lora.target_modules", "actor.lora.experts")
     refused = [f for f in fixed if _field(then, f) != _field(now, f) and (f != "critic.optim.distributed" or
                                                                            "critic" in then)]
@@ -100,11 +100,20 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
         refused.append(f"model.path (the base the LoRA adapters were trained on: {_field(then, 'model.path')})")
     if cfg.algorithm.uses_critic and meta.get("critic_scheduler") is None:
         refused.append("algorithm.name (a critic the checkpoint does not hold)")
-    if ck.checkpoint_spec(newest).is_moe and ck.checkpoint_uses_te(newest) != cfg.actor.kernels.transformer_engine:
+    is_moe = ck.checkpoint_spec(newest).is_moe
+    if is_moe and ck.checkpoint_uses_te(newest) != cfg.actor.kernels.transformer_engine:
         refused.append("actor.kernels.transformer_engine (an MoE model's experts load only under the layer spec "
                        "that wrote them)")
     vocab = meta["hf_config"]["vocab_size"]
-    for role in ("actor", "critic"):
+    for role in ("actor", "critic") if cfg.algorithm.uses_critic else ("actor",):
+        if is_moe and meta.get("optimizer_chain_prefix", True):
+            chained = [{k: _field(c, k) or 1 for k in (f"{role}.parallel.tp", "actor.parallel.ep")}  # every role's EP
+                       for c in (then, now)]
+            if (max(chained[0].values()) > 1) != (max(chained[1].values()) > 1):  # _in_current_chain
+                refused.append(" and ".join(f"{k} ({chained[0][k]} -> {chained[1][k]})" for k in chained[0]
+                                            if chained[0][k] != chained[1][k])
+                               + " (the experts' optimizer state, in the keys of a checkpoint written by an earlier "
+                               "megarl: keep tp and ep both 1 or not both 1)")
         tp_then, tp_now = _field(then, f"{role}.parallel.tp"), _field(now, f"{role}.parallel.tp")
         if tp_then and tp_now and padded_vocab_size(vocab, tp_then) != padded_vocab_size(vocab, tp_now):
             refused.append(f"{role}.parallel.tp ({tp_then} -> {tp_now} pads the vocabulary of {vocab} to "
@@ -186,12 +195,13 @@ def _layout_record(config: dict[str, Any], world_size: int | None) -> dict[str, 
 
 
 
-def _state(trainer, is_loading: bool, optimizer_format: str = OPTIMIZER_FORMAT) -> dict[str, Any]:
+def _state(trainer, is_loading: bool, optimizer_format: str = OPTIMIZER_FORMAT,
+           chain_prefix: bool = OPTIMIZER_CHAIN_PREFIX) -> dict[str, Any]:
     """The sharded state of the trained roles held on this rank (none on a pool of other roles)."""
-    state = ({"actor": trainer.actor.sharded_state_dict(is_loading, optimizer_format)}
+    state = ({"actor": trainer.actor.sharded_state_dict(is_loading, optimizer_format, chain_prefix)}
              if trainer.actor is not None else {})
     if trainer.critic is not None:
-        state["critic"] = trainer.critic.sharded_state_dict(is_loading, optimizer_format)
+        state["critic"] = trainer.critic.sharded_state_dict(is_loading, optimizer_format, chain_prefix)
     return state
 
 
@@ -223,6 +233,7 @@ def save(trainer, in_flight: dict[int, tuple[Any, int]] | None = None) -> Path:
                                                        pools["critic"].ranks) if "critic" in pools else None,
                          policy_version=trainer.step_idx,
                          config=to_dict(cfg), world_size=trainer.world, optimizer_format=OPTIMIZER_FORMAT,
+                         optimizer_chain_prefix=OPTIMIZER_CHAIN_PREFIX,
                          source_config=trainer.source_config, generation_config=trainer.generation_config,
                          **({"lora": ck.lora_meta(trainer.actor_lora.as_dict(),
                                                   None if cfg.model.path == "default" else cfg.model.path)}
@@ -283,7 +294,7 @@ def resume(trainer) -> None:
     trainer.reload()
     with phase("resume"):
         loaded = ck.load_checkpoint(path, _state(trainer, is_loading=True, optimizer_format=meta.get(
-            "optimizer_format", LEGACY_OPTIMIZER_FORMAT)))
+            "optimizer_format", LEGACY_OPTIMIZER_FORMAT), chain_prefix=meta.get("optimizer_chain_prefix", True)))
     if trainer.actor is not None:
         trainer.actor.load_sharded_state(loaded["actor"])
         trainer.actor.resume_schedule(meta["actor_scheduler"]["num_steps"])
