@@ -7,7 +7,7 @@ megatron dist checkpoint of the trained roles (the actor and its optimizer, the 
 data position (the steps trained, with every prompt dynamic sampling's extra rounds drew), the KL controller,
 the policy version, every rank's RNG states (Python's, numpy's, torch's CPU and CUDA generators, megatron's
 model-parallel CUDA RNG tracker) and, with a rollout pool of its own, the batches in flight. The optimizer state is in
-megatron-core's layout-free format, so a run resumes at any TP x PP x DP and placement. A LoRA actor's checkpoint
+megatron-core's layout-free format, so a run resumes at any TP x PP x DP x EP and placement. A LoRA actor's checkpoint
 holds its adapters and their optimizer state, and names its base (``megarl.json``'s ``lora.base``: the run's
 ``model.path``), which a resume loads again.
 
@@ -53,12 +53,15 @@ log = logging.getLogger(__name__)
 def check_run_folder(cfg: Config, world_size: int) -> None:
     """What the run folder's checkpoints allow: a new run needs a folder without any (else a later ``--resume``
     would load an older run's weights); a resumed run needs one, with fewer steps than ``trainer.steps``, that
-    this run can load. A checkpoint resumes at any TP x PP x DP and placement (megatron-core's dist-checkpoint
-    resharding, the optimizer state in its layout-free format); what cannot change is refused: the model's
-    dtype, a distributed optimizer for a plain one, the experts' EP (not resharded yet), an MoE model's layer
-    spec (TE's grouped experts or the local spec's sequential ones), a critic the checkpoint lacks, a TP whose padded vocabulary differs, and any layout of a checkpoint written before that
-    format (``dp_reshardable``); for a LoRA actor the adapters' shape (``actor.lora`` rank, alpha, target modules,
-    experts: dropout and sync may change) and its base (``model.path``).
+    this run can load. A checkpoint resumes at any TP x PP x DP x EP and placement (megatron-core's dist-checkpoint
+    resharding, the optimizer state in its layout-free format keyed by parameter name, whether the experts have an
+    optimizer of their own or not); what cannot change is refused: the model's dtype, a distributed optimizer
+    for a plain one, an MoE model's layer spec (TE's grouped experts or the local spec's sequential ones), a
+    critic the checkpoint lacks, a TP whose padded vocabulary differs, any layout of a checkpoint written
+    before that format (``dp_reshardable``), and for an MoE checkpoint written before its optimizer state was
+    keyed by name (``optimizer_chain_prefix``) a TP or EP that gives the experts an optimizer of their own or
+    takes it away (TP or EP above 1 on one side only); for a LoRA actor the adapters' shape (``actor.lora``
+    rank, alpha, target modules, experts: dropout and sync may change) and its base (``model.path``).
 
     Raises:
         ConfigError: naming ``run.name`` (a new run on an earlier run's checkpoints), ``trainer.resume`` (no
