@@ -78,21 +78,25 @@ def moe_task(tmp_path_factory):
     return root, make_tiny_moe_model(root / "model"), write_prompts(root / "prompts.jsonl", 64)
 
 
-def test_an_moe_checkpoint_resumes_at_another_tp_pp_dp_and_ep_as_the_uninterrupted_run(moe_task):
-    """Issue 32: a Qwen3-MoE run (8 experts, top-2, the load-balancing loss on, the distributed optimizer) whose
-    every step runs at another layout of :data:`MOE_CHAIN`, each change in both directions; every step's metrics,
-    the aux loss and the experts' loads included, equal the uninterrupted single-rank run's within 1e-4, Adam's
-    state included (the second update of each step)."""
+@pytest.mark.parametrize("distributed", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_an_moe_checkpoint_resumes_at_another_tp_pp_dp_and_ep_as_the_uninterrupted_run(moe_task, distributed):
+    """Issue 32: a Qwen3-MoE run (8 experts, top-2, the load-balancing loss on; the distributed optimizer, or the
+    plain one) whose every step runs at another layout of :data:`MOE_CHAIN`, each change in both directions (the
+    experts' optimizer of their own in the chain, where EP > 1 or TP > 1, or not); every step's metrics, the aux
+    loss and the experts' loads included, equal the uninterrupted single-rank run's within 1e-4, Adam's state
+    included (the second update of each step)."""
     root, model, data = moe_task
-    straight = run_world(train_on_rank, 1, task_overrides(model, data, root / "runs", "straight") + BASE
-                         + [f"trainer.steps={len(MOE_CHAIN)}"])[0]
+    base = BASE + [f"actor.optim.distributed={str(distributed).lower()}"]
+    straight = run_world(train_on_rank, 1, task_overrides(model, data, root / "runs", f"straight_{distributed}")
+                         + base + [f"trainer.steps={len(MOE_CHAIN)}"])[0]
     assert straight[1]["actor/moe_aux_loss"] != straight[2]["actor/moe_aux_loss"]  # the checks can fail
     for step, (tp, pp, dp, ep) in enumerate(MOE_CHAIN, start=1):
         layout = [f"actor.parallel.tp={tp}", f"actor.parallel.pp={pp}", f"actor.parallel.ep={ep}",
                   f"actor.parallel.sequence_parallel={str(tp > 1).lower()}"]
         resume = ["trainer.resume=true"] if step > 1 else []
-        history = run_world(train_on_rank, tp * pp * dp, task_overrides(model, data, root / "runs", "moved") + BASE
-                            + [f"trainer.steps={step}", *resume, *layout])[0]
+        history = run_world(train_on_rank, tp * pp * dp, task_overrides(model, data, root / "runs",
+                                                                        f"moved_{distributed}")
+                            + base + [f"trainer.steps={step}", *resume, *layout])[0]
         assert [h["step"] for h in history] == list(range(1, step + 1))
         for key in MOE_COMPARED:
             assert history[step - 1][key] == pytest.approx(straight[step - 1][key], rel=1e-4, abs=1e-6), \

@@ -563,17 +563,24 @@ class MegatronWorker:
         optimizer of their own or not: :data:`OPTIMIZER_CHAIN_PREFIX`). megatron's loader places the tensors as
         this optimizer's state dict has them (one per chained optimizer under ``0``, ``1``..., or a single
         optimizer's at the top) and the rest (param groups, step, grad scaler) as the checkpoint had it; the
-        checkpoint's first optimizer's rest goes with every optimizer's tensors (megatron keeps one step count for
-        the chain; the param groups are replaced by :meth:`_use_current_param_groups`)."""
-        from megatron.core.dist_checkpointing.dict_utils import merge
+        checkpoint's first optimizer's rest goes with every optimizer's tensors, where they have no entry of that
+        name (megatron keeps one step count for the chain; the param groups are replaced by
+        :meth:`_use_current_param_groups`)."""
+        def fill(into: dict, rest: dict) -> dict:
+            for k, v in rest.items():
+                if k not in into:
+                    into[k] = copy.deepcopy(v)
+                elif isinstance(into[k], dict) and isinstance(v, dict):
+                    fill(into[k], v)
+            return into
 
         chained = {k: v for k, v in loaded.items() if isinstance(k, int)}
         single = {k: v for k, v in loaded.items() if not isinstance(k, int)}
         if not chained or not single:
             return loaded  # the checkpoint's chain is this optimizer's
         if len(getattr(self.optimizer, "chained_optimizers", [self.optimizer])) > 1:
-            return {k: merge(copy.deepcopy(single), v) for k, v in chained.items()}
-        return merge(copy.deepcopy(chained[min(chained)]), single)
+            return {k: fill(v, single) for k, v in chained.items()}
+        return fill(single, chained[min(chained)])
 
     def _use_current_param_groups(self, loaded: dict[str, Any]) -> None:
         """Replace the param groups of a loaded optimizer state (one per chained optimizer, or the single
