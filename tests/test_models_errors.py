@@ -99,3 +99,37 @@ def test_resuming_an_moe_checkpoint_under_the_other_layer_spec_is_refused_before
                                           r"actor.kernels.transformer_engine \(an MoE model's experts"):
         check_run_folder(load_config(None, base + [f"actor.kernels.transformer_engine={str(not written_te).lower()}"]),
                          1)
+
+
+def test_an_moe_checkpoint_with_the_older_chained_optimizer_keys_refuses_a_change_of_its_chain(tmp_path, monkeypatch):
+    """Issue 32: a checkpoint written before ``optimizer_chain_prefix`` keys the experts' optimizer state under
+    ``chained_<k>.``, which exists only where EP > 1 or TP > 1: ``check_run_folder`` refuses EP 1 -> 2 and TP 1 -> 2
+    of such a checkpoint, naming the field, accepts EP 2 -> TP 2 (the same chain), and accepts every change for a
+    checkpoint with the keys by parameter name (only the metadata is read)."""
+    from megarl.config import ConfigError, load_config, to_dict
+    from megarl.models import checkpoint as ck
+    from megarl.trainer.checkpointing import check_run_folder
+
+    monkeypatch.setattr(ck, "checkpoint_fault", lambda path: None)
+    base = [f"run.output_dir={tmp_path}", "run.name=moe", "model.path=preset:tiny-qwen3-moe", "trainer.steps=2",
+            "trainer.resume=true"]
+    step = tmp_path / "moe" / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+
+    def write(layout, **keys):
+        meta = ck.model_meta(PRESETS["tiny-qwen3-moe"], torch.float32, None, step=1, critic_scheduler=None,
+                             optimizer_format="fully_reshardable", config=to_dict(load_config(None, base + layout)),
+                             **keys)
+        (step / ck.META_FILE).write_text(json.dumps(meta))
+
+    write([])
+    for layout, field in ((["actor.parallel.ep=2"], r"actor.parallel.ep \(1 -> 2\)"),
+                          (["actor.parallel.tp=2", "actor.parallel.sequence_parallel=true"],
+                           r"actor.parallel.tp \(1 -> 2\)")):
+        with pytest.raises(ConfigError, match=rf"trainer.resume: .* cannot be resumed with a changed {field} "
+                                              r"\(the experts' optimizer state"):
+            check_run_folder(load_config(None, base + layout), 2)
+    write(["actor.parallel.ep=2"])
+    check_run_folder(load_config(None, base + ["actor.parallel.tp=2", "actor.parallel.sequence_parallel=true"]), 2)
+    write([], optimizer_chain_prefix=False)
+    check_run_folder(load_config(None, base + ["actor.parallel.ep=2"]), 2)

@@ -7,7 +7,7 @@ megatron dist checkpoint of the trained roles (the actor and its optimizer, the 
 data position (the steps trained, with every prompt dynamic sampling's extra rounds drew), the KL controller,
 the policy version, every rank's RNG states (Python's, numpy's, torch's CPU and CUDA generators, megatron's
 model-parallel CUDA RNG tracker) and, with a rollout pool of its own, the batches in flight. The optimizer state is in
-megatron-core's layout-free format, so a run resumes at any TP x PP x DP and placement. A LoRA actor's checkpoint
+megatron-core's layout-free format, so a run resumes at any TP x PP x DP x EP and placement. A LoRA actor's checkpoint
 holds its adapters and their optimizer state, and names its base (``megarl.json``'s ``lora.base``: the run's
 ``model.path``), which a resume loads again.
 
@@ -45,7 +45,7 @@ from megarl.models import checkpoint as ck
 from megarl.models.megatron import padded_vocab_size
 from megarl.parallel.lifecycle import phase
 from megarl.parallel.placement import share_object
-from megarl.trainer.workers import LEGACY_OPTIMIZER_FORMAT, OPTIMIZER_FORMAT
+from megarl.trainer.workers import LEGACY_OPTIMIZER_FORMAT, OPTIMIZER_CHAIN_PREFIX, OPTIMIZER_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +53,15 @@ log = logging.getLogger(__name__)
 def check_run_folder(cfg: Config, world_size: int) -> None:
     """What the run folder's checkpoints allow: a new run needs a folder without any (else a later ``--resume``
     would load an older run's weights); a resumed run needs one, with fewer steps than ``trainer.steps``, that
-    this run can load. A checkpoint resumes at any TP x PP x DP and placement (megatron-core's dist-checkpoint
-    resharding, the optimizer state in its layout-free format); what cannot change is refused: the model's
-    dtype, a distributed optimizer for a plain one, the experts' EP (not resharded yet), an MoE model's layer
-    spec (TE's grouped experts or the local spec's sequential ones), a critic the checkpoint lacks, a TP whose padded vocabulary differs, and any layout of a checkpoint written before that
-    format (``dp_reshardable``); for a LoRA actor the adapters' shape (``actor.lora`` rank, alpha, target modules,
-    experts: dropout and sync may change) and its base (``model.path``).
+    this run can load. A checkpoint resumes at any TP x PP x DP x EP and placement (megatron-core's dist-checkpoint
+    resharding, the optimizer state in its layout-free format keyed by parameter name, whether the experts have an
+    optimizer of their own or not); what cannot change is refused: the model's dtype, a distributed optimizer
+    for a plain one, an MoE model's layer spec (TE's grouped experts or the local spec's sequential ones), a
+    critic the checkpoint lacks, a TP whose padded vocabulary differs, any layout of a checkpoint written
+    before that format (``dp_reshardable``), and for an MoE checkpoint written before its optimizer state was
+    keyed by name (``optimizer_chain_prefix``) a TP or EP that gives the experts an optimizer of their own or
+    takes it away (TP or EP above 1 on one side only); for a LoRA actor the adapters' shape (``actor.lora``
+    rank, alpha, target modules, experts: dropout and sync may change) and its base (``model.path``).
 
     Raises:
         ConfigError: naming ``run.name`` (a new run on an earlier run's checkpoints), ``trainer.resume`` (no
@@ -92,7 +95,7 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
                               f"({changed}) in an optimizer format that does not reshard: resume with the layout "
                               f"it was written at, or start a new run from its weights alone (model.path={newest})")
         return
-    fixed = ("model.dtype", "actor.optim.distributed", "critic.optim.distributed", "actor.parallel.ep",
+    fixed = ("model.dtype", "actor.optim.distributed", "critic.optim.distributed",
              "actor.lora.rank", "actor.lora.alpha", "actor.lora.target_modules", "actor.lora.experts")
     refused = [f for f in fixed if _field(then, f) != _field(now, f) and (f != "critic.optim.distributed" or
                                                                            "critic" in then)]
@@ -100,11 +103,20 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
         refused.append(f"model.path (the base the LoRA adapters were trained on: {_field(then, 'model.path')})")
     if cfg.algorithm.uses_critic and meta.get("critic_scheduler") is None:
         refused.append("algorithm.name (a critic the checkpoint does not hold)")
-    if ck.checkpoint_spec(newest).is_moe and ck.checkpoint_uses_te(newest) != cfg.actor.kernels.transformer_engine:
+    is_moe = ck.checkpoint_spec(newest).is_moe
+    if is_moe and ck.checkpoint_uses_te(newest) != cfg.actor.kernels.transformer_engine:
         refused.append("actor.kernels.transformer_engine (an MoE model's experts load only under the layer spec "
                        "that wrote them)")
     vocab = meta["hf_config"]["vocab_size"]
-    for role in ("actor", "critic"):
+    for role in ("actor", "critic") if cfg.algorithm.uses_critic else ("actor",):
+        if is_moe and meta.get("optimizer_chain_prefix", True):
+            chained = [{k: _field(c, k) or 1 for k in (f"{role}.parallel.tp", "actor.parallel.ep")}  # every role's EP
+                       for c in (then, now)]
+            if (max(chained[0].values()) > 1) != (max(chained[1].values()) > 1):  # _in_current_chain
+                refused.append(" and ".join(f"{k} ({chained[0][k]} -> {chained[1][k]})" for k in chained[0]
+                                            if chained[0][k] != chained[1][k])
+                               + " (the experts' optimizer state, in the keys of a checkpoint written by an earlier "
+                               "megarl: keep tp and ep both 1 or not both 1)")
         tp_then, tp_now = _field(then, f"{role}.parallel.tp"), _field(now, f"{role}.parallel.tp")
         if tp_then and tp_now and padded_vocab_size(vocab, tp_then) != padded_vocab_size(vocab, tp_now):
             refused.append(f"{role}.parallel.tp ({tp_then} -> {tp_now} pads the vocabulary of {vocab} to "
@@ -186,12 +198,13 @@ def _layout_record(config: dict[str, Any], world_size: int | None) -> dict[str, 
 
 
 
-def _state(trainer, is_loading: bool, optimizer_format: str = OPTIMIZER_FORMAT) -> dict[str, Any]:
+def _state(trainer, is_loading: bool, optimizer_format: str = OPTIMIZER_FORMAT,
+           chain_prefix: bool = OPTIMIZER_CHAIN_PREFIX) -> dict[str, Any]:
     """The sharded state of the trained roles held on this rank (none on a pool of other roles)."""
-    state = ({"actor": trainer.actor.sharded_state_dict(is_loading, optimizer_format)}
+    state = ({"actor": trainer.actor.sharded_state_dict(is_loading, optimizer_format, chain_prefix)}
              if trainer.actor is not None else {})
     if trainer.critic is not None:
-        state["critic"] = trainer.critic.sharded_state_dict(is_loading, optimizer_format)
+        state["critic"] = trainer.critic.sharded_state_dict(is_loading, optimizer_format, chain_prefix)
     return state
 
 
@@ -223,6 +236,7 @@ def save(trainer, in_flight: dict[int, tuple[Any, int]] | None = None) -> Path:
                                                        pools["critic"].ranks) if "critic" in pools else None,
                          policy_version=trainer.step_idx,
                          config=to_dict(cfg), world_size=trainer.world, optimizer_format=OPTIMIZER_FORMAT,
+                         optimizer_chain_prefix=OPTIMIZER_CHAIN_PREFIX,
                          source_config=trainer.source_config, generation_config=trainer.generation_config,
                          **({"lora": ck.lora_meta(trainer.actor_lora.as_dict(),
                                                   None if cfg.model.path == "default" else cfg.model.path)}
@@ -283,7 +297,7 @@ def resume(trainer) -> None:
     trainer.reload()
     with phase("resume"):
         loaded = ck.load_checkpoint(path, _state(trainer, is_loading=True, optimizer_format=meta.get(
-            "optimizer_format", LEGACY_OPTIMIZER_FORMAT)))
+            "optimizer_format", LEGACY_OPTIMIZER_FORMAT), chain_prefix=meta.get("optimizer_chain_prefix", True)))
     if trainer.actor is not None:
         trainer.actor.load_sharded_state(loaded["actor"])
         trainer.actor.resume_schedule(meta["actor_scheduler"]["num_steps"])

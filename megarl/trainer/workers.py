@@ -18,6 +18,7 @@ the whole sequences' gradient, and ``num_microbatches * dp`` still undoes the re
 
 from __future__ import annotations
 
+import copy
 import contextlib
 import functools
 import logging
@@ -60,6 +61,12 @@ MODEL_INPUTS = ("input_ids", "prompt_lens", "response_mask")
 # (The default, "fully_sharded_model_space", builds flattened ShardedTensors that its torch_dist saver refuses.)
 OPTIMIZER_FORMAT = "fully_reshardable"
 LEGACY_OPTIMIZER_FORMAT = "dp_reshardable"
+# An MoE model's experts get an optimizer of their own (megatron's ChainedOptimizer of the dense and the expert
+# one) where EP > 1 or TP > 1 (expert TP = 1), a single optimizer otherwise. Its state is keyed by parameter name
+# alone (megatron's "chained_optim_avoid_prefix"), not under "chained_<k>.", so a checkpoint resumes when the chain
+# changes (EP 1 <-> 2, an MoE model's TP 1 <-> 2); megarl.json's "optimizer_chain_prefix" says so, and a checkpoint
+# written before it (the prefixed keys) resumes only where its chain is the same.
+OPTIMIZER_CHAIN_PREFIX = False
 FP16_INITIAL_LOSS_SCALE = 2.0 ** 16  # model.dtype float16: the dynamic loss scale's start (torch.amp.GradScaler's)
 
 
@@ -462,13 +469,15 @@ class MegatronWorker:
                              "bfloat16 has fp32's range)")
 
     # ------------------------------------------------------------------ checkpoint state
-    def sharded_state_dict(self, is_loading: bool = False,
-                           optimizer_format: str = OPTIMIZER_FORMAT) -> dict[str, Any]:
+    def sharded_state_dict(self, is_loading: bool = False, optimizer_format: str = OPTIMIZER_FORMAT,
+                           chain_prefix: bool = OPTIMIZER_CHAIN_PREFIX) -> dict[str, Any]:
         """Model (and optimizer) state for megatron's dist checkpointing. The critic's checkpoint keys carry
         the prefix ``critic.`` so that both models fit one checkpoint; the actor's have none, so converted
         model checkpoints and trainer checkpoints load alike. ``optimizer_format``: the DistributedOptimizer's
-        sharding type (:data:`OPTIMIZER_FORMAT`; a checkpoint's own when loading one written before it). A LoRA
-        actor's model state is its adapters alone (the frozen base is the run's ``model.path``)."""
+        sharding type (:data:`OPTIMIZER_FORMAT`; a checkpoint's own when loading one written before it);
+        ``chain_prefix``: the chained optimizers' state under ``chained_<k>.`` (:data:`OPTIMIZER_CHAIN_PREFIX`;
+        True for a checkpoint written before it). A LoRA actor's model state is its adapters alone (the frozen
+        base is the run's ``model.path``)."""
         from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 
         model_sd = chunks_sharded_state_dict(self.model)
@@ -480,7 +489,9 @@ class MegatronWorker:
                 self._materialize_optimizer_state()
             out["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                                  metadata={"distrib_optim_sharding_type":
-                                                                           optimizer_format})
+                                                                           optimizer_format,
+                                                                           "chained_optim_avoid_prefix":
+                                                                           not chain_prefix})
         if self.role == "critic":
             add_prefix_for_sharding(out, "critic.")
         return out
@@ -516,6 +527,7 @@ class MegatronWorker:
         and weight decay of the resumed update."""
         load_chunks_state_dict(self.model, state["model"])
         if self.optimizer is not None and "optimizer" in state:
+            state["optimizer"] = self._in_current_chain(state["optimizer"])
             self._use_current_param_groups(state["optimizer"])
             with torch.no_grad(), self._adam_steps_left_alone():  # megatron copies into the main params in place
                 self.optimizer.load_state_dict(state["optimizer"])
@@ -545,6 +557,30 @@ class MegatronWorker:
         finally:
             for opt in opts:
                 del opt._set_main_param_and_optimizer_states  # the class's method again
+
+    def _in_current_chain(self, loaded: dict[str, Any]) -> dict[str, Any]:
+        """A loaded optimizer state in this optimizer's form where the checkpoint's chain differs (its experts'
+        optimizer of their own or not: :data:`OPTIMIZER_CHAIN_PREFIX`). megatron's loader places the tensors as
+        this optimizer's state dict has them (one per chained optimizer under ``0``, ``1``..., or a single
+        optimizer's at the top) and the rest (param groups, step, grad scaler) as the checkpoint had it; the
+        checkpoint's first optimizer's rest goes with every optimizer's tensors, where they have no entry of that
+        name (megatron keeps one step count for the chain; the param groups are replaced by
+        :meth:`_use_current_param_groups`)."""
+        def fill(into: dict, rest: dict) -> dict:
+            for k, v in rest.items():
+                if k not in into:
+                    into[k] = copy.deepcopy(v)
+                elif isinstance(into[k], dict) and isinstance(v, dict):
+                    fill(into[k], v)
+            return into
+
+        chained = {k: v for k, v in loaded.items() if isinstance(k, int)}
+        single = {k: v for k, v in loaded.items() if not isinstance(k, int)}
+        if not chained or not single:
+            return loaded  # the checkpoint's chain is this optimizer's
+        if len(getattr(self.optimizer, "chained_optimizers", [self.optimizer])) > 1:
+            return {k: fill(v, single) for k, v in chained.items()}
+        return fill(single, chained[min(chained)])
 
     def _use_current_param_groups(self, loaded: dict[str, Any]) -> None:
         """Replace the param groups of a loaded optimizer state (one per chained optimizer, or the single
