@@ -41,8 +41,8 @@ BACKENDS = ("auto", "torch", "triton")
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
                      temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 4096,
-                     sequence_parallel: bool = False, tp_group=None, backend: str = "auto"
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     sequence_parallel: bool = False, tp_group=None, backend: str = "auto",
+                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each label and (optionally) the entropy of ``softmax((hidden @ weight.T) / temperature)``
     over the first ``vocab_size`` entries of the vocab, computed ``chunk_tokens`` tokens at a time.
 
@@ -64,6 +64,11 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
         sequence_parallel: ``hidden`` is split over TP along ``s`` (gathered here).
         tp_group: the tensor-parallel group; default: megatron's ``parallel_state``.
         backend: "triton" (CUDA tensors, or ``TRITON_INTERPRET=1``), "torch", or "auto" (Triton on CUDA).
+        positions: ``[b, s]`` bool, the positions whose log-prob (and entropy) the caller reads (the response
+            tokens' labels); the output layer then runs on those tokens' hidden states only and every other
+            position is 0, with no gradient. None: every position. The kept positions' values and the
+            gradients equal those of None up to float summation order (the weight's gradient sums fewer
+            zero rows).
 
     Returns:
         ``(logprobs [b, s] float32, entropy [b, s] float32 or None)``, differentiable w.r.t. ``hidden`` and
@@ -97,9 +102,24 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
         raise ValueError(f"labels must be [b, s] = {(hidden.shape[1], hidden.shape[0])}, got {tuple(labels.shape)}")
     if backend == "auto":
         backend = "triton" if hidden.is_cuda and _have_triton() else "torch"
-    logp, ent = _ChunkedLogprobs.apply(hidden, weight, labels, vocab_size, float(temperature), with_entropy,
-                                       int(chunk_tokens), tp_group, backend)
-    return logp, (ent if with_entropy else None)
+    if positions is None:
+        logp, ent = _ChunkedLogprobs.apply(hidden, weight, labels, vocab_size, float(temperature), with_entropy,
+                                           int(chunk_tokens), tp_group, backend)
+        return logp, (ent if with_entropy else None)
+    if positions.shape != labels.shape or positions.dtype != torch.bool:
+        raise ValueError(f"positions must be a bool [b, s] = {tuple(labels.shape)}, got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
+    # the kept tokens as one sequence [n, 1, h] (the same on every TP rank: after the TP mapping above)
+    kept = hidden.transpose(0, 1)[positions].unsqueeze(1)
+    logp, ent = _ChunkedLogprobs.apply(kept, weight, labels[positions].unsqueeze(0), vocab_size, float(temperature),
+                                       with_entropy, int(chunk_tokens), tp_group, backend)
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        full = values.new_zeros(labels.shape)
+        full[positions] = values[0]
+        return full
+
+    return scatter(logp), (scatter(ent) if with_entropy else None)
 
 
 class LogprobOutput:
@@ -110,7 +130,10 @@ class LogprobOutput:
     the next tokens, ``roll(input_ids, -1)`` (the last position's label is the first token, as in the
     trainer's plain path; callers mask it); under context parallelism the model's ``input_ids`` are this CP
     rank's ``[b, s / cp]`` and so are the outputs (:func:`kernels.context_parallel.next_tokens`). With tied embeddings megatron hands over the shared word-embedding
-    weight, so its gradient collects both uses.
+    weight, so its gradient collects both uses. Where the model call's ``output_processor_context`` (the
+    micro-batch, :func:`megarl.models.pipeline.run_microbatches`) holds ``logit_positions`` ``[b, s]`` bool,
+    only those positions are computed (:func:`chunked_logprobs`' ``positions``; the trainer sets them to the
+    response tokens' labels, ``megarl.trainer.workers``), the others are 0.
 
     Args:
         vocab_size / temperature / with_entropy / chunk_tokens / backend: as :func:`chunked_logprobs`.
@@ -121,7 +144,7 @@ class LogprobOutput:
         self.vocab_size, self.temperature, self.with_entropy = vocab_size, temperature, with_entropy
         self.chunk_tokens, self.backend = chunk_tokens, backend
 
-    def __call__(self, *, hidden_states, output_layer, output_weight, input_ids, **_: Any):
+    def __call__(self, *, hidden_states, output_layer, output_weight, input_ids, context=None, **_: Any):
         weight = output_layer.weight if output_weight is None else output_weight
         from megatron.core import parallel_state
 
@@ -130,7 +153,8 @@ class LogprobOutput:
         return chunked_logprobs(hidden_states, weight, labels, vocab_size=self.vocab_size,
                                 temperature=self.temperature, with_entropy=self.with_entropy,
                                 chunk_tokens=self.chunk_tokens, sequence_parallel=output_layer.sequence_parallel,
-                                tp_group=output_layer.tp_group, backend=self.backend)
+                                tp_group=output_layer.tp_group, backend=self.backend,
+                                positions=None if context is None else context.get("logit_positions"))
 
 
 def _have_triton() -> bool:

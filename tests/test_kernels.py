@@ -9,8 +9,9 @@ One 2-rank gloo world runs every check at TP=1 (DP=2) and TP=2:
 - whole ``GPTModel``s (tied and untied embeddings; TP=1, TP=2 and PP=2) with both switches on against the
   plain model with the same weights: log-probs, entropy and every parameter's gradient; the chunked path
   saves no tensor with a vocab dimension for its backward;
+- ``chunked_logprobs`` on chosen positions only (``positions``) against the plain path with the loss on them;
 - the actor worker with ``actor.kernels`` on (the default) and off, TP=2 with sequence parallelism: the same
-  log-probs, entropy, PPO losses and gradient norm.
+  log-probs, entropy, PPO losses and gradient norm, the output layer run on the response tokens only.
 """
 
 from __future__ import annotations
@@ -67,6 +68,44 @@ def _logprob_checks(tp: int) -> dict:
         out[backend] = (lp.detach(), ent.detach(), x.grad, w.grad)
     diffs = {backend: [_reldiff(p, q) for p, q in zip(out["plain"], out[backend])] for backend in ("torch", "triton")}
     return diffs, out["plain"]
+
+
+def _positions_checks(tp: int) -> list[float]:
+    """Chunked log-probs on chosen positions only (``positions``) against the plain path with the loss on the
+    same positions: log-probs and entropy there, the hidden and weight gradients; the other positions' largest
+    |log-prob| and |entropy| (0)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    from kernels.chunked_logprobs import chunked_logprobs
+    from megarl.models.logprobs import vocab_parallel_logprobs
+    from megarl.trainer.batch import response_positions
+
+    r = ps.get_tensor_model_parallel_rank()
+    g = torch.Generator().manual_seed(1)
+    s, b, h, vocab, padded = 13, 3, 16, 1000, 1024
+    hidden = torch.randn(s, b, h, generator=g)
+    weight = torch.randn(padded, h, generator=g) * 0.5
+    weight[vocab:] = 0
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    keep = response_positions(torch.tensor([4, 9, 12]), 5, s)  # the last row's response runs past the end
+    a, c = torch.randn(b, s, generator=g) * keep, torch.randn(b, s, generator=g) * keep
+    v_local = padded // tp
+    out = {}
+    for positions in (None, keep):
+        x = hidden.clone().requires_grad_()
+        w = weight[r * v_local:(r + 1) * v_local].clone().requires_grad_()
+        if positions is None:
+            logits = torch.nn.functional.linear(copy_to_tensor_model_parallel_region(x), w).transpose(0, 1)
+            lp, ent = vocab_parallel_logprobs(logits, labels, vocab_size=vocab, temperature=0.7, with_entropy=True)
+        else:
+            lp, ent = chunked_logprobs(x, w, labels, vocab_size=vocab, temperature=0.7, with_entropy=True,
+                                       chunk_tokens=4, backend="torch", positions=positions)
+        (a * lp + c * ent).sum().backward()
+        out[positions is None] = (lp.detach() * keep, ent.detach() * keep, x.grad, w.grad, lp.detach(), ent.detach())
+    plain, fast = out[True], out[False]
+    return ([_reldiff(p, q) for p, q in zip(plain[:4], fast[:4])]
+            + [float(fast[4][~keep].abs().max()), float(fast[5][~keep].abs().max())])
 
 
 def _attention_checks(tp: int) -> dict:
@@ -161,6 +200,7 @@ def _worker_checks() -> dict:
     """PolicyWorker with the kernels on vs off (TP=2, sequence parallel): log-probs and one PPO update."""
     from megatron.core import parallel_state as ps
 
+    from kernels.chunked_logprobs import _ChunkedLogprobs
     from megarl.config import ActorConfig, AlgorithmConfig, KernelsConfig, KLConfig, ParallelConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.trainer.workers import PolicyWorker
@@ -177,7 +217,23 @@ def _worker_checks() -> dict:
                          trainable=True, temperature=0.9)
     batch = _batch()
     mask = batch["response_mask"].bool()
-    lps = [w.compute_logprobs(batch, with_entropy=True) for w in (plain, fast)]
+    seen = []  # tokens whose logits the fast worker's output layer computes, per call
+
+    def counting(hidden, *args):
+        seen.append(hidden.shape[0] * hidden.shape[1])
+        return apply(hidden, *args)
+
+    apply = _ChunkedLogprobs.apply
+    _ChunkedLogprobs.apply = counting
+    try:
+        lps = [w.compute_logprobs(batch, with_entropy=True) for w in (plain, fast)]
+    finally:
+        _ChunkedLogprobs.apply = apply
+    # only the response tokens' labels: one per response column of each row (within the sequence), not b x s
+    width, s = batch["response_mask"].shape[1], batch["input_ids"].shape[1]
+    out_tokens = {"seen": sum(seen), "response": int((batch["prompt_lens"].unsqueeze(1) - 1
+                                                       + torch.arange(width) < s).sum()),
+                  "all": len(batch) * s}
     out = {k: _reldiff(torch.where(mask, lps[0][k], 0.0), torch.where(mask, lps[1][k], 0.0))
            for k in ("logprobs", "entropy")}
     batch["old_logprobs"] = lps[0]["logprobs"] + 0.05 * batch["advantages"]
@@ -186,7 +242,7 @@ def _worker_checks() -> dict:
     out["update"] = max(abs(b[k] - a[k]) / max(abs(a[k]), 1e-6) for a, b in zip(*updates)
                         for k in ("pg_loss", "entropy", "grad_norm"))
     ps.destroy_model_parallel()
-    return out
+    return out, out_tokens
 
 
 def _mesh(tp: int, pp: int):
@@ -205,6 +261,7 @@ def _world(rank, world):
     for tp in (1, 2):
         _mesh(tp, 1)
         out["logprobs"][tp], plain[tp] = _logprob_checks(tp)
+        out.setdefault("positions", {})[tp] = _positions_checks(tp)
         out["attention"][tp] = _attention_checks(tp)
         ps.destroy_model_parallel()
     # the plain path at TP=2 against the same data on the full vocab (TP=1): this rank's rows of the weight
@@ -214,7 +271,7 @@ def _world(rank, world):
     for spec in (LLAMA, QWEN2):
         for tp, pp in MESHES:
             out["model"][(spec.family, tp, pp)] = _model_checks(spec, tp, pp)
-    out["worker"] = _worker_checks()
+    out["worker"], out["worker_tokens"] = _worker_checks()
     return out
 
 
@@ -232,6 +289,18 @@ def test_chunked_logprobs_equal_plain_forward_and_gradients(world, tp, backend):
         lp, ent, grad_hidden, grad_weight = r["logprobs"][tp][backend]
         assert max(lp, ent) <= 1e-6, (lp, ent)
         assert max(grad_hidden, grad_weight) <= 1e-6, (grad_hidden, grad_weight)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_chunked_logprobs_on_chosen_positions_equal_plain_there_and_are_zero_elsewhere(world, tp):
+    for r in world:  # log-prob, entropy, hidden and weight gradients; then |log-prob| and |entropy| elsewhere
+        assert max(r["positions"][tp]) <= 1e-6, r["positions"][tp]
+
+
+def test_actor_worker_computes_the_output_layer_on_response_tokens_only(world):
+    for r in world:  # the log-prob pass of the fast worker: the response tokens' labels, not every position
+        tokens = r["worker_tokens"]
+        assert tokens["seen"] == tokens["response"] < tokens["all"], tokens
 
 
 def test_plain_vocab_parallel_entropy_gradient_equals_the_full_vocab_one(world):

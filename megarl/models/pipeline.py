@@ -48,7 +48,8 @@ def run_microbatches(model: torch.nn.Module | list[torch.nn.Module], micro_batch
             ``(logprobs, entropy)``). For training,
             ``loss`` is backpropagated after megatron divides it by ``len(micro_batches)`` (and multiplies it
             by CP: DDP averages gradients over DP x CP); ``metrics`` is collected.
-        model_kwargs: extra keyword arguments of every model call (``GPTModel.forward``'s).
+        model_kwargs: extra keyword arguments of every model call (``GPTModel.forward``'s); with an
+            ``output_processor``, the micro-batch is its ``output_processor_context``.
 
     Returns:
         The ``metrics`` dicts of every micro-batch, in order, on the last pipeline stage; ``[]`` elsewhere.
@@ -93,6 +94,8 @@ def run_microbatches(model: torch.nn.Module | list[torch.nn.Module], micro_batch
                 input_ids, position_ids = (split_for_cp_rank(t, 1, cp_group) for t in (input_ids, position_ids))
         if "response_lens" in mb and stage.config.num_moe_experts:
             kwargs["padding_mask"] = _stage_padding_mask(stage, padding_mask(mb, mb["input_ids"].shape[1]))
+        if "output_processor" in kwargs:
+            kwargs["output_processor_context"] = mb  # e.g. the micro-batch's logit_positions (LogprobOutput)
         output = stage(input_ids, position_ids, None, **kwargs)
 
         def loss_func(out):

@@ -23,6 +23,14 @@ def response_index(prompt_lens: torch.Tensor, response_width: int, seq_len: int)
     return (prompt_lens.unsqueeze(1) - 1 + j).clamp(max=seq_len - 1)
 
 
+def response_positions(prompt_lens: torch.Tensor, response_width: int, seq_len: int) -> torch.Tensor:
+    """``[B, seq_len]`` bool: the label-frame positions that :func:`response_index` reads (each position once;
+    those past the end of the sequence are left out)."""
+    start = prompt_lens.unsqueeze(1) - 1
+    t = torch.arange(seq_len, device=prompt_lens.device)
+    return (t >= start) & (t < start + response_width)
+
+
 def to_response_frame(x: torch.Tensor, prompt_lens: torch.Tensor, response_width: int,
                       seq_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Gather a label-frame tensor ``[B, S]`` (or ``[B, S, 1]``) into the response frame ``[B, R]``.

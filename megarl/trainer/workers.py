@@ -47,7 +47,7 @@ from megarl.models.router_replay import ROUTES, RouteReplay
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
 from megarl.parallel.placement import PoolGroups
-from megarl.trainer.batch import RolloutBatch, to_response_frame
+from megarl.trainer.batch import RolloutBatch, response_positions, to_response_frame
 from megarl.trainer.packing import pack_rows, pack_shares, trim_to_longest
 
 log = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class MegatronWorker:
         budget = self.rc.max_tokens_per_micro_batch
         if not budget:
             share = dp_share(batch, self.dp_rank, self.dp_size)
-            return [self._to_device(m) for m in share.micro_batches(size, names)], None
+            return [self._with_logit_positions(self._to_device(m)) for m in share.micro_batches(size, names)], None
         lengths = batch["prompt_lens"] + batch["response_lens"]
         count_multiple = self.mesh.microbatch_multiple
         if self.rc.sequence_packing:
@@ -282,9 +282,19 @@ class MegatronWorker:
         else:
             multiple = 8 * self.mesh.tp  # the trainer's sequence padding (build_batch's seq_multiple)
             packed = pack_shares(lengths, self.dp_size, budget, multiple=multiple, count_multiple=count_multiple)
-            micro = [self._to_device(trim_to_longest({k: batch[k][idx] for k in names}, lengths[idx], multiple))
-                     for idx in packed[self.dp_rank]]
+            micro = [self._with_logit_positions(self._to_device(trim_to_longest(
+                {k: batch[k][idx] for k in names}, lengths[idx], multiple))) for idx in packed[self.dp_rank]]
         return micro, [torch.cat(p) for p in packed]
+
+    def _with_logit_positions(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``mb`` with ``logit_positions`` ``[b, s]`` bool, the response tokens' labels
+        (:func:`~megarl.trainer.batch.response_positions`): the chunked log-prob output
+        (:class:`kernels.chunked_logprobs.LogprobOutput`) runs the output layer on those tokens only, not on the
+        prompt's. Not under CP (the model sees a share of each sequence) and not for packed rows."""
+        if self.cp_group is None and "prompt_lens" in mb and "response_mask" in mb:
+            mb["logit_positions"] = response_positions(mb["prompt_lens"], mb["response_mask"].shape[1],
+                                                       mb["input_ids"].shape[1])
+        return mb
 
     def _cp_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Per-token outputs ``[b, s / cp, ...]`` of this CP rank's tokens -> ``[b, s, ...]`` of the whole
