@@ -43,10 +43,12 @@ from megarl.models.weights import fill_local_tensors, preset_reader
 from megarl.parallel.faults import fault_point
 from megarl.parallel.mesh import ParallelLayout
 from megarl.storage import STORAGE_ERRNOS, StorageError, describe, storage_cause, write_fault
+from megarl.textfiles import read_json
 
 log = logging.getLogger(__name__)
 
 META_FILE = "megarl.json"
+CHECKPOINT_FIX = "the checkpoint is damaged: restore the file, or use an older checkpoint"
 CHECKPOINT_PREFIX = "step_"  # a run's checkpoints: <run folder>/checkpoints/step_<N>
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,7 +98,7 @@ def checkpoint_fault(path: str | os.PathLike) -> str | None:
     check alone)."""
     path = Path(path)
 
-    def read_json(rel: str) -> tuple[Any, str | None]:
+    def parse_json(rel: str) -> tuple[Any, str | None]:
         try:
             return json.loads((path / rel).read_text()), None
         except FileNotFoundError:
@@ -106,7 +108,7 @@ def checkpoint_fault(path: str | os.PathLike) -> str | None:
         except OSError as e:
             return None, f"{rel} cannot be read ({describe(e)})"
 
-    meta, fault = read_json(META_FILE)
+    meta, fault = parse_json(META_FILE)
     if fault:
         return fault
     if not isinstance(meta, dict):
@@ -117,7 +119,7 @@ def checkpoint_fault(path: str | os.PathLike) -> str | None:
             return f"{rel} is missing"
         if (have := f.stat().st_size) != size:
             return f"{rel} has {have} bytes, {size} were written"
-    _, fault = read_json("model/metadata.json")
+    _, fault = parse_json("model/metadata.json")
     if fault:
         return fault
     from torch.distributed.checkpoint import FileSystemReader
@@ -172,7 +174,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         hint = (f"it is a run folder: name one of its checkpoints, e.g. the newest, {newest}" if newest
                 else "convert a Hugging Face checkpoint with `megarl convert`")
         raise FileNotFoundError(f"{path} is not a megarl checkpoint (no {META_FILE}); {hint}")
-    return json.loads(f.read_text())
+    return read_json(f, CHECKPOINT_FIX)
 
 
 def checkpoint_spec(path: str | os.PathLike) -> ModelSpec:
