@@ -134,3 +134,31 @@ def test_damaged_json_and_index_name_their_file(saved, caplog):
     distcp.unlink()
     assert checkpoint_fault(step2) == f"model/{distcp.name} is missing (model/.metadata places tensors in it)"
     assert f"model/{distcp.name}" in files
+
+
+def test_a_run_folder_given_as_the_model_is_refused_naming_its_newest_sound_checkpoint(saved, capsys):
+    """``runs/<name>`` as ``model.path`` (train, eval) or as the checkpoint to export: one line naming the newest
+    checkpoint that is sound, and the newer one passed over as damaged (it was ``unknown architecture:
+    model_type=None``: the run's own config.json read as a model's)."""
+    from megarl.cli import main
+
+    run = _copy(saved, "as-model")
+    argvs = [["train", *task_overrides(run, saved[2], saved[0] / "other", "x"), "--check"],
+             ["eval", str(run), "--check"], ["export", str(run), str(saved[0] / "exported")]]
+
+    def refusals():
+        out = []
+        for argv in argvs:
+            status = main(argv)
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert status == 2 and len(lines) == 1, lines
+            out.append(lines[0])
+        return out
+
+    for line in refusals():
+        assert line.endswith(f"{run} is a run folder, not a model: give one of its checkpoints, e.g. the newest "
+                             f"sound one, {run / 'checkpoints' / 'step_000002'}"), line
+    os.truncate(_distcp(run / "checkpoints" / "step_000002"), 10)
+    for line in refusals():
+        assert f"the newest sound one, {run / 'checkpoints' / 'step_000001'} (step_000002 is damaged: model/" in line
+    assert not (saved[0] / "exported").exists() and not (saved[0] / "other").exists()
