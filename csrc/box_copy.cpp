@@ -153,7 +153,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "their dtypes differ).");
   m.def("quantize_fp8_blocks", &megarl::quantize_fp8_blocks, pybind11::arg("tiles"), pybind11::arg("parts"),
         pybind11::arg("tensors"),
-        "Quantise tiles to block FP8 (E4M3 values, one float32 scale a tile: amax / 448, the format of "
+        "Quantise tiles to block FP8 (E4M3 values, one float32 scale a tile: amax x fl(1 / 448), the format of "
         "megarl.models.fp8): int64 CPU tables tiles [n, 9] (dst tensor index, dst row, dst col, rows, cols, scale "
         "tensor index, scale row, scale col, first part) and parts [m, 7] (src tensor index, src row, src col, "
         "rows, cols, row offset in the tile, col offset in the tile), tile i made of parts [tiles[i, 8], "

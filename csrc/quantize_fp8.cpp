@@ -48,7 +48,7 @@ void quantize_tile_cpu(const QuantTile& t, const QuantPart* parts) {
     for (int64_t r = 0; r < p.rows; ++r)
       for (int64_t c = 0; c < p.cols; ++c) amax = std::fmax(amax, std::fabs(load(p, r, c)));
   }
-  const float scale = std::fmax(amax, kAmaxFloor) / kE4m3Max;
+  const float scale = std::fmax(amax, kAmaxFloor) * kInvE4m3Max;
   const float inv = 1.0f / scale;
   *reinterpret_cast<float*>(t.scale) = scale;
   for (int32_t k = 0; k < t.num_parts; ++k) {

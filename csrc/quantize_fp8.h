@@ -1,5 +1,5 @@
 // Block-FP8 quantisation for the reshard (megarl._C.quantize_fp8_blocks): descriptors shared by the CPU and CUDA
-// paths. The format (E4M3 values, one float32 scale a tile: max(amax, 1e-4) / 448, values times 1 / scale rounded
+// paths. The format (E4M3 values, one float32 scale a tile: max(amax, 1e-4) x fl(1 / 448), values times 1 / scale rounded
 // to nearest even) is megarl.models.fp8's.
 #pragma once
 
@@ -39,6 +39,10 @@ constexpr int32_t kQuantFloat = 0;
 constexpr int32_t kQuantBFloat16 = 1;
 constexpr int32_t kQuantHalf = 2;
 constexpr float kE4m3Max = 448.0f;
+// The scale is amax times this float32 reciprocal, not amax / 448: torch on CUDA divides a tensor by a Python
+// scalar as a multiply by the scalar's float32 reciprocal (ATen's div_true_kernel_cuda), and that is how vLLM's
+// per_block_cast_to_fp8 forms amax / 448.0 on the GPU (IEEE division differed in 106 of 192 scales, H200).
+constexpr float kInvE4m3Max = 1.0f / kE4m3Max;
 constexpr float kAmaxFloor = 1e-4f;
 
 // Quantise every tile of `tiles` (int64 [n, 9]) from its parts (`parts`, int64 [m, 7]) in the listed tensors;

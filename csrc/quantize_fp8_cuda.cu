@@ -3,7 +3,7 @@
 // Pass 1: the threads stride over every part's elements (consecutive threads, consecutive columns) for the largest
 // |value|, reduced over the block (warp shuffles, then one value a warp in shared memory). Pass 2: the same elements
 // again (from L2: a 128 x 128 bf16 tile is 32 KiB), times 1 / scale, to E4M3 with torch's conversion
-// (c10::Float8_e4m3fn), one byte each into the destination; thread 0 writes the scale. IEEE division (nvcc's
+// (c10::Float8_e4m3fn), one byte each into the destination; thread 0 writes the scale (amax x fl(1 / 448), quantize_fp8.h). IEEE division (nvcc's
 // default -prec-div=true; no fast math), as torch's eager ops.
 
 #include <cuda_runtime.h>
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantTile* __r
   if (threadIdx.x == 0) {
     float m = warp_max[0];
     for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
-    const float scale = fmaxf(m, kAmaxFloor) / kE4m3Max;
+    const float scale = fmaxf(m, kAmaxFloor) * kInvE4m3Max;
     *reinterpret_cast<float*>(t.scale) = scale;
     inv_shared = 1.0f / scale;
   }

@@ -249,6 +249,20 @@ class LoRAConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts training (the actor; README "Mixture-of-experts models").
+
+    Attributes:
+        router_replay: router replay (R3): the trainer's old-log-prob and update passes route every token to
+            the experts the rollout engine routed it to (recorded by the transformers engine;
+            :mod:`megarl.models.router_replay`). Off: the trainer's routers choose for themselves. Either way
+            the routing agreement per layer is in the metrics (``moe/routing_agreement``).
+    """
+
+    router_replay: bool = False
+
+
+@dataclass
 class ActorConfig:
     """The policy being trained (and the critic, which has the same fields).
 
@@ -276,6 +290,7 @@ class ActorConfig:
             (:mod:`megarl.trainer.offload`), so that a model that fits only one phase at a time still runs.
         kernels: fast paths (chunked log-probs, SDPA attention).
         lora: LoRA adapters instead of training every weight (the actor only).
+        moe: mixture-of-experts settings (router replay; the actor only).
     """
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -290,8 +305,12 @@ class ActorConfig:
     offload: bool = False
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self):
+        _require_in_section(not (self.moe.router_replay and self.recompute and self.parallel.pp > 1),
+                            "moe.router_replay", "with recompute and parallel.pp > 1 the recomputed routers would "
+                            "not see their own micro-batch's routes; set recompute=false or parallel.pp=1")
         _require_in_section(not (self.lora.experts and self.kernels.transformer_engine), "lora.experts",
                             "adapters on the experts run on the local layer spec; set "
                             "kernels.transformer_engine=false or lora.experts=false")
@@ -1094,6 +1113,15 @@ class Config:
                     "engine must add the same requests at the same scheduler steps, which episodes timed by their "
                     "tools do not (use rollout data parallelism: engines of tp=1 on every rank)")
             require(not lora.enabled, "actor.lora.enabled", f"must be false: {not_yet}")
+        if self.actor.moe.router_replay:
+            require(self.rollout.engine == "hf", "actor.moe.router_replay",
+                    f"needs the engine's routes, which rollout.engine={self.rollout.engine} does not record yet "
+                    "(the transformers engine does): set rollout.engine=hf or actor.moe.router_replay=false")
+            require(not self.rollout.multi_turn.enabled, "actor.moe.router_replay",
+                    "is not wired for rollout.multi_turn.enabled=true yet (an episode's turns are not recorded "
+                    "together): set actor.moe.router_replay=false")
+        require(not self.critic.moe.router_replay, "critic.moe.router_replay",
+                "replays the actor's routes only; set critic.moe.router_replay=false")
         rc = alg.rollout_correction
         if self.rollout.quantization is not None and rc.preset is None and rc.level is None:
             rc.preset = "token_tis"  # the FP8 model's log-probs differ from the bf16 actor's (RolloutCorrectionConfig)

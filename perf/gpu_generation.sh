@@ -5,7 +5,11 @@
 # tokens x 8 samples x 256 new tokens, CUDA graphs, gpu_memory_utilization 0.35), old and new settings side by side,
 # back to back on this machine. Needs the vLLM wheels (perf/install_wheels.sh: chunks uploaded to /tmp/whl, .whl
 # carried; skipped on a kept machine where they import). Stages (each cut at what is left of BUDGET_S, default
-# 540 s; ~9 minutes on a warm machine with the wheels installed and megarl._C built, ~1 minute more to build it):
+# 560 s). They take ~14 minutes, more than one 10-minute call of the GPU machine, so run them in two calls on a
+# kept machine with the same OUT (measured 2026-12-03: install 26 s, build 92 s, gen_before 140 s, gen_after 98 s):
+#   OUT=/tmp/gen STAGES="gen_before gen_after" bash perf/gpu_generation.sh
+#   OUT=/tmp/gen STAGES="fp8_kernel gen_fp8 step_after step_fp8" bash perf/gpu_generation.sh
+# (the second call's summary has both calls' rows):
 #   1. install, build: the wheels into /tmp/site, megarl._C with the FP8 quantise kernel (skipped when done);
 #   2. gen_before: `megarl bench generation` with main's settings (53c0cd9: vLLM's defaults, which run Qwen2 on
 #      the V1 model runner, seeded requests): tokens/s of the RL generate call (variant megarl) and of the same
@@ -31,7 +35,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source perf/gpu_lib.sh  # begin, stage, finish
-begin gpu_generation 540
+begin gpu_generation 560
 
 export AFTER=${AFTER:-rollout.model_runner=v2}
 export CASE="model.path=preset:qwen2.5-1.5b rollout.engine=vllm model.dtype=bfloat16 rollout.enforce_eager=false
@@ -49,7 +53,7 @@ generation() {  # generation LABEL VARIANTS [overrides...]: one engine, its vari
   local label=$1 variants=$2
   shift 2
   python3 -m megarl.cli bench generation $CASE "$@" --label "$label" --variants "$variants" --profile-tokens 32 \
-    --json "$OUT/gen_$label.json" 2>&1 | grep -v -i -E "warn|INFO"
+    --json "$OUT/gen_$label.json" 2>&1 | grep --line-buffered -v -i -E "warn|INFO"
   return "${PIPESTATUS[0]}"
 }
 
@@ -64,7 +68,7 @@ make_tiny_model(Path('$OUT/tok')); write_prompts(Path('$OUT/prompts.jsonl'), 409
     data.prepare=null data.use_chat_template=false "data.instruction=''" reward.fn=tests.rl_tasks:says_target \
     trainer.progress=false run.output_dir="$OUT" run.name="step-$label" actor.micro_batch_size=32 \
     actor.logprob_micro_batch_size=64 actor.ppo_mini_batch_size=256 "$@" --json "$OUT/step_$label.json" 2>&1 \
-    | grep -v -i -E "warn|INFO"
+    | grep --line-buffered -v -i -E "warn|INFO"
   return "${PIPESTATUS[0]}"
 }
 
@@ -102,7 +106,7 @@ step_after() {
 }
 step_fp8() { step fp8 $AFTER rollout.quantization=fp8 --steps 2 --warmup 1; }
 step_before() { step before --steps 3 --warmup 1; }
-fp8_kernel() { python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_fp8.py; }
+fp8_kernel() { python3 -m pytest -q -s -rfE --tb=short -p no:cacheprovider -m gpu tests/test_gpu_fp8.py; }
 
 export -f install_wheels build_extension generation step hf_config gen_before gen_after gen_fp8 gen_hf gen_sync \
   gen_7b gen_7b_fp8 step_after step_fp8 step_before fp8_kernel
@@ -112,8 +116,8 @@ stage install 200 install_wheels
 if [ $failed -eq 0 ]; then  # the rest runs whatever one of them does, so that one GPU session reports on all
   stage gen_before 150 gen_before
   stage gen_after 110 gen_after
-  stage step_after 180 step_after
   stage fp8_kernel 120 fp8_kernel
+  stage step_after 260 step_after
   stage gen_fp8 90 gen_fp8
   stage step_fp8 150 step_fp8
   if [ "${EXTRA:-0}" = 1 ]; then

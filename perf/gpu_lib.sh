@@ -12,7 +12,10 @@ begin() {  # begin NAME BUDGET_S: OUT (default runs/NAME, made absolute, exporte
 }
 
 stage() {  # stage NAME LIMIT_S FUNCTION: run it within min(LIMIT_S, budget left), log to $OUT/NAME.log
+  # (STAGES="a b ...": only those stages, and install / build, which skip themselves when done; a script whose
+  # stages do not fit one call of the GPU machine runs in several calls on a kept machine with one OUT)
   local name=$1 limit=$2 fn=$3 t=$SECONDS rc
+  case " install build ${STAGES:-$name} " in *" $name "*) ;; *) echo "SKIP $name (not in STAGES)"; return;; esac
   local left=$(( BUDGET_S - (SECONDS - START) ))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -le 0 ]; then echo "FAIL $name (no time left of the ${BUDGET_S} s budget)"; failed=1; return; fi

@@ -4,7 +4,8 @@ TP=1 and TP=2 layouts): every E4M3 byte and scale equals quantising the HF tenso
 shards them.
 
 The reference below is written from the format's definition (``vllm.utils.deep_gemm.per_block_cast_to_fp8`` of
-vLLM 0.24.0 with ``use_ue8m0=False``: pad to whole tiles, amax per tile clamped at 1e-4, scale = amax / 448,
+vLLM 0.24.0 with ``use_ue8m0=False``: pad to whole tiles, amax per tile clamped at 1e-4, scale = amax times the
+float32 1 / 448 (the GPU's form of its amax / 448.0, megarl.models.fp8),
 values times 1 / scale to E4M3) with whole-tensor torch ops; it uses neither megarl.models.fp8 nor the layouts.
 """
 
@@ -35,7 +36,7 @@ def ref_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.zeros(tr * 128, tc * 128)
     x[:rows, :cols] = w.float()
     tiles = x.view(tr, 128, tc, 128)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-4) / 448.0
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-4) * (1.0 / 448.0)
     q = (tiles * (1.0 / scale)[:, None, :, None]).to(E4M3).view(tr * 128, tc * 128)[:rows, :cols]
     return q.contiguous(), scale
 

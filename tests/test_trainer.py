@@ -46,7 +46,8 @@ def test_grpo_learns_the_task(task):
 
 def test_grpo_learns_the_task_with_a_moe_actor_at_ep2(tmp_path):
     """A Qwen3-MoE actor (8 experts, top-2) on 2 ranks with its experts split over them (actor.parallel.ep=2):
-    the reshard moves each rank's experts into both ranks' transformers engines, and GRPO learns."""
+    the reshard moves each rank's experts into both ranks' transformers engines, and GRPO learns; every step
+    reports the load-balancing loss of its mini-batches and the experts' loads (megarl.models.moe_router)."""
     model = make_tiny_moe_model(tmp_path / "model")
     data = write_prompts(tmp_path / "prompts.jsonl", 64)
     history = run_world(train_on_rank, 2, task_overrides(model, data, tmp_path / "runs", "moe")
@@ -54,6 +55,9 @@ def test_grpo_learns_the_task_with_a_moe_actor_at_ep2(tmp_path):
     rewards = [h["reward/mean"] for h in history]
     assert rewards[0] < 0.3, rewards
     assert max(rewards[-3:]) > 0.8, rewards
+    for h in history:  # the switch loss is about 1 when balanced, the shares of 8 experts around 1/8
+        assert 0.5 <= h["actor/moe_aux_loss"] < 8.0 and "actor/moe_z_loss" not in h, h
+        assert 0.0 <= h["actor/moe_expert_load_min"] <= 1 / 8 <= h["actor/moe_expert_load_max"] <= 1.0, h
 
 
 def test_ppo_with_gae_learns_the_task(task):

@@ -7,13 +7,16 @@ dim is cut at the edge). Each tile ``T`` is stored as E4M3 (``torch.float8_e4m3f
 (vLLM's ``weight_scale_inv``, ``[ceil(rows / 128), ceil(cols / 128)]``)::
 
     amax  = max(max |T|, 1e-4)              (float32; 1e-4 keeps an all-zero tile finite)
-    scale = amax / 448                      (float32, IEEE division)
+    scale = amax * fl(1 / 448)              (float32: the reciprocal rounded once, then one product)
     q     = e4m3(float32(T) * (1 / scale))  (round to nearest even; |value| <= 448)
     T ~= float32(q) * scale
 
 which is, operation for operation, ``vllm.utils.deep_gemm.per_block_cast_to_fp8(W, [128, 128],
-use_ue8m0=False)`` run eagerly (read in vLLM 0.24.0; the function vLLM's online ``fp8_per_block``
-quantisation calls). Compiled by torch.compile, as vLLM ships it, Inductor lowers its float32 divisions to
+use_ue8m0=False)`` run eagerly on the GPU (read in vLLM 0.24.0; the function vLLM's online ``fp8_per_block``
+quantisation calls). Its ``amax / 448.0`` is, on CUDA, a multiply by the float32 reciprocal: torch divides a CUDA
+tensor by a Python scalar that way (ATen's ``div_true_kernel_cuda``), while on the CPU it divides; on the H200
+(2026-12-03) IEEE division gave other scales in 106 of 192 tiles of a 2048 x 1536 weight, so the format is the
+GPU's on every device. Compiled by torch.compile, as vLLM ships it, Inductor lowers its float32 divisions to
 Triton's approximate ``div.full.f32`` unless ``TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING=1`` (torch 2.11's
 ``torch._inductor.config.eager_numerics.division_rounding``), so that form can differ from this one in the last
 bit of a scale: the GPU test reports both (``tests/test_gpu_fp8.py``).
@@ -39,6 +42,7 @@ import torch
 
 BLOCK = 128  # tile side, elements (vLLM's weight_block_size [128, 128])
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+INV_E4M3_MAX = 1.0 / E4M3_MAX  # a float32 multiplier once cast (its float32 rounding is that of 1.0f / 448.0f)
 AMAX_FLOOR = 1e-4  # per_block_cast_to_fp8's clamp of the tile's amax
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -53,7 +57,7 @@ def quantize_tile(tile: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     docstring)."""
     x = tile.float()
     amax = x.abs().amax().clamp(min=AMAX_FLOOR)
-    scale = amax / E4M3_MAX
+    scale = amax * INV_E4M3_MAX  # not / E4M3_MAX: the CUDA form (module docstring)
     return (x * scale.reciprocal()).to(FP8_DTYPE), scale
 
 

@@ -9,6 +9,7 @@ picked implicitly). ``parallel_state`` must already be initialised
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -170,7 +171,9 @@ def moe_config_kwargs(spec: ModelSpec, grouped_gemm: bool = False) -> dict:
     of the softmax over all experts, which equals megatron's softmax over the top-k logits
     (``moe_router_pre_softmax=False``); without it, the top-k of the full softmax are used as they are
     (``moe_router_pre_softmax=True``). No expert capacity (no token dropped, as HF computes), expert TP = 1,
-    the load-balancing loss ``aux_loss`` with the config's ``router_aux_loss_coef`` (none when it is 0), the
+    the load-balancing loss ``aux_loss`` with the config's ``router_aux_loss_coef`` (none when it is 0) and the
+    z-loss with its ``router_z_loss_coef`` (none when 0), both over the mini-batch's real tokens
+    (:mod:`megarl.models.moe_router`), the
     all-gather token dispatcher (plain all-gather and reduce-scatter: they run on gloo too), Qwen2-MoE's
     shared expert with its sigmoid gate; the experts one GEMM each, or grouped (``grouped_gemm``, TE spec).
     """
@@ -182,6 +185,7 @@ def moe_config_kwargs(spec: ModelSpec, grouped_gemm: bool = False) -> dict:
         moe_router_pre_softmax=not spec.moe_norm_topk_prob,
         moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coef > 0 else "none",
         moe_aux_loss_coeff=spec.moe_aux_loss_coef,
+        moe_z_loss_coeff=spec.moe_z_loss_coef or None,
         moe_expert_capacity_factor=None,
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=grouped_gemm,
@@ -201,8 +205,8 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
         attention: the local spec's core attention: "local" (megatron's ``DotProductAttention``) or "sdpa"
             (:class:`kernels.attention.SDPAttention`, torch's fused attention). The TE spec keeps its own.
         spec: the model; an MoE model gets megatron's ``MoELayer`` with ``SequentialMLP`` experts on the local
-            spec (one GEMM per local expert) and ``TEGroupedMLP`` on TE's (the local experts' GEMMs grouped), a
-            Qwen3 model RMSNorm of queries and keys.
+            spec (one GEMM per local expert) and ``TEGroupedMLP`` on TE's (the local experts' GEMMs grouped) and
+            the :class:`~megarl.models.moe_router.GlobalBatchRouter`, a Qwen3 model RMSNorm of queries and keys.
 
     Raises:
         SpecError: an unknown ``attention``, ``use_te=True`` where Transformer Engine does not import (or there is
@@ -228,6 +232,12 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
             from kernels.attention import SDPAttention
 
             layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    if moe.get("num_experts"):
+        from megarl.models.moe_router import GlobalBatchRouter
+
+        mlp = layer.submodules.mlp  # megatron-core 0.19: a partial of MoELayer (a ModuleSpec before)
+        (mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules).router = \
+            GlobalBatchRouter
     if lora is not None:
         adapt_layer_spec(layer, lora, use_te=use_te)
     return layer

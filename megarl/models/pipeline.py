@@ -38,7 +38,10 @@ def run_microbatches(model: torch.nn.Module | list[torch.nn.Module], micro_batch
             interleaved schedule runs, each chunk reading every micro-batch from its own iterator.
         micro_batches: dicts with at least ``input_ids`` ``[b, s]`` int64 (same ``b`` and ``s`` for all when
             PP > 1), packed ones (``b = 1``) also ``position_ids [1, s]`` and ``cu_seqlens``; every stage
-            receives the whole dict, so the last stage can read labels, masks and advantages.
+            receives the whole dict, so the last stage can read labels, masks and advantages. With
+            ``prompt_lens`` and ``response_lens`` an MoE model gets megatron's ``padding_mask`` of the positions
+            without a real token (:func:`megarl.models.moe_router.padding_mask`), which its routers leave out of
+            the load-balancing loss and z-loss.
         output_fn: ``(micro_batch, output) -> (loss, metrics)``, run on the last pipeline stage, where
             ``output`` is the model output ``[b, s, v/tp]`` (actor) or ``[b, s, 1]`` (critic), or what an
             ``output_processor`` in ``model_kwargs`` returns (e.g. :class:`kernels.chunked_logprobs.LogprobOutput`'s
@@ -58,6 +61,7 @@ def run_microbatches(model: torch.nn.Module | list[torch.nn.Module], micro_batch
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megarl.models.moe_router import padding_mask
     from megarl.parallel.mesh import ParallelLayout
 
     if not micro_batches:
@@ -87,6 +91,8 @@ def run_microbatches(model: torch.nn.Module | list[torch.nn.Module], micro_batch
             position_ids = torch.arange(width, device=input_ids.device).unsqueeze(0).expand(rows, width)
             if cp_group is not None:
                 input_ids, position_ids = (split_for_cp_rank(t, 1, cp_group) for t in (input_ids, position_ids))
+        if "response_lens" in mb and stage.config.num_moe_experts:
+            kwargs["padding_mask"] = _stage_padding_mask(stage, padding_mask(mb, mb["input_ids"].shape[1]))
         output = stage(input_ids, position_ids, None, **kwargs)
 
         def loss_func(out):
@@ -104,6 +110,18 @@ def run_microbatches(model: torch.nn.Module | list[torch.nn.Module], micro_batch
         micro_batch_size=b,
         forward_only=forward_only,
     )
+
+
+def _stage_padding_mask(stage, mask: torch.Tensor) -> torch.Tensor:
+    """``mask [b, s]`` for ``stage``: megatron's first stage splits it over TP under sequence parallelism
+    itself, a later stage (whose MoE layers see ``s / tp`` tokens) is given this TP rank's share."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_attr_wrapped_model
+
+    if not stage.config.sequence_parallel or get_attr_wrapped_model(stage, "pre_process"):
+        return mask
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    return mask.chunk(tp, dim=1)[rank].contiguous()
 
 
 def packed_seq_params(cu_seqlens: torch.Tensor, width: int):

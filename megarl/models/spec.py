@@ -113,6 +113,7 @@ class ModelSpec:
         shared_expert_ffn_hidden_size: the width of Qwen2-MoE's shared expert (0: none).
         moe_norm_topk_prob: the top-k scores are renormalised to sum to 1 (Mixtral: always).
         moe_aux_loss_coef: the load-balancing loss coefficient (``router_aux_loss_coef``).
+        moe_z_loss_coef: the router z-loss coefficient (``router_z_loss_coef``; 0: none).
     """
 
     family: str
@@ -138,6 +139,7 @@ class ModelSpec:
     shared_expert_ffn_hidden_size: int = 0
     moe_norm_topk_prob: bool = True
     moe_aux_loss_coef: float = 0.0
+    moe_z_loss_coef: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -368,6 +370,8 @@ class ModelSpec:
             kwargs.update(sliding_window=self.sliding_window)
         if self.is_moe:
             kwargs.update(num_experts_per_tok=self.moe_top_k, router_aux_loss_coef=self.moe_aux_loss_coef)
+            if self.moe_z_loss_coef:
+                kwargs.update(router_z_loss_coef=self.moe_z_loss_coef)
         if self.family == "mixtral":
             kwargs.update(num_local_experts=self.num_experts, intermediate_size=self.moe_ffn_hidden_size)
         if self.family in ("qwen3_moe", "qwen2_moe"):
@@ -409,6 +413,7 @@ def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
         shared_expert_ffn_hidden_size=int(cfg.get("shared_expert_intermediate_size") or 0),
         moe_norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
         moe_aux_loss_coef=float(cfg.get("router_aux_loss_coef") or 0.0),
+        moe_z_loss_coef=float(cfg.get("router_z_loss_coef") or 0.0),
     )
 
 

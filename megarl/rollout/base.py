@@ -101,6 +101,9 @@ class Sample:
         adapter_version: the version (step) of the LoRA adapters it was sampled with, merged into the weights
             or applied by the engine's LoRA layers (the engine's ``adapter_version`` when the request started);
             None without LoRA.
+        routed_experts: ``[prompt + response tokens - 1, layers, top_k]`` int16, the experts each token of the
+            prompt and the response (all but the last) was routed to in each MoE layer, by an engine that records
+            them (the transformers engine, for an MoE model: :mod:`megarl.models.router_replay`); else None.
     """
 
     prompt_index: int
@@ -109,6 +112,7 @@ class Sample:
     logprobs: torch.Tensor
     finish_reason: FinishReason
     adapter_version: int | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

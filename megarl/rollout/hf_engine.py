@@ -7,7 +7,9 @@ built once from the :class:`~megarl.models.spec.ModelSpec`; its weights arrive o
 cache (``DynamicCache``): prompts are left-padded into micro-batches of at most ``max_batch_size`` rows (one
 row per sample, rows sorted by prompt length to limit padding), prefilled in one forward, then decoded one
 token per forward; a row that samples an EOS/stop token or reaches its length limit leaves the batch (its
-KV-cache rows are dropped). Token selection and log-prob semantics: :mod:`megarl.rollout.sampler`.
+KV-cache rows are dropped). Token selection and log-prob semantics: :mod:`megarl.rollout.sampler`. An MoE
+model's samples carry the top-k experts each token was routed to (:attr:`~megarl.rollout.base.Sample.
+routed_experts`, recorded by :class:`~megarl.models.router_replay.EngineRouteRecorder` during prefill and decode).
 
 Request by request (:class:`~megarl.rollout.base.RequestEngine`, multi-turn episodes): :meth:`HFRolloutEngine.
 add_request` queues a request and :meth:`HFRolloutEngine.step` generates every request queued since the last
@@ -18,6 +20,7 @@ never for the other episodes' tools. No KV cache is kept between requests (every
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any, Iterable, Sequence
@@ -25,6 +28,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from megarl.models.layout import Layout, hf_layout, local_views
+from megarl.models.router_replay import EngineRouteRecorder
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.rollout.base import (
     Completion,
@@ -79,6 +83,7 @@ class HFRolloutEngine:
             raise SpecError(f"the transformers model's parameters differ from the canonical tensors of the spec "
                             f"(name, shape) in one but not the other: {diff[:6]}")
         self._shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        self._routes = EngineRouteRecorder(self.model, spec) if spec.is_moe else None
         self.calls = 0
         self.adapter_version: int | None = None
         self._has_weights = False
@@ -159,7 +164,7 @@ class HFRolloutEngine:
         start = time.perf_counter()
         rows = sample_rows(len(prompts), sampling.n)
         by_length = sorted(range(len(rows)), key=lambda r: len(prompts[rows[r][0]]))
-        results: list[tuple[list[int], list[float], str] | None] = [None] * len(rows)
+        results: list[tuple[list[int], list[float], str, torch.Tensor | None] | None] = [None] * len(rows)
         with torch.inference_mode():
             for lo in range(0, len(by_length), self.max_batch_size):
                 batch = by_length[lo:lo + self.max_batch_size]
@@ -168,7 +173,8 @@ class HFRolloutEngine:
                 for r, out in zip(batch, outs):
                     results[r] = out
         samples = [Sample(prompt_offset + k, j, tuple(tokens), torch.tensor(logprobs, dtype=torch.float32), reason,
-                          self.adapter_version) for (k, j), (tokens, logprobs, reason) in zip(rows, results)]
+                          self.adapter_version, routes)
+                   for (k, j), (tokens, logprobs, reason, routes) in zip(rows, results)]
         return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingConfig,
@@ -205,13 +211,22 @@ class HFRolloutEngine:
                     outs = self._generate_batch([b[1] for b in batch], [b[3] for b in batch], batch[0][2],
                                                 limits=[b[2].max_new_tokens for b in batch])
                     done += [Completion(b[0], tuple(t), torch.tensor(lp, dtype=torch.float32), reason)
-                             for b, (t, lp, reason) in zip(batch, outs)]
+                             for b, (t, lp, reason, _) in zip(batch, outs)]
         return done
 
     def _generate_batch(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingConfig,
-                        limits: list[int] | None = None) -> list[tuple[list[int], list[float], str]]:
-        """Decode one micro-batch; returns ``(tokens, logprobs, finish reason)`` per row. ``limits``: each
-        row's ``max_new_tokens`` (default ``sampling.max_new_tokens`` for all)."""
+                        limits: list[int] | None = None
+                        ) -> list[tuple[list[int], list[float], str, torch.Tensor | None]]:
+        """Decode one micro-batch; returns ``(tokens, logprobs, finish reason, routes)`` per row, ``routes``
+        ``[prompt + response tokens - 1, layers, top_k]`` int16 for an MoE model (every token but the last
+        sampled one, which is never fed back), else None. ``limits``: each row's ``max_new_tokens`` (default
+        ``sampling.max_new_tokens`` for all)."""
+        recording = self._routes.recording() if self._routes is not None else contextlib.nullcontext()
+        with recording:
+            return self._decode(prompts, seeds, sampling, limits)
+
+    def _decode(self, prompts, seeds, sampling, limits):
+        """:meth:`_generate_batch`'s decode loop (inside the route recorder's hooks for an MoE model)."""
         from transformers import DynamicCache
 
         rows, width = len(prompts), max(len(p) for p in prompts)
@@ -233,6 +248,10 @@ class HFRolloutEngine:
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        routes = None
+        if self._routes is not None:  # per row, a list of [tokens, layers, top_k]: the prompt's, then each fed token's
+            prefill = self._routes.take(rows, width)
+            routes = [[prefill[i, width - len(p):]] for i, p in enumerate(prompts)]
         next_pos = positions[:, -1] + 1
         while True:
             picked, picked_lp = sample_tokens(logits, sampling, [generators[a] for a in active])
@@ -247,7 +266,8 @@ class HFRolloutEngine:
                 else:
                     keep.append(b)
             if not keep:
-                return [(tokens[i], logprobs[i], reasons[i]) for i in range(rows)]
+                return [(tokens[i], logprobs[i], reasons[i], None if routes is None else torch.cat(routes[i]))
+                        for i in range(rows)]
             if len(keep) < len(active):
                 index = torch.tensor(keep)
                 cache.batch_select_indices(index)
@@ -257,4 +277,8 @@ class HFRolloutEngine:
             logits = self.model(input_ids=picked.unsqueeze(1), attention_mask=mask,
                                 position_ids=next_pos.unsqueeze(1), past_key_values=cache,
                                 use_cache=True).logits[:, -1]
+            if routes is not None:
+                fed = self._routes.take(len(active), 1)
+                for b, a in enumerate(active):
+                    routes[a].append(fed[b])
             next_pos = next_pos + 1

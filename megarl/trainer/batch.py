@@ -13,6 +13,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from megarl.models.router_replay import ROUTES, routes_of_samples
+
 
 def response_index(prompt_lens: torch.Tensor, response_width: int, seq_len: int) -> torch.Tensor:
     """Label-frame positions of each response token: ``[B, R]`` int64, ``prompt_len - 1 + j`` (clamped to
@@ -46,7 +48,9 @@ class RolloutBatch:
         input_ids ``[B, S]`` int64 (prompt + response, right-padded), prompt_lens / response_lens ``[B]``
         int64, response_mask ``[B, R]`` float32 (1 on sampled response tokens, EOS included; 0 on padding and on a
         multi-turn episode's observation tokens), rollout_logprobs
-        ``[B, R]`` float32 (from the rollout engine), group ``[B]`` int64 (prompt index: GRPO/RLOO groups).
+        ``[B, R]`` float32 (from the rollout engine), group ``[B]`` int64 (prompt index: GRPO/RLOO groups);
+        with an MoE model's routes, routed_experts ``[B, S, layers, top_k]`` int16 (input frame,
+        :mod:`megarl.models.router_replay`).
     Added by the step: scores ``[B]``, old_logprobs, ref_logprobs, values, token_rewards, advantages,
     returns (``[B, R]`` float32).
     """
@@ -90,7 +94,8 @@ class RolloutBatch:
 def build_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                 rollout_logprobs: Sequence[torch.Tensor], groups: Sequence[int], *, pad_token_id: int,
                 seq_multiple: int = 8, meta: dict[str, list[Any]] | None = None,
-                response_masks: Sequence[Sequence[int]] | None = None) -> RolloutBatch:
+                response_masks: Sequence[Sequence[int]] | None = None,
+                routed_experts: Sequence[torch.Tensor | None] | None = None) -> RolloutBatch:
     """Pack prompt/response token lists into a :class:`RolloutBatch`.
 
     Args:
@@ -103,6 +108,8 @@ def build_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[i
             None: every response token is sampled. ``response_mask`` is 1 where both this and the length say so,
             so the losses, the KL and the advantages see sampled tokens only; ``response_lens`` counts every
             response token (what the sequences' lengths and packing need).
+        routed_experts: per sample, the engine's ``[tokens, layers, top_k]`` routes
+            (:attr:`~megarl.rollout.base.Sample.routed_experts`), into ``routed_experts`` (None: no routes).
     """
     b = len(prompts)
     if not (len(responses) == len(rollout_logprobs) == len(groups) == b):
@@ -128,4 +135,7 @@ def build_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[i
             mask[i, :len(m)] *= torch.as_tensor(list(m), dtype=torch.float32)
     tensors = {"input_ids": input_ids, "prompt_lens": p_lens, "response_lens": r_lens, "response_mask": mask,
                "rollout_logprobs": logprobs, "group": torch.as_tensor(list(groups), dtype=torch.int64)}
+    routes = routes_of_samples(routed_experts or [None], seq)
+    if routes is not None:
+        tensors[ROUTES] = routes
     return RolloutBatch(tensors, dict(meta or {}))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.config import PREPARED, Config, ConfigError
+from megarl.config import PREPARED, Config, ConfigError, require
 from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.template import DataError, PromptTemplate
 from megarl.models.checkpoint import source_spec
@@ -82,7 +82,7 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
 
     Raises:
         ConfigError: naming the field (``actor.parallel.tp``, ``actor.parallel.pp``, ``actor.parallel.vpp``,
-            ``actor.parallel.ep``, ``critic.parallel.tp``,
+            ``actor.parallel.ep``, ``actor.moe.router_replay``, ``critic.parallel.tp``,
             ``placement.reference_parallel.tp``, ``rollout.tp``, ``rollout.quantization``, ``rollout.max_model_len``,
             ``rollout.max_new_tokens``), what does not divide or
             fit, and the sizes that would; what megatron-core refuses to build or train
@@ -105,6 +105,8 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
         check_layout(spec, ParallelLayout(dp=ep, ep=ep))
     except SpecError as e:
         raise ConfigError(f"actor.parallel.ep: {e}") from None
+    require(spec.is_moe or not cfg.actor.moe.router_replay, "actor.moe.router_replay",
+            f"a {spec.family} model has no experts to route; set actor.moe.router_replay=false")
     check_megatron_build(cfg, spec)
     r = cfg.rollout
     if r.engine == "vllm":

@@ -264,6 +264,7 @@ class Trainer:
         # each role on its pool (at the same time where the pools are disjoint), then shared with every rank
         with t("old_logprobs"):
             old = self.actor.compute_logprobs(batch)["logprobs"] if self.actor else None
+            routing = self.actor.routing_agreement() if self.actor else None
         if "reference" in self.pools:
             with t("reference"):
                 ref = self.ref.compute_logprobs(batch)["logprobs"] if self.ref else None
@@ -285,7 +286,7 @@ class Trainer:
             kl_metrics = compute_advantages(batch, alg, self.kl_ctl)
             loss_metrics = set_loss_mask(batch, alg)
 
-        metrics: dict[str, Any] = {}
+        metrics: dict[str, Any] = dict(share_object(routing, self.pools["actor"].ranks, group=group))
         seed = cfg.run.seed * 7919 + self.step_idx
         if "critic" in self.pools:
             with t("critic_update"):
@@ -464,6 +465,7 @@ class Trainer:
         batch = build_batch([prompts.input_ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
                             [s.logprobs for s in samples], [s.prompt_index for s in samples],
                             pad_token_id=self.pad_id, seq_multiple=8 * self.mesh.tp * self.mesh.cp,
+                            routed_experts=[s.routed_experts for s in samples],
                             meta={"response": texts, "finish_reason": [s.finish_reason for s in samples],
                                   "index": [prompts.index[s.prompt_index] for s in samples]})
         assert len(batch) == len(prompts.input_ids) * n

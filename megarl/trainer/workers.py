@@ -40,7 +40,9 @@ from megarl.models.checkpoint import (adapters_only, as_chunks, chunk_parameters
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.lora import LoRASpec, adapters_disabled, finalize_with_partial_grads
 from megarl.models.megatron import build_model_chunks
+from megarl.models.moe_router import count_routing, global_batch_loss, needs_batch_stats, routers, routing_metrics
 from megarl.models.pipeline import broadcast_from_last_stage, run_microbatches
+from megarl.models.router_replay import ROUTES, RouteReplay
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
 from megarl.parallel.placement import PoolGroups
@@ -58,6 +60,7 @@ MODEL_INPUTS = ("input_ids", "prompt_lens", "response_mask")
 # (The default, "fully_sharded_model_space", builds flattened ShardedTensors that its torch_dist saver refuses.)
 OPTIMIZER_FORMAT = "fully_reshardable"
 LEGACY_OPTIMIZER_FORMAT = "dp_reshardable"
+FP16_INITIAL_LOSS_SCALE = 2.0 ** 16  # model.dtype float16: the dynamic loss scale's start (torch.amp.GradScaler's)
 
 
 def dp_share(batch: RolloutBatch, dp_rank: int, dp_size: int) -> RolloutBatch:
@@ -191,8 +194,17 @@ class MegatronWorker:
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay, adam_beta1=oc.betas[0],
             adam_beta2=oc.betas[1], adam_eps=oc.eps, clip_grad=oc.clip_grad, bf16=config.bf16, fp16=config.fp16,
-            params_dtype=config.params_dtype, use_distributed_optimizer=oc.distributed), ddps,
+            params_dtype=config.params_dtype, use_distributed_optimizer=oc.distributed,
+            # fp16's dynamic loss scale starts at torch.amp.GradScaler's 2**16: megatron's 2**32 overflowed the
+            # first updates (each then skipped) until halved 16 times; hysteresis and window stay megatron's
+            initial_loss_scale=FP16_INITIAL_LOSS_SCALE), ddps,
             pg_collection=self.pg_collection, use_gloo_process_groups=self.pg_collection is None)
+        # The schedule multiplies the last stage's loss by the optimizer's loss scale before the backward (1.0
+        # for bf16/fp32; fp16's dynamic scale, which the optimizer divides out of the gradients), as Megatron-LM's
+        # setup_model_and_optimizer sets it; without it fp16 gradients were 2**-32 of their size.
+        for chunk_config in {id(d.config): d.config for d in ddps}.values():
+            chunk_config.grad_scale_func = opt.scale_loss
+        self.fp16 = bool(config.fp16)
         # The scheduler is stepped after each update, so update k runs at its step k - 1. Megatron's warm-up
         # goes linearly from init_lr at step 0 to lr at step lr_warmup_steps: starting at lr / W and reaching
         # lr at step W - 1 makes update k (1-based) of the warm-up run at lr * k / W, none at 0.
@@ -293,7 +305,10 @@ class MegatronWorker:
         step each. With one mini-batch per epoch its rows keep the batch's order, so the first update's
         micro-batches are those of the log-prob pass (first-step exactness: the update's log-probs are the old
         ones bit for bit). An update whose loss or gradient is not finite does not step
-        (:meth:`_check_finite`).
+        (:meth:`_check_finite`). An MoE model with a load-balancing loss or z-loss first runs a forward pass
+        without gradients over each mini-batch, whose routing statistics make those losses the whole
+        mini-batch's (:mod:`megarl.models.moe_router`); their values join the step's metrics
+        (:func:`~megarl.models.moe_router.routing_metrics`).
 
         Args:
             loss_fn: ``(micro_batch, output, normalisers) -> (loss, metrics)``; ``normalisers`` holds the
@@ -315,8 +330,12 @@ class MegatronWorker:
             NonFiniteError: on every rank of the role's pool, when a micro-batch's loss or the gradient of a
                 mini-batch is not finite; the optimizer has not stepped on it.
         """
+        from megatron.core import parallel_state as ps
+
         rc = self.rc
         n_mini = len(batch) // rc.ppo_mini_batch_size
+        found = routers(self.model)
+        moe_names = ("response_lens",) if needs_batch_stats(found) else ()
         gen = torch.Generator().manual_seed(seed)
         history = []
         for chunk in self.chunks:
@@ -327,8 +346,15 @@ class MegatronWorker:
                 mini = batch.select(order[k * rc.ppo_mini_batch_size:(k + 1) * rc.ppo_mini_batch_size])
                 mask = mini[mask_name]
                 norms = {"global_tokens": float(mask.sum()), "global_seqs": float((mask.sum(-1) > 0).sum())}
-                micro, _ = self._micro_batches(mini, names, rc.micro_batch_size)
+                micro, _ = self._micro_batches(mini, names + moe_names, rc.micro_batch_size)
                 scale = len(micro) * self.dp_size  # the same number of micro-batches on every DP rank
+                moe_loss, moe_metrics = contextlib.nullcontext(), {}
+                if moe_names:  # the MoE aux loss and z-loss of the whole mini-batch (megarl.models.moe_router)
+                    stats = count_routing(found, functools.partial(
+                        run_microbatches, self.model, micro, lambda mb, out: (torch.zeros((), device=self.device), {}),
+                        forward_only=True, model_kwargs=model_kwargs), self.dp_group)
+                    moe_loss = global_batch_loss(found, stats, scale)
+                    moe_metrics = routing_metrics(found, stats, ps.get_pipeline_model_parallel_group())
 
                 def output_fn(mb, out):
                     loss, metrics = loss_fn(mb, out, norms)
@@ -340,12 +366,17 @@ class MegatronWorker:
                 for chunk in self.chunks:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                res = run_microbatches(self.model, micro, output_fn, forward_only=False, model_kwargs=model_kwargs)
+                with moe_loss:
+                    res = run_microbatches(self.model, micro, output_fn, forward_only=False,
+                                           model_kwargs=model_kwargs)
                 self._check_finite(res, len(micro), ("" if step is None else f"step {step}: ") + f"the {self.role}"
                                    f" update of mini-batch {k + 1}/{n_mini} (epoch {epoch + 1}/{epochs})")
                 lr = self.optimizer.param_groups[0]["lr"]  # what this update uses
-                _, grad_norm, _ = self.optimizer.step()
-                self.scheduler.step(increment=1)
+                stepped, grad_norm, _ = self.optimizer.step()
+                if stepped:  # fp16: an overflow of the scaled gradients skips the step (the scale halves)
+                    self.scheduler.step(increment=1)
+                else:
+                    self._check_loss_scale(step)
                 local = None
                 if res:
                     local = {k: sum(r.get(k, 0.0) for r in res) for k in sum_keys}
@@ -355,8 +386,12 @@ class MegatronWorker:
                 m.update(reduce_to_all(local, mean_keys, average_over=max(norms["global_tokens"], 1.0),
                                        group=self.pool_group))
                 m.update(reduce_to_all(local, list(max_keys), op=dist.ReduceOp.MAX, group=self.pool_group))
+                m.update(moe_metrics)
                 m["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
                 m["lr"] = lr
+                if self.fp16:
+                    m["loss_scale"] = float(self.optimizer.get_loss_scale())
+                    m["skipped_steps"] = 0.0 if stepped else 1.0
                 history.append(m)
         return history
 
@@ -381,8 +416,10 @@ class MegatronWorker:
         """
         n = max(n_micro, 1)
         bad = next(((i, r["loss"]) for i, r in enumerate(res) if not math.isfinite(r["loss"])), None)
-        sums = [buf.grad_data.sum() for chunk in self.chunks for buf in (*chunk.buffers,
-                                                                         *chunk.expert_parallel_buffers)]
+        # fp16 gradients are scaled by the dynamic loss scale, so an overflow there is the scaler's to handle
+        # (the step skipped, the scale halved: _check_loss_scale); its losses are tested as any others
+        sums = [] if self.fp16 else [buf.grad_data.sum() for chunk in self.chunks
+                                     for buf in (*chunk.buffers, *chunk.expert_parallel_buffers)]
         grad_ok = not sums or bool(torch.isfinite(torch.stack(sums).sum()))
         # MAX over the pool of big - position finds the first: the micro-batch (4 codes a place: + 1 NaN, + 2
         # inf, + 3 -inf, so that every rank can name the value) and the global rank; exact in float64
@@ -406,6 +443,23 @@ class MegatronWorker:
                              "those of the update before). Non-finite rollout log-probs and scores never reach "
                              "the loss (megarl.algos.nonfinite): look at the learning rate, the advantages and "
                              "the model's numerics (model.dtype)")
+
+    def _check_loss_scale(self, step: int | None) -> None:
+        """After an fp16 step that the optimizer skipped (its scaled gradients overflowed): nothing while the
+        dynamic loss scale can still be halved; at megatron's ``min_loss_scale`` (1.0) the gradient itself is not
+        finite, so the run stops as for bf16 and fp32 (:meth:`_check_finite`).
+
+        Raises:
+            NonFiniteError: the step was skipped at the smallest loss scale (the same on every rank: megatron's
+                optimizer all-reduces its overflow flag).
+        """
+        scale = float(self.optimizer.get_loss_scale())
+        if scale > 1.0:
+            return
+        raise NonFiniteError(f"{'' if step is None else f'step {step}: '}the {self.role} update: the fp16 gradient "
+                             f"is not finite at the smallest loss scale ({scale:g}); the optimizer did not step. "
+                             "Look at the learning rate, the advantages and the model's numerics (model.dtype: "
+                             "bfloat16 has fp32's range)")
 
     # ------------------------------------------------------------------ checkpoint state
     def sharded_state_dict(self, is_loading: bool = False,
@@ -529,11 +583,33 @@ def _unpermute(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
 
 
 class PolicyWorker(MegatronWorker):
-    """The actor (trainable) or the reference policy (frozen): per-token log-probs and the PPO update."""
+    """The actor (trainable) or the reference policy (frozen): per-token log-probs and the PPO update.
+
+    An MoE actor's passes read the batch's engine routes (``routed_experts``): :attr:`routes` replays them
+    (``rc.moe.router_replay``) and measures the routing agreement of the old-log-prob pass
+    (:meth:`routing_agreement`); None for a dense model and the reference policy.
+    """
 
     def __init__(self, *args, temperature: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.temperature = temperature
+        self.routes = (RouteReplay(self.chunks, replay=self.rc.moe.router_replay)
+                       if self.spec.is_moe and self.optimizer is not None else None)
+
+    def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int):
+        """:meth:`MegatronWorker._micro_batches`, with the batch's routes in each micro-batch, handed to
+        :attr:`routes` (which finds each micro-batch of the passes that follow by its ``input_ids``)."""
+        if self.routes is None:
+            return super()._micro_batches(batch, names, size)
+        micro, rows = super()._micro_batches(batch, names + ((ROUTES,) if ROUTES in batch else ()), size)
+        self.routes.queue(micro)
+        return micro, rows
+
+    def routing_agreement(self) -> dict[str, float]:
+        """The routing agreement between the engine and the old-log-prob passes since the last call
+        (:meth:`~megarl.models.router_replay.RouteReplay.agreement`, over the role's pool: every rank of it
+        calls); ``{}`` without routes."""
+        return self.routes.agreement(self.pool_group) if self.routes is not None else {}
 
     def _model_kwargs(self, with_entropy: bool) -> dict[str, Any] | None:
         """With ``kernels.chunked_logprob`` the model itself returns ``(logprobs, entropy)``, computed in chunks
@@ -572,7 +648,8 @@ class PolicyWorker(MegatronWorker):
             logp, ent = self._logprobs(mb, logits, with_entropy)
             return {"logprobs": logp, "entropy": ent} if with_entropy else {"logprobs": logp}
 
-        with contextlib.nullcontext() if adapters else adapters_disabled(self.chunks):
+        measure = self.routes.measuring() if self.routes is not None and adapters else contextlib.nullcontext()
+        with contextlib.nullcontext() if adapters else adapters_disabled(self.chunks), measure:
             return self.forward_response_frame(batch, fn, names, self._model_kwargs(with_entropy))
 
     def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int,
