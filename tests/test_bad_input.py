@@ -334,8 +334,9 @@ def test_a_job_started_by_torchrun_ends_a_config_error_in_one_line_per_rank(tmp_
 
 
 def test_eval_names_no_validation_switch_and_export_names_a_run_folders_checkpoint(run_cli, tmp_path):
-    """``validation.enabled`` means nothing to ``megarl eval``; a run folder given to export names its newest
-    checkpoint (``step_000010``, not ``step_000002``; never the partial ``step_000011.tmp``)."""
+    """``validation.enabled`` means nothing to ``megarl eval``; a run folder given to export names its
+    checkpoints newest first (``step_000010``, then ``step_000002``; never the partial ``step_000011.tmp``), here
+    each damaged (a ``megarl.json`` alone)."""
     status, err = run_cli(["eval", "default", "validation.files=[no/such.jsonl]", "data.prepare=null"])
     assert status == 2 and "validation.enabled" not in err, err
     run = tmp_path / "run"
@@ -344,7 +345,9 @@ def test_eval_names_no_validation_switch_and_export_names_a_run_folders_checkpoi
         (run / "checkpoints" / name / "megarl.json").write_text("{}")
     status, err = run_cli(["export", str(run), "out"])
     assert status == 2 and err.strip().endswith(
-        f"it is a run folder: name one of its checkpoints, e.g. the newest, {run / 'checkpoints/step_000010'}"), err
+        f"{run} is a run folder, not a model, and holds no sound checkpoint (step_000010 is damaged: "
+        "model/metadata.json is missing; step_000002 is damaged: model/metadata.json is missing): give a model (a "
+        "Hugging Face directory, a .gguf file or a megarl checkpoint)"), err
 
 
 def test_a_damaged_generation_config_is_named_with_its_line_and_column(tiny, tmp_path):

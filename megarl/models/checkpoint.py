@@ -154,6 +154,24 @@ def sound_checkpoint(run_dir: str | os.PathLike) -> tuple[Path | None, list[tupl
     return None, damaged
 
 
+def run_folder_as_model(path: str | os.PathLike) -> str | None:
+    """When ``path`` is a training run's folder (``runs/<name>``, given where a model or a checkpoint goes), the
+    one line that says so and names the checkpoint to give instead: the newest sound one (:func:`sound_checkpoint`)
+    and the newer ones passed over, each with its fault; None when ``path`` is no run folder."""
+    from megarl.output_folder import is_run_folder
+
+    if is_megarl_checkpoint(path) or not is_run_folder(path):
+        return None
+    sound, damaged = sound_checkpoint(path)
+    passed = "; ".join(f"{p.name} is damaged: {fault}" for p, fault in damaged)
+    if sound is not None:
+        return (f"{path} is a run folder, not a model: give one of its checkpoints, e.g. the newest sound one, "
+                f"{sound}" + (f" ({passed})" if passed else ""))
+    return (f"{path} is a run folder, not a model, and holds no sound checkpoint"
+            + (f" ({passed})" if passed else "") + ": give a model (a Hugging Face directory, a .gguf file or a "
+            "megarl checkpoint)")
+
+
 def _file_sizes(directory: Path) -> dict[str, int]:
     """Every file under ``directory`` (relative path, POSIX form) with its size in bytes."""
     return {f.relative_to(directory).as_posix(): f.stat().st_size for f in sorted(directory.rglob("*"))
@@ -170,10 +188,8 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     if not Path(path).exists():
         raise FileNotFoundError(f"{path} does not exist (expected a megarl checkpoint: a folder with {META_FILE})")
     if not f.is_file():
-        newest = latest_checkpoint(path)
-        hint = (f"it is a run folder: name one of its checkpoints, e.g. the newest, {newest}" if newest
-                else "convert a Hugging Face checkpoint with `megarl convert`")
-        raise FileNotFoundError(f"{path} is not a megarl checkpoint (no {META_FILE}); {hint}")
+        raise FileNotFoundError(run_folder_as_model(path) or f"{path} is not a megarl checkpoint (no {META_FILE}); "
+                                "convert a Hugging Face checkpoint with `megarl convert`")
     return read_json(f, CHECKPOINT_FIX)
 
 
