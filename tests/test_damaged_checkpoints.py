@@ -162,3 +162,22 @@ def test_a_run_folder_given_as_the_model_is_refused_naming_its_newest_sound_chec
     for line in refusals():
         assert f"the newest sound one, {run / 'checkpoints' / 'step_000001'} (step_000002 is damaged: model/" in line
     assert not (saved[0] / "exported").exists() and not (saved[0] / "other").exists()
+
+
+def test_a_checkpoint_without_rng_states_resumes_with_a_warning(saved):
+    """A checkpoint without ``ranks/rng_0.pt`` (an older or hand-made one: no ``files`` entry for it either): the
+    resume says in one line that the run will not reproduce the uninterrupted one, naming the checkpoint (it went
+    on without a word)."""
+    run = _copy(saved, "no-rng")
+    step2 = run / "checkpoints" / "step_000002"
+    shutil.rmtree(step2 / "ranks")
+    meta = json.loads((step2 / "megarl.json").read_text())
+    meta["files"] = {f: size for f, size in meta["files"].items() if not f.startswith("ranks/")}
+    (step2 / "megarl.json").write_text(json.dumps(meta))
+    r = _train(*saved, "no-rng", "trainer.steps=3", "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    warning = [x for x in r.stderr.splitlines() if "RNG" in x]
+    assert len(warning) == 1 and "WARNING" in warning[0], r.stderr[-3000:]
+    assert warning[0].endswith(f"the checkpoint {step2} holds no RNG states (ranks/rng_<rank>.pt: an older or "
+                               "hand-made checkpoint); the run goes on from the generators' seeds, so it will not "
+                               "reproduce the uninterrupted run"), warning[0]

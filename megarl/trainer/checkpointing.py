@@ -296,6 +296,9 @@ def resume(trainer) -> None:
     rng = ck.load_per_rank(path, "rng", trainer.rank) or ck.load_per_rank(path, "rng", 0)
     if rng is not None:
         set_rng_states(rng)
+    elif trainer.rank == 0:
+        log.warning("the checkpoint %s holds no RNG states (ranks/rng_<rank>.pt: an older or hand-made checkpoint); "
+                    "the run goes on from the generators' seeds, so it will not reproduce the uninterrupted run", path)
     trainer.step_idx = int(meta["step"])
     flight = meta.get("in_flight")  # the batches a rollout pool of its own had generated ahead
     if flight and trainer.split_rollout:
