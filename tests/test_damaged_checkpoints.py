@@ -181,3 +181,35 @@ def test_a_checkpoint_without_rng_states_resumes_with_a_warning(saved):
     assert warning[0].endswith(f"the checkpoint {step2} holds no RNG states (ranks/rng_<rank>.pt: an older or "
                                "hand-made checkpoint); the run goes on from the generators' seeds, so it will not "
                                "reproduce the uninterrupted run"), warning[0]
+
+
+def test_bytes_overwritten_at_the_same_size_are_named_when_the_load_fails(saved):
+    """64 bytes of a model tensor's item in the newest checkpoint overwritten, the file's size unchanged (the
+    checks before the load see nothing): ``megarl eval`` of it ends in one line naming the file, the tensor and
+    its bytes (status 2), and a resume passes it over for ``step_000001`` with a warning saying so (both ended in
+    an ``UnpicklingError`` traceback; a resume's on every rank, and ``--max-restarts`` ran it again)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = _copy(saved, "overwritten")
+    step2 = run / "checkpoints" / "step_000002"
+    index = FileSystemReader(str(step2 / "model")).read_metadata()
+    key, info = next((k, i) for k, i in index.storage_data.items() if k.fqn.startswith("embedding.")
+                     and "optimizer" not in k.fqn)
+    with open(step2 / "model" / info.relative_path, "r+b") as f:
+        f.seek(info.offset)
+        f.write(b"\xa5" * 64)
+    fault = (f"model/{info.relative_path}: {key.fqn} (bytes {info.offset}-{info.offset + info.length}) cannot be "
+             "read (UnpicklingError: ")
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "eval", str(step2), f"validation.files=[{saved[2]}]",
+                        "validation.num_prompts=2", "--out", str(saved[0] / "eval-overwritten")],
+                       capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"megarl: error: the checkpoint {step2} is damaged: {fault}"), r.stderr[-3000:]
+    r = _train(*saved, "overwritten", "trainer.steps=3", "--resume", "--max-restarts", "1")
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "restart 1/1" not in r.stderr, r.stderr[-3000:]
+    warning = [x for x in r.stderr.splitlines() if "WARNING" in x and "damaged" in x]
+    assert len(warning) == 1 and f"the checkpoint {step2} is damaged: {fault}" in warning[0], r.stderr[-3000:]
+    assert warning[0].endswith("resuming from the older step_000001 instead (the steps after it are trained again)")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed"]["checkpoint"] == str(run / "checkpoints" / "step_000001") and summary["steps"] == 3
