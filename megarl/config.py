@@ -11,6 +11,7 @@ All of this happens before any model is built, and every error names the field a
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import re
 from dataclasses import dataclass, field
@@ -1193,12 +1194,16 @@ def _load_yaml(path: str | os.PathLike):
 
     Raises:
         ConfigError: naming the file: not YAML, or not a mapping of sections.
+        FileFormatError: not UTF-8, naming the line and byte offset.
     """
     import yaml
     from omegaconf import DictConfig, OmegaConf
 
+    from megarl.textfiles import read_text
+
+    text = read_text(path)  # bytes that are not UTF-8: the line and offset named
     try:
-        layer = OmegaConf.load(path)
+        layer = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(layer, DictConfig):

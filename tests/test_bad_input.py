@@ -9,6 +9,7 @@ Model-dependent checks use the 2-layer, 4-head, 2-KV-head tiny Llama of :mod:`te
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,34 @@ def tiny(tmp_path_factory):
         (notoken / name).write_bytes((model / name).read_bytes())
     for name, text in {**YAML_FILES, **DATA_FILES}.items():
         (root / name).write_text(text)
+    for name, blob in BYTE_FILES.items():
+        (root / name).write_bytes(blob)
+    for name in TORN_JSON:  # a model folder with one JSON file cut short (the index: one the tiny model lacks)
+        shutil.copytree(model, root / f"torn-{name}")
+        (root / f"torn-{name}" / name).write_text(TORN_TEXT)
+    (root / "torn-ckpt").mkdir()  # a checkpoint whose megarl.json is cut short
+    (root / "torn-ckpt" / "megarl.json").write_text(TORN_TEXT)
+    _write_gguf(root / "whole.gguf")
+    blob = (root / "whole.gguf").read_bytes()
+    (root / "cut.gguf").write_bytes(blob[:len(blob) - 100])
+    (root / "header.gguf").write_bytes(blob[:40])
+    (root / "text.gguf").write_text("not a gguf file\n")
     return model, data, windowed
+
+
+def _write_gguf(path: Path) -> None:
+    """A GGUF file of two float32 tensors (16x64, then 64x64: 16 KiB at its end), written by the gguf library."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.ones((16, 64), dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight", np.ones((64, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def _started(*_, **__):
@@ -80,6 +108,13 @@ YAML_FILES = {"syntax.yaml": "actor: [1, 2\n", "list.yaml": "- 1\n- 2\n", "secti
 DATA_FILES = {"null_prompt.jsonl": '{"question": "a b", "ground_truth": "x"}\n{"question": null}\n',
               "no_answer.jsonl": '{"question": "a b", "ground_truth": "x"}\n{"question": "c d"}\n',
               "no_tokens.jsonl": '{"question": [{"role": "user", "content": ""}], "ground_truth": "x"}\n'}
+
+# files that are not what their name says: not UTF-8 (a Latin-1 e-acute, a 0xff), a text file named .parquet
+BYTE_FILES = {"latin1.yaml": b"trainer:\n  steps: 3\n# caf\xe9\n",
+              "latin1.jsonl": b'{"question": "a b", "ground_truth": "x"}\n{"question": "c \xff d", "ground_truth": "x"}\n',
+              "train.parquet": b"question,ground_truth\na b,x\n"}
+TORN_JSON = ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json")
+TORN_TEXT = '{\n  "vocab_size": 16,\n  "hidden_size": '  # cut short: a value expected at line 3, column 18
 
 # (argv, what the one error line must name); "TINY" marks a train command on the tiny model, "YAML:" a file
 CASES = [
@@ -174,6 +209,23 @@ CASES = [
     (["WINDOWED"], "model.path: sliding-window attention"),
     (["TINY", "model.path=NOTOKEN"], "model.tokenizer: no usable tokenizer in "),
     (["eval", "NOTOKEN"], "no usable tokenizer in "),
+    # files that are not UTF-8, not JSON, not parquet or not GGUF: the file, the place in it and the fix
+    (["train", "YAML:latin1.yaml"], "latin1.yaml: line 3 (byte offset 25) holds byte 0xe9, which is not UTF-8 text; "
+                                    "save the file as UTF-8"),
+    (["TINY", "data.train_files=[DATA:latin1.jsonl]"],
+     "data.train_files: DATA:latin1.jsonl: line 2 (byte offset 57) holds byte 0xff, which is not UTF-8 text"),
+    (["TINY", "data.train_files=[DATA:train.parquet]"], "data.train_files: DATA:train.parquet: not a parquet file"),
+    *[(["TINY", f"model.path=DATA:torn-{name}"],
+       f"DATA:torn-{name}/{name}: not valid JSON at line 3, column 18 (Expecting value); the file is damaged or cut "
+       "short: download or copy the model again") for name in TORN_JSON],
+    (["eval", "DATA:torn-ckpt"], "DATA:torn-ckpt/megarl.json: not valid JSON at line 3, column 18 (Expecting value); "
+                                 "the checkpoint is damaged"),
+    (["TINY", "model.path=DATA:text.gguf"], "DATA:text.gguf: not a GGUF file: it starts with b'not ', not the magic "
+                                            "bytes b'GGUF'"),
+    (["TINY", "model.path=DATA:cut.gguf"], "DATA:cut.gguf: 20604 bytes, but its tensor table places tensor "
+                                           "'blk.0.attn_q.weight' up to byte 20704; the file is cut short"),
+    (["TINY", "model.path=DATA:header.gguf"], "DATA:header.gguf: its GGUF header (metadata and tensor table) cannot "
+                                              "be read in its 40 bytes"),
     # command-line flags
     (["bench", "reshard", "--dst-tp", "2"], "--dst-tp"),
     (["bench", "reshard", "--src-tp", "2"], "--src-tp"),
@@ -282,8 +334,9 @@ def test_a_job_started_by_torchrun_ends_a_config_error_in_one_line_per_rank(tmp_
 
 
 def test_eval_names_no_validation_switch_and_export_names_a_run_folders_checkpoint(run_cli, tmp_path):
-    """``validation.enabled`` means nothing to ``megarl eval``; a run folder given to export names its newest
-    checkpoint (``step_000010``, not ``step_000002``; never the partial ``step_000011.tmp``)."""
+    """``validation.enabled`` means nothing to ``megarl eval``; a run folder given to export names its
+    checkpoints newest first (``step_000010``, then ``step_000002``; never the partial ``step_000011.tmp``), here
+    each damaged (a ``megarl.json`` alone)."""
     status, err = run_cli(["eval", "default", "validation.files=[no/such.jsonl]", "data.prepare=null"])
     assert status == 2 and "validation.enabled" not in err, err
     run = tmp_path / "run"
@@ -292,4 +345,20 @@ def test_eval_names_no_validation_switch_and_export_names_a_run_folders_checkpoi
         (run / "checkpoints" / name / "megarl.json").write_text("{}")
     status, err = run_cli(["export", str(run), "out"])
     assert status == 2 and err.strip().endswith(
-        f"it is a run folder: name one of its checkpoints, e.g. the newest, {run / 'checkpoints/step_000010'}"), err
+        f"{run} is a run folder, not a model, and holds no sound checkpoint (step_000010 is damaged: "
+        "model/metadata.json is missing; step_000002 is damaged: model/metadata.json is missing): give a model (a "
+        "Hugging Face directory, a .gguf file or a megarl checkpoint)"), err
+
+
+def test_a_damaged_generation_config_is_named_with_its_line_and_column(tiny, tmp_path):
+    """A cut-short ``generation_config.json`` (read by the ranks, for the EOS ids): the file, the place and the
+    fix, not the parser's ``Expecting value: line 3 column 18 (char 40)`` alone."""
+    from megarl.models.hf_io import read_generation_config
+    from megarl.textfiles import FileFormatError
+
+    model = shutil.copytree(tiny[0], tmp_path / "model")
+    (model / "generation_config.json").write_text(TORN_TEXT)
+    with pytest.raises(FileFormatError) as e:
+        read_generation_config(model)
+    assert str(e.value) == (f"{model}/generation_config.json: not valid JSON at line 3, column 18 (Expecting value); "
+                            "the file is damaged or cut short: download or copy the model again")

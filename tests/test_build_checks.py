@@ -78,3 +78,30 @@ def test_a_token_budget_below_one_row_is_a_warning(caplog):
     with caplog.at_level("WARNING", logger="megarl.parallel.placement"):
         validate_for_world(load_config(None, base + ["actor.max_tokens_per_micro_batch=128"]), 1)
     assert "max_tokens_per_micro_batch" not in caplog.text
+
+
+@pytest.mark.parametrize("overrides,world,warning", [
+    (["algorithm.policy_loss=gspo", "algorithm.clip_ratio_low=3e-4", "algorithm.clip_ratio_high=4e-4"], 1,
+     "algorithm.loss_agg_mode=token-mean with algorithm.policy_loss=gspo: GSPO's objective averages each sequence's "
+     "tokens, then the sequences; set algorithm.loss_agg_mode=seq-mean-token-mean"),
+    (["algorithm.policy_loss=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean"], 1,
+     "algorithm.clip_ratio_low=0.2 and algorithm.clip_ratio_high=0.2 with algorithm.policy_loss=gspo: PPO-sized "
+     "clip ranges (> 0.01) barely clip a sequence-level ratio; the GSPO paper uses clip_ratio_low=3e-4"),
+    (["actor.parallel.sequence_parallel=true"], 1,
+     "actor.parallel.sequence_parallel=true has no effect at tp=1"),
+    (["placement.pools.train=[0,1]", "placement.pools.gen=[2]", "placement.actor=train", "placement.rollout=gen",
+      "placement.reward=train", "placement.reference=train", "validation.enabled=false"], 4,
+     "placement.pools: ranks [3] of the world of 4 run no role"),
+])
+def test_settings_that_do_nothing_are_one_warning_naming_the_field(caplog, overrides, world, warning):
+    # accepted, as the ranks would accept them, but each said in one line (issue 33 item 10)
+    with caplog.at_level("WARNING", logger="megarl.parallel.placement"):
+        validate_for_world(load_config(None, overrides), world)
+    assert [r.getMessage() for r in caplog.records if warning in r.getMessage()] != [], caplog.text
+    assert len(caplog.records) == 1, caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megarl.parallel.placement"):  # the defaults: no warning
+        validate_for_world(load_config(None, ["algorithm.policy_loss=gspo", "algorithm.clip_ratio_low=3e-4",
+                                              "algorithm.clip_ratio_high=4e-4",
+                                              "algorithm.loss_agg_mode=seq-mean-token-mean"]), world)
+    assert caplog.records == [], caplog.text

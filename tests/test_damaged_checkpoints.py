@@ -134,3 +134,82 @@ def test_damaged_json_and_index_name_their_file(saved, caplog):
     distcp.unlink()
     assert checkpoint_fault(step2) == f"model/{distcp.name} is missing (model/.metadata places tensors in it)"
     assert f"model/{distcp.name}" in files
+
+
+def test_a_run_folder_given_as_the_model_is_refused_naming_its_newest_sound_checkpoint(saved, capsys):
+    """``runs/<name>`` as ``model.path`` (train, eval) or as the checkpoint to export: one line naming the newest
+    checkpoint that is sound, and the newer one passed over as damaged (it was ``unknown architecture:
+    model_type=None``: the run's own config.json read as a model's)."""
+    from megarl.cli import main
+
+    run = _copy(saved, "as-model")
+    argvs = [["train", *task_overrides(run, saved[2], saved[0] / "other", "x"), "--check"],
+             ["eval", str(run), "--check"], ["export", str(run), str(saved[0] / "exported")]]
+
+    def refusals():
+        out = []
+        for argv in argvs:
+            status = main(argv)
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert status == 2 and len(lines) == 1, lines
+            out.append(lines[0])
+        return out
+
+    for line in refusals():
+        assert line.endswith(f"{run} is a run folder, not a model: give one of its checkpoints, e.g. the newest "
+                             f"sound one, {run / 'checkpoints' / 'step_000002'}"), line
+    os.truncate(_distcp(run / "checkpoints" / "step_000002"), 10)
+    for line in refusals():
+        assert f"the newest sound one, {run / 'checkpoints' / 'step_000001'} (step_000002 is damaged: model/" in line
+    assert not (saved[0] / "exported").exists() and not (saved[0] / "other").exists()
+
+
+def test_a_checkpoint_without_rng_states_resumes_with_a_warning(saved):
+    """A checkpoint without ``ranks/rng_0.pt`` (an older or hand-made one: no ``files`` entry for it either): the
+    resume says in one line that the run will not reproduce the uninterrupted one, naming the checkpoint (it went
+    on without a word)."""
+    run = _copy(saved, "no-rng")
+    step2 = run / "checkpoints" / "step_000002"
+    shutil.rmtree(step2 / "ranks")
+    meta = json.loads((step2 / "megarl.json").read_text())
+    meta["files"] = {f: size for f, size in meta["files"].items() if not f.startswith("ranks/")}
+    (step2 / "megarl.json").write_text(json.dumps(meta))
+    r = _train(*saved, "no-rng", "trainer.steps=3", "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    warning = [x for x in r.stderr.splitlines() if "RNG" in x]
+    assert len(warning) == 1 and "WARNING" in warning[0], r.stderr[-3000:]
+    assert warning[0].endswith(f"the checkpoint {step2} holds no RNG states (ranks/rng_<rank>.pt: an older or "
+                               "hand-made checkpoint); the run goes on from the generators' seeds, so it will not "
+                               "reproduce the uninterrupted run"), warning[0]
+
+
+def test_bytes_overwritten_at_the_same_size_are_named_when_the_load_fails(saved):
+    """64 bytes of a model tensor's item in the newest checkpoint overwritten, the file's size unchanged (the
+    checks before the load see nothing): ``megarl eval`` of it ends in one line naming the file, the tensor and
+    its bytes (status 2), and a resume passes it over for ``step_000001`` with a warning saying so (both ended in
+    an ``UnpicklingError`` traceback; a resume's on every rank, and ``--max-restarts`` ran it again)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = _copy(saved, "overwritten")
+    step2 = run / "checkpoints" / "step_000002"
+    index = FileSystemReader(str(step2 / "model")).read_metadata()
+    key, info = next((k, i) for k, i in index.storage_data.items() if k.fqn.startswith("embedding.")
+                     and "optimizer" not in k.fqn)
+    with open(step2 / "model" / info.relative_path, "r+b") as f:
+        f.seek(info.offset)
+        f.write(b"\xa5" * 64)
+    fault = (f"model/{info.relative_path}: {key.fqn} (bytes {info.offset}-{info.offset + info.length}) cannot be "
+             "read (UnpicklingError: ")
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "eval", str(step2), f"validation.files=[{saved[2]}]",
+                        "validation.num_prompts=2", "--out", str(saved[0] / "eval-overwritten")],
+                       capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"megarl: error: the checkpoint {step2} is damaged: {fault}"), r.stderr[-3000:]
+    r = _train(*saved, "overwritten", "trainer.steps=3", "--resume", "--max-restarts", "1")
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "restart 1/1" not in r.stderr, r.stderr[-3000:]
+    warning = [x for x in r.stderr.splitlines() if "WARNING" in x and "damaged" in x]
+    assert len(warning) == 1 and f"the checkpoint {step2} is damaged: {fault}" in warning[0], r.stderr[-3000:]
+    assert warning[0].endswith("resuming from the older step_000001 instead (the steps after it are trained again)")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed"]["checkpoint"] == str(run / "checkpoints" / "step_000001") and summary["steps"] == 3

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from megarl.data.template import DataError, PromptTemplate
+from megarl.textfiles import not_utf8
 
 logger = logging.getLogger(__name__)
 
@@ -18,31 +19,40 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The rows of a ``.jsonl`` (one JSON object per non-empty line) or ``.parquet`` file, in file order.
 
     Raises:
-        DataError: a missing file, an unknown extension, or a jsonl line that is not a JSON object (with its
-            line number).
+        DataError: a missing file, an unknown extension, a ``.parquet`` file that is not one, or a jsonl line
+            that is not UTF-8 (with its line number and byte offset) or not a JSON object (with its line number).
     """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist (for GSM8K, write it with "
                         "`megarl data gsm8k --src DIR --out DIR`)")
     if path.suffix == ".parquet":
+        import pyarrow
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except pyarrow.ArrowInvalid as e:  # a text file named .parquet, a truncated one
+            raise DataError(f"{path}: not a parquet file ({' '.join(str(e).split())[:200]}); write it again, e.g. "
+                            "with `megarl data`, or give a .jsonl file") from None
     if path.suffix != ".jsonl":
         raise DataError(f"data file {str(path)!r}: unknown format {path.suffix!r}; use .jsonl or .parquet")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{line_no}: expected a JSON object per line, got {type(row).__name__}")
-            rows.append(row)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(not_utf8(path, data, e)) from None
+    for line_no, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{line_no}: expected a JSON object per line, got {type(row).__name__}")
+        rows.append(row)
     return rows
 
 

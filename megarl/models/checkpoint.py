@@ -22,6 +22,7 @@ resharding loader).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -43,10 +44,12 @@ from megarl.models.weights import fill_local_tensors, preset_reader
 from megarl.parallel.faults import fault_point
 from megarl.parallel.mesh import ParallelLayout
 from megarl.storage import STORAGE_ERRNOS, StorageError, describe, storage_cause, write_fault
+from megarl.textfiles import read_json
 
 log = logging.getLogger(__name__)
 
 META_FILE = "megarl.json"
+CHECKPOINT_FIX = "the checkpoint is damaged: restore the file, or use an older checkpoint"
 CHECKPOINT_PREFIX = "step_"  # a run's checkpoints: <run folder>/checkpoints/step_<N>
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,7 +81,11 @@ def run_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     a save that died is never one of them)."""
     found = [p for p in (Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*")
              if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name) and p.is_dir() and is_megarl_checkpoint(p)]
-    return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
+    return sorted(found, key=_step)
+
+
+def _step(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix(CHECKPOINT_PREFIX))
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
@@ -96,7 +103,7 @@ def checkpoint_fault(path: str | os.PathLike) -> str | None:
     check alone)."""
     path = Path(path)
 
-    def read_json(rel: str) -> tuple[Any, str | None]:
+    def parse_json(rel: str) -> tuple[Any, str | None]:
         try:
             return json.loads((path / rel).read_text()), None
         except FileNotFoundError:
@@ -106,7 +113,7 @@ def checkpoint_fault(path: str | os.PathLike) -> str | None:
         except OSError as e:
             return None, f"{rel} cannot be read ({describe(e)})"
 
-    meta, fault = read_json(META_FILE)
+    meta, fault = parse_json(META_FILE)
     if fault:
         return fault
     if not isinstance(meta, dict):
@@ -117,7 +124,7 @@ def checkpoint_fault(path: str | os.PathLike) -> str | None:
             return f"{rel} is missing"
         if (have := f.stat().st_size) != size:
             return f"{rel} has {have} bytes, {size} were written"
-    _, fault = read_json("model/metadata.json")
+    _, fault = parse_json("model/metadata.json")
     if fault:
         return fault
     from torch.distributed.checkpoint import FileSystemReader
@@ -140,16 +147,74 @@ def checkpoint_fault(path: str | os.PathLike) -> str | None:
     return None
 
 
-def sound_checkpoint(run_dir: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+class CheckpointDamagedError(ValueError):
+    """A checkpoint whose files passed :func:`checkpoint_fault` but did not load (bytes overwritten, the size
+    unchanged): ``path`` and ``fault``, in words naming the file, the tensor and the cause."""
+
+    def __init__(self, path: str | os.PathLike, fault: str):
+        super().__init__(f"the checkpoint {path} is damaged: {fault}; {CHECKPOINT_FIX}")
+        self.path, self.fault = Path(path), fault
+
+
+def _load_error(e: BaseException) -> str:
+    """A loader's error in one short phrase (torch's weights-only unpickler explains its default first)."""
+    text = (str(e).split("WeightsUnpickler error:")[-1].strip().splitlines() or ["no detail"])[0]
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+def read_fault(path: str | os.PathLike) -> str | None:
+    """The first item of a checkpoint's ``model/`` that does not load, in words naming its file, its tensor and
+    its bytes, or None when every item loads. Reads the whole checkpoint: called after a load failed, never
+    before."""
+    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+
+    folder = Path(path) / "model"
+    index = FileSystemReader(str(folder)).read_metadata()
+    for key, info in sorted(index.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+        with open(folder / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        tensor = isinstance(index.state_dict_metadata.get(key.fqn), TensorStorageMetadata)
+        try:
+            torch.load(io.BytesIO(blob), map_location="cpu", weights_only=tensor)
+        except Exception as e:  # noqa: BLE001 (overwritten bytes: UnpicklingError, RuntimeError, EOFError, ...)
+            return (f"model/{info.relative_path}: {key.fqn} (bytes {info.offset}-{info.offset + info.length}) "
+                    f"cannot be read ({_load_error(e)})")
+    return None
+
+
+def sound_checkpoint(run_dir: str | os.PathLike, below: Path | None = None
+                     ) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint of a run folder that :func:`checkpoint_fault` finds sound (None: none is), and the
-    newer ones found damaged, newest first, each with its fault."""
+    newer ones found damaged, newest first, each with its fault; with ``below``, among those older than it."""
     damaged: list[tuple[Path, str]] = []
-    for p in reversed(run_checkpoints(run_dir)):
+    found = run_checkpoints(run_dir)
+    if below is not None:
+        found = [p for p in found if _step(p) < _step(below)]
+    for p in reversed(found):
         fault = checkpoint_fault(p)
         if fault is None:
             return p, damaged
         damaged.append((p, fault))
     return None, damaged
+
+
+def run_folder_as_model(path: str | os.PathLike) -> str | None:
+    """When ``path`` is a training run's folder (``runs/<name>``, given where a model or a checkpoint goes), the
+    one line that says so and names the checkpoint to give instead: the newest sound one (:func:`sound_checkpoint`)
+    and the newer ones passed over, each with its fault; None when ``path`` is no run folder."""
+    from megarl.output_folder import is_run_folder
+
+    if is_megarl_checkpoint(path) or not is_run_folder(path):
+        return None
+    sound, damaged = sound_checkpoint(path)
+    passed = "; ".join(f"{p.name} is damaged: {fault}" for p, fault in damaged)
+    if sound is not None:
+        return (f"{path} is a run folder, not a model: give one of its checkpoints, e.g. the newest sound one, "
+                f"{sound}" + (f" ({passed})" if passed else ""))
+    return (f"{path} is a run folder, not a model, and holds no sound checkpoint"
+            + (f" ({passed})" if passed else "") + ": give a model (a Hugging Face directory, a .gguf file or a "
+            "megarl checkpoint)")
 
 
 def _file_sizes(directory: Path) -> dict[str, int]:
@@ -168,11 +233,9 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     if not Path(path).exists():
         raise FileNotFoundError(f"{path} does not exist (expected a megarl checkpoint: a folder with {META_FILE})")
     if not f.is_file():
-        newest = latest_checkpoint(path)
-        hint = (f"it is a run folder: name one of its checkpoints, e.g. the newest, {newest}" if newest
-                else "convert a Hugging Face checkpoint with `megarl convert`")
-        raise FileNotFoundError(f"{path} is not a megarl checkpoint (no {META_FILE}); {hint}")
-    return json.loads(f.read_text())
+        raise FileNotFoundError(run_folder_as_model(path) or f"{path} is not a megarl checkpoint (no {META_FILE}); "
+                                "convert a Hugging Face checkpoint with `megarl convert`")
+    return read_json(f, CHECKPOINT_FIX)
 
 
 def checkpoint_spec(path: str | os.PathLike) -> ModelSpec:
@@ -429,7 +492,14 @@ def _names_os_error(text: str) -> bool:
 def load_per_rank(directory: str | os.PathLike, name: str, rank: int) -> Any | None:
     """The ``per_rank`` object ``name`` that ``rank`` saved, or None (another world size, or none saved)."""
     f = Path(directory) / "ranks" / f"{name}_{rank}.pt"
-    return torch.load(f, weights_only=False) if f.is_file() else None
+    if not f.is_file():
+        return None
+    try:
+        return torch.load(f, weights_only=False)
+    except Exception as e:  # noqa: BLE001 (overwritten bytes)
+        if storage_cause(e):
+            raise
+        raise CheckpointDamagedError(directory, f"ranks/{f.name} cannot be read ({_load_error(e)})") from e
 
 
 def load_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict) -> dict:
@@ -437,11 +507,21 @@ def load_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict) -> d
 
     Raises:
         FileNotFoundError: not a megarl checkpoint.
+        CheckpointDamagedError: the load failed on an item that does not load (:func:`read_fault`, which each
+            rank runs after the failure: megatron's loader raises on every rank).
     """
     from megatron.core import dist_checkpointing
 
     read_meta(directory)
-    return dist_checkpointing.load(sharded_state_dict, str(Path(directory) / "model"))
+    try:
+        return dist_checkpointing.load(sharded_state_dict, str(Path(directory) / "model"))
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException" or storage_cause(e):
+            raise
+        fault = read_fault(directory)
+        if fault is None:  # not the files: the loader's own error
+            raise
+        raise CheckpointDamagedError(directory, fault) from e
 
 
 def model_meta(spec: ModelSpec, dtype: torch.dtype, tokenizer: str | None, *, use_te: bool = False,

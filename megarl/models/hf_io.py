@@ -21,6 +21,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from typing import Callable, Mapping
 import torch
 
 from megarl.models.spec import ModelSpec, SpecError
+from megarl.textfiles import FileFormatError, read_json
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,8 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     absolute, so a path recorded from it (a checkpoint's tokenizer) means the same from any working folder.
 
     Raises:
-        FileNotFoundError: naming the path and what was expected there.
+        FileNotFoundError: naming the path and what was expected there; for a training run's folder, the
+            checkpoint of it to give instead (:func:`~megarl.models.checkpoint.run_folder_as_model`).
     """
     if path is None or str(path) == "default":
         return default_model_path()
@@ -67,8 +70,14 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     if not p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} does not exist (expected a Hugging Face directory with "
                                 "config.json and *.safetensors, a .gguf file, or a megarl checkpoint)")
+    from megarl.models.checkpoint import run_folder_as_model  # it imports this module
+
+    if run := run_folder_as_model(p):
+        raise FileNotFoundError(run)
     return p.resolve()
 
+
+MODEL_FIX = "the file is damaged or cut short: download or copy the model again"
 
 _GGUF_CACHE_FORMAT = 1  # raise when what read_hf_config or load_tokenizer make of a GGUF file changes
 
@@ -123,7 +132,7 @@ def read_hf_config(path: str | os.PathLike | None) -> dict:
         raise FileNotFoundError(f"{p} is neither a .gguf file nor a directory")
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{p} has no config.json (a Hugging Face checkpoint directory needs one)")
-    return json.loads((p / "config.json").read_text())
+    return read_json(p / "config.json", MODEL_FIX)
 
 
 # llama.cpp architecture -> {GGUF metadata key: HF config key} that transformers' GGUF config mapping does not
@@ -134,6 +143,51 @@ _GGUF_MOE_KEYS = {
     "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
 }
+
+
+class _CutShort(Exception):
+    def __init__(self, end: int, tensor: str):
+        self.end, self.tensor = end, tensor
+
+
+def _read_gguf(path: Path):
+    """``gguf.GGUFReader(path)``, after checking what its errors do not say (``GGUF magic invalid``, ``cannot
+    reshape array of size 4071 into shape (64,64)``): that the file starts with the magic bytes ``GGUF`` and holds
+    every byte its tensor table places a tensor in (a download cut short).
+
+    Raises:
+        FileFormatError: naming the file, the bytes expected and the bytes found, and the fix.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise FileFormatError(f"{path}: not a GGUF file: it starts with {magic!r}, not the magic bytes b'GGUF'")
+
+    class SizeCheckingReader(GGUFReader):
+        def _build_tensors(self, start_offs, fields):  # the tensor table read: where each tensor's bytes end
+            end, tensor = start_offs, ""
+            for field in fields:
+                _, name, _, dims, raw_dtype, offset = field.parts
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
+                stop = start_offs + int(offset[0]) + math.prod(dims.tolist()) * type_size // block
+                if stop > end:
+                    end, tensor = stop, bytes(name).decode(errors="replace")
+            if size < end:
+                raise _CutShort(end, tensor)
+            super()._build_tensors(start_offs, fields)
+
+    cut = "the file is cut short or damaged: download or copy it again"
+    try:
+        return SizeCheckingReader(path)
+    except _CutShort as e:
+        raise FileFormatError(f"{path}: {size} bytes, but its tensor table places tensor {e.tensor!r} up to byte "
+                              f"{e.end}; {cut}") from None
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError) as e:  # the header itself ends early or is garbled
+        raise FileFormatError(f"{path}: its GGUF header (metadata and tensor table) cannot be read in its {size} "
+                              f"bytes ({type(e).__name__}: {' '.join(str(e).split())[:120]}); {cut}") from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -147,10 +201,9 @@ def _gguf_moe_config(path: Path) -> dict:
     Raises:
         SpecError: a Mixtral GGUF (llama.cpp's ``llama`` architecture with ``llama.expert_count`` experts):
             transformers reads it as a dense Llama and drops the experts.
+        FileFormatError: not a GGUF file, or one cut short (:func:`_read_gguf`).
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
+    reader = _read_gguf(path)
 
     def value(key):
         f = reader.get_field(key)
@@ -174,7 +227,7 @@ def read_generation_config(path: str | os.PathLike | None) -> dict | None:
     """
     p = resolve_model_path(path)
     f = p / "generation_config.json"
-    return json.loads(f.read_text()) if p.is_dir() and f.is_file() else None
+    return read_json(f, MODEL_FIX) if p.is_dir() and f.is_file() else None
 
 
 @dataclass
@@ -276,7 +329,7 @@ def _safetensors_index(directory: Path) -> dict[str, Path]:
 
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index, MODEL_FIX)["weight_map"]
         missing = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
         if missing:
             raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
@@ -329,7 +382,12 @@ def load_tokenizer(path: str | os.PathLike | None):
             tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
             _cache_put(cached, tokenizer.save_pretrained)
             return tokenizer
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # a damaged one named, not the parser's words
+            if (p / name).is_file():
+                read_json(p / name, MODEL_FIX)
         return AutoTokenizer.from_pretrained(str(p))
+    except FileFormatError:
+        raise
     except (OSError, ValueError, TypeError) as e:
         reason = " ".join(str(e).split())[:200]
         raise ValueError(f"no usable tokenizer in {p} ({reason}): a model folder needs tokenizer.json (or "

@@ -117,6 +117,39 @@ def role_layouts(cfg: Config, world_size: int) -> dict[str, RoleLayout]:
     return out
 
 
+GSPO_CLIP = 0.01  # above this a GSPO clip range is PPO-sized: GSPO clips a sequence's ratio, 3e-4 / 4e-4 in the paper
+
+
+def warn_ineffective(cfg: Config, layouts: dict[str, RoleLayout], world_size: int) -> None:
+    """Warn, one line each naming the field, about settings that the run accepts but that do not do what they
+    say: GSPO (the sequence-level ratio of Zheng et al. 2025, arXiv:2507.18071) with a loss aggregation other
+    than ``seq-mean-token-mean`` (its objective: each sequence's mean, then the mean over sequences) or with
+    clip ranges above :data:`GSPO_CLIP` (the paper's are 3e-4 and 4e-4: PPO's 0.2 leaves the sequence ratio
+    unclipped); ``sequence_parallel`` at ``tp=1`` (it shards over TP ranks: nothing to shard); placement pools
+    that leave ranks of the world to no role (they start, then wait through the run)."""
+    alg = cfg.algorithm
+    if alg.policy_loss == "gspo":
+        if alg.loss_agg_mode != "seq-mean-token-mean":
+            log.warning("algorithm.loss_agg_mode=%s with algorithm.policy_loss=gspo: GSPO's objective averages each "
+                        "sequence's tokens, then the sequences; set algorithm.loss_agg_mode=seq-mean-token-mean",
+                        alg.loss_agg_mode)
+        wide = {f: v for f in ("clip_ratio_low", "clip_ratio_high") if (v := getattr(alg, f)) > GSPO_CLIP}
+        if wide:
+            log.warning("algorithm.%s with algorithm.policy_loss=gspo: PPO-sized clip ranges (> %g) barely clip a "
+                        "sequence-level ratio; the GSPO paper uses clip_ratio_low=3e-4, clip_ratio_high=4e-4",
+                        " and algorithm.".join(f"{f}={v:g}" for f, v in wide.items()), GSPO_CLIP)
+    fields = {"actor.parallel": ("actor", cfg.actor.parallel), "critic.parallel": ("critic", cfg.critic.parallel),
+              "placement.reference_parallel": ("reference", cfg.placement.reference_parallel)}
+    for field_name, (role, p) in fields.items():  # a reference without a layout of its own has the actor's
+        if role in layouts and p is not None and p.sequence_parallel and layouts[role].tp == 1:
+            log.warning("%s.sequence_parallel=true has no effect at tp=1 (it shards activations over the tensor-"
+                        "parallel ranks); set it to false, or use tp > 1", field_name)
+    idle = sorted(set(range(world_size)) - {r for lay in layouts.values() for r in lay.ranks})
+    if idle:
+        log.warning("placement.pools: ranks %s of the world of %d run no role (placement.actor, .rollout, .reward, "
+                    "...); they wait through the run: give them to a pool or start fewer ranks", idle, world_size)
+
+
 def check_context_parallel(rc, role: str) -> None:
     """What context parallelism (``{role}.parallel.cp > 1``) runs with: the "sdpa" attention of the local
     spec (:mod:`kernels.context_parallel`; megatron's local attention has none), micro-batches of whole rows
@@ -263,6 +296,7 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
                         "it to at least %d", role, rc.max_tokens_per_micro_batch, longest, longest)
         check_context_parallel(rc, role)
         check_virtual_pipeline(cfg, rc, role, layouts[role])
+    warn_ineffective(cfg, layouts, world_size)
     for role in MEGATRON_ROLES:
         if role in layouts:
             lay = layouts[role]

@@ -130,11 +130,12 @@ def check_run_folder(cfg: Config, world_size: int) -> None:
 _warned: set[str] = set()  # damaged checkpoints this process has warned of (check_run_folder runs twice in one)
 
 
-def resumable_checkpoint(cfg: Config) -> Path:
+def resumable_checkpoint(cfg: Config, failed: ck.CheckpointDamagedError | None = None) -> Path:
     """The checkpoint a resume of ``cfg``'s run loads: its newest one whose files are sound
-    (:func:`megarl.models.checkpoint.sound_checkpoint`, checked before any rank loads it). Newer ones found
-    damaged are passed over with a warning naming the file and the cause (once per job: megarl's launcher
-    speaks for its ranks).
+    (:func:`megarl.models.checkpoint.sound_checkpoint`, checked before any rank loads it); after ``failed``, the
+    load of a checkpoint that did not load, the newest sound one older than it. Newer ones found damaged are
+    passed over with a warning naming the file and the cause (once per job: megarl's launcher speaks for its
+    ranks; a failed load, which only the ranks meet, rank 0 names).
 
     Raises:
         ConfigError: naming ``trainer.resume``, the damaged checkpoint, its file and the cause, when no sound
@@ -143,7 +144,8 @@ def resumable_checkpoint(cfg: Config) -> Path:
     """
     from megarl.parallel.lifecycle import started_by_megarl
 
-    path, damaged = ck.sound_checkpoint(cfg.run.run_dir)
+    path, damaged = ck.sound_checkpoint(cfg.run.run_dir, failed and failed.path)
+    damaged = [(failed.path, failed.fault), *damaged] if failed else damaged
     if path is None:
         newest, fault = damaged[0]
         older = (f"; the older ones are damaged too: " + ", ".join(f"{p.name} ({f})" for p, f in damaged[1:])
@@ -153,7 +155,7 @@ def resumable_checkpoint(cfg: Config) -> Path:
                           f"or start the run over without --resume after moving {cfg.run.run_dir / 'checkpoints'} "
                           "aside (or under another run.name)")
     for p, fault in damaged:
-        if str(p) not in _warned and not started_by_megarl():
+        if str(p) not in _warned and (failed and dist.get_rank() == 0 or not failed and not started_by_megarl()):
             log.warning("the checkpoint %s is damaged: %s; resuming from the older %s instead (the steps after it "
                         "are trained again)", p, fault, path.name)
         _warned.add(str(p))
@@ -291,13 +293,23 @@ def resume(trainer) -> None:
     engine's call counter (from the step) and, with a rollout pool of its own, the batches in flight
     (``trainer.in_flight``, for :func:`~megarl.trainer.loop.fit_split`). The LR
     schedule follows the current config from the checkpoint's update count on; what the config changed since
-    the checkpoint is logged and kept for the summary (``trainer.resumed``)."""
+    the checkpoint is logged and kept for the summary (``trainer.resumed``). A checkpoint that does not load
+    (bytes overwritten, its files' sizes unchanged) is passed over for the older sound one, with a warning
+    naming its file (:func:`resumable_checkpoint`); with none left, a ConfigError (status 2, never retried)."""
     path = resumable_checkpoint(trainer.cfg)  # the newest sound one (check_run_folder warned of damaged ones)
-    meta = ck.read_meta(path)
     trainer.reload()
-    with phase("resume"):
-        loaded = ck.load_checkpoint(path, _state(trainer, is_loading=True, optimizer_format=meta.get(
-            "optimizer_format", LEGACY_OPTIMIZER_FORMAT), chain_prefix=meta.get("optimizer_chain_prefix", True)))
+    while True:
+        meta = ck.read_meta(path)
+        try:
+            with phase("resume"):
+                loaded = ck.load_checkpoint(path, _state(trainer, is_loading=True, optimizer_format=meta.get(
+                    "optimizer_format", LEGACY_OPTIMIZER_FORMAT), chain_prefix=meta.get("optimizer_chain_prefix",
+                                                                                       True)))
+            # each rank's RNG states; a rank the checkpoint's world did not have takes rank 0's
+            rng = ck.load_per_rank(path, "rng", trainer.rank) or ck.load_per_rank(path, "rng", 0)
+            break
+        except ck.CheckpointDamagedError as e:
+            path = resumable_checkpoint(trainer.cfg, e)
     if trainer.actor is not None:
         trainer.actor.load_sharded_state(loaded["actor"])
         trainer.actor.resume_schedule(meta["actor_scheduler"]["num_steps"])
@@ -306,10 +318,11 @@ def resume(trainer) -> None:
         trainer.critic.resume_schedule(meta["critic_scheduler"]["num_steps"])
     trainer.loader.load_state_dict(meta["loader"])
     trainer.kl_ctl.load_state_dict(meta["kl_ctl"])
-    # each rank's RNG states; a rank the checkpoint's world did not have takes rank 0's
-    rng = ck.load_per_rank(path, "rng", trainer.rank) or ck.load_per_rank(path, "rng", 0)
     if rng is not None:
         set_rng_states(rng)
+    elif trainer.rank == 0:
+        log.warning("the checkpoint %s holds no RNG states (ranks/rng_<rank>.pt: an older or hand-made checkpoint); "
+                    "the run goes on from the generators' seeds, so it will not reproduce the uninterrupted run", path)
     trainer.step_idx = int(meta["step"])
     flight = meta.get("in_flight")  # the batches a rollout pool of its own had generated ahead
     if flight and trainer.split_rollout:

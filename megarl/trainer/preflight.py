@@ -57,7 +57,8 @@ def _model_source(cfg: Config) -> tuple[ModelSpec, str | None]:
         spec, _, tokenizer = source_spec(None if cfg.model.path == "default" else cfg.model.path)
     except (FileNotFoundError, SpecError) as e:
         hint = ""
-        if isinstance(e, FileNotFoundError) and "MODEL_PATH" not in os.environ:  # the GPU configs' default
+        if isinstance(e, FileNotFoundError) and "MODEL_PATH" not in os.environ \
+                and not os.path.exists(os.path.expanduser(str(cfg.model.path))):  # the GPU configs' default
             hint = ("; the GPU configs read model.path from $MODEL_PATH, which is not set: export MODEL_PATH=DIR "
                     "(a local Hugging Face directory) or give model.path=...")
         raise ConfigError(f"model.path: {e}{hint}") from None
