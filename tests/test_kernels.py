@@ -37,27 +37,35 @@ def _reldiff(a, b) -> float:
     return float((a - b).abs().max() / a.abs().max())
 
 
+def _output_layer_inputs(seed: int, b: int):
+    """Random hidden states ``[s=13, b, 16]``, this TP rank's shard of a ``[1024, 16]`` output layer (rows past
+    the vocabulary of 1000 zero) and labels ``[b, 13]``, from one generator (which goes on to draw more)."""
+    from megatron.core import parallel_state as ps
+
+    g = torch.Generator().manual_seed(seed)
+    s, h, vocab, padded = 13, 16, 1000, 1024
+    hidden = torch.randn(s, b, h, generator=g)
+    weight = torch.randn(padded, h, generator=g) * 0.5
+    weight[vocab:] = 0
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    v_local = padded // ps.get_tensor_model_parallel_world_size()
+    shard = weight[ps.get_tensor_model_parallel_rank() * v_local:][:v_local]
+    return g, hidden, shard, labels, vocab
+
+
 def _logprob_checks(tp: int) -> dict:
     """Chunked vs plain log-probs/entropy on random hidden states and an output-layer shard."""
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     from kernels.chunked_logprobs import chunked_logprobs
     from megarl.models.logprobs import vocab_parallel_logprobs
 
-    r = ps.get_tensor_model_parallel_rank()
-    g = torch.Generator().manual_seed(0)
-    s, b, h, vocab, padded = 13, 2, 16, 1000, 1024
-    hidden = torch.randn(s, b, h, generator=g)
-    weight = torch.randn(padded, h, generator=g) * 0.5
-    weight[vocab:] = 0
-    labels = torch.randint(0, vocab, (b, s), generator=g)
-    a, c = torch.randn(b, s, generator=g), torch.randn(b, s, generator=g)
-    v_local = padded // tp
+    g, hidden, shard, labels, vocab = _output_layer_inputs(0, 2)
+    a, c = torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g)
     out = {}
     for backend in ("plain", "torch", "triton"):
         x = hidden.clone().requires_grad_()
-        w = weight[r * v_local:(r + 1) * v_local].clone().requires_grad_()
+        w = shard.clone().requires_grad_()
         if backend == "plain":
             logits = torch.nn.functional.linear(copy_to_tensor_model_parallel_region(x), w).transpose(0, 1)
             lp, ent = vocab_parallel_logprobs(logits, labels, vocab_size=vocab, temperature=0.7, with_entropy=True)
@@ -74,27 +82,19 @@ def _positions_checks(tp: int) -> list[float]:
     """Chunked log-probs on chosen positions only (``positions``) against the plain path with the loss on the
     same positions: log-probs and entropy there, the hidden and weight gradients; the other positions' largest
     |log-prob| and |entropy| (0)."""
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     from kernels.chunked_logprobs import chunked_logprobs
     from megarl.models.logprobs import vocab_parallel_logprobs
     from megarl.trainer.batch import response_positions
 
-    r = ps.get_tensor_model_parallel_rank()
-    g = torch.Generator().manual_seed(1)
-    s, b, h, vocab, padded = 13, 3, 16, 1000, 1024
-    hidden = torch.randn(s, b, h, generator=g)
-    weight = torch.randn(padded, h, generator=g) * 0.5
-    weight[vocab:] = 0
-    labels = torch.randint(0, vocab, (b, s), generator=g)
-    keep = response_positions(torch.tensor([4, 9, 12]), 5, s)  # the last row's response runs past the end
-    a, c = torch.randn(b, s, generator=g) * keep, torch.randn(b, s, generator=g) * keep
-    v_local = padded // tp
+    g, hidden, shard, labels, vocab = _output_layer_inputs(1, 3)
+    keep = response_positions(torch.tensor([4, 9, 12]), 5, labels.shape[1])  # the last row's runs past the end
+    a, c = torch.randn(labels.shape, generator=g) * keep, torch.randn(labels.shape, generator=g) * keep
     out = {}
     for positions in (None, keep):
         x = hidden.clone().requires_grad_()
-        w = weight[r * v_local:(r + 1) * v_local].clone().requires_grad_()
+        w = shard.clone().requires_grad_()
         if positions is None:
             logits = torch.nn.functional.linear(copy_to_tensor_model_parallel_region(x), w).transpose(0, 1)
             lp, ent = vocab_parallel_logprobs(logits, labels, vocab_size=vocab, temperature=0.7, with_entropy=True)
