@@ -34,7 +34,7 @@ from typing import Iterable
 # what `megarl train` leaves in every run folder: its lock (taken before anything is written), the metrics of
 # its steps, its checkpoints (megarl.trainer.run_lock.LOCK_FILE, megarl.trainer.metrics, megarl.models.checkpoint)
 RUN_FOLDER_SIGNS = ("run.lock", "metrics.jsonl", "checkpoints")
-RUN_CHECKPOINTS = "checkpoints"
+RUN_CHECKPOINTS = "checkpoints"  # megarl.models.checkpoint.RUN_CHECKPOINTS (that module imports none of this one)
 
 
 class OutputFolderError(ValueError):

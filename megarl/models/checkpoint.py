@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 META_FILE = "megarl.json"
 CHECKPOINT_FIX = "the checkpoint is damaged: restore the file, or use an older checkpoint"
 CHECKPOINT_PREFIX = "step_"  # a run's checkpoints: <run folder>/checkpoints/step_<N>
+RUN_CHECKPOINTS = "checkpoints"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -79,7 +80,7 @@ def is_training_checkpoint(path: str | os.PathLike) -> bool:
 def run_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """A run folder's complete ``checkpoints/step_<N>`` checkpoints, oldest first (a ``step_<N>.tmp`` left by
     a save that died is never one of them)."""
-    found = [p for p in (Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*")
+    found = [p for p in (Path(run_dir) / RUN_CHECKPOINTS).glob(f"{CHECKPOINT_PREFIX}*")
              if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name) and p.is_dir() and is_megarl_checkpoint(p)]
     return sorted(found, key=_step)
 
@@ -200,12 +201,11 @@ def sound_checkpoint(run_dir: str | os.PathLike, below: Path | None = None
 
 
 def run_folder_as_model(path: str | os.PathLike) -> str | None:
-    """When ``path`` is a training run's folder (``runs/<name>``, given where a model or a checkpoint goes), the
+    """When ``path`` is a training run's folder (``runs/<name>`` with its ``checkpoints/``, given where a model or
+    a checkpoint goes: :func:`source_spec`, :func:`read_meta`), the
     one line that says so and names the checkpoint to give instead: the newest sound one (:func:`sound_checkpoint`)
     and the newer ones passed over, each with its fault; None when ``path`` is no run folder."""
-    from megarl.output_folder import is_run_folder
-
-    if is_megarl_checkpoint(path) or not is_run_folder(path):
+    if is_megarl_checkpoint(path) or not (Path(path) / RUN_CHECKPOINTS).is_dir():
         return None
     sound, damaged = sound_checkpoint(path)
     passed = "; ".join(f"{p.name} is damaged: {fault}" for p, fault in damaged)
@@ -634,7 +634,8 @@ def source_spec(source: str | os.PathLike | None) -> tuple[ModelSpec, torch.dtyp
     alone: no weight is loaded (a GGUF file is not dequantised).
 
     Raises:
-        SpecError: unknown preset or architecture. FileNotFoundError: a path that does not exist.
+        SpecError: unknown preset or architecture. FileNotFoundError: a path that does not exist, or a training
+            run's folder (naming its checkpoint to give instead: :func:`run_folder_as_model`).
     """
     if is_preset(source):
         from megarl.models.spec import preset
@@ -644,6 +645,8 @@ def source_spec(source: str | os.PathLike | None) -> tuple[ModelSpec, torch.dtyp
         meta = read_meta(source)
         return ModelSpec.from_hf_config(meta["hf_config"]), DTYPES[meta["dtype"]], meta.get("tokenizer")
     path = resolve_model_path(source)
+    if run := run_folder_as_model(path):
+        raise FileNotFoundError(run)
     if path.suffix == ".gguf":
         return ModelSpec.from_hf_config(read_hf_config(path)), torch.float32, str(path)
     ckpt = open_hf_checkpoint(path)

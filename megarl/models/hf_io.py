@@ -61,8 +61,7 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     absolute, so a path recorded from it (a checkpoint's tokenizer) means the same from any working folder.
 
     Raises:
-        FileNotFoundError: naming the path and what was expected there; for a training run's folder, the
-            checkpoint of it to give instead (:func:`~megarl.models.checkpoint.run_folder_as_model`).
+        FileNotFoundError: naming the path and what was expected there.
     """
     if path is None or str(path) == "default":
         return default_model_path()
@@ -70,10 +69,6 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     if not p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} does not exist (expected a Hugging Face directory with "
                                 "config.json and *.safetensors, a .gguf file, or a megarl checkpoint)")
-    from megarl.models.checkpoint import run_folder_as_model  # it imports this module
-
-    if run := run_folder_as_model(p):
-        raise FileNotFoundError(run)
     return p.resolve()
 
 
