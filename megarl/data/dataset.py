@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from megarl.data.template import DataError, PromptTemplate
-from megarl.textfiles import not_utf8
+from megarl.textfiles import FileFormatError, read_text
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +38,10 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     if path.suffix != ".jsonl":
         raise DataError(f"data file {str(path)!r}: unknown format {path.suffix!r}; use .jsonl or .parquet")
     rows = []
-    data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(not_utf8(path, data, e)) from None
+        text = read_text(path)
+    except FileFormatError as e:  # bytes that are not UTF-8, their line and offset named
+        raise DataError(str(e)) from None
     for line_no, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue

@@ -377,10 +377,13 @@ def load_tokenizer(path: str | os.PathLike | None):
             tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
             _cache_put(cached, tokenizer.save_pretrained)
             return tokenizer
-        for name in ("tokenizer.json", "tokenizer_config.json"):  # a damaged one named, not the parser's words
-            if (p / name).is_file():
-                read_json(p / name, MODEL_FIX)
-        return AutoTokenizer.from_pretrained(str(p))
+        try:
+            return AutoTokenizer.from_pretrained(str(p))
+        except Exception:
+            for name in ("tokenizer.json", "tokenizer_config.json"):  # a damaged one named, not the parser's words
+                if (p / name).is_file():
+                    read_json(p / name, MODEL_FIX)
+            raise
     except FileFormatError:
         raise
     except (OSError, ValueError, TypeError) as e:
