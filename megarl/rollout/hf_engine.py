@@ -5,9 +5,10 @@ built once from the :class:`~megarl.models.spec.ModelSpec`; its weights arrive o
 :meth:`HFRolloutEngine.update_weights`, as whole canonical (HF) tensors
 (:func:`megarl.models.layout.hf_layout`). Generation is a decode loop around the model's forward with a KV
 cache (``DynamicCache``): prompts are left-padded into micro-batches of at most ``max_batch_size`` rows (one
-row per sample, rows sorted by prompt length to limit padding), prefilled in one forward, then decoded one
-token per forward; a row that samples an EOS/stop token or reaches its length limit leaves the batch (its
-KV-cache rows are dropped). Token selection and log-prob semantics: :mod:`megarl.rollout.sampler`. An MoE
+row per sample, rows sorted by prompt length to limit padding), each distinct prompt of a micro-batch prefilled
+once in one forward (its KV-cache rows then copied to each of its samples), then decoded one token per forward;
+a row that samples an EOS/stop token or reaches its length limit leaves the batch (its KV-cache rows are
+dropped). Token selection and log-prob semantics: :mod:`megarl.rollout.sampler`. An MoE
 model's samples carry the top-k experts each token was routed to (:attr:`~megarl.rollout.base.Sample.
 routed_experts`, recorded by :class:`~megarl.models.router_replay.EngineRouteRecorder` during prefill and decode).
 
@@ -245,12 +246,20 @@ class HFRolloutEngine:
         logprobs: list[list[float]] = [[] for _ in prompts]
         reasons = [""] * rows
         active = list(range(rows))  # batch row -> prompt row
+        # each distinct prompt is prefilled once and its KV-cache rows copied to its samples (a prompt's n samples
+        # share them, as in vLLM's prefix cache: n times less prefill)
+        distinct: dict[tuple[int, ...], int] = {}
+        first = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])  # row -> prefill row
+        pick = [first.tolist().index(d) for d in range(len(distinct))]  # prefill row -> a row of its prompt
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+        logits = self.model(input_ids=input_ids[pick], attention_mask=mask[pick], position_ids=positions[pick],
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        if len(pick) < rows:
+            cache.batch_select_indices(first)
+            logits = logits[first]
         routes = None
         if self._routes is not None:  # per row, a list of [tokens, layers, top_k]: the prompt's, then each fed token's
-            prefill = self._routes.take(rows, width)
+            prefill = self._routes.take(len(pick), width)[first]
             routes = [[prefill[i, width - len(p):]] for i, p in enumerate(prompts)]
         next_pos = positions[:, -1] + 1
         while True:
