@@ -64,6 +64,7 @@ def _save_on_full_disks(rank: int, world: int, model_dir: str, out: str) -> list
         dist.barrier()
         results.append({"raised": raised, "entries": sorted(p.name for p in Path(out).parent.iterdir()),
                         "format": ck.read_meta(out)["format"]})
+        dist.barrier()  # every rank has looked before rank 0 starts the next save's ckpt.tmp
     return results
 
 
