@@ -22,22 +22,29 @@ CASES = [
 ]
 
 
+def update_batch(n: int):
+    """``n`` rows of a 3-token prompt and a 5-token response, with old log-probs and random advantages: the input
+    of an actor update on :data:`SPEC`."""
+    from megarl.trainer.batch import build_batch
+
+    g = torch.Generator().manual_seed(0)
+    batch = build_batch([[1, 2, 3]] * n, [torch.randint(4, 60, (5,), generator=g).tolist() for _ in range(n)],
+                        [torch.zeros(5)] * n, list(range(n)), pad_token_id=0)
+    batch["old_logprobs"] = torch.full(batch["response_mask"].shape, -4.0)
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=g)
+    return batch
+
+
 def _used_lrs(rank, world):
     """Per case: the LR each of the UPDATES updates used (read by a hook inside the optimizer's step) and the
     ``lr`` metric it reported."""
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, OptimConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.batch import build_batch
     from megarl.trainer.workers import PolicyWorker
 
     layout = ParallelLayout()
     initialize_model_parallel(layout)
-    g = torch.Generator().manual_seed(0)
-    n = 2 * UPDATES  # one update per mini-batch of 2
-    batch = build_batch([[1, 2, 3]] * n, [torch.randint(4, 60, (5,), generator=g).tolist() for _ in range(n)],
-                        [torch.zeros(5)] * n, list(range(n)), pad_token_id=0)
-    batch["old_logprobs"] = torch.full(batch["response_mask"].shape, -4.0)
-    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=g)
+    batch = update_batch(2 * UPDATES)  # one update per mini-batch of 2
     results = []
     for warmup, decay, _ in CASES:
         rc = ActorConfig(optim=OptimConfig(lr=LR, warmup_steps=warmup, decay=decay), micro_batch_size=2,
