@@ -1,6 +1,7 @@
 """Router replay (``actor.moe.router_replay``, issue 32): the transformers engine records the experts of every token
 it routes, and the actor's old-log-prob and update passes route those tokens to the same experts; the routing
-agreement metric (engine vs trainer, per layer) with replay on and off.
+agreement metric (engine vs trainer, per layer) with replay on and off. The same for the vLLM engine's routes,
+converted from vLLM 0.24's ``routed_experts`` as the fake vLLM (:mod:`tests.fake_vllm.vllm`) returns them.
 
 The trainer's routers are perturbed (noise on the router weights of the Megatron actor), so that without replay
 they choose other experts than the engine for a good share of the tokens and the checks can fail. What the
@@ -34,8 +35,9 @@ def _engine_routes_reference(engine, samples, prompts):
     return out
 
 
-def _engine_batch(model_dir):
-    """The engine's samples of :data:`PROMPTS` and their batch (routes, old log-probs, advantages)."""
+def _engine_batch(model_dir, engine_kind="hf"):
+    """The samples of :data:`PROMPTS` of an engine of ``engine_kind`` ("hf"; "vllm": the fake vLLM, recording
+    routes) and their batch (routes, old log-probs, advantages)."""
     from megarl.models.hf_io import open_hf_checkpoint
     from megarl.rollout.base import SamplingConfig, state_dict_writer
     from megarl.rollout.hf_engine import HFRolloutEngine
@@ -43,7 +45,15 @@ def _engine_batch(model_dir):
 
     hf = open_hf_checkpoint(model_dir)
     spec = hf.spec
-    engine = HFRolloutEngine(spec, max_batch_size=3)  # prompts of several lengths in batches: left padding
+    if engine_kind == "hf":
+        engine = HFRolloutEngine(spec, max_batch_size=3)  # prompts of several lengths in batches: left padding
+    else:
+        from tests.test_rollout_vllm_tp import _fake_vllm
+
+        _fake_vllm()
+        from megarl.rollout.vllm_engine import VLLMRolloutEngine
+
+        engine = VLLMRolloutEngine(spec, record_routes=True)
     engine.update_weights(state_dict_writer({n: hf.read(n) for n in hf.tensor_names}, engine.weight_layout([0]), 0))
     samples = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=6, seed=3)).samples
     batch = build_batch([PROMPTS[s.prompt_index] for s in samples], [s.token_ids for s in samples],
@@ -74,11 +84,15 @@ def _perturbed_actor(spec, layout, model_dir, rc):
 def _replay_world(rank, world, model_dir):
     """The engine's routes against an independent run of its model; then, for an actor with replay off and one
     with replay on, per layer the agreement of what its routers dispatched in the old-log-prob and update
-    passes, its metric, and the log-probs of packed micro-batches against padded ones."""
+    passes, its metric, and the log-probs of packed micro-batches against padded ones; the (fake) vLLM engine's
+    routes against an independent run of its model (bf16 weights), and the metric of an old-log-prob pass of
+    its batch."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, MoEConfig
+    from megarl.models.hf_io import open_hf_checkpoint
     from megarl.models.router_replay import ROUTES
+    from megarl.rollout.base import state_dict_writer
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
 
     layout = ParallelLayout()
@@ -90,6 +104,14 @@ def _replay_world(rank, world, model_dir):
                                      for s, r in zip(samples, reference)],
            "lengths": [(len(PROMPTS[s.prompt_index]) + len(s.token_ids) - 1, s.routed_experts.shape[0])
                        for s in samples]}
+    _, vllm_samples, vllm_batch = _engine_batch(model_dir, "vllm")
+    hf = open_hf_checkpoint(model_dir)
+    engine.update_weights(state_dict_writer({n: hf.read(n).bfloat16() for n in hf.tensor_names},
+                                            engine.weight_layout([0]), 0))  # the weights vLLM holds
+    out["vllm_vs_reference"] = [(s.routed_experts.dtype, s.routed_experts.shape[0],
+                                 len(PROMPTS[s.prompt_index]) + len(s.token_ids) - 1,
+                                 bool((s.routed_experts.long().sort(-1).values == r).all()))
+                                for s, r in zip(vllm_samples, _engine_routes_reference(engine, vllm_samples, PROMPTS))]
     mbs = 2
     used = []  # (layer, routing_map [s * b, experts]) of every router forward, in order
 
@@ -119,6 +141,8 @@ def _replay_world(rank, world, model_dir):
         padded = worker.compute_logprobs(batch)["logprobs"]
         old_pass = agreement_of_pass()
         metrics = worker.routing_agreement()
+        worker.compute_logprobs(vllm_batch)
+        vllm_metrics = worker.routing_agreement()
         other = {}  # micro-batches by token count: rows cut to the longest, or packed back to back
         for name, packing in (("trimmed", False), ("packed", True)):
             worker.rc = dataclasses.replace(rc, max_tokens_per_micro_batch=24, sequence_packing=packing)
@@ -127,7 +151,7 @@ def _replay_world(rank, world, model_dir):
         worker.rc = rc
         worker.update(batch, AlgorithmConfig(kl=KLConfig(coef=0.0)), seed=0)
         out[replay] = {"old_pass": old_pass, "update_pass": agreement_of_pass(), "metrics": metrics,
-                       "vs_padded": other}
+                       "vs_padded": other, "vllm": vllm_metrics}
     return out
 
 
@@ -153,6 +177,11 @@ def test_router_replay_routes_the_trainer_to_the_engine_experts(moe_model):
     assert max(on["vs_padded"].values()) < 1e-5, on["vs_padded"]
     # without, the perturbed routers choose otherwise for a good share of the tokens, and the metric says so
     assert max(off["old_pass"] + off["update_pass"]) < 0.9, off
+    # vLLM's routes (its format converted): int16, every token but the last, the experts of its model
+    assert all(v[:2] == (torch.int16, v[2]) and v[3] for v in res["vllm_vs_reference"]), res["vllm_vs_reference"]
+    assert on["vllm"] == {"moe/routing_agreement": 1.0, "moe/routing_agreement/layer_0": 1.0,
+                          "moe/routing_agreement/layer_1": 1.0}, on["vllm"]
+    assert off["vllm"]["moe/routing_agreement"] < 0.9, off["vllm"]
 
 
 def test_router_replay_refuses_what_it_cannot_replay():
@@ -160,8 +189,9 @@ def test_router_replay_refuses_what_it_cannot_replay():
     from megarl.models.spec import ModelSpec
     from megarl.trainer.preflight import validate_for_model
 
-    with pytest.raises(ConfigError, match=r"actor\.moe\.router_replay: needs the engine's routes.*vllm"):
-        load_config(None, ["rollout.engine=vllm", "actor.moe.router_replay=true"])
+    assert load_config(None, ["rollout.engine=vllm", "actor.moe.router_replay=true"]).actor.moe.router_replay
+    with pytest.raises(ConfigError, match=r"rollout\.model_runner: must be v1 or null with actor\.moe\.router_replay"):
+        load_config(None, ["rollout.engine=vllm", "rollout.model_runner=v2", "actor.moe.router_replay=true"])
     with pytest.raises(ConfigError, match=r"actor\.moe\.router_replay: with recompute and parallel\.pp > 1"):
         load_config(None, ["actor.moe.router_replay=true", "actor.recompute=true", "actor.parallel.pp=2"])
     with pytest.raises(ConfigError, match=r"critic\.moe\.router_replay"):
