@@ -81,14 +81,42 @@ def _perturbed_actor(spec, layout, model_dir, rc):
     return worker
 
 
+def record_dispatch(model: torch.nn.Module) -> list:
+    """Hooks on every megatron router of ``model``; the list they fill: ``(layer, routing_map [s * b, experts]
+    bool)`` of every router forward, in order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    used = []
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            m.register_forward_hook(lambda mod, args, o: used.append((mod.layer_number - 1, o[1].bool())))
+    return used
+
+
+def dispatch_agreement(used: list, routes: torch.Tensor, mbs: int) -> list[float]:
+    """Per layer, the share of the routed tokens whose dispatched experts (``used`` of :func:`record_dispatch`,
+    over every pass since the last call: an update may run a counting pass first, emptied here) are the
+    engine's ``routes [B, S, layers, top_k]``, for padded micro-batches of ``mbs`` rows in order."""
+    layers = routes.shape[2]
+    agree, total = [0] * layers, [0] * layers
+    for k, (layer, routing_map) in enumerate(used):
+        lo = (k // layers) % (len(routes) // mbs) * mbs
+        rows = routes[lo:lo + mbs].to(routing_map.device)  # [b, S, L, K]
+        engine_routes = rows.transpose(0, 1).reshape(-1, *rows.shape[2:])[:, layer].long()  # megatron's [s, b]
+        valid = engine_routes[:, 0] >= 0
+        engine_map = torch.zeros_like(routing_map).scatter_(1, engine_routes.clamp(min=0), True)
+        agree[layer] += int(((routing_map == engine_map).all(1) & valid).sum())
+        total[layer] += int(valid.sum())
+    used.clear()
+    return [a / n for a, n in zip(agree, total)]
+
+
 def _replay_world(rank, world, model_dir):
     """The engine's routes against an independent run of its model; then, for an actor with replay off and one
     with replay on, per layer the agreement of what its routers dispatched in the old-log-prob and update
     passes, its metric, and the log-probs of packed micro-batches against padded ones; the (fake) vLLM engine's
     routes against an independent run of its model (bf16 weights), and the metric of an old-log-prob pass of
     its batch."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, MoEConfig
     from megarl.models.hf_io import open_hf_checkpoint
     from megarl.models.router_replay import ROUTES
@@ -113,31 +141,16 @@ def _replay_world(rank, world, model_dir):
                                  bool((s.routed_experts.long().sort(-1).values == r).all()))
                                 for s, r in zip(vllm_samples, _engine_routes_reference(engine, vllm_samples, PROMPTS))]
     mbs = 2
-    used = []  # (layer, routing_map [s * b, experts]) of every router forward, in order
 
     def agreement_of_pass():
-        """Per layer, the share of the routed tokens whose dispatched experts are the engine's (over every
-        pass of the micro-batches since the last call: an update may run a counting pass first)."""
-        agree, total = [0] * spec.num_layers, [0] * spec.num_layers
-        for k, (layer, routing_map) in enumerate(used):
-            lo = (k // spec.num_layers) % (len(batch) // mbs) * mbs
-            rows = batch[ROUTES][lo:lo + mbs]  # [b, S, L, K]
-            engine_routes = rows.transpose(0, 1).reshape(-1, *rows.shape[2:])[:, layer].long()  # megatron's [s, b]
-            valid = engine_routes[:, 0] >= 0
-            engine_map = torch.zeros_like(routing_map).scatter_(1, engine_routes.clamp(min=0), True)
-            agree[layer] += int(((routing_map == engine_map).all(1) & valid).sum())
-            total[layer] += int(valid.sum())
-        used.clear()
-        return [a / n for a, n in zip(agree, total)]
+        return dispatch_agreement(used, batch[ROUTES], mbs)
 
     mask = batch["response_mask"].bool()
     for replay in (False, True):
         rc = ActorConfig(micro_batch_size=mbs, logprob_micro_batch_size=mbs, ppo_mini_batch_size=len(batch),
                          moe=MoEConfig(router_replay=replay))
         worker = _perturbed_actor(spec, layout, model_dir, rc)
-        for m in worker.model.modules():
-            if isinstance(m, TopKRouter):
-                m.register_forward_hook(lambda mod, args, o: used.append((mod.layer_number - 1, o[1].bool())))
+        used = record_dispatch(worker.model)
         padded = worker.compute_logprobs(batch)["logprobs"]
         old_pass = agreement_of_pass()
         metrics = worker.routing_agreement()
