@@ -80,13 +80,14 @@ def _check(rank, world):
     return r
 
 
-def test_router_replay_routes_the_actor_to_vllms_experts():
+def test_router_replay_routes_the_actor_to_vllms_experts(capsys):
     r = run_world(_check, 1)[0]
     on, off = r[True], r[False]
     for name, x in (("with replay", on), ("without replay", off)):
-        print(f"\nR3 vLLM {name}: routing agreement per layer {[round(a, 4) for a in x['dispatch']]} (metric "
-              f"{x['metrics']['moe/routing_agreement']:.4f}); rollout-vs-old log-prob |diff| mean "
-              f"{x['logprob_mean_diff']:.4f} max {x['logprob_max_diff']:.4f} over {r['tokens']} response tokens")
+        with capsys.disabled():  # the figures are printed without -s too
+            print(f"\nR3 vLLM {name}: routing agreement per layer {[round(a, 4) for a in x['dispatch']]} (metric "
+                  f"{x['metrics']['moe/routing_agreement']:.4f}); rollout-vs-old log-prob |diff| mean "
+                  f"{x['logprob_mean_diff']:.4f} max {x['logprob_max_diff']:.4f} over {r['tokens']} response tokens")
     # vLLM's routes: int16, one row per token but the last, every layer, top-8
     assert all(shape == (n, SPEC.num_layers, SPEC.moe_top_k) and dtype == torch.int16
                for shape, dtype, n in r["routes"]), r["routes"][:4]
