@@ -215,15 +215,25 @@ def test_router_replay_refuses_what_it_cannot_replay():
         validate_for_model(load_config(None, ["actor.moe.router_replay=true"]), dense)
 
 
+def _train_on_fake_vllm(rank, world, overrides):
+    from tests.rl_tasks import train_on_rank
+    from tests.test_rollout_vllm_tp import _fake_vllm
+
+    _fake_vllm()
+    return train_on_rank(rank, world, overrides)
+
+
 def test_router_replay_in_a_training_run(tmp_path):
-    """``megarl train`` with an MoE actor and ``actor.moe.router_replay=true``: the routes travel from the engine's
-    samples through the batch to the actor, and every step reports the routing agreement, 1 on every layer."""
-    from tests.rl_tasks import task_overrides, train_on_rank, write_prompts
+    """``megarl train`` with an MoE actor, ``actor.moe.router_replay=true`` and ``rollout.engine=vllm`` (the fake
+    vLLM; the transformers engine's samples carry their routes the same way): the config starts the engine
+    recording routes, they travel from its samples through the batch to the actor, and every step reports the
+    routing agreement, 1 on every layer."""
+    from tests.rl_tasks import task_overrides, write_prompts
 
     model = make_tiny_moe_model(tmp_path / "model")
     data = write_prompts(tmp_path / "prompts.jsonl", 16)
-    history = run_world(train_on_rank, 1, task_overrides(model, data, tmp_path / "runs", "replay") + [
-        "trainer.steps=2", "trainer.save_every=0", "data.prompts_per_step=2", "rollout.n=4",
+    history = run_world(_train_on_fake_vllm, 1, task_overrides(model, data, tmp_path / "runs", "replay") + [
+        "trainer.steps=2", "trainer.save_every=0", "data.prompts_per_step=2", "rollout.n=4", "rollout.engine=vllm",
         "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4", "actor.moe.router_replay=true"])[0]
     assert [h["step"] for h in history] == [1, 2]
     for h in history:
