@@ -254,9 +254,10 @@ class MoEConfig:
 
     Attributes:
         router_replay: router replay (R3): the trainer's old-log-prob and update passes route every token to
-            the experts the rollout engine routed it to (recorded by the transformers engine;
-            :mod:`megarl.models.router_replay`). Off: the trainer's routers choose for themselves. Either way
-            the routing agreement per layer is in the metrics (``moe/routing_agreement``).
+            the experts the rollout engine routed it to (recorded by the transformers engine, or by vLLM's
+            ``enable_return_routed_experts``; :mod:`megarl.models.router_replay`). Off: the trainer's routers
+            choose for themselves. The routing agreement per layer is in the metrics (``moe/routing_agreement``)
+            either way with the transformers engine, with replay on with vLLM (which records routes only then).
     """
 
     router_replay: bool = False
@@ -1114,9 +1115,9 @@ class Config:
                     "tools do not (use rollout data parallelism: engines of tp=1 on every rank)")
             require(not lora.enabled, "actor.lora.enabled", f"must be false: {not_yet}")
         if self.actor.moe.router_replay:
-            require(self.rollout.engine == "hf", "actor.moe.router_replay",
-                    f"needs the engine's routes, which rollout.engine={self.rollout.engine} does not record yet "
-                    "(the transformers engine does): set rollout.engine=hf or actor.moe.router_replay=false")
+            require(self.rollout.model_runner != "v2", "rollout.model_runner",
+                    "must be v1 or null with actor.moe.router_replay=true: vLLM 0.24's V2 model runner does not "
+                    "return the routed experts")
             require(not self.rollout.multi_turn.enabled, "actor.moe.router_replay",
                     "is not wired for rollout.multi_turn.enabled=true yet (an episode's turns are not recorded "
                     "together): set actor.moe.router_replay=false")

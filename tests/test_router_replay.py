@@ -1,6 +1,7 @@
 """Router replay (``actor.moe.router_replay``, issue 32): the transformers engine records the experts of every token
 it routes, and the actor's old-log-prob and update passes route those tokens to the same experts; the routing
-agreement metric (engine vs trainer, per layer) with replay on and off.
+agreement metric (engine vs trainer, per layer) with replay on and off. The same for the vLLM engine's routes,
+converted from vLLM 0.24's ``routed_experts`` as the fake vLLM (:mod:`tests.fake_vllm.vllm`) returns them.
 
 The trainer's routers are perturbed (noise on the router weights of the Megatron actor), so that without replay
 they choose other experts than the engine for a good share of the tokens and the checks can fail. What the
@@ -34,8 +35,9 @@ def _engine_routes_reference(engine, samples, prompts):
     return out
 
 
-def _engine_batch(model_dir):
-    """The engine's samples of :data:`PROMPTS` and their batch (routes, old log-probs, advantages)."""
+def _engine_batch(model_dir, engine_kind="hf"):
+    """The samples of :data:`PROMPTS` of an engine of ``engine_kind`` ("hf"; "vllm": the fake vLLM, recording
+    routes) and their batch (routes, old log-probs, advantages)."""
     from megarl.models.hf_io import open_hf_checkpoint
     from megarl.rollout.base import SamplingConfig, state_dict_writer
     from megarl.rollout.hf_engine import HFRolloutEngine
@@ -43,7 +45,15 @@ def _engine_batch(model_dir):
 
     hf = open_hf_checkpoint(model_dir)
     spec = hf.spec
-    engine = HFRolloutEngine(spec, max_batch_size=3)  # prompts of several lengths in batches: left padding
+    if engine_kind == "hf":
+        engine = HFRolloutEngine(spec, max_batch_size=3)  # prompts of several lengths in batches: left padding
+    else:
+        from tests.test_rollout_vllm_tp import _fake_vllm
+
+        _fake_vllm()
+        from megarl.rollout.vllm_engine import VLLMRolloutEngine
+
+        engine = VLLMRolloutEngine(spec, record_routes=True)
     engine.update_weights(state_dict_writer({n: hf.read(n) for n in hf.tensor_names}, engine.weight_layout([0]), 0))
     samples = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=6, seed=3)).samples
     batch = build_batch([PROMPTS[s.prompt_index] for s in samples], [s.token_ids for s in samples],
@@ -71,14 +81,46 @@ def _perturbed_actor(spec, layout, model_dir, rc):
     return worker
 
 
+def record_dispatch(model: torch.nn.Module) -> list:
+    """Hooks on every megatron router of ``model``; the list they fill: ``(layer, routing_map [s * b, experts]
+    bool)`` of every router forward, in order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    used = []
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            m.register_forward_hook(lambda mod, args, o: used.append((mod.layer_number - 1, o[1].bool())))
+    return used
+
+
+def dispatch_agreement(used: list, routes: torch.Tensor, mbs: int) -> list[float]:
+    """Per layer, the share of the routed tokens whose dispatched experts (``used`` of :func:`record_dispatch`,
+    over every pass since the last call: an update may run a counting pass first, emptied here) are the
+    engine's ``routes [B, S, layers, top_k]``, for padded micro-batches of ``mbs`` rows in order."""
+    layers = routes.shape[2]
+    agree, total = [0] * layers, [0] * layers
+    for k, (layer, routing_map) in enumerate(used):
+        lo = (k // layers) % (len(routes) // mbs) * mbs
+        rows = routes[lo:lo + mbs].to(routing_map.device)  # [b, S, L, K]
+        engine_routes = rows.transpose(0, 1).reshape(-1, *rows.shape[2:])[:, layer].long()  # megatron's [s, b]
+        valid = engine_routes[:, 0] >= 0
+        engine_map = torch.zeros_like(routing_map).scatter_(1, engine_routes.clamp(min=0), True)
+        agree[layer] += int(((routing_map == engine_map).all(1) & valid).sum())
+        total[layer] += int(valid.sum())
+    used.clear()
+    return [a / n for a, n in zip(agree, total)]
+
+
 def _replay_world(rank, world, model_dir):
     """The engine's routes against an independent run of its model; then, for an actor with replay off and one
     with replay on, per layer the agreement of what its routers dispatched in the old-log-prob and update
-    passes, its metric, and the log-probs of packed micro-batches against padded ones."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
+    passes, its metric, and the log-probs of packed micro-batches against padded ones; the (fake) vLLM engine's
+    routes against an independent run of its model (bf16 weights), and the metric of an old-log-prob pass of
+    its batch."""
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, MoEConfig
+    from megarl.models.hf_io import open_hf_checkpoint
     from megarl.models.router_replay import ROUTES
+    from megarl.rollout.base import state_dict_writer
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
 
     layout = ParallelLayout()
@@ -90,35 +132,30 @@ def _replay_world(rank, world, model_dir):
                                      for s, r in zip(samples, reference)],
            "lengths": [(len(PROMPTS[s.prompt_index]) + len(s.token_ids) - 1, s.routed_experts.shape[0])
                        for s in samples]}
+    _, vllm_samples, vllm_batch = _engine_batch(model_dir, "vllm")
+    hf = open_hf_checkpoint(model_dir)
+    engine.update_weights(state_dict_writer({n: hf.read(n).bfloat16() for n in hf.tensor_names},
+                                            engine.weight_layout([0]), 0))  # the weights vLLM holds
+    out["vllm_vs_reference"] = [(s.routed_experts.dtype, s.routed_experts.shape[0],
+                                 len(PROMPTS[s.prompt_index]) + len(s.token_ids) - 1,
+                                 bool((s.routed_experts.long().sort(-1).values == r).all()))
+                                for s, r in zip(vllm_samples, _engine_routes_reference(engine, vllm_samples, PROMPTS))]
     mbs = 2
-    used = []  # (layer, routing_map [s * b, experts]) of every router forward, in order
 
     def agreement_of_pass():
-        """Per layer, the share of the routed tokens whose dispatched experts are the engine's (over every
-        pass of the micro-batches since the last call: an update may run a counting pass first)."""
-        agree, total = [0] * spec.num_layers, [0] * spec.num_layers
-        for k, (layer, routing_map) in enumerate(used):
-            lo = (k // spec.num_layers) % (len(batch) // mbs) * mbs
-            rows = batch[ROUTES][lo:lo + mbs]  # [b, S, L, K]
-            engine_routes = rows.transpose(0, 1).reshape(-1, *rows.shape[2:])[:, layer].long()  # megatron's [s, b]
-            valid = engine_routes[:, 0] >= 0
-            engine_map = torch.zeros_like(routing_map).scatter_(1, engine_routes.clamp(min=0), True)
-            agree[layer] += int(((routing_map == engine_map).all(1) & valid).sum())
-            total[layer] += int(valid.sum())
-        used.clear()
-        return [a / n for a, n in zip(agree, total)]
+        return dispatch_agreement(used, batch[ROUTES], mbs)
 
     mask = batch["response_mask"].bool()
     for replay in (False, True):
         rc = ActorConfig(micro_batch_size=mbs, logprob_micro_batch_size=mbs, ppo_mini_batch_size=len(batch),
                          moe=MoEConfig(router_replay=replay))
         worker = _perturbed_actor(spec, layout, model_dir, rc)
-        for m in worker.model.modules():
-            if isinstance(m, TopKRouter):
-                m.register_forward_hook(lambda mod, args, o: used.append((mod.layer_number - 1, o[1].bool())))
+        used = record_dispatch(worker.model)
         padded = worker.compute_logprobs(batch)["logprobs"]
         old_pass = agreement_of_pass()
         metrics = worker.routing_agreement()
+        worker.compute_logprobs(vllm_batch)
+        vllm_metrics = worker.routing_agreement()
         other = {}  # micro-batches by token count: rows cut to the longest, or packed back to back
         for name, packing in (("trimmed", False), ("packed", True)):
             worker.rc = dataclasses.replace(rc, max_tokens_per_micro_batch=24, sequence_packing=packing)
@@ -127,7 +164,7 @@ def _replay_world(rank, world, model_dir):
         worker.rc = rc
         worker.update(batch, AlgorithmConfig(kl=KLConfig(coef=0.0)), seed=0)
         out[replay] = {"old_pass": old_pass, "update_pass": agreement_of_pass(), "metrics": metrics,
-                       "vs_padded": other}
+                       "vs_padded": other, "vllm": vllm_metrics}
     return out
 
 
@@ -153,6 +190,11 @@ def test_router_replay_routes_the_trainer_to_the_engine_experts(moe_model):
     assert max(on["vs_padded"].values()) < 1e-5, on["vs_padded"]
     # without, the perturbed routers choose otherwise for a good share of the tokens, and the metric says so
     assert max(off["old_pass"] + off["update_pass"]) < 0.9, off
+    # vLLM's routes (its format converted): int16, every token but the last, the experts of its model
+    assert all(v[:2] == (torch.int16, v[2]) and v[3] for v in res["vllm_vs_reference"]), res["vllm_vs_reference"]
+    assert on["vllm"] == {"moe/routing_agreement": 1.0, "moe/routing_agreement/layer_0": 1.0,
+                          "moe/routing_agreement/layer_1": 1.0}, on["vllm"]
+    assert off["vllm"]["moe/routing_agreement"] < 0.9, off["vllm"]
 
 
 def test_router_replay_refuses_what_it_cannot_replay():
@@ -160,8 +202,9 @@ def test_router_replay_refuses_what_it_cannot_replay():
     from megarl.models.spec import ModelSpec
     from megarl.trainer.preflight import validate_for_model
 
-    with pytest.raises(ConfigError, match=r"actor\.moe\.router_replay: needs the engine's routes.*vllm"):
-        load_config(None, ["rollout.engine=vllm", "actor.moe.router_replay=true"])
+    assert load_config(None, ["rollout.engine=vllm", "actor.moe.router_replay=true"]).actor.moe.router_replay
+    with pytest.raises(ConfigError, match=r"rollout\.model_runner: must be v1 or null with actor\.moe\.router_replay"):
+        load_config(None, ["rollout.engine=vllm", "rollout.model_runner=v2", "actor.moe.router_replay=true"])
     with pytest.raises(ConfigError, match=r"actor\.moe\.router_replay: with recompute and parallel\.pp > 1"):
         load_config(None, ["actor.moe.router_replay=true", "actor.recompute=true", "actor.parallel.pp=2"])
     with pytest.raises(ConfigError, match=r"critic\.moe\.router_replay"):
@@ -172,15 +215,25 @@ def test_router_replay_refuses_what_it_cannot_replay():
         validate_for_model(load_config(None, ["actor.moe.router_replay=true"]), dense)
 
 
+def _train_on_fake_vllm(rank, world, overrides):
+    from tests.rl_tasks import train_on_rank
+    from tests.test_rollout_vllm_tp import _fake_vllm
+
+    _fake_vllm()
+    return train_on_rank(rank, world, overrides)
+
+
 def test_router_replay_in_a_training_run(tmp_path):
-    """``megarl train`` with an MoE actor and ``actor.moe.router_replay=true``: the routes travel from the engine's
-    samples through the batch to the actor, and every step reports the routing agreement, 1 on every layer."""
-    from tests.rl_tasks import task_overrides, train_on_rank, write_prompts
+    """``megarl train`` with an MoE actor, ``actor.moe.router_replay=true`` and ``rollout.engine=vllm`` (the fake
+    vLLM; the transformers engine's samples carry their routes the same way): the config starts the engine
+    recording routes, they travel from its samples through the batch to the actor, and every step reports the
+    routing agreement, 1 on every layer."""
+    from tests.rl_tasks import task_overrides, write_prompts
 
     model = make_tiny_moe_model(tmp_path / "model")
     data = write_prompts(tmp_path / "prompts.jsonl", 16)
-    history = run_world(train_on_rank, 1, task_overrides(model, data, tmp_path / "runs", "replay") + [
-        "trainer.steps=2", "trainer.save_every=0", "data.prompts_per_step=2", "rollout.n=4",
+    history = run_world(_train_on_fake_vllm, 1, task_overrides(model, data, tmp_path / "runs", "replay") + [
+        "trainer.steps=2", "trainer.save_every=0", "data.prompts_per_step=2", "rollout.n=4", "rollout.engine=vllm",
         "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4", "actor.moe.router_replay=true"])[0]
     assert [h["step"] for h in history] == [1, 2]
     for h in history:

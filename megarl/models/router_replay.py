@@ -16,7 +16,8 @@ engine routed nothing (that last token, padding).
 
 Engine side (transformers, :class:`EngineRouteRecorder`): forward hooks on each layer's router module
 (``mlp.gate``; Mixtral ``block_sparse_moe.gate``), whose third output is the top-k expert ids the HF block
-dispatches with. Trainer side (:class:`RouteReplay`): megatron-core 0.19's own ``RouterReplay``
+dispatches with; vLLM returns the same rows itself (``enable_return_routed_experts``, converted by
+:func:`megarl.rollout.vllm_engine.completion_routes`). Trainer side (:class:`RouteReplay`): megatron-core 0.19's own ``RouterReplay``
 (``megatron/core/transformer/moe/router_replay.py``), one per ``TopKRouter``, in its ``REPLAY_FORWARD`` action:
 the router takes the given top-k indices and gathers their scores (probabilities and gradients flow through
 the replayed experts' scores as usual). Tokens without a route are sent to experts ``0 .. top_k - 1``.

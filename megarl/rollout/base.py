@@ -103,7 +103,8 @@ class Sample:
             None without LoRA.
         routed_experts: ``[prompt + response tokens - 1, layers, top_k]`` int16, the experts each token of the
             prompt and the response (all but the last) was routed to in each MoE layer, by an engine that records
-            them (the transformers engine, for an MoE model: :mod:`megarl.models.router_replay`); else None.
+            them (the transformers engine, for an MoE model; vLLM with ``record_routes``:
+            :mod:`megarl.models.router_replay`); else None.
     """
 
     prompt_index: int

@@ -84,6 +84,26 @@ tensors (vLLM's LoRA layers cut their own TP shards in ``set_lora``), the worker
 ``LoRARequest`` with a new id per version (a request whose id is registered is served without reading
 ``lora_path``). Each sample records the version its request named.
 
+Router replay (``record_routes``, :mod:`megarl.models.router_replay`), read in vLLM 0.24.0's source: the engine
+starts with ``enable_return_routed_experts`` (``vllm/config/model.py``), and every finished ``CompletionOutput``
+carries ``routed_experts`` (``vllm/outputs.py``), a numpy array ``[prompt + response tokens - 1,
+num_hidden_layers, top_k]`` of expert ids, uint8 for <= 256 experts, else uint16 (``vllm/model_executor/layers/
+fused_moe/routed_experts_capturer.py``: ``RoutedExpertsManager``), row ``t`` token ``t`` of prompt + response,
+layer ``i`` the MoE runner of ``model.layers.i`` (``vllm/v1/worker/gpu_model_runner.py``:
+``_bind_routed_experts_capturer``), the top-k ids as the router's ``select_experts`` returned them. The output
+processor concatenates the request's chunks on finish (``vllm/v1/engine/output_processor.py``:
+``_new_completion_output``); the scheduler emits them (``vllm/v1/core/sched/scheduler.py``:
+``update_from_output``): at the step its prefill completes, the whole prompt's rows read back from the
+scheduler's buffer indexed by KV-cache slot (``RoutedExpertsManager.get(block_ids, num_prompt_tokens)``; prompt
+tokens found in the prefix cache get the routes stored when their block was computed, under the same weights:
+the engine drops the cache at every weight update), then one row per decode step, the token that step ran (the
+previous sampled token). The last sampled token is never run: that is megarl's ``Sample.routed_experts``
+exactly, converted to int16 (:func:`completion_routes`). vLLM refuses it with pipeline parallelism, context
+parallelism and KV connectors (megarl uses none) and its V2 model runner does not capture routes
+(``vllm/config/vllm.py``: ``_get_v2_model_runner_unsupported_features``; the config refuses
+``rollout.model_runner=v2``; vLLM's own choice falls back to V1). The request path (:meth:`VLLMRolloutEngine.
+add_request`) returns no routes: router replay is refused with multi-turn episodes (:mod:`megarl.config`).
+
 Memory: ``sleep(1)`` moves the weights to CPU and drops the KV cache; ``sleep(2)`` drops both. vLLM's
 ``CuMemAllocator`` keeps the virtual addresses, so the parameter tensors held here stay valid across sleeps.
 One engine per process: vLLM's parallel state is process-global.
@@ -278,10 +298,11 @@ def request_params(prompt: Sequence[int], sampling: SamplingConfig, *, context: 
                 seed=seed, logprobs=0, detokenize=False)
 
 
-def completion_to_sample(completion, prompt_index: int, sample_index: int, adapter_version: int | None = None
-                         ) -> Sample:
+def completion_to_sample(completion, prompt_index: int, sample_index: int, adapter_version: int | None = None,
+                         routes: torch.Tensor | None = None) -> Sample:
     """A :class:`~megarl.rollout.base.Sample` from a vLLM ``CompletionOutput`` (``token_ids``, ``logprobs``:
-    one ``{token id: Logprob}`` per token, ``finish_reason``), sampled with LoRA adapters ``adapter_version``.
+    one ``{token id: Logprob}`` per token, ``finish_reason``), sampled with LoRA adapters ``adapter_version``,
+    with its ``routes`` (:func:`completion_routes`; None: none recorded).
 
     Raises:
         RolloutError: a finish reason other than "stop" / "length" (an aborted or failed request), or
@@ -297,7 +318,25 @@ def completion_to_sample(completion, prompt_index: int, sample_index: int, adapt
         raise RolloutError(f"vLLM returned {len(logprobs)} log-probs for {len(tokens)} tokens (prompt "
                            f"{prompt_index} sample {sample_index})")
     values = torch.tensor([position[t].logprob for position, t in zip(logprobs, tokens)], dtype=torch.float32)
-    return Sample(prompt_index, sample_index, tokens, values, reason, adapter_version)
+    return Sample(prompt_index, sample_index, tokens, values, reason, adapter_version, routes)
+
+
+def completion_routes(completion, prompt_len: int, spec: ModelSpec) -> torch.Tensor:
+    """The :attr:`~megarl.rollout.base.Sample.routed_experts` of a finished vLLM ``CompletionOutput`` of a
+    ``prompt_len``-token prompt: its ``routed_experts`` (module docstring: ``[prompt_len + len(token_ids) - 1,
+    num_layers, moe_top_k]`` uint8/uint16, the same rows) as int16 (:data:`~megarl.models.router_replay.
+    ROUTES_DTYPE`).
+
+    Raises:
+        RolloutError: no routes (the engine was started without ``enable_return_routed_experts``) or routes of
+            another shape.
+    """
+    routes = completion.routed_experts
+    want = (prompt_len + len(completion.token_ids) - 1, spec.num_layers, spec.moe_top_k)
+    if routes is None or tuple(routes.shape) != want:
+        raise RolloutError(f"vLLM returned routed_experts of shape {None if routes is None else routes.shape}, "
+                           f"expected {want} (prompt + response tokens - 1, layers, top_k)")
+    return torch.from_numpy(routes.astype("int16"))
 
 
 def request_output_to_completion(output) -> Completion:
@@ -327,6 +366,8 @@ class VLLMRolloutEngine:
         seed: vLLM's global seed (it seeds Python's, numpy's and torch's global RNGs at construction).
         lora_rank: start vLLM's LoRA layers for adapters of this rank (module docstring); 0 = none.
         settings: the vLLM knobs of :class:`VLLMSettings` (default: vLLM's defaults, seeded requests, bf16).
+        record_routes: return every sample's routed experts (``Sample.routed_experts``; module docstring), for
+            router replay; an MoE model only.
 
     Attributes:
         spec: the model, with ``max_position_embeddings`` cut to ``max_model_len``: the context that prompts
@@ -337,10 +378,11 @@ class VLLMRolloutEngine:
         model: vLLM's model on this rank (its parameters are the engine's weights, written in place).
         calls: ``generate`` calls so far; part of every sample's seed, so a resumed run restores it.
         adapter_version: the LoRA adapters' version its weights (merged) or its LoRA layers hold; None without.
+        record_routes: whether samples carry their routed experts.
 
     Raises:
-        RolloutError: no CUDA device, bad sizes, a LoRA rank above vLLM's largest, or vLLM's TP group is not the
-            expected block of ranks.
+        RolloutError: no CUDA device, bad sizes, a LoRA rank above vLLM's largest, ``record_routes`` for a dense
+            model, or vLLM's TP group is not the expected block of ranks.
         SpecError: the model does not split at TP=``tp`` (:func:`~megarl.models.layout.check_vllm_tp`; with FP8
             :func:`~megarl.models.layout.check_vllm_fp8`), or vLLM's parameter names or shapes differ from
             :func:`~megarl.models.layout.vllm_rank_tensors`.
@@ -349,7 +391,7 @@ class VLLMRolloutEngine:
 
     def __init__(self, spec: ModelSpec, *, tp: int = 1, gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, max_model_len: int | None = None, seed: int = 0, lora_rank: int = 0,
-                 settings: VLLMSettings | None = None):
+                 settings: VLLMSettings | None = None, record_routes: bool = False):
         if not torch.cuda.is_available():
             raise RolloutError("the vLLM engine needs a CUDA GPU; use rollout.engine=hf on a CPU machine")
         if not 0 < gpu_memory_utilization <= 1:
@@ -365,13 +407,17 @@ class VLLMRolloutEngine:
             check_vllm_fp8(spec, tp)
         else:
             check_vllm_tp(spec, tp)
-        lora = {}
+        if record_routes and not spec.is_moe:
+            raise RolloutError(f"record_routes needs a mixture-of-experts model; a {spec.family} model routes no "
+                               "tokens")
+        self.record_routes = record_routes
+        extra = {"enable_return_routed_experts": True} if record_routes else {}
         if lora_rank:
             fits = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
             if not fits:
                 raise RolloutError(f"vLLM 0.24 serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, got {lora_rank}; use "
                                    "actor.lora.sync=merged")
-            lora = dict(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
+            extra.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
         init_distributed()
         rank, world = dist.get_rank(), dist.get_world_size()
         if world % tp:
@@ -387,7 +433,7 @@ class VLLMRolloutEngine:
         self.llm = vllm.LLM(**llm_kwargs(settings, model_dir=self._config_dir.name, context=context, seed=seed,
                                          enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization),
                             enable_sleep_mode=True, tensor_parallel_size=tp,
-                            distributed_executor_backend="external_launcher", **lora)
+                            distributed_executor_backend="external_launcher", **extra)
         group = get_tp_group().ranks
         first = rank - self.tp_rank
         if list(group) != list(range(first, first + tp)):
@@ -568,7 +614,9 @@ class VLLMRolloutEngine:
         request, version = self._lora_request, self.adapter_version  # one version for the whole call
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
                                     use_tqdm=False, lora_request=request) if rows else []
-        samples = [completion_to_sample(out.outputs[0], prompt_offset + k, j, version)
+        samples = [completion_to_sample(out.outputs[0], prompt_offset + k, j, version,
+                                        completion_routes(out.outputs[0], len(prompts[k]), self.spec)
+                                        if self.record_routes else None)
                    for (k, j), out in zip(rows, outputs)]
         return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)
 

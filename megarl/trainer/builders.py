@@ -87,7 +87,7 @@ def make_engine(cfg: Config, spec):
     """The rollout engine of ``rollout.engine``, without weights: transformers on this rank's CPU, or vLLM on
     its GPU (the trainer builds it after the Megatron roles, so its memory budget sees them on the GPU; its
     weights arrive by reshard from the actor's GPU shards). vLLM engines of ``rollout.tp`` consecutive ranks
-    each; prompts are split over the rollout data-parallel group
+    each, returning the samples' routed experts with ``actor.moe.router_replay``; prompts are split over the rollout data-parallel group
     (:func:`~megarl.rollout.data_parallel.rollout_dp_group`).
     """
     r = cfg.rollout
@@ -101,7 +101,7 @@ def make_engine(cfg: Config, spec):
     return VLLMRolloutEngine(spec, tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization,
                              enforce_eager=r.enforce_eager, max_model_len=r.max_model_len, seed=cfg.run.seed,
                              lora_rank=lora.rank if lora.enabled and lora.sync == "adapter" else 0,
-                             settings=VLLMSettings.from_config(r))
+                             settings=VLLMSettings.from_config(r), record_routes=cfg.actor.moe.router_replay)
 
 
 def rollout_layout(cfg: Config, spec: ModelSpec, ranks) -> Layout:

@@ -1,5 +1,5 @@
 """A fake ``vllm`` (0.24.0's surface that :mod:`megarl.rollout.vllm_engine` uses) for CPU tests of the data flow
-around vLLM engines of TP > 1 in a gloo world: no GPU, no model forward.
+around vLLM engines of TP > 1 in a gloo world: no GPU, no model forward (but for the routed experts, below).
 
 Like ``vllm.LLM(distributed_executor_backend="external_launcher")``, an :class:`LLM` joins the torch.distributed
 world as consecutive TP groups of ``tensor_parallel_size`` ranks and holds this rank's TP shard of every
@@ -21,6 +21,10 @@ prompt and seed, produced one token per ``step`` (so requests of different lengt
 under continuous batching), returned once finished with ``RequestOutputKind.FINAL_ONLY`` (all that megarl asks
 for), with ``num_cached_tokens``: the longest run of whole 16-token blocks of its prompt that an earlier request's
 prompt and output began with (vLLM's prefix cache hashes full blocks and always computes the last prompt token).
+
+With ``enable_return_routed_experts`` (an MoE model), :meth:`LLM.generate`'s completions carry vLLM's
+``routed_experts`` (:func:`fake_routes`): the experts that the transformers model of the assembled weights routes
+each token to.
 
 Its constructor takes the ``vllm.LLM`` keyword arguments megarl passes and nothing else (vLLM's ``EngineArgs``
 refuses unknown ones too), checks their types as vLLM's configs do, and, when config.json carries vLLM's
@@ -80,6 +84,7 @@ class CompletionOutput:
     token_ids: list
     logprobs: list
     finish_reason: str
+    routed_experts: Any = None  # numpy [prompt + response tokens - 1, layers, top_k] with enable_return_routed_experts
 
 
 @dataclass
@@ -117,6 +122,29 @@ def fake_completion(weights: int, prompt: list[int], params: SamplingParams, voc
             tokens, values, reason = tokens[:i + 1], values[:i + 1], "stop"
             break
     return CompletionOutput(tokens, [{t: Logprob(v)} for t, v in zip(tokens, values)], reason)
+
+
+def fake_routes(model, prompt: list[int], tokens: list[int], num_experts: int, top_k: int):
+    """vLLM 0.24.0's ``CompletionOutput.routed_experts`` of a finished request (``vllm/outputs.py``), with the
+    experts that ``model`` (the transformers model of the engine's weights) routes the sequence's tokens to,
+    teacher forced, top-k in descending score order like vLLM's ``select_experts``.
+
+    What vLLM returns: the output processor concatenates the request's chunks (``vllm/v1/engine/
+    output_processor.py``: ``_new_completion_output``, ``np.concatenate(self.routed_experts_chunks, axis=0)``), which
+    the scheduler emits (``vllm/v1/core/sched/scheduler.py``: ``update_from_output``) as the whole prompt's rows at
+    the step its prefill completes (``RoutedExpertsManager.get(block_ids, request.num_prompt_tokens)``), then one row
+    per decode step, that of the token the step ran (``routing_data[end - len(new_token_ids):end]``: the previous
+    sampled token; the last one is never run); ``[tokens, num_hidden_layers, top_k]``, uint8 for at most 256
+    experts, else uint16 (``vllm/model_executor/layers/fused_moe/routed_experts_capturer.py``:
+    ``RoutedExpertsManager``, ``expert_id_dtype``).
+    """
+    import numpy as np
+
+    ids = torch.tensor([prompt + tokens[:-1]])
+    with torch.no_grad():
+        logits = model(input_ids=ids, output_router_logits=True).router_logits  # per layer [T, experts]
+    rows = torch.stack([lg.topk(top_k, dim=-1).indices for lg in logits], dim=1)  # the prompt's, then one a step
+    return rows.numpy().astype(np.uint8 if num_experts <= 256 else np.uint16)
 
 
 class _Model:
@@ -193,7 +221,8 @@ class _GroupCoordinator:
 _ENGINE_ARGS = {"skip_tokenizer_init": bool, "load_format": str, "enforce_eager": bool, "enable_sleep_mode": bool,
                 "gpu_memory_utilization": float, "max_model_len": int, "logprobs_mode": str, "async_scheduling": bool,
                 "max_num_seqs": int, "max_num_batched_tokens": int, "compilation_config": dict, "enable_lora": bool,
-                "max_lora_rank": int, "max_loras": int, "enable_prefix_caching": bool}
+                "max_lora_rank": int, "max_loras": int, "enable_prefix_caching": bool,
+                "enable_return_routed_experts": bool}
 
 
 class LLM:
@@ -283,10 +312,27 @@ class LLM:
         if any(other != requests for other in everyone):
             raise RuntimeError(f"fake vLLM: the ranks {self.ranks} of one engine made different generate calls "
                                f"(request counts {[len(o) for o in everyone]})")
-        weights = fingerprint(self._assemble())
+        canonical = self._assemble()
+        weights = fingerprint(canonical)
         self.generated.append(ids)
         self.seen_weights.append(weights)
-        return [RequestOutput(p, [fake_completion(weights, p, s, self.spec.vocab_size)]) for p, s in zip(ids, params)]
+        outputs = [RequestOutput(p, [fake_completion(weights, p, s, self.spec.vocab_size)]) for p, s in zip(ids, params)]
+        if self.kwargs.get("enable_return_routed_experts"):
+            model = self._transformers_model(canonical)
+            for out in outputs:
+                c = out.outputs[0]
+                c.routed_experts = fake_routes(model, out.prompt_token_ids, c.token_ids, self.spec.num_experts,
+                                               self.spec.moe_top_k)
+        return outputs
+
+    def _transformers_model(self, canonical: dict[str, torch.Tensor]):
+        """The transformers model (float32) of the assembled weights, for :func:`fake_routes`."""
+        from megarl.rollout.base import state_dict_writer
+        from megarl.rollout.hf_engine import HFRolloutEngine
+
+        engine = HFRolloutEngine(self.spec)
+        engine.update_weights(state_dict_writer(canonical, engine.weight_layout([0]), 0))
+        return engine.model
 
     def reset_prefix_cache(self) -> bool:
         return True
