@@ -186,8 +186,9 @@ def test_a_checkpoint_without_rng_states_resumes_with_a_warning(saved):
 def test_bytes_overwritten_at_the_same_size_are_named_when_the_load_fails(saved):
     """64 bytes of a model tensor's item in the newest checkpoint overwritten, the file's size unchanged (the
     checks before the load see nothing): ``megarl eval`` of it ends in one line naming the file, the tensor and
-    its bytes (status 2), and a resume passes it over for ``step_000001`` with a warning saying so (both ended in
-    an ``UnpicklingError`` traceback; a resume's on every rank, and ``--max-restarts`` ran it again)."""
+    its bytes (status 2), as does ``megarl export`` of it (its rank's error), and a resume passes it over for ``step_000001`` with a warning saying so (both ended in
+    an ``UnpicklingError`` traceback, export a ``RuntimeError`` one; a resume's on every rank, and
+    ``--max-restarts`` ran it again)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     run = _copy(saved, "overwritten")
@@ -204,6 +205,11 @@ def test_bytes_overwritten_at_the_same_size_are_named_when_the_load_fails(saved)
                         "validation.num_prompts=2", "--out", str(saved[0] / "eval-overwritten")],
                        capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ})
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"megarl: error: the checkpoint {step2} is damaged: {fault}"), r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "export", str(step2), str(saved[0] / "export-overwritten")],
+                       capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]  # its rank's error, not a traceback
     assert r.stderr.strip().splitlines()[-1].startswith(
         f"megarl: error: the checkpoint {step2} is damaged: {fault}"), r.stderr[-3000:]
     r = _train(*saved, "overwritten", "trainer.steps=3", "--resume", "--max-restarts", "1")

@@ -21,6 +21,9 @@ from megarl.parallel.launch import run_world
 EXPORT_MANIFEST = manifest_name("export")  # the files an export wrote, so that a later export may replace them
 CHECKPOINT_ENTRIES = (META_FILE, "model", "ranks")
 HF_CONFIG = "config.json"  # what every export writes (megarl.models.hf_io.save_hf_checkpoint)
+# a rank's errors that name the fix (a damaged checkpoint, a missing or mismatched tensor, a storage fault):
+# raised as they are, so the command's line is theirs and not a rank's traceback
+USER_ERRORS = (ValueError, OSError)
 
 
 def convert_to_megarl(src: str | None, out: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
@@ -42,7 +45,7 @@ def convert_to_megarl(src: str | None, out: str, *, tp: int = 1, pp: int = 1, vp
     check_conversion(src, tp, pp, dtype, vpp)
     folder = OutputFolder.claim(out, "convert", overwrite=overwrite, earlier=_converted_entries(Path(out).resolve()),
                                 writes=CHECKPOINT_ENTRIES)
-    run_world(convert_rank, tp * pp, src, str(folder.staging), tp, pp, dtype, vpp)
+    run_world(convert_rank, tp * pp, src, str(folder.staging), tp, pp, dtype, vpp, reraise=USER_ERRORS)
     folder.finish()
     return folder.target
 
@@ -61,7 +64,7 @@ def export_to_hf(ckpt_dir: str, out: str, *, overwrite: bool = False) -> Path:
 
     read_meta(ckpt_dir)
     folder = OutputFolder.claim(out, "export", overwrite=overwrite, writes=(HF_CONFIG,))
-    run_world(export_rank, 1, ckpt_dir, str(folder.staging))
+    run_world(export_rank, 1, ckpt_dir, str(folder.staging), reraise=USER_ERRORS)
     folder.finish()
     return folder.target
 

@@ -156,6 +156,9 @@ class CheckpointDamagedError(ValueError):
         super().__init__(f"the checkpoint {path} is damaged: {fault}; {CHECKPOINT_FIX}")
         self.path, self.fault = Path(path), fault
 
+    def __reduce__(self):  # a rank's error raised again by its parent (megarl.parallel.launch.run_world)
+        return type(self), (self.path, self.fault)
+
 
 def _load_error(e: BaseException) -> str:
     """A loader's error in one short phrase (torch's weights-only unpickler explains its default first)."""

@@ -7,8 +7,10 @@ reads their environment)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import pickle
 import traceback
 
 import torch
@@ -35,8 +37,8 @@ def _worker(rank: int, world_size: int, port: int, parent: int, fn, args, queue)
         with peer_failures_named(timeout_s=300):
             result = fn(rank, world_size, *args)
         queue.put((rank, "ok", _to_bytes(result)))
-    except BaseException:  # report every failure to the parent, which raises it
-        queue.put((rank, "error", traceback.format_exc()))
+    except BaseException as e:  # report every failure to the parent, which raises it
+        queue.put((rank, "error", (traceback.format_exc(), _exception_bytes(e))))
     finally:
         import torch.distributed as dist
 
@@ -53,13 +55,24 @@ def _to_bytes(result) -> bytes:
     return buf.getvalue()
 
 
-def run_world(fn, world_size: int, *args, timeout_s: float = 900.0) -> list:
+def _exception_bytes(e: BaseException) -> bytes | None:
+    """``e`` pickled for the parent, or None where it does not pickle."""
+    try:
+        return pickle.dumps(e)
+    except Exception:  # noqa: BLE001 (an exception holding what cannot be pickled: the traceback text stays)
+        return None
+
+
+def run_world(fn, world_size: int, *args, timeout_s: float = 900.0,
+              reraise: tuple[type[BaseException], ...] = ()) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
 
     ``fn`` must be a module-level function (it is pickled) and return something picklable.
 
     Raises:
-        RuntimeError: with the failing rank's traceback, if any rank fails.
+        RuntimeError: with the failing rank's traceback, if any rank fails; where that rank raised an instance of
+            ``reraise`` (that unpickles), that exception itself, the traceback text chained as its cause, so a
+            command's one-line errors (a damaged checkpoint, a missing file) stay one line.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -69,20 +82,27 @@ def run_world(fn, world_size: int, *args, timeout_s: float = 900.0) -> list:
     for p in procs:
         p.start()
     results: dict[int, object] = {}
-    errors = []
+    errors, own = [], None
     try:
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout_s)
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
-                errors.append(f"rank {rank} failed:\n{payload}")
+                text, raised = payload
+                errors.append(f"rank {rank} failed:\n{text}")
+                with contextlib.suppress(Exception):
+                    own = pickle.loads(raised) if raised is not None else None
                 break
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
                 p.kill()
+        queue.close()
+        del queue  # its semaphores go now, not at exit (a raised error's frame would hold them: a leak warning)
     if errors:
+        if isinstance(own, reraise):
+            raise own from RuntimeError("\n".join(errors))
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
