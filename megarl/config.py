@@ -1102,6 +1102,12 @@ class Config:
                  f"{self.rollout.n}")
         require(alg.overlong.buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong.buffer_tokens",
                  f"{alg.overlong.buffer_tokens} is longer than rollout.max_new_tokens={self.rollout.max_new_tokens}")
+        for role in ("actor", "critic"):
+            offload = getattr(self, role).optim.cpu_offload
+            require(not offload or self.model.dtype == "bfloat16", f"{role}.optim.cpu_offload",
+                    f"{offload} needs model.dtype=bfloat16, got {self.model.dtype}: megatron's offloaded optimizer "
+                    "cannot step an fp32 model's weight shards (views), and with float16 its update differed from the "
+                    f"device optimizer's here; set model.dtype=bfloat16 or {role}.optim.cpu_offload=0")
         lora = self.actor.lora
         if lora.enabled:
             require(lora.sync == "merged" or self.rollout.engine == "vllm", "actor.lora.sync",
