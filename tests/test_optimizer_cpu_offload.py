@@ -61,6 +61,15 @@ def _run(rank, world, tmp):
         count = lambda opts: sum(p.numel() for o in opts for g in o.param_groups for p in g["params"])  # noqa: E731
         return count(inner.cpu_optimizers), count([inner.gpu_optimizer] if inner.gpu_optimizer else [])
 
+    def host_bytes(inner):
+        """Bytes of the host side: the CPU optimizers' fp32 parameter copies, their state, the gradient copies."""
+        tensors = [p for o in inner.cpu_optimizers for g in o.param_groups for p in g["params"]]
+        tensors += [t for o in inner.cpu_optimizers for st in o.state.values() for t in st.values()
+                    if torch.is_tensor(t) and t.numel() > 1]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # master_param: the copy again
+                    for t in tensors + list(inner.cpu_copy_map_grad.values())}
+        return sum(storages.values())
+
     res = {}
     for fraction in FRACTIONS:
         w = worker(fraction)
@@ -69,6 +78,7 @@ def _run(rank, world, tmp):
         res[f"type {fraction}"] = type(inner).__name__
         if fraction:
             res[f"split {fraction}"] = split(inner)
+            res[f"host bytes {fraction}"] = host_bytes(inner)
         res[f"metrics {fraction}"] = metrics
         if fraction in (0.0, 1.0):
             ck.save_checkpoint(f"{tmp}/{fraction}", w.sharded_state_dict(), {"hf_config": {}})
@@ -86,7 +96,19 @@ def _close(a: dict, b: dict) -> bool:
 
 
 def test_offloaded_update_and_resume_match_the_device_optimizer(tmp_path):
-    for r in run_world(_run, 2, str(tmp_path)):
+    from megarl.config import load_config
+    from megarl.launch.memory import estimate_memory
+
+    results = run_world(_run, 2, str(tmp_path))
+    # the memory estimate: the whole shard's state off the device, its bytes on the host (as allocated, 2%)
+    cfg = load_config(None, ["model.dtype=bfloat16", "actor.parallel.dp=2", "actor.optim.cpu_offload=1.0"])
+    est = estimate_memory(cfg, SPEC, 2, gpu=True, device_bytes=0)
+    device = estimate_memory(load_config(None, ["model.dtype=bfloat16", "actor.parallel.dp=2"]), SPEC, 2, gpu=True,
+                             device_bytes=0)
+    assert est.optimizer == 0 and device.host == 0 and est.total == device.total - device.optimizer
+    assert est.host == pytest.approx(max(r["host bytes 1.0"] for r in results), rel=0.02)
+    assert "host memory" in est.describe()
+    for r in results:
         assert r["type 0.0"] == "Adam" or r["type 0.0"] == "AdamW"
         assert r["type 1.0"] == r["type 0.5"] == "HybridDeviceOptimizer"
         host, device = r["split 1.0"]
@@ -101,3 +123,16 @@ def test_offloaded_update_and_resume_match_the_device_optimizer(tmp_path):
                 assert got == pytest.approx(want, rel=1e-6, abs=1e-9)
         for into, source in RESUMES:
             assert _close(r[f"loaded {into} from {source}"], r[source]), (into, source)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["actor.optim.cpu_offload=1.5"], "actor.optim.cpu_offload: must be in"),
+    (["model.dtype=bfloat16", "actor.optim.distributed=false", "actor.optim.cpu_offload=1"], "needs distributed"),
+    (["model.dtype=float32", "actor.optim.cpu_offload=1"], "actor.optim.cpu_offload: 1.0 needs model.dtype=bf"),
+    (["model.dtype=float16", "critic.optim.cpu_offload=0.5"], "critic.optim.cpu_offload: 0.5 needs model.dtype"),
+])
+def test_bad_offload_settings_are_refused_naming_the_field(overrides, field):
+    from megarl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=field):
+        load_config(None, overrides)
