@@ -24,17 +24,12 @@ def _run(rank, world, tmp):
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, OptimConfig
     from megarl.models import checkpoint as ck
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.batch import build_batch
     from megarl.trainer.workers import PolicyWorker
+    from tests.rl_tasks import update_batch
 
     layout = ParallelLayout(dp=world)
     initialize_model_parallel(layout)
-    g = torch.Generator().manual_seed(0)
-    n = 8
-    batch = build_batch([[1, 2, 3]] * n, [torch.randint(4, 900, (6,), generator=g).tolist() for _ in range(n)],
-                        [torch.zeros(6)] * n, list(range(n)), pad_token_id=0)
-    batch["old_logprobs"] = torch.full(batch["response_mask"].shape, -7.0)
-    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=g)
+    batch = update_batch(8, 900, response_len=6, old_logprob=-7.0)
     alg = AlgorithmConfig(kl=KLConfig(coef=0.0))
 
     def worker(fraction):
