@@ -156,7 +156,8 @@ class OptimConfig:
             --use-precision-aware-optimizer --overlap-cpu-optimizer-d2h-h2d``), in [0, 1]; 0 = off. The fp32
             main parameters and Adam moments of that fraction live in host memory, with a pinned fp32 copy of
             their gradients; each update copies those gradients to the host, steps there, and copies the
-            parameters back. Needs ``distributed``.
+            parameters back. Needs ``distributed`` and ``model.dtype=bfloat16``; a checkpoint resumes with
+            another value (on or off).
     """
 
     lr: float = 1e-6

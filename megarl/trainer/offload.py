@@ -59,7 +59,8 @@ class HostOffload:
         return state + mains
 
     def _storages(self, kinds) -> list[tuple[str, int, torch.UntypedStorage]]:
-        """Distinct resident device storages of ``kinds`` (views share one), in a fixed order."""
+        """Distinct resident storages of ``kinds`` on the parameters' device (views share one), in a fixed
+        order."""
         seen, out = set(), []
         device = next(p.device for m in self.chunks for p in m.parameters())
         for kind in KINDS:
