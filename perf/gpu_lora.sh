@@ -10,7 +10,8 @@
 # so it puts all of them on the host with megatron's optimizer CPU offload (actor.optim.cpu_offload=1.0) and
 # recomputes activations: ~104 GiB estimated on the GPU (bf16 weights 14, fp32 gradient buffer 28, reference 14,
 # vLLM 39, activations 6), and 113.5 GiB of the host's 128 (master weights 28, moments 57, and megatron's pinned
-# fp32 copy of the gradients 28). actor.offload stays off: it would move the 28 GiB gradient buffer and the
+# fp32 copy of the gradients 28; ~9 GiB left with the process's own): should the host run short, 0.8 leaves
+# 91 GiB there and adds 17 to the GPU. actor.offload stays off: it would move the 28 GiB gradient buffer and the
 # weights to the host too, past its memory. The LoRA runs need neither (~121 GiB estimated, most of it vLLM's
 # share; 68.7 GiB update peak measured at rank 16).
 # Per case, from metrics.jsonl: actor-update peak memory (memory/actor_update/peak_bytes: torch's tensors, not
