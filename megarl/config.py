@@ -151,6 +151,13 @@ class OptimConfig:
         weight_decay, betas, eps: AdamW.
         clip_grad: global gradient-norm clip (0 = off).
         distributed: megatron's DistributedOptimizer (optimizer state sharded over DP).
+        cpu_offload: fraction of this rank's optimizer shard whose Adam step runs on the host (megatron-core's
+            ``HybridDeviceOptimizer``: Megatron-LM's ``--optimizer-cpu-offload --optimizer-offload-fraction F
+            --use-precision-aware-optimizer --overlap-cpu-optimizer-d2h-h2d``), in [0, 1]; 0 = off. The fp32
+            main parameters and Adam moments of that fraction live in host memory, with a pinned fp32 copy of
+            their gradients; each update copies those gradients to the host, steps there, and copies the
+            parameters back. Needs ``distributed`` and ``model.dtype=bfloat16``; a checkpoint resumes with
+            another value (on or off).
     """
 
     lr: float = 1e-6
@@ -162,9 +169,15 @@ class OptimConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0
     distributed: bool = True
+    cpu_offload: float = 0.0
 
     def __post_init__(self):
         _require_in_section(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _require_in_section(0.0 <= self.cpu_offload <= 1.0, "cpu_offload",
+                            f"must be in [0, 1] (the fraction of the optimizer state on the host), got {self.cpu_offload}")
+        _require_in_section(not self.cpu_offload or self.distributed, "cpu_offload",
+                            "needs distributed=true (megatron's CPU offload runs inside the DistributedOptimizer); "
+                            "set distributed=true or cpu_offload=0")
         _require_in_section(self.decay in ("constant", "linear", "cosine"), "decay",
                             f"must be constant, linear or cosine, got {self.decay!r}")
         _require_in_section(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
@@ -1091,6 +1104,12 @@ class Config:
                  f"{self.rollout.n}")
         require(alg.overlong.buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong.buffer_tokens",
                  f"{alg.overlong.buffer_tokens} is longer than rollout.max_new_tokens={self.rollout.max_new_tokens}")
+        for role in ("actor", "critic"):
+            offload = getattr(self, role).optim.cpu_offload
+            require(not offload or self.model.dtype == "bfloat16", f"{role}.optim.cpu_offload",
+                    f"{offload} needs model.dtype=bfloat16, got {self.model.dtype}: megatron's offloaded optimizer "
+                    "cannot step an fp32 model's weight shards (views), and with float16 its update differed from the "
+                    f"device optimizer's here; set model.dtype=bfloat16 or {role}.optim.cpu_offload=0")
         lora = self.actor.lora
         if lora.enabled:
             require(lora.sync == "merged" or self.rollout.engine == "vllm", "actor.lora.sync",

@@ -87,6 +87,20 @@ def write_prompts(path: Path, n: int = 32, *, field: str = "question", seed: int
     return path
 
 
+def update_batch(n: int, vocab: int, *, response_len: int = 5, old_logprob: float = -4.0, seed: int = 0):
+    """A batch for one actor update without a rollout: ``n`` rows of the prompt ``[1, 2, 3]`` and a random
+    response of ``response_len`` tokens in ``[4, vocab)``, old log-probs ``old_logprob`` and N(0, 1) advantages
+    (one generator seeded ``seed`` draws the responses, then the advantages)."""
+    from megarl.trainer.batch import build_batch
+
+    g = torch.Generator().manual_seed(seed)
+    responses = [torch.randint(4, vocab, (response_len,), generator=g).tolist() for _ in range(n)]
+    batch = build_batch([[1, 2, 3]] * n, responses, [torch.zeros(response_len)] * n, list(range(n)), pad_token_id=0)
+    batch["old_logprobs"] = torch.full(batch["response_mask"].shape, old_logprob)
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=g)
+    return batch
+
+
 def says_target(prompts, responses, ground_truths):
     """1.0 when the response's first word is the ground truth, else 0.0 (the task's reward)."""
     return [float(r.split()[:1] == [t]) for r, t in zip(responses, ground_truths)]

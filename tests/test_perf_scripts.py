@@ -27,6 +27,7 @@ SCRIPTS = sorted(p.name for p in (REPO / "perf").glob("gpu_*.sh") if "megarl.cli
 # the scripts that take a case as their first argument, with the cases that run megarl
 CASES = {"gpu_bench_step.sh": ["mfu-1.5b", "mem-0.5b", "grpo-1.5b", "grpo-1.5b-fast", "smollm2"],
          "gpu_async.sh": ["colocated", "split-sync", "split-async"]}
+BY_NAME = [("gpu_lora.sh", "7b-full")]  # cases a script runs by name only, besides its default list
 
 _STUBS = r'''
 _served() {  # python3 "$@" in the module's tests.python_server: its output, then its exit status
@@ -109,7 +110,8 @@ def _run_script(checkout, name: str, *args: str) -> tuple[subprocess.CompletedPr
 
 
 @pytest.mark.parametrize("script,args", [(s, ()) for s in SCRIPTS if s not in CASES]
-                         + [(s, (case,)) for s, cases in CASES.items() for case in cases])
+                         + [(s, (case,)) for s, cases in CASES.items() for case in cases]
+                         + [(s, (case,)) for s, case in BY_NAME])
 def test_every_megarl_command_of_a_gpu_script_passes_its_checks(checkout, script, args):
     r, commands = _run_script(checkout, script, *args)
     text = r.stdout + r.stderr

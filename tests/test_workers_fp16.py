@@ -20,17 +20,13 @@ def _updates(rank, world):
     updates with advantages of 1e4 (scaled gradients beyond fp16's range) and whether the weights moved."""
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, OptimConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.batch import build_batch
     from megarl.trainer.workers import PolicyWorker
+    from tests.rl_tasks import update_batch
 
     layout = ParallelLayout()
     initialize_model_parallel(layout)
-    g = torch.Generator().manual_seed(0)
     n = 4
-    batch = build_batch([[1, 2, 3]] * n, [torch.randint(4, 60, (5,), generator=g).tolist() for _ in range(n)],
-                        [torch.zeros(5)] * n, list(range(n)), pad_token_id=0)
-    batch["old_logprobs"] = torch.full(batch["response_mask"].shape, -4.0)
-    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=g)
+    batch = update_batch(n, 60)
     algo = AlgorithmConfig(kl=KLConfig(coef=0.0))
     out = {}
     for dtype in (torch.float32, torch.float16):

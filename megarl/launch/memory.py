@@ -12,6 +12,11 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
 - **optimizer**: Adam's two fp32 moments, plus fp32 master weights for bf16/fp16 parameters: 8 or 12 bytes per
   parameter, divided by DP x CP under ``actor.optim.distributed`` (megatron's DistributedOptimizer shards over
   the DP x CP ranks, which hold the same weights).
+- **host** (``actor.optim.cpu_offload`` / ``critic.optim.cpu_offload`` = f > 0, megatron's
+  ``HybridDeviceOptimizer``, bf16 weights): the fraction f of the rank's optimizer shard (by elements) leaves the
+  device's figure (its fp32 master weights and Adam moments, 12 bytes per parameter) and is held in host memory
+  with a pinned fp32 copy of its gradients: 16 bytes per offloaded parameter. The device keeps the rest of the
+  shard's state, the weights and the fp32 gradient buffer. On a CPU rank the host is the device: both count there.
 - **reference** (``algorithm.kl.coef > 0``): a frozen copy of the actor's parameters (none with ``actor.lora``: the
   reference is the actor's base).
 - **LoRA** (``actor.lora.rank > 0``): the base is frozen in the model dtype (no gradient buffer, no optimizer
@@ -75,6 +80,7 @@ class MemoryEstimate:
     runtime: int
     colocated_rollout: bool  # True: vLLM reserves its share for the whole run (added, not overlapped)
     rollout_pool: bool = False  # True: the rollout on ranks of its own (placement.rollout), nothing else there
+    host: int = 0  # the offloaded optimizer state in host memory (optim.cpu_offload), outside every device figure
 
     @property
     def pools(self) -> dict[str, int]:
@@ -109,10 +115,11 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         parts = [f"{k} {v / GIB:.2f}" for k, v in self.as_dict().items()
-                 if v and k not in ("total", "tensors", "train_ranks", "rollout_ranks")]
+                 if v and k not in ("total", "tensors", "train_ranks", "rollout_ranks", "host")]
         per_pool = (f"; training ranks {self.pools['train'] / GIB:.2f}, rollout ranks "
                     f"{self.pools['rollout'] / GIB:.2f}") if self.rollout_pool else ""
-        return f"{self.total / GIB:.2f} GiB ({', '.join(parts)}{per_pool})"
+        host = f"; host memory {self.host / GIB:.2f} GiB (offloaded optimizer)" if self.host else ""
+        return f"{self.total / GIB:.2f} GiB ({', '.join(parts)}{per_pool}){host}"
 
 
 def _ffn_width(spec) -> int:
@@ -259,28 +266,33 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
             return params * opt_per_param
         return (params - experts) * opt_per_param // (dp * p.cp) + experts * opt_per_param * p.ep // (p.tp * dp)
 
+    def split(state: int, fraction: float) -> tuple[int, int]:
+        """(device, host) bytes of an optimizer shard of ``state`` bytes with ``fraction`` of it offloaded."""
+        host = int(fraction * state / opt_per_param) * 16  # fp32 master, two moments, pinned fp32 gradient copy
+        return (state - int(fraction * state), host) if gpu else (state - int(fraction * state) + host, 0)
+
     lora = cfg.actor.lora
     if lora.enabled:  # the base frozen: adapters alone have gradients and optimizer state; no reference copy
         from megarl.models.lora import LoRASpec
 
         ad = stage_adapter_params(spec, LoRASpec.from_config(lora), p.tp, p.pp, ep=p.ep)
         trained, reference = ad, 0
-        adapter_optimizer = ad * opt_per_param // (dp * p.cp) if cfg.actor.optim.distributed else ad * opt_per_param
+        state = ad * opt_per_param // (dp * p.cp) if cfg.actor.optim.distributed else ad * opt_per_param
     else:
         ad, trained, reference = 0, n, n * e if cfg.algorithm.kl.coef > 0 else 0
-        adapter_optimizer = None
+        state = optimizer(n, cfg.actor.optim.distributed)
+    actor_optimizer, host = split(state, cfg.actor.optim.cpu_offload)
     critic = 0
     if cfg.algorithm.uses_critic:
         c = stage_params(spec, p.tp, p.pp, value_head=True, ep=p.ep)
-        critic = c * (e + 4) + optimizer(c, cfg.critic.optim.distributed)
+        critic_optimizer, critic_host = split(optimizer(c, cfg.critic.optim.distributed), cfg.critic.optim.cpu_offload)
+        critic, host = c * (e + 4) + critic_optimizer, host + critic_host
     return MemoryEstimate(
-        params=(n + ad) * e, grads=trained * 4,
-        optimizer=adapter_optimizer if adapter_optimizer is not None else optimizer(n, cfg.actor.optim.distributed),
-        reference=reference, critic=critic,
+        params=(n + ad) * e, grads=trained * 4, optimizer=actor_optimizer, reference=reference, critic=critic,
         activations=activation_bytes(cfg, spec, p.tp, p.pp, dp),
         rollout=rollout_bytes(cfg, spec, rollout_ranks, device_bytes, gpu),
         runtime=RUNTIME_BYTES["gpu" if gpu else "cpu"],
-        colocated_rollout=cfg.rollout.engine == "vllm", rollout_pool=rollout_ranks < world_size)
+        colocated_rollout=cfg.rollout.engine == "vllm", rollout_pool=rollout_ranks < world_size, host=host)
 
 
 def host_memory_bytes() -> int:

@@ -104,7 +104,21 @@ def _patch_device_arguments() -> None:
     _mode.__enter__()  # process-wide for the main thread, for the life of the process
 
 
+class _NullEvent:
+    def wait(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
 class _NullStream:
+    def __init__(self, *a, **k):
+        pass
+
     def wait_event(self, *a, **k):
         pass
 
@@ -115,15 +129,18 @@ class _NullStream:
         pass
 
     def record_event(self, *a, **k):
-        return None
+        return _NullEvent()
 
 
 def _patch_sync_and_streams() -> None:
-    """``torch.cuda.synchronize`` (p2p communication, optimizer, timers) and ``torch.cuda.current_stream``
-    (DDP ``start_grad_sync`` waits on CUDA-graph events) become no-ops."""
+    """``torch.cuda.synchronize`` (p2p communication, optimizer, timers), ``torch.cuda.current_stream`` (DDP
+    ``start_grad_sync`` waits on CUDA-graph events), ``torch.cuda.Stream`` and ``torch.cuda.stream``
+    (``HybridDeviceOptimizer``'s copy streams) become no-ops: on the CPU every copy is done when it returns."""
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _NullStream()
     torch.cuda.default_stream = lambda *a, **k: _NullStream()
+    torch.cuda.Stream = _NullStream  # a class still (annotations write ``torch.cuda.Stream | None``)
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
 
 def _patch_tensor_type() -> None:
@@ -173,6 +190,64 @@ def _patch_sequence_parallel_norm() -> None:
     cls.__new__ = staticmethod(new)
 
 
+class _StandInDevice(torch.overrides.TorchFunctionMode):
+    """CPU tensors that stand for device tensors: ``marked`` (id -> tensor, held until the mode ends so that no id
+    is reused), the tensors made from them by ``detach``, ``clone``, ``float``, ``to`` and ``view`` too (they would be
+    on the device); ``cpu()`` of one is an unmarked copy; ``pin_memory()`` returns the tensor. ``Tensor.is_cuda``
+    reports the mark while :meth:`standing_in` is active (a property getter does not reach torch-function modes)."""
+
+    PROPAGATE = frozenset({torch.Tensor.detach, torch.Tensor.clone, torch.Tensor.float, torch.Tensor.to,
+                           torch.Tensor.view})
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.marked = {id(t): t for t in tensors}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = args[0] if args and id(args[0]) in self.marked else None
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        out = func(*args, **kwargs)
+        if source is not None and func is torch.Tensor.cpu:
+            return out.clone()
+        if source is not None and func in self.PROPAGATE and torch.is_tensor(out):
+            self.marked[id(out)] = out
+        return out
+
+    @contextlib.contextmanager
+    def standing_in(self):
+        base = torch._C.TensorBase.is_cuda
+        torch.Tensor.is_cuda = property(lambda t: id(t) in self.marked or base.__get__(t))
+        try:
+            with self:
+                yield
+        finally:
+            del torch.Tensor.is_cuda  # TensorBase's again
+            self.marked.clear()
+
+
+def _patch_hybrid_optimizer() -> None:
+    """megatron-core's ``HybridDeviceOptimizer`` (``optim.cpu_offload``) splits its parameters by
+    ``param.is_cuda``: the first ``offload_fraction`` of the device's parameters (by elements) get a pinned host
+    copy (``.cpu().pin_memory()``, fp32) stepped by a CPU Adam, the rest an fp32 copy on the device stepped by
+    the device's Adam; a CPU tensor counts for neither, and its bookkeeping then fails. While it splits, its own
+    parameters stand for device tensors (:class:`_StandInDevice`), so on the CPU the split, the host copies, the
+    gradient copies into them, both steps and the copies back run as they do on a GPU."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    original = HybridDeviceOptimizer._get_sub_optimizer_param_groups
+    if getattr(original, "_megarl_cpu", False):
+        return
+
+    def split(self, offload_fraction):
+        with _StandInDevice(p for group in self.param_groups for p in group["params"]).standing_in():
+            return original(self, offload_fraction)
+
+    split._megarl_cpu = True
+    HybridDeviceOptimizer._get_sub_optimizer_param_groups = split
+
+
 PATCHES = {
     "rng_tracker": _patch_rng_tracker,
     "current_device": _patch_current_device,
@@ -180,6 +255,7 @@ PATCHES = {
     "sync_and_streams": _patch_sync_and_streams,
     "tensor_type": _patch_tensor_type,
     "sequence_parallel_norm": _patch_sequence_parallel_norm,
+    "hybrid_optimizer": _patch_hybrid_optimizer,
 }
 
 

@@ -9,7 +9,8 @@ for bf16) and torch Adam's ``exp_avg`` / ``exp_avg_sq``. Each storage is copied 
 CUDA exists, kept from step to step) and resized to 0 bytes on the device; moving back resizes it and copies
 the bytes in, so every view (parameters, ``main_grad``, optimizer shards) sees its values again without being
 rebuilt. On a machine without a GPU the same code runs on CPU storages (the memory is not saved there; the
-code path and its results are what the tests check).
+code path and its results are what the tests check). Optimizer state already on the host (``optim.cpu_offload``:
+megatron's ``HybridDeviceOptimizer`` keeps it there) is not on the parameters' device and stays where it is.
 """
 
 from __future__ import annotations
@@ -58,12 +59,14 @@ class HostOffload:
         return state + mains
 
     def _storages(self, kinds) -> list[tuple[str, int, torch.UntypedStorage]]:
-        """Distinct resident device storages of ``kinds`` (views share one), in a fixed order."""
+        """Distinct resident storages of ``kinds`` on the parameters' device (views share one), in a fixed
+        order."""
         seen, out = set(), []
+        device = next(p.device for m in self.chunks for p in m.parameters())
         for kind in KINDS:
             for t in self._tensors(kind):
                 s = t.untyped_storage()
-                if s.nbytes() == 0 or s.data_ptr() in seen:
+                if s.nbytes() == 0 or s.data_ptr() in seen or t.device != device:
                     continue
                 seen.add(s.data_ptr())
                 if kind in kinds:

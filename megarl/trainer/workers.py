@@ -202,6 +202,10 @@ class MegatronWorker:
             optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay, adam_beta1=oc.betas[0],
             adam_beta2=oc.betas[1], adam_eps=oc.eps, clip_grad=oc.clip_grad, bf16=config.bf16, fp16=config.fp16,
             params_dtype=config.params_dtype, use_distributed_optimizer=oc.distributed,
+            # megatron's HybridDeviceOptimizer as Megatron-LM's arguments require it (precision-aware: it keeps
+            # its own fp32 main copy), the host step overlapped with the copies
+            optimizer_cpu_offload=oc.cpu_offload > 0, optimizer_offload_fraction=oc.cpu_offload,
+            use_precision_aware_optimizer=oc.cpu_offload > 0, overlap_cpu_optimizer_d2h_h2d=oc.cpu_offload > 0,
             # fp16's dynamic loss scale starts at torch.amp.GradScaler's 2**16: megatron's 2**32 overflowed the
             # first updates (each then skipped) until halved 16 times; hysteresis and window stay megatron's
             initial_loss_scale=FP16_INITIAL_LOSS_SCALE), ddps,
