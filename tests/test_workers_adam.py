@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from tests.distributed import run_world
-from tests.test_workers_lr import SPEC, update_batch
+from tests.rl_tasks import update_batch
+from tests.test_workers_lr import SPEC
 
 
 def _weights_after_updates(rank, world, foreach: bool):
@@ -28,7 +29,7 @@ def _weights_after_updates(rank, world, foreach: bool):
     for g in groups:
         g["foreach"] = foreach
     before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
-    worker.update(update_batch(6), AlgorithmConfig(kl=KLConfig(coef=0.0)), seed=0)
+    worker.update(update_batch(6, 60), AlgorithmConfig(kl=KLConfig(coef=0.0)), seed=0)
     return built, before, {n: p.detach().clone() for n, p in worker.model.named_parameters()}
 
 

@@ -8,6 +8,7 @@ import torch
 
 from megarl.models.spec import ModelSpec
 from tests.distributed import run_world
+from tests.rl_tasks import update_batch
 
 SPEC = ModelSpec("llama", 64, 32, 1, 4, 2, 16, 64, tie_word_embeddings=True)
 LR, UPDATES = 1e-3, 6
@@ -22,19 +23,6 @@ CASES = [
 ]
 
 
-def update_batch(n: int):
-    """``n`` rows of a 3-token prompt and a 5-token response, with old log-probs and random advantages: the input
-    of an actor update on :data:`SPEC`."""
-    from megarl.trainer.batch import build_batch
-
-    g = torch.Generator().manual_seed(0)
-    batch = build_batch([[1, 2, 3]] * n, [torch.randint(4, 60, (5,), generator=g).tolist() for _ in range(n)],
-                        [torch.zeros(5)] * n, list(range(n)), pad_token_id=0)
-    batch["old_logprobs"] = torch.full(batch["response_mask"].shape, -4.0)
-    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=g)
-    return batch
-
-
 def _used_lrs(rank, world):
     """Per case: the LR each of the UPDATES updates used (read by a hook inside the optimizer's step) and the
     ``lr`` metric it reported."""
@@ -44,7 +32,7 @@ def _used_lrs(rank, world):
 
     layout = ParallelLayout()
     initialize_model_parallel(layout)
-    batch = update_batch(2 * UPDATES)  # one update per mini-batch of 2
+    batch = update_batch(2 * UPDATES, 60)  # one update per mini-batch of 2
     results = []
     for warmup, decay, _ in CASES:
         rc = ActorConfig(optim=OptimConfig(lr=LR, warmup_steps=warmup, decay=decay), micro_batch_size=2,
