@@ -5,6 +5,7 @@ One step (:meth:`Trainer.step`) reads top to bottom:
     reshard actor -> rollout engine | generate (| dynamic sampling) | score | old, reference log-probs (values)
     | advantages and loss mask | critic update | actor update | metrics
 
+(the old log-probs from the actor update's first forward instead where that is exact: :mod:`.old_logprobs`),
 and :func:`~megarl.trainer.loop.fit` runs the steps with validation, metrics and checkpoints between them.
 What the trainer is built from is in :mod:`.builders`, its checkpoints in :mod:`.checkpointing`, the step's
 algorithm glue in :mod:`.advantages` and :mod:`.dynamic_sampling`.
@@ -318,7 +319,7 @@ class Trainer:
         self.offload(("grads", "optimizer"))  # idle until the next step's updates
         if not pass_reason:  # the update's, on the actor's pool
             batch["old_logprobs"] = share_tensor(batch["old_logprobs"] if self.actor else None,
-                                                 self.pools["actor"].ranks, batch["response_mask"].shape, group=group)
+                                                 self.pools["actor"].ranks, frame, group=group)
 
         mask = batch["response_mask"]
         scores, scored = batch["scores"], ~batch["dropped"]  # the reward metrics over the scored samples
