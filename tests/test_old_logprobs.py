@@ -17,7 +17,7 @@ ONE_MINI_BATCH = ["data.prompts_per_step=2", "rollout.n=8"]  # 16 rows, the defa
       "actor.logprob_micro_batch_size=8", "actor.lora.rank=4"], None),  # the same micro-batches, no dropout
     (["actor.old_logprob_pass=always"], "actor.old_logprob_pass=always"),
     (["actor.ppo_epochs=2"], "actor.ppo_epochs=2"),
-    (["actor.ppo_mini_batch_size=8"], "2 mini-batches of 8"),
+    (["actor.ppo_mini_batch_size=8"], "16 samples in mini-batches of 8"),
     (["algorithm.kl.in_loss=false"], "KL penalty is in the reward"),
     (["algorithm.rollout_correction.preset=token_tis"], "rollout correction"),
     (["algorithm.name=ppo", "critic.warmup_steps=1"], "critic's warm-up"),
@@ -35,7 +35,7 @@ def test_the_pass_runs_for_a_moe_actor_and_for_the_critic_warm_up_only():
     assert "routing agreement" in old_logprob_pass(cfg, rows=16, step=0, moe=True)
     ppo = load_config(None, ONE_MINI_BATCH + ["algorithm.name=ppo", "critic.warmup_steps=1"])
     assert old_logprob_pass(ppo, rows=16, step=1, moe=False) is None  # the actor trains from step 2 on
-    assert old_logprob_pass(cfg, rows=32, step=0, moe=False).startswith("2 mini-batches")  # e.g. dynamic sampling
+    assert old_logprob_pass(cfg, rows=32, step=0, moe=False).startswith("32 samples in mini-batches of 16")  # e.g. dynamic sampling
 
 
 def test_a_bad_old_logprob_pass_names_the_field():

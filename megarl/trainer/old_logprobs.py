@@ -51,8 +51,8 @@ def old_logprob_pass(cfg: Config, *, rows: int, step: int, moe: bool) -> str | N
     reasons = (
         (a.old_logprob_pass == "always", "actor.old_logprob_pass=always"),
         (a.ppo_epochs > 1, f"actor.ppo_epochs={a.ppo_epochs}: the later epochs need the weights before the first"),
-        (mini != rows, f"{rows // mini} mini-batches of {mini} (actor.ppo_mini_batch_size): the later ones need "
-                       "the weights before the first"),
+        (mini != rows, f"{rows} samples in mini-batches of {mini} (actor.ppo_mini_batch_size): the later ones "
+                       "need the weights before the first"),
         (alg.kl.coef > 0 and not alg.kl.in_loss, "the KL penalty is in the reward (algorithm.kl.in_loss=false)"),
         (alg.rollout_correction.enabled, "the rollout correction weighs the loss (algorithm.rollout_correction)"),
         (alg.uses_critic and step < cfg.critic.warmup_steps, "the critic's warm-up: no actor update"),
