@@ -53,6 +53,7 @@ def _require_in_section(cond: bool, field_name: str, msg: str) -> None:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+OLD_LOGPROB_PASSES = ("auto", "always")  # actor.old_logprob_pass
 # The smallest reshard bucket, MiB (reshard.bucket_mb, megarl bench reshard --bucket-mb): 64 KiB, a floor that
 # catches a size given in the wrong unit; buckets of a few MiB and less already spend most of each round on
 # the round's synchronisation, not on moving bytes.
@@ -305,6 +306,10 @@ class ActorConfig:
         kernels: fast paths (chunked log-probs, SDPA attention).
         lora: LoRA adapters instead of training every weight (the actor only).
         moe: mixture-of-experts settings (router replay; the actor only).
+        old_logprob_pass: "auto" (default): the step's old-log-prob pass is skipped where the actor update's
+            first forward gives the same numbers (one epoch of one mini-batch, nothing reading them before the
+            update: :func:`megarl.trainer.old_logprobs.old_logprob_pass`); "always": it always runs (the
+            actor only).
     """
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -320,6 +325,7 @@ class ActorConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    old_logprob_pass: str = "auto"
 
     def __post_init__(self):
         _require_in_section(not (self.moe.router_replay and self.recompute and self.parallel.pp > 1),
@@ -341,6 +347,8 @@ class ActorConfig:
                             "kernels.transformer_engine=false or sequence_packing=false")
         _require_in_section(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
         _require_in_section(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+        _require_in_section(self.old_logprob_pass in OLD_LOGPROB_PASSES, "old_logprob_pass",
+                            f"must be one of {OLD_LOGPROB_PASSES}, got {self.old_logprob_pass!r}")
 
 
 @dataclass

@@ -128,6 +128,27 @@ def train_on_rank(rank, world, overrides):
     return read_metrics(cfg.run.run_dir / "metrics.jsonl") if rank == 0 else summary
 
 
+def train_each_on_rank(rank, world, runs):
+    """Train each of ``runs`` (lists of overrides of the default config) in turn on this rank of a
+    :func:`tests.distributed.run_world` world, in this one process (one start-up for all); returns each run's
+    ``(metrics by step (rank 0; None elsewhere), {name: this rank's actor weight after the run})``."""
+    from megarl.config import load_config
+    from megarl.trainer.builders import seed_all
+    from megarl.trainer.loop import fit
+    from megarl.trainer.metrics import read_metrics
+    from megarl.trainer.trainer import Trainer
+
+    out = []
+    for overrides in runs:
+        cfg = load_config(None, overrides)
+        seed_all(cfg.run.seed)
+        trainer = Trainer(cfg)
+        fit(trainer)
+        out.append((read_metrics(cfg.run.run_dir / "metrics.jsonl") if rank == 0 else None,
+                    {n: t.clone() for n, t in trainer.actor.source_tensors().items()}))
+    return out
+
+
 # split pools on 2 ranks: the actor, reference and reward on rank 0, the rollout on rank 1
 SPLIT_2 = ["placement.pools.train=[0]", "placement.pools.gen=[1]", "placement.actor=train", "placement.reference=train",
            "placement.reward=train", "placement.rollout=gen"]

@@ -104,6 +104,7 @@ def test_a_reward_that_returns_nan_drops_the_sample_from_its_group_and_both_loss
     from megarl.algos.kl import FixedKLController
     from megarl.config import AlgorithmConfig
     from megarl.trainer.advantages import compute_advantages, drop_nonfinite, set_loss_mask
+    from megarl.trainer.old_logprobs import old_logprob_metrics
 
     alg = AlgorithmConfig(name="grpo", norm_adv_eps=0.0)
     alg.nonfinite.max_fraction = 0.25
@@ -116,11 +117,12 @@ def test_a_reward_that_returns_nan_drops_the_sample_from_its_group_and_both_loss
     std = 1 / math.sqrt(3)
     torch.testing.assert_close(batch["advantages"][:4, 0], torch.tensor([1 / 3 / std, 0.0, -2 / 3 / std, 1 / 3 / std]))
     assert torch.isfinite(batch["advantages"]).all() and torch.isfinite(batch["returns"]).all()
-    rc = set_loss_mask(batch, alg)
+    set_loss_mask(batch, alg)
     assert batch["loss_mask"][1].sum() == 0 and batch["value_mask"][1].sum() == 0
     assert batch["loss_mask"].sum() == 24 - 3 - 1 and batch["loss_mask"][5].tolist() == [1.0, 1.0, 0.0]
     assert batch["value_mask"].sum() == 24 - 3
-    assert all(math.isfinite(v) for v in rc.values())
+    rc = old_logprob_metrics(batch, alg)  # the rollout correction's statistics (off) among them
+    assert "rollout_corr/kl_k3" in rc and all(math.isfinite(v) for v in rc.values())
     with pytest.raises(NonFiniteError, match=r"the first, sample 1 of step 4 \(prompt 0 of the step, dataset row 10\): "
                                              r"its score is nan"):
         alg.nonfinite.max_fraction = 0.2

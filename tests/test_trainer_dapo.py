@@ -5,9 +5,10 @@ metrics independent of the micro-batch layout, rollout correction, overlong shap
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed import run_world
-from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
+from tests.rl_tasks import make_tiny_model, task_overrides, train_each_on_rank, train_on_rank, write_prompts
 
 STEP = ["trainer.steps=1", "trainer.save_every=0", "data.prompts_per_step=4", "rollout.n=4",
         "actor.optim.lr=1e-2"]
@@ -64,14 +65,35 @@ def test_dynamic_sampling_round_cap_trains_on_fewer_groups_and_says_so(task, min
 FIRST_STEP = ["actor.ppo_mini_batch_size=16", "actor.micro_batch_size=4", "algorithm.kl.coef=0.001"]
 
 
-@pytest.mark.parametrize("layout", [["actor.parallel.tp=2"], ["actor.parallel.pp=2"]], ids=["tp2", "pp2"])
-def test_first_step_update_logprobs_equal_the_old_ones_bit_for_bit(task, layout):
-    """One mini-batch, one epoch: the update's log-probs are the old log-probs exactly, so the first
-    mini-batch's PPO-KL is exactly 0 (slime's CI check)."""
-    m = _run(task, "first_" + layout[0].split(".")[-1].replace("=", ""), FIRST_STEP + layout, world=2)[0]
+@pytest.mark.parametrize("layout,passes", [(["actor.parallel.tp=2"], ["always"]),
+                                           (["actor.parallel.pp=2", "trainer.steps=2"], ["always", "auto"])],
+                         ids=["tp2", "pp2"])
+def test_first_step_update_logprobs_equal_the_old_ones_bit_for_bit(task, layout, passes):
+    """One mini-batch, one epoch: the update's log-probs are those of the old-log-prob pass exactly
+    (``actor.old_logprob_pass=always``), so the first mini-batch's PPO-KL is exactly 0 (slime's CI check). At
+    PP=2, 2 steps without the pass (``auto``: the update's first forward gives the old log-probs, from the last
+    stage) have no old-log-prob phase, the same metrics and the same weights on every rank."""
+    root, model, data = task
+    name = "first_" + layout[0].split(".")[-1].replace("=", "")
+    ranks = run_world(train_each_on_rank, 2, [task_overrides(model, data, root / "runs", f"{name}_{p}") + STEP
+                                              + FIRST_STEP + layout + [f"actor.old_logprob_pass={p}"]
+                                              for p in passes])
+    always = ranks[0][0][0]
+    m = always[0]
     assert m["actor/log_ratio_absmax_first_minibatch"] == 0.0
     assert m["actor/ppo_kl_first_minibatch"] == 0.0 and m["actor/clipfrac"] == 0.0
     assert m["actor/approx_kl"] == 0.0
+    if passes == ["always"]:
+        return
+    auto = ranks[0][1][0]
+    assert all("time/old_logprobs" in h for h in always) and all("time/old_logprobs" not in h for h in auto)
+    assert always[1]["actor/kl"] > 0 and always[1]["actor/rollout_vs_old_logprob_diff"] > 0  # the checks can fail
+    for a, b in zip(auto, always, strict=True):
+        for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl", "actor/kl_loss",
+                    "actor/ppo_kl", "actor/rollout_vs_old_logprob_diff", "rollout_corr/kl_k3"):
+            assert a[key] == b[key], key
+    for (_, always_weights), (_, auto_weights) in ranks:
+        assert all(torch.equal(w, auto_weights[n]) for n, w in always_weights.items())
 
 
 def test_update_metrics_do_not_depend_on_the_micro_batch_layout(task):

@@ -11,12 +11,11 @@ in place; the estimators, KL estimators and corrections themselves are the pure 
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 from megarl.algos.aggregation import masked_mean
-from megarl.algos.kl import apply_kl_penalty, kl_penalty
+from megarl.algos.kl import apply_kl_penalty
 from megarl.algos.nonfinite import check_nonfinite, estimate_without, find_nonfinite
 from megarl.algos.registry import ADVANTAGES
 from megarl.algos.rollout_correction import rollout_correction
@@ -65,17 +64,16 @@ def compute_advantages(batch: RolloutBatch, alg: AlgorithmConfig, kl_ctl) -> dic
     """``batch["advantages"]`` and ``batch["returns"]`` ``[B, T]`` float32 of the ``algorithm.name`` estimator
     over the token rewards: ``batch["scores"]`` ``[B]`` (plus the overlong penalty), with the KL penalty to the
     reference (``batch["ref_logprobs"]``) in the reward when ``algorithm.kl.in_loss`` is false, its coefficient
-    from ``kl_ctl`` (a fixed or adaptive KL controller, updated here); over the samples not
-    ``batch["dropped"]`` (:func:`drop_nonfinite`: 0 on those). Returns ``actor/kl``, ``actor/kl_coef``,
-    ``reward/overlong_penalty_mean`` and ``advantages/mean`` where they apply."""
+    from ``kl_ctl`` (a fixed or adaptive KL controller, updated here; only there are ``batch["old_logprobs"]``
+    read); over the samples not ``batch["dropped"]`` (:func:`drop_nonfinite`: 0 on those). Returns
+    ``actor/kl_coef``, ``reward/overlong_penalty_mean`` and ``advantages/mean`` where they apply (``actor/kl``:
+    :func:`~megarl.trainer.old_logprobs.old_logprob_metrics`)."""
     mask = batch["response_mask"]
     metrics = {}
     rewards = batch["scores"] + batch["overlong_penalty"] if "overlong_penalty" in batch else batch["scores"]
     if "overlong_penalty" in batch:
         metrics["reward/overlong_penalty_mean"] = batch["overlong_penalty"].mean().item()
     if "ref_logprobs" in batch:
-        kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], alg.kl.estimator)
-        metrics["actor/kl"] = masked_mean(kl, mask.bool()).item()
         if not alg.kl.in_loss:
             rewards, mean_kl = apply_kl_penalty(rewards, batch["old_logprobs"], batch["ref_logprobs"], mask,
                                                 coef=kl_ctl.value, kind=alg.kl.estimator)
@@ -95,8 +93,9 @@ def set_loss_mask(batch: RolloutBatch, alg: AlgorithmConfig) -> dict[str, float]
     what :func:`drop_nonfinite` found (tokens with a non-finite rollout log-prob, dropped samples), without the
     responses cut at the limit (``algorithm.overlong.filter``) and without what the rollout correction masks;
     ``batch["rollout_weights"]`` ``[B, T]`` when it truncates (TIS); ``batch["value_mask"]`` (the critic's:
-    the response mask without the dropped samples). Returns the ``rollout_corr/...`` metrics (also with the
-    correction off: the token ratios' statistics, over the tokens the correction sees) and
+    the response mask without the dropped samples). Returns the ``rollout_corr/...`` metrics of the correction
+    where it is on (only then are ``batch["old_logprobs"]`` read; with it off,
+    :func:`~megarl.trainer.old_logprobs.old_logprob_metrics` gives its statistics) and
     ``response/overlong_filtered``."""
     mask = batch["response_mask"].bool()
     if "dropped" in batch:
@@ -108,11 +107,11 @@ def set_loss_mask(batch: RolloutBatch, alg: AlgorithmConfig) -> dict[str, float]
         mask = mask & ~cut[:, None]
         metrics["response/overlong_filtered"] = float(cut.float().mean()) if len(cut) else 0.0
     rc = alg.rollout_correction
-    level, mode, cap, lower = rc.settings() if rc.enabled else ("token", "truncate", math.inf, 0.0)
-    weights, keep, stats = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], mask,
-                                              level=level, mode=mode, cap=cap, lower=lower)
-    metrics.update({f"rollout_corr/{k}": v.item() for k, v in stats.items()})
     if rc.enabled:
+        level, mode, cap, lower = rc.settings()
+        weights, keep, stats = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], mask,
+                                                  level=level, mode=mode, cap=cap, lower=lower)
+        metrics.update({f"rollout_corr/{k}": v.item() for k, v in stats.items()})
         mask = keep
         if mode == "truncate":
             batch["rollout_weights"] = weights

@@ -5,6 +5,7 @@ One step (:meth:`Trainer.step`) reads top to bottom:
     reshard actor -> rollout engine | generate (| dynamic sampling) | score | old, reference log-probs (values)
     | advantages and loss mask | critic update | actor update | metrics
 
+(the old log-probs from the actor update's first forward instead where that is exact: :mod:`.old_logprobs`),
 and :func:`~megarl.trainer.loop.fit` runs the steps with validation, metrics and checkpoints between them.
 What the trainer is built from is in :mod:`.builders`, its checkpoints in :mod:`.checkpointing`, the step's
 algorithm glue in :mod:`.advantages` and :mod:`.dynamic_sampling`.
@@ -58,6 +59,7 @@ from megarl.trainer.dynamic_sampling import dynamic_sampling, group_unit
 from megarl.trainer.episodes import (build_agent, episode_batch, episode_metrics, evaluate_episodes, fill_scores,
                                      generate_episodes, row_multiple, to_score)
 from megarl.trainer.loop import fit
+from megarl.trainer.old_logprobs import old_logprob_metrics, old_logprob_pass
 from megarl.trainer.offload import HostOffload
 from megarl.trainer.pipeline import staleness
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
@@ -97,6 +99,7 @@ class Trainer:
         self.step_idx = 0
         self.policy_version = 0  # the step whose weights the engines hold (or last got)
         self.last_checkpoint: Path | None = None
+        self.old_logprob_source: str | None = None  # where the last step's old log-probs came from (train_on)
         self.resumed: dict[str, Any] | None = None  # the checkpoint, step and config changes of a resume
         # a resume's batches in flight at the save (rollout pool of its own): step -> (samples, version) on the
         # training ranks, step -> None on the rollout ranks (checkpointing.resume; fit_split takes them)
@@ -261,10 +264,19 @@ class Trainer:
         batch.meta["policy_version"] = [version] * len(batch)
         if self.actor_lora:
             batch.meta["adapter_version"] = [s.adapter_version for s in out.samples]
-        # each role on its pool (at the same time where the pools are disjoint), then shared with every rank
-        with t("old_logprobs"):
-            old = self.actor.compute_logprobs(batch)["logprobs"] if self.actor else None
-            routing = self.actor.routing_agreement() if self.actor else None
+        # each role on its pool (at the same time where the pools are disjoint), then shared with every rank;
+        # the old log-probs come from the actor update's first forward where that gives the same numbers
+        pass_reason = old_logprob_pass(cfg, rows=len(batch), step=self.step_idx, moe=self.spec.is_moe)
+        source = (f"a pass of their own: {pass_reason}" if pass_reason else
+                  "the actor update's first forward (actor.old_logprob_pass=always runs a pass of their own)")
+        if source != self.old_logprob_source and self.rank == 0:  # said once, and again where it changes
+            log.info("step %d: old log-probs from %s", self.step_idx + 1, source)
+        self.old_logprob_source = source
+        routing = {} if self.actor else None
+        if pass_reason:
+            with t("old_logprobs"):
+                old = self.actor.compute_logprobs(batch)["logprobs"] if self.actor else None
+                routing = self.actor.routing_agreement() if self.actor else None
         if "reference" in self.pools:
             with t("reference"):
                 ref = self.ref.compute_logprobs(batch)["logprobs"] if self.ref else None
@@ -276,7 +288,8 @@ class Trainer:
             nonfinite_metrics = drop_nonfinite(batch, alg, self.step_idx + 1)  # every rank: the same decision
             shape_rewards(batch, alg, cfg.rollout.max_new_tokens)
             frame = batch["response_mask"].shape
-            batch["old_logprobs"] = share_tensor(old, self.pools["actor"].ranks, frame, group=group)
+            if pass_reason:
+                batch["old_logprobs"] = share_tensor(old, self.pools["actor"].ranks, frame, group=group)
             if "reference" in self.pools:
                 batch["ref_logprobs"] = share_tensor(ref, self.pools["reference"].ranks, frame, group=group)
             if "critic" in self.pools:
@@ -304,6 +317,9 @@ class Trainer:
                 metrics["actor/ppo_kl_first_minibatch"] = history[0]["ppo_kl"]
                 metrics["actor/log_ratio_absmax_first_minibatch"] = history[0]["log_ratio_absmax"]
         self.offload(("grads", "optimizer"))  # idle until the next step's updates
+        if not pass_reason:  # the update's, on the actor's pool
+            batch["old_logprobs"] = share_tensor(batch["old_logprobs"] if self.actor else None,
+                                                 self.pools["actor"].ranks, frame, group=group)
 
         mask = batch["response_mask"]
         scores, scored = batch["scores"], ~batch["dropped"]  # the reward metrics over the scored samples
@@ -314,9 +330,7 @@ class Trainer:
             "response/length_mean": mask.sum(-1).mean().item(), "response/length_max": mask.sum(-1).max().item(),
             "response/clip_ratio": float(np.mean([r == "length" for r in batch.meta["finish_reason"]])),
             "prompt/length_mean": batch["prompt_lens"].float().mean().item(),
-            **kl_metrics, **loss_metrics, **nonfinite_metrics,
-            "actor/rollout_vs_old_logprob_diff": masked_mean((batch["rollout_logprobs"] - batch["old_logprobs"])
-                                                             .abs(), mask.bool() & ~batch["logprob_nonfinite"]).item(),
+            **kl_metrics, **loss_metrics, **nonfinite_metrics, **old_logprob_metrics(batch, alg),
             "rollout/policy_version": version, "rollout/staleness": staleness(self.step_idx + 1, version),
             "data/epoch": self.loader.epoch,
         })

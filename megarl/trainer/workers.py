@@ -233,14 +233,23 @@ class MegatronWorker:
                                model_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """Run ``fn(micro_batch, output) -> {name: [b, R] tensor}`` over this rank's DP share (``model_kwargs``:
         extra model arguments); return the whole batch's ``{name: [B, R] float32}`` on every rank."""
-        width, share = batch["response_mask"].shape[1], len(batch) // self.dp_size
-        micro, rows = self._micro_batches(batch, MODEL_INPUTS, self.forward_micro_batch_size(share))
+        size = self.forward_micro_batch_size(len(batch) // self.dp_size)
+        micro, rows = self._micro_batches(batch, MODEL_INPUTS, size)
         for chunk in self.chunks:
             chunk.eval()
         with torch.no_grad():
             res = run_microbatches(self.model, micro,
                                    lambda mb, out: (torch.zeros((), device=self.device), fn(mb, out)),
                                    forward_only=True, model_kwargs=model_kwargs)
+        return self._whole_frames(batch, res, names, rows)
+
+    def _whole_frames(self, batch: RolloutBatch, res: list[dict[str, Any]], names: tuple[str, ...],
+                      rows: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The per-token outputs ``names`` (``[b, R]`` tensors) of this rank's micro-batches of ``batch``
+        (``res``: their outputs in order on the last pipeline stage, ``[]`` elsewhere; ``rows``: their batch rows,
+        :meth:`_micro_batches`) as the whole batch's ``{name: [B, R] float32}`` on the CPU of every rank:
+        broadcast from the last stage, gathered over DP, rows in batch order."""
+        width, share = batch["response_mask"].shape[1], len(batch) // self.dp_size
         local = {n: torch.cat([r[n] for r in res]).float() for n in names} if res else None
         shapes = {n: (share, width) for n in names}
         local = broadcast_from_last_stage(local, shapes, device=self.device)
@@ -321,8 +330,8 @@ class MegatronWorker:
     def train_minibatches(self, batch: RolloutBatch, names: tuple[str, ...], loss_fn: Callable, *,
                           epochs: int, seed: int, mean_keys: list[str], sum_keys: list[str],
                           max_keys: tuple[str, ...] = (), mask_name: str = "response_mask",
-                          model_kwargs: dict[str, Any] | None = None, step: int | None = None
-                          ) -> list[dict[str, float]]:
+                          model_kwargs: dict[str, Any] | None = None, step: int | None = None,
+                          outputs: tuple[str, ...] = ()) -> list[dict[str, float]]:
         """PPO-style updates: ``epochs`` passes over ``batch`` in shuffled global mini-batches, one optimizer
         step each. With one mini-batch per epoch its rows keep the batch's order, so the first update's
         micro-batches are those of the log-prob pass (first-step exactness: the update's log-probs are the old
@@ -343,6 +352,9 @@ class MegatronWorker:
             mask_name: the batch's ``[B, R]`` mask of the tokens in the loss.
             model_kwargs: extra model arguments (an ``output_processor``).
             step: the RL step (1-based), named in errors.
+            outputs: metrics of ``loss_fn`` that are per-token ``[b, R]`` tensors (detached), put into
+                ``batch[name]`` as the whole batch's ``[B, R]`` float32 on every rank of the role's pool; only
+                for one epoch of one mini-batch of the whole batch (every row's forward runs once).
 
         Returns:
             One metrics dict per optimizer step (with ``grad_norm`` and ``lr``, the learning rate the step
@@ -351,11 +363,16 @@ class MegatronWorker:
         Raises:
             NonFiniteError: on every rank of the role's pool, when a micro-batch's loss or the gradient of a
                 mini-batch is not finite; the optimizer has not stepped on it.
+            ValueError: ``outputs`` with more than one epoch or mini-batch.
         """
         from megatron.core import parallel_state as ps
 
         rc = self.rc
         n_mini = len(batch) // rc.ppo_mini_batch_size
+        if outputs and (epochs, rc.ppo_mini_batch_size) != (1, len(batch)):
+            raise ValueError(f"the {self.role} update gives {outputs} only from one epoch of one mini-batch of the "
+                             f"whole batch, got {epochs} epochs of mini-batches of {rc.ppo_mini_batch_size} of "
+                             f"{len(batch)} rows; compute them before the update")
         found = routers(self.model)
         moe_names = ("response_lens",) if needs_batch_stats(found) else ()
         gen = torch.Generator().manual_seed(seed)
@@ -368,7 +385,7 @@ class MegatronWorker:
                 mini = batch.select(order[k * rc.ppo_mini_batch_size:(k + 1) * rc.ppo_mini_batch_size])
                 mask = mini[mask_name]
                 norms = {"global_tokens": float(mask.sum()), "global_seqs": float((mask.sum(-1) > 0).sum())}
-                micro, _ = self._micro_batches(mini, names + moe_names, rc.micro_batch_size)
+                micro, rows = self._micro_batches(mini, names + moe_names, rc.micro_batch_size)
                 scale = len(micro) * self.dp_size  # the same number of micro-batches on every DP rank
                 moe_loss, moe_metrics = contextlib.nullcontext(), {}
                 if moe_names:  # the MoE aux loss and z-loss of the whole mini-batch (megarl.models.moe_router)
@@ -380,7 +397,7 @@ class MegatronWorker:
 
                 def output_fn(mb, out):
                     loss, metrics = loss_fn(mb, out, norms)
-                    values = {k: float(v) for k, v in metrics.items()}
+                    values = {k: v if k in outputs else float(v) for k, v in metrics.items()}
                     values["tokens"] = float(mb[mask_name].sum())
                     values["loss"] = float(loss.detach())
                     return loss * scale, values
@@ -399,6 +416,9 @@ class MegatronWorker:
                     self.scheduler.step(increment=1)
                 else:
                     self._check_loss_scale(step)
+                if outputs:
+                    for name, frame in self._whole_frames(batch, res, outputs, rows).items():
+                        batch[name] = frame
                 local = None
                 if res:
                     local = {k: sum(r.get(k, 0.0) for r in res) for k in sum_keys}
@@ -729,33 +749,44 @@ class PolicyWorker(MegatronWorker):
         clipfrac_lower, ppo_kl, approx_kl (token means over the mini-batch), log_ratio_absmax (largest |log-prob
         - old log-prob|), grad_norm, lr.
 
+        Without ``batch["old_logprobs"]`` (one epoch of one mini-batch: :mod:`megarl.trainer.old_logprobs`) the
+        update's own detached log-probs are the old ones (the ratio exactly 1, with its gradient), and they are
+        added to the batch as ``old_logprobs`` ``[B, R]`` float32 on every rank of the actor's pool.
+
         Raises:
             NonFiniteError: a loss or gradient that is not finite (:meth:`train_minibatches`).
+            ValueError: no old log-probs with more than one epoch or mini-batch.
         """
         kl_in_loss = alg.kl.in_loss and alg.kl.coef > 0
         mask_name = "loss_mask" if "loss_mask" in batch else "response_mask"
-        names = (MODEL_INPUTS + ("old_logprobs", "advantages") + (("loss_mask",) if mask_name == "loss_mask" else ())
+        on_policy = "old_logprobs" not in batch
+        names = (MODEL_INPUTS + (() if on_policy else ("old_logprobs",)) + ("advantages",)
+                 + (("loss_mask",) if mask_name == "loss_mask" else ())
                  + (("ref_logprobs",) if kl_in_loss else ())
                  + (("rollout_weights",) if "rollout_weights" in batch else ()))
         params = POLICY_LOSSES.entry(alg.policy_loss).config_params(alg)
 
         def loss_fn(mb, logits, norms):
             logp, ent = self._logprobs(mb, logits, with_entropy=True)
+            old = logp.detach() if on_policy else mb["old_logprobs"]
             loss, metrics = actor_loss(
-                logp, mb["old_logprobs"], mb["advantages"], mb[mask_name], policy_loss=alg.policy_loss,
+                logp, old, mb["advantages"], mb[mask_name], policy_loss=alg.policy_loss,
                 policy_loss_params=params, agg_mode=alg.loss_agg_mode, entropy=ent,
                 entropy_coeff=alg.entropy_coef, ref_logprob=mb.get("ref_logprobs"),
                 kl_coef=alg.kl.coef if kl_in_loss else 0.0, kl_kind=alg.kl.estimator,
                 rollout_weights=mb.get("rollout_weights"), norm_tokens=norm_tokens, **norms)
             metrics["entropy"] = agg_loss(ent.detach(), mb[mask_name], "token-mean",
                                           global_tokens=norms["global_tokens"])
+            if on_policy:
+                metrics["old_logprobs"] = old
             return loss, metrics
 
         return self.train_minibatches(batch, names, loss_fn, epochs=self.rc.ppo_epochs, seed=seed,
                                       sum_keys=["pg_loss", "kl_loss", "entropy"],
                                       mean_keys=["clipfrac", "clipfrac_lower", "ppo_kl", "approx_kl"],
                                       max_keys=("log_ratio_absmax",), mask_name=mask_name,
-                                      model_kwargs=self._model_kwargs(with_entropy=True), step=step)
+                                      model_kwargs=self._model_kwargs(with_entropy=True), step=step,
+                                      outputs=("old_logprobs",) if on_policy else ())
 
 
 class BasePolicy:
