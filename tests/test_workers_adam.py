@@ -1,6 +1,6 @@
-"""The actor's Adam on CPU parameters runs torch's ``foreach`` kernels (megatron builds torch's AdamW without them,
-and torch's per-tensor loop is 3x slower on the CPU main job; :func:`megarl.trainer.workers.adam_foreach_on_cpu`),
-with the per-tensor loop's results."""
+"""The actor's Adam on CPU parameters runs torch's fused CPU kernel (megatron builds torch's AdamW without it, and
+torch's per-tensor loop is 6x slower on the CPU main job; :func:`megarl.trainer.workers.adam_fused_on_cpu`), with
+the per-tensor loop's results."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from tests.rl_tasks import update_batch
 from tests.test_workers_lr import SPEC
 
 
-def _weights_after_updates(rank, world, foreach: bool):
-    """The ``foreach`` setting of the actor optimizer's groups as built, and the actor's parameters before and
-    after 3 updates, run with torch's foreach Adam or with its per-tensor loop."""
+def _weights_after_updates(rank, world, fused: bool):
+    """The ``fused`` setting of the actor optimizer's groups as built, and the actor's parameters before and
+    after 3 updates, run with torch's fused Adam or with its per-tensor loop."""
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, OptimConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.trainer.workers import PolicyWorker
@@ -25,18 +25,18 @@ def _weights_after_updates(rank, world, foreach: bool):
                           total_updates=3, temperature=1.0)
     groups = [g for o in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
               for g in o.optimizer.param_groups]
-    built = [g["foreach"] for g in groups]
+    built = [g["fused"] for g in groups]
     for g in groups:
-        g["foreach"] = foreach
+        g["fused"] = fused
     before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
     worker.update(update_batch(6, 60), AlgorithmConfig(kl=KLConfig(coef=0.0)), seed=0)
     return built, before, {n: p.detach().clone() for n, p in worker.model.named_parameters()}
 
 
-def test_cpu_adam_runs_foreach_with_the_per_tensor_loops_results():
+def test_cpu_adam_runs_fused_with_the_per_tensor_loops_results():
     (built, before, fast), = run_world(_weights_after_updates, 1, True)
     (_, _, loop), = run_world(_weights_after_updates, 1, False)
     assert built and all(f is True for f in built), built
-    for name in fast:
-        torch.testing.assert_close(fast[name], loop[name], rtol=1e-6, atol=1e-7, msg=name)
+    for name in fast:  # the updates move each weight by ~3e-2; the two kernels' rounding differs by < 1e-6
+        torch.testing.assert_close(fast[name], loop[name], rtol=0, atol=1e-6, msg=name)
     assert all(not torch.equal(before[n], fast[n]) for n in fast)  # every parameter trained

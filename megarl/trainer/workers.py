@@ -210,7 +210,7 @@ class MegatronWorker:
             # first updates (each then skipped) until halved 16 times; hysteresis and window stay megatron's
             initial_loss_scale=FP16_INITIAL_LOSS_SCALE), ddps,
             pg_collection=self.pg_collection, use_gloo_process_groups=self.pg_collection is None)
-        adam_foreach_on_cpu(opt)
+        adam_fused_on_cpu(opt)
         # The schedule multiplies the last stage's loss by the optimizer's loss scale before the backward (1.0
         # for bf16/fp32; fp16's dynamic scale, which the optimizer divides out of the gradients), as Megatron-LM's
         # setup_model_and_optimizer sets it; without it fp16 gradients were 2**-32 of their size.
@@ -639,19 +639,19 @@ class MegatronWorker:
         self.scheduler.step(increment=updates_done)
 
 
-def adam_foreach_on_cpu(optimizer) -> None:
-    """Run the torch Adam/AdamW inside a megatron optimizer (plain or chained) over CPU parameters with its
-    ``foreach`` kernels (one call per operation over all tensors). Megatron builds torch's AdamW where neither
-    Transformer Engine's nor apex's fused Adam exists, without ``foreach``, and torch then runs its per-tensor
-    loop on CPU tensors: 1.3 s against 0.42 s a step for SmolLM2-135M's 148M fp32 parameters on 2 cores (the
-    same update; ``foreach`` holds one temporary copy of the moments, +4 bytes a parameter while it steps)."""
+def adam_fused_on_cpu(optimizer) -> None:
+    """Step the torch Adam/AdamW inside a megatron optimizer (plain or chained) over CPU parameters with torch's
+    fused CPU kernel (one pass over each tensor for the whole update). Megatron builds torch's AdamW where neither
+    Transformer Engine's nor apex's fused Adam exists, and torch then runs its per-tensor loop of ~10 operations
+    on CPU tensors: 0.73 s against 0.13 s a step for SmolLM2-135M's 148M fp32 parameters on 2 cores (foreach:
+    0.41 s), the same update within float rounding."""
     for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(wrapper, "optimizer", None)
         if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
             continue
         for group in inner.param_groups:
             if group["params"] and all(p.device.type == "cpu" for p in group["params"]):
-                group["foreach"] = True
+                group["foreach"], group["fused"] = False, True
 
 
 def _round_up(n: int, multiple: int) -> int:
