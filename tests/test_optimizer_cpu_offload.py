@@ -1,7 +1,7 @@
 """megatron-core's optimizer CPU offload (``actor.optim.cpu_offload``, its ``HybridDeviceOptimizer`` inside the
 DistributedOptimizer) at DP=2 with a bf16 actor: an update with all or half of the optimizer state on the host
-gives the fp32 main weights, Adam moments and metrics of an update without it, and a checkpoint resumes with it,
-into it from a run without it, and out of it. On this CPU machine the host is the device: the parameters stand
+gives the fp32 main weights, Adam moments and metrics of an update without it, and a checkpoint resumes into it
+from a run without it, and out of it. On this CPU machine the host is the device: the parameters stand
 in for device tensors while the optimizer splits them (:mod:`megarl.parallel.megatron_cpu`), so its host copies,
 gradient copies, host step and copies back all run."""
 
@@ -17,7 +17,7 @@ from tests.distributed import run_world
 # bf16/fp16 weights
 SPEC = ModelSpec("qwen2", 1000, 96, 2, 4, 2, 24, 200, tie_word_embeddings=True)
 FRACTIONS = (0.0, 1.0, 0.5)
-RESUMES = ((1.0, 1.0), (0.5, 0.0), (0.0, 1.0))  # (the resumed run's cpu_offload, the checkpoint's)
+RESUMES = ((0.5, 0.0), (0.0, 1.0))  # (the resumed run's cpu_offload, the checkpoint's): into it and out of it
 
 
 def _run(rank, world, tmp):
@@ -77,7 +77,7 @@ def _run(rank, world, tmp):
         res[f"metrics {fraction}"] = metrics
         if fraction in (0.0, 1.0):
             ck.save_checkpoint(f"{tmp}/{fraction}", w.sharded_state_dict(), {"hf_config": {}})
-    # resume: offload on from its own checkpoint, on from an offload-off one, off from an offload-on one
+    # resume: offload (half) on from an offload-off checkpoint, off from an offload-on one
     for into, source in RESUMES:
         w = worker(into)
         w.load_sharded_state(ck.load_checkpoint(f"{tmp}/{source}", w.sharded_state_dict(is_loading=True)))
