@@ -20,7 +20,7 @@ import megarl.launch.convert as lc
 from megarl.cli import main
 
 
-def _fake_world(fn, world_size, *args):
+def _fake_world(fn, world_size, *args, reraise=()):
     """What the ranks of ``convert_rank`` / ``export_rank`` leave: their output folder, replaced whole."""
     out = Path(args[1])
     shutil.rmtree(out, ignore_errors=True)
