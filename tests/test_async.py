@@ -252,6 +252,7 @@ def test_async_one_step_off_learns_the_task_with_staleness_at_most_1_recorded_pe
 
 
 
+@pytest.mark.slow  # CI time (issue 33's 45 minutes): one of the 30 slowest
 def test_async_run_saves_and_ends_on_sigusr1_and_checkpoints_by_time_on_resume(task, monkeypatch):
     """Split pools, one step off: SIGUSR1 on rank 0 in step 2's update (what SLURM sends before the time
     limit): both pools save step 2 and end to be requeued; the resumed run with ``trainer.save_every_min``

@@ -97,6 +97,7 @@ def test_grpo_with_lora_learns_the_task_and_exports_a_peft_adapter(task):
     assert (via_base - actor).abs().max() > 1e-2  # the adapters changed the model: the checks can fail
 
 
+@pytest.mark.slow  # CI time (issue 33's 45 minutes): one of the 30 slowest
 def test_a_lora_checkpoint_resumes_at_another_layout_as_the_uninterrupted_run(task):
     straight = _run(task, "straight", extra=RESUME + ["trainer.steps=3"])[0]
     assert straight[1]["actor/ppo_kl"] != straight[2]["actor/ppo_kl"]
