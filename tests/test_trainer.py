@@ -77,6 +77,7 @@ RESUME = ["data.prompts_per_step=4", "rollout.n=4", "actor.ppo_mini_batch_size=8
           "actor.optim.lr=1e-3", "trainer.save_every=1"]
 
 
+@pytest.mark.slow  # CI time (issue 33's 45 minutes): one of the 30 slowest
 def test_resume_reproduces_the_uninterrupted_run(task):
     straight = _run(task, "straight", extra=RESUME + ["trainer.steps=3"])[0]
     _run(task, "stopped", extra=RESUME + ["trainer.steps=2"])
