@@ -248,9 +248,12 @@ class HFRolloutEngine:
         active = list(range(rows))  # batch row -> prompt row
         # each distinct prompt is prefilled once and its KV-cache rows copied to its samples (a prompt's n samples
         # share them, as in vLLM's prefix cache: n times less prefill)
-        distinct: dict[tuple[int, ...], int] = {}
-        first = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])  # row -> prefill row
-        pick = [first.tolist().index(d) for d in range(len(distinct))]  # prefill row -> a row of its prompt
+        distinct: dict[tuple[int, ...], int] = {}  # prompt -> its prefill row
+        pick: list[int] = []  # prefill row -> the first row of its prompt
+        for i, p in enumerate(prompts):
+            if distinct.setdefault(tuple(p), len(pick)) == len(pick):
+                pick.append(i)
+        first = torch.tensor([distinct[tuple(p)] for p in prompts])  # row -> its prompt's prefill row
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=input_ids[pick], attention_mask=mask[pick], position_ids=positions[pick],
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
