@@ -118,7 +118,7 @@ if [ $failed -eq 0 ]; then  # the rest runs whatever one of them does, so that o
   stage gen_after 110 gen_after
   stage fp8_kernel 120 fp8_kernel
   stage step_after 260 step_after
-  stage gen_fp8 90 gen_fp8
+  stage gen_fp8 200 gen_fp8
   stage step_fp8 150 step_fp8
   if [ "${EXTRA:-0}" = 1 ]; then
     stage gen_hf 110 gen_hf

@@ -4,16 +4,15 @@
 # case (step 1 is the warm-up; steps 2-3 are reported). Cases, in this order:
 #   1.5b-full   1.5b-r64-merged   1.5b-r64-adapter
 #   7b-r16-merged     7b-r64-merged     7b-r64-adapter
-# 7b-full runs by name only (bash perf/gpu_lora.sh 7b-full; a few minutes of its own: the Adam step of 7.6B
+# 7b-full runs by name only (bash perf/gpu_lora.sh 7b-full; ~160 s of its own: the Adam step of 7.6B
 # parameters runs on the host's 16 cores): its fp32 master weights and Adam moments (85 GiB) do not fit one H200
 # beside vLLM (with actor.offload=true it ran out of memory in Adam's first step on 2026-12-02, perf/RESULTS.md),
-# so it puts all of them on the host with megatron's optimizer CPU offload (actor.optim.cpu_offload=1.0) and
-# recomputes activations: ~104 GiB estimated on the GPU (bf16 weights 14, fp32 gradient buffer 28, reference 14,
-# vLLM 39, activations 6), and 113.5 GiB of the host's 128 (master weights 28, moments 57, and megatron's pinned
-# fp32 copy of the gradients 28; ~9 GiB left with the process's own): should the host run short, 0.8 leaves
-# 91 GiB there and adds 17 to the GPU. actor.offload stays off: it would move the 28 GiB gradient buffer and the
-# weights to the host too, past its memory. The LoRA runs need neither (~121 GiB estimated, most of it vLLM's
-# share; 68.7 GiB update peak measured at rank 16).
+# so it puts 80% of them on the host with megatron's optimizer CPU offload (actor.optim.cpu_offload=0.8) and
+# recomputes activations: 118.6 GiB update peak measured on the GPU, up to 118 GiB of the host's 125 in use.
+# At 1.0 the host ran out of memory in the first step (2026-12-03); at 0.8 the kernel kills the process in its
+# end-of-run checkpoint save (the steps' metrics are written before it, so the table below has them; the case
+# prints FAILED). actor.offload stays off: it would move the 28 GiB gradient buffer and the weights to the host
+# too. The LoRA runs need neither (70.5 GiB update peak measured at rank 64).
 # Per case, from metrics.jsonl: actor-update peak memory (memory/actor_update/peak_bytes: torch's tensors, not
 # vLLM's pool), seconds per phase, tokens/s/GPU, the weight sync (time/reshard, and reshard/merge_s: the merge of
 # W + (alpha/r) B A on the engine ranks), generation tokens/s, and actor/rollout_vs_old_logprob_diff (mean
@@ -34,7 +33,7 @@ for CASE in "${CASES[@]}"; do
   if [ $SECONDS -gt "$BUDGET_S" ]; then echo "gpu_lora: $CASE skipped (budget of $BUDGET_S s spent)"; continue; fi
   model=qwen2.5-${CASE%%-*}; rest=${CASE#*-}
   case $rest in
-    full) if [ "${CASE%%-*}" = 7b ]; then extra="actor.optim.cpu_offload=1.0 actor.recompute=true actor.micro_batch_size=8"
+    full) if [ "${CASE%%-*}" = 7b ]; then extra="actor.optim.cpu_offload=0.8 actor.recompute=true actor.micro_batch_size=8"
           else extra=""; fi ;;
     r*-merged|r*-adapter) rank=${rest%%-*}; rank=${rank#r}
           extra="actor.lora.rank=$rank actor.lora.alpha=$((2 * rank)) actor.lora.sync=${rest#*-}" ;;
