@@ -17,6 +17,13 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
   device's figure (its fp32 master weights and Adam moments, 12 bytes per parameter) and is held in host memory
   with a pinned fp32 copy of its gradients: 16 bytes per offloaded parameter. The device keeps the rest of the
   shard's state, the weights and the fp32 gradient buffer. On a CPU rank the host is the device: both count there.
+- **save_host** (GPU ranks, ``optim.distributed``): host memory a checkpoint save adds on each rank. The
+  DistributedOptimizer's ``fully_reshardable`` format (megarl's, for resume at any layout) gathers the whole
+  model-parallel shard's fp32 main weights and both Adam moments into host buffers on every rank of the DP
+  group while it saves (megatron-core 0.19 ``DistributedOptimizer.get_parameter_state_dp_zero``): 12 bytes per
+  trained parameter of the stage, whatever the DP size (85 GiB for a 7.6B model at TP = PP = 1). Measured on an
+  H200 (perf/RESULTS.md, issue 30): a full 7B run with ``cpu_offload=0.8`` trained and was killed by the host's
+  OOM killer in its first save. Not part of ``total`` (a device figure).
 - **reference** (``algorithm.kl.coef > 0``): a frozen copy of the actor's parameters (none with ``actor.lora``: the
   reference is the actor's base).
 - **LoRA** (``actor.lora.rank > 0``): the base is frozen in the model dtype (no gradient buffer, no optimizer
@@ -81,6 +88,7 @@ class MemoryEstimate:
     colocated_rollout: bool  # True: vLLM reserves its share for the whole run (added, not overlapped)
     rollout_pool: bool = False  # True: the rollout on ranks of its own (placement.rollout), nothing else there
     host: int = 0  # the offloaded optimizer state in host memory (optim.cpu_offload), outside every device figure
+    save_host: int = 0  # host memory a checkpoint save adds (the distributed optimizer's gather), GPU ranks
 
     @property
     def pools(self) -> dict[str, int]:
@@ -115,7 +123,7 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         parts = [f"{k} {v / GIB:.2f}" for k, v in self.as_dict().items()
-                 if v and k not in ("total", "tensors", "train_ranks", "rollout_ranks", "host")]
+                 if v and k not in ("total", "tensors", "train_ranks", "rollout_ranks", "host", "save_host")]
         per_pool = (f"; training ranks {self.pools['train'] / GIB:.2f}, rollout ranks "
                     f"{self.pools['rollout'] / GIB:.2f}") if self.rollout_pool else ""
         host = f"; host memory {self.host / GIB:.2f} GiB (offloaded optimizer)" if self.host else ""
@@ -287,12 +295,18 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
         c = stage_params(spec, p.tp, p.pp, value_head=True, ep=p.ep)
         critic_optimizer, critic_host = split(optimizer(c, cfg.critic.optim.distributed), cfg.critic.optim.cpu_offload)
         critic, host = c * (e + 4) + critic_optimizer, host + critic_host
+    save_host = 0
+    if gpu:  # the fully_reshardable gather of a save: fp32 main weight and two moments per trained parameter
+        save_host = 12 * trained * cfg.actor.optim.distributed
+        if cfg.algorithm.uses_critic:
+            save_host += 12 * c * cfg.critic.optim.distributed
     return MemoryEstimate(
         params=(n + ad) * e, grads=trained * 4, optimizer=actor_optimizer, reference=reference, critic=critic,
         activations=activation_bytes(cfg, spec, p.tp, p.pp, dp),
         rollout=rollout_bytes(cfg, spec, rollout_ranks, device_bytes, gpu),
         runtime=RUNTIME_BYTES["gpu" if gpu else "cpu"],
-        colocated_rollout=cfg.rollout.engine == "vllm", rollout_pool=rollout_ranks < world_size, host=host)
+        colocated_rollout=cfg.rollout.engine == "vllm", rollout_pool=rollout_ranks < world_size, host=host,
+        save_host=save_host)
 
 
 def host_memory_bytes() -> int:
