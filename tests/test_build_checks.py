@@ -77,6 +77,8 @@ def test_a_token_budget_below_one_row_is_a_warning(caplog):
     caplog.clear()
     with caplog.at_level("WARNING", logger="megarl.parallel.placement"):
         validate_for_world(load_config(None, base + ["actor.max_tokens_per_micro_batch=128"]), 1)
+        # the trainer's own check, after the pre-run checks in the same process, says it no second time
+        validate_for_world(load_config(None, base + ["actor.max_tokens_per_micro_batch=100"]), 1, warn=False)
     assert "max_tokens_per_micro_batch" not in caplog.text
 
 

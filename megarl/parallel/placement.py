@@ -255,8 +255,11 @@ def placement_summary(layouts: dict[str, RoleLayout]) -> str:
     return "placement:\n" + "\n".join(f"  {lay.role:<9} {lay.describe()}" for lay in layouts.values())
 
 
-def validate_for_world(cfg: Config, world_size: int) -> None:
-    """Check what depends on the number of ranks, before any model is built.
+def validate_for_world(cfg: Config, world_size: int, *, warn: bool = True) -> None:
+    """Check what depends on the number of ranks, before any model is built; with ``warn``, also log one
+    warning for each setting that is accepted but does nothing or works against itself (:func:`warn_ineffective`,
+    a token budget below one row). ``megarl train``'s pre-run checks warn; the trainer's own call passes
+    ``warn=False`` (in a one-process run both run in one process, and the warnings came twice).
 
     Raises:
         ConfigError: a pool or a mesh that does not fit the world (:func:`role_layouts`), roles that cannot take
@@ -290,13 +293,14 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
                  f"sends one activation shape for every micro-batch); set it to 0, use pp=1 or set "
                  f"{role}.sequence_packing=true (packed micro-batches of one shape)")
         longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-        if 0 < rc.max_tokens_per_micro_batch < longest:
+        if warn and 0 < rc.max_tokens_per_micro_batch < longest:
             log.warning("%s.max_tokens_per_micro_batch=%d is below one row of up to %d tokens (data.max_prompt_length"
                         " + rollout.max_new_tokens): a longer row gets a micro-batch of its own, over the budget; set "
                         "it to at least %d", role, rc.max_tokens_per_micro_batch, longest, longest)
         check_context_parallel(rc, role)
         check_virtual_pipeline(cfg, rc, role, layouts[role])
-    warn_ineffective(cfg, layouts, world_size)
+    if warn:
+        warn_ineffective(cfg, layouts, world_size)
     for role in MEGATRON_ROLES:
         if role in layouts:
             lay = layouts[role]

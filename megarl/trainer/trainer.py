@@ -80,7 +80,8 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg = absolute_paths(cfg)  # what the run records resolves the same from any folder
-        validate_for_world(cfg, launch_info().world_size)  # before the rendezvous: a wrong world stops here
+        # before the rendezvous: a wrong world stops here (its warnings were the pre-run checks')
+        validate_for_world(cfg, launch_info().world_size, warn=False)
         info = init_distributed(timeout_s=cfg.trainer.timeout_s)
         record_peers()
         self.rank, self.world = info.rank, info.world_size
