@@ -116,9 +116,11 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
     """
     if is_rank():
         return False
+    from megarl.launch.memory import warn_host_memory
     from megarl.trainer.preflight import preflight
 
-    preflight(cfg, cfg.world_size)  # first: a config error is named even while another run owns the folder
+    spec = preflight(cfg, cfg.world_size)  # first: a config error is named even while another run owns the folder
+    warn_host_memory(cfg, spec, cfg.world_size)  # a GPU machine whose host will not hold a checkpoint save
     if run_folder:
         from megarl.storage import check_writable
         from megarl.trainer.run_lock import check_free

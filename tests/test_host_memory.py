@@ -1,16 +1,16 @@
 """Host memory of GPU ranks (issue 30's H200 finding): a full 7B run with ``actor.optim.cpu_offload=0.8`` trained
 and was killed by the host's OOM killer in its first checkpoint save, because the distributed optimizer's
 ``fully_reshardable`` save gathers 12 bytes per parameter on the host of every rank. The estimate counts that
-(``save_host``, against Qwen2.5-7B's own parameter count) and preflight's :func:`warn_host_memory` warns before
-the run; the CPU estimate is unchanged."""
+(``save_host``, against Qwen2.5-7B's own parameter count) and :func:`~megarl.launch.memory.warn_host_memory` warns
+before ``megarl train`` starts its ranks; the CPU estimate is unchanged."""
 
 from __future__ import annotations
 
 import logging
 
 from megarl.config import load_config
-from megarl.launch.memory import GIB, estimate_memory
-from megarl.trainer.preflight import model_spec, warn_host_memory
+from megarl.launch.memory import GIB, estimate_memory, warn_host_memory
+from megarl.trainer.preflight import model_spec
 
 QWEN25_7B_PARAMS = 7_615_616_512  # Qwen/Qwen2.5-7B's safetensors index: embeddings and lm_head untied
 H200 = 141 * GIB
@@ -33,7 +33,7 @@ def test_the_save_gathers_12_bytes_per_parameter_on_a_gpu_rank():
 
 def test_the_h200_run_that_was_killed_at_its_save_is_warned_about(caplog):
     cfg = _cfg("actor.optim.cpu_offload=0.8")
-    with caplog.at_level(logging.WARNING, logger="megarl.trainer.preflight"):
+    with caplog.at_level(logging.WARNING, logger="megarl.launch.memory"):
         msg = warn_host_memory(cfg, model_spec(cfg), 1, local_ranks=1, device_bytes=H200, host_bytes=125 * GIB)
     assert msg is not None and msg in caplog.text
     assert "actor.optim.cpu_offload" in msg and "over the 125.0 GiB" in msg

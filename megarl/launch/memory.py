@@ -60,11 +60,14 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass
 
 from megarl.config import Config
+
+log = logging.getLogger(__name__)
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -312,3 +315,42 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
 def host_memory_bytes() -> int:
     """This machine's physical memory (the CPU ranks' device)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def warn_host_memory(cfg: Config, spec, world_size: int, *, local_ranks: int | None = None,
+                     device_bytes: int = 0, host_bytes: int = 0) -> str | None:
+    """Warn (and return the warning) when the GPU ranks this machine starts need more host memory than it has:
+    the offloaded optimizer state (``optim.cpu_offload``) plus what a checkpoint save gathers on the host
+    (:class:`MemoryEstimate` ``host`` and ``save_host``, per rank). A warning, not a refusal: the steps run, and
+    the first save (every ``trainer.save_every`` steps, and at the end) is what the host's OOM killer stops, the
+    checkpoint lost. None when it fits, or on a machine without a GPU.
+
+    Args:
+        local_ranks: the ranks this machine runs; device_bytes: one GPU's memory; host_bytes: this machine's
+            (bytes). Without ``local_ranks``, all three are read from this machine (``megarl train`` before it
+            starts its ranks).
+    """
+    if local_ranks is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        local_ranks = min(world_size, torch.cuda.device_count())
+        device_bytes = torch.cuda.get_device_properties(0).total_memory
+        host_bytes = host_memory_bytes()
+    try:
+        est = estimate_memory(cfg, spec, world_size, gpu=True, device_bytes=device_bytes)
+    except Exception as e:  # noqa: BLE001 - advisory: a config the estimate does not cover never stops a run
+        log.debug("host memory not estimated: %r", e)
+        return None
+    need = (est.host + est.save_host) * local_ranks
+    if need <= host_bytes:
+        return None
+    msg = (f"host memory: this machine's {local_ranks} rank(s) need an estimated {need / GIB:.1f} GiB of host "
+           f"memory while a checkpoint saves ({est.host / GIB:.1f} GiB of offloaded optimizer state and "
+           f"{est.save_host / GIB:.1f} GiB that the distributed optimizer's save gathers, per rank), over the "
+           f"{host_bytes / GIB:.1f} GiB it has: the steps may run, the first checkpoint save will likely be killed "
+           f"for memory. Lower actor.optim.cpu_offload, or shard the model further (actor.parallel.tp / pp: the "
+           f"save gathers one model-parallel shard per rank, whatever the DP size), or use more machines")
+    log.warning(msg)
+    return msg

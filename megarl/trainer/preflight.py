@@ -378,45 +378,13 @@ def check_this_machine(cfg: Config) -> None:
         raise ConfigError("rollout.engine: vllm is not installed (MEGARL_EXTRAS=gpu ./build.sh installs it)")
 
 
-def warn_host_memory(cfg: Config, spec: ModelSpec, world_size: int, *, local_ranks: int, device_bytes: int,
-                     host_bytes: int) -> str | None:
-    """Warn (and return the warning) when the GPU ranks this machine starts need more host memory than it has:
-    the offloaded optimizer state (``optim.cpu_offload``) plus what a checkpoint save gathers on the host
-    (:class:`~megarl.launch.memory.MemoryEstimate` ``host`` and ``save_host``, per rank). A warning, not a
-    refusal: the steps run, and the first save (every ``trainer.save_every`` steps, and at the end) is what the
-    host's OOM killer stops, the checkpoint lost. None when it fits.
-
-    Args:
-        local_ranks: the ranks this machine runs; device_bytes: one GPU's memory; host_bytes: this machine's.
-    """
-    from megarl.launch.memory import GIB, estimate_memory
-
-    try:
-        est = estimate_memory(cfg, spec, world_size, gpu=True, device_bytes=device_bytes)
-    except Exception as e:  # noqa: BLE001 - advisory: a config the estimate does not cover never stops a run
-        log.debug("host memory not estimated: %r", e)
-        return None
-    need = (est.host + est.save_host) * local_ranks
-    if need <= host_bytes:
-        return None
-    msg = (f"host memory: this machine's {local_ranks} rank(s) need an estimated {need / GIB:.1f} GiB of host "
-           f"memory while a checkpoint saves ({est.host / GIB:.1f} GiB of offloaded optimizer state and "
-           f"{est.save_host / GIB:.1f} GiB that the distributed optimizer's save gathers, per rank), over the "
-           f"{host_bytes / GIB:.1f} GiB it has: the steps may run, the first checkpoint save will likely be killed "
-           f"for memory. Lower actor.optim.cpu_offload, or shard the model further (actor.parallel.tp / pp: the "
-           f"save gathers one model-parallel shard per rank, whatever the DP size), or use more machines")
-    log.warning(msg)
-    return msg
-
-
 def preflight(cfg: Config, world_size: int, *, this_machine: bool = True) -> ModelSpec:
     """Every check that needs no process group or model, made by the process that starts a job's ranks on this
     machine: :func:`~megarl.parallel.placement.validate_for_world`, the model (:func:`validate_for_model`),
     the reward function and its parameters, with ``this_machine`` what this machine must have (``--check``
     leaves it out: a GPU config checked on a CPU machine), then the data (:func:`check_data`: prepared when
     missing, every row read and tokenised) and the multi-turn agent's tools, parser and environment
-    (:func:`~megarl.trainer.episodes.build_agent`); on a GPU machine, a warning when its ranks' host memory
-    will not hold a checkpoint save (:func:`warn_host_memory`). Returns the model's spec.
+    (:func:`~megarl.trainer.episodes.build_agent`). Returns the model's spec.
 
     Raises:
         ConfigError: naming the field.
@@ -427,12 +395,6 @@ def preflight(cfg: Config, world_size: int, *, this_machine: bool = True) -> Mod
     check_reward(cfg)
     if this_machine:
         check_this_machine(cfg)
-        if torch.cuda.is_available():
-            from megarl.launch.memory import host_memory_bytes
-
-            warn_host_memory(cfg, spec, world_size, local_ranks=min(world_size, torch.cuda.device_count()),
-                             device_bytes=torch.cuda.get_device_properties(0).total_memory,
-                             host_bytes=host_memory_bytes())
     check_data_files(cfg)
     tokenizer = check_tokenizer(cfg, model_tokenizer)
     check_data(cfg, tokenizer, prepare=this_machine)
