@@ -116,12 +116,11 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
     """
     if is_rank():
         return False
-    from megarl.launch.memory import warn_host_memory
     from megarl.trainer.preflight import preflight
 
     spec = preflight(cfg, cfg.world_size)  # first: a config error is named even while another run owns the folder
-    warn_host_memory(cfg, spec, cfg.world_size)  # a GPU machine whose host will not hold a checkpoint save
     if run_folder:
+        from megarl.launch.memory import warn_host_memory
         from megarl.storage import check_writable
         from megarl.trainer.run_lock import check_free
         from megarl.trainer.checkpointing import check_run_folder
@@ -129,6 +128,7 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
         check_free(cfg.run.run_dir)  # another run owns the folder
         check_writable(cfg.run.run_dir, "run.output_dir")  # a file in the way, a read-only or full file system
         check_run_folder(cfg, cfg.world_size)  # an earlier run's checkpoints, none to resume, a finished run
+        warn_host_memory(cfg, spec, cfg.world_size)  # a GPU machine whose host will not hold a checkpoint save
     if cfg.world_size == 1:
         return False
     from torch.distributed.elastic.multiprocessing.api import SignalException

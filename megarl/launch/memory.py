@@ -300,9 +300,10 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
         critic, host = c * (e + 4) + critic_optimizer, host + critic_host
     save_host = 0
     if gpu:  # the fully_reshardable gather of a save: fp32 main weight and two moments per trained parameter
-        save_host = 12 * trained * cfg.actor.optim.distributed
-        if cfg.algorithm.uses_critic:
-            save_host += 12 * c * cfg.critic.optim.distributed
+        if cfg.actor.optim.distributed:
+            save_host += 12 * trained
+        if cfg.algorithm.uses_critic and cfg.critic.optim.distributed:
+            save_host += 12 * c
     return MemoryEstimate(
         params=(n + ad) * e, grads=trained * 4, optimizer=actor_optimizer, reference=reference, critic=critic,
         activations=activation_bytes(cfg, spec, p.tp, p.pp, dp),
