@@ -186,6 +186,7 @@ class OptimConfig:
 
 
 ATTENTION_KERNELS = ("sdpa", "local")
+MOE_EXPERTS = ("grouped", "sequential")  # megarl.models.megatron.MOE_EXPERTS (tested)
 
 
 @dataclass
@@ -204,18 +205,25 @@ class KernelsConfig:
         transformer_engine: Transformer Engine's layer spec instead of the local one (GPU with TE installed:
             ``perf/gpu_te.sh`` builds it): fused LayerNorm + GEMM, TE's attention (``attention`` is then unused),
             an MoE model's experts as grouped GEMMs. Checkpoints record it; a dense model's load under either.
+        moe_experts: an MoE model's routed experts on the local layer spec: "grouped" (two grouped GEMMs for all
+            of a rank's experts, ``kernels.grouped_experts``) or "sequential" (megatron-core's ``SequentialMLP``,
+            one GEMM per expert; the one LoRA adapts, ``lora.experts``). Their checkpoints load across the two.
+            The Transformer Engine spec groups its own.
     """
 
     chunked_logprob: bool = True
     logprob_chunk_tokens: int = 4096
     attention: str = "sdpa"
     transformer_engine: bool = False
+    moe_experts: str = "grouped"
 
     def __post_init__(self):
         _require_in_section(self.logprob_chunk_tokens >= 1, "logprob_chunk_tokens",
                             f"must be >= 1, got {self.logprob_chunk_tokens}")
         _require_in_section(self.attention in ATTENTION_KERNELS, "attention",
                             f"must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
+        _require_in_section(self.moe_experts in MOE_EXPERTS, "moe_experts",
+                            f"must be one of {MOE_EXPERTS}, got {self.moe_experts!r}")
 
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megarl.models.lora.TARGET_MODULES (tested)
@@ -334,6 +342,9 @@ class ActorConfig:
         _require_in_section(not (self.lora.experts and self.kernels.transformer_engine), "lora.experts",
                             "adapters on the experts run on the local layer spec; set "
                             "kernels.transformer_engine=false or lora.experts=false")
+        _require_in_section(not (self.lora.experts and self.kernels.moe_experts == "grouped"), "lora.experts",
+                            "adapters on the experts need one linear layer per expert; set "
+                            "kernels.moe_experts=sequential or lora.experts=false")
         _require_in_section(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
         _require_in_section(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
                             f"must be >= 0 (0 = fixed-size micro-batches), got {self.max_tokens_per_micro_batch}")

@@ -330,7 +330,8 @@ def _fill_from_canonical(model, read, *, value_head: bool = True) -> None:
     bare = as_chunks(model)[0]
     mesh, tp_rank, pp_rank, ep_rank = _coords()
     local = megatron_rank_tensors(bare.megarl_spec, mesh, tp_rank, pp_rank, role=bare.megarl_role,
-                                  use_te=bare.megarl_use_te, padded_vocab=bare.vocab_size, ep_rank=ep_rank)
+                                  use_te=bare.megarl_use_te, padded_vocab=bare.vocab_size, ep_rank=ep_rank,
+                                  moe_experts=bare.megarl_moe_experts)
     if bare.megarl_role == "critic" and not value_head:
         local = {n: t for n, t in local.items() if not any(b.name == VALUE_HEAD for b in t.blocks)}
     fill_local_tensors(local, chunk_parameters(as_chunks(model)), read)
@@ -356,7 +357,8 @@ def init_adapters(model, seed: int) -> None:
     shapes = lora_canonical_shapes(spec, lora)
     mesh, tp_rank, pp_rank, ep_rank = _coords()
     local = megatron_rank_tensors(spec, mesh, tp_rank, pp_rank, use_te=bare.megarl_use_te,
-                                  padded_vocab=bare.vocab_size, ep_rank=ep_rank, lora=lora)
+                                  padded_vocab=bare.vocab_size, ep_rank=ep_rank, lora=lora,
+                                  moe_experts=bare.megarl_moe_experts)
     drawn: dict[str, torch.Tensor] = {}
 
     def start(name: str, box: tuple[slice, ...]) -> torch.Tensor:

@@ -137,12 +137,14 @@ def load_canonical(ckpt_dir: str, *, merged: bool = True) -> dict:
     mesh = ParallelLayout(dp=dist.get_world_size())
     initialize_model_parallel(mesh)
     use_te = spec.is_moe and ck.checkpoint_uses_te(ckpt_dir)  # dense: the local spec reads TE's keys
+    experts = "sequential" if lora is not None and lora.experts else "grouped"  # their checkpoints are alike
     model = build_model(spec, mesh, params_dtype=ck.DTYPES[meta["dtype"]], init_weights=False, use_te=use_te,
-                        lora=lora)
+                        lora=lora, moe_experts=experts)
     ck.load_model(ckpt_dir, model)
     shapes = {**spec.hf_tensor_shapes(), **(lora_canonical_shapes(spec, lora) if lora else {})}
     out = assemble_canonical(megatron_rank_tensors(spec, mesh, 0, 0, padded_vocab=model.vocab_size, use_te=use_te,
-                                                   lora=lora), dict(model.named_parameters()), shapes)
+                                                   lora=lora, moe_experts=experts),
+                             dict(model.named_parameters()), shapes)
     return merge_adapters(spec, lora, out) if lora is not None and merged else out
 
 

@@ -261,7 +261,8 @@ def megatron_names(use_te: bool = False) -> dict[str, str]:
 
 def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, pp_rank: int, *,
                           role: str = "actor", use_te: bool = False, padded_vocab: int | None = None,
-                          ep_rank: int = 0, lora: LoRASpec | None = None) -> dict[str, LocalTensor]:
+                          ep_rank: int = 0, lora: LoRASpec | None = None, moe_experts: str = "grouped"
+                          ) -> dict[str, LocalTensor]:
     """The local tensors of one Megatron rank (``GPTModel.named_parameters()`` names and shapes).
 
     With VPP (``mesh.vpp > 1``) the rank holds ``vpp`` model chunks, chunk ``c`` the layers of virtual stage
@@ -276,6 +277,8 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
             ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` of every layer.
         lora: the adapters of a LoRA actor: each adapted layer's ``lora_a`` and ``lora_b`` beside its weight
             (:func:`adapter_tensors`).
+        moe_experts: the local spec's routed experts, "grouped" or "sequential" (the model's
+            ``megarl_moe_experts``: :func:`~megarl.models.megatron.layer_spec`), which name them.
 
     Raises:
         SpecError: the mesh does not fit the model (:func:`~megarl.models.megatron.check_layout`).
@@ -288,7 +291,7 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
         first = pp_rank == 0 and c == 0
         last = pp_rank == mesh.pp - 1 and c == mesh.vpp - 1
         for lt in _megatron_chunk_tensors(spec, mesh, tp_rank, layers, first, last, role=role, use_te=use_te,
-                                          padded_vocab=padded_vocab, ep_rank=ep_rank):
+                                          padded_vocab=padded_vocab, ep_rank=ep_rank, moe_experts=moe_experts):
             out.append(LocalTensor(prefix + lt.name, lt.shape, lt.blocks))
             if any(b.name in targets for b in lt.blocks):
                 base = out[-1].name.removesuffix("weight")
@@ -298,8 +301,8 @@ def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, p
 
 
 def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, layers: range, first: bool,
-                            last: bool, *, role: str, use_te: bool, padded_vocab: int | None, ep_rank: int
-                            ) -> list[LocalTensor]:
+                            last: bool, *, role: str, use_te: bool, padded_vocab: int | None, ep_rank: int,
+                            moe_experts: str) -> list[LocalTensor]:
     """The tensors of one model chunk (a rank's stage without VPP) holding decoder ``layers``, named as its
     ``GPTModel`` names them; ``first`` / ``last``: it is the first / last (virtual) pipeline stage."""
     t, r = mesh.tp, tp_rank
@@ -335,7 +338,7 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
             out.append(_whole(hf + "self_attn.k_norm.weight", (hd,), mg + "self_attention.k_layernorm.weight"))
         if spec.is_moe:
             out.append(_whole(hf + "post_attention_layernorm.weight", (h,), mg + "pre_mlp_layernorm.weight"))
-            out.extend(_megatron_moe(spec, mesh, i, mg + "mlp.", r, ep_rank, use_te))
+            out.extend(_megatron_moe(spec, mesh, i, mg + "mlp.", r, ep_rank, use_te, moe_experts))
             continue
         out.append(_whole(hf + "post_attention_layernorm.weight", (h,), mg + norms["pre_mlp_layernorm"]))
         out.append(_gate_up(hf, mg + "mlp.linear_fc1.weight", spec, t, r))
@@ -354,17 +357,23 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
 
 
 def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp_rank: int, ep_rank: int,
-                  use_te: bool = False) -> list[LocalTensor]:
+                  use_te: bool = False, moe_experts: str = "grouped") -> list[LocalTensor]:
     """One MoE layer's tensors on a Megatron rank: the router, the rank's local experts (whole: expert TP = 1;
-    the local spec's ``SequentialMLP`` names them ``local_experts.{j}.linear_fc1.weight``, TE's ``TEGroupedMLP``
-    ``linear_fc1.weight{j}``) and the shared expert (split over TP)."""
+    the local spec's :class:`~kernels.grouped_experts.GroupedExperts` stacks them in ``linear_fc1.weight`` and
+    ``linear_fc2.weight``, its ``SequentialMLP`` names them ``local_experts.{j}.linear_fc1.weight``, TE's
+    ``TEGroupedMLP`` ``linear_fc1.weight{j}``) and the shared expert (split over TP)."""
     per_rank = spec.num_experts // mesh.ep
     out = [_whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), mg + "router.weight")]
-    for j in range(per_rank):
-        e = ep_rank * per_rank + j
-        experts = range(e, e + 1)
-        fc1, fc2 = ((f"experts.linear_fc1.weight{j}", f"experts.linear_fc2.weight{j}") if use_te else
-                    (f"experts.local_experts.{j}.linear_fc1.weight", f"experts.local_experts.{j}.linear_fc2.weight"))
+    first = ep_rank * per_rank
+    if moe_experts == "grouped" and not use_te:
+        stacks = [("experts.linear_fc1.weight", "experts.linear_fc2.weight", range(first, first + per_rank))]
+    elif use_te:
+        stacks = [(f"experts.linear_fc1.weight{j}", f"experts.linear_fc2.weight{j}", range(first + j, first + j + 1))
+                  for j in range(per_rank)]
+    else:
+        stacks = [(f"experts.local_experts.{j}.linear_fc1.weight", f"experts.local_experts.{j}.linear_fc2.weight",
+                   range(first + j, first + j + 1)) for j in range(per_rank)]
+    for fc1, fc2, experts in stacks:
         out.append(_experts_gate_up(spec, layer, mg + fc1, experts, 1, 0))
         out.append(_experts_down(spec, layer, mg + fc2, experts, 1, 0))
     if spec.shared_expert_ffn_hidden_size:
@@ -375,10 +384,11 @@ def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp
 
 def megatron_layout(spec: ModelSpec, mesh: ParallelLayout, *, ranks: Iterable[int] | None = None,
                     role: str = "actor", use_te: bool = False, padded_vocab: int | None = None,
-                    lora: LoRASpec | None = None) -> Layout:
+                    lora: LoRASpec | None = None, moe_experts: str = "grouped") -> Layout:
     """The layout of a Megatron model on ``mesh``; ``ranks[i]`` is the global rank of mesh rank ``i``
     (default: ``0 .. world-1``). Weights are replicated over DP and CP: the DP and CP peers of a rank hold the
-    same blocks (the reshard planner may read either). ``lora``: a LoRA actor's adapters too.
+    same blocks (the reshard planner may read either). ``lora``: a LoRA actor's adapters too; ``moe_experts``: the
+    local spec's routed experts (:func:`megatron_rank_tensors`).
 
     Raises:
         SpecError: the mesh does not fit the model, or ``ranks`` has the wrong length.
@@ -393,12 +403,13 @@ def megatron_layout(spec: ModelSpec, mesh: ParallelLayout, *, ranks: Iterable[in
         key = (c.tp, c.pp, mesh.ep_rank(i))
         if key not in per_stage:
             per_stage[key] = megatron_rank_tensors(spec, mesh, c.tp, c.pp, role=role, use_te=use_te,
-                                                   padded_vocab=padded_vocab, ep_rank=key[2], lora=lora)
+                                                   padded_vocab=padded_vocab, ep_rank=key[2], lora=lora,
+                                                   moe_experts=moe_experts)
         out[g] = per_stage[key]
     canonical = {**canonical_shapes(spec, role), **(lora_canonical_shapes(spec, lora) if lora else {})}
     return Layout("megatron", spec, canonical, out,
                   ("megatron", _shape_key(spec), mesh.tp, mesh.pp, mesh.dp, mesh.ep, tuple(ranks), role, use_te,
-                   padded_vocab, mesh.cp, mesh.vpp, lora))
+                   padded_vocab, mesh.cp, mesh.vpp, lora, moe_experts))
 
 
 # ----------------------------------------------------------------------------------------- vLLM

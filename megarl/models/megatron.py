@@ -21,6 +21,7 @@ from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
+MOE_EXPERTS = ("grouped", "sequential")  # the local spec's routed experts (actor.kernels.moe_experts)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
@@ -197,20 +198,24 @@ def moe_config_kwargs(spec: ModelSpec, grouped_gemm: bool = False) -> dict:
 
 
 def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec | None = None,
-               lora: LoRASpec | None = None):
+               lora: LoRASpec | None = None, moe_experts: str = "grouped"):
     """megatron-core's GPT layer spec: the local one, or Transformer Engine's (``use_te``), with LoRA adapters on
     ``lora``'s target layers (:func:`megarl.models.lora.adapt_layer_spec`).
 
     Args:
         attention: the local spec's core attention: "local" (megatron's ``DotProductAttention``) or "sdpa"
             (:class:`kernels.attention.SDPAttention`, torch's fused attention). The TE spec keeps its own.
-        spec: the model; an MoE model gets megatron's ``MoELayer`` with ``SequentialMLP`` experts on the local
-            spec (one GEMM per local expert) and ``TEGroupedMLP`` on TE's (the local experts' GEMMs grouped) and
-            the :class:`~megarl.models.moe_router.GlobalBatchRouter`, a Qwen3 model RMSNorm of queries and keys.
+        spec: the model; an MoE model gets megatron's ``MoELayer`` with the
+            :class:`~megarl.models.moe_router.GlobalBatchRouter`, and experts as ``moe_experts`` says on the local
+            spec, ``TEGroupedMLP`` on TE's (the local experts' GEMMs grouped); a Qwen3 model RMSNorm of queries
+            and keys.
+        moe_experts: the local spec's routed experts: "grouped" (:class:`kernels.grouped_experts.GroupedExperts`,
+            two grouped GEMMs) or "sequential" (megatron's ``SequentialMLP``, one GEMM per local expert).
 
     Raises:
-        SpecError: an unknown ``attention``, ``use_te=True`` where Transformer Engine does not import (or there is
-            no GPU), or LoRA on what it does not adapt (:func:`~megarl.models.lora.adapt_layer_spec`).
+        SpecError: an unknown ``attention`` or ``moe_experts``, ``use_te=True`` where Transformer Engine does not
+            import (or there is no GPU), or LoRA on what it does not adapt
+            (:func:`~megarl.models.lora.adapt_layer_spec`; the experts: "sequential" only).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -219,6 +224,8 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
 
     if attention not in ("local", "sdpa"):
         raise SpecError(f"attention must be 'local' or 'sdpa', got {attention!r}")
+    if moe_experts not in MOE_EXPERTS:
+        raise SpecError(f"moe_experts must be one of {MOE_EXPERTS}, got {moe_experts!r}")
     if use_te and not have_transformer_engine():
         raise SpecError("use_te=True: Transformer Engine's layer spec needs transformer_engine.pytorch importable "
                         "and a GPU (perf/gpu_te.sh builds it); set actor.kernels.transformer_engine=false for the "
@@ -236,8 +243,15 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
         from megarl.models.moe_router import GlobalBatchRouter
 
         mlp = layer.submodules.mlp  # megatron-core 0.19: a partial of MoELayer (a ModuleSpec before)
-        (mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules).router = \
-            GlobalBatchRouter
+        moe_subs = mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+        moe_subs.router = GlobalBatchRouter
+        if not use_te and moe_experts == "grouped":
+            if lora is not None and lora.experts:
+                raise SpecError("LoRA on the experts (lora.experts) needs one linear layer per expert; set "
+                                "actor.kernels.moe_experts=sequential")
+            from kernels.grouped_experts import GroupedExperts
+
+            moe_subs.experts = GroupedExperts
     if lora is not None:
         adapt_layer_spec(layer, lora, use_te=use_te)
     return layer
@@ -272,14 +286,16 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
                 params_dtype: torch.dtype = torch.float32, use_te: bool = False,
                 sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True,
                 vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, attention: str = "local",
-                fp8: str | None = None, vp_stage: int | None = None, lora: LoRASpec | None = None):
+                fp8: str | None = None, vp_stage: int | None = None, lora: LoRASpec | None = None,
+                moe_experts: str = "grouped"):
     """Build this rank's stage (or, with VPP, one model chunk) of the actor (``GPTModel``) or critic (same
     trunk + :class:`ValueHead`).
 
     The model's parameters are initialised randomly (megatron's init) unless ``init_weights=False``; load
     weights with :func:`megarl.models.checkpoint.load_weights`. ``attention`` picks the local spec's core
     attention (:func:`layer_spec`), ``use_te`` Transformer Engine's spec instead (recorded as the model's
-    ``megarl_use_te``, which names its parameters in :mod:`megarl.models.layout`); ``fp8`` turns on FP8 training
+    ``megarl_use_te``, which names its parameters in :mod:`megarl.models.layout`), ``moe_experts`` the local spec's
+    routed experts (:func:`layer_spec`; recorded as ``megarl_moe_experts``, which names theirs); ``fp8`` turns on FP8 training
     (:func:`transformer_config`; TE spec only). ``vp_stage``: the chunk ``c`` of this rank to build when
     ``layout.vpp > 1`` (virtual stage ``c * pp + pp_rank``, :meth:`~megarl.parallel.mesh.ParallelLayout.chunk_layers`):
     the embedding only on virtual stage 0, the output layer only on the last; :func:`build_model_chunks` builds
@@ -324,7 +340,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     tied = spec.tie_word_embeddings and role == "actor"
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te, attention, spec, lora),
+        transformer_layer_spec=layer_spec(use_te, attention, spec, lora, moe_experts),
         vocab_size=padded_vocab_size(spec.vocab_size, layout.tp, vocab_divisible_by),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -344,6 +360,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     model.megarl_spec = spec
     model.megarl_role = role
     model.megarl_use_te = use_te
+    model.megarl_moe_experts = moe_experts
     model.megarl_lora = lora
     if lora is not None:
         _freeze_for_lora(model, recompute)

@@ -199,6 +199,7 @@ class Trainer:
         lora = self.actor_lora
         src_layout = megatron_layout(self.spec, pools["actor"].mesh, ranks=actor_ranks, role="actor",
                                      use_te=cfg.actor.kernels.transformer_engine, lora=lora,
+                                     moe_experts=cfg.actor.kernels.moe_experts,
                                      padded_vocab=share_object(
                                          self.actor and ck.as_chunks(self.actor.model)[0].vocab_size, actor_ranks))
         dst_layout = rollout_layout(cfg, self.spec, self.rollout_ranks)

@@ -142,7 +142,7 @@ class MegatronWorker:
         chunks = build_model_chunks(spec, mesh, role, params_dtype=dtype, init_weights=False,
                                     sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
                                     attention=rc.kernels.attention, use_te=rc.kernels.transformer_engine,
-                                    lora=self.lora)
+                                    lora=self.lora, moe_experts=rc.kernels.moe_experts)
         if torch.cuda.is_available():
             chunks = [c.cuda() for c in chunks]
         if isinstance(source, MegatronWorker):
