@@ -46,6 +46,15 @@ def test_lora_on_an_moe_model_refuses_transformer_engine():
     validate_for_model(cfg, DENSE)
 
 
+def test_lora_on_the_experts_refuses_the_grouped_experts_naming_both_fields():
+    with pytest.raises(ConfigError, match=r"lora\.experts.*kernels\.moe_experts=sequential"):
+        load_config(None, ["actor.lora.rank=4", "actor.lora.experts=true"])
+    assert load_config(None, ["actor.lora.rank=4", "actor.lora.experts=true",
+                              "actor.kernels.moe_experts=sequential"]).actor.kernels.moe_experts == "sequential"
+    with pytest.raises(ConfigError, match=r"kernels\.moe_experts: must be one of"):
+        load_config(None, ["actor.kernels.moe_experts=loop"])
+
+
 def test_any_other_refusal_of_megatrons_transformer_config_names_the_parallel_field(monkeypatch):
     # with megarl's own size checks out of the way, megatron's TransformerConfig.__post_init__ is what refuses
     import megarl.models.megatron as mg

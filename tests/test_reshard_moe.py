@@ -1,8 +1,8 @@
 """The reshard of mixture-of-experts models: Megatron EP shards -> vLLM's fused-MoE parameters and -> the
 transformers model's fused experts, on one world of 4 gloo ranks.
 
-Sources are real Megatron models at EP=2 (TP=1 x DP=4, TP=2 x DP=2, and PP=2 x DP=2) filled from random HF
-weights (their logits equal transformers', tests/test_models_moe.py). Every destination tensor must equal,
+Sources are real Megatron models at EP=2 (TP=1 x DP=4, TP=2 x DP=2, and PP=2 x DP=2; grouped experts, and one
+with megatron's ``SequentialMLP``) filled from random HF weights (their logits equal transformers', tests/test_models_moe.py). Every destination tensor must equal,
 bitwise, the tensor cut directly from the HF weights by the reference slicer below, written from scratch with
 plain torch (stack and cat, not megarl.models.layout) from what vLLM 0.24.0's loaders do (layout.py's notes): per
 engine rank r of TP t, ``w13_weight[e] = [gate_e[r]; up_e[r]]`` (rows r * I/t ...), ``w2_weight[e] = down_e[:, r]``.
@@ -21,9 +21,10 @@ from tests.test_models_moe import SPECS, hf_moe_model
 from tests.test_reshard_exact import missing_elements
 
 DESTINATIONS = [("vllm", 1), ("vllm", 2), ("transformers", None)]
-# Megatron (tp, pp, ep) on 4 ranks: all three for Qwen3-MoE; Qwen2-MoE's shared expert split over TP; Mixtral's
-# names across pipeline stages
-SOURCES = {"qwen3_moe": [(1, 1, 2), (2, 1, 2), (1, 2, 2)], "qwen2_moe": [(2, 1, 2)], "mixtral": [(1, 2, 2)]}
+# Megatron (tp, pp, ep, moe_experts) on 4 ranks: all three for Qwen3-MoE, one with SequentialMLP's experts too;
+# Qwen2-MoE's shared expert split over TP; Mixtral's names across pipeline stages
+SOURCES = {"qwen3_moe": [(1, 1, 2, "grouped"), (2, 1, 2, "grouped"), (1, 2, 2, "grouped"), (1, 1, 2, "sequential")],
+           "qwen2_moe": [(2, 1, 2, "grouped")], "mixtral": [(1, 2, 2, "grouped")]}
 CASES = sum(len(s) for s in SOURCES.values()) * len(DESTINATIONS)
 
 
@@ -93,15 +94,15 @@ def _world(rank, world):
     for seed, spec in enumerate(SPECS.values()):
         hf, w = hf_moe_model(spec, seed)
         fused = {n: p.detach().clone() for n, p in hf.named_parameters()}
-        for (tp, pp, ep), (kind, dst_tp) in itertools.product(SOURCES[spec.family], DESTINATIONS):
+        for (tp, pp, ep, experts), (kind, dst_tp) in itertools.product(SOURCES[spec.family], DESTINATIONS):
             mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
             initialize_model_parallel(mesh)
-            model = build_model(spec, mesh, init_weights=False)
+            model = build_model(spec, mesh, init_weights=False, moe_experts=experts)
             fill_local_tensors(megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(),
                                                      ps.get_pipeline_model_parallel_rank(),
-                                                     ep_rank=ps.get_expert_model_parallel_rank()),
+                                                     ep_rank=ps.get_expert_model_parallel_rank(), moe_experts=experts),
                                dict(model.named_parameters()), state_dict_reader(w, spec.hf_tensor_shapes()))
-            src = megatron_layout(spec, mesh)
+            src = megatron_layout(spec, mesh, moe_experts=experts)
             if kind == "vllm":
                 dst = vllm_layout(spec, dst_tp, range(world))
                 want = ref_vllm(spec, w, dst_tp, rank % dst_tp)
@@ -109,7 +110,7 @@ def _world(rank, world):
                 dst = hf_layout(spec, range(world), fused_experts=True)
                 want = fused
             got = {n: torch.zeros_like(t) for n, t in want.items()}
-            label = f"{spec.family} megatron tp{tp} pp{pp} ep{ep} -> {kind}{dst_tp or ''}"
+            label = f"{spec.family} megatron tp{tp} pp{pp} ep{ep} {experts} -> {kind}{dst_tp or ''}"
             if set(got) != set(dst.tensors(rank)):
                 results[label] = f"names differ: {sorted(set(got) ^ set(dst.tensors(rank)))[:6]}"
                 continue
@@ -141,4 +142,4 @@ def test_moe_reshard_receives_exactly_the_planners_lower_bound(world_results):
             assert r["received"] == r["lower_bound"], label
     # EP=2 -> vLLM TP=1: every engine rank holds all experts, and half of them come from the other EP rank
     assert any(r["received"] > 0 for results in world_results for label, r in results.items()
-               if "ep2 -> vllm1" in label)
+               if "ep2 grouped -> vllm1" in label)

@@ -67,8 +67,10 @@ def test_a_checkpoint_resumes_at_another_tp_pp_and_dp_as_the_uninterrupted_run(t
 # ------------------------------------------------------------------ issue 32: MoE resume at any layout
 # (tp, pp, dp, ep) of each step of the chain, every run on 2 ranks; each change below, from one step to the next,
 # appears in both directions: PP 2->1 (1->2) and 1->2 (4->5), DP 1->2 and 2->1 (1->2, 2->3), EP 1->2 (1->2, 3->4)
-# and 2->1 (2->3, 4->5), TP with sequence parallelism 1->2 (2->3) and 2->1 (4->5), and TP=2 x EP=2
-MOE_CHAIN = [(1, 2, 1, 1), (1, 1, 2, 2), (2, 1, 1, 1), (2, 1, 1, 2), (1, 2, 1, 1)]
+# and 2->1 (2->3, 4->5), TP with sequence parallelism 1->2 (2->3) and 2->1 (4->5), and TP=2 x EP=2; the experts
+# (actor.kernels.moe_experts) grouped <-> sequential at every step
+MOE_CHAIN = [(1, 2, 1, 1, "grouped"), (1, 1, 2, 2, "sequential"), (2, 1, 1, 1, "grouped"),
+             (2, 1, 1, 2, "sequential"), (1, 2, 1, 1, "grouped")]
 MOE_COMPARED = [*COMPARED, "actor/moe_aux_loss", "actor/moe_expert_load_max", "actor/moe_expert_load_min"]
 
 
@@ -83,7 +85,8 @@ def moe_task(tmp_path_factory):
 def test_an_moe_checkpoint_resumes_at_another_tp_pp_dp_and_ep_as_the_uninterrupted_run(moe_task, distributed):
     """Issue 32: a Qwen3-MoE run (8 experts, top-2, the load-balancing loss on; the distributed optimizer, or the
     plain one) whose every step runs at another layout of :data:`MOE_CHAIN`, each change in both directions (the
-    experts' optimizer of their own in the chain, where EP > 1 or TP > 1, or not); every step's metrics, the aux
+    experts' optimizer of their own in the chain, where EP > 1 or TP > 1, or not; grouped and sequential experts
+    in turn: their checkpoints, optimizer state included, are alike); every step's metrics, the aux
     loss and the experts' loads included, equal the uninterrupted single-rank run's within 1e-4, Adam's state
     included (the second update of each step)."""
     root, model, data = moe_task
@@ -91,9 +94,9 @@ def test_an_moe_checkpoint_resumes_at_another_tp_pp_dp_and_ep_as_the_uninterrupt
     straight = run_world(train_on_rank, 1, task_overrides(model, data, root / "runs", f"straight_{distributed}")
                          + base + [f"trainer.steps={len(MOE_CHAIN)}"])[0]
     assert straight[1]["actor/moe_aux_loss"] != straight[2]["actor/moe_aux_loss"]  # the checks can fail
-    for step, (tp, pp, dp, ep) in enumerate(MOE_CHAIN, start=1):
+    for step, (tp, pp, dp, ep, experts) in enumerate(MOE_CHAIN, start=1):
         layout = [f"actor.parallel.tp={tp}", f"actor.parallel.pp={pp}", f"actor.parallel.ep={ep}",
-                  f"actor.parallel.sequence_parallel={str(tp > 1).lower()}"]
+                  f"actor.parallel.sequence_parallel={str(tp > 1).lower()}", f"actor.kernels.moe_experts={experts}"]
         resume = ["trainer.resume=true"] if step > 1 else []
         history = run_world(train_on_rank, tp * pp * dp, task_overrides(model, data, root / "runs",
                                                                         f"moved_{distributed}")
@@ -101,7 +104,7 @@ def test_an_moe_checkpoint_resumes_at_another_tp_pp_dp_and_ep_as_the_uninterrupt
         assert [h["step"] for h in history] == list(range(1, step + 1))
         for key in MOE_COMPARED:
             assert history[step - 1][key] == pytest.approx(straight[step - 1][key], rel=1e-4, abs=1e-6), \
-                (step, (tp, pp, dp, ep), key, history[step - 1][key], straight[step - 1][key])
+                (step, (tp, pp, dp, ep, experts), key, history[step - 1][key], straight[step - 1][key])
 
 
 def _train_then_optimizer(rank, world, overrides):

@@ -188,6 +188,7 @@ def moe_config_kwargs(spec: ModelSpec, grouped_gemm: bool = False) -> dict:
         moe_aux_loss_coeff=spec.moe_aux_loss_coef,
         moe_z_loss_coeff=spec.moe_z_loss_coef or None,
         moe_expert_capacity_factor=None,
+        # at EP > 1 too: the all-to-all dispatcher (less traffic) is not yet checked equal to it on gloo
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=grouped_gemm,
     )
