@@ -91,8 +91,8 @@ def _experts_checks(spec, mesh) -> dict:
                        for n in ("linear_fc1", "linear_fc2")]
         out[sum(counts)] = max((a - b).abs().max().item() if a.numel() else 0.0 for a, b in zip(*results))
     a, b = _sharded(grouped), _sharded(seq)
-    out["sharded"] = len(a) == len(b) == 5 * grouped.num_local_experts and all(p[:5] == q[:5] and (p[5] is None and q[5] is None or
-                                                                  torch.equal(p[5], q[5])) for p, q in zip(a, b))
+    out["sharded"] = len(a) == len(b) == 5 * grouped.num_local_experts and all(
+        p[:5] == q[:5] and (p[5] is None and q[5] is None or torch.equal(p[5], q[5])) for p, q in zip(a, b))
     return out
 
 

@@ -2,10 +2,11 @@
 transformers model's fused experts, on one world of 4 gloo ranks.
 
 Sources are real Megatron models at EP=2 (TP=1 x DP=4, TP=2 x DP=2, and PP=2 x DP=2; grouped experts, and one
-with megatron's ``SequentialMLP``) filled from random HF weights (their logits equal transformers', tests/test_models_moe.py). Every destination tensor must equal,
-bitwise, the tensor cut directly from the HF weights by the reference slicer below, written from scratch with
-plain torch (stack and cat, not megarl.models.layout) from what vLLM 0.24.0's loaders do (layout.py's notes): per
-engine rank r of TP t, ``w13_weight[e] = [gate_e[r]; up_e[r]]`` (rows r * I/t ...), ``w2_weight[e] = down_e[:, r]``.
+with megatron's ``SequentialMLP``) filled from random HF weights (their logits equal transformers',
+tests/test_models_moe.py). Every destination tensor must equal, bitwise, the tensor cut directly from the HF
+weights by the reference slicer below, written from scratch with plain torch (stack and cat, not
+megarl.models.layout) from what vLLM 0.24.0's loaders do (layout.py's notes): per engine rank r of TP t,
+``w13_weight[e] = [gate_e[r]; up_e[r]]`` (rows r * I/t ...), ``w2_weight[e] = down_e[:, r]``.
 Every rank receives exactly the destination elements its own shards do not hold (the planner's lower bound).
 """
 
