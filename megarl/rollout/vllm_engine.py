@@ -570,8 +570,11 @@ class VLLMRolloutEngine:
         self._asleep = True
 
     def wake_up(self) -> None:
-        """Undo :meth:`sleep`: GPU memory back (weights restored after level 1, uninitialised after level 2)."""
+        """Undo :meth:`sleep`: GPU memory back (weights restored after level 1, uninitialised after level 2).
+        The blocks torch's caching allocator still holds from the training passes (their activations) go back to
+        the driver first (``empty_cache``, as verl does before its wake-up), so that vLLM's pool can map them."""
         if self._asleep:
+            torch.cuda.empty_cache()
             self.llm.wake_up()
             self._reset_prefix_cache()  # its KV is stale: new weights come next (see _reset_prefix_cache)
         self._asleep = False
