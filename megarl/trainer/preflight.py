@@ -186,7 +186,8 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
         try:
             transformer_config(spec, layout, params_dtype=DTYPES[cfg.model.dtype],
                                sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
-                               init_weights=False, grouped_gemm=rc.kernels.transformer_engine and spec.is_moe)
+                               init_weights=False, grouped_gemm=rc.kernels.transformer_engine and spec.is_moe,
+                               moe_dispatcher=rc.moe.token_dispatcher)
         except (ValueError, AssertionError, SpecError) as e:
             raise ConfigError(f"{field_name}: megatron-core refuses the {role}'s model config on tp={p.tp}, "
                               f"pp={p.pp}, cp={p.cp}, vpp={p.vpp}, ep={ep}: {e}") from None
