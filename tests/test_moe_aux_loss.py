@@ -2,7 +2,8 @@
 (:mod:`megarl.models.moe_router`): the actor update's gradient of those losses equals, within 1e-6, an independent
 computation over every real token of the mini-batch at once, whatever the micro-batch size, the padding width,
 padded or packed micro-batches, and at DP=2, EP=2 (with either token dispatcher), TP=2 with sequence parallelism
-and PP=2; the step's metrics equal the reference's values; megatron's own per-micro-batch loss fails the same comparison."""
+and PP=2; the step's metrics equal the reference's values; megatron's own per-micro-batch loss fails the same
+comparison."""
 
 from __future__ import annotations
 
