@@ -182,13 +182,13 @@ def moe_config_kwargs(spec: ModelSpec, ep: int = 1, grouped_gemm: bool = False, 
     Args:
         ep: the expert-parallel size.
         dispatcher: megatron's token dispatcher: "allgather" (every EP rank gathers all the EP group's tokens
-            and keeps its experts'), "alltoall" (each token goes only to the ranks of its experts: uneven
-            ``all_to_all_single``, which gloo runs too; its host-side split sizes and side stream are no-ops
-            under :mod:`megarl.parallel.megatron_cpu`), or "auto": "alltoall" at ``ep > 1``, "allgather" at
-            ``ep = 1`` (one EP rank holds every expert: neither exchanges anything, and all-gather skips
-            all-to-all's split bookkeeping). Both give the same outputs and gradients (tests/test_models_moe.py)
-            and read the router's ``routing_map`` and probabilities after :class:`~megarl.models.moe_router.
-            GlobalBatchRouter` and router replay have made them.
+            and keeps its experts'), "alltoall" (each token goes only to the ranks of its experts: an uneven
+            ``all_to_all_single``, which gloo runs too; on the CPU its split sizes reach it as host arrays and its
+            copy stream is a no-op through :mod:`megarl.parallel.megatron_cpu`), or "auto": "alltoall" at
+            ``ep > 1``, "allgather" at ``ep = 1`` (one EP rank holds every expert: neither exchanges anything,
+            and all-gather skips all-to-all's split bookkeeping). Both give the same outputs and gradients
+            (tests/test_models_moe.py) and take the router's ``routing_map`` and probabilities as
+            :class:`~megarl.models.moe_router.GlobalBatchRouter` and router replay made them.
 
     Raises:
         SpecError: an unknown ``dispatcher``.
