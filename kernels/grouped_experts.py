@@ -30,6 +30,19 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
 
+def misaligned_sizes(hidden_size: int, moe_ffn_hidden_size: int, dtype: torch.dtype) -> dict[str, int]:
+    """The sizes that ``grouped_mm`` cannot take, with the multiple each must be of, or {} where it can.
+
+    ``grouped_mm`` needs every operand's row stride to be a multiple of 16 bytes ("strides should be multiple of
+    16 bytes"; torch 2.11, CPU and CUDA): the tokens' and the weights' rows hold ``hidden_size`` or
+    ``moe_ffn_hidden_size`` elements (``2 * moe_ffn_hidden_size`` for the gate and up weights), so each must be
+    a multiple of 4 elements in fp32, of 8 in bf16 and fp16.
+    """
+    multiple = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    sizes = {"hidden_size": hidden_size, "moe_ffn_hidden_size": moe_ffn_hidden_size}
+    return {name: multiple for name, size in sizes.items() if size % multiple}
+
+
 class _ExpertWeights(torch.nn.Module):
     """One stacked weight of the experts, under the name megatron's linear layers give theirs (``weight``)."""
 
@@ -57,7 +70,8 @@ class GroupedExperts(MegatronModule):
 
     Raises:
         ValueError: a config it does not compute as ``SequentialMLP`` does: biases, a non-gated or non-SiLU
-            activation, fused bias-activation, an activation clamp, FP8/FP4, a latent MoE size, or expert TP > 1.
+            activation, fused bias-activation, an activation clamp, FP8/FP4, a latent MoE size, or expert TP > 1;
+            sizes that ``grouped_mm`` cannot take (:func:`misaligned_sizes`).
     """
 
     def __init__(self, num_local_experts: int, config, pg_collection=None, name: str | None = None):
@@ -72,6 +86,10 @@ class GroupedExperts(MegatronModule):
         if any(unsupported.values()):
             raise ValueError(f"GroupedExperts computes SequentialMLP's plain SwiGLU experts only; unsupported: "
                              f"{[k for k, v in unsupported.items() if v]}")
+        misaligned = misaligned_sizes(config.hidden_size, config.moe_ffn_hidden_size, config.params_dtype)
+        if misaligned:
+            raise ValueError(f"GroupedExperts: torch's grouped_mm needs rows of a multiple of 16 bytes; in "
+                             f"{config.params_dtype} these sizes are not multiples of the number given: {misaligned}")
         self.num_local_experts = num_local_experts
         self.ep_group = pg_collection.ep
         self.dp_group = pg_collection.expt_dp

@@ -187,6 +187,7 @@ class OptimConfig:
 
 ATTENTION_KERNELS = ("sdpa", "local")
 MOE_EXPERTS = ("grouped", "sequential")  # megarl.models.megatron.MOE_EXPERTS (tested)
+MOE_DISPATCHERS = ("auto", "allgather", "alltoall")  # megarl.models.megatron.MOE_DISPATCHERS (tested)
 
 
 @dataclass
@@ -272,7 +273,7 @@ class LoRAConfig:
 
 @dataclass
 class MoEConfig:
-    """Mixture-of-experts training (the actor; README "Mixture-of-experts models").
+    """Mixture-of-experts training (README "Mixture-of-experts models").
 
     Attributes:
         router_replay: router replay (R3): the trainer's old-log-prob and update passes route every token to
@@ -280,9 +281,21 @@ class MoEConfig:
             ``enable_return_routed_experts``; :mod:`megarl.models.router_replay`). Off: the trainer's routers
             choose for themselves. The routing agreement per layer is in the metrics (``moe/routing_agreement``)
             either way with the transformers engine, with replay on with vLLM (which records routes only then).
+        token_dispatcher: how megatron-core's MoE layer sends tokens to the expert-parallel ranks holding their
+            experts and back: "alltoall" (each token only to the ranks of its top-k experts), "allgather"
+            (every rank gathers all the EP group's tokens and keeps those of its own experts: more traffic, the
+            more so at larger ``ep``), or "auto": "alltoall" at ``parallel.ep > 1``, "allgather" at ``ep = 1``
+            (nothing to send either way). Both give the same outputs and gradients (tests/test_models_moe.py);
+            the routing statistics and router replay act on the router, before either
+            (``megarl.models.megatron.moe_config_kwargs``).
     """
 
     router_replay: bool = False
+    token_dispatcher: str = "auto"
+
+    def __post_init__(self):
+        _require_in_section(self.token_dispatcher in MOE_DISPATCHERS, "token_dispatcher",
+                            f"must be one of {MOE_DISPATCHERS}, got {self.token_dispatcher!r}")
 
 
 @dataclass
@@ -313,7 +326,7 @@ class ActorConfig:
             (:mod:`megarl.trainer.offload`), so that a model that fits only one phase at a time still runs.
         kernels: fast paths (chunked log-probs, SDPA attention).
         lora: LoRA adapters instead of training every weight (the actor only).
-        moe: mixture-of-experts settings (router replay; the actor only).
+        moe: mixture-of-experts settings (router replay: the actor only; the token dispatcher).
         old_logprob_pass: "auto" (default): the step's old-log-prob pass is skipped where the actor update's
             first forward gives the same numbers (one epoch of one mini-batch, nothing reading them before the
             update: :func:`megarl.trainer.old_logprobs.old_logprob_pass`); "always": it always runs (the

@@ -1,5 +1,6 @@
 """``megarl train --check`` refuses what megatron-core refuses when the ranks build or train the model (issue 33,
-item B): :func:`megarl.trainer.preflight.check_megatron_build` and the world checks of
+item B), and what torch's ``grouped_mm`` refuses of the grouped experts (issue 32):
+:func:`megarl.trainer.preflight.check_megatron_build` and the world checks of
 :func:`megarl.parallel.placement.validate_for_world`, on the config and the model's spec alone (no rank, no
 weight)."""
 
@@ -116,3 +117,54 @@ def test_settings_that_do_nothing_are_one_warning_naming_the_field(caplog, overr
                                               "algorithm.clip_ratio_high=4e-4",
                                               "algorithm.loss_agg_mode=seq-mean-token-mean"]), world)
     assert caplog.records == [], caplog.text
+
+
+@pytest.mark.parametrize("dtype, sizes, field", [("float32", dict(moe_ffn_hidden_size=30), "moe_ffn_hidden_size=30"),
+                                                 ("bfloat16", dict(moe_ffn_hidden_size=36), "moe_ffn_hidden_size=36"),
+                                                 ("float32", dict(hidden_size=66, num_attention_heads=2,
+                                                                  num_kv_heads=2, head_dim=33), "hidden_size=66")])
+def test_grouped_experts_refuse_sizes_grouped_mm_cannot_take_naming_sequential(dtype, sizes, field):
+    # torch's grouped_mm: "strides should be multiple of 16 bytes" (4 fp32 elements, 8 bf16)
+    odd = MOE.replace(**sizes)
+    with pytest.raises(ConfigError, match=rf"actor\.kernels\.moe_experts: .*{field} is not a multiple of "
+                                          r".*actor\.kernels\.moe_experts=sequential"):
+        validate_for_model(load_config(None, [f"model.dtype={dtype}"]), odd)
+    validate_for_model(load_config(None, [f"model.dtype={dtype}", "actor.kernels.moe_experts=sequential"]), odd)
+    validate_for_model(load_config(None, [f"model.dtype={dtype}"]), MOE)  # its sizes align in either dtype
+    ppo = ["algorithm.name=ppo", "actor.kernels.moe_experts=sequential", f"model.dtype={dtype}"]
+    with pytest.raises(ConfigError, match=r"critic\.kernels\.moe_experts: .*critic\.kernels\.moe_experts=sequential"):
+        validate_for_model(load_config(None, ppo), odd)
+
+
+def test_grouped_experts_refuse_misaligned_sizes_when_built_too():
+    from types import SimpleNamespace
+
+    import torch
+
+    from kernels.grouped_experts import GroupedExperts, misaligned_sizes
+    from megarl.models.megatron import transformer_config
+    from megarl.parallel.mesh import ParallelLayout
+
+    assert misaligned_sizes(64, 32, torch.float32) == {} == misaligned_sizes(64, 32, torch.bfloat16)
+    assert misaligned_sizes(64, 36, torch.float32) == {}
+    assert misaligned_sizes(64, 36, torch.bfloat16) == {"moe_ffn_hidden_size": 8}
+    assert misaligned_sizes(66, 30, torch.float16) == {"hidden_size": 8, "moe_ffn_hidden_size": 8}
+    config = transformer_config(MOE.replace(moe_ffn_hidden_size=30), ParallelLayout(), init_weights=False)
+    groups = SimpleNamespace(expt_tp=SimpleNamespace(size=lambda: 1))  # refused before any other group is read
+    with pytest.raises(ValueError, match=r"grouped_mm needs rows of a multiple of 16 bytes.*'moe_ffn_hidden_size': 4"):
+        GroupedExperts(4, config, pg_collection=groups)
+
+
+def test_the_token_dispatcher_is_one_megatron_builds():
+    from megarl.config import MOE_DISPATCHERS, MOE_EXPERTS
+    from megarl.models import megatron as mg
+
+    assert (MOE_DISPATCHERS, MOE_EXPERTS) == (mg.MOE_DISPATCHERS, mg.MOE_EXPERTS)
+    with pytest.raises(ConfigError, match=r"actor\.moe\.token_dispatcher: must be one of"):
+        load_config(None, ["actor.moe.token_dispatcher=flex"])
+    for dispatcher in MOE_DISPATCHERS:
+        validate_for_model(load_config(None, [f"actor.moe.token_dispatcher={dispatcher}"]), MOE)
+    kinds = {(d, ep): mg.moe_config_kwargs(MOE, ep, dispatcher=d)["moe_token_dispatcher_type"]
+             for d in MOE_DISPATCHERS for ep in (1, 2)}
+    assert kinds == {("auto", 1): "allgather", ("auto", 2): "alltoall", ("allgather", 1): "allgather",
+                     ("allgather", 2): "allgather", ("alltoall", 1): "alltoall", ("alltoall", 2): "alltoall"}

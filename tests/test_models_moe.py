@@ -3,7 +3,9 @@ with megatron's MoELayer, against transformers on the same weights.
 
 One 4-rank gloo world runs every check: logits at EP=1, EP=2, TP=2, TP=2 x EP=2 and EP=2 x PP=2 for each family
 with the grouped experts (``actor.kernels.moe_experts``' default), at EP=2 and EP=2 x PP=2 with megatron's
-``SequentialMLP``; finite and non-zero gradients of every parameter (experts included) at EP=2 x PP=2; the HF
+``SequentialMLP``; finite and non-zero gradients of every parameter (experts included) at EP=2 x PP=2; the
+all-to-all token dispatcher (the default at EP > 1) against the all-gather one on the same weights, logits and
+gradients of a training forward and backward at EP=2, TP=2 x EP=2 with sequence parallelism and EP=2 x PP=2; the HF
 (sharded safetensors) -> megarl checkpoint at EP=2 x PP=2 -> HF round trip, bit for bit; checkpoints of either
 experts kind loaded by the other (at EP=2, PP=1); and, at TP=2 x EP=2, the grouped experts against
 ``SequentialMLP`` on the same weights: outputs and gradients (experts without tokens, no tokens at all) and the
@@ -31,6 +33,7 @@ SPECS = {s.family: s for s in (QWEN3_MOE, QWEN2_MOE, MIXTRAL)}
 MESHES = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 2)]  # (tp, pp, ep) in a world of 4
 # (tp, pp, ep, moe_experts): every mesh with the grouped experts, two with SequentialMLP
 CASES = [(*m, "grouped") for m in MESHES] + [(1, 1, 2, "sequential"), (1, 2, 2, "sequential")]
+DISPATCH_MESHES = [(1, 1, 2), (2, 1, 2), (1, 2, 2)]  # (tp, pp, ep): all-to-all against all-gather, TP=2 with SP
 
 
 def hf_moe_model(spec: ModelSpec, seed: int):
@@ -96,6 +99,35 @@ def _experts_checks(spec, mesh) -> dict:
     return out
 
 
+def _dispatcher_checks(spec, mesh, rank: int) -> dict:
+    """megatron's all-to-all token dispatcher (``moe_dispatcher="auto"`` at EP > 1) against the all-gather one on
+    the same random weights: one training forward and backward (sequence parallel at TP > 1) of this rank's own
+    tokens, the max abs differences of the last stage's logits and of every parameter's gradient, the two
+    dispatchers' class names, and whether some gradient of a local expert is non-zero."""
+    from megarl.models.megatron import build_model
+    from megarl.models.pipeline import run_microbatches
+
+    batch = torch.randint(0, 500, (4, 48), generator=torch.Generator().manual_seed(8 + rank))
+    results, weights = [], None
+    for dispatcher in ("allgather", "auto"):
+        model = build_model(spec, mesh, sequence_parallel=mesh.tp > 1, moe_dispatcher=dispatcher).train()
+        if weights is None:
+            weights = model.state_dict()
+        else:
+            model.load_state_dict(weights)
+
+        def loss_fn(mb, logits):
+            return logits.float().pow(2).mean(), {"logits": logits.detach().clone()}
+
+        res = run_microbatches(model, [{"input_ids": batch}], loss_fn, forward_only=False)
+        results.append((type(model.decoder.layers[0].mlp.token_dispatcher).__name__,
+                        res[0]["logits"] if res else None, {n: p.grad for n, p in model.named_parameters()}))
+    (gather, l0, g0), (a2a, l1, g1) = results
+    return {"kinds": (gather, a2a), "logits": (l0 - l1).abs().max().item() if l0 is not None else 0.0,
+            "grads": max((g0[n] - g1[n]).abs().max().item() for n in g0),
+            "experts_learn": any(".experts." in n and g.abs().sum().item() > 0 for n, g in g1.items())}
+
+
 def _world(rank, world, tmp):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -123,6 +155,7 @@ def _world(rank, world, tmp):
             if seed == 0 and (tp, pp, ep, experts) == (2, 1, 2, "grouped"):
                 out["experts"] = _experts_checks(spec, mesh)
             model = build_model(spec, mesh, init_weights=False, moe_experts=experts).eval()
+            out.setdefault("dispatcher", {})[ep] = type(model.decoder.layers[0].mlp.token_dispatcher).__name__
             ck.load_hf_weights(model, hf)  # each rank reads its own slices (its experts only)
             logits = megatron_logits(model, tokens)
             if logits is not None:
@@ -145,6 +178,10 @@ def _world(rank, world, tmp):
                     [n for n, g in grads.items() if g is None or not g.abs().sum().item() > 0],
                     sum(".experts." in n for n in grads))
                 ck.save_model(f"{tmp}/{spec.family}_mg", model)
+        for tp, pp, ep in DISPATCH_MESHES:
+            mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
+            initialize_model_parallel(mesh)
+            out.setdefault("dispatch", {})[(spec.family, tp, pp, ep)] = _dispatcher_checks(spec, mesh, rank)
         for experts, written in (("sequential", "mg"), ("grouped", "sequential")):  # the other kind's, PP 2 -> 1
             mesh = ParallelLayout(tp=1, pp=1, dp=world, ep=2)
             initialize_model_parallel(mesh)
@@ -181,6 +218,21 @@ def test_grouped_experts_equal_sequential_mlp_and_checkpoint_alike(world):
     for r in world:  # TP=2 x EP=2: 4 local experts of 8, two of them without tokens; then no tokens at all
         assert r["experts"][8] <= 1e-5 and r["experts"][0] == 0.0, r["experts"]
         assert r["experts"]["sharded"]
+
+
+def test_the_token_dispatcher_is_all_to_all_at_ep_above_1_and_all_gather_at_1(world):
+    for r in world:
+        assert r["dispatcher"] == {1: "MoEAllGatherTokenDispatcher", 2: "MoEAlltoAllTokenDispatcher"}
+
+
+@pytest.mark.parametrize("family", sorted(SPECS))
+@pytest.mark.parametrize("mesh", DISPATCH_MESHES, ids=lambda m: "tp{}-pp{}-ep{}".format(*m))
+def test_all_to_all_dispatcher_equals_all_gather(world, family, mesh):
+    for r in world:
+        d = r["dispatch"][(family, *mesh)]
+        assert d["kinds"] == ("MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher")
+        assert d["logits"] <= 1e-5 and d["grads"] <= 1e-5, d
+        assert d["experts_learn"]
 
 
 @pytest.mark.parametrize("family", sorted(SPECS))

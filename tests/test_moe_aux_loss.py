@@ -1,14 +1,16 @@
 """The MoE load-balancing (aux) loss and z-loss over the whole mini-batch's real tokens
 (:mod:`megarl.models.moe_router`): the actor update's gradient of those losses equals, within 1e-6, an independent
 computation over every real token of the mini-batch at once, whatever the micro-batch size, the padding width,
-padded or packed micro-batches, and at DP=2, EP=2, TP=2 with sequence parallelism and PP=2; the step's metrics
-equal the reference's values; megatron's own per-micro-batch loss fails the same comparison."""
+padded or packed micro-batches, and at DP=2, EP=2 (with either token dispatcher), TP=2 with sequence parallelism
+and PP=2; the step's metrics equal the reference's values; megatron's own per-micro-batch loss fails the same
+comparison."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from megarl.config import MoEConfig
 from megarl.models.spec import ModelSpec
 from tests.distributed import run_world
 
@@ -120,7 +122,9 @@ def _error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> floa
 CASES = [(f, z, {"dp": 2}, rc, m) for f, z in zip(FAMILIES, (1e-3, 0.0, 0.0))
          for rc, m in [({"micro_batch_size": 1}, 8), ({"micro_batch_size": 4}, 32),
                        ({"max_tokens_per_micro_batch": 40, "sequence_packing": True}, 8)]]
+ALLGATHER = MoEConfig(token_dispatcher="allgather")  # at EP=2 (the all-to-all one otherwise)
 CASES += [("qwen3_moe", 1e-3, {"dp": 2, "ep": 2}, {"micro_batch_size": 2}, 8),
+          ("qwen3_moe", 1e-3, {"dp": 2, "ep": 2}, {"micro_batch_size": 2, "moe": ALLGATHER}, 8),
           ("qwen3_moe", 1e-3, {"tp": 2}, {"micro_batch_size": 2}, 16),
           ("qwen3_moe", 1e-3, {"pp": 2}, {"micro_batch_size": 2}, 8),
           ("qwen3_moe", 1e-3, {"dp": 2}, {"max_tokens_per_micro_batch": 64}, 8)]

@@ -240,7 +240,7 @@ def test_router_replay_in_a_training_run(tmp_path):
         assert [h[f"moe/routing_agreement{k}"] for k in ("", "/layer_0", "/layer_1")] == [1.0] * 3, h
 
 
-LAYOUTS = [dict(dp=2), dict(tp=2, sequence_parallel=True), dict(pp=2), dict(dp=2, ep=2)]
+LAYOUTS = [dict(dp=2), dict(tp=2, sequence_parallel=True), dict(pp=2), dict(dp=2, ep=2)]  # EP: all-to-all dispatch
 
 
 def _layouts_world(rank, world, model_dir):

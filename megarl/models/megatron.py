@@ -22,6 +22,7 @@ from megarl.parallel.mesh import ParallelLayout
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
 MOE_EXPERTS = ("grouped", "sequential")  # the local spec's routed experts (actor.kernels.moe_experts)
+MOE_DISPATCHERS = ("auto", "allgather", "alltoall")  # megatron's MoE token dispatcher (actor.moe.token_dispatcher)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
@@ -85,7 +86,7 @@ def have_transformer_engine() -> bool:
 
 def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32,
                        sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True,
-                       fp8: str | None = None, grouped_gemm: bool = False):
+                       fp8: str | None = None, grouped_gemm: bool = False, moe_dispatcher: str = "auto"):
     """The megatron-core ``TransformerConfig`` of ``spec`` on ``layout``.
 
     On a machine without a GPU it sets what megatron needs there: CPU initialisation, every fusion off and no
@@ -99,9 +100,10 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         fp8: megatron's FP8 training (``"hybrid"``: E4M3 forward, E5M2 gradients; ``"e4m3"``), with the
             per-tensor current-scaling recipe; needs the Transformer Engine layer spec. None: off.
         grouped_gemm: an MoE layer's experts as grouped GEMMs (TE's ``TEGroupedMLP``; TE spec only).
+        moe_dispatcher: an MoE layer's token dispatcher (:func:`moe_config_kwargs`).
 
     Raises:
-        SpecError: from :func:`check_layout`.
+        SpecError: from :func:`check_layout`, or an unknown ``moe_dispatcher``.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -113,7 +115,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
     if spec.sliding_window is not None:  # HF's window of w tokens: the w - 1 before a token, and itself
         kwargs.update(window_size=(spec.sliding_window - 1, 0))
     if spec.is_moe:
-        kwargs.update(moe_config_kwargs(spec, grouped_gemm))
+        kwargs.update(moe_config_kwargs(spec, layout.ep, grouped_gemm, moe_dispatcher))
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe="tensorwise")
     if layout.vpp > 1:
@@ -164,7 +166,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
     )
 
 
-def moe_config_kwargs(spec: ModelSpec, grouped_gemm: bool = False) -> dict:
+def moe_config_kwargs(spec: ModelSpec, ep: int = 1, grouped_gemm: bool = False, dispatcher: str = "auto") -> dict:
     """The ``TransformerConfig`` fields of an MoE spec: megatron-core's ``MoELayer`` computing what transformers
     computes.
 
@@ -174,10 +176,27 @@ def moe_config_kwargs(spec: ModelSpec, grouped_gemm: bool = False) -> dict:
     (``moe_router_pre_softmax=True``). No expert capacity (no token dropped, as HF computes), expert TP = 1,
     the load-balancing loss ``aux_loss`` with the config's ``router_aux_loss_coef`` (none when it is 0) and the
     z-loss with its ``router_z_loss_coef`` (none when 0), both over the mini-batch's real tokens
-    (:mod:`megarl.models.moe_router`), the
-    all-gather token dispatcher (plain all-gather and reduce-scatter: they run on gloo too), Qwen2-MoE's
-    shared expert with its sigmoid gate; the experts one GEMM each, or grouped (``grouped_gemm``, TE spec).
+    (:mod:`megarl.models.moe_router`), Qwen2-MoE's shared expert with its sigmoid gate; the experts one GEMM
+    each, or grouped (``grouped_gemm``, TE spec).
+
+    Args:
+        ep: the expert-parallel size.
+        dispatcher: megatron's token dispatcher: "allgather" (every EP rank gathers all the EP group's tokens
+            and keeps its experts'), "alltoall" (each token goes only to the ranks of its experts: an uneven
+            ``all_to_all_single``, which gloo runs too; on the CPU its split sizes reach it as host arrays and its
+            copy stream is a no-op through :mod:`megarl.parallel.megatron_cpu`), or "auto": "alltoall" at
+            ``ep > 1``, "allgather" at ``ep = 1`` (one EP rank holds every expert: neither exchanges anything,
+            and all-gather skips all-to-all's split bookkeeping). Both give the same outputs and gradients
+            (tests/test_models_moe.py) and take the router's ``routing_map`` and probabilities as
+            :class:`~megarl.models.moe_router.GlobalBatchRouter` and router replay made them.
+
+    Raises:
+        SpecError: an unknown ``dispatcher``.
     """
+    if dispatcher not in MOE_DISPATCHERS:
+        raise SpecError(f"dispatcher must be one of {MOE_DISPATCHERS}, got {dispatcher!r}")
+    if dispatcher == "auto":
+        dispatcher = "alltoall" if ep > 1 else "allgather"
     kwargs = dict(
         num_moe_experts=spec.num_experts,
         moe_router_topk=spec.moe_top_k,
@@ -188,8 +207,7 @@ def moe_config_kwargs(spec: ModelSpec, grouped_gemm: bool = False) -> dict:
         moe_aux_loss_coeff=spec.moe_aux_loss_coef,
         moe_z_loss_coeff=spec.moe_z_loss_coef or None,
         moe_expert_capacity_factor=None,
-        # at EP > 1 too: the all-to-all dispatcher (less traffic) is not yet checked equal to it on gloo
-        moe_token_dispatcher_type="allgather",
+        moe_token_dispatcher_type=dispatcher,
         moe_grouped_gemm=grouped_gemm,
     )
     if spec.shared_expert_ffn_hidden_size:
@@ -288,7 +306,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
                 sequence_parallel: bool = False, recompute: bool = False, init_weights: bool = True,
                 vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, attention: str = "local",
                 fp8: str | None = None, vp_stage: int | None = None, lora: LoRASpec | None = None,
-                moe_experts: str = "grouped"):
+                moe_experts: str = "grouped", moe_dispatcher: str = "auto"):
     """Build this rank's stage (or, with VPP, one model chunk) of the actor (``GPTModel``) or critic (same
     trunk + :class:`ValueHead`).
 
@@ -296,8 +314,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     weights with :func:`megarl.models.checkpoint.load_weights`. ``attention`` picks the local spec's core
     attention (:func:`layer_spec`), ``use_te`` Transformer Engine's spec instead (recorded as the model's
     ``megarl_use_te``, which names its parameters in :mod:`megarl.models.layout`), ``moe_experts`` the local spec's
-    routed experts (:func:`layer_spec`; recorded as ``megarl_moe_experts``, which names theirs); ``fp8`` turns on
-    FP8 training
+    routed experts (:func:`layer_spec`; recorded as ``megarl_moe_experts``, which names theirs), ``moe_dispatcher``
+    its token dispatcher (:func:`moe_config_kwargs`); ``fp8`` turns on FP8 training
     (:func:`transformer_config`; TE spec only). ``vp_stage``: the chunk ``c`` of this rank to build when
     ``layout.vpp > 1`` (virtual stage ``c * pp + pp_rank``, :meth:`~megarl.parallel.mesh.ParallelLayout.chunk_layers`):
     the embedding only on virtual stage 0, the output layer only on the last; :func:`build_model_chunks` builds
@@ -316,7 +334,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     CP; Transformer Engine's has its own).
 
     Raises:
-        SpecError: the layout does not fit the model (:func:`check_layout`), an unknown role, ``use_te`` without
+        SpecError: the layout does not fit the model (:func:`check_layout`), an unknown role or
+            ``moe_dispatcher``, ``use_te`` without
             TE, ``fp8`` without ``use_te``, CP with the local spec's "local" attention, or a ``vp_stage`` missing
             or outside ``[0, layout.vpp)`` with VPP (given without it).
     """
@@ -338,7 +357,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         raise SpecError(f"vp_stage={vp_stage} given without virtual pipeline stages (vpp=1)")
     config = transformer_config(spec, layout, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
                                 recompute=recompute, init_weights=init_weights, fp8=fp8,
-                                grouped_gemm=use_te and spec.is_moe)
+                                grouped_gemm=use_te and spec.is_moe, moe_dispatcher=moe_dispatcher)
     tied = spec.tie_word_embeddings and role == "actor"
     model = GPTModel(
         config=config,

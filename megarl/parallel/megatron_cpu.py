@@ -248,6 +248,26 @@ def _patch_hybrid_optimizer() -> None:
     HybridDeviceOptimizer._get_sub_optimizer_param_groups = split
 
 
+def _patch_moe_split_sizes() -> None:
+    """The all-to-all token dispatcher (``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``) turns its
+    split sizes into host numpy arrays through ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)``, which
+    converts only CUDA tensors: CPU tensors stay tensors, which ``all_to_all_single`` refuses as split sizes (it
+    takes a sequence of ints). Convert CPU tensors too."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "_megarl_cpu", False):
+        return
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._megarl_cpu = True
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
 PATCHES = {
     "rng_tracker": _patch_rng_tracker,
     "current_device": _patch_current_device,
@@ -256,6 +276,7 @@ PATCHES = {
     "tensor_type": _patch_tensor_type,
     "sequence_parallel_norm": _patch_sequence_parallel_norm,
     "hybrid_optimizer": _patch_hybrid_optimizer,
+    "moe_split_sizes": _patch_moe_split_sizes,
 }
 
 

@@ -156,14 +156,19 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
       megatron form (``TransformerConfig`` asks for ``moe_router_pre_softmax`` with top-1, which weighs the expert
       by its softmax probability instead of 1: another model);
     * LoRA on an MoE model runs on the local layer spec (:func:`megarl.models.lora.adapt_layer_spec`);
+    * the grouped experts (``kernels.moe_experts="grouped"`` on the local spec) need a hidden size and
+      ``moe_ffn_hidden_size`` whose rows torch's ``grouped_mm`` takes
+      (:func:`kernels.grouped_experts.misaligned_sizes`);
     * then the role's ``TransformerConfig`` itself is built (:func:`~megarl.models.megatron.transformer_config`,
       no process group, no weight), so any other refusal of its ``__post_init__`` is reported here, naming the
       role's parallel field.
 
     Raises:
         ConfigError: naming the field (``{role}.parallel.sequence_parallel``, ``model.path``,
-            ``actor.kernels.transformer_engine``, ``{role}.parallel``) and the fix.
+            ``actor.kernels.transformer_engine``, ``actor.kernels.moe_experts``, ``critic.kernels.moe_experts``,
+            ``{role}.parallel``) and the fix.
     """
+    from kernels.grouped_experts import misaligned_sizes
     from megarl.models.checkpoint import DTYPES
     from megarl.models.megatron import transformer_config
 
@@ -181,12 +186,22 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
             raise ConfigError(f"{field_name}.sequence_parallel: megatron-core's MoE layer refuses to train with "
                               f"tp={p.tp} without sequence parallelism ({spec.family} has {spec.num_experts} "
                               f"experts); set {field_name}.sequence_parallel=true or tp=1")
+        section = "critic" if role == "critic" else "actor"  # the reference is built as the actor
+        grouped = spec.is_moe and rc.kernels.moe_experts == "grouped" and not rc.kernels.transformer_engine
+        misaligned = misaligned_sizes(spec.hidden_size, spec.moe_ffn_hidden_size, DTYPES[cfg.model.dtype])
+        if grouped and misaligned:
+            raise ConfigError(f"{section}.kernels.moe_experts: the grouped experts' grouped_mm needs rows of a "
+                              f"multiple of 16 bytes, and in {cfg.model.dtype} {spec.family}'s "
+                              + ", ".join(f"{n}={getattr(spec, n)} is not a multiple of {m}"
+                                          for n, m in misaligned.items())
+                              + f"; set {section}.kernels.moe_experts=sequential")
         ep = cfg.actor.parallel.ep
         layout = ParallelLayout(tp=p.tp, pp=p.pp, dp=ep, ep=ep, cp=p.cp, vpp=p.vpp)
         try:
             transformer_config(spec, layout, params_dtype=DTYPES[cfg.model.dtype],
                                sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
-                               init_weights=False, grouped_gemm=rc.kernels.transformer_engine and spec.is_moe)
+                               init_weights=False, grouped_gemm=rc.kernels.transformer_engine and spec.is_moe,
+                               moe_dispatcher=rc.moe.token_dispatcher)
         except (ValueError, AssertionError, SpecError) as e:
             raise ConfigError(f"{field_name}: megatron-core refuses the {role}'s model config on tp={p.tp}, "
                               f"pp={p.pp}, cp={p.cp}, vpp={p.vpp}, ep={ep}: {e}") from None

@@ -142,7 +142,8 @@ class MegatronWorker:
         chunks = build_model_chunks(spec, mesh, role, params_dtype=dtype, init_weights=False,
                                     sequence_parallel=rc.parallel.sequence_parallel, recompute=rc.recompute,
                                     attention=rc.kernels.attention, use_te=rc.kernels.transformer_engine,
-                                    lora=self.lora, moe_experts=rc.kernels.moe_experts)
+                                    lora=self.lora, moe_experts=rc.kernels.moe_experts,
+                                    moe_dispatcher=rc.moe.token_dispatcher)
         if torch.cuda.is_available():
             chunks = [c.cuda() for c in chunks]
         if isinstance(source, MegatronWorker):
