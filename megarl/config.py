@@ -305,7 +305,9 @@ class ActorConfig:
     Attributes:
         parallel: its Megatron mesh.
         optim: optimizer and LR schedule.
-        micro_batch_size: sequences per forward/backward micro-batch, per DP rank.
+        micro_batch_size: sequences per forward/backward micro-batch, per DP rank; a DP rank's share of a
+            mini-batch smaller than this is one micro-batch (:meth:`update_micro_batch_size`). The default, 16,
+            runs the CPU default's mini-batches of 16 in one forward/backward each.
         ppo_mini_batch_size: sequences per optimizer step, global (over all DP ranks).
         ppo_epochs: passes over the step's rollout batch.
         recompute: full activation recomputation.
@@ -335,7 +337,7 @@ class ActorConfig:
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
-    micro_batch_size: int = 4
+    micro_batch_size: int = 16
     ppo_mini_batch_size: int = 16
     ppo_epochs: int = 1
     recompute: bool = False
@@ -347,6 +349,13 @@ class ActorConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     old_logprob_pass: str = "auto"
+
+    def update_micro_batch_size(self, dp: int) -> int:
+        """Rows of the update's micro-batches with fixed-size micro-batches at data-parallel size ``dp``:
+        ``micro_batch_size``, or a DP rank's share of a mini-batch (``ppo_mini_batch_size // dp``) where that
+        is smaller. The gradient does not depend on it (the loss is normalised over the mini-batch); the
+        activation memory does."""
+        return min(self.micro_batch_size, max(1, self.ppo_mini_batch_size // dp))
 
     def __post_init__(self):
         _require_in_section(not (self.moe.router_replay and self.recompute and self.parallel.pp > 1),
@@ -971,7 +980,7 @@ class TrainerConfig:
             step t-1-k or newer (1 = one-step-off).
     """
 
-    steps: int = 20
+    steps: int = 15
     save_every: int = 10
     save_every_min: float = 0.0
     keep_checkpoints: int = 1

@@ -202,16 +202,17 @@ def stage_adapter_params(spec, lora, tp: int, pp: int, ep: int = 1) -> int:
 def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
     """Activations of the busiest stage during an update (micro-batches in flight x per-micro-batch bytes).
 
-    A micro-batch holds ``actor.micro_batch_size`` sequences of ``data.max_prompt_length +
-    rollout.max_new_tokens`` tokens, or at most ``actor.max_tokens_per_micro_batch`` padded tokens where that
-    is set. ``actor.kernels`` decides two terms: SDPA attention keeps no ``[b, heads, s, s]`` scores (local
-    attention keeps two such tensors: the softmax and its dropout mask), and the chunked log-prob holds the
-    fp32 logits of ``logprob_chunk_tokens`` tokens at a time instead of the micro-batch's.
+    A micro-batch holds ``actor.micro_batch_size`` sequences (at most a DP rank's share of a mini-batch) of
+    ``data.max_prompt_length + rollout.max_new_tokens`` tokens, or at most ``actor.max_tokens_per_micro_batch``
+    padded tokens where that is set. ``actor.kernels`` decides two terms: SDPA attention keeps no
+    ``[b, heads, s, s]`` scores (local attention keeps two such tensors: the softmax and its dropout mask), and the
+    chunked log-prob holds the fp32 logits of ``logprob_chunk_tokens`` tokens at a time instead of the micro-batch's.
     """
     a = cfg.actor
     cp = a.parallel.cp
     s = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    tokens = a.micro_batch_size * s
+    mbs = a.update_micro_batch_size(dp)
+    tokens = mbs * s
     if a.max_tokens_per_micro_batch:
         tokens = min(tokens, a.max_tokens_per_micro_batch)
     tokens = math.ceil(tokens / cp)
@@ -223,7 +224,7 @@ def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
             + (4 * h + 4 * spec.kv_size + 3 * _ffn_width(spec) + scores + gathered_kv) / tp)
     layers = spec.num_layers // pp
     per_micro = tokens * e * ((h + full / layers) if a.recompute else full) * layers
-    in_flight = min(pp, max(1, a.ppo_mini_batch_size // (dp * a.micro_batch_size)))
+    in_flight = min(pp, max(1, a.ppo_mini_batch_size // (dp * mbs)))
     if a.parallel.vpp > 1:  # the interleaved schedule's penalty (Korthikanti et al. 2022, Sec. 4.2.3)
         in_flight *= 1 + (pp - 1) / (pp * a.parallel.vpp)
     logit_tokens = min(tokens, a.kernels.logprob_chunk_tokens) if a.kernels.chunked_logprob else tokens

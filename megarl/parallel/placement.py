@@ -193,10 +193,11 @@ def check_virtual_pipeline(cfg: Config, rc, role: str, lay: RoleLayout) -> None:
     rows = rc.ppo_mini_batch_size // dp
     require(rows % pp == 0, f"{role}.ppo_mini_batch_size", f"{rc.ppo_mini_batch_size} gives each of dp={dp} ranks "
             f"{rows} rows, not a multiple of pp={pp} ({why}); use a multiple of {dp * pp}")
-    if not rc.max_tokens_per_micro_batch and (rows // rc.micro_batch_size) % pp:
+    mbs = rc.update_micro_batch_size(dp)
+    if not rc.max_tokens_per_micro_batch and (rows // mbs) % pp:
         fits = [m for m in range(1, rows + 1) if rows % m == 0 and (rows // m) % pp == 0]
         raise ConfigError(f"{role}.micro_batch_size: {rc.micro_batch_size} cuts each DP rank's {rows} rows of a "
-                          f"mini-batch into {rows // rc.micro_batch_size} micro-batches, not a multiple of pp={pp} "
+                          f"mini-batch into {rows // mbs} micro-batches, not a multiple of pp={pp} "
                           f"({why}); use one of {fits}")
 
 
@@ -285,9 +286,10 @@ def validate_for_world(cfg: Config, world_size: int, *, warn: bool = True) -> No
             require(rc.ppo_mini_batch_size % dp == 0, f"{role}.ppo_mini_batch_size",
                      f"{rc.ppo_mini_batch_size} is not a multiple of dp ({dp})")
         else:
-            require(rc.ppo_mini_batch_size % (dp * rc.micro_batch_size) == 0, f"{role}.ppo_mini_batch_size",
+            mbs = rc.update_micro_batch_size(dp)
+            require(rc.ppo_mini_batch_size % (dp * mbs) == 0, f"{role}.ppo_mini_batch_size",
                      f"{rc.ppo_mini_batch_size} is not a multiple of dp ({dp}) x micro_batch_size "
-                     f"({rc.micro_batch_size}); use a multiple of {dp * rc.micro_batch_size}")
+                     f"({mbs}); use a multiple of {dp * mbs}")
         require(not (rc.max_tokens_per_micro_batch and not rc.sequence_packing and p.pp > 1),
                  f"{role}.max_tokens_per_micro_batch", f"needs {role}.parallel.pp=1 (megatron's pipeline schedule "
                  f"sends one activation shape for every micro-batch); set it to 0, use pp=1 or set "

@@ -386,7 +386,7 @@ class MegatronWorker:
                 mini = batch.select(order[k * rc.ppo_mini_batch_size:(k + 1) * rc.ppo_mini_batch_size])
                 mask = mini[mask_name]
                 norms = {"global_tokens": float(mask.sum()), "global_seqs": float((mask.sum(-1) > 0).sum())}
-                micro, rows = self._micro_batches(mini, names + moe_names, rc.micro_batch_size)
+                micro, rows = self._micro_batches(mini, names + moe_names, rc.update_micro_batch_size(self.dp_size))
                 scale = len(micro) * self.dp_size  # the same number of micro-batches on every DP rank
                 moe_loss, moe_metrics = contextlib.nullcontext(), {}
                 if moe_names:  # the MoE aux loss and z-loss of the whole mini-batch (megarl.models.moe_router)
