@@ -143,6 +143,17 @@ def _ffn_width(spec) -> int:
     return spec.moe_top_k * spec.moe_ffn_hidden_size + spec.shared_expert_ffn_hidden_size
 
 
+def _moe_routed_width(spec, e: int) -> float:
+    """Per token, what an MoE layer keeps for the backward beyond its experts' SwiGLU activations (in elements of
+    ``e`` bytes): the ``top_k`` dispatched copies of the token's hidden state (the first grouped GEMM's input),
+    its ``top_k`` probability-scaled SwiGLU outputs (the second's input), and the router's fp32 logits and
+    probabilities over the experts. 0 for a dense model."""
+    if not spec.is_moe:
+        return 0.0
+    k = spec.moe_top_k
+    return k * spec.hidden_size + k * spec.moe_ffn_hidden_size + 2 * spec.num_experts * 4 / e
+
+
 def stage_params(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 1) -> int:
     """Parameters held by the busiest pipeline stage of a TP x PP (x EP) actor (``value_head``: a critic, whose
     output layer is one column).
@@ -220,7 +231,7 @@ def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
     h = spec.hidden_size
     scores = 2 * spec.num_attention_heads * s if a.kernels.attention == "local" else 0
     gathered_kv = 2 * spec.kv_size * cp if cp > 1 else 0  # per local token: the sequence's K and V
-    full = (2 * h / (tp if a.parallel.sequence_parallel else 1)
+    full = (2 * h / (tp if a.parallel.sequence_parallel else 1) + _moe_routed_width(spec, e)
             + (4 * h + 4 * spec.kv_size + 3 * _ffn_width(spec) + scores + gathered_kv) / tp)
     layers = spec.num_layers // pp
     per_micro = tokens * e * ((h + full / layers) if a.recompute else full) * layers
