@@ -163,12 +163,12 @@ def _cli(*args, cwd=None):
 @pytest.mark.parametrize("override,field", [
     ("algorithm.name=ppo2", "algorithm.name"),
     ("actor.ppo_mini_batch_size=6", "actor.ppo_mini_batch_size"),
-    ("actor.parallel.dp=2", "actor.ppo_mini_batch_size"),  # 16 is not a multiple of dp 2 x micro-batch 12
+    ("actor.parallel.dp=2", "actor.ppo_mini_batch_size"),  # 16 is not a multiple of dp 2 x micro-batch 3
     ("rollout.top_p=1.5", "rollout.top_p"),
     ("actor.optim.lr=fast", "actor.optim.lr"),
 ])
 def test_bad_config_fails_before_any_model_naming_the_field(override, field):
-    extra = ["actor.micro_batch_size=12"] if "dp=2" in override else []
+    extra = ["actor.micro_batch_size=3"] if "dp=2" in override else []
     r = _cli(override, *extra)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "megarl: error:" in r.stderr and field in r.stderr, r.stderr[-2000:]
