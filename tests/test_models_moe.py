@@ -31,9 +31,10 @@ MIXTRAL = ModelSpec("mixtral", rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embed
                     **{**COMMON, "ffn_hidden_size": 32})  # Mixtral's intermediate_size is the experts' width
 SPECS = {s.family: s for s in (QWEN3_MOE, QWEN2_MOE, MIXTRAL)}
 MESHES = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 2)]  # (tp, pp, ep) in a world of 4
-# (tp, pp, ep, moe_experts): every mesh with the grouped experts, two with SequentialMLP
-CASES = [(*m, "grouped") for m in MESHES] + [(1, 1, 2, "sequential"), (1, 2, 2, "sequential")]
-DISPATCH_MESHES = [(1, 1, 2), (2, 1, 2), (1, 2, 2)]  # (tp, pp, ep): all-to-all against all-gather, TP=2 with SP
+# (tp, pp, ep, moe_experts): every mesh with the grouped experts, EP=2 x PP=2 with SequentialMLP (its checkpoint
+# is the one the grouped model loads below)
+CASES = [(*m, "grouped") for m in MESHES] + [(1, 2, 2, "sequential")]
+DISPATCH_MESHES = [(2, 1, 2), (1, 2, 2)]  # (tp, pp, ep): all-to-all against all-gather, TP=2 with SP
 
 
 def hf_moe_model(spec: ModelSpec, seed: int):
