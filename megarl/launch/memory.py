@@ -36,9 +36,11 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
   softmax; after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
   Sec. 4, adapted to SwiGLU/GQA): ``2h`` replicated (norm inputs; split over TP with sequence parallelism) +
   ``(4h + 4*kv_size + 3*ffn + 2*heads*s) / tp`` (the ``s`` term only with ``actor.kernels.attention=local``;
-  an MoE layer's ``3*ffn`` is ``top_k`` experts' ``3*moe_ffn`` plus the shared expert's ``3*shared_ffn``, for
-  ``actor.kernels.moe_experts`` grouped or sequential alike: the grouped GEMMs keep for their backward the same
-  inputs as the loop of one GEMM per expert, and the stacked weights are the same elements);
+  an MoE layer's ``3*ffn`` is ``top_k`` experts' ``3*moe_ffn`` plus the shared expert's ``3*shared_ffn``, and it
+  adds ``top_k * (h + moe_ffn)`` (the dispatched copies of each token and the second GEMM's scaled inputs) and
+  the router's fp32 logits and probabilities over the experts, for ``actor.kernels.moe_experts`` grouped or
+  sequential alike: the grouped GEMMs keep for their backward the same inputs as the loop of one GEMM per
+  expert, and the stacked weights are the same elements);
   with ``actor.recompute`` only each layer's input ``h`` is kept (plus one layer's full set while it is
   recomputed). The last stage adds fp32 logits, three copies (logits, log-softmax, its gradient) of
   ``vocab/tp`` per token, of the micro-batch, or of one chunk with ``actor.kernels.chunked_logprob``.

@@ -365,11 +365,11 @@ def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp
     per_rank = spec.num_experts // mesh.ep
     out = [_whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), mg + "router.weight")]
     first = ep_rank * per_rank
-    if moe_experts == "grouped" and not use_te:
-        stacks = [("experts.linear_fc1.weight", "experts.linear_fc2.weight", range(first, first + per_rank))]
-    elif use_te:
+    if use_te:
         stacks = [(f"experts.linear_fc1.weight{j}", f"experts.linear_fc2.weight{j}", range(first + j, first + j + 1))
                   for j in range(per_rank)]
+    elif moe_experts == "grouped":
+        stacks = [("experts.linear_fc1.weight", "experts.linear_fc2.weight", range(first, first + per_rank))]
     else:
         stacks = [(f"experts.local_experts.{j}.linear_fc1.weight", f"experts.local_experts.{j}.linear_fc2.weight",
                    range(first + j, first + j + 1)) for j in range(per_rank)]

@@ -188,8 +188,8 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
                               f"experts); set {field_name}.sequence_parallel=true or tp=1")
         section = "critic" if role == "critic" else "actor"  # the reference is built as the actor
         grouped = spec.is_moe and rc.kernels.moe_experts == "grouped" and not rc.kernels.transformer_engine
-        misaligned = misaligned_sizes(spec.hidden_size, spec.moe_ffn_hidden_size, DTYPES[cfg.model.dtype])
-        if grouped and misaligned:
+        misaligned = grouped and misaligned_sizes(spec.hidden_size, spec.moe_ffn_hidden_size, DTYPES[cfg.model.dtype])
+        if misaligned:
             raise ConfigError(f"{section}.kernels.moe_experts: the grouped experts' grouped_mm needs rows of a "
                               f"multiple of 16 bytes, and in {cfg.model.dtype} {spec.family}'s "
                               + ", ".join(f"{n}={getattr(spec, n)} is not a multiple of {m}"
