@@ -9,12 +9,12 @@
 #      vLLM's own load_weights against the reshard, bit for bit; greedy output equal to the actor's own greedy
 #      decoding; sampled-token log-prob |vLLM - actor| (mean, max); the reshard time;
 #   3. `megarl bench step` of GRPO steps on 8 layers (LAYERS=8) on the synthetic prompts of tests/rl_tasks.py
-#      (64 prompts x 8 samples x 128 new tokens, one mini-batch of 512, micro-batches of 32): the phase table,
+#      (64 prompts x 8 samples x 128 new tokens, one mini-batch of 512, micro-batches of 64): the phase table,
 #      the actor update's MFU counted on active parameters (megarl/measure/flops.py), the peak memory, and the
 #      generate calls again on a standalone vLLM of the same settings (--standalone-vllm) for the ratio.
 # Logs and the bench JSON go to $OUT (default runs/gpu_moe). The last line is "gpu_moe: PASS|FAIL"; the stages
 # share a budget of 560 s of wall time (each is cut at what is left), so the run ends within 10 minutes (on
-# 2026-12-04: install and build 108 s on a fresh machine, test_gpu_moe 76 s, bench_step 153 s). STAGES=NAME runs
+# 2026-12-04: install and build 108 s on a fresh machine, test_gpu_moe 81 s, bench_step 118 s). STAGES=NAME runs
 # one stage (install and build skip themselves on a kept machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +35,7 @@ make_tiny_model(Path('$OUT/tok')); write_prompts(Path('$OUT/prompts.jsonl'), 102
     reward.fn=tests.rl_tasks:says_target model.dtype=bfloat16 rollout.engine=vllm trainer.progress=false \
     run.output_dir="$OUT" run.name=moe-bench validation.enabled=false data.max_prompt_length=8 \
     rollout.max_new_tokens=128 data.prompts_per_step=64 rollout.n=8 actor.ppo_mini_batch_size=512 \
-    actor.micro_batch_size=32 actor.logprob_micro_batch_size=64 rollout.gpu_memory_utilization=0.12 \
+    actor.micro_batch_size=64 actor.logprob_micro_batch_size=64 rollout.gpu_memory_utilization=0.12 \
     algorithm.kl.coef=0 --steps 2 --warmup 1 --standalone-vllm --json "$OUT/moe-bench.json" || return 1
   python3 - "$OUT/moe-bench.json" <<'PY'
 import json

@@ -2,8 +2,9 @@
 (:mod:`megarl.models.moe_router`): the actor update's gradient of those losses equals, within 1e-6, an independent
 computation over every real token of the mini-batch at once, whatever the micro-batch size, the padding width,
 padded or packed micro-batches, and at DP=2, EP=2 (with either token dispatcher), TP=2 with sequence parallelism
-and PP=2; the step's metrics equal the reference's values; megatron's own per-micro-batch loss fails the same
-comparison."""
+and PP=2, with the statistics counted by the update or taken from the old-log-prob pass before it (which then
+spares the update its counting pass); the step's metrics equal the reference's values; megatron's own
+per-micro-batch loss fails the same comparison."""
 
 from __future__ import annotations
 
@@ -80,10 +81,13 @@ def _reference(spec: ModelSpec, batch) -> tuple[dict[str, torch.Tensor], dict[st
                    "moe_expert_load_max": float(share.max()), "moe_expert_load_min": float(share.min())}
 
 
-def _update(spec: ModelSpec, batch, layout: dict, rc_kwargs: dict, megatron_loss: bool = False):
+def _update(spec: ModelSpec, batch, layout: dict, rc_kwargs: dict, megatron_loss: bool = False,
+            after_pass: bool = False):
     """One actor update of ``batch`` (one mini-batch, no policy-loss gradient) at ``layout``; the compared
     weights' gradients (DDP's reduced ``main_grad``) by global layer name, and the update's metrics.
-    ``megatron_loss``: without the mini-batch's statistics (megatron's per-micro-batch loss, no padding mask)."""
+    ``megatron_loss``: without the mini-batch's statistics (megatron's per-micro-batch loss, no padding mask).
+    ``after_pass``: after the old-log-prob pass over ``batch`` (``compute_logprobs``), whose statistics the update
+    takes: the metrics then hold ``counting_passes``, how many counting passes the update ran itself."""
     import unittest.mock
 
     from megatron.core import parallel_state as ps
@@ -98,9 +102,21 @@ def _update(spec: ModelSpec, batch, layout: dict, rc_kwargs: dict, megatron_loss
                      optim=OptimConfig(lr=1e-3, clip_grad=0.0, distributed=False), **rc_kwargs)
     actor = workers.PolicyWorker(spec, mesh, "actor", "preset:random", torch.float32, rc, trainable=True,
                                  temperature=1.0)
-    with unittest.mock.patch.object(workers, "needs_batch_stats", lambda found: not megatron_loss):
+    count_routing, counted = workers.count_routing, []
+
+    def counting(*args):
+        counted.append(1)
+        return count_routing(*args)
+
+    with unittest.mock.patch.object(workers, "needs_batch_stats", lambda found: not megatron_loss), \
+            unittest.mock.patch.object(workers, "count_routing", counting):
+        if after_pass:
+            actor.compute_logprobs(batch)
+            counted.clear()
         [metrics] = actor.train_minibatches(batch, workers.MODEL_INPUTS, lambda mb, out, norms: (out.sum() * 0.0, {}),
                                             epochs=1, seed=0, mean_keys=[], sum_keys=[])
+    if after_pass:
+        metrics["counting_passes"] = len(counted)
     offset = ps.get_pipeline_model_parallel_rank() * spec.num_layers // mesh.pp
 
     def global_name(name):
@@ -128,16 +144,22 @@ CASES += [("qwen3_moe", 1e-3, {"dp": 2, "ep": 2}, {"micro_batch_size": 2}, 8),
           ("qwen3_moe", 1e-3, {"tp": 2}, {"micro_batch_size": 2}, 16),
           ("qwen3_moe", 1e-3, {"pp": 2}, {"micro_batch_size": 2}, 8),
           ("qwen3_moe", 1e-3, {"dp": 2}, {"max_tokens_per_micro_batch": 64}, 8)]
+# the statistics of the old-log-prob pass (forward micro-batches of another size), taken by the update
+PASS_CASES = [("qwen3_moe", 1e-3, {"dp": 2}, {"micro_batch_size": 1, "logprob_micro_batch_size": 4}, 8),
+              ("qwen3_moe", 1e-3, {"tp": 2}, {"micro_batch_size": 2, "logprob_micro_batch_size": 8}, 16),
+              ("mixtral", 0.0, {"pp": 2}, {"micro_batch_size": 2, "logprob_micro_batch_size": 4}, 8)]
 
 
 def _run_cases(rank, world):
     out, refs = [], {}
-    for family, z, layout, rc, multiple in CASES:
-        spec, batch = _spec(family, z), _batch(multiple)
-        if (family, z) not in refs:
-            refs[family, z] = _reference(spec, _batch(8))
-        grads, metrics = _update(spec, batch, layout, rc)
-        out.append((family, layout, rc, multiple, _error(grads, refs[family, z][0]), metrics, refs[family, z][1]))
+    for after_pass, cases in ((False, CASES), (True, PASS_CASES)):
+        for family, z, layout, rc, multiple in cases:
+            spec, batch = _spec(family, z), _batch(multiple)
+            if (family, z) not in refs:
+                refs[family, z] = _reference(spec, _batch(8))
+            grads, metrics = _update(spec, batch, layout, rc, after_pass=after_pass)
+            out.append(((family, layout, rc, multiple, after_pass), _error(grads, refs[family, z][0]), metrics,
+                        refs[family, z][1]))
     # the negative control: megatron's loss per micro-batch, over every position of the padded micro-batches
     spec = _spec("qwen3_moe", 0.0)
     ref = _reference(spec, _batch(8))[0]
@@ -147,9 +169,9 @@ def _run_cases(rank, world):
 
 def test_aux_loss_gradient_is_the_whole_mini_batch_s_at_every_layout():
     for out, control in run_world(_run_cases, 2):
-        for family, layout, rc, multiple, error, metrics, ref in out:
-            case = (family, layout, rc, multiple)
+        for case, error, metrics, ref in out:
             assert error <= 1e-6, (case, error)
+            assert metrics.get("counting_passes", 0) == 0, case  # after a pass, its statistics were taken
             for key in ("moe_aux_loss", "moe_expert_load_max", "moe_expert_load_min"):
                 assert abs(metrics[key] - ref[key]) <= 1e-6 * abs(ref[key]), (case, key, metrics[key], ref[key])
             if "moe_z_loss" in metrics:

@@ -1,6 +1,7 @@
-"""The actor's Adam on CPU parameters runs torch's fused CPU kernel (megatron builds torch's AdamW without it, and
-torch's per-tensor loop is 6x slower on the CPU main job; :func:`megarl.trainer.workers.adam_fused_on_cpu`), with
-the per-tensor loop's results."""
+"""The actor's Adam runs torch's fused kernel (megatron builds torch's AdamW without it; torch's per-tensor loop is
+6x slower on the CPU main job, its GPU ``foreach`` kernels hold two fp32 copies of the parameters;
+:func:`megarl.trainer.workers.use_fused_adam`), with the per-tensor loop's results: on the CPU here, on the GPU
+where the worker finds one."""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ padding, packing and the DP split (Megatron-LM #1984). :class:`GlobalBatchRouter
 over the mini-batch's ``T`` real tokens (every micro-batch, DP rank and, under sequence parallelism, TP rank;
 padding and packing gaps excluded through megatron's ``padding_mask``), ``N_e`` the tokens whose top-k holds
 expert ``e`` and ``p_te`` the router's softmax. ``N_e`` and ``T`` come from a forward pass without gradients
-over the mini-batch before its update (:func:`count_routing`); in the update each micro-batch adds its share
+over the mini-batch before its update (:func:`count_routing`): the old-log-prob pass where it ran over the same
+tokens and weights (:class:`PassRouting`), else one of the update's own; in the update each micro-batch adds its share
 ``coeff * E / (k * T**2) * sum_e N_e * sum_{t in micro-batch} p_te`` (times the ``micro-batches x DP`` that
 megatron's schedule and DDP average away), so the shares' gradients sum to that of ``L_aux`` whatever the
 layout. The z-loss (ST-MoE, Zoph et al. 2022, eq. 5) likewise: ``coeff_z / T * sum_t logsumexp(logits_t)**2``.
@@ -20,6 +21,9 @@ layout. The z-loss (ST-MoE, Zoph et al. 2022, eq. 5) likewise: ``coeff_z / T * s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,15 +103,16 @@ def needs_batch_stats(found: list[GlobalBatchRouter]) -> bool:
                             or bool(found[0].config.moe_z_loss_coeff))
 
 
-def count_routing(found: list[GlobalBatchRouter], forward, dp_group) -> torch.Tensor:
+def count_routing(found: list[GlobalBatchRouter], forward: Callable[[], Any], dp_group
+                  ) -> tuple[torch.Tensor, Any]:
     """The mini-batch's routing statistics: ``forward()`` (a pass without gradients over this rank's
     micro-batches of the mini-batch) with the routers counting, summed over ``dp_group`` and, under sequence
     parallelism (each TP rank routes its share of the tokens), over the routers' TP group.
 
     Returns:
-        ``[routers, 2E + 2]`` float64 on every rank of the groups: per router the tokens whose top-k holds each
-        expert ``N_e`` (E), the sums of its router probabilities ``sum_t p_te`` (E), the real tokens ``T`` and
-        ``sum_t logsumexp(logits_t)**2``, all over real tokens.
+        ``(stats, forward())``: ``stats [routers, 2E + 2]`` float64 on every rank of the groups: per router the
+        tokens whose top-k holds each expert ``N_e`` (E), the sums of its router probabilities ``sum_t p_te``
+        (E), the real tokens ``T`` and ``sum_t logsumexp(logits_t)**2``, all over real tokens.
     """
     width = 2 * found[0].config.num_moe_experts + 2
     device = found[0].weight.device
@@ -115,7 +120,7 @@ def count_routing(found: list[GlobalBatchRouter], forward, dp_group) -> torch.Te
         r.stats = torch.zeros(width, dtype=torch.float64, device=device)
     try:
         with torch.no_grad():
-            forward()
+            result = forward()
         stats = torch.stack([r.stats for r in found])
     finally:
         for r in found:
@@ -123,7 +128,34 @@ def count_routing(found: list[GlobalBatchRouter], forward, dp_group) -> torch.Te
     dist.all_reduce(stats, group=dp_group)
     if found[0].config.sequence_parallel:
         dist.all_reduce(stats, group=found[0].tp_group)
-    return stats
+    return stats, result
+
+
+@dataclasses.dataclass
+class PassRouting:
+    """The routing statistics (:func:`count_routing`) that a forward pass without gradients (the old-log-prob
+    pass) counted over a batch, with what identifies that batch's tokens: an update of the same tokens under the
+    same weights takes them instead of a counting pass of its own (the same ``N_e``, ``sum_t p_te`` and ``T``:
+    sums over real tokens, whatever the micro-batches).
+
+    Attributes:
+        input_ids: ``[B, S]`` int64, the batch's token ids (CPU). lengths: ``[B]`` its rows' real tokens.
+        stats: ``[routers, 2E + 2]`` float64, :func:`count_routing`'s.
+    """
+    input_ids: torch.Tensor
+    lengths: torch.Tensor
+    stats: torch.Tensor
+
+    @classmethod
+    def of(cls, batch: Mapping[str, torch.Tensor], stats: torch.Tensor) -> PassRouting:
+        """The statistics ``stats`` of ``batch`` (``input_ids``, ``prompt_lens``, ``response_lens``)."""
+        return cls(batch["input_ids"], batch["prompt_lens"] + batch["response_lens"], stats)
+
+    def holds(self, batch: Mapping[str, torch.Tensor]) -> bool:
+        """Whether ``batch`` holds the pass's rows, in the same order (then these are its statistics)."""
+        return (tuple(batch["input_ids"].shape) == tuple(self.input_ids.shape)
+                and torch.equal(batch["prompt_lens"] + batch["response_lens"], self.lengths)
+                and torch.equal(batch["input_ids"], self.input_ids))
 
 
 @contextlib.contextmanager

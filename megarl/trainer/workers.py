@@ -41,7 +41,14 @@ from megarl.models.checkpoint import (adapters_only, as_chunks, chunk_parameters
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.lora import LoRASpec, adapters_disabled, finalize_with_partial_grads
 from megarl.models.megatron import build_model_chunks
-from megarl.models.moe_router import count_routing, global_batch_loss, needs_batch_stats, routers, routing_metrics
+from megarl.models.moe_router import (
+    PassRouting,
+    count_routing,
+    global_batch_loss,
+    needs_batch_stats,
+    routers,
+    routing_metrics,
+)
 from megarl.models.pipeline import broadcast_from_last_stage, run_microbatches
 from megarl.models.router_replay import ROUTES, RouteReplay
 from megarl.models.spec import ModelSpec
@@ -154,6 +161,7 @@ class MegatronWorker:
             if self.lora is not None and not is_lora_checkpoint(source):
                 init_adapters(chunks, seed)
         self.optimizer = self.scheduler = None
+        self.pass_routing: PassRouting | None = None  # the last old-log-prob pass's MoE routing statistics
         if not trainable:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -211,7 +219,7 @@ class MegatronWorker:
             # first updates (each then skipped) until halved 16 times; hysteresis and window stay megatron's
             initial_loss_scale=FP16_INITIAL_LOSS_SCALE), ddps,
             pg_collection=self.pg_collection, use_gloo_process_groups=self.pg_collection is None)
-        adam_fused_on_cpu(opt)
+        use_fused_adam(opt)
         # The schedule multiplies the last stage's loss by the optimizer's loss scale before the backward (1.0
         # for bf16/fp32; fp16's dynamic scale, which the optimizer divides out of the gradients), as Megatron-LM's
         # setup_model_and_optimizer sets it; without it fp16 gradients were 2**-32 of their size.
@@ -231,17 +239,29 @@ class MegatronWorker:
 
     # ------------------------------------------------------------------ forward-only
     def forward_response_frame(self, batch: RolloutBatch, fn: Callable, names: tuple[str, ...],
-                               model_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+                               model_kwargs: dict[str, Any] | None = None, *,
+                               count_routes: bool = False) -> dict[str, torch.Tensor]:
         """Run ``fn(micro_batch, output) -> {name: [b, R] tensor}`` over this rank's DP share (``model_kwargs``:
-        extra model arguments); return the whole batch's ``{name: [B, R] float32}`` on every rank."""
+        extra model arguments); return the whole batch's ``{name: [B, R] float32}`` on every rank.
+
+        ``count_routes`` (a trainable MoE actor's old-log-prob pass): the routers also count the batch's routing
+        statistics (:func:`~megarl.models.moe_router.count_routing`), which the update of this batch then uses
+        instead of a pass of its own where the weights are still these (:attr:`pass_routing`)."""
         size = self.forward_micro_batch_size(len(batch) // self.dp_size)
-        micro, rows = self._micro_batches(batch, MODEL_INPUTS, size)
+        found = routers(self.model) if count_routes else []
+        moe_names = ("response_lens",) if needs_batch_stats(found) else ()
+        micro, rows = self._micro_batches(batch, MODEL_INPUTS + moe_names, size)
         for chunk in self.chunks:
             chunk.eval()
+        forward = functools.partial(run_microbatches, self.model, micro,
+                                    lambda mb, out: (torch.zeros((), device=self.device), fn(mb, out)),
+                                    forward_only=True, model_kwargs=model_kwargs)
         with torch.no_grad():
-            res = run_microbatches(self.model, micro,
-                                   lambda mb, out: (torch.zeros((), device=self.device), fn(mb, out)),
-                                   forward_only=True, model_kwargs=model_kwargs)
+            if moe_names:
+                stats, res = count_routing(found, forward, self.dp_group)
+                self.pass_routing = PassRouting.of(batch, stats)
+            else:
+                res = forward()
         return self._whole_frames(batch, res, names, rows)
 
     def _whole_frames(self, batch: RolloutBatch, res: list[dict[str, Any]], names: tuple[str, ...],
@@ -340,7 +360,9 @@ class MegatronWorker:
         (:meth:`_check_finite`). An MoE model with a load-balancing loss or z-loss first runs a forward pass
         without gradients over each mini-batch, whose routing statistics make those losses the whole
         mini-batch's (:mod:`megarl.models.moe_router`); their values join the step's metrics
-        (:func:`~megarl.models.moe_router.routing_metrics`).
+        (:func:`~megarl.models.moe_router.routing_metrics`). The first epoch of one mini-batch of the whole batch
+        takes them from the old-log-prob pass over the same tokens and weights where one ran
+        (:attr:`pass_routing`): on the GPU that pass cost 15% of the update.
 
         Args:
             loss_fn: ``(micro_batch, output, normalisers) -> (loss, metrics)``; ``normalisers`` holds the
@@ -376,6 +398,7 @@ class MegatronWorker:
                              f"{len(batch)} rows; compute them before the update")
         found = routers(self.model)
         moe_names = ("response_lens",) if needs_batch_stats(found) else ()
+        pass_routing, self.pass_routing = self.pass_routing, None  # valid until this update's first step
         gen = torch.Generator().manual_seed(seed)
         history = []
         for chunk in self.chunks:
@@ -390,9 +413,13 @@ class MegatronWorker:
                 scale = len(micro) * self.dp_size  # the same number of micro-batches on every DP rank
                 moe_loss, moe_metrics = contextlib.nullcontext(), {}
                 if moe_names:  # the MoE aux loss and z-loss of the whole mini-batch (megarl.models.moe_router)
-                    stats = count_routing(found, functools.partial(
-                        run_microbatches, self.model, micro, lambda mb, out: (torch.zeros((), device=self.device), {}),
-                        forward_only=True, model_kwargs=model_kwargs), self.dp_group)
+                    if epoch == 0 and n_mini == 1 and pass_routing is not None and pass_routing.holds(mini):
+                        stats = pass_routing.stats  # the old-log-prob pass's: these weights, these tokens
+                    else:
+                        stats, _ = count_routing(found, functools.partial(
+                            run_microbatches, self.model, micro,
+                            lambda mb, out: (torch.zeros((), device=self.device), {}),
+                            forward_only=True, model_kwargs=model_kwargs), self.dp_group)
                     moe_loss = global_batch_loss(found, stats, scale)
                     moe_metrics = routing_metrics(found, stats, ps.get_pipeline_model_parallel_group())
 
@@ -640,18 +667,20 @@ class MegatronWorker:
         self.scheduler.step(increment=updates_done)
 
 
-def adam_fused_on_cpu(optimizer) -> None:
-    """Step the torch Adam/AdamW inside a megatron optimizer (plain or chained) over CPU parameters with torch's
-    fused CPU kernel (one pass over each tensor for the whole update). Megatron builds torch's AdamW where neither
-    Transformer Engine's nor apex's fused Adam exists, and torch then runs its per-tensor loop of ~10 operations
-    on CPU tensors: 0.73 s against 0.13 s a step for SmolLM2-135M's 148M fp32 parameters on 2 cores (foreach:
-    0.41 s), the same update within float rounding."""
+def use_fused_adam(optimizer) -> None:
+    """Step the torch Adam/AdamW inside a megatron optimizer (plain or chained) with torch's fused kernel (one pass
+    over each tensor for the whole update), on CPU and CUDA parameters alike. Megatron builds torch's AdamW where
+    neither Transformer Engine's nor apex's fused Adam exists, and torch then runs, on the CPU, its per-tensor loop
+    of ~10 operations (0.73 s against 0.13 s a step for SmolLM2-135M's 148M fp32 parameters on 2 cores) and, on a
+    GPU, its ``foreach`` kernels, whose temporaries (``sqrt(exp_avg_sq)`` and the step, each as large as the
+    fp32 main parameters: 2 x 22 GiB for the 5.6B parameters of the 8-layer Qwen3-30B-A3B) set the update's
+    peak memory. The same update within float rounding (tests/test_workers_adam.py)."""
     for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(wrapper, "optimizer", None)
         if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
             continue
         for group in inner.param_groups:
-            if group["params"] and all(p.device.type == "cpu" for p in group["params"]):
+            if group["params"] and all(p.device.type in ("cpu", "cuda") for p in group["params"]):
                 group["foreach"], group["fused"] = False, True
 
 
@@ -737,7 +766,8 @@ class PolicyWorker(MegatronWorker):
 
         measure = self.routes.measuring() if self.routes is not None and adapters else contextlib.nullcontext()
         with contextlib.nullcontext() if adapters else adapters_disabled(self.chunks), measure:
-            return self.forward_response_frame(batch, fn, names, self._model_kwargs(with_entropy))
+            return self.forward_response_frame(batch, fn, names, self._model_kwargs(with_entropy),
+                                               count_routes=adapters and self.optimizer is not None)
 
     def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int,
                norm_tokens: float | None = None, step: int | None = None) -> list[dict[str, float]]:
