@@ -360,6 +360,8 @@ def _report(p: argparse.ArgumentParser):
 
 @command("convert", help="HF directory / GGUF -> megarl (Megatron dist) checkpoint")
 def _convert(p: argparse.ArgumentParser):
+    from megarl.config import DTYPES
+
     p.add_argument("src", help="Hugging Face directory, .gguf file, or 'default' (SmolLM2-135M-Instruct GGUF)")
     p.add_argument("out", help="output megarl checkpoint directory")
     p.add_argument("--tp", type=positive_int("--tp"), default=1, help="tensor-parallel size of the conversion world")
@@ -367,7 +369,7 @@ def _convert(p: argparse.ArgumentParser):
                    help="pipeline-parallel size of the conversion world")
     p.add_argument("--vpp", type=positive_int("--vpp"), default=1,
                    help="virtual pipeline stages (model chunks) per pipeline rank of the conversion world")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--dtype", choices=DTYPES, default=None)
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
@@ -445,7 +447,9 @@ def _print_written(written: dict) -> int:
 
 @command("bench", "reshard", help="reshard benchmark against two baselines")
 def _bench_reshard(p: argparse.ArgumentParser):
-    from megarl.config import MIN_BUCKET_MB, ReshardConfig
+    from megarl.config import DTYPE_TABLE, MIN_BUCKET_MB, ReshardConfig
+
+    short_dtypes = sorted(d.short for d in DTYPE_TABLE.values())  # bf16, fp16, fp32
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = """Reshard benchmark (megarl/bench/reshard.py), two modes:
@@ -469,7 +473,7 @@ vLLM TP=1 engines, bf16, the trainer's bucket size (reshard.bucket_mb)."""
                    "smollm2-135m, qwen2.5-0.5b, qwen2.5-7b, llama-3-8b, ...; default: smollm2-135m)")
     p.add_argument("--layers", type=int_at_least("--layers", 0), default=0,
                    help="cut the model to this many layers (default 0: all)")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="source dtype (default bf16)")
+    p.add_argument("--dtype", choices=short_dtypes, default="bf16", help="source dtype (default bf16)")
     p.add_argument("--iters", type=positive_int("--iters"), default=5, help="measured runs, median (default 5)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     g = p.add_argument_group("layout mode")
@@ -483,7 +487,7 @@ vLLM TP=1 engines, bf16, the trainer's bucket size (reshard.bucket_mb)."""
                    help="vLLM TP; its engines fill the world (default 1)")
     g.add_argument("--hf-ranks", type=int, nargs="+", default=[0],
                    help="ranks that get whole HF tensors, with --dst hf (default 0)")
-    g.add_argument("--dst-dtype", choices=("bf16", "fp16", "fp32"), default=None,
+    g.add_argument("--dst-dtype", choices=short_dtypes, default=None,
                    help="destination dtype (default: --dtype)")
     g.add_argument("--bucket-mb", type=positive_float("--bucket-mb", minimum=MIN_BUCKET_MB), default=dflt.bucket_mb,
                    help=f"staging bytes per rank per round, MiB, >= {MIN_BUCKET_MB:g} (default {dflt.bucket_mb:g}, "

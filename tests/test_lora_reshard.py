@@ -122,10 +122,10 @@ def test_config_and_memory_estimate_know_lora():
     from megarl.config import LORA_TARGETS, load_config
     from megarl.launch.memory import estimate_memory
     from megarl.models.layout import parameter_counts
-    from megarl.models.lora import TARGET_MODULES, LoRASpec
+    from megarl.models.lora import LoRASpec
     from megarl.models.spec import PRESETS
 
-    assert LORA_TARGETS == TARGET_MODULES
+    assert LoRASpec(16, 32.0).target_modules == LORA_TARGETS  # every layer the config offers is adapted
     spec = PRESETS["qwen2.5-1.5b"]  # hidden 1536, q 1536, kv 256, ffn 8960, 28 layers
     r = 16
     layer = (r * 1536 + (1536 + 512) * r) + (r * 1536 + 1536 * r) + (r * 1536 + 2 * 8960 * r) + (r * 8960 + 1536 * r)

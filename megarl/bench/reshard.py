@@ -39,6 +39,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from megarl.config import DTYPE_TABLE
 from megarl.models.layout import (Layout, canonical_shapes, check_vllm_tp, hf_layout, megatron_layout,
                                    megatron_rank_tensors, vllm_layout)
 from megarl.models.megatron import check_layout
@@ -48,7 +49,7 @@ from megarl.reshard.boxcopy import Box, BoxBatch, extension_available
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {d.short: getattr(torch, name) for name, d in DTYPE_TABLE.items()}  # --dtype: bf16 -> torch.bfloat16
 
 
 @dataclass

@@ -69,12 +69,11 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-from megarl.config import Config
+from megarl.config import DTYPE_TABLE, Config
 
 log = logging.getLogger(__name__)
 
 GIB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # measured: RSS of one CPU rank after imports and process-group start, before any model (perf/RESULTS.md);
 # on a GPU, the CUDA context plus NCCL's buffers beyond torch's allocator
 RUNTIME_BYTES = {"cpu": int(0.9 * GIB), "gpu": int(1.5 * GIB)}
@@ -229,7 +228,7 @@ def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
     if a.max_tokens_per_micro_batch:
         tokens = min(tokens, a.max_tokens_per_micro_batch)
     tokens = math.ceil(tokens / cp)
-    e = DTYPE_BYTES[cfg.model.dtype]
+    e = DTYPE_TABLE[cfg.model.dtype].itemsize
     h = spec.hidden_size
     scores = 2 * spec.num_attention_heads * s if a.kernels.attention == "local" else 0
     gathered_kv = 2 * spec.kv_size * cp if cp > 1 else 0  # per local token: the sequence's K and V
@@ -285,7 +284,7 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
     n = stage_params(spec, p.tp, p.pp, ep=p.ep)
     # experts' optimizer state is sharded over their own DP group, the tp * dp / ep ranks holding the same experts
     experts = spec.num_layers // p.pp * spec.num_experts // p.ep * 3 * spec.hidden_size * spec.moe_ffn_hidden_size
-    e = DTYPE_BYTES[cfg.model.dtype]
+    e = DTYPE_TABLE[cfg.model.dtype].itemsize
     opt_per_param = 8 + (4 if e < 4 else 0)
 
     def optimizer(params: int, distributed: bool) -> int:

@@ -35,6 +35,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from megarl.config import DTYPE_TABLE
 from megarl.models.hf_io import (HFCheckpoint, open_hf_checkpoint, read_generation_config, read_hf_config,
                                  resolve_model_path)
 from megarl.models.layout import VALUE_HEAD, lora_canonical_shapes, megatron_rank_tensors
@@ -52,7 +53,7 @@ META_FILE = "megarl.json"
 CHECKPOINT_FIX = "the checkpoint is damaged: restore the file, or use an older checkpoint"
 CHECKPOINT_PREFIX = "step_"  # a run's checkpoints: <run folder>/checkpoints/step_<N>
 RUN_CHECKPOINTS = "checkpoints"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_TABLE}  # model.dtype -> torch (megarl.config.DTYPE_TABLE)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -46,9 +46,9 @@ from typing import Callable, Iterator, Mapping, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from megarl.config import LORA_TARGETS
 from megarl.models.spec import SpecError
 
-TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 MERGE_CHUNK_BYTES = 64 << 20  # fp64 bytes of W + B A that one merge step computes at once
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 ADAPTER_NAMES = ("lora_a", "lora_b")  # the adapted module's parameter names
@@ -62,7 +62,7 @@ class LoRASpec:
         rank: ``r``, the adapters' inner width, >= 1.
         alpha: the scale's numerator: the adapter's output is multiplied by ``alpha / rank``.
         dropout: dropout probability on the adapter's input (training only), in [0, 1).
-        target_modules: megatron module names among :data:`TARGET_MODULES` (attention ``linear_qkv`` and output
+        target_modules: megatron module names among :data:`LORA_TARGETS` (attention ``linear_qkv`` and output
             ``linear_proj``, MLP ``linear_fc1`` (gate and up) and ``linear_fc2`` (down)).
         experts: the routed experts' ``linear_fc1`` / ``linear_fc2`` too (mixture-of-experts models, local spec).
 
@@ -73,7 +73,7 @@ class LoRASpec:
     rank: int
     alpha: float
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = TARGET_MODULES
+    target_modules: tuple[str, ...] = LORA_TARGETS
     experts: bool = False
 
     def __post_init__(self):
@@ -84,9 +84,9 @@ class LoRASpec:
             raise SpecError(f"LoRA alpha must be > 0, got {self.alpha}")
         if not 0 <= self.dropout < 1:
             raise SpecError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        unknown = sorted(set(self.target_modules) - set(TARGET_MODULES))
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
         if unknown or not self.target_modules:
-            raise SpecError(f"LoRA target_modules {list(self.target_modules)}: choose among {list(TARGET_MODULES)}")
+            raise SpecError(f"LoRA target_modules {list(self.target_modules)}: choose among {list(LORA_TARGETS)}")
 
     @classmethod
     def from_config(cls, config) -> "LoRASpec | None":

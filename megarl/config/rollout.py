@@ -1,0 +1,291 @@
+"""What each RL step generates and scores: the prompts (``data``), the rollout engine and its multi-turn episodes
+(``rollout``), the reward (``reward``), and how the actor's weights reach the engine (``reshard``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megarl.config.errors import require
+
+QUANTIZATIONS = ("fp8",)  # rollout.quantization besides null: the engine weight formats (megarl.models.fp8)
+MODEL_RUNNERS = ("v1", "v2")  # rollout.model_runner besides null (megarl.rollout.vllm_engine: VLLM_USE_V2_MODEL_RUNNER)
+# The smallest reshard bucket, MiB (reshard.bucket_mb, megarl bench reshard --bucket-mb): 64 KiB, a floor that
+# catches a size given in the wrong unit; buckets of a few MiB and less already spend most of each round on
+# the round's synchronisation, not on moving bytes.
+MIN_BUCKET_MB = 1 / 16
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn episodes with tools and environments (:mod:`megarl.agents`; README "Agentic RL").
+
+    Attributes:
+        enabled: generate episodes instead of one response per sample (``rollout.n`` episodes per prompt: the
+            GRPO/RLOO group).
+        env: the environment, a registered name ("tools": tool calls answered, a turn without one ends the
+            episode; "guess_number") or a dotted path ("pkg.mod:MyEnv"); built once per episode.
+        env_kwargs: keyword arguments of the environment's constructor.
+        tools: the tools offered, registered names ("calculator") or dotted paths; rendered by the chat template.
+        tool_parser: "auto" (from the chat template), "hermes" (Qwen2.5/Qwen3 ``<tool_call>``), "llama3_json"
+            or "plain" (``CALL name(args)`` lines, the tools described in the system message: templates without
+            tools, such as SmolLM2's), or a dotted path to a parser class of your own
+            (:mod:`megarl.agents.parsers`); checked against the chat template before the run starts.
+        max_turns: turns per episode, >= 1.
+        max_episode_tokens: sampled plus observation tokens after the first prompt; 0 = up to the context.
+            Each turn samples at most rollout.max_new_tokens.
+        tool_timeout_s: seconds per tool call (> 0); a call past it is a "timeout" observation.
+        max_observation_tokens: observation messages are cut to this many tokens ("truncated"); 0 = no limit.
+        max_parallel_episodes: episodes running at once per rank (worker threads; agents: coroutines), >= 1.
+        agent: an agent written as ordinary code instead of ``env`` and ``tools``: a registered name or a
+            dotted path ("pkg.mod:my_agent") to ``async def my_agent(row, client[, prompt])`` that talks to an
+            OpenAI-compatible chat client served from the rollout engine and returns the episode's reward (or
+            None: ``reward.fn`` on its last reply; :mod:`megarl.agents.endpoint`). "" = none.
+        agent_server: give the agent an ``openai.AsyncOpenAI`` client pointed at a local HTTP endpoint
+            (``/v1/chat/completions``; needs the ``openai`` package) instead of the in-process client of the same
+            interface.
+    """
+
+    enabled: bool = False
+    env: str = "tools"
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[str] = field(default_factory=list)
+    tool_parser: str = "auto"
+    max_turns: int = 4
+    max_episode_tokens: int = 0
+    tool_timeout_s: float = 10.0
+    max_observation_tokens: int = 256
+    max_parallel_episodes: int = 256
+    agent: str = ""
+    agent_server: bool = False
+
+    def __post_init__(self):
+        require(self.max_turns >= 1, "rollout.multi_turn.max_turns", f"must be >= 1, got {self.max_turns}")
+        require(self.max_episode_tokens >= 0, "rollout.multi_turn.max_episode_tokens",
+                f"must be >= 0 (0: up to the context), got {self.max_episode_tokens}")
+        require(self.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s",
+                f"must be > 0 seconds, got {self.tool_timeout_s}")
+        require(self.max_observation_tokens >= 0, "rollout.multi_turn.max_observation_tokens",
+                f"must be >= 0 (0: no limit), got {self.max_observation_tokens}")
+        require(self.max_parallel_episodes >= 1, "rollout.multi_turn.max_parallel_episodes",
+                f"must be >= 1, got {self.max_parallel_episodes}")
+        if self.agent:
+            require(not self.tools, "rollout.multi_turn.tools",
+                    f"must be empty with rollout.multi_turn.agent (the agent sends its tools in each request), "
+                    f"got {self.tools}")
+            require(self.env == "tools" and not self.env_kwargs, "rollout.multi_turn.env",
+                    f"is not used with rollout.multi_turn.agent (the agent is the environment): leave env and "
+                    f"env_kwargs unset, got env={self.env!r}, env_kwargs={self.env_kwargs}")
+        require(self.agent or not self.agent_server, "rollout.multi_turn.agent_server",
+                "serves an agent function: set rollout.multi_turn.agent too, or agent_server=false")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation (the rollout engine) and its sampling.
+
+    Attributes:
+        engine: "hf" (transformers; CPU and tests) or "vllm" (GPU).
+        tp: the engine's tensor parallelism (vLLM): engines of tp consecutive ranks, world / tp of them
+            (rollout data parallelism); must divide the world size and fit the model's heads (vLLM's rules).
+        n: samples per prompt (the GRPO/RLOO group size).
+        temperature, top_p, top_k: sampling. Log-probs are of softmax(logits/temperature) over the whole
+            vocab, as the actor's are; truncated sampling (top_p < 1, top_k != -1) is refused: the samples
+            would come from the renormalised kept tokens (whose log-probs vLLM reports), not from the policy
+            the actor's log-probs describe, and the PPO ratio would be biased (below 1 on fresh data).
+        max_new_tokens: response length limit, tokens.
+        max_batch_size: sequences decoded at once per rank (hf engine), bounds memory.
+        gpu_memory_utilization: fraction of the GPU's total memory that vLLM may use for its weights,
+            activations and KV cache, in (0, 1]; that much must be free when the engine starts (after the
+            actor, reference and critic are on the GPU).
+        enforce_eager: vLLM without CUDA graphs or torch.compile (faster start; false decodes faster).
+        max_model_len: vLLM's context (prompt + response), tokens; null = the model's
+            max_position_embeddings. vLLM refuses to start when its KV cache cannot hold one sequence of this
+            length; data.max_prompt_length + max_new_tokens is enough for RL.
+        multi_turn: episodes with tools and environments (:class:`MultiTurnConfig`); max_new_tokens is then
+            each turn's limit.
+        quantization: the rollout engine's weights: null (bf16) or "fp8": block-FP8 (E4M3, one float32 scale a
+            128 x 128 tile, vLLM's ``fp8`` with ``weight_block_size``), quantised by the reshard while it moves
+            the actor's bf16 shards (half the bytes; the actor trains in bf16); vllm engine, dense models whose
+            TP shards are whole 128-blocks (:func:`megarl.models.layout.check_vllm_fp8`). Its rollout log-probs
+            are those of the FP8 model: ``algorithm.rollout_correction`` then defaults to token-level TIS
+            (``preset: token_tis``; ``preset: none`` turns it off).
+        model_runner: vLLM's model runner: "v1", "v2" or null (vLLM's choice for the architecture: V1 for Qwen2,
+            V2 for Llama, Mistral, Qwen3). V2 samples seeded requests in one kernel; V1 draws each seeded
+            request's noise in a Python loop (see :mod:`megarl.rollout.vllm_engine`).
+        async_scheduling: vLLM's async scheduler (the next step is scheduled while the GPU runs this one); null =
+            vLLM's default (on for megarl's engine).
+        max_num_seqs: sequences vLLM decodes at once; null = vLLM's default (1024 on an H200, 256 on GPUs under
+            70 GiB); a rollout batch above it decodes in waves.
+        max_num_batched_tokens: tokens per vLLM step (prefill chunks); null = vLLM's default (16384 on an
+            H200, 8192 under 70 GiB); at least max_num_seqs.
+        cudagraph_capture_sizes: decode batch sizes vLLM captures as CUDA graphs (enforce_eager=false); null =
+            vLLM's (1, 2, 4, multiples of 8 to 248, of 16 up to max_cudagraph_capture_size).
+        max_cudagraph_capture_size: the largest captured batch (enforce_eager=false); null = vLLM's
+            min(2 * max_num_seqs, 512). A decode step of more sequences runs without graphs.
+        request_seeds: seed every sample on its own (its tokens do not depend on how prompts are batched or split
+            over engines); false: vLLM's generator seeded by run.seed (reproducible for the same batches only),
+            which saves the V1 runner's per-request noise loop.
+
+    The vLLM knobs (quantization to request_seeds) apply to ``engine: vllm``; ``perf/gpu_generation.sh``
+    measures them side by side.
+    """
+
+    engine: str = "hf"
+    tp: int = 1
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    max_batch_size: int = 64
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    max_model_len: Optional[int] = None
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    quantization: Optional[str] = None
+    model_runner: Optional[str] = None
+    async_scheduling: Optional[bool] = None
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    max_cudagraph_capture_size: Optional[int] = None
+    request_seeds: bool = True
+
+    def __post_init__(self):
+        require(self.engine in ("hf", "vllm"), "rollout.engine", f"must be 'hf' or 'vllm', got {self.engine!r}")
+        self._check_vllm_knobs()
+        require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
+        require(self.temperature > 0, "rollout.temperature",
+                 "must be > 0 for RL (log-probs of a greedy policy are not defined)")
+        require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        truncation = ("the rollout would sample from the distribution renormalised over the kept tokens (and vLLM "
+                      "report its log-probs) while the actor's log-probs are over the whole vocab, which biases the "
+                      "PPO importance ratio")
+        require(self.top_p == 1, "rollout.top_p", f"{self.top_p} < 1: {truncation}; set rollout.top_p=1.0 "
+                 "(use rollout.temperature to sharpen sampling)")
+        require(self.top_k == -1, "rollout.top_k", f"{self.top_k} truncates sampling: {truncation}; set "
+                 "rollout.top_k=-1 (use rollout.temperature to sharpen sampling)")
+        require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        require(self.tp >= 1, "rollout.tp", "must be >= 1")
+        require(self.engine == "vllm" or self.tp == 1, "rollout.tp",
+                 f"is {self.tp} but the hf engine runs TP=1 on every rank; use rollout.engine=vllm or rollout.tp=1")
+        require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+                 f"must be in (0, 1] (a fraction of the GPU's memory), got {self.gpu_memory_utilization}")
+        require(self.max_model_len is None or self.max_model_len >= 2, "rollout.max_model_len",
+                 f"must be null (the model's context) or >= 2 tokens, got {self.max_model_len}")
+
+    def _check_vllm_knobs(self) -> None:
+        require(self.quantization in (None, *QUANTIZATIONS), "rollout.quantization",
+                f"must be null (bf16) or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        require(self.quantization is None or self.engine == "vllm", "rollout.quantization",
+                f"{self.quantization} rollouts need rollout.engine=vllm (the hf engine runs the model dtype)")
+        require(self.model_runner in (None, *MODEL_RUNNERS), "rollout.model_runner",
+                f"must be null (vLLM's choice) or one of {list(MODEL_RUNNERS)}, got {self.model_runner!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_cudagraph_capture_size"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"rollout.{name}", f"must be null (vLLM's default) or >= 1, got {value}")
+        require(None in (self.max_num_seqs, self.max_num_batched_tokens)
+                or self.max_num_batched_tokens >= self.max_num_seqs, "rollout.max_num_batched_tokens",
+                f"{self.max_num_batched_tokens} is below rollout.max_num_seqs={self.max_num_seqs} (vLLM refuses it)")
+        sizes = self.cudagraph_capture_sizes
+        require(sizes is None or (len(sizes) > 0 and min(sizes) >= 1), "rollout.cudagraph_capture_sizes",
+                f"must be null (vLLM's sizes) or a non-empty list of batch sizes >= 1, got {sizes}")
+        for name in ("cudagraph_capture_sizes", "max_cudagraph_capture_size"):
+            require(getattr(self, name) is None or not self.enforce_eager, f"rollout.{name}",
+                    "CUDA graphs are off with rollout.enforce_eager=true; set rollout.enforce_eager=false or leave it null")
+        require(sizes is None or self.max_cudagraph_capture_size is None or max(sizes) == self.max_cudagraph_capture_size,
+                "rollout.max_cudagraph_capture_size", f"{self.max_cudagraph_capture_size} differs from the largest of "
+                f"rollout.cudagraph_capture_sizes ({max(sizes or [0])}); vLLM refuses both given and unequal, set one")
+        vllm_only = {name: getattr(self, name) for name in ("model_runner", "async_scheduling", "max_num_seqs",
+                                                            "max_num_batched_tokens", "cudagraph_capture_sizes",
+                                                            "max_cudagraph_capture_size")}
+        set_fields = [f"rollout.{k}" for k, v in vllm_only.items() if v is not None]
+        set_fields += [] if self.request_seeds else ["rollout.request_seeds"]
+        require(self.engine == "vllm" or not set_fields, set_fields[0] if set_fields else "rollout",
+                f"is a vLLM knob, but rollout.engine={self.engine}; use rollout.engine=vllm or leave its default")
+
+
+PREPARED = ("arithmetic", "calculator", "gsm8k")  # data.prepare's datasets; each writes its train.parquet and test.parquet
+
+
+@dataclass
+class DataConfig:
+    """Prompt dataset.
+
+    Attributes:
+        train_files: jsonl or parquet files with one prompt per row.
+        prepare: if the train files are missing, prepare them first: "arithmetic" (the CPU default's task,
+            :mod:`megarl.data.arithmetic`), "calculator" (its 5-digit version, for the calculator tool), "gsm8k"
+            (from ``gsm8k_source``) or null.
+        gsm8k_source: a local GSM8K folder ({train,test}.jsonl) or "hub" (openai/gsm8k, online only);
+            "auto" tries ../shared/data/gsm8k, then the hub.
+        prompt_key / answer_key: row fields holding the prompt and the ground truth.
+        system_prompt / instruction: chat-template system message and text appended to each prompt (GSM8K's
+            configs: :data:`megarl.rewards.gsm8k.GSM8K_INSTRUCTION`; the arithmetic task's questions say it).
+        use_chat_template: render prompts with the tokenizer's chat template (false: plain text, base models).
+        max_prompt_length: longer prompts are dropped (and reported), tokens.
+        prompts_per_step: prompts per RL step (the rollout batch is prompts_per_step * rollout.n sequences).
+        shuffle: reshuffle each epoch (seeded by run.seed).
+    """
+
+    train_files: list[str] = field(default_factory=lambda: ["data/arithmetic/train.parquet"])
+    prepare: Optional[str] = "arithmetic"
+    gsm8k_source: str = "auto"
+    prompt_key: str = "question"
+    answer_key: str = "ground_truth"
+    system_prompt: Optional[str] = None
+    instruction: str = ""
+    use_chat_template: bool = True
+    max_prompt_length: int = 256
+    prompts_per_step: int = 4
+    shuffle: bool = True
+
+    def __post_init__(self):
+        require(len(self.train_files) > 0, "data.train_files", "list at least one jsonl or parquet file")
+        require(self.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
+        require(self.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
+        require(self.prepare is None or self.prepare in PREPARED, "data.prepare",
+                f"must be null or one of {list(PREPARED)}, got {self.prepare!r}")
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored.
+
+    Attributes:
+        fn: a registered reward name ("arithmetic", "gsm8k"; "reward_model" for an HF sequence-classification model in
+            this process; "http" for a reward model served over HTTP, e.g. by vLLM) or a dotted path to a user
+            function ("pkg.mod:fn").
+        kwargs: keyword arguments for the function (gsm8k: correct_score, format_score (default 0.1: a wrong
+            answer in the "#### N" format), strict, last_number; reward_model: model (an HF directory), batch_size,
+            max_length, device, dtype; http: url, model, api, batch_size, timeout_s, max_retries, backoff_s,
+            label_index, template).
+    """
+
+    fn: str = "arithmetic"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReshardConfig:
+    """The reshard engine (:mod:`megarl.reshard.executor`).
+
+    Attributes:
+        bucket_mb: staging bytes (packed for sending + unpacked after receiving) per rank per round, MiB
+            (fractions allowed), at least :data:`MIN_BUCKET_MB` (64 KiB); two such buffers per rank (rounds
+            overlap).
+        direct_min_kb: pieces of at least this many KiB that are one contiguous run of memory at an end are
+            sent straight from the actor's tensors or received straight into the rollout engine's (no staging
+            copy); null stages every piece through the buckets, a fallback for a transport that cannot address
+            the engine's memory (``megarl bench reshard --no-direct`` measures the difference).
+    """
+
+    bucket_mb: float = 64.0
+    direct_min_kb: Optional[float] = 256.0
+
+    def __post_init__(self):
+        require(self.bucket_mb >= MIN_BUCKET_MB, "reshard.bucket_mb",
+                 f"must be >= {MIN_BUCKET_MB:g} MiB (64 KiB; the unit is MiB), got {self.bucket_mb:g}")
+        require(self.direct_min_kb is None or self.direct_min_kb > 0, "reshard.direct_min_kb",
+                 f"must be > 0 KiB, or null to stage every piece; got {self.direct_min_kb}")
