@@ -31,6 +31,7 @@ import torch
 from megarl.algos.aggregation import masked_mean, masked_var
 from megarl.algos.kl import AdaptiveKLController, FixedKLController
 from megarl.config import Config, absolute_paths
+from megarl.data.batch import RolloutBatch, build_batch
 from megarl.data.loader import PromptBatch, PromptLoader
 from megarl.measure.flops import peak_bf16_flops
 from megarl.measure.throughput import step_perf_metrics
@@ -52,7 +53,6 @@ from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel,
                                           rollout_dp_group)
 from megarl.trainer import checkpointing
 from megarl.trainer.advantages import compute_advantages, drop_nonfinite, set_loss_mask, shape_rewards
-from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.builders import (load_prompts, load_validation, make_engine, resolve_eos, rollout_layout,
                                      seed_all)
 from megarl.trainer.dynamic_sampling import dynamic_sampling, group_unit
@@ -60,12 +60,12 @@ from megarl.trainer.episodes import (build_agent, episode_batch, episode_metrics
                                      generate_episodes, row_multiple, to_score)
 from megarl.trainer.loop import fit
 from megarl.trainer.old_logprobs import old_logprob_metrics, old_logprob_pass
-from megarl.trainer.offload import HostOffload
 from megarl.trainer.pipeline import staleness
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.validation import append_samples
-from megarl.trainer.workers import BasePolicy, CriticWorker, PolicyWorker
+from megarl.workers.engine import BasePolicy, CriticWorker, PolicyWorker
+from megarl.workers.offload import HostOffload
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +363,7 @@ class Trainer:
         }
 
     def offload(self, kinds: tuple[str, ...]) -> None:
-        """Move ``kinds`` of the offloaded roles to host memory (:mod:`megarl.trainer.offload`), timed into
+        """Move ``kinds`` of the offloaded roles to host memory (:mod:`megarl.workers.offload`), timed into
         ``offload/to_host_s``."""
         self.offload_s["to_host"] += sum(o.to_host(kinds) for o in self.offloads)
 

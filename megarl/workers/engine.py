@@ -1,7 +1,7 @@
 """The role workers of the RL step: actor (policy), reference policy and critic, each a Megatron model on the
 job's TP x PP x DP mesh.
 
-Every rank holds the whole step's :class:`~megarl.trainer.batch.RolloutBatch`; a worker computes on its
+Every rank holds the whole step's :class:`~megarl.data.batch.RolloutBatch`; a worker computes on its
 data-parallel share (micro-batched through megatron's ``forward_backward_func``), then all-gathers the result
 over DP and broadcasts it from the last pipeline stage, so every rank again holds the whole batch. Updates split
 each global mini-batch over DP ranks and micro-batches; the loss is normalised by the mini-batch's global
@@ -35,6 +35,7 @@ from megarl.algos.losses import actor_loss, value_loss
 from megarl.algos.nonfinite import NonFiniteError
 from megarl.algos.registry import POLICY_LOSSES
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
+from megarl.data.batch import RolloutBatch, response_positions, to_response_frame
 from megarl.models.checkpoint import (adapters_only, as_chunks, chunk_parameters, chunks_sharded_state_dict,
                                       init_adapters, is_lora_checkpoint, load_chunks_state_dict,
                                       load_weights)
@@ -54,8 +55,7 @@ from megarl.models.router_replay import ROUTES, RouteReplay
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
 from megarl.parallel.placement import PoolGroups
-from megarl.trainer.batch import RolloutBatch, response_positions, to_response_frame
-from megarl.trainer.packing import pack_rows, pack_shares, trim_to_longest
+from megarl.workers.packing import pack_rows, pack_shares, trim_to_longest
 
 log = logging.getLogger(__name__)
 
@@ -292,11 +292,11 @@ class MegatronWorker:
 
         ``rc.max_tokens_per_micro_batch == 0``: rows ``[r * B/dp, (r + 1) * B/dp)`` in consecutive micro-batches
         of ``size`` rows, each as wide as the batch; the rows are None. Otherwise rows dealt to the DP ranks
-        balanced by tokens and packed into micro-batches by token count (:func:`~megarl.trainer.packing.
+        balanced by tokens and packed into micro-batches by token count (:func:`~megarl.workers.packing.
         pack_shares`), as many on every DP rank (with VPP a multiple of ``pp``, for megatron's interleaved
         schedule: micro-batches are split until it is); the rows are, per DP rank, the batch rows of its micro-batches
         in order (the same on every rank). Each micro-batch is cut to its longest row, or with
-        ``rc.sequence_packing`` is one packed (THD) row (:func:`~megarl.trainer.packing.pack_rows`) of its
+        ``rc.sequence_packing`` is one packed (THD) row (:func:`~megarl.workers.packing.pack_rows`) of its
         rows' tokens, padded at the tail to a multiple of TP under sequence parallelism and, with PP > 1, to
         the longest micro-batch of the batch (the pipeline schedule sends one shape).
         """
@@ -323,7 +323,7 @@ class MegatronWorker:
 
     def _with_logit_positions(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``mb`` with ``logit_positions`` ``[b, s]`` bool, the response tokens' labels
-        (:func:`~megarl.trainer.batch.response_positions`): the chunked log-prob output
+        (:func:`~megarl.data.batch.response_positions`): the chunked log-prob output
         (:class:`kernels.chunked_logprobs.LogprobOutput`) runs the output layer on those tokens only, not on the
         prompt's. Not under CP (the model sees a share of each sequence) and not for packed rows."""
         if self.cp_group is None and "prompt_lens" in mb and "response_mask" in mb:
