@@ -64,7 +64,7 @@ def _batch():
 def _compare(rank, world, agg, budget, tp):
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, ParallelConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.workers.engine import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     mesh = ParallelLayout(tp=tp, dp=world // tp)
     initialize_model_parallel(mesh, seed=0)

@@ -203,7 +203,7 @@ def _worker_checks() -> dict:
     from kernels.chunked_logprobs import _ChunkedLogprobs
     from megarl.config import ActorConfig, AlgorithmConfig, KernelsConfig, KLConfig, ParallelConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.workers.engine import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
     from tests.test_dynamic_batch import SPEC, _batch
 
     mesh = ParallelLayout(tp=2)

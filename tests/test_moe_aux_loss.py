@@ -95,13 +95,14 @@ def _update(spec: ModelSpec, batch, layout: dict, rc_kwargs: dict, megatron_loss
     from megarl.config import ActorConfig, OptimConfig, ParallelConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.workers import engine as workers
+    from megarl.workers.actor import PolicyWorker
 
     mesh = ParallelLayout(**layout)
     initialize_model_parallel(mesh, seed=0)
     rc = ActorConfig(parallel=ParallelConfig(**layout, sequence_parallel=mesh.tp > 1), ppo_mini_batch_size=8,
                      optim=OptimConfig(lr=1e-3, clip_grad=0.0, distributed=False), **rc_kwargs)
-    actor = workers.PolicyWorker(spec, mesh, "actor", "preset:random", torch.float32, rc, trainable=True,
-                                 temperature=1.0)
+    actor = PolicyWorker(spec, mesh, "actor", "preset:random", torch.float32, rc, trainable=True,
+                         temperature=1.0)
     count_routing, counted = workers.count_routing, []
 
     def counting(*args):

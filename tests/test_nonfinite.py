@@ -172,7 +172,7 @@ def _token_tis(rank, world):
     from megarl.models.checkpoint import chunk_parameters
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.trainer.advantages import compute_advantages, drop_nonfinite, set_loss_mask
-    from megarl.workers.engine import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     mesh = ParallelLayout()
     initialize_model_parallel(mesh, seed=0)
@@ -248,7 +248,7 @@ def _stopped_updates(rank, world, tp):
     gradient stays finite). Returns each error message and whether the weights and optimizer state survived."""
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, OptimConfig, ParallelConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.workers.engine import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     mesh = ParallelLayout(tp=tp, dp=world // tp)
     initialize_model_parallel(mesh, seed=0)

@@ -115,7 +115,7 @@ def _offload_round_trip(rank, world, model_dir):
     from megarl.models.checkpoint import source_spec
     from megarl.parallel.mesh import ParallelLayout, init_distributed, initialize_model_parallel
     from megarl.workers.offload import HostOffload
-    from megarl.workers.engine import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     init_distributed()
     mesh = ParallelLayout(dp=world)

@@ -70,7 +70,7 @@ def _perturbed_actor(spec, layout, model_dir, rc):
     seeded by the global layer)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megarl.workers.engine import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     worker = PolicyWorker(spec, layout, "actor", model_dir, torch.float32, rc, trainable=True, temperature=1.0)
     with torch.no_grad():

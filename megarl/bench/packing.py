@@ -97,7 +97,7 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     from megarl.measure.flops import peak_bf16_flops, train_flops
     from megarl.models.spec import preset
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.workers.engine import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     initialize_model_parallel(ParallelLayout(), seed=0)
     spec = preset("tiny-llama" if args.model == "tiny" else args.model)

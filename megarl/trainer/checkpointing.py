@@ -45,7 +45,7 @@ from megarl.models import checkpoint as ck
 from megarl.models.megatron import padded_vocab_size
 from megarl.parallel.lifecycle import phase
 from megarl.parallel.placement import share_object
-from megarl.workers.engine import LEGACY_OPTIMIZER_FORMAT, OPTIMIZER_CHAIN_PREFIX, OPTIMIZER_FORMAT
+from megarl.workers.optimizer import LEGACY_OPTIMIZER_FORMAT, OPTIMIZER_CHAIN_PREFIX, OPTIMIZER_FORMAT
 
 log = logging.getLogger(__name__)
 

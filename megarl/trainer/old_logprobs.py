@@ -8,7 +8,7 @@ forward runs the very weights and micro-batches of that pass, so it gives the sa
 trainer's first-step exactness: ``actor/ppo_kl_first_minibatch`` is 0); the pass is then skipped, as verl
 does on-policy (``old_log_prob = log_prob.detach()``), provided nothing reads the old log-probs before the
 update. :func:`old_logprob_pass` decides; the update then adds its detached log-probs to the batch
-(:meth:`~megarl.workers.engine.PolicyWorker.update`), and :func:`old_logprob_metrics`, computed after the
+(:meth:`~megarl.workers.actor.PolicyWorker.update`), and :func:`old_logprob_metrics`, computed after the
 update whichever way they came, reports the same metrics from them.
 """
 

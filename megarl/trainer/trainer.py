@@ -64,7 +64,8 @@ from megarl.trainer.pipeline import staleness
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.validation import append_samples
-from megarl.workers.engine import BasePolicy, CriticWorker, PolicyWorker
+from megarl.workers.actor import BasePolicy, PolicyWorker
+from megarl.workers.critic import CriticWorker
 from megarl.workers.offload import HostOffload
 
 log = logging.getLogger(__name__)
