@@ -133,7 +133,7 @@ class LogprobOutput:
     weight, so its gradient collects both uses. Where the model call's ``output_processor_context`` (the
     micro-batch, :func:`megarl.models.pipeline.run_microbatches`) holds ``logit_positions`` ``[b, s]`` bool,
     only those positions are computed (:func:`chunked_logprobs`' ``positions``; the trainer sets them to the
-    response tokens' labels, ``megarl.trainer.workers``), the others are 0.
+    response tokens' labels, ``megarl.workers.engine``), the others are 0.
 
     Args:
         vocab_size / temperature / with_entropy / chunk_tokens / backend: as :func:`chunked_logprobs`.

@@ -91,7 +91,7 @@ def update_batch(n: int, vocab: int, *, response_len: int = 5, old_logprob: floa
     """A batch for one actor update without a rollout: ``n`` rows of the prompt ``[1, 2, 3]`` and a random
     response of ``response_len`` tokens in ``[4, vocab)``, old log-probs ``old_logprob`` and N(0, 1) advantages
     (one generator seeded ``seed`` draws the responses, then the advantages)."""
-    from megarl.trainer.batch import build_batch
+    from megarl.data.batch import build_batch
 
     g = torch.Generator().manual_seed(seed)
     responses = [torch.randint(4, vocab, (response_len,), generator=g).tolist() for _ in range(n)]

@@ -296,7 +296,7 @@ def _policy_loss_grads(ids: torch.Tensor, labels: torch.Tensor, batch, noise: fl
 
     from megarl.algos.losses import actor_loss
     from megarl.models.spec import ModelSpec
-    from megarl.trainer.batch import to_response_frame
+    from megarl.data.batch import to_response_frame
 
     torch.manual_seed(0)
     spec = ModelSpec("llama", vocab_size=300, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2,
@@ -317,7 +317,7 @@ def _policy_loss_grads(ids: torch.Tensor, labels: torch.Tensor, batch, noise: fl
 
 
 def test_the_policy_loss_sees_sampled_tokens_of_every_turn_and_observations_only_as_context(tok):
-    from megarl.trainer.batch import build_batch
+    from megarl.data.batch import build_batch
 
     out, _, _ = _run(tok, _calls_script(tok), tools=[CALC])
     (sample,) = out.episodes[0].samples

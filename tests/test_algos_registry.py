@@ -84,7 +84,7 @@ def test_a_user_estimator_becomes_a_valid_name_with_its_own_parameters():
 
 
 def test_trainer_and_workers_name_no_algorithm():
-    sources = [f.read_text() for f in sorted((ROOT / "megarl/trainer").glob("*.py"))]
+    sources = [f.read_text() for d in ("megarl/trainer", "megarl/workers") for f in sorted((ROOT / d).glob("*.py"))]
     names = ADVANTAGES.names() + POLICY_LOSSES.names() + KL_ESTIMATORS.names()
     for text in sources:
         assert [n for n in names if f'"{n}"' in text or f"'{n}'" in text] == []

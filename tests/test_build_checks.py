@@ -79,7 +79,7 @@ def test_expert_parallelism_must_fit_the_ranks_of_a_stage():
 
 
 def test_a_token_budget_below_one_row_is_a_warning(caplog):
-    # a row longer than max_tokens_per_micro_batch gets a micro-batch of its own (megarl.trainer.packing): over budget
+    # a row longer than max_tokens_per_micro_batch gets a micro-batch of its own (megarl.workers.packing): over budget
     base = ["data.max_prompt_length=64", "rollout.max_new_tokens=64"]
     with caplog.at_level("WARNING", logger="megarl.parallel.placement"):
         validate_for_world(load_config(None, base + ["actor.max_tokens_per_micro_batch=100"]), 1)

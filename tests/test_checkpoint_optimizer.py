@@ -18,7 +18,7 @@ def _roundtrip(rank, world, tmp):
     from megarl.config import ActorConfig
     from megarl.models import checkpoint as ck
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import MegatronWorker
+    from megarl.workers.engine import MegatronWorker
 
     initialize_model_parallel(ParallelLayout(dp=world))
     worker = MegatronWorker(SPEC, ParallelLayout(dp=world), "actor", "preset:random", torch.bfloat16,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megarl.models.spec import ModelSpec
-from megarl.trainer.packing import balanced_shares, pack_by_tokens, pack_shares, padded_length
+from megarl.workers.packing import balanced_shares, pack_by_tokens, pack_shares, padded_length
 from tests.distributed import run_world
 
 SPEC = ModelSpec("llama", 64, 32, 2, 4, 2, 8, 64, tie_word_embeddings=True, max_position_embeddings=128,
@@ -48,7 +48,7 @@ def test_dp_shares_are_balanced_by_tokens_with_the_same_number_of_micro_batches(
 
 
 def _batch():
-    from megarl.trainer.batch import build_batch
+    from megarl.data.batch import build_batch
 
     g = torch.Generator().manual_seed(3)
     prompts, responses = [], []
@@ -64,7 +64,7 @@ def _batch():
 def _compare(rank, world, agg, budget, tp):
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, ParallelConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     mesh = ParallelLayout(tp=tp, dp=world // tp)
     initialize_model_parallel(mesh, seed=0)

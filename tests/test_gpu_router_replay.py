@@ -2,7 +2,7 @@
 CUDA or without vllm): the Qwen3-30B-A3B shape cut to 4 layers (``preset:qwen3-30b-a3b?layers=4``: 128 experts,
 top-8), its random preset weights in bf16, one process, vLLM TP=1 with ``record_routes``.
 
-The actor (a trainable :class:`~megarl.trainer.workers.PolicyWorker`, as in a run) is resharded into vLLM, vLLM
+The actor (a trainable :class:`~megarl.workers.actor.PolicyWorker`, as in a run) is resharded into vLLM, vLLM
 samples responses and returns their routed experts, and the actor's old-log-prob pass runs on the samples' batch
 with replay on, then off. What its routers dispatched is read by the test's own hooks on megatron's routers
 (:func:`tests.test_router_replay.record_dispatch`), against vLLM's routes: with replay every token vLLM routed
@@ -42,8 +42,8 @@ def _check(rank, world):
     from megarl.reshard.planner import plan_reshard
     from megarl.rollout.base import SamplingConfig
     from megarl.rollout.vllm_engine import VLLMRolloutEngine
-    from megarl.trainer.batch import build_batch
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.data.batch import build_batch
+    from megarl.workers.actor import PolicyWorker
     from tests.test_router_replay import dispatch_agreement, record_dispatch
 
     mesh = ParallelLayout()

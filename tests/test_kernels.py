@@ -86,7 +86,7 @@ def _positions_checks(tp: int) -> list[float]:
 
     from kernels.chunked_logprobs import chunked_logprobs
     from megarl.models.logprobs import vocab_parallel_logprobs
-    from megarl.trainer.batch import response_positions
+    from megarl.data.batch import response_positions
 
     g, hidden, shard, labels, vocab = _output_layer_inputs(1, 3)
     keep = response_positions(torch.tensor([4, 9, 12]), 5, labels.shape[1])  # the last row's runs past the end
@@ -203,7 +203,7 @@ def _worker_checks() -> dict:
     from kernels.chunked_logprobs import _ChunkedLogprobs
     from megarl.config import ActorConfig, AlgorithmConfig, KernelsConfig, KLConfig, ParallelConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
     from tests.test_dynamic_batch import SPEC, _batch
 
     mesh = ParallelLayout(tp=2)

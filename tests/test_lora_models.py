@@ -185,8 +185,8 @@ def _update(rank, world, model_dir):
     from megarl.models.spec import ModelSpec as MS
     from megarl.models.hf_io import open_hf_checkpoint
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.batch import build_batch
-    from megarl.trainer.workers import BasePolicy, PolicyWorker
+    from megarl.data.batch import build_batch
+    from megarl.workers.actor import BasePolicy, PolicyWorker
 
     cfg = load_config(None, ["actor.lora.rank=4", "actor.lora.alpha=16", "actor.parallel.tp=2", "actor.micro_batch_size=2",
                              "actor.ppo_mini_batch_size=8", "actor.optim.lr=1e-2"])

@@ -30,7 +30,7 @@ def _spec(family: str, z_loss: float) -> ModelSpec:
 
 def _batch(seq_multiple: int):
     """8 sequences of 3 to 30 tokens, right-padded to a multiple of ``seq_multiple``."""
-    from megarl.trainer.batch import build_batch
+    from megarl.data.batch import build_batch
 
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, 64, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
@@ -94,14 +94,15 @@ def _update(spec: ModelSpec, batch, layout: dict, rc_kwargs: dict, megatron_loss
 
     from megarl.config import ActorConfig, OptimConfig, ParallelConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer import workers
+    from megarl.workers import engine as workers
+    from megarl.workers.actor import PolicyWorker
 
     mesh = ParallelLayout(**layout)
     initialize_model_parallel(mesh, seed=0)
     rc = ActorConfig(parallel=ParallelConfig(**layout, sequence_parallel=mesh.tp > 1), ppo_mini_batch_size=8,
                      optim=OptimConfig(lr=1e-3, clip_grad=0.0, distributed=False), **rc_kwargs)
-    actor = workers.PolicyWorker(spec, mesh, "actor", "preset:random", torch.float32, rc, trainable=True,
-                                 temperature=1.0)
+    actor = PolicyWorker(spec, mesh, "actor", "preset:random", torch.float32, rc, trainable=True,
+                         temperature=1.0)
     count_routing, counted = workers.count_routing, []
 
     def counting(*args):

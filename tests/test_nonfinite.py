@@ -86,7 +86,7 @@ def test_every_rollout_correction_metric_is_finite_with_masked_or_no_tokens(leve
 
 def _scored_batch(scores, rows=None):
     """8 samples of 2 groups, 3 response tokens each, with ``scores`` and dataset rows 10 + group."""
-    from megarl.trainer.batch import build_batch
+    from megarl.data.batch import build_batch
 
     n = len(scores)
     batch = build_batch([[5, 6]] * n, [[7, 8, 9]] * n, [torch.full((3,), -1.0)] * n, [i // 4 for i in range(n)],
@@ -172,7 +172,7 @@ def _token_tis(rank, world):
     from megarl.models.checkpoint import chunk_parameters
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.trainer.advantages import compute_advantages, drop_nonfinite, set_loss_mask
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     mesh = ParallelLayout()
     initialize_model_parallel(mesh, seed=0)
@@ -217,7 +217,7 @@ def test_a_nan_and_an_inf_rollout_logprob_leave_the_loss_under_token_tis():
 # ---------------------------------------------------------------- the update on 2 gloo ranks
 
 def _batch(rows: int = 8):
-    from megarl.trainer.batch import build_batch
+    from megarl.data.batch import build_batch
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 64, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
@@ -248,7 +248,7 @@ def _stopped_updates(rank, world, tp):
     gradient stays finite). Returns each error message and whether the weights and optimizer state survived."""
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, OptimConfig, ParallelConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     mesh = ParallelLayout(tp=tp, dp=world // tp)
     initialize_model_parallel(mesh, seed=0)

@@ -24,7 +24,7 @@ def _run(rank, world, tmp):
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, OptimConfig
     from megarl.models import checkpoint as ck
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
     from tests.rl_tasks import update_batch
 
     layout = ParallelLayout(dp=world)

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from megarl.trainer.packing import pack_rows, pack_sequences, pack_shares
+from megarl.workers.packing import pack_rows, pack_sequences, pack_shares
 from tests.distributed import run_world
 from tests.test_dynamic_batch import SPEC, _batch
 
@@ -101,7 +101,7 @@ def _attention_checks(device: str = "cpu", dtype: torch.dtype = torch.float32) -
 
 
 def _frame(worker, mb, out):
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     return worker._logprobs(mb, out, False)[0] if isinstance(worker, PolicyWorker) else worker._values(mb, out)
 
@@ -110,7 +110,8 @@ def _gradients(worker, batch) -> dict[str, torch.Tensor]:
     """Every parameter's gradient (after DP reduction) of one backward of ``sum(adv * x * mask) / tokens`` (``x``:
     log-probs or values), the whole batch in one mini-batch."""
     from megarl.models.pipeline import run_microbatches
-    from megarl.trainer.workers import MODEL_INPUTS, PolicyWorker
+    from megarl.workers.actor import PolicyWorker
+    from megarl.workers.engine import MODEL_INPUTS
 
     micro, _ = worker._micro_batches(batch, MODEL_INPUTS + ("advantages",), 2)
     scale, tokens = len(micro) * worker.dp_size, float(batch["response_mask"].sum())
@@ -131,7 +132,8 @@ def _layout_checks(tp: int, pp: int) -> dict:
 
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, OptimConfig, ParallelConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import CriticWorker, PolicyWorker
+    from megarl.workers.actor import PolicyWorker
+    from megarl.workers.critic import CriticWorker
 
     mesh = ParallelLayout(tp=tp, pp=pp, dp=2 // (tp * pp))
     initialize_model_parallel(mesh, seed=0)

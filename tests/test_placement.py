@@ -114,8 +114,8 @@ def _offload_round_trip(rank, world, model_dir):
     from megarl.config import ActorConfig, OptimConfig
     from megarl.models.checkpoint import source_spec
     from megarl.parallel.mesh import ParallelLayout, init_distributed, initialize_model_parallel
-    from megarl.trainer.offload import HostOffload
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.offload import HostOffload
+    from megarl.workers.actor import PolicyWorker
 
     init_distributed()
     mesh = ParallelLayout(dp=world)

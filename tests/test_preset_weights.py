@@ -3,7 +3,7 @@
 A preset's weights are canonical (Hugging Face layout) tensors drawn from the run's seed and each tensor's name,
 sliced for the rank like a Hugging Face checkpoint's (:func:`megarl.models.weights.preset_reader`), so a run
 resumed at another TP / PP layout trains against the same reference model. One 2-rank gloo world builds the
-trainer's worker (:class:`~megarl.trainer.workers.MegatronWorker`, as the reference is built) of a 2-layer
+trainer's worker (:class:`~megarl.workers.engine.MegatronWorker`, as the reference is built) of a 2-layer
 ``tiny-llama`` at TP=1, TP=2 and PP=2 and compares the logits on one input.
 """
 
@@ -36,7 +36,7 @@ def _logits(model, tokens):
 def _world(rank, world):
     from megarl.config import ActorConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import MegatronWorker
+    from megarl.workers.engine import MegatronWorker
 
     spec = preset(SOURCE.removeprefix("preset:"))
     tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))

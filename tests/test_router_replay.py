@@ -41,7 +41,7 @@ def _engine_batch(model_dir, engine_kind="hf"):
     from megarl.models.hf_io import open_hf_checkpoint
     from megarl.rollout.base import SamplingConfig, state_dict_writer
     from megarl.rollout.hf_engine import HFRolloutEngine
-    from megarl.trainer.batch import build_batch
+    from megarl.data.batch import build_batch
 
     hf = open_hf_checkpoint(model_dir)
     spec = hf.spec
@@ -70,7 +70,7 @@ def _perturbed_actor(spec, layout, model_dir, rc):
     seeded by the global layer)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     worker = PolicyWorker(spec, layout, "actor", model_dir, torch.float32, rc, trainable=True, temperature=1.0)
     with torch.no_grad():

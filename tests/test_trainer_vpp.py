@@ -89,7 +89,7 @@ def test_a_pp2_vpp2_checkpoint_resumes_at_its_layout_and_at_pp2(runs, later_runs
 
 
 def test_packed_micro_batch_counts_are_split_to_a_multiple_of_pp():
-    from megarl.trainer.packing import pack_shares
+    from megarl.workers.packing import pack_shares
 
     lengths = torch.tensor([30, 5, 7, 12, 3, 9, 20, 4, 6, 8, 11, 2])
     for packed in (False, True):

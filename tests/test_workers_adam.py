@@ -1,6 +1,6 @@
 """The actor's Adam runs torch's fused kernel (megatron builds torch's AdamW without it; torch's per-tensor loop is
 6x slower on the CPU main job, its GPU ``foreach`` kernels hold two fp32 copies of the parameters;
-:func:`megarl.trainer.workers.use_fused_adam`), with the per-tensor loop's results: on the CPU here, on the GPU
+:func:`megarl.workers.optimizer.use_fused_adam`), with the per-tensor loop's results: on the CPU here, on the GPU
 where the worker finds one."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def _weights_after_updates(rank, world):
     after 3 updates, run with torch's fused Adam (as built) and with its per-tensor loop (``fused`` unset)."""
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, OptimConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     layout = ParallelLayout()
     initialize_model_parallel(layout)

@@ -20,7 +20,7 @@ def _updates(rank, world):
     updates with advantages of 1e4 (scaled gradients beyond fp16's range) and whether the weights moved."""
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, OptimConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
     from tests.rl_tasks import update_batch
 
     layout = ParallelLayout()

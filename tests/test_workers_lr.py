@@ -28,7 +28,7 @@ def _used_lrs(rank, world):
     ``lr`` metric it reported."""
     from megarl.config import ActorConfig, AlgorithmConfig, KLConfig, OptimConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     layout = ParallelLayout()
     initialize_model_parallel(layout)

@@ -21,7 +21,7 @@ function, a reward model or a reward server may answer NaN, inf or null. The rul
 4. **The update.** Everything else is the trainer's own arithmetic: a micro-batch's loss or a gradient that
    is not finite stops the update before ``optimizer.step()``, on every rank of the role alike (one
    all-reduce over the role's ranks decides), with a :class:`NonFiniteError` naming the role, the step, the
-   mini-batch and the micro-batch (:meth:`megarl.trainer.workers.MegatronWorker.train_minibatches`): the
+   mini-batch and the micro-batch (:meth:`megarl.workers.engine.MegatronWorker.train_minibatches`): the
    weights and the optimizer state stay those of the update before.
 
 A :class:`NonFiniteError` is a ``ValueError``: ``megarl train`` prints it in one line and exits with status 2,

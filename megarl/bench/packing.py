@@ -59,7 +59,7 @@ def sample_lengths(source: str, rows: int, seed: int = 0) -> tuple[torch.Tensor,
 
 
 def _batch(spec, prompt_lens: torch.Tensor, response_lens: torch.Tensor, seed: int):
-    from megarl.trainer.batch import build_batch
+    from megarl.data.batch import build_batch
 
     g = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(3, spec.vocab_size, (int(p + r),), generator=g).tolist()
@@ -97,7 +97,7 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     from megarl.measure.flops import peak_bf16_flops, train_flops
     from megarl.models.spec import preset
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     initialize_model_parallel(ParallelLayout(), seed=0)
     spec = preset("tiny-llama" if args.model == "tiny" else args.model)

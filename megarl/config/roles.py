@@ -256,18 +256,18 @@ class ActorConfig:
         logprob_micro_batch_size: sequences per micro-batch for forward-only passes (0 = micro_batch_size).
         max_tokens_per_micro_batch: micro-batches by token count (dynamic batch size) for the log-prob,
             value and update passes: rows of similar length packed up to this many padded tokens (rows x
-            longest row) per micro-batch, each cut to its longest row (:mod:`megarl.trainer.packing`); 0 = off
+            longest row) per micro-batch, each cut to its longest row (:mod:`megarl.workers.packing`); 0 = off
             (``micro_batch_size`` / ``logprob_micro_batch_size`` rows as wide as the batch). Needs pp = 1
             unless ``sequence_packing``.
         sequence_packing: with ``max_tokens_per_micro_batch``, each micro-batch is one packed row of up
             to that many real tokens, sequences back to back with no padding between them, attention within
-            each sequence (megatron's ``PackedSeqParams``; :mod:`megarl.trainer.packing`); works at any pp (at
+            each sequence (megatron's ``PackedSeqParams``; :mod:`megarl.workers.packing`); works at any pp (at
             pp > 1 every micro-batch is padded at its tail to the longest one's length). Needs
             ``kernels.attention="sdpa"`` on the local spec (not Transformer Engine's, not wired for packing yet).
             The reference policy packs as the actor does.
         offload: keep the gradients and optimizer state in pinned host memory from the end of each update to
             the next step's log-probs, and the parameters too while the rollout engine generates
-            (:mod:`megarl.trainer.offload`), so that a model that fits only one phase at a time still runs.
+            (:mod:`megarl.workers.offload`), so that a model that fits only one phase at a time still runs.
         kernels: fast paths (chunked log-probs, SDPA attention).
         lora: LoRA adapters instead of training every weight (the actor only).
         moe: mixture-of-experts settings (router replay: the actor only; the token dispatcher).

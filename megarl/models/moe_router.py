@@ -198,7 +198,7 @@ def padding_mask(mb: dict[str, torch.Tensor], width: int) -> torch.Tensor:
     """megatron's MoE ``padding_mask`` of a micro-batch: ``[b, width]`` bool, True where no real token is.
 
     A padded micro-batch (``input_ids [b, width]``) holds row ``i``'s ``prompt_lens[i] + response_lens[i]``
-    tokens first; a packed one (``b = 1``, with ``seq_offsets``: :func:`megarl.trainer.packing.pack_rows`) holds
+    tokens first; a packed one (``b = 1``, with ``seq_offsets``: :func:`megarl.workers.packing.pack_rows`) holds
     each row's tokens from its offset, the gaps and tail being padding.
     """
     lengths = mb["prompt_lens"] + mb["response_lens"]

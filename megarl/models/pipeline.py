@@ -4,10 +4,10 @@ One entry point serves inference (log-probs, values) and training: the pipeline 
 interleaved 1F1B over model chunks with VPP, no pipelining otherwise) calls the model on each micro-batch and, on the last stage, ``output_fn`` on its
 output. Sequences are right-padded; no attention mask is passed: attention is causal and padding sits after
 every real token. A packed micro-batch (one row ``[1, T]`` of sequences back to back, with ``cu_seqlens``:
-:func:`megarl.trainer.packing.pack_rows`) goes to the model with megatron's ``PackedSeqParams``
+:func:`megarl.workers.packing.pack_rows`) goes to the model with megatron's ``PackedSeqParams``
 (:func:`packed_seq_params`), so that attention stays within each sequence. With PP > 1 every
 micro-batch of a call has the same ``[b, s]`` (the schedule's p2p buffers have one shape); without pipelining
-each micro-batch may have its own (micro-batches by token count, :mod:`megarl.trainer.packing`; megatron's
+each micro-batch may have its own (micro-batches by token count, :mod:`megarl.workers.packing`; megatron's
 ``forward_backward_no_pipelining`` ignores ``seq_length`` and ``micro_batch_size``).
 
 With context parallelism (CP > 1) the model sees this CP rank's share of each sequence
@@ -129,7 +129,7 @@ def _stage_padding_mask(stage, mask: torch.Tensor) -> torch.Tensor:
 
 def packed_seq_params(cu_seqlens: torch.Tensor, width: int):
     """megatron's ``PackedSeqParams`` of a packed row of ``width`` tokens whose segments start at
-    ``cu_seqlens [n + 1]`` int32 (:func:`megarl.trainer.packing.pack_rows`), in the ``sbhd`` layout.
+    ``cu_seqlens [n + 1]`` int32 (:func:`megarl.workers.packing.pack_rows`), in the ``sbhd`` layout.
 
     The row keeps megatron's ``[s, b=1, h]`` activations, and megatron applies RoPE over the row's own positions
     ``0 .. width - 1`` in one vectorised op (``max_seqlen`` = ``width``) instead of its THD path, which rotates one

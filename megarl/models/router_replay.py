@@ -10,7 +10,7 @@ engine used for every token and MoE layer and makes the trainer's routers use th
 Routes: ``[tokens, layers, top_k]`` int16 per sample (:data:`ROUTES_DTYPE`), row ``t`` the experts that
 token ``t`` of prompt + response went to in each MoE layer. The engine routes every token it runs the model
 on: the prompt (prefill) and each sampled token when it is fed back, i.e. all but the last response token,
-whose output nobody reads (causal attention: it changes no log-prob). In the batch (:func:`megarl.trainer.batch.
+whose output nobody reads (causal attention: it changes no log-prob). In the batch (:func:`megarl.data.batch.
 build_batch`) they are ``routed_experts [B, S, layers, top_k]`` in the input frame, :data:`NO_ROUTE` where the
 engine routed nothing (that last token, padding).
 

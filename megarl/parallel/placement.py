@@ -174,9 +174,9 @@ def check_virtual_pipeline(cfg: Config, rc, role: str, lay: RoleLayout) -> None:
     micro-batches per call (:meth:`~megarl.parallel.mesh.ParallelLayout.check_num_microbatches`): each DP rank's
     rows of a mini-batch (the update) and of the rollout batch (log-probs, values) come in multiples of ``pp``,
     and with fixed-size micro-batches ``micro_batch_size`` cuts a mini-batch's rows into a multiple of ``pp``.
-    The forward passes pick their micro-batch size to fit (:meth:`~megarl.trainer.workers.MegatronWorker.
+    The forward passes pick their micro-batch size to fit (:meth:`~megarl.workers.engine.MegatronWorker.
     forward_micro_batch_size`), and micro-batches by token count are split until their count fits
-    (:func:`~megarl.trainer.packing.pack_shares`).
+    (:func:`~megarl.workers.packing.pack_shares`).
 
     Raises:
         ConfigError: naming the field (``data.prompts_per_step``, ``{role}.ppo_mini_batch_size``,

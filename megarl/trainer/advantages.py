@@ -3,7 +3,7 @@
 the reward, the advantages and returns of ``algorithm.name``, and the loss mask (the response tokens that enter
 the actor's loss, with the rollout correction's weights; the critic's without the dropped samples).
 
-Each function reads the config's ``algorithm`` section and extends the :class:`~megarl.trainer.batch.RolloutBatch`
+Each function reads the config's ``algorithm`` section and extends the :class:`~megarl.data.batch.RolloutBatch`
 in place; the estimators, KL estimators and corrections themselves are the pure tensor functions of
 :mod:`megarl.algos` (chosen through its registries: nothing here names an algorithm).
 """
@@ -21,7 +21,7 @@ from megarl.algos.registry import ADVANTAGES
 from megarl.algos.rollout_correction import rollout_correction
 from megarl.algos.shaping import overlong_penalty
 from megarl.config import AlgorithmConfig
-from megarl.trainer.batch import RolloutBatch
+from megarl.data.batch import RolloutBatch
 
 log = logging.getLogger(__name__)
 

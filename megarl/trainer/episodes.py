@@ -29,10 +29,10 @@ from megarl.agents.parsers import ParserError, check_parser, load_parser
 from megarl.agents.rollout import EpisodeBatch, EpisodeSettings, run_episodes_data_parallel
 from megarl.agents.tools import Tool, ToolError, load_tools
 from megarl.config import Config, ConfigError
+from megarl.data.batch import RolloutBatch, build_batch
 from megarl.data.loader import PromptBatch
 from megarl.data.template import PromptTemplate
 from megarl.rollout.base import SamplingConfig
-from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.validation import CORRECT_SCORE
 
 

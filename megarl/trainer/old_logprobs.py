@@ -8,7 +8,7 @@ forward runs the very weights and micro-batches of that pass, so it gives the sa
 trainer's first-step exactness: ``actor/ppo_kl_first_minibatch`` is 0); the pass is then skipped, as verl
 does on-policy (``old_log_prob = log_prob.detach()``), provided nothing reads the old log-probs before the
 update. :func:`old_logprob_pass` decides; the update then adds its detached log-probs to the batch
-(:meth:`~megarl.trainer.workers.PolicyWorker.update`), and :func:`old_logprob_metrics`, computed after the
+(:meth:`~megarl.workers.actor.PolicyWorker.update`), and :func:`old_logprob_metrics`, computed after the
 update whichever way they came, reports the same metrics from them.
 """
 
@@ -20,7 +20,7 @@ from megarl.algos.aggregation import masked_mean
 from megarl.algos.kl import kl_penalty
 from megarl.algos.rollout_correction import rollout_correction
 from megarl.config import AlgorithmConfig, Config
-from megarl.trainer.batch import RolloutBatch
+from megarl.data.batch import RolloutBatch
 
 
 def old_logprob_pass(cfg: Config, *, rows: int, step: int, moe: bool) -> str | None:

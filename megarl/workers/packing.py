@@ -12,7 +12,7 @@ With ``actor.sequence_packing`` a micro-batch holds no padding between rows: :fu
 back in one row ``[1, T']`` with ``cu_seqlens`` for megatron's ``PackedSeqParams``, so that attention
 (:class:`kernels.attention.SDPAttention`) stays within each sequence (and RoPE sees each sequence's own
 distances: :func:`megarl.models.pipeline.packed_seq_params`). The per-row tensors (response frame ``[n, R]``) stay per row and
-:func:`megarl.trainer.batch.to_response_frame` reads the packed outputs back into them.
+:func:`megarl.data.batch.to_response_frame` reads the packed outputs back into them.
 
 megatron-core's constraints, and what follows from them:
 
@@ -36,7 +36,7 @@ import torch
 
 def padded_length(length: int, multiple: int) -> int:
     """Columns a sequence of ``length`` tokens takes: one spare label column, rounded up to ``multiple``
-    (as :func:`~megarl.trainer.batch.build_batch` pads)."""
+    (as :func:`~megarl.data.batch.build_batch` pads)."""
     return -(-(length + 1) // multiple) * multiple
 
 

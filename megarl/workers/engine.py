@@ -1,7 +1,10 @@
-"""The role workers of the RL step: actor (policy), reference policy and critic, each a Megatron model on the
-job's TP x PP x DP mesh.
+"""The engine of one Megatron role on this rank (:class:`MegatronWorker`): its model chunks on the role's
+TP x PP x DP (x CP, EP, VPP) mesh and, when trained, their DDP wrappers, optimizer and LR schedule; forward
+passes that give per-token outputs of the whole batch, PPO-style updates over mini-batches, and the checkpoint
+state. The roles build on it: the actor and reference policy (:mod:`megarl.workers.actor`) and the critic
+(:mod:`megarl.workers.critic`).
 
-Every rank holds the whole step's :class:`~megarl.trainer.batch.RolloutBatch`; a worker computes on its
+Every rank holds the whole step's :class:`~megarl.data.batch.RolloutBatch`; a worker computes on its
 data-parallel share (micro-batched through megatron's ``forward_backward_func``), then all-gathers the result
 over DP and broadcasts it from the last pipeline stage, so every rank again holds the whole batch. Updates split
 each global mini-batch over DP ranks and micro-batches; the loss is normalised by the mini-batch's global
@@ -18,28 +21,22 @@ the whole sequences' gradient, and ``num_microbatches * dp`` still undoes the re
 
 from __future__ import annotations
 
-import copy
 import contextlib
 import functools
-import logging
 import math
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from kernels.chunked_logprobs import LogprobOutput
-from kernels.context_parallel import gather_from_cp_ranks, next_tokens, split_for_cp_rank
-from megarl.algos.aggregation import agg_loss
-from megarl.algos.losses import actor_loss, value_loss
+from kernels.context_parallel import gather_from_cp_ranks
 from megarl.algos.nonfinite import NonFiniteError
-from megarl.algos.registry import POLICY_LOSSES
-from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
+from megarl.config import ActorConfig, OptimConfig
+from megarl.data.batch import RolloutBatch, response_positions
 from megarl.models.checkpoint import (adapters_only, as_chunks, chunk_parameters, chunks_sharded_state_dict,
                                       init_adapters, is_lora_checkpoint, load_chunks_state_dict,
                                       load_weights)
-from megarl.models.logprobs import vocab_parallel_logprobs
-from megarl.models.lora import LoRASpec, adapters_disabled, finalize_with_partial_grads
+from megarl.models.lora import LoRASpec, finalize_with_partial_grads
 from megarl.models.megatron import build_model_chunks
 from megarl.models.moe_router import (
     PassRouting,
@@ -50,30 +47,14 @@ from megarl.models.moe_router import (
     routing_metrics,
 )
 from megarl.models.pipeline import broadcast_from_last_stage, run_microbatches
-from megarl.models.router_replay import ROUTES, RouteReplay
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
 from megarl.parallel.placement import PoolGroups
-from megarl.trainer.batch import RolloutBatch, response_positions, to_response_frame
-from megarl.trainer.packing import pack_rows, pack_shares, trim_to_longest
-
-log = logging.getLogger(__name__)
+from megarl.workers.optimizer import (OPTIMIZER_CHAIN_PREFIX, OPTIMIZER_FORMAT, load_optimizer_state,
+                                      sharded_optimizer_state, use_fused_adam)
+from megarl.workers.packing import pack_rows, pack_shares, trim_to_longest
 
 MODEL_INPUTS = ("input_ids", "prompt_lens", "response_mask")
-# How the DistributedOptimizer's state is checkpointed (megatron-core 0.19). "fully_reshardable" stores each
-# parameter's main weight and Adam moments in the model's own (layout-free) tensor space, so a checkpoint resumes
-# at any TP x PP x DP; torch Adam's per-parameter "step" (without TE/apex) travels in the param groups and is
-# put back by :meth:`MegatronWorker.load_sharded_state`. Checkpoints written before it used "dp_reshardable"
-# (same TP x PP only); megarl.json records the format, and such a checkpoint still loads at its own layout.
-# (The default, "fully_sharded_model_space", builds flattened ShardedTensors that its torch_dist saver refuses.)
-OPTIMIZER_FORMAT = "fully_reshardable"
-LEGACY_OPTIMIZER_FORMAT = "dp_reshardable"
-# An MoE model's experts get an optimizer of their own (megatron's ChainedOptimizer of the dense and the expert
-# one) where EP > 1 or TP > 1 (expert TP = 1), a single optimizer otherwise. Its state is keyed by parameter name
-# alone (megatron's "chained_optim_avoid_prefix"), not under "chained_<k>.", so a checkpoint resumes when the chain
-# changes (EP 1 <-> 2, an MoE model's TP 1 <-> 2); megarl.json's "optimizer_chain_prefix" says so, and a checkpoint
-# written before it (the prefixed keys) resumes only where its chain is the same.
-OPTIMIZER_CHAIN_PREFIX = False
 FP16_INITIAL_LOSS_SCALE = 2.0 ** 16  # model.dtype float16: the dynamic loss scale's start (torch.amp.GradScaler's)
 
 
@@ -292,11 +273,11 @@ class MegatronWorker:
 
         ``rc.max_tokens_per_micro_batch == 0``: rows ``[r * B/dp, (r + 1) * B/dp)`` in consecutive micro-batches
         of ``size`` rows, each as wide as the batch; the rows are None. Otherwise rows dealt to the DP ranks
-        balanced by tokens and packed into micro-batches by token count (:func:`~megarl.trainer.packing.
+        balanced by tokens and packed into micro-batches by token count (:func:`~megarl.workers.packing.
         pack_shares`), as many on every DP rank (with VPP a multiple of ``pp``, for megatron's interleaved
         schedule: micro-batches are split until it is); the rows are, per DP rank, the batch rows of its micro-batches
         in order (the same on every rank). Each micro-batch is cut to its longest row, or with
-        ``rc.sequence_packing`` is one packed (THD) row (:func:`~megarl.trainer.packing.pack_rows`) of its
+        ``rc.sequence_packing`` is one packed (THD) row (:func:`~megarl.workers.packing.pack_rows`) of its
         rows' tokens, padded at the tail to a multiple of TP under sequence parallelism and, with PP > 1, to
         the longest micro-batch of the batch (the pipeline schedule sends one shape).
         """
@@ -323,7 +304,7 @@ class MegatronWorker:
 
     def _with_logit_positions(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``mb`` with ``logit_positions`` ``[b, s]`` bool, the response tokens' labels
-        (:func:`~megarl.trainer.batch.response_positions`): the chunked log-prob output
+        (:func:`~megarl.data.batch.response_positions`): the chunked log-prob output
         (:class:`kernels.chunked_logprobs.LogprobOutput`) runs the output layer on those tokens only, not on the
         prompt's. Not under CP (the model sees a share of each sequence) and not for packed rows."""
         if self.cp_group is None and "prompt_lens" in mb and "response_mask" in mb:
@@ -536,11 +517,10 @@ class MegatronWorker:
                            chain_prefix: bool = OPTIMIZER_CHAIN_PREFIX) -> dict[str, Any]:
         """Model (and optimizer) state for megatron's dist checkpointing. The critic's checkpoint keys carry
         the prefix ``critic.`` so that both models fit one checkpoint; the actor's have none, so converted
-        model checkpoints and trainer checkpoints load alike. ``optimizer_format``: the DistributedOptimizer's
-        sharding type (:data:`OPTIMIZER_FORMAT`; a checkpoint's own when loading one written before it);
-        ``chain_prefix``: the chained optimizers' state under ``chained_<k>.`` (:data:`OPTIMIZER_CHAIN_PREFIX`;
-        True for a checkpoint written before it). A LoRA actor's model state is its adapters alone (the frozen
-        base is the run's ``model.path``)."""
+        model checkpoints and trainer checkpoints load alike. ``optimizer_format`` and ``chain_prefix``: the
+        optimizer state's form (:func:`~megarl.workers.optimizer.sharded_optimizer_state`; a checkpoint's own
+        when loading one written before the current form). A LoRA actor's model state is its adapters alone (the
+        frozen base is the run's ``model.path``)."""
         from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 
         model_sd = chunks_sharded_state_dict(self.model)
@@ -548,116 +528,20 @@ class MegatronWorker:
             model_sd = adapters_only(model_sd)
         out = {"model": model_sd}
         if self.optimizer is not None:
-            if is_loading:
-                self._materialize_optimizer_state()
-            out["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                                 metadata={"distrib_optim_sharding_type":
-                                                                           optimizer_format,
-                                                                           "chained_optim_avoid_prefix":
-                                                                           not chain_prefix})
+            out["optimizer"] = sharded_optimizer_state(self.optimizer, model_sd, is_loading=is_loading,
+                                                       optimizer_format=optimizer_format, chain_prefix=chain_prefix)
         if self.role == "critic":
             add_prefix_for_sharding(out, "critic.")
         return out
 
-    def _materialize_optimizer_state(self) -> None:
-        """Without TE or apex, torch's Adam has no state before its first step, and megatron's
-        DistributedOptimizer cannot describe an empty state for loading (``state_dict`` asserts one ``step``).
-        Create it the way megatron does for its FSDP checkpoints: one step on zero gradients (the parameters
-        are loaded from the checkpoint right after)."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
-                opt._init_optimizer_states_with_dummy_values()
-
-    def _restore_adam_steps(self) -> None:
-        """megatron-core 0.19's DistributedOptimizer, with torch's Adam (no TE/apex), restores the step count
-        into each param group's "step" but leaves the per-parameter "step" of torch's Adam state at its
-        pre-load value, which Adam's bias correction reads. Copy the group's step into every parameter's."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = opt.optimizer
-            for group in inner.param_groups:
-                if group.get("step") is None:
-                    continue
-                for p in group["params"]:
-                    if p in inner.state and "step" in inner.state[p]:
-                        inner.state[p]["step"] = torch.tensor(float(group["step"]))
-
     def load_sharded_state(self, state: dict[str, Any]) -> None:
         """Load a checkpoint's model and optimizer state (:func:`megarl.models.checkpoint.load_checkpoint` of
-        :meth:`sharded_state_dict`). The optimizer's hyper-parameters (LR, weight decay, betas, eps, their
-        schedule's bounds) are the current config's, not the checkpoint's: its param groups are replaced by this
-        optimizer's own, keeping only the update count (megatron would otherwise fail to pair groups whose
-        ``max_lr``/``min_lr`` changed, or restore the old weight decay); :meth:`resume_schedule` then sets the LR
+        :meth:`sharded_state_dict`); the optimizer keeps the current config's hyper-parameters
+        (:func:`~megarl.workers.optimizer.load_optimizer_state`), and :meth:`resume_schedule` then sets the LR
         and weight decay of the resumed update."""
         load_chunks_state_dict(self.model, state["model"])
         if self.optimizer is not None and "optimizer" in state:
-            state["optimizer"] = self._in_current_chain(state["optimizer"])
-            self._use_current_param_groups(state["optimizer"])
-            with torch.no_grad(), self._adam_steps_left_alone():  # megatron copies into the main params in place
-                self.optimizer.load_state_dict(state["optimizer"])
-            self._restore_adam_steps()
-
-    @contextlib.contextmanager
-    def _adam_steps_left_alone(self):
-        """megatron-core 0.19's ``fully_reshardable`` loader, with torch's Adam (no TE/apex), copies every
-        tensor of a parameter's optimizer state from the checkpoint, torch Adam's per-parameter ``step``
-        included, which the checkpoint keeps in the param groups instead (a ``KeyError: 'step'``). Inside the
-        block, each parameter's own step stands in for the missing one (the copy changes nothing);
-        :meth:`_restore_adam_steps` then sets it from the checkpoint's count."""
-        opts = [o for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-                if hasattr(o, "_set_main_param_and_optimizer_states")]
-
-        def keep_step(opt, original):
-            def set_states(model_param, tensors):
-                group, order = opt.model_param_group_index_map[model_param]
-                step = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]].get("step")
-                original(model_param, {"step": step, **tensors} if step is not None else tensors)
-            return set_states
-
-        for opt in opts:
-            opt._set_main_param_and_optimizer_states = keep_step(opt, opt._set_main_param_and_optimizer_states)
-        try:
-            yield
-        finally:
-            for opt in opts:
-                del opt._set_main_param_and_optimizer_states  # the class's method again
-
-    def _in_current_chain(self, loaded: dict[str, Any]) -> dict[str, Any]:
-        """A loaded optimizer state in this optimizer's form where the checkpoint's chain differs (its experts'
-        optimizer of their own or not: :data:`OPTIMIZER_CHAIN_PREFIX`). megatron's loader places the tensors as
-        this optimizer's state dict has them (one per chained optimizer under ``0``, ``1``..., or a single
-        optimizer's at the top) and the rest (param groups, step, grad scaler) as the checkpoint had it; the
-        checkpoint's first optimizer's rest goes with every optimizer's tensors, where they have no entry of that
-        name (megatron keeps one step count for the chain; the param groups are replaced by
-        :meth:`_use_current_param_groups`)."""
-        def fill(into: dict, rest: dict) -> dict:
-            for k, v in rest.items():
-                if k not in into:
-                    into[k] = copy.deepcopy(v)
-                elif isinstance(into[k], dict) and isinstance(v, dict):
-                    fill(into[k], v)
-            return into
-
-        chained = {k: v for k, v in loaded.items() if isinstance(k, int)}
-        single = {k: v for k, v in loaded.items() if not isinstance(k, int)}
-        if not chained or not single:
-            return loaded  # the checkpoint's chain is this optimizer's
-        if len(getattr(self.optimizer, "chained_optimizers", [self.optimizer])) > 1:
-            return {k: fill(v, single) for k, v in chained.items()}
-        return fill(single, chained[min(chained)])
-
-    def _use_current_param_groups(self, loaded: dict[str, Any]) -> None:
-        """Replace the param groups of a loaded optimizer state (one per chained optimizer, or the single
-        one's) by this optimizer's, with the checkpoint's ``step`` (torch Adam's update count, without
-        TE/apex). megatron's optimizer state dicts hold them under ``["optimizer"]["param_groups"]`` (the
-        distributed and the mixed-precision optimizer) or ``["param_groups"]`` (the fp32 one)."""
-        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        parts = [loaded] if len(opts) == 1 else [loaded[k] for k in sorted(loaded)]
-        for opt, part in zip(opts, parts):
-            holder = part.get("optimizer", part)
-            steps = {g["step"] for g in holder["param_groups"] if g.get("step") is not None}
-            current = opt.state_dict()
-            kept = {"step": steps.pop()} if len(steps) == 1 else {}  # megatron keeps one count for all groups
-            holder["param_groups"] = [{**g, **kept} for g in current.get("optimizer", current)["param_groups"]]
+            load_optimizer_state(self.optimizer, state["optimizer"])
 
     def resume_schedule(self, updates_done: int) -> None:
         """Continue the LR and weight-decay schedule of the current config (``optim``, and the decay horizon of
@@ -665,23 +549,6 @@ class MegatronWorker:
         schedule does not (an extended run does not train its new steps at ``min_lr``)."""
         self.scheduler.num_steps = 0
         self.scheduler.step(increment=updates_done)
-
-
-def use_fused_adam(optimizer) -> None:
-    """Step the torch Adam/AdamW inside a megatron optimizer (plain or chained) with torch's fused kernel (one pass
-    over each tensor for the whole update), on CPU and CUDA parameters alike. Megatron builds torch's AdamW where
-    neither Transformer Engine's nor apex's fused Adam exists, and torch then runs, on the CPU, its per-tensor loop
-    of ~10 operations (0.73 s against 0.13 s a step for SmolLM2-135M's 148M fp32 parameters on 2 cores) and, on a
-    GPU, its ``foreach`` kernels, whose temporaries (``sqrt(exp_avg_sq)`` and the step, each as large as the
-    fp32 main parameters: 2 x 22 GiB for the 5.6B parameters of the 8-layer Qwen3-30B-A3B) set the update's
-    peak memory. The same update within float rounding (tests/test_workers_adam.py)."""
-    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(wrapper, "optimizer", None)
-        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
-            continue
-        for group in inner.param_groups:
-            if group["params"] and all(p.device.type in ("cpu", "cuda") for p in group["params"]):
-                group["foreach"], group["fused"] = False, True
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -696,177 +563,3 @@ def _unpermute(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
     out = torch.empty_like(x)
     out[order.to(x.device)] = x
     return out
-
-
-class PolicyWorker(MegatronWorker):
-    """The actor (trainable) or the reference policy (frozen): per-token log-probs and the PPO update.
-
-    An MoE actor's passes read the batch's engine routes (``routed_experts``): :attr:`routes` replays them
-    (``rc.moe.router_replay``) and measures the routing agreement of the old-log-prob pass
-    (:meth:`routing_agreement`); None for a dense model and the reference policy.
-    """
-
-    def __init__(self, *args, temperature: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.temperature = temperature
-        self.routes = (RouteReplay(self.chunks, replay=self.rc.moe.router_replay)
-                       if self.spec.is_moe and self.optimizer is not None else None)
-
-    def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int):
-        """:meth:`MegatronWorker._micro_batches`, with the batch's routes in each micro-batch, handed to
-        :attr:`routes` (which finds each micro-batch of the passes that follow by its ``input_ids``)."""
-        if self.routes is None:
-            return super()._micro_batches(batch, names, size)
-        micro, rows = super()._micro_batches(batch, names + ((ROUTES,) if ROUTES in batch else ()), size)
-        self.routes.queue(micro)
-        return micro, rows
-
-    def routing_agreement(self) -> dict[str, float]:
-        """The routing agreement between the engine and the old-log-prob passes since the last call
-        (:meth:`~megarl.models.router_replay.RouteReplay.agreement`, over the role's pool: every rank of it
-        calls); ``{}`` without routes."""
-        return self.routes.agreement(self.pool_group) if self.routes is not None else {}
-
-    def _model_kwargs(self, with_entropy: bool) -> dict[str, Any] | None:
-        """With ``kernels.chunked_logprob`` the model itself returns ``(logprobs, entropy)``, computed in chunks
-        of tokens from its last hidden states (:class:`kernels.chunked_logprobs.LogprobOutput`)."""
-        k = self.rc.kernels
-        if not k.chunked_logprob:
-            return None
-        return {"output_processor": LogprobOutput(vocab_size=self.spec.vocab_size, temperature=self.temperature,
-                                                  with_entropy=with_entropy, chunk_tokens=k.logprob_chunk_tokens)}
-
-    def _logprobs(self, mb, out, with_entropy: bool):
-        """Response-frame ``[b, R]`` log-probs (and entropy) from the model output: vocab-parallel logits, or
-        the ``(logprobs, entropy)`` of :meth:`_model_kwargs`' output processor."""
-        if isinstance(out, tuple):
-            logp, ent = out
-        else:
-            labels = next_tokens(mb["input_ids"])
-            if self.cp_group is not None:
-                labels = split_for_cp_rank(labels, 1, self.cp_group)
-            logp, ent = vocab_parallel_logprobs(out, labels, vocab_size=self.spec.vocab_size,
-                                                temperature=self.temperature, with_entropy=with_entropy)
-        logp = self._cp_gather(logp)
-        ent = self._cp_gather(ent) if with_entropy else None
-        frame = functools.partial(to_response_frame, prompt_lens=mb["prompt_lens"],
-                                  response_width=mb["response_mask"].shape[1], seq_offsets=mb.get("seq_offsets"))
-        return frame(logp), (frame(ent) if with_entropy else None)
-
-    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False, *,
-                         adapters: bool = True) -> dict[str, torch.Tensor]:
-        """``{"logprobs": [B, R]}`` (and ``"entropy"``) of the batch's responses under this policy, fp32;
-        ``adapters=False``: under a LoRA actor's base (its adapters off, :func:`~megarl.models.lora.
-        adapters_disabled`)."""
-        names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
-
-        def fn(mb, logits):
-            logp, ent = self._logprobs(mb, logits, with_entropy)
-            return {"logprobs": logp, "entropy": ent} if with_entropy else {"logprobs": logp}
-
-        measure = self.routes.measuring() if self.routes is not None and adapters else contextlib.nullcontext()
-        with contextlib.nullcontext() if adapters else adapters_disabled(self.chunks), measure:
-            return self.forward_response_frame(batch, fn, names, self._model_kwargs(with_entropy),
-                                               count_routes=adapters and self.optimizer is not None)
-
-    def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int,
-               norm_tokens: float | None = None, step: int | None = None) -> list[dict[str, float]]:
-        """Policy-loss updates of the actor on ``batch`` (needs old_logprobs, advantages, loss_mask (the tokens
-        in the loss: the response mask minus what overlong filtering, rollout correction and the non-finite
-        rule leave out; without it, the response mask),
-        rollout_weights when the rollout correction weighs tokens, and ref_logprobs when the KL is in the
-        loss); ``norm_tokens``: the constant of ``loss_agg_mode=seq-mean-token-sum-norm``; ``step``: the RL
-        step, for errors. Returns per-optimizer-step metrics: pg_loss, entropy, kl_loss, clipfrac,
-        clipfrac_lower, ppo_kl, approx_kl (token means over the mini-batch), log_ratio_absmax (largest |log-prob
-        - old log-prob|), grad_norm, lr.
-
-        Without ``batch["old_logprobs"]`` (one epoch of one mini-batch: :mod:`megarl.trainer.old_logprobs`) the
-        update's own detached log-probs are the old ones (the ratio exactly 1, with its gradient), and they are
-        added to the batch as ``old_logprobs`` ``[B, R]`` float32 on every rank of the actor's pool.
-
-        Raises:
-            NonFiniteError: a loss or gradient that is not finite (:meth:`train_minibatches`).
-            ValueError: no old log-probs with more than one epoch or mini-batch.
-        """
-        kl_in_loss = alg.kl.in_loss and alg.kl.coef > 0
-        mask_name = "loss_mask" if "loss_mask" in batch else "response_mask"
-        on_policy = "old_logprobs" not in batch
-        names = (MODEL_INPUTS + (() if on_policy else ("old_logprobs",)) + ("advantages",)
-                 + (("loss_mask",) if mask_name == "loss_mask" else ())
-                 + (("ref_logprobs",) if kl_in_loss else ())
-                 + (("rollout_weights",) if "rollout_weights" in batch else ()))
-        params = POLICY_LOSSES.entry(alg.policy_loss).config_params(alg)
-
-        def loss_fn(mb, logits, norms):
-            logp, ent = self._logprobs(mb, logits, with_entropy=True)
-            old = logp.detach() if on_policy else mb["old_logprobs"]
-            loss, metrics = actor_loss(
-                logp, old, mb["advantages"], mb[mask_name], policy_loss=alg.policy_loss,
-                policy_loss_params=params, agg_mode=alg.loss_agg_mode, entropy=ent,
-                entropy_coeff=alg.entropy_coef, ref_logprob=mb.get("ref_logprobs"),
-                kl_coef=alg.kl.coef if kl_in_loss else 0.0, kl_kind=alg.kl.estimator,
-                rollout_weights=mb.get("rollout_weights"), norm_tokens=norm_tokens, **norms)
-            metrics["entropy"] = agg_loss(ent.detach(), mb[mask_name], "token-mean",
-                                          global_tokens=norms["global_tokens"])
-            if on_policy:
-                metrics["old_logprobs"] = old
-            return loss, metrics
-
-        return self.train_minibatches(batch, names, loss_fn, epochs=self.rc.ppo_epochs, seed=seed,
-                                      sum_keys=["pg_loss", "kl_loss", "entropy"],
-                                      mean_keys=["clipfrac", "clipfrac_lower", "ppo_kl", "approx_kl"],
-                                      max_keys=("log_ratio_absmax",), mask_name=mask_name,
-                                      model_kwargs=self._model_kwargs(with_entropy=True), step=step,
-                                      outputs=("old_logprobs",) if on_policy else ())
-
-
-class BasePolicy:
-    """The reference policy of a LoRA actor: the actor itself with its adapters off, so no second copy of the
-    weights exists (the frozen base is the reference's weights, bit for bit).
-
-    Args:
-        actor: the LoRA actor's :class:`PolicyWorker`.
-    """
-
-    def __init__(self, actor: PolicyWorker):
-        self.actor = actor
-
-    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """:meth:`PolicyWorker.compute_logprobs` under the base."""
-        return self.actor.compute_logprobs(batch, with_entropy, adapters=False)
-
-
-class CriticWorker(MegatronWorker):
-    """The value model: per-token values ``V(s_t)`` (the state before each response token) and its update."""
-
-    def _values(self, mb, out):
-        return to_response_frame(self._cp_gather(out.float()), mb["prompt_lens"], mb["response_mask"].shape[1],
-                                 mb.get("seq_offsets"))
-
-    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
-        """``[B, R]`` float32 values of the batch's response positions."""
-        return self.forward_response_frame(batch, lambda mb, out: {"values": self._values(mb, out)},
-                                           ("values",))["values"]
-
-    def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int,
-               norm_tokens: float | None = None, step: int | None = None) -> list[dict[str, float]]:
-        """Clipped value-loss updates on ``batch`` (needs values (old), returns, and value_mask where samples
-        leave the value loss (the response mask without the samples the non-finite rule drops; without it, the
-        response mask)); ``norm_tokens`` and ``step`` as the actor's. Returns per-step metrics: vf_loss,
-        vf_clipfrac, vpred_mean, grad_norm, lr.
-
-        Raises:
-            NonFiniteError: a loss or gradient that is not finite (:meth:`train_minibatches`).
-        """
-        mask_name = "value_mask" if "value_mask" in batch else "response_mask"
-        names = MODEL_INPUTS + ("values", "returns") + (("value_mask",) if mask_name == "value_mask" else ())
-
-        def loss_fn(mb, out, norms):
-            loss, metrics = value_loss(self._values(mb, out), mb["values"], mb["returns"], mb[mask_name],
-                                       cliprange_value=alg.value_clip, agg_mode=alg.loss_agg_mode,
-                                       norm_tokens=norm_tokens, **norms)
-            return loss * alg.vf_coef, metrics
-
-        return self.train_minibatches(batch, names, loss_fn, epochs=self.rc.ppo_epochs, seed=seed,
-                                      sum_keys=["vf_loss"], mean_keys=["vf_clipfrac", "vpred_mean"],
-                                      mask_name=mask_name, step=step)

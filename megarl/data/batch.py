@@ -37,7 +37,7 @@ def to_response_frame(x: torch.Tensor, prompt_lens: torch.Tensor, response_width
 
     With ``seq_offsets [B]`` int64, ``x`` is one packed (THD) row ``[1, T]`` (or ``[1, T, 1]``) holding the
     ``B`` sequences back to back, sequence ``i`` from position ``seq_offsets[i]``
-    (:func:`megarl.trainer.packing.pack_rows`); its labels are the next token within the sequence (the last
+    (:func:`megarl.workers.packing.pack_rows`); its labels are the next token within the sequence (the last
     token of a sequence has none and is not in the response frame).
     """
     if x.dim() == 3:
