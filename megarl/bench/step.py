@@ -40,7 +40,8 @@ by rank 0, that ``megarl sweep`` collects. Its keys:
 - ``rollout``: means over the measured steps of the rollout's agreement with the actor (present when the
   trainer logs them): ``rollout_vs_old_logprob_diff`` (mean |rollout - old log-prob| of response tokens),
   ``kl_k3`` and ``truncated_frac`` (``rollout_corr/*``: the k3 KL of rollout vs old, the share of tokens whose
-  TIS weight was cut), the quantity FP8 rollouts change;
+  TIS weight was cut), the quantity FP8 rollouts change, and ``token_mult_prob_error``, ``gen_kl_error``,
+  ``abs_diff_max``, ``abs_diff_p99`` (``mismatch/*``: :mod:`megarl.algos.mismatch`);
 - with ``--standalone-vllm`` (vLLM rollouts), ``standalone_vllm``: rank 0's generate calls of the measured
   steps run again on a one-rank rollout engine of the same settings on the same GPU, warmed up, median of
   ``--standalone-repeats`` passes (:mod:`megarl.bench.vllm_standalone`): ``status``, ``init_s``, ``tokens``,
@@ -178,7 +179,9 @@ def _one_step(trainer, batches) -> dict[str, Any]:
 
 
 ROLLOUT_METRICS = {"rollout_vs_old_logprob_diff": "actor/rollout_vs_old_logprob_diff", "kl_k3": "rollout_corr/kl_k3",
-                   "truncated_frac": "rollout_corr/truncated_frac"}
+                   "truncated_frac": "rollout_corr/truncated_frac",
+                   **{k: f"mismatch/{k}" for k in ("token_mult_prob_error", "gen_kl_error", "abs_diff_max",
+                                                   "abs_diff_p99")}}
 
 
 def rollout_agreement(history: list[dict[str, Any]]) -> dict[str, float]:
