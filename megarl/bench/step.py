@@ -21,6 +21,9 @@ by rank 0, that ``megarl sweep`` collects. Its keys:
 - ``config``: ``path``, ``overrides``, ``layout`` (tp, pp, dp, world size, rollout engine and tp, model,
   dtype, batch sizes) and ``resolved`` (the whole config);
 - ``world_size``, ``device``, ``peak_tflops`` (``datasheet``, ``measured``: per GPU), ``steps``, ``warmup``;
+- ``machine``: what ran it, for the speed gate's history (:mod:`megarl.bench.gate`): ``gpu``, ``gpus``, ``host``,
+  ``torch``, ``cuda``, ``vllm`` (None where not installed) and ``commit`` (the checkout's ``git rev-parse
+  HEAD``, else None);
 - ``parameters``: ``model`` (the base model's), ``adapters`` (LoRA's, 0 without) and ``trainable`` (what an update
   trains: the adapters with ``actor.lora``, else every weight);
 - ``step_time_s`` (mean over the measured steps), ``tokens_per_s`` and ``tokens_per_s_per_gpu`` (prompt +
@@ -58,6 +61,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -114,6 +119,7 @@ def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.Path
         report["gpu_util"] = _gather_utilization(run["utilization"])
         report["peak_memory_bytes"] = max((p["peak_memory_bytes"] for p in report["phases"].values()), default=0)
         report["rollout"] = rollout_agreement(run["history"])
+        report["machine"] = machine(run["world"])
         if standalone_vllm:
             report["standalone_vllm"] = _standalone_vllm(cfg, run, report, standalone_repeats)
     except Exception as e:
@@ -230,6 +236,21 @@ def _standalone_vllm(cfg: Config, run: dict[str, Any], report: dict[str, Any], r
     if dist.is_initialized():
         dist.barrier()
     return result
+
+
+def machine(world: int) -> dict[str, Any]:
+    """The report's ``machine`` section (module docstring) for ``world`` GPUs (ranks)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        vllm = version("vllm")
+    except PackageNotFoundError:
+        vllm = None
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                         text=True) if shutil.which("git") else None
+    return {"gpu": device_name(), "gpus": world, "host": platform.node(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "vllm": vllm,
+            "commit": git.stdout.strip() if git is not None and git.returncode == 0 else None}
 
 
 def _child_env() -> dict[str, str]:
