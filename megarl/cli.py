@@ -12,6 +12,8 @@
     megarl bench reshard ...                                reshard benchmark (see --help)
     megarl bench step [CONFIG.yaml] [key=value ...] --steps N --warmup K [--json PATH]
                                                             RL step benchmark: per-phase tokens/s/GPU, MFU
+    megarl bench gate REPORT.json --case NAME [--tolerance F] [--append]
+                                                            speed gate: the report against its case's history
     megarl submit [CONFIG.yaml] [key=value ...] --nodes N --gpus-per-node G [--dry-run] [--resume]
                                                             a training run as one SLURM batch job
     megarl sweep SWEEP.yaml (--slurm | --local | --plan)    benchmark a grid of layouts (SLURM job array)
@@ -557,6 +559,14 @@ def _bench_step(p: argparse.ArgumentParser):
                             sample_interval_s=a.sample_interval, standalone_vllm=a.standalone_vllm,
                             standalone_repeats=a.standalone_repeats, config_path=config, overrides=overrides)
         return 0 if report["status"] == "ok" else 1
+    return run
+
+
+@command("bench", "gate", help="compare a bench step report with the stored history of its case and GPU")
+def _bench_gate(p: argparse.ArgumentParser):
+    from megarl.bench.gate import add_arguments, run
+
+    add_arguments(p)
     return run
 
 

@@ -18,11 +18,17 @@
 #                 .gpu/smol/p2/gsm8k), with standalone vLLM (target: step <= 8 s)
 # The random-weight cases use the word-level tokenizer and synthetic prompts of tests/rl_tasks.py (3-5 words);
 # a random model rarely samples its EOS, so responses run to max_new_tokens.
+# Then the speed gate (`megarl bench gate`, megarl/bench/gate.py): the run against perf/history/bench_step.jsonl's
+# runs of the same case (CASE and the extra overrides) on the same GPU; a step time or MFU worse than their median
+# by more than 15% (GATE_TOLERANCE, e.g. 0.1 or step_time_s=0.1) fails the case; no such run: not compared. With
+# GATE_APPEND=1 a passing run is appended to a copy of the history, $OUT/bench_step_history.jsonl (bring it back
+# and commit it as perf/history/bench_step.jsonl to make the run a baseline).
 # Prints the bench table; the last line is "gpu_bench_step CASE: PASS|FAIL (N s)".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CASE=${1:?usage: bash perf/gpu_bench_step.sh CASE [key=value ...] (CASE: mfu-1.5b mem-0.5b grpo-1.5b grpo-1.5b-fast smollm2)}
 shift
+EXTRA="$*"  # the case's extra overrides: part of its name in the speed gate's history
 OUT=${OUT:-runs/gpu_bench_step}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 source perf/gpu_env.sh
@@ -96,6 +102,16 @@ if s:
           f"(phase, sleep included: {s.get('ratio_generate_phase') or 0:.3f}); status {s['status']} "
           f"{s.get('error', '')}")
 EOF
+if [ $rc -eq 0 ]; then  # the speed gate
+  HISTORY=perf/history/bench_step.jsonl
+  GATE=()
+  if [ "${GATE_APPEND:-0}" = 1 ]; then
+    cp "$HISTORY" "$OUT/bench_step_history.jsonl" && HISTORY=$OUT/bench_step_history.jsonl && GATE=(--append)
+  fi
+  [ -n "${GATE_TOLERANCE:-}" ] && GATE+=(--tolerance "$GATE_TOLERANCE")
+  python3 -m megarl.cli bench gate "$OUT/$CASE.json" --case "$CASE $EXTRA" --history "$HISTORY" "${GATE[@]}" \
+    --source "perf/gpu_bench_step.sh $CASE $EXTRA" || rc=1
+fi
 [ $rc -eq 0 ] && echo "gpu_bench_step $CASE: PASS ($(( SECONDS - START )) s)" && exit 0
 echo "gpu_bench_step $CASE: FAIL ($(( SECONDS - START )) s; log $OUT/$CASE.log)"
 exit 1

@@ -289,6 +289,9 @@ def test_megarl_train_drives_an_agent_function_end_to_end(tmp_path):
         assert h["agent/sampled_tokens"] == 16 * 2 and h["agent/observation_tokens"] > 0
         # the trainer's log-probs of the recorded ids are the engine's: the ids trained are the ids sampled
         assert h["actor/rollout_vs_old_logprob_diff"] < 1e-4, h["actor/rollout_vs_old_logprob_diff"]
+        # the mismatch per turn: two turns of every episode, their tokens those of the whole step
+        assert h["mismatch/token_mult_prob_error"] < 1 + 1e-4 and "mismatch/turn_3/tokens" not in h
+        assert h["mismatch/turn_1/tokens"] + h["mismatch/turn_2/tokens"] == h["mismatch/tokens"] == 16 * 2
         assert 0.0 <= h["reward/mean"] <= 1.0
 
 

@@ -98,6 +98,34 @@ def test_bench_step_report_fields_and_units(report):
     assert 0 <= u["util_mean_pct"] and u["memory_max_bytes"] > 10 * 2**20  # bytes, not KiB or GiB
     assert all(math.isfinite(p["time_s"]) and p["time_s"] >= 0 for p in phases.values())
     assert "actor_update" in stdout and "tokens/s/GPU" in stdout
+    m = r["machine"]  # what ran it, for the speed gate's history
+    assert m["gpu"] == "cpu" and m["gpus"] == 1 and m["torch"] == torch.__version__ and m["host"]
+    assert m["commit"] is None or len(m["commit"]) == 40
+    q = r["rollout"]  # the mismatch figures of megarl.algos.mismatch, means over the measured steps
+    assert q["token_mult_prob_error"] >= 1.0 and q["gen_kl_error"] >= 0.0
+    assert q["abs_diff_max"] >= q["abs_diff_p99"] >= 0.0 and q["abs_diff_max"] >= q["rollout_vs_old_logprob_diff"]
+
+
+def test_the_speed_gate_on_a_real_report(report, tmp_path, capsys):
+    """The CPU report: not compared against an empty history, appended; then the same report passes against
+    it and a copy with the step and update 30% slower fails on those two figures."""
+    from megarl.bench.gate import gate
+
+    r, _ = report
+    path, history = tmp_path / "report.json", tmp_path / "history.jsonl"
+    path.write_text(json.dumps(r))
+    assert gate(path, "cpu-tiny", history_path=history, append=True) == 0
+    assert "not compared" in capsys.readouterr().out
+    assert gate(path, "cpu-tiny", history_path=history) == 0
+    assert capsys.readouterr().out.rstrip().endswith("on 1 x cpu: PASS")
+    slow = json.loads(json.dumps(r))
+    slow["step_time_s"] *= 1.3
+    slow["phases"]["actor_update"]["time_s"] *= 1.3
+    path.write_text(json.dumps(slow))
+    assert gate(path, "cpu-tiny", history_path=history) == 1
+    out = capsys.readouterr().out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("REGRESSED")] == [
+        "step_time_s", "actor_update.time_s"]
 
 
 def test_bench_step_on_two_ranks(tmp_path):

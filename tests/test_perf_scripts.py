@@ -118,6 +118,8 @@ def test_every_megarl_command_of_a_gpu_script_passes_its_checks(checkout, script
     assert commands, f"perf/{script} ran no megarl command:\n{text[-3000:]}"
     failed = [c for c in commands if not c.startswith("0 ")]  # exit status, then the command
     assert not failed and r.returncode == 0, f"{failed}\n{text[-5000:]}"
+    if script == "gpu_bench_step.sh":  # the speed gate after the run, on the stored history
+        assert any(c.startswith("0 megarl bench gate ") for c in commands), commands
 
 
 def test_gpu_scripts_import_torch_before_megarl_C():

@@ -5,6 +5,8 @@
   actor loss, clipped value loss.
 - :mod:`~megarl.algos.rollout_correction`: importance weights between the actor's old and the rollout engine's
   log-probs (TIS/MIS, token or sequence level) and their mismatch metrics.
+- :mod:`~megarl.algos.mismatch`: the rollout/trainer log-prob mismatch figures (NeMo-RL's
+  ``token_mult_prob_error`` and ``gen_kl_error``, max and p99 |diff|), per length bucket and per turn.
 - :mod:`~megarl.algos.shaping`: DAPO's overlong reward penalty.
 - :mod:`~megarl.algos.nonfinite`: the rule for non-finite rollout log-probs, scores, losses and gradients.
 - :mod:`~megarl.algos.kl`: k1/k2/k3/k3+ KL estimators, the reward KL penalty, fixed/adaptive KL coefficient.

@@ -21,6 +21,9 @@ by rank 0, that ``megarl sweep`` collects. Its keys:
 - ``config``: ``path``, ``overrides``, ``layout`` (tp, pp, dp, world size, rollout engine and tp, model,
   dtype, batch sizes) and ``resolved`` (the whole config);
 - ``world_size``, ``device``, ``peak_tflops`` (``datasheet``, ``measured``: per GPU), ``steps``, ``warmup``;
+- ``machine``: what ran it, for the speed gate's history (:mod:`megarl.bench.gate`): ``gpu``, ``gpus``, ``host``,
+  ``torch``, ``cuda``, ``vllm`` (None where not installed) and ``commit`` (the checkout's ``git rev-parse
+  HEAD``, else None);
 - ``parameters``: ``model`` (the base model's), ``adapters`` (LoRA's, 0 without) and ``trainable`` (what an update
   trains: the adapters with ``actor.lora``, else every weight);
 - ``step_time_s`` (mean over the measured steps), ``tokens_per_s`` and ``tokens_per_s_per_gpu`` (prompt +
@@ -40,7 +43,8 @@ by rank 0, that ``megarl sweep`` collects. Its keys:
 - ``rollout``: means over the measured steps of the rollout's agreement with the actor (present when the
   trainer logs them): ``rollout_vs_old_logprob_diff`` (mean |rollout - old log-prob| of response tokens),
   ``kl_k3`` and ``truncated_frac`` (``rollout_corr/*``: the k3 KL of rollout vs old, the share of tokens whose
-  TIS weight was cut), the quantity FP8 rollouts change;
+  TIS weight was cut), the quantity FP8 rollouts change, and ``token_mult_prob_error``, ``gen_kl_error``,
+  ``abs_diff_max``, ``abs_diff_p99`` (``mismatch/*``: :mod:`megarl.algos.mismatch`);
 - with ``--standalone-vllm`` (vLLM rollouts), ``standalone_vllm``: rank 0's generate calls of the measured
   steps run again on a one-rank rollout engine of the same settings on the same GPU, warmed up, median of
   ``--standalone-repeats`` passes (:mod:`megarl.bench.vllm_standalone`): ``status``, ``init_s``, ``tokens``,
@@ -57,6 +61,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -113,6 +119,7 @@ def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.Path
         report["gpu_util"] = _gather_utilization(run["utilization"])
         report["peak_memory_bytes"] = max((p["peak_memory_bytes"] for p in report["phases"].values()), default=0)
         report["rollout"] = rollout_agreement(run["history"])
+        report["machine"] = machine(run["world"])
         if standalone_vllm:
             report["standalone_vllm"] = _standalone_vllm(cfg, run, report, standalone_repeats)
     except Exception as e:
@@ -178,7 +185,9 @@ def _one_step(trainer, batches) -> dict[str, Any]:
 
 
 ROLLOUT_METRICS = {"rollout_vs_old_logprob_diff": "actor/rollout_vs_old_logprob_diff", "kl_k3": "rollout_corr/kl_k3",
-                   "truncated_frac": "rollout_corr/truncated_frac"}
+                   "truncated_frac": "rollout_corr/truncated_frac",
+                   **{k: f"mismatch/{k}" for k in ("token_mult_prob_error", "gen_kl_error", "abs_diff_max",
+                                                   "abs_diff_p99")}}
 
 
 def rollout_agreement(history: list[dict[str, Any]]) -> dict[str, float]:
@@ -227,6 +236,21 @@ def _standalone_vllm(cfg: Config, run: dict[str, Any], report: dict[str, Any], r
     if dist.is_initialized():
         dist.barrier()
     return result
+
+
+def machine(world: int) -> dict[str, Any]:
+    """The report's ``machine`` section (module docstring) for ``world`` GPUs (ranks)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        vllm = version("vllm")
+    except PackageNotFoundError:
+        vllm = None
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                         text=True) if shutil.which("git") else None
+    return {"gpu": device_name(), "gpus": world, "host": platform.node(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "vllm": vllm,
+            "commit": git.stdout.strip() if git is not None and git.returncode == 0 else None}
 
 
 def _child_env() -> dict[str, str]:

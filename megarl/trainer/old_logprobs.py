@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from megarl.algos.aggregation import masked_mean
 from megarl.algos.kl import kl_penalty
+from megarl.algos.mismatch import first_turns, mismatch_metrics, turn_index
 from megarl.algos.rollout_correction import rollout_correction
 from megarl.config import AlgorithmConfig, Config
 from megarl.data.batch import RolloutBatch
@@ -68,13 +71,21 @@ def old_logprob_metrics(batch: RolloutBatch, alg: AlgorithmConfig) -> dict[str, 
     """The step's metrics of ``batch["old_logprobs"]`` ``[B, T]`` (from the pass or the update), read after
     the update: ``actor/rollout_vs_old_logprob_diff`` (mean ``|rollout - old|`` over the response tokens with a
     finite rollout log-prob), ``actor/kl`` (the ``algorithm.kl.estimator`` KL to ``batch["ref_logprobs"]``
-    over the response tokens, where there is a reference) and, with the rollout correction off, its
+    over the response tokens, where there is a reference), with the rollout correction off its
     ``rollout_corr/...`` statistics over the loss mask's tokens (with it on,
-    :func:`~megarl.trainer.advantages.set_loss_mask` reports them).
+    :func:`~megarl.trainer.advantages.set_loss_mask` reports them), and the ``mismatch/...`` figures of
+    :func:`~megarl.algos.mismatch.mismatch_metrics` over the same tokens as the first (their mean ``|diff|`` is
+    that one): overall, per response-length bucket (``batch["response_lens"]``) and, for multi-turn episodes
+    (``batch.meta["episode"]``), per turn of the episode.
     """
     old, mask = batch["old_logprobs"], batch["response_mask"].bool()
-    metrics = {"actor/rollout_vs_old_logprob_diff": masked_mean((batch["rollout_logprobs"] - old).abs(),
-                                                                mask & ~batch["logprob_nonfinite"]).item()}
+    valid = mask & ~batch["logprob_nonfinite"]
+    turns = None
+    if "episode" in batch.meta:  # turns from the sampled runs, before a non-finite token leaves the mask
+        turns = turn_index(mask, first_turns(mask, torch.tensor(batch.meta["episode"], dtype=torch.int64)))
+    mismatch = mismatch_metrics(old, batch["rollout_logprobs"], valid, lengths=batch["response_lens"], turns=turns)
+    metrics = {"actor/rollout_vs_old_logprob_diff": mismatch.pop("abs_diff_mean").item(),
+               **{f"mismatch/{k}": v.item() for k, v in mismatch.items()}}
     if "ref_logprobs" in batch:
         metrics["actor/kl"] = masked_mean(kl_penalty(old, batch["ref_logprobs"], alg.kl.estimator), mask).item()
     if not alg.rollout_correction.enabled:
