@@ -159,7 +159,7 @@ def test_the_step_logs_the_figures_of_the_old_log_probs():
     """``old_logprob_metrics`` of a multi-turn batch: ``mismatch/...`` overall, per bucket and per turn over the
     response tokens with a finite rollout log-prob; ``actor/rollout_vs_old_logprob_diff`` is their mean |diff|."""
     from megarl.config import AlgorithmConfig
-    from megarl.trainer.batch import build_batch
+    from megarl.data.batch import build_batch
     from megarl.trainer.old_logprobs import old_logprob_metrics
 
     masks = [[1, 1, 0, 1, 1], [1, 0, 1], [1, 1, 1, 1]]
