@@ -10,7 +10,7 @@ micro-batches and DP ranks, so the gradient equals that of the whole mini-batch 
 
 With context parallelism (CP > 1) the model runs on this CP rank's share of each sequence; its per-token
 outputs (log-probs, entropy, values) are gathered over the CP group into whole sequences
-(:func:`kernels.context_parallel.gather_from_cp_ranks`, whose backward keeps this rank's slice of the gradient),
+(:func:`megarl.kernels.context_parallel.gather_from_cp_ranks`, whose backward keeps this rank's slice of the gradient),
 so every CP rank computes the same loss with the same normalisers and back-propagates through its own tokens.
 megatron multiplies the loss by CP and DDP averages the gradients over DP x CP: their sum over the CP ranks is
 the whole sequences' gradient, and ``num_microbatches * dp`` still undoes the rest.
@@ -28,8 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from kernels.chunked_logprobs import LogprobOutput
-from kernels.context_parallel import gather_from_cp_ranks, next_tokens, split_for_cp_rank
+from megarl.kernels.chunked_logprobs import LogprobOutput
+from megarl.kernels.context_parallel import gather_from_cp_ranks, next_tokens, split_for_cp_rank
 from megarl.algos.aggregation import agg_loss
 from megarl.algos.losses import actor_loss, value_loss
 from megarl.algos.nonfinite import NonFiniteError
@@ -324,7 +324,7 @@ class MegatronWorker:
     def _with_logit_positions(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``mb`` with ``logit_positions`` ``[b, s]`` bool, the response tokens' labels
         (:func:`~megarl.trainer.batch.response_positions`): the chunked log-prob output
-        (:class:`kernels.chunked_logprobs.LogprobOutput`) runs the output layer on those tokens only, not on the
+        (:class:`megarl.kernels.chunked_logprobs.LogprobOutput`) runs the output layer on those tokens only, not on the
         prompt's. Not under CP (the model sees a share of each sequence) and not for packed rows."""
         if self.cp_group is None and "prompt_lens" in mb and "response_mask" in mb:
             mb["logit_positions"] = response_positions(mb["prompt_lens"], mb["response_mask"].shape[1],
@@ -729,7 +729,7 @@ class PolicyWorker(MegatronWorker):
 
     def _model_kwargs(self, with_entropy: bool) -> dict[str, Any] | None:
         """With ``kernels.chunked_logprob`` the model itself returns ``(logprobs, entropy)``, computed in chunks
-        of tokens from its last hidden states (:class:`kernels.chunked_logprobs.LogprobOutput`)."""
+        of tokens from its last hidden states (:class:`megarl.kernels.chunked_logprobs.LogprobOutput`)."""
         k = self.rc.kernels
         if not k.chunked_logprob:
             return None
