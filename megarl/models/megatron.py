@@ -16,13 +16,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from megarl.config import MOE_DISPATCHERS, MOE_EXPERTS
 from megarl.models.lora import LoRASpec, adapt_layer_spec, freeze_base
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
-MOE_EXPERTS = ("grouped", "sequential")  # the local spec's routed experts (actor.kernels.moe_experts)
-MOE_DISPATCHERS = ("auto", "allgather", "alltoall")  # megatron's MoE token dispatcher (actor.moe.token_dispatcher)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
