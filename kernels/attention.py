@@ -19,7 +19,7 @@ with the boolean ``[t, t]`` block-diagonal causal mask: exact, but quadratic in 
 
 With context parallelism (``context_parallel_size > 1``, which megatron's local attention refuses) the queries,
 keys and values are this CP rank's tokens, and attention runs across the CP group
-(:func:`kernels.context_parallel.context_parallel_attention`).
+(:func:`megarl.kernels.context_parallel.context_parallel_attention`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from kernels.context_parallel import context_parallel_attention
+from megarl.kernels.context_parallel import context_parallel_attention
 
 
 class SDPAttention(DotProductAttention):

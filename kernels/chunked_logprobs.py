@@ -24,7 +24,7 @@ The hidden states enter through megatron's ``copy_to_tensor_model_parallel_regio
 gather), as in megatron's ``ColumnParallelLinear``, so their gradient is summed over TP.
 
 Per-chunk statistics and the logits' gradient run as Triton kernels on CUDA tensors
-(:mod:`kernels.triton_logprobs`: one read of the bf16 logits for the statistics, one in-place pass for the
+(:mod:`megarl.kernels.triton_logprobs`: one read of the bf16 logits for the statistics, one in-place pass for the
 gradient) and as torch ops elsewhere.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kernels.context_parallel import next_tokens
+from megarl.kernels.context_parallel import next_tokens
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -129,7 +129,7 @@ class LogprobOutput:
     Pass it as ``model(input_ids, position_ids, None, output_processor=LogprobOutput(...))``; the labels are
     the next tokens, ``roll(input_ids, -1)`` (the last position's label is the first token, as in the
     trainer's plain path; callers mask it); under context parallelism the model's ``input_ids`` are this CP
-    rank's ``[b, s / cp]`` and so are the outputs (:func:`kernels.context_parallel.next_tokens`). With tied embeddings megatron hands over the shared word-embedding
+    rank's ``[b, s / cp]`` and so are the outputs (:func:`megarl.kernels.context_parallel.next_tokens`). With tied embeddings megatron hands over the shared word-embedding
     weight, so its gradient collects both uses. Where the model call's ``output_processor_context`` (the
     micro-batch, :func:`megarl.models.pipeline.run_microbatches`) holds ``logit_positions`` ``[b, s]`` bool,
     only those positions are computed (:func:`chunked_logprobs`' ``positions``; the trainer sets them to the
@@ -240,7 +240,7 @@ def _local_stats(logits: torch.Tensor, local_labels: torch.Tensor, temperature: 
     if temperature != 1.0:
         z_label = z_label / temperature
     if backend == "triton":
-        from kernels.triton_logprobs import softmax_stats
+        from megarl.kernels.triton_logprobs import softmax_stats
 
         m, s, t = softmax_stats(logits, temperature)
     else:
@@ -278,7 +278,7 @@ def _logits_grad_(logits, local_labels, stats, g_lp, g_ent, temperature: float, 
     if logits.shape[1] == 0:
         return logits
     if backend == "triton":
-        from kernels.triton_logprobs import logits_grad_
+        from megarl.kernels.triton_logprobs import logits_grad_
 
         return logits_grad_(logits, local_labels, stats, g_lp, g_ent, temperature)
     big_m, log_sum, mean_shifted = stats.unsqueeze(-1)

@@ -1,7 +1,7 @@
 """Context parallelism (CP) without Transformer Engine: causal attention over a sequence split on ``cp`` ranks.
 
 megatron-core runs CP only in Transformer Engine's attention (its local ``DotProductAttention`` asserts
-``context_parallel_size == 1``). This module gives the local spec's :class:`kernels.attention.SDPAttention` the
+``context_parallel_size == 1``). This module gives the local spec's :class:`megarl.kernels.attention.SDPAttention` the
 same sequence layout, so that megatron's own CP pieces (``parallel_state``'s CP groups, ``RotaryEmbedding``'s
 per-rank positions ``get_pos_emb_on_this_cp_rank``, DDP's gradient reduction over DP x CP) apply unchanged.
 

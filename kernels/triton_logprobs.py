@@ -1,4 +1,4 @@
-"""Triton kernels of :mod:`kernels.chunked_logprobs`: one chunk's softmax statistics and logits gradient.
+"""Triton kernels of :mod:`megarl.kernels.chunked_logprobs`: one chunk's softmax statistics and logits gradient.
 
 Each program walks one token's row of logits ``[V]`` (the model dtype) in blocks, in fp32 (``V``, this rank's
 real vocab rows, is a compile-time constant: one compilation per model):
@@ -7,7 +7,7 @@ real vocab rows, is a compile-time constant: one compilation per model):
   calculation for softmax") and writes ``m = max z``, ``s = sum exp(z - m)``, ``t = sum exp(z - m)(z - m)``
   with ``z = logits / temperature``;
 - :func:`logits_grad_` overwrites the row with ``d/dlogits`` of ``g * logprob + h * entropy`` (see
-  :mod:`kernels.chunked_logprobs` for the formula), so the backward needs no buffer beside the logits.
+  :mod:`megarl.kernels.chunked_logprobs` for the formula), so the backward needs no buffer beside the logits.
 
 Both run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the CPU tests check them).
 """

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from kernels.chunked_logprobs import LogprobOutput
+from megarl.kernels.chunked_logprobs import LogprobOutput
 from megarl.measure.flops import train_flops
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.megatron import build_model

@@ -141,7 +141,7 @@ def test_grouped_experts_refuse_misaligned_sizes_when_built_too():
 
     import torch
 
-    from kernels.grouped_experts import GroupedExperts, misaligned_sizes
+    from megarl.kernels.grouped_experts import GroupedExperts, misaligned_sizes
     from megarl.models.megatron import transformer_config
     from megarl.parallel.mesh import ParallelLayout
 

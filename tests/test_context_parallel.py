@@ -1,6 +1,6 @@
 """Context parallelism (CP) on CPU with gloo, without Transformer Engine, on one world of 4 ranks.
 
-- :func:`kernels.context_parallel.context_parallel_attention` at CP=4 (and CP=2 with a sliding window) equals
+- :func:`megarl.kernels.context_parallel.context_parallel_attention` at CP=4 (and CP=2 with a sliding window) equals
   this rank's rows of full causal SDPA, forward and the gradients of queries, keys and values.
 - The actor at CP=2 (x DP=2) and CP=2 x TP=2 equals the same model without CP (single rank; TP=2), on the same
   weights: per-token log-probs forward, and the parameter gradients after megatron's DDP (which reduces over
@@ -29,7 +29,7 @@ def _attention_checks(rank: int) -> dict:
     """CP attention vs full causal SDPA: max abs differences of the output and of the q, k, v gradients."""
     from megatron.core import parallel_state as ps
 
-    from kernels.context_parallel import context_parallel_attention, split_for_cp_rank
+    from megarl.kernels.context_parallel import context_parallel_attention, split_for_cp_rank
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
 
     out = {}
@@ -65,7 +65,7 @@ def _model_run(spec, mesh, hf_sd, tokens, weights, role: str):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    from kernels.context_parallel import gather_from_cp_ranks, next_tokens, split_for_cp_rank
+    from megarl.kernels.context_parallel import gather_from_cp_ranks, next_tokens, split_for_cp_rank
     from megarl.models.layout import megatron_rank_tensors
     from megarl.models.logprobs import vocab_parallel_logprobs
     from megarl.models.megatron import build_model
@@ -270,7 +270,7 @@ def test_config_errors_name_the_field():
 
 
 def test_cp_attention_rejects_a_sequence_not_divisible_by_2cp():
-    from kernels.context_parallel import cp_positions
+    from megarl.kernels.context_parallel import cp_positions
 
     with pytest.raises(ValueError, match="multiple of 2 \\* cp = 4"):
         cp_positions(10, 0, 2)

@@ -23,7 +23,7 @@ SPEC = ModelSpec("qwen2", vocab_size=32000, hidden_size=512, num_layers=4, num_a
 
 
 def test_triton_kernels_equal_torch_ops_on_bf16_logits():
-    from kernels.triton_logprobs import logits_grad_, softmax_stats
+    from megarl.kernels.triton_logprobs import logits_grad_, softmax_stats
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n, v, temp = 300, 20000, 0.7
@@ -49,7 +49,7 @@ def test_triton_kernels_equal_torch_ops_on_bf16_logits():
 
 
 def _model(rank, world):
-    from kernels.chunked_logprobs import LogprobOutput
+    from megarl.kernels.chunked_logprobs import LogprobOutput
     from megarl.models.logprobs import vocab_parallel_logprobs
     from megarl.models.megatron import build_model
     from megarl.models.pipeline import run_microbatches

@@ -57,7 +57,7 @@ def _logprob_checks(tp: int) -> dict:
     """Chunked vs plain log-probs/entropy on random hidden states and an output-layer shard."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    from kernels.chunked_logprobs import chunked_logprobs
+    from megarl.kernels.chunked_logprobs import chunked_logprobs
     from megarl.models.logprobs import vocab_parallel_logprobs
 
     g, hidden, shard, labels, vocab = _output_layer_inputs(0, 2)
@@ -84,7 +84,7 @@ def _positions_checks(tp: int) -> list[float]:
     |log-prob| and |entropy| (0)."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    from kernels.chunked_logprobs import chunked_logprobs
+    from megarl.kernels.chunked_logprobs import chunked_logprobs
     from megarl.models.logprobs import vocab_parallel_logprobs
     from megarl.data.batch import response_positions
 
@@ -114,7 +114,7 @@ def _attention_checks(tp: int) -> dict:
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from kernels.attention import SDPAttention
+    from megarl.kernels.attention import SDPAttention
 
     out = {}
     for window in (None, (3, 0)):
@@ -141,7 +141,7 @@ def _model_checks(spec: ModelSpec, tp: int, pp: int) -> dict:
     """A GPTModel with SDPA attention and chunked log-probs vs the plain one, forward and backward."""
     from megatron.core import parallel_state as ps
 
-    from kernels.chunked_logprobs import LogprobOutput
+    from megarl.kernels.chunked_logprobs import LogprobOutput
     from megarl.models.logprobs import vocab_parallel_logprobs
     from megarl.models.megatron import build_model
     from megarl.models.pipeline import run_microbatches
@@ -200,7 +200,7 @@ def _worker_checks() -> dict:
     """PolicyWorker with the kernels on vs off (TP=2, sequence parallel): log-probs and one PPO update."""
     from megatron.core import parallel_state as ps
 
-    from kernels.chunked_logprobs import _ChunkedLogprobs
+    from megarl.kernels.chunked_logprobs import _ChunkedLogprobs
     from megarl.config import ActorConfig, AlgorithmConfig, KernelsConfig, KLConfig, ParallelConfig
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.workers.actor import PolicyWorker

@@ -67,7 +67,7 @@ def _sharded(module) -> list:
 
 
 def _experts_checks(spec, mesh) -> dict:
-    """:class:`~kernels.grouped_experts.GroupedExperts` against megatron's ``SequentialMLP`` (first layer of each
+    """:class:`~megarl.kernels.grouped_experts.GroupedExperts` against megatron's ``SequentialMLP`` (first layer of each
     model) on the same weights: max abs differences of outputs and gradients (input, probabilities, weights)
     with tokens for some local experts only, and with none; whether the sharded state dicts are the same."""
     from megarl.models.megatron import build_model

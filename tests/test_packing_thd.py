@@ -70,7 +70,7 @@ def _attention_checks(device: str = "cpu", dtype: torch.dtype = torch.float32) -
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from kernels.attention import SDPAttention
+    from megarl.kernels.attention import SDPAttention
 
     cu = torch.tensor([0, 5, 12, 13, 20], dtype=torch.int32)  # the last segment: 7 tokens of tail padding
     out = {}

@@ -14,11 +14,14 @@ class Dtype(NamedTuple):
 
     short: str  # the short name (``megarl bench reshard --dtype``)
     itemsize: int  # bytes per element
+    safetensors: str  # the dtype code of a safetensors file's header
 
 
 # The one dtype table (model.dtype, ``megarl convert --dtype``): torch's dtypes (megarl.models.checkpoint.DTYPES), the
-# memory estimate's bytes (megarl.launch.memory) and the reshard bench's short names (megarl.bench.reshard) read it.
-DTYPE_TABLE = {"float32": Dtype("fp32", 4), "bfloat16": Dtype("bf16", 2), "float16": Dtype("fp16", 2)}
+# memory estimate's bytes (megarl.launch.memory), the reshard bench's short names (megarl.bench.reshard) and the
+# safetensors codes (megarl.models.hf_io) read it.
+DTYPE_TABLE = {"float32": Dtype("fp32", 4, "F32"), "bfloat16": Dtype("bf16", 2, "BF16"),
+               "float16": Dtype("fp16", 2, "F16")}
 DTYPES = tuple(DTYPE_TABLE)
 OLD_LOGPROB_PASSES = ("auto", "always")  # actor.old_logprob_pass
 
@@ -128,8 +131,8 @@ class OptimConfig:
 
 
 ATTENTION_KERNELS = ("sdpa", "local")
-MOE_EXPERTS = ("grouped", "sequential")  # megarl.models.megatron.MOE_EXPERTS (tested)
-MOE_DISPATCHERS = ("auto", "allgather", "alltoall")  # megarl.models.megatron.MOE_DISPATCHERS (tested)
+MOE_EXPERTS = ("grouped", "sequential")  # the local spec's routed experts (megarl.models.megatron builds them)
+MOE_DISPATCHERS = ("auto", "allgather", "alltoall")  # megatron-core's MoE token dispatchers (megarl.models.megatron)
 
 
 @dataclass

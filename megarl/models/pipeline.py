@@ -11,7 +11,7 @@ each micro-batch may have its own (micro-batches by token count, :mod:`megarl.wo
 ``forward_backward_no_pipelining`` ignores ``seq_length`` and ``micro_batch_size``).
 
 With context parallelism (CP > 1) the model sees this CP rank's share of each sequence
-(:func:`kernels.context_parallel.split_for_cp_rank` of ``input_ids`` and positions, ``s`` a multiple of
+(:func:`megarl.kernels.context_parallel.split_for_cp_rank` of ``input_ids`` and positions, ``s`` a multiple of
 ``2 * cp``); ``output_fn`` receives the whole micro-batch and the output of those tokens
 (``[b, s / cp, ...]``).
 """
@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from kernels.context_parallel import split_for_cp_rank
+from megarl.kernels.context_parallel import split_for_cp_rank
 
 OutputFn = Callable[[Mapping[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
@@ -44,7 +44,7 @@ def run_microbatches(model: torch.nn.Module | list[torch.nn.Module], micro_batch
             the load-balancing loss and z-loss.
         output_fn: ``(micro_batch, output) -> (loss, metrics)``, run on the last pipeline stage, where
             ``output`` is the model output ``[b, s, v/tp]`` (actor) or ``[b, s, 1]`` (critic), or what an
-            ``output_processor`` in ``model_kwargs`` returns (e.g. :class:`kernels.chunked_logprobs.LogprobOutput`'s
+            ``output_processor`` in ``model_kwargs`` returns (e.g. :class:`megarl.kernels.chunked_logprobs.LogprobOutput`'s
             ``(logprobs, entropy)``). For training,
             ``loss`` is backpropagated after megatron divides it by ``len(micro_batches)`` (and multiplies it
             by CP: DDP averages gradients over DP x CP); ``metrics`` is collected.
@@ -135,7 +135,7 @@ def packed_seq_params(cu_seqlens: torch.Tensor, width: int):
     ``0 .. width - 1`` in one vectorised op (``max_seqlen`` = ``width``) instead of its THD path, which rotates one
     sequence at a time and synchronises with the host twice per layer. The two are the same attention: RoPE
     scores depend only on the distance between a query and a key, which is the same within a sequence whether
-    its positions start at 0 or at its offset, and :class:`kernels.attention.SDPAttention` reads the sequences
+    its positions start at 0 or at its offset, and :class:`megarl.kernels.attention.SDPAttention` reads the sequences
     from ``cu_seqlens`` and never attends across them.
     """
     from megatron.core.packed_seq_params import PackedSeqParams

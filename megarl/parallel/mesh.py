@@ -106,10 +106,6 @@ class ParallelLayout:
         """Global rank at mesh coordinates (inverse of :meth:`coords`)."""
         return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
-    def node_of(self, rank: int) -> int:
-        """Node index of a rank (consecutive ranks share a node)."""
-        return rank // (self.ranks_per_node or self.world_size)
-
     def chunk_layers(self, num_layers: int, pp_rank: int) -> list[range]:
         """Global indices of the decoder layers of each model chunk on pipeline rank ``pp_rank``.
 

@@ -152,7 +152,7 @@ def warn_ineffective(cfg: Config, layouts: dict[str, RoleLayout], world_size: in
 
 def check_context_parallel(rc, role: str) -> None:
     """What context parallelism (``{role}.parallel.cp > 1``) runs with: the "sdpa" attention of the local
-    spec (:mod:`kernels.context_parallel`; megatron's local attention has none), micro-batches of whole rows
+    spec (:mod:`megarl.kernels.context_parallel`; megatron's local attention has none), micro-batches of whole rows
     (the batch's width padded to a multiple of ``8 * tp * cp``), a dense model (checked with the model,
     :func:`megarl.models.megatron.check_layout`).
 

@@ -158,7 +158,7 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
     * LoRA on an MoE model runs on the local layer spec (:func:`megarl.models.lora.adapt_layer_spec`);
     * the grouped experts (``kernels.moe_experts="grouped"`` on the local spec) need a hidden size and
       ``moe_ffn_hidden_size`` whose rows torch's ``grouped_mm`` takes
-      (:func:`kernels.grouped_experts.misaligned_sizes`);
+      (:func:`megarl.kernels.grouped_experts.misaligned_sizes`);
     * then the role's ``TransformerConfig`` itself is built (:func:`~megarl.models.megatron.transformer_config`,
       no process group, no weight), so any other refusal of its ``__post_init__`` is reported here, naming the
       role's parallel field.
@@ -168,7 +168,7 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
             ``actor.kernels.transformer_engine``, ``actor.kernels.moe_experts``, ``critic.kernels.moe_experts``,
             ``{role}.parallel``) and the fix.
     """
-    from kernels.grouped_experts import misaligned_sizes
+    from megarl.kernels.grouped_experts import misaligned_sizes
     from megarl.models.checkpoint import DTYPES
     from megarl.models.megatron import transformer_config
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from kernels.chunked_logprobs import LogprobOutput
-from kernels.context_parallel import next_tokens, split_for_cp_rank
+from megarl.kernels.chunked_logprobs import LogprobOutput
+from megarl.kernels.context_parallel import next_tokens, split_for_cp_rank
 from megarl.algos.aggregation import agg_loss
 from megarl.algos.losses import actor_loss
 from megarl.algos.registry import POLICY_LOSSES
@@ -55,7 +55,7 @@ class PolicyWorker(MegatronWorker):
 
     def _model_kwargs(self, with_entropy: bool) -> dict[str, Any] | None:
         """With ``kernels.chunked_logprob`` the model itself returns ``(logprobs, entropy)``, computed in chunks
-        of tokens from its last hidden states (:class:`kernels.chunked_logprobs.LogprobOutput`)."""
+        of tokens from its last hidden states (:class:`megarl.kernels.chunked_logprobs.LogprobOutput`)."""
         k = self.rc.kernels
         if not k.chunked_logprob:
             return None

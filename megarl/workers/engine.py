@@ -13,7 +13,7 @@ micro-batches and DP ranks, so the gradient equals that of the whole mini-batch 
 
 With context parallelism (CP > 1) the model runs on this CP rank's share of each sequence; its per-token
 outputs (log-probs, entropy, values) are gathered over the CP group into whole sequences
-(:func:`kernels.context_parallel.gather_from_cp_ranks`, whose backward keeps this rank's slice of the gradient),
+(:func:`megarl.kernels.context_parallel.gather_from_cp_ranks`, whose backward keeps this rank's slice of the gradient),
 so every CP rank computes the same loss with the same normalisers and back-propagates through its own tokens.
 megatron multiplies the loss by CP and DDP averages the gradients over DP x CP: their sum over the CP ranks is
 the whole sequences' gradient, and ``num_microbatches * dp`` still undoes the rest.
@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from kernels.context_parallel import gather_from_cp_ranks
+from megarl.kernels.context_parallel import gather_from_cp_ranks
 from megarl.algos.nonfinite import NonFiniteError
 from megarl.config import ActorConfig, OptimConfig
 from megarl.data.batch import RolloutBatch, response_positions
@@ -305,7 +305,7 @@ class MegatronWorker:
     def _with_logit_positions(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``mb`` with ``logit_positions`` ``[b, s]`` bool, the response tokens' labels
         (:func:`~megarl.data.batch.response_positions`): the chunked log-prob output
-        (:class:`kernels.chunked_logprobs.LogprobOutput`) runs the output layer on those tokens only, not on the
+        (:class:`megarl.kernels.chunked_logprobs.LogprobOutput`) runs the output layer on those tokens only, not on the
         prompt's. Not under CP (the model sees a share of each sequence) and not for packed rows."""
         if self.cp_group is None and "prompt_lens" in mb and "response_mask" in mb:
             mb["logit_positions"] = response_positions(mb["prompt_lens"], mb["response_mask"].shape[1],

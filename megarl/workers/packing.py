@@ -10,7 +10,7 @@ rows stay right-padded, so the plain causal attention of the local layer spec se
 With ``actor.sequence_packing`` a micro-batch holds no padding between rows: :func:`pack_sequences` packs rows
 (first-fit decreasing) into micro-batches of at most ``T`` real tokens, and :func:`pack_rows` lays them back to
 back in one row ``[1, T']`` with ``cu_seqlens`` for megatron's ``PackedSeqParams``, so that attention
-(:class:`kernels.attention.SDPAttention`) stays within each sequence (and RoPE sees each sequence's own
+(:class:`megarl.kernels.attention.SDPAttention`) stays within each sequence (and RoPE sees each sequence's own
 distances: :func:`megarl.models.pipeline.packed_seq_params`). The per-row tensors (response frame ``[n, R]``) stay per row and
 :func:`megarl.data.batch.to_response_frame` reads the packed outputs back into them.
 
