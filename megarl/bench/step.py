@@ -173,7 +173,7 @@ def _measure_split(trainer, steps: int, warmup: int, sample_interval_s: float, *
 
 def _one_step(trainer, batches) -> dict[str, Any]:
     metrics = trainer.step(next(batches), lambda: next(batches))  # more prompts: dynamic sampling
-    trainer.step_idx += 1
+    trainer.state.step += 1
     return metrics
 
 

@@ -1,6 +1,6 @@
-"""A run's checkpoints: what the run folder allows (:func:`check_run_folder`, before any rank starts), saving the
-trainer's state (:func:`save`) and resuming it (:func:`resume`), and what a resumed run changed
-(:func:`config_changes`); ``trainer`` is the run's :class:`~megarl.trainer.trainer.Trainer`.
+"""A run's checkpoints: what the run folder allows (:func:`check_run_folder`, before any rank starts), saving
+the trained roles and the run's progress (:meth:`Checkpointer.save` of a :class:`~megarl.trainer.run_state.
+RunState`) and resuming them (:meth:`Checkpointer.resume`), and what a resumed run changed (:func:`config_changes`).
 
 A checkpoint (``runs/<name>/checkpoints/step_N``, :mod:`megarl.models.checkpoint` writes it atomically) holds a
 megatron dist checkpoint of the trained roles (the actor and its optimizer, the critic), the LR schedules, the
@@ -44,7 +44,11 @@ from megarl.config import Config, ConfigError, to_dict
 from megarl.models import checkpoint as ck
 from megarl.models.megatron import padded_vocab_size
 from megarl.parallel.lifecycle import phase
-from megarl.parallel.placement import share_object
+from megarl.parallel.placement import PoolGroups, share_object
+from megarl.trainer.run_state import RunState
+from megarl.workers.actor import PolicyWorker
+from megarl.workers.critic import CriticWorker
+from megarl.workers.offload import RoleOffloads
 from megarl.workers.optimizer import LEGACY_OPTIMIZER_FORMAT, OPTIMIZER_CHAIN_PREFIX, OPTIMIZER_FORMAT
 
 log = logging.getLogger(__name__)
@@ -200,65 +204,6 @@ def _layout_record(config: dict[str, Any], world_size: int | None) -> dict[str, 
 
 
 
-def _state(trainer, is_loading: bool, optimizer_format: str = OPTIMIZER_FORMAT,
-           chain_prefix: bool = OPTIMIZER_CHAIN_PREFIX) -> dict[str, Any]:
-    """The sharded state of the trained roles held on this rank (none on a pool of other roles)."""
-    state = ({"actor": trainer.actor.sharded_state_dict(is_loading, optimizer_format, chain_prefix)}
-             if trainer.actor is not None else {})
-    if trainer.critic is not None:
-        state["critic"] = trainer.critic.sharded_state_dict(is_loading, optimizer_format, chain_prefix)
-    return state
-
-
-def save(trainer, in_flight: dict[int, tuple[Any, int]] | None = None) -> Path:
-    """Checkpoint the trainer after ``trainer.step_idx`` steps (every rank): actor (+ optimizer), critic, LR
-    schedules, KL controller, data position (the training ranks'), RNG states and the batches in flight; the
-    oldest checkpoints beyond ``trainer.keep_checkpoints`` are deleted. Returns the checkpoint's folder.
-
-    Args:
-        in_flight: with a rollout pool of its own, ``{step: (RolloutOutput, policy version)}`` of the batches
-            generated ahead and handed over, on the training ranks (None on the rollout ranks and colocated);
-            the first training rank writes them, and the meta's ``in_flight`` names their steps and that rank.
-    """
-    cfg = trainer.cfg
-    path = trainer.run_dir / "checkpoints" / f"{ck.CHECKPOINT_PREFIX}{trainer.step_idx:06d}"
-    pools = trainer.pools
-    flight_rank = next(r for r in range(trainer.world) if r not in trainer.rollout_ranks) \
-        if trainer.split_rollout else None
-    flight_steps = share_object(sorted(in_flight or {}), [flight_rank]) if trainer.split_rollout else []
-    meta = ck.model_meta(trainer.spec, ck.DTYPES[cfg.model.dtype], trainer.tokenizer_source,
-                         use_te=cfg.actor.kernels.transformer_engine,
-                         step=trainer.step_idx, kl_ctl=trainer.kl_ctl.state_dict(),
-                         # the training ranks' (a rollout pool of its own draws the batches it generates ahead)
-                         loader=share_object(trainer.loader.state_dict(), pools["actor"].ranks),
-                         in_flight={"steps": flight_steps, "rank": flight_rank} if flight_steps else None,
-                         actor_scheduler=share_object(trainer.actor and trainer.actor.scheduler.state_dict(),
-                                                      pools["actor"].ranks),
-                         critic_scheduler=share_object(trainer.critic and trainer.critic.scheduler.state_dict(),
-                                                       pools["critic"].ranks) if "critic" in pools else None,
-                         policy_version=trainer.step_idx,
-                         config=to_dict(cfg), world_size=trainer.world, optimizer_format=OPTIMIZER_FORMAT,
-                         optimizer_chain_prefix=OPTIMIZER_CHAIN_PREFIX,
-                         source_config=trainer.source_config, generation_config=trainer.generation_config,
-                         **({"lora": ck.lora_meta(trainer.actor_lora.as_dict(),
-                                                  None if cfg.model.path == "default" else cfg.model.path)}
-                            if trainer.actor_lora else {}))
-    per_rank = {"rng": rng_states()}
-    if flight_steps and trainer.rank == flight_rank:
-        per_rank["in_flight"] = in_flight
-    trainer.reload()  # an offloaded optimizer state is saved from the device, then goes back to the host
-    with phase("checkpoint"):
-        ck.save_checkpoint(path, _state(trainer, is_loading=False), meta, per_rank=per_rank)
-    trainer.offload(("grads", "optimizer"))
-    trainer.last_checkpoint = path
-    trainer.saved_at = time.monotonic()
-    if trainer.rank == 0:
-        for p in ck.run_checkpoints(trainer.run_dir)[:-cfg.trainer.keep_checkpoints]:
-            shutil.rmtree(p, ignore_errors=True)
-    dist.barrier()
-    return path
-
-
 def rng_states() -> dict[str, Any]:
     """This rank's RNG states: Python's, numpy's, torch's CPU generator, and where there is a GPU every CUDA
     device's generator and megatron's model-parallel CUDA RNG tracker (dropout's streams)."""
@@ -287,57 +232,130 @@ def set_rng_states(states: dict[str, Any]) -> None:
             tracker.set_states(states["megatron_tracker"])
 
 
-def resume(trainer) -> None:
-    """Load the run folder's newest checkpoint into ``trainer`` (:func:`check_run_folder` found one this run can
-    load), at this run's layout: weights, optimizer state, data position, KL controller, RNG states, the
-    engine's call counter (from the step) and, with a rollout pool of its own, the batches in flight
-    (``trainer.in_flight``, for :func:`~megarl.trainer.loop.fit_split`). The LR
-    schedule follows the current config from the checkpoint's update count on; what the config changed since
-    the checkpoint is logged and kept for the summary (``trainer.resumed``). A checkpoint that does not load
-    (bytes overwritten, its files' sizes unchanged) is passed over for the older sound one, with a warning
-    naming its file (:func:`resumable_checkpoint`); with none left, a ConfigError (status 2, never retried)."""
-    path = resumable_checkpoint(trainer.cfg)  # the newest sound one (check_run_folder warned of damaged ones)
-    trainer.reload()
-    while True:
-        meta = ck.read_meta(path)
-        try:
-            with phase("resume"):
-                loaded = ck.load_checkpoint(path, _state(trainer, is_loading=True, optimizer_format=meta.get(
-                    "optimizer_format", LEGACY_OPTIMIZER_FORMAT), chain_prefix=meta.get("optimizer_chain_prefix",
-                                                                                       True)))
-            # each rank's RNG states; a rank the checkpoint's world did not have takes rank 0's
-            rng = ck.load_per_rank(path, "rng", trainer.rank) or ck.load_per_rank(path, "rng", 0)
-            break
-        except ck.CheckpointDamagedError as e:
-            path = resumable_checkpoint(trainer.cfg, e)
-    if trainer.actor is not None:
-        trainer.actor.load_sharded_state(loaded["actor"])
-        trainer.actor.resume_schedule(meta["actor_scheduler"]["num_steps"])
-    if trainer.critic is not None:
-        trainer.critic.load_sharded_state(loaded["critic"])
-        trainer.critic.resume_schedule(meta["critic_scheduler"]["num_steps"])
-    trainer.loader.load_state_dict(meta["loader"])
-    trainer.kl_ctl.load_state_dict(meta["kl_ctl"])
-    if rng is not None:
-        set_rng_states(rng)
-    elif trainer.rank == 0:
-        log.warning("the checkpoint %s holds no RNG states (ranks/rng_<rank>.pt: an older or hand-made checkpoint); "
-                    "the run goes on from the generators' seeds, so it will not reproduce the uninterrupted run", path)
-    trainer.step_idx = int(meta["step"])
-    flight = meta.get("in_flight")  # the batches a rollout pool of its own had generated ahead
-    if flight and trainer.split_rollout:
-        held = None if trainer.rank in trainer.rollout_ranks else ck.load_per_rank(path, "in_flight", flight["rank"])
-        trainer.in_flight = {int(s): held and held[int(s)] for s in flight["steps"]}
-    elif flight:
-        log.warning("resuming without a rollout pool of its own: the batches of steps %s, in flight at the save, "
-                    "are generated again with the checkpoint's weights", flight["steps"])
-    trainer.policy_version = int(meta.get("policy_version", trainer.step_idx))  # the weights loaded
-    if trainer.engine is not None:
-        trainer.engine.calls = trainer.step_idx  # what it is between steps (Trainer.generate sets it per step)
-    trainer.offload(("grads", "optimizer"))
-    trainer.last_checkpoint = path
-    changed = config_changes(meta.get("config") or {}, json.loads(json.dumps(to_dict(trainer.cfg), default=str)))
-    trainer.resumed = {"checkpoint": str(path), "step": trainer.step_idx, "changed": changed}
-    log.info("resumed from %s at step %d%s", path, trainer.step_idx,
-             "; changed since: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
-             if changed else "")
+
+class Checkpointer:
+    """Saves and resumes one run's checkpoints on this rank (every rank calls, in the same order): the trained
+    roles' weights, optimizer state and LR schedules, the run's progress (:class:`~megarl.trainer.run_state.
+    RunState`, passed to :meth:`save` and :meth:`resume`), every rank's RNG states and, with a rollout pool of its
+    own, the batches in flight.
+
+    Args:
+        cfg: the run's config.
+        actor / critic: the trained roles' workers on this rank (None where their pool does not hold it, or
+            without a critic).
+        pools: the Megatron roles' pools (:func:`~megarl.parallel.placement.build_pool_groups`).
+        rollout_ranks: the rollout engine's ranks (the whole world, or a pool of its own).
+        offloads: the trained roles' host offloads (their state is saved and loaded on the device).
+        model_meta: the model's part of ``megarl.json`` (:func:`~megarl.models.checkpoint.model_meta`).
+    """
+
+    def __init__(self, cfg: Config, *, actor: PolicyWorker | None, critic: CriticWorker | None,
+                 pools: dict[str, PoolGroups], rollout_ranks: tuple[int, ...], offloads: RoleOffloads,
+                 model_meta: dict[str, Any]):
+        self.cfg, self.actor, self.critic, self.pools = cfg, actor, critic, pools
+        self.rollout_ranks, self.offloads, self.model_meta = rollout_ranks, offloads, model_meta
+        self.split_rollout = tuple(rollout_ranks) != tuple(range(dist.get_world_size()))
+
+    def _sharded_state(self, is_loading: bool, optimizer_format: str = OPTIMIZER_FORMAT,
+                       chain_prefix: bool = OPTIMIZER_CHAIN_PREFIX) -> dict[str, Any]:
+        """The sharded state of the trained roles held on this rank (none on a pool of other roles)."""
+        state = ({"actor": self.actor.sharded_state_dict(is_loading, optimizer_format, chain_prefix)}
+                 if self.actor is not None else {})
+        if self.critic is not None:
+            state["critic"] = self.critic.sharded_state_dict(is_loading, optimizer_format, chain_prefix)
+        return state
+
+    def save(self, state: RunState, in_flight: dict[int, tuple[Any, int]] | None = None) -> Path:
+        """Checkpoint the run after ``state.step`` steps: actor (+ optimizer), critic, LR schedules, the run's
+        progress (:meth:`~megarl.trainer.run_state.RunState.state_dict`; the data position the training ranks'),
+        RNG states and the batches in flight; the oldest checkpoints beyond ``trainer.keep_checkpoints`` are
+        deleted. Sets ``state.last_checkpoint`` and ``state.saved_at``; returns the checkpoint's folder.
+
+        Args:
+            in_flight: with a rollout pool of its own, ``{step: (RolloutOutput, policy version)}`` of the batches
+                generated ahead and handed over, on the training ranks (None on the rollout ranks and
+                colocated); the first training rank writes them, and the meta's ``in_flight`` names their steps
+                and that rank.
+        """
+        cfg, pools = self.cfg, self.pools
+        rank, world = dist.get_rank(), dist.get_world_size()
+        path = cfg.run.run_dir / "checkpoints" / f"{ck.CHECKPOINT_PREFIX}{state.step:06d}"
+        flight_rank = next(r for r in range(world) if r not in self.rollout_ranks) if self.split_rollout else None
+        flight_steps = share_object(sorted(in_flight or {}), [flight_rank]) if self.split_rollout else []
+        progress = state.state_dict()
+        # the training ranks' data position (a rollout pool of its own draws the batches it generates ahead)
+        progress["loader"] = share_object(progress["loader"], pools["actor"].ranks)
+        meta = {**self.model_meta, **progress,
+                "in_flight": {"steps": flight_steps, "rank": flight_rank} if flight_steps else None,
+                "actor_scheduler": share_object(self.actor and self.actor.scheduler.state_dict(),
+                                                pools["actor"].ranks),
+                "critic_scheduler": share_object(self.critic and self.critic.scheduler.state_dict(),
+                                                 pools["critic"].ranks) if "critic" in pools else None,
+                "config": to_dict(cfg), "world_size": world, "optimizer_format": OPTIMIZER_FORMAT,
+                "optimizer_chain_prefix": OPTIMIZER_CHAIN_PREFIX}
+        per_rank = {"rng": rng_states()}
+        if flight_steps and rank == flight_rank:
+            per_rank["in_flight"] = in_flight
+        self.offloads.to_device()  # an offloaded optimizer state is saved from the device, then back to the host
+        with phase("checkpoint"):
+            ck.save_checkpoint(path, self._sharded_state(is_loading=False), meta, per_rank=per_rank)
+        self.offloads.to_host(("grads", "optimizer"))
+        state.last_checkpoint = path
+        state.saved_at = time.monotonic()
+        if rank == 0:
+            for p in ck.run_checkpoints(cfg.run.run_dir)[:-cfg.trainer.keep_checkpoints]:
+                shutil.rmtree(p, ignore_errors=True)
+        dist.barrier()
+        return path
+
+    def resume(self, state: RunState) -> None:
+        """Load the run folder's newest checkpoint (:func:`check_run_folder` found one this run can load) into
+        the trained roles and ``state``, at this run's layout: weights, optimizer state, the run's progress (data
+        position, KL controller, step, policy version), RNG states and, with a rollout pool of its own, the
+        batches in flight (``state.in_flight``, for :func:`~megarl.trainer.loop.fit_split`). The LR schedule
+        follows the current config from the checkpoint's update count on; what the config changed since the
+        checkpoint is logged and kept for the summary (``state.resumed``). A checkpoint that does not load (bytes
+        overwritten, its files' sizes unchanged) is passed over for the older sound one, with a warning naming
+        its file (:func:`resumable_checkpoint`); with none left, a ConfigError (status 2, never retried)."""
+        rank = dist.get_rank()
+        path = resumable_checkpoint(self.cfg)  # the newest sound one (check_run_folder warned of damaged ones)
+        self.offloads.to_device()
+        while True:
+            meta = ck.read_meta(path)
+            try:
+                with phase("resume"):
+                    loaded = ck.load_checkpoint(path, self._sharded_state(
+                        is_loading=True, optimizer_format=meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT),
+                        chain_prefix=meta.get("optimizer_chain_prefix", True)))
+                # each rank's RNG states; a rank the checkpoint's world did not have takes rank 0's
+                rng = ck.load_per_rank(path, "rng", rank) or ck.load_per_rank(path, "rng", 0)
+                break
+            except ck.CheckpointDamagedError as e:
+                path = resumable_checkpoint(self.cfg, e)
+        if self.actor is not None:
+            self.actor.load_sharded_state(loaded["actor"])
+            self.actor.resume_schedule(meta["actor_scheduler"]["num_steps"])
+        if self.critic is not None:
+            self.critic.load_sharded_state(loaded["critic"])
+            self.critic.resume_schedule(meta["critic_scheduler"]["num_steps"])
+        state.load_state_dict(meta)
+        if rng is not None:
+            set_rng_states(rng)
+        elif rank == 0:
+            log.warning("the checkpoint %s holds no RNG states (ranks/rng_<rank>.pt: an older or hand-made "
+                        "checkpoint); the run goes on from the generators' seeds, so it will not reproduce the "
+                        "uninterrupted run", path)
+        flight = meta.get("in_flight")  # the batches a rollout pool of its own had generated ahead
+        if flight and self.split_rollout:
+            held = None if rank in self.rollout_ranks else ck.load_per_rank(path, "in_flight", flight["rank"])
+            state.in_flight = {int(s): held and held[int(s)] for s in flight["steps"]}
+        elif flight:
+            log.warning("resuming without a rollout pool of its own: the batches of steps %s, in flight at the "
+                        "save, are generated again with the checkpoint's weights", flight["steps"])
+        self.offloads.to_host(("grads", "optimizer"))
+        state.last_checkpoint = path
+        changed = config_changes(meta.get("config") or {}, json.loads(json.dumps(to_dict(self.cfg), default=str)))
+        state.resumed = {"checkpoint": str(path), "step": state.step, "changed": changed}
+        log.info("resumed from %s at step %d%s", path, state.step,
+                 "; changed since: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+                 if changed else "")

@@ -2,7 +2,8 @@
 :meth:`~megarl.trainer.trainer.Trainer.step` until ``trainer.steps`` with validation, metrics and checkpoints
 between steps, and ends with the summary and report; :func:`fit_split` is the loop of a rollout pool of its own
 (both groups of ranks walk one :func:`~megarl.trainer.pipeline.schedule`). ``trainer`` is the run's
-:class:`~megarl.trainer.trainer.Trainer` throughout.
+:class:`~megarl.trainer.trainer.Trainer` throughout; the run's progress is its ``state`` (a
+:class:`~megarl.trainer.run_state.RunState`), which the loop advances and hands to the checkpoints.
 
 A step's metrics are logged before its checkpoint is written (a crash in the save loses no step's metrics);
 after a step every rank agrees on whether to save (``trainer.save_every``, ``trainer.save_every_min``, the last
@@ -25,10 +26,10 @@ from megarl.config import Config, to_dict
 from megarl.parallel.placement import share_object
 from megarl.parallel.restart import RequeueRequested, read_restarts, requeue_message, requeue_requested
 from megarl.parallel.watchdog import progress_watched
-from megarl.trainer import checkpointing
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
 from megarl.trainer.pipeline import schedule
 from megarl.trainer.run_record import keep_earlier_record
+from megarl.trainer.run_state import RunState
 
 log = logging.getLogger(__name__)
 
@@ -37,21 +38,21 @@ def fit(trainer) -> dict[str, Any]:
     """Run until ``trainer.steps``; returns the summary (also printed and written to summary.json). A run that
     starts at step 0 first moves an earlier run's record aside (:func:`~megarl.trainer.run_record.
     keep_earlier_record`)."""
-    cfg = trainer.cfg
+    cfg, state = trainer.cfg, trainer.state
     start = time.perf_counter()
     if trainer.rank == 0:
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        if trainer.step_idx == 0:  # first: the logger opens its files
+        if state.step == 0:  # first: the logger opens its files
             keep_earlier_record(trainer.run_dir)
-    logger = MetricsLogger(trainer.run_dir / "metrics.jsonl", cfg.trainer.steps, trainer.step_idx,
+    logger = MetricsLogger(trainer.run_dir / "metrics.jsonl", cfg.trainer.steps, state.step,
                            enabled=trainer.rank == 0, progress=cfg.trainer.progress, loggers=cfg.trainer.loggers,
                            config=to_dict(cfg))
     if trainer.rank == 0:
         (trainer.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
     batches = iter(trainer.loader)
     more_prompts = functools.partial(next, batches)
-    first_step = trainer.step_idx
-    trainer.saved_at = time.monotonic()
+    first_step = state.step
+    state.saved_at = time.monotonic()
     save_s = None  # the last checkpoint's seconds, reported with the next step
     try:
         if trainer.split_rollout:  # validation is refused there (check_rollout_pool)
@@ -59,23 +60,23 @@ def fit(trainer) -> dict[str, Any]:
                 logger.log(step, metrics)
         else:
             with progress_watched(cfg.trainer.timeout_s):  # a rank stalled outside a collective ends the run
-                if trainer.step_idx == 0 and _validation_due(trainer):
+                if state.step == 0 and _validation_due(trainer):
                     logger.log(0, trainer.validate())
-                while trainer.step_idx < cfg.trainer.steps:
+                while state.step < cfg.trainer.steps:
                     metrics = trainer.step(next(batches), more_prompts)
-                    trainer.step_idx += 1
+                    state.step += 1
                     if _validation_due(trainer):
                         metrics.update(trainer.validate())
-                    requeue, save = checkpoint_due(trainer)
+                    requeue, save = checkpoint_due(cfg, state)
                     if save_s is not None:  # the last checkpoint's seconds, saved after the step before
                         metrics["time/checkpoint_save"], save_s = save_s, None
-                    logger.log(trainer.step_idx, metrics)  # first: a crash in the save loses no step's metrics
+                    logger.log(state.step, metrics)  # first: a crash in the save loses no step's metrics
                     if save:
                         start_save = time.perf_counter()
-                        checkpointing.save(trainer)
+                        trainer.checkpointer.save(state)
                         save_s = time.perf_counter() - start_save
-                    if requeue and trainer.step_idx < cfg.trainer.steps:
-                        raise _requeue_error(trainer)
+                    if requeue and state.step < cfg.trainer.steps:
+                        raise _requeue_error(state)
     finally:
         logger.close()
     return _finish(trainer, time.perf_counter() - start, first_step)
@@ -84,23 +85,23 @@ def fit(trainer) -> dict[str, Any]:
 def _finish(trainer, wall_s: float, first_step: int) -> dict[str, Any]:
     """The end of a run: the HF export (``trainer.export_hf``), the summary (printed and written to
     ``summary.json``, rank 0) and ``report.md``; returns the summary."""
-    cfg = trainer.cfg
+    cfg, state = trainer.cfg, trainer.state
     hf_path = None
-    if cfg.trainer.export_hf and trainer.last_checkpoint is not None:
+    if cfg.trainer.export_hf and state.last_checkpoint is not None:
         dist.barrier()
         if trainer.rank == 0:
             from megarl.models.convert import export_rank
             from megarl.parallel.launch import run_world
 
-            hf_path = Path(run_world(export_rank, 1, str(trainer.last_checkpoint), str(trainer.run_dir / "hf"))[0])
+            hf_path = Path(run_world(export_rank, 1, str(state.last_checkpoint), str(trainer.run_dir / "hf"))[0])
     history = read_metrics(trainer.run_dir / "metrics.jsonl") if trainer.rank == 0 else []
-    text = summary_text(history, run_dir=trainer.run_dir, checkpoint=trainer.last_checkpoint, hf_export=hf_path,
-                        wall_s=wall_s, steps_this_session=trainer.step_idx - first_step,
+    text = summary_text(history, run_dir=trainer.run_dir, checkpoint=state.last_checkpoint, hf_export=hf_path,
+                        wall_s=wall_s, steps_this_session=state.step - first_step,
                         validation=trainer.validation.describe() if trainer.validation else None,
-                        notes=_resume_notes(trainer))
-    summary = {"run_dir": str(trainer.run_dir), "checkpoint": str(trainer.last_checkpoint), "steps": trainer.step_idx,
+                        notes=_resume_notes(trainer.run_dir, state))
+    summary = {"run_dir": str(trainer.run_dir), "checkpoint": str(state.last_checkpoint), "steps": state.step,
                "hf_export": str(hf_path) if hf_path else None, "last": history[-1] if history else None,
-               "resumed": trainer.resumed, "restarts": read_restarts(trainer.run_dir)}
+               "resumed": state.resumed, "restarts": read_restarts(trainer.run_dir)}
     if trainer.rank == 0:
         print(text, flush=True)
         (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -116,7 +117,7 @@ def fit_split(trainer, batches, steps: int | None = None):
     (``trainer.save_every``, the last step) or where :func:`checkpoint_due` finds it due after a step (every
     rank asks, both pools: ``trainer.save_every_min``, SIGUSR1). After a save on SIGUSR1 the run ends with
     :class:`~megarl.parallel.restart.RequeueRequested`. A checkpoint holds the batches generated ahead (async)
-    and handed over by then; a resume (``trainer.in_flight``) trains on them instead of generating them
+    and handed over by then; a resume (``state.in_flight``) trains on them instead of generating them
     again, so it walks the rest of the uninterrupted run's schedule (:mod:`megarl.trainer.pipeline`).
 
     Args:
@@ -126,20 +127,20 @@ def fit_split(trainer, batches, steps: int | None = None):
 
     Yields:
         ``(step, metrics)`` after each step's events (the metrics on the training ranks; ``{}`` on the
-        rollout ranks), with ``step_idx`` advanced.
+        rollout ranks), with ``state.step`` advanced.
 
     Raises:
         RequeueRequested: after the checkpoint of a step during which a rank got SIGUSR1.
     """
-    cfg, t = trainer.cfg, trainer.timer
+    cfg, t, state = trainer.cfg, trainer.timer, trainer.state
     k = cfg.trainer.max_staleness if cfg.trainer.mode == "async" else 0
     generating = trainer.engine is not None
     ready: dict[int, tuple[Any, int]] = {}  # step -> (its samples, the version that generated them)
     end = cfg.trainer.steps if steps is None else steps
     # a resume's batches in flight, as many as this run's k keeps (a smaller k: the later ones generated again)
-    flight, trainer.in_flight = trainer.in_flight, {}
+    flight, state.in_flight = state.in_flight, {}
     restored = []
-    for s in range(trainer.step_idx + 1, min(trainer.step_idx + k, end) + 1):
+    for s in range(state.step + 1, min(state.step + k, end) + 1):
         if s not in flight:
             break
         restored.append(s)
@@ -147,7 +148,7 @@ def fit_split(trainer, batches, steps: int | None = None):
             next(batches)  # drawn and generated before the save
         else:
             ready[s] = flight[s]
-    for step, events in schedule(trainer.step_idx, end, k, lambda s: steps is None and save_due(cfg, s),
+    for step, events in schedule(state.step, end, k, lambda s: steps is None and save_due(cfg, s),
                                  in_flight=len(restored)):
         step_start = time.perf_counter()
         busy, stats, metrics, trained = {"train": 0.0, "rollout": 0.0}, None, {}, None
@@ -156,9 +157,9 @@ def fit_split(trainer, batches, steps: int | None = None):
             if e.kind == "reshard":
                 with t("reshard"):
                     stats = trainer.reshard_actor_to_engine()
-                trainer.policy_version = e.step
+                state.policy_version = e.step
             elif e.kind == "generate" and generating:
-                ready[e.step] = (trainer.generate(next(batches), 0, e.step), trainer.policy_version)
+                ready[e.step] = (trainer.generate(next(batches), 0, e.step), state.policy_version)
             elif e.kind == "batch":  # the rollout pool's first rank hands the samples to every rank
                 with t("wait_rollout"):
                     got = share_object(ready.pop(e.step, None), trainer.rollout_ranks[:1])
@@ -172,19 +173,19 @@ def fit_split(trainer, batches, steps: int | None = None):
                     metrics, batch = trainer.train_on(next(batches), out, version)
                     busy["train"] = time.perf_counter() - start
                     trained = (batch, out)
-                trainer.step_idx = e.step
+                state.step = e.step
             elif e.kind == "save":  # the step's last event
                 save = True
         requeue = False
         if steps is None:  # a world-wide meeting after every step: a save by time or on SIGUSR1
-            requeue, due = checkpoint_due(trainer)
+            requeue, due = checkpoint_due(cfg, state)
             save = save or due
         if save:  # after the step's timings (a colocated step's exclude it too)
             metrics = _split_step_metrics(trainer, metrics, trained, stats, busy, step_start)
-            checkpointing.save(trainer, None if generating else ready)
+            trainer.checkpointer.save(state, None if generating else ready)
         yield step, _split_step_metrics(trainer, metrics, trained, stats, busy, step_start)
-        if requeue and trainer.step_idx < end:
-            raise _requeue_error(trainer)
+        if requeue and state.step < end:
+            raise _requeue_error(state)
 
 
 def _split_step_metrics(trainer, metrics: dict[str, Any], trained, stats, busy: dict[str, float],
@@ -198,18 +199,18 @@ def _split_step_metrics(trainer, metrics: dict[str, Any], trained, stats, busy: 
     return {**metrics, **trainer.timing_metrics(*trained, stats, busy, time.perf_counter() - step_start)}
 
 
-def checkpoint_due(trainer) -> tuple[bool, bool]:
+def checkpoint_due(cfg: Config, state: RunState) -> tuple[bool, bool]:
     """``(requeue, save)`` after a step, the same on every rank: whether any rank got SIGUSR1 (save, then
     end for a requeued job: :mod:`megarl.parallel.restart`), and whether to checkpoint now (every
     ``trainer.save_every`` steps, ``trainer.save_every_min`` minutes after the last save, at the last step,
     or on SIGUSR1). One small all-reduce: the ranks' clocks and signals may differ."""
-    tc = trainer.cfg.trainer
-    by_time = bool(tc.save_every_min) and time.monotonic() - trainer.saved_at >= 60 * tc.save_every_min
+    tc = cfg.trainer
+    by_time = bool(tc.save_every_min) and time.monotonic() - state.saved_at >= 60 * tc.save_every_min
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     flags = torch.tensor([float(requeue_requested()), float(by_time)], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     requeue, by_time = bool(flags[0]), bool(flags[1])
-    return requeue, save_due(trainer.cfg, trainer.step_idx) or by_time or requeue
+    return requeue, save_due(cfg, state.step) or by_time or requeue
 
 
 def save_due(cfg: Config, step: int) -> bool:
@@ -219,21 +220,21 @@ def save_due(cfg: Config, step: int) -> bool:
 
 
 def _validation_due(trainer) -> bool:
-    return trainer.validation is not None and trainer.validation.due(trainer.step_idx, trainer.cfg.trainer.steps)
+    return trainer.validation is not None and trainer.validation.due(trainer.state.step, trainer.cfg.trainer.steps)
 
 
-def _requeue_error(trainer) -> RequeueRequested:
-    return RequeueRequested(requeue_message(trainer.last_checkpoint))
+def _requeue_error(state: RunState) -> RequeueRequested:
+    return RequeueRequested(requeue_message(state.last_checkpoint))
 
 
-def _resume_notes(trainer) -> list[str]:
+def _resume_notes(run_dir: Path, state: RunState) -> list[str]:
     """Summary lines: the restarts of the run (``restarts.jsonl``) and what this session's resume changed."""
     notes = [f"{'restart ' + str(r.get('restart')):<19}{r.get('time')}: {r.get('reason')} (from "
              f"{Path(r['checkpoint']).name if r.get('checkpoint') else 'step 0'})"
-             for r in read_restarts(trainer.run_dir)]
-    if trainer.resumed:
-        changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in trainer.resumed["changed"].items()) or "nothing"
-        notes.append(f"{'resumed':<19}at step {trainer.resumed['step']}; config changed: {changed}")
+             for r in read_restarts(run_dir)]
+    if state.resumed:
+        changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in state.resumed["changed"].items()) or "nothing"
+        notes.append(f"{'resumed':<19}at step {state.resumed['step']}; config changed: {changed}")
     return notes
 
 

@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,8 +50,8 @@ from megarl.rewards.registry import load_reward_fn
 from megarl.rollout.base import RolloutOutput, SamplingConfig
 from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel, map_data_parallel, map_share,
                                           rollout_dp_group)
-from megarl.trainer import checkpointing
 from megarl.trainer.advantages import compute_advantages, drop_nonfinite, set_loss_mask, shape_rewards
+from megarl.trainer.checkpointing import Checkpointer, check_run_folder
 from megarl.trainer.builders import (load_prompts, load_validation, make_engine, resolve_eos, rollout_layout,
                                      seed_all)
 from megarl.trainer.dynamic_sampling import dynamic_sampling, group_unit
@@ -63,16 +62,18 @@ from megarl.trainer.old_logprobs import old_logprob_metrics, old_logprob_pass
 from megarl.trainer.pipeline import staleness
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
 from megarl.trainer.run_lock import RunLock
+from megarl.trainer.run_state import RunState
 from megarl.trainer.validation import append_samples
 from megarl.workers.actor import BasePolicy, PolicyWorker
 from megarl.workers.critic import CriticWorker
-from megarl.workers.offload import HostOffload
+from megarl.workers.offload import RoleOffloads
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """The state of one RL run on this rank: workers, rollout engine, reshard engine, data and logger.
+    """One RL run on this rank: workers, rollout engine, reshard engine, data, and the run's progress
+    (:attr:`state`, a :class:`~megarl.trainer.run_state.RunState`, which :attr:`checkpointer` saves and resumes).
 
     Raises:
         ConfigError: from :func:`~megarl.parallel.placement.validate_for_world` and data loading, before any model is
@@ -98,16 +99,28 @@ class Trainer:
         if cfg.trainer.mode == "async" and not cfg.algorithm.rollout_correction.enabled and self.rank == 0:
             log.warning("trainer.mode=async trains on samples of older weights without correcting for them: set "
                         "algorithm.rollout_correction (e.g. preset=token_tis, README 'Asynchronous RL')")
-        self.step_idx = 0
-        self.policy_version = 0  # the step whose weights the engines hold (or last got)
-        self.last_checkpoint: Path | None = None
         self.old_logprob_source: str | None = None  # where the last step's old log-probs came from (train_on)
-        self.resumed: dict[str, Any] | None = None  # the checkpoint, step and config changes of a resume
-        # a resume's batches in flight at the save (rollout pool of its own): step -> (samples, version) on the
-        # training ranks, step -> None on the rollout ranks (checkpointing.resume; fit_split takes them)
-        self.in_flight: dict[int, Any] = {}
+        kl = cfg.algorithm.kl
+        self.state = RunState(self.loader, AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.target
+                              else FixedKLController(kl.coef))
+        self.checkpointer = Checkpointer(cfg, actor=self.actor, critic=self.critic, pools=self.pools,
+                                         rollout_ranks=self.rollout_ranks, offloads=self.offloads,
+                                         model_meta=self._model_meta())
         if cfg.trainer.resume:
-            checkpointing.resume(self)
+            self.checkpointer.resume(self.state)
+            if self.engine is not None:  # what it is between steps (generate sets it per step)
+                self.engine.calls = self.state.step
+
+    def _model_meta(self) -> dict[str, Any]:
+        """The model's part of a checkpoint's ``megarl.json``: its config, dtype, tokenizer, layer spec, the
+        source's ``config.json`` and ``generation_config.json``, and a LoRA actor's adapters and base."""
+        cfg = self.cfg
+        return ck.model_meta(self.spec, ck.DTYPES[cfg.model.dtype], self.tokenizer_source,
+                             use_te=cfg.actor.kernels.transformer_engine, source_config=self.source_config,
+                             generation_config=self.generation_config,
+                             **({"lora": ck.lora_meta(self.actor_lora.as_dict(),
+                                                      None if cfg.model.path == "default" else cfg.model.path)}
+                                if self.actor_lora else {}))
 
     def _build_data(self) -> None:
         """The model's spec and tokenizer, the training prompts and their loader, the reward function (on the
@@ -138,7 +151,7 @@ class Trainer:
 
     def _build_roles(self) -> None:
         """The Megatron roles on their pools (:mod:`megarl.parallel.placement`; the critic on the actor's): a
-        role is built on the ranks of its pool only, None elsewhere; the KL controller; the host offload of the
+        role is built on the ranks of its pool only, None elsewhere; the host offload of the
         trained roles that ask for it (the engine starts with their idle state away)."""
         cfg = self.cfg
         self.mesh = global_layout(self.layouts, self.world, cfg.actor.parallel.ep)
@@ -169,14 +182,8 @@ class Trainer:
                                        pool=pools["critic"], seed=cfg.run.seed)
         elif "critic" in pools:
             join_optimizer_setup()
-        kl = cfg.algorithm.kl
-        self.kl_ctl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.target
-                       else FixedKLController(kl.coef))
-
-        self.offloads = [HostOffload(w.model, w.optimizer) for w in (self.actor, self.critic)
-                         if w is not None and w.rc.offload]
-        self.offload_s = {"to_host": sum(o.to_host(("grads", "optimizer")) for o in self.offloads),
-                          "to_device": 0.0}
+        self.offloads = RoleOffloads([w for w in (self.actor, self.critic) if w is not None])
+        self.offloads.to_host(("grads", "optimizer"))
 
     def _build_rollout(self) -> None:
         """The rollout engine on its pool (the whole world, or ranks of its own: :mod:`megarl.trainer.pipeline`),
@@ -227,9 +234,9 @@ class Trainer:
             self.engine.wake_up()
         with t("reshard"):  # the weights alone
             stats = self.reshard_actor_to_engine()
-        self.policy_version = self.step_idx
-        self.offload(("params",))  # read by the reshard: the engine generates alone
-        offloaded_bytes = sum(o.bytes_on_host for o in self.offloads)
+        self.state.policy_version = self.state.step
+        self.offloads.to_host(("params",))  # read by the reshard: the engine generates alone
+        offloaded_bytes = self.offloads.bytes_on_host
         sampling_metrics, known_scores = {}, None
         with t("generate"):
             out = self.generate(prompts, 0)
@@ -237,13 +244,13 @@ class Trainer:
                 prompts, out, known_scores, sampling_metrics = dynamic_sampling(
                     prompts, out, generate=self.generate, score=self._score_round, more_prompts=more_prompts,
                     want=cfg.data.prompts_per_step, unit=group_unit(cfg, self.layouts, "critic" in self.pools),
-                    max_extra_rounds=alg.dynamic_sampling.max_extra_rounds, step=self.step_idx + 1,
+                    max_extra_rounds=alg.dynamic_sampling.max_extra_rounds, step=self.state.step + 1,
                     verbose=self.rank == 0)
             in_use = _device_bytes_in_use()  # the engine's weights and cache, and what training left resident
             self.engine.sleep(level=self.sleep_level)
-        self.reload()
+        self.offloads.to_device()
         train_start = time.perf_counter()
-        metrics, batch = self.train_on(prompts, out, self.policy_version, known_scores)
+        metrics, batch = self.train_on(prompts, out, self.state.policy_version, known_scores)
         metrics.update(sampling_metrics)
         busy = {"train": time.perf_counter() - train_start, "rollout": out.stats.seconds}
         metrics.update({"offload/host_bytes": offloaded_bytes, "offload/device_used_bytes": in_use})
@@ -269,11 +276,11 @@ class Trainer:
             batch.meta["adapter_version"] = [s.adapter_version for s in out.samples]
         # each role on its pool (at the same time where the pools are disjoint), then shared with every rank;
         # the old log-probs come from the actor update's first forward where that gives the same numbers
-        pass_reason = old_logprob_pass(cfg, rows=len(batch), step=self.step_idx, moe=self.spec.is_moe)
+        pass_reason = old_logprob_pass(cfg, rows=len(batch), step=self.state.step, moe=self.spec.is_moe)
         source = (f"a pass of their own: {pass_reason}" if pass_reason else
                   "the actor update's first forward (actor.old_logprob_pass=always runs a pass of their own)")
         if source != self.old_logprob_source and self.rank == 0:  # said once, and again where it changes
-            log.info("step %d: old log-probs from %s", self.step_idx + 1, source)
+            log.info("step %d: old log-probs from %s", self.state.step + 1, source)
         self.old_logprob_source = source
         routing = {} if self.actor else None
         if pass_reason:
@@ -288,7 +295,7 @@ class Trainer:
                 values = self.critic.compute_values(batch) if self.critic else None
         with t("share"):
             self._gather_scores(batch, scores, known_scores)
-            nonfinite_metrics = drop_nonfinite(batch, alg, self.step_idx + 1)  # every rank: the same decision
+            nonfinite_metrics = drop_nonfinite(batch, alg, self.state.step + 1)  # every rank: the same decision
             shape_rewards(batch, alg, cfg.rollout.max_new_tokens)
             frame = batch["response_mask"].shape
             if pass_reason:
@@ -299,27 +306,27 @@ class Trainer:
                 batch["values"] = share_tensor(values, self.pools["critic"].ranks, frame, group=group)
         self._log_samples(prompts, batch)
         with t("advantages"):
-            kl_metrics = compute_advantages(batch, alg, self.kl_ctl)
+            kl_metrics = compute_advantages(batch, alg, self.state.kl_ctl)
             loss_metrics = set_loss_mask(batch, alg)
 
         metrics: dict[str, Any] = dict(share_object(routing, self.pools["actor"].ranks, group=group))
-        seed = cfg.run.seed * 7919 + self.step_idx
+        seed = cfg.run.seed * 7919 + self.state.step
         if "critic" in self.pools:
             with t("critic_update"):
                 history = (self.critic.update(batch, alg, seed=seed, norm_tokens=cfg.loss_norm_tokens,
-                                              step=self.step_idx + 1) if self.critic else None)
+                                              step=self.state.step + 1) if self.critic else None)
                 metrics.update(_mean_over_updates("critic", share_object(history, self.pools["critic"].ranks,
                                                                          group=group)))
-        if "critic" not in self.pools or self.step_idx >= cfg.critic.warmup_steps:
+        if "critic" not in self.pools or self.state.step >= cfg.critic.warmup_steps:
             with t("actor_update"):
                 history = (self.actor.update(batch, alg, seed=seed, norm_tokens=cfg.loss_norm_tokens,
-                                             step=self.step_idx + 1) if self.actor else None)
+                                             step=self.state.step + 1) if self.actor else None)
                 history = share_object(history, self.pools["actor"].ranks, group=group)
                 metrics.update(_mean_over_updates("actor", history))
                 # first-step exactness: with one mini-batch and one epoch, both are exactly 0 (slime's CI check)
                 metrics["actor/ppo_kl_first_minibatch"] = history[0]["ppo_kl"]
                 metrics["actor/log_ratio_absmax_first_minibatch"] = history[0]["log_ratio_absmax"]
-        self.offload(("grads", "optimizer"))  # idle until the next step's updates
+        self.offloads.to_host(("grads", "optimizer"))  # idle until the next step's updates
         if not pass_reason:  # the update's, on the actor's pool
             batch["old_logprobs"] = share_tensor(batch["old_logprobs"] if self.actor else None,
                                                  self.pools["actor"].ranks, frame, group=group)
@@ -334,8 +341,8 @@ class Trainer:
             "response/clip_ratio": float(np.mean([r == "length" for r in batch.meta["finish_reason"]])),
             "prompt/length_mean": batch["prompt_lens"].float().mean().item(),
             **kl_metrics, **loss_metrics, **nonfinite_metrics, **old_logprob_metrics(batch, alg),
-            "rollout/policy_version": version, "rollout/staleness": staleness(self.step_idx + 1, version),
-            "data/epoch": self.loader.epoch,
+            "rollout/policy_version": version, "rollout/staleness": staleness(self.state.step + 1, version),
+            "data/epoch": self.state.loader.epoch,
         })
         if self.agent is not None:  # turns, tools, tokens by role; the reward figures per episode
             metrics.update(episode_metrics(batch, out))
@@ -349,7 +356,7 @@ class Trainer:
         pool idles while the other works)."""
         phases = self.timer.reset()
         phases.setdefault("generate", out.stats.seconds)  # on a pool of its own: the rollout ranks' seconds
-        moves, self.offload_s = self.offload_s, {"to_host": 0.0, "to_device": 0.0}
+        moves = self.offloads.take_seconds()
         reshard_s = phases.get("reshard", 0.0)
         return {
             "offload/to_host_s": moves["to_host"], "offload/to_device_s": moves["to_device"],
@@ -362,15 +369,6 @@ class Trainer:
             "throughput/generate_tokens_per_s": out.stats.generated_tokens / max(phases["generate"], 1e-9),
             **self._perf_metrics(batch, phases, step_s),
         }
-
-    def offload(self, kinds: tuple[str, ...]) -> None:
-        """Move ``kinds`` of the offloaded roles to host memory (:mod:`megarl.workers.offload`), timed into
-        ``offload/to_host_s``."""
-        self.offload_s["to_host"] += sum(o.to_host(kinds) for o in self.offloads)
-
-    def reload(self) -> None:
-        """Bring everything the offloaded roles moved back to the device, timed into ``offload/to_device_s``."""
-        self.offload_s["to_device"] += sum(o.to_device() for o in self.offloads)
 
     def _perf_metrics(self, batch: RolloutBatch, phases: dict[str, float], step_s: float) -> dict[str, float]:
         """Tokens/s/GPU, MFU and peak memory of the step and of each phase (:mod:`megarl.measure.throughput`)."""
@@ -390,7 +388,7 @@ class Trainer:
         """Wake the rollout engine and write the actor's current weights into it (every rank: a rank without
         an engine sends its shards or just takes part); returns this rank's reshard stats. A LoRA actor sends
         merged weights, or with adapter sync its base once and then its adapters alone (:meth:`_sync_adapters`);
-        the engine records the version (:attr:`step_idx`) its samples come from."""
+        the engine records the version (``state.step``) its samples come from."""
         rc = self.cfg.reshard
 
         def run(plan, dst: dict[str, torch.Tensor]):
@@ -405,13 +403,13 @@ class Trainer:
             return run(self.reshard_plan, {})
         self.engine.wake_up()
         stats = self.engine.update_weights(lambda dst: run(self.reshard_plan, dst))
-        self.engine.adapter_version = self.step_idx if self.actor_lora else None
+        self.engine.adapter_version = self.state.step if self.actor_lora else None
         return stats
 
     def _sync_adapters(self, run):
         """LoRA adapter sync: the base weights into the engine where it has none (the first step; its sleep keeps
         them: :attr:`sleep_level`), then the adapters, whole on every engine rank (vLLM's LoRA layers cut their
-        own TP shards), handed to the engine in memory as version :attr:`step_idx`."""
+        own TP shards), handed to the engine in memory as version ``state.step``."""
         engine = self.engine
         has_base = share_object(engine is not None and engine.has_weights, self.rollout_ranks[:1])
         if not has_base:
@@ -426,7 +424,7 @@ class Trainer:
         layout = self.adapter_plan.dst.tensors(self.rank)
         tensors = {n: torch.empty(lt.shape, dtype=engine.dtype, device=engine.device) for n, lt in layout.items()}
         stats = run(self.adapter_plan, tensors)
-        engine.update_adapters(tensors, self.actor_lora, version=self.step_idx)
+        engine.update_adapters(tensors, self.actor_lora, version=self.state.step)
         return stats
 
     def validate(self) -> dict[str, Any]:
@@ -437,19 +435,19 @@ class Trainer:
         """
         calls = self.engine.calls
         if self.rank == 0:  # minutes on a CPU: say what runs (the step bar waits meanwhile)
-            log.info("validating at step %d: %s", self.step_idx, self.validation.describe())
+            log.info("validating at step %d: %s", self.state.step, self.validation.describe())
         start = time.perf_counter()
         self.reshard_actor_to_engine()
         metrics, records = self.validation.run(self.engine, group=self.rollout_group, evaluate_fn=self.agent and
                                                functools.partial(evaluate_episodes, self.agent))
         if self.rank == 0:
-            log.info("validation at step %d: accuracy %.3f, mean reward %.3f (%.0f s)", self.step_idx,
+            log.info("validation at step %d: accuracy %.3f, mean reward %.3f (%.0f s)", self.state.step,
                      metrics.get("val/accuracy", float("nan")), metrics.get("val/reward_mean", float("nan")),
                      time.perf_counter() - start)
         self.engine.sleep(level=self.sleep_level)
         self.engine.calls = calls
         if self.rank == 0:
-            append_samples(self.run_dir / "val_samples.jsonl", records, step=self.step_idx)
+            append_samples(self.run_dir / "val_samples.jsonl", records, step=self.state.step)
         return metrics
 
     def _rewards(self, prompts: list[str], responses: list[str], truths: list[str | None]) -> torch.Tensor:
@@ -506,10 +504,10 @@ class Trainer:
         and the engine's call counter (the other part of the seed) is set to the step's index before the
         call and to the next step's after it, whatever the rounds, validations or generations ahead before
         it. So the checkpoint's step is all a resumed run needs to sample as the uninterrupted one
-        (:func:`~megarl.trainer.checkpointing.resume` sets the counter from it).
-        ``step``: the (1-based) step whose batch this is, when not the one after ``step_idx`` (a rollout pool
+        (:class:`Trainer` sets the counter from it on resume).
+        ``step``: the (1-based) step whose batch this is, when not the one after ``state.step`` (a rollout pool
         of its own generates ahead)."""
-        index = self.step_idx if step is None else step - 1
+        index = self.state.step if step is None else step - 1
         sampling = SamplingConfig(seed=self.cfg.run.seed * 1_000_003 + index + round_idx * 7_919_993, **self.sampling)
         self.engine.calls = index
         if self.agent is not None:
@@ -534,7 +532,7 @@ class Trainer:
              "prompt_tokens": int(batch["prompt_lens"][i]), "policy_version": batch.meta["policy_version"][i],
              **({"adapter_version": batch.meta["adapter_version"][i]} if adapters else {}),
              "finish_reason": batch.meta["finish_reason"][i]}
-            for i, g in ((i, int(batch["group"][i])) for i in range(k))], step=self.step_idx + 1)
+            for i, g in ((i, int(batch["group"][i])) for i in range(k))], step=self.state.step + 1)
 
 
 def _device_bytes_in_use() -> int:
@@ -566,7 +564,7 @@ def train(cfg: Config) -> dict[str, Any]:
         PeerLostError: a collective failed because a peer died or stalled past ``trainer.timeout_s``.
     """
     seed_all(cfg.run.seed)
-    checkpointing.check_run_folder(cfg, launch_info().world_size)
+    check_run_folder(cfg, launch_info().world_size)
     lock = RunLock(cfg.run.run_dir).acquire() if launch_info().rank == 0 else None
     try:
         os.makedirs(cfg.run.run_dir, exist_ok=True)

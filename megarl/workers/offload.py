@@ -111,3 +111,35 @@ class HostOffload:
             torch.cuda.synchronize()
         self._away = []
         return time.perf_counter() - start
+
+
+class RoleOffloads:
+    """The host offloads of a run's trained roles (those whose config sets ``offload``; none: every call does
+    nothing), moved together, with the seconds their moves took since :meth:`take_seconds` (a step's
+    ``offload/to_host_s`` and ``offload/to_device_s``).
+
+    Args:
+        workers: the trained roles' workers held on this rank (their ``model``, ``optimizer`` and ``rc.offload``).
+    """
+
+    def __init__(self, workers):
+        self.offloads = [HostOffload(w.model, w.optimizer) for w in workers if w.rc.offload]
+        self.seconds = {"to_host": 0.0, "to_device": 0.0}
+
+    @property
+    def bytes_on_host(self) -> int:
+        """Bytes now held on the host by every offloaded role."""
+        return sum(o.bytes_on_host for o in self.offloads)
+
+    def to_host(self, kinds: tuple[str, ...]) -> None:
+        """Move ``kinds`` (of :data:`KINDS`) of every offloaded role to host memory (:meth:`HostOffload.to_host`)."""
+        self.seconds["to_host"] += sum(o.to_host(kinds) for o in self.offloads)
+
+    def to_device(self) -> None:
+        """Bring everything the offloaded roles moved back to the device (:meth:`HostOffload.to_device`)."""
+        self.seconds["to_device"] += sum(o.to_device() for o in self.offloads)
+
+    def take_seconds(self) -> dict[str, float]:
+        """``{"to_host", "to_device"}``: the seconds of the moves since the last call, counted from 0 again."""
+        seconds, self.seconds = self.seconds, {"to_host": 0.0, "to_device": 0.0}
+        return seconds
