@@ -1,5 +1,5 @@
-"""Per-step metrics: a JSONL file, a progress bar with a one-line digest per step, TensorBoard and W&B, and the
-end-of-run summary.
+"""Per-step metrics: what a step measures (:func:`batch_metrics`, :func:`update_metrics`, :func:`timing_metrics`),
+a JSONL file, a progress bar with a one-line digest per step, TensorBoard and W&B, and the end-of-run summary.
 
 Step 0 holds the validation before the first step (its record has only ``val/`` metrics); validation after
 step ``k`` is part of step ``k``'s record.
@@ -11,7 +11,10 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from megarl.jsonl import append_records, read_records
+from megarl.trainer.pipeline import staleness
 
 # (metric key, label, format) of the one-line digest printed after every step
 DIGEST = [
@@ -79,6 +82,61 @@ class WandbWriter:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def batch_metrics(batch, *, version: int, step: int, epoch: int) -> dict[str, float]:
+    """The step's batch (:class:`~megarl.data.batch.RolloutBatch`, scored and shared): reward mean, deviation
+    (0 when tied) and accuracy over the scored samples (not ``dropped``), response and prompt lengths (tokens),
+    the share of responses cut at ``rollout.max_new_tokens``, the policy ``version`` that generated it and its
+    staleness at (1-based) ``step``, and the data ``epoch``."""
+    import torch  # here: the report and the summary read this module without torch
+
+    from megarl.algos.aggregation import masked_mean, masked_var
+
+    mask = batch["response_mask"]
+    scores, scored = batch["scores"], ~batch["dropped"]
+    return {
+        "reward/mean": masked_mean(scores, scored).item(),
+        "reward/std": masked_var(scores[None], scored[None]).sqrt().item(),
+        "reward/accuracy": masked_mean(torch.tensor(batch.meta["correct"]).float(), scored).item(),
+        "response/length_mean": mask.sum(-1).mean().item(), "response/length_max": mask.sum(-1).max().item(),
+        "response/clip_ratio": float(np.mean([r == "length" for r in batch.meta["finish_reason"]])),
+        "prompt/length_mean": batch["prompt_lens"].float().mean().item(),
+        "rollout/policy_version": version, "rollout/staleness": staleness(step, version), "data/epoch": epoch,
+    }
+
+
+def update_metrics(role: str, history: list[dict[str, float]]) -> dict[str, float]:
+    """A role's updates in a step (one metrics dict per optimizer step, :meth:`~megarl.workers.engine.
+    MegatronWorker.train_minibatches`): the mean of each metric, keyed ``role/name``; for the actor also its first
+    mini-batch's ``ppo_kl`` and ``log_ratio_absmax`` (first-step exactness: with one mini-batch and one epoch both
+    are exactly 0, slime's CI check)."""
+    keys = history[0].keys() if history else []
+    metrics = {f"{role}/{k}": float(np.mean([h[k] for h in history])) for k in keys}
+    if role == "actor":
+        metrics["actor/ppo_kl_first_minibatch"] = history[0]["ppo_kl"]
+        metrics["actor/log_ratio_absmax_first_minibatch"] = history[0]["log_ratio_absmax"]
+    return metrics
+
+
+def timing_metrics(phases: dict[str, float], offload_s: dict[str, float], reshard_stats, busy: dict[str, float],
+                   step_s: float, generated_tokens: int) -> dict[str, float]:
+    """The step's seconds per phase (``phases``), host offload moves (``offload_s``), reshard figures (the
+    executor's stats, or None where this rank did not reshard), each pool's busy and idle seconds (``busy``:
+    idle = the step's seconds less the pool's busy ones and the reshard's; colocated, each pool idles while the
+    other works) and the generation's tokens per second."""
+    reshard_s = phases.get("reshard", 0.0)
+    return {
+        "offload/to_host_s": offload_s["to_host"], "offload/to_device_s": offload_s["to_device"],
+        "reshard/bytes_sent": getattr(reshard_stats, "bytes_sent", 0),
+        "reshard/peak_extra_bytes": getattr(reshard_stats, "peak_extra_bytes", 0),
+        "reshard/bytes_staged": getattr(reshard_stats, "bytes_staged", 0),
+        "reshard/merge_s": getattr(reshard_stats, "times_s", {}).get("merge", 0.0),
+        **{f"time/{k}": v for k, v in phases.items()}, "time/step": step_s,
+        **{f"pool/{p}/busy_s": b for p, b in busy.items()},
+        **{f"pool/{p}/idle_s": max(0.0, step_s - b - reshard_s) for p, b in busy.items()},
+        "throughput/generate_tokens_per_s": generated_tokens / max(phases["generate"], 1e-9),
+    }
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:

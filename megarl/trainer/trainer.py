@@ -7,12 +7,14 @@ One step (:meth:`Trainer.step`) reads top to bottom:
 
 (the old log-probs from the actor update's first forward instead where that is exact: :mod:`.old_logprobs`),
 and :func:`~megarl.trainer.loop.fit` runs the steps with validation, metrics and checkpoints between them.
-What the trainer is built from is in :mod:`.builders`, its checkpoints in :mod:`.checkpointing`, the step's
-algorithm glue in :mod:`.advantages` and :mod:`.dynamic_sampling`.
+What the trainer is built from is in :mod:`.builders`, its checkpoints in :mod:`.checkpointing` (of the run's
+progress, :mod:`.run_state`), the step's algorithm glue in :mod:`.advantages` and :mod:`.dynamic_sampling`, its
+metrics in :mod:`.metrics`; the Megatron roles are :mod:`megarl.workers`.
 
-Every rank holds the whole step's batch (prompts and responses are small next to the models); the Megatron
-workers compute on their data-parallel shares and gather the results, so the advantage estimators see every
-sample of a group and every rank agrees on them.
+Every rank holds the whole step's batch (prompts and responses are small next to the models); each Megatron
+role runs on its pool behind one handle (:class:`~megarl.workers.role.Role`), its workers compute on their
+data-parallel shares and gather the results, and the handle shares them with every training rank, so the
+advantage estimators see every sample of a group and every rank agrees on them.
 """
 
 from __future__ import annotations
@@ -24,10 +26,8 @@ import os
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
-from megarl.algos.aggregation import masked_mean, masked_var
 from megarl.algos.kl import AdaptiveKLController, FixedKLController
 from megarl.config import Config, absolute_paths
 from megarl.data.batch import RolloutBatch, build_batch
@@ -42,7 +42,7 @@ from megarl.models.lora import LoRASpec
 from megarl.parallel.lifecycle import peer_failures_named, record_peers
 from megarl.parallel.mesh import init_distributed, initialize_model_parallel, launch_info, ranks_per_node
 from megarl.parallel.placement import (build_pool_groups, global_layout, join_optimizer_setup, placement_summary,
-                                      role_layouts, rollout_split, share_object, share_tensor, training_group,
+                                      role_layouts, rollout_split, share_object, training_group,
                                       validate_for_world)
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
@@ -58,8 +58,8 @@ from megarl.trainer.dynamic_sampling import dynamic_sampling, group_unit
 from megarl.trainer.episodes import (build_agent, episode_batch, episode_metrics, evaluate_episodes, fill_scores,
                                      generate_episodes, row_multiple, to_score)
 from megarl.trainer.loop import fit
+from megarl.trainer.metrics import batch_metrics, timing_metrics, update_metrics
 from megarl.trainer.old_logprobs import old_logprob_metrics, old_logprob_pass
-from megarl.trainer.pipeline import staleness
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.run_state import RunState
@@ -67,6 +67,7 @@ from megarl.trainer.validation import append_samples
 from megarl.workers.actor import BasePolicy, PolicyWorker
 from megarl.workers.critic import CriticWorker
 from megarl.workers.offload import RoleOffloads
+from megarl.workers.role import Role
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,10 @@ class Trainer:
         self._build_data()  # bad data fails before any model is built
         self._build_roles()
         self._build_rollout()
+        # each role behind one handle: its worker on its pool, its results shared with every training rank
+        self.roles = {name: Role(worker, self.pools[name].ranks, self.train_group)
+                      for name, worker in (("actor", self.actor), ("reference", self.ref), ("critic", self.critic))
+                      if name in self.pools}
         self.timer = PhaseTimer()
         self.peak_flops = peak_bf16_flops()  # MFU's denominator per GPU; None on the CPU
         if cfg.trainer.mode == "async" and not cfg.algorithm.rollout_correction.enabled and self.rank == 0:
@@ -258,117 +263,114 @@ class Trainer:
         return metrics
 
     def train_on(self, prompts, out, version: int, known_scores: torch.Tensor | None = None
-                  ) -> tuple[dict[str, Any], RolloutBatch]:
-        """Everything of one step after generation, on the training ranks (every rank when colocated): score,
-        log-probs, advantages, updates; results shared over the training ranks' group. ``version``: the policy
+                 ) -> tuple[dict[str, Any], RolloutBatch]:
+        """Everything of one step after generation, on the training ranks (every rank when colocated), as the
+        data flows: score -> old and reference log-probs (values) -> advantages and loss masks -> critic and
+        actor updates -> metrics. Each role runs on its pool behind its handle (:attr:`roles`, at the same time
+        where the pools are disjoint) and shares its results with every training rank. ``version``: the policy
         version (step) whose weights generated ``out``, recorded with every sample; ``known_scores``: its
         ``[B]`` scores where dynamic sampling already computed them.
 
         Returns:
             The step's metrics without its timings (:meth:`timing_metrics`), and the batch.
         """
-        cfg, alg, t = self.cfg, self.cfg.algorithm, self.timer
-        group = self.train_group
-        with t("reward"):
+        with self.timer("reward"):
             batch, scores = self._score(prompts, out, known_scores)
         batch.meta["policy_version"] = [version] * len(batch)
         if self.actor_lora:
             batch.meta["adapter_version"] = [s.adapter_version for s in out.samples]
-        # each role on its pool (at the same time where the pools are disjoint), then shared with every rank;
-        # the old log-probs come from the actor update's first forward where that gives the same numbers
-        pass_reason = old_logprob_pass(cfg, rows=len(batch), step=self.state.step, moe=self.spec.is_moe)
-        source = (f"a pass of their own: {pass_reason}" if pass_reason else
-                  "the actor update's first forward (actor.old_logprob_pass=always runs a pass of their own)")
-        if source != self.old_logprob_source and self.rank == 0:  # said once, and again where it changes
-            log.info("step %d: old log-probs from %s", self.state.step + 1, source)
-        self.old_logprob_source = source
-        routing = {} if self.actor else None
-        if pass_reason:
-            with t("old_logprobs"):
-                old = self.actor.compute_logprobs(batch)["logprobs"] if self.actor else None
-                routing = self.actor.routing_agreement() if self.actor else None
-        if "reference" in self.pools:
-            with t("reference"):
-                ref = self.ref.compute_logprobs(batch)["logprobs"] if self.ref else None
-        if "critic" in self.pools:
-            with t("values"):
-                values = self.critic.compute_values(batch) if self.critic else None
-        with t("share"):
-            self._gather_scores(batch, scores, known_scores)
-            nonfinite_metrics = drop_nonfinite(batch, alg, self.state.step + 1)  # every rank: the same decision
-            shape_rewards(batch, alg, cfg.rollout.max_new_tokens)
-            frame = batch["response_mask"].shape
-            if pass_reason:
-                batch["old_logprobs"] = share_tensor(old, self.pools["actor"].ranks, frame, group=group)
-            if "reference" in self.pools:
-                batch["ref_logprobs"] = share_tensor(ref, self.pools["reference"].ranks, frame, group=group)
-            if "critic" in self.pools:
-                batch["values"] = share_tensor(values, self.pools["critic"].ranks, frame, group=group)
+        passes = self._forward_passes(batch)
+        prepared = self._prepare_loss_inputs(batch, scores, known_scores, passes)
         self._log_samples(prompts, batch)
-        with t("advantages"):
-            kl_metrics = compute_advantages(batch, alg, self.state.kl_ctl)
-            loss_metrics = set_loss_mask(batch, alg)
-
-        metrics: dict[str, Any] = dict(share_object(routing, self.pools["actor"].ranks, group=group))
-        seed = cfg.run.seed * 7919 + self.state.step
-        if "critic" in self.pools:
-            with t("critic_update"):
-                history = (self.critic.update(batch, alg, seed=seed, norm_tokens=cfg.loss_norm_tokens,
-                                              step=self.state.step + 1) if self.critic else None)
-                metrics.update(_mean_over_updates("critic", share_object(history, self.pools["critic"].ranks,
-                                                                         group=group)))
-        if "critic" not in self.pools or self.state.step >= cfg.critic.warmup_steps:
-            with t("actor_update"):
-                history = (self.actor.update(batch, alg, seed=seed, norm_tokens=cfg.loss_norm_tokens,
-                                             step=self.state.step + 1) if self.actor else None)
-                history = share_object(history, self.pools["actor"].ranks, group=group)
-                metrics.update(_mean_over_updates("actor", history))
-                # first-step exactness: with one mini-batch and one epoch, both are exactly 0 (slime's CI check)
-                metrics["actor/ppo_kl_first_minibatch"] = history[0]["ppo_kl"]
-                metrics["actor/log_ratio_absmax_first_minibatch"] = history[0]["log_ratio_absmax"]
-        self.offloads.to_host(("grads", "optimizer"))  # idle until the next step's updates
-        if not pass_reason:  # the update's, on the actor's pool
-            batch["old_logprobs"] = share_tensor(batch["old_logprobs"] if self.actor else None,
-                                                 self.pools["actor"].ranks, frame, group=group)
-
-        mask = batch["response_mask"]
-        scores, scored = batch["scores"], ~batch["dropped"]  # the reward metrics over the scored samples
-        metrics.update({
-            "reward/mean": masked_mean(scores, scored).item(),
-            "reward/std": masked_var(scores[None], scored[None]).sqrt().item(),  # 0 when tied
-            "reward/accuracy": masked_mean(torch.tensor(batch.meta["correct"]).float(), scored).item(),
-            "response/length_mean": mask.sum(-1).mean().item(), "response/length_max": mask.sum(-1).max().item(),
-            "response/clip_ratio": float(np.mean([r == "length" for r in batch.meta["finish_reason"]])),
-            "prompt/length_mean": batch["prompt_lens"].float().mean().item(),
-            **kl_metrics, **loss_metrics, **nonfinite_metrics, **old_logprob_metrics(batch, alg),
-            "rollout/policy_version": version, "rollout/staleness": staleness(self.state.step + 1, version),
-            "data/epoch": self.state.loader.epoch,
-        })
+        updates = self._updates(batch, old_logprobs_from_update="old_logprobs" not in passes)
+        metrics = {**prepared, **updates, **batch_metrics(batch, version=version, step=self.state.step + 1,
+                                                          epoch=self.state.loader.epoch),
+                   **old_logprob_metrics(batch, self.cfg.algorithm)}
         if self.agent is not None:  # turns, tools, tokens by role; the reward figures per episode
             metrics.update(episode_metrics(batch, out))
         return metrics, batch
 
+    def _forward_passes(self, batch: RolloutBatch) -> dict[str, Any]:
+        """The forward passes before the updates, each role on its pool (no collective between the pools):
+        the actor's old log-probs where they need a pass of their own (:func:`~megarl.trainer.old_logprobs.
+        old_logprob_pass`; else the actor update's first forward gives them) with its routing agreement, the
+        reference's log-probs, the critic's values. Returns ``{batch key: [B, R] float32}`` (None off the role's
+        pool) and ``"routing"`` (the actor's routing metrics; None off its pool)."""
+        t, roles = self.timer, self.roles
+        reason = old_logprob_pass(self.cfg, rows=len(batch), step=self.state.step, moe=self.spec.is_moe)
+        source = (f"a pass of their own: {reason}" if reason else
+                  "the actor update's first forward (actor.old_logprob_pass=always runs a pass of their own)")
+        if source != self.old_logprob_source and self.rank == 0:  # said once, and again where it changes
+            log.info("step %d: old log-probs from %s", self.state.step + 1, source)
+        self.old_logprob_source = source
+        passes: dict[str, Any] = {"routing": roles["actor"].run(lambda actor: {})}
+        if reason:
+            with t("old_logprobs"):
+                passes["old_logprobs"] = roles["actor"].run(lambda actor: actor.compute_logprobs(batch)["logprobs"])
+                passes["routing"] = roles["actor"].run(lambda actor: actor.routing_agreement())
+        if "reference" in roles:
+            with t("reference"):
+                passes["ref_logprobs"] = roles["reference"].run(lambda ref: ref.compute_logprobs(batch)["logprobs"])
+        if "critic" in roles:
+            with t("values"):
+                passes["values"] = roles["critic"].run(lambda critic: critic.compute_values(batch))
+        return passes
+
+    def _prepare_loss_inputs(self, batch: RolloutBatch, scores: Any, known_scores: torch.Tensor | None,
+                             passes: dict[str, Any]) -> dict[str, Any]:
+        """Every input of the losses, in the batch on every training rank: the reward ranks' scores
+        (:meth:`_gather_scores`), the non-finite rule's drops and the shaped rewards (every rank takes the same
+        decisions), the forward passes' outputs (:meth:`_forward_passes`) shared from their pools, then the
+        advantages and returns and the loss masks (:mod:`megarl.trainer.advantages`). Returns their metrics:
+        the actor's routing agreement, KL, loss mask and non-finite figures."""
+        alg, t = self.cfg.algorithm, self.timer
+        with t("share"):
+            self._gather_scores(batch, scores, known_scores)
+            nonfinite_metrics = drop_nonfinite(batch, alg, self.state.step + 1)  # every rank: the same decision
+            shape_rewards(batch, alg, self.cfg.rollout.max_new_tokens)
+            for key, role in (("old_logprobs", "actor"), ("ref_logprobs", "reference"), ("values", "critic")):
+                if key in passes:
+                    batch[key] = self.roles[role].share(passes[key], batch["response_mask"].shape)
+        with t("advantages"):
+            kl_metrics = compute_advantages(batch, alg, self.state.kl_ctl)
+            loss_metrics = set_loss_mask(batch, alg)
+        routing = self.roles["actor"].share(passes["routing"])
+        return {**routing, **kl_metrics, **loss_metrics, **nonfinite_metrics}
+
+    def _updates(self, batch: RolloutBatch, *, old_logprobs_from_update: bool) -> dict[str, float]:
+        """The critic's update, then the actor's (once the critic's warm-up, ``critic.warmup_steps``, is over),
+        each on its pool, their metrics shared (:func:`~megarl.trainer.metrics.update_metrics`); then the
+        offloaded roles' gradients and optimizer state go to the host until the next step's updates, and with
+        ``old_logprobs_from_update`` the old log-probs the actor update's first forward gave are shared."""
+        cfg, alg, t, roles = self.cfg, self.cfg.algorithm, self.timer, self.roles
+        kwargs = dict(seed=cfg.run.seed * 7919 + self.state.step, norm_tokens=cfg.loss_norm_tokens,
+                      step=self.state.step + 1)
+        metrics: dict[str, float] = {}
+        if "critic" in roles:
+            with t("critic_update"):
+                metrics.update(update_metrics("critic", roles["critic"].run_shared(
+                    lambda critic: critic.update(batch, alg, **kwargs))))
+        if "critic" not in roles or self.state.step >= cfg.critic.warmup_steps:
+            with t("actor_update"):
+                metrics.update(update_metrics("actor", roles["actor"].run_shared(
+                    lambda actor: actor.update(batch, alg, **kwargs))))
+        self.offloads.to_host(("grads", "optimizer"))  # idle until the next step's updates
+        if old_logprobs_from_update:  # the update's, on the actor's pool
+            batch["old_logprobs"] = roles["actor"].run_shared(lambda actor: batch["old_logprobs"],
+                                                              batch["response_mask"].shape)
+        return metrics
+
     def timing_metrics(self, batch: RolloutBatch, out, stats, busy: dict[str, float], step_s: float
-                        ) -> dict[str, Any]:
+                       ) -> dict[str, Any]:
         """The step's seconds per phase, throughput, reshard and offload figures, and each pool's busy and
-        idle seconds: ``busy["train"]`` (score, log-probs, advantages, updates) and ``busy["rollout"]``
-        (generation); idle = the step's seconds less the pool's busy ones and the reshard's (colocated: each
-        pool idles while the other works)."""
+        idle seconds (:func:`~megarl.trainer.metrics.timing_metrics`): ``busy["train"]`` (score, log-probs,
+        advantages, updates) and ``busy["rollout"]`` (generation); with the step's tokens/s/GPU, MFU and peak
+        memory (:meth:`_perf_metrics`)."""
         phases = self.timer.reset()
         phases.setdefault("generate", out.stats.seconds)  # on a pool of its own: the rollout ranks' seconds
-        moves = self.offloads.take_seconds()
-        reshard_s = phases.get("reshard", 0.0)
-        return {
-            "offload/to_host_s": moves["to_host"], "offload/to_device_s": moves["to_device"],
-            "reshard/bytes_sent": getattr(stats, "bytes_sent", 0), "reshard/peak_extra_bytes":
-                getattr(stats, "peak_extra_bytes", 0), "reshard/bytes_staged": getattr(stats, "bytes_staged", 0),
-            "reshard/merge_s": getattr(stats, "times_s", {}).get("merge", 0.0),
-            **{f"time/{k}": v for k, v in phases.items()}, "time/step": step_s,
-            **{f"pool/{p}/busy_s": b for p, b in busy.items()},
-            **{f"pool/{p}/idle_s": max(0.0, step_s - b - reshard_s) for p, b in busy.items()},
-            "throughput/generate_tokens_per_s": out.stats.generated_tokens / max(phases["generate"], 1e-9),
-            **self._perf_metrics(batch, phases, step_s),
-        }
+        return {**timing_metrics(phases, self.offloads.take_seconds(), stats, busy, step_s,
+                                 out.stats.generated_tokens),
+                **self._perf_metrics(batch, phases, step_s)}
 
     def _perf_metrics(self, batch: RolloutBatch, phases: dict[str, float], step_s: float) -> dict[str, float]:
         """Tokens/s/GPU, MFU and peak memory of the step and of each phase (:mod:`megarl.measure.throughput`)."""
@@ -541,13 +543,6 @@ def _device_bytes_in_use() -> int:
         return 0
     free, total = torch.cuda.mem_get_info()
     return total - free
-
-
-def _mean_over_updates(prefix: str, history: list[dict[str, float]]) -> dict[str, float]:
-    """Mean of each metric over the step's optimizer updates, keyed ``prefix/name``."""
-    keys = history[0].keys() if history else []
-    return {f"{prefix}/{k}": float(np.mean([h[k] for h in history])) for k in keys}
-
 
 
 def train(cfg: Config) -> dict[str, Any]:
