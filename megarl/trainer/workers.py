@@ -220,6 +220,7 @@ class MegatronWorker:
             initial_loss_scale=FP16_INITIAL_LOSS_SCALE), ddps,
             pg_collection=self.pg_collection, use_gloo_process_groups=self.pg_collection is None)
         use_fused_adam(opt)
+        init_adam_state(opt)
         # The schedule multiplies the last stage's loss by the optimizer's loss scale before the backward (1.0
         # for bf16/fp32; fp16's dynamic scale, which the optimizer divides out of the gradients), as Megatron-LM's
         # setup_model_and_optimizer sets it; without it fp16 gradients were 2**-32 of their size.
@@ -560,10 +561,10 @@ class MegatronWorker:
         return out
 
     def _materialize_optimizer_state(self) -> None:
-        """Without TE or apex, torch's Adam has no state before its first step, and megatron's
-        DistributedOptimizer cannot describe an empty state for loading (``state_dict`` asserts one ``step``).
-        Create it the way megatron does for its FSDP checkpoints: one step on zero gradients (the parameters
-        are loaded from the checkpoint right after)."""
+        """An optimizer whose state is created at its first step (TE's or apex's fused Adam; torch's has its
+        state from the build on: :func:`init_adam_state`) cannot describe an empty state for loading. Create it
+        the way megatron does for its FSDP checkpoints: one step on zero gradients (the parameters are loaded
+        from the checkpoint right after)."""
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
                 opt._init_optimizer_states_with_dummy_values()
@@ -682,6 +683,32 @@ def use_fused_adam(optimizer) -> None:
         for group in inner.param_groups:
             if group["params"] and all(p.device.type in ("cpu", "cuda") for p in group["params"]):
                 group["foreach"], group["fused"] = False, True
+
+
+def init_adam_state(optimizer) -> None:
+    """Give the torch Adam/AdamW inside a megatron optimizer (plain or chained) the state that torch creates
+    lazily at its first step (``torch.optim.Adam._init_group``): for every parameter a step count of 0 (float32;
+    on the parameter's device for the fused kernel) and zero moments of its shape and dtype, so the first update
+    is the same. A never-stepped optimizer (the actor during the critic's warm-up) is then checkpointed and
+    resumed as any other: megatron-core's DistributedOptimizer reads its one step count from the state to save
+    it (an empty state failed its ``assert len(steps) == 1``), and a run resumed from it makes the uninterrupted
+    run's first update. The moments take the memory that the first update would take (2 x the fp32 main
+    parameters of this rank's shard), from the build on."""
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(wrapper, "optimizer", None)
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for p in group["params"]:
+                if inner.state[p]:
+                    continue
+                state = inner.state[p]
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def _round_up(n: int, multiple: int) -> int:
