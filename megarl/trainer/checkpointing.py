@@ -299,8 +299,8 @@ def resume(trainer) -> None:
     path = resumable_checkpoint(trainer.cfg)  # the newest sound one (check_run_folder warned of damaged ones)
     trainer.reload()
     while True:
-        meta = ck.read_meta(path)
         try:
+            meta = ck.read_meta(path)
             with phase("resume"):
                 loaded = ck.load_checkpoint(path, _state(trainer, is_loading=True, optimizer_format=meta.get(
                     "optimizer_format", LEGACY_OPTIMIZER_FORMAT), chain_prefix=meta.get("optimizer_chain_prefix",
