@@ -686,29 +686,33 @@ def use_fused_adam(optimizer) -> None:
 
 
 def init_adam_state(optimizer) -> None:
-    """Give the torch Adam/AdamW inside a megatron optimizer (plain or chained) the state that torch creates
-    lazily at its first step (``torch.optim.Adam._init_group``): for every parameter a step count of 0 (float32;
-    on the parameter's device for the fused kernel) and zero moments of its shape and dtype, so the first update
-    is the same. A never-stepped optimizer (the actor during the critic's warm-up) is then checkpointed and
+    """Give the torch Adam/AdamW inside a megatron optimizer (plain, chained, or the sub-optimizers of the
+    HybridDeviceOptimizer of ``optim.cpu_offload``) the state that torch creates lazily at its first step
+    (``torch.optim.Adam._init_group``): for every parameter a step count of 0 (float32; on the parameter's device
+    for the fused kernel) and zero moments of its shape and dtype, so the first update is the same. A never-stepped optimizer (the actor during the critic's warm-up) is then checkpointed and
     resumed as any other: megatron-core's DistributedOptimizer reads its one step count from the state to save
     it (an empty state failed its ``assert len(steps) == 1``), and a run resumed from it makes the uninterrupted
     run's first update. The moments take the memory that the first update would take (2 x the fp32 main
     parameters of this rank's shard), from the build on."""
     for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(wrapper, "optimizer", None)
-        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
-            continue
-        for group in inner.param_groups:
-            on_device = group.get("fused") or group.get("capturable")
-            for p in group["params"]:
-                if inner.state[p]:
-                    continue
-                state = inner.state[p]
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group.get("amsgrad"):
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        hybrid = getattr(inner, "sub_optimizers", None)  # optim.cpu_offload: megatron's HybridDeviceOptimizer
+        for adam in hybrid if hybrid is not None else [inner]:
+            if type(adam) not in (torch.optim.Adam, torch.optim.AdamW):
+                continue
+            for group in adam.param_groups:
+                on_device = group.get("fused") or group.get("capturable")
+                for p in group["params"]:
+                    if adam.state[p]:
+                        continue
+                    state = adam.state[p]
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group.get("amsgrad"):
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if hybrid is not None:
+            inner._sync_sub_optimizers_state_to_hdo()  # what its step does after the sub-optimizers' steps
 
 
 def _round_up(n: int, multiple: int) -> int:
