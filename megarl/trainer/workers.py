@@ -689,10 +689,11 @@ def init_adam_state(optimizer) -> None:
     """Give the torch Adam/AdamW inside a megatron optimizer (plain, chained, or the sub-optimizers of the
     HybridDeviceOptimizer of ``optim.cpu_offload``) the state that torch creates lazily at its first step
     (``torch.optim.Adam._init_group``): for every parameter a step count of 0 (float32; on the parameter's device
-    for the fused kernel) and zero moments of its shape and dtype, so the first update is the same. A never-stepped optimizer (the actor during the critic's warm-up) is then checkpointed and
-    resumed as any other: megatron-core's DistributedOptimizer reads its one step count from the state to save
-    it (an empty state failed its ``assert len(steps) == 1``), and a run resumed from it makes the uninterrupted
-    run's first update. The moments take the memory that the first update would take (2 x the fp32 main
+    for the fused kernel) and zero moments of its shape and dtype, so the first update is the same. A
+    never-stepped optimizer (the actor during the critic's warm-up) is then checkpointed and resumed as any
+    other: megatron-core's DistributedOptimizer reads its one step count from the state to save it (an empty
+    state failed its ``assert len(steps) == 1``), and a run resumed from it makes the uninterrupted run's first
+    update. The moments take the memory that the first update would take (2 x the fp32 main
     parameters of this rank's shard), from the build on."""
     for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(wrapper, "optimizer", None)
