@@ -187,6 +187,9 @@ def _quiet_torchrun_stop() -> None:
 OVERWRITE_HELP = ("write into a folder that holds other files, which stay as they are (a file of a name the "
                   "command writes is refused, never replaced; a training run's folder or checkpoint is refused "
                   "always). Default: only a new or empty folder, or one this command wrote")
+CONVERT_OVERWRITE_HELP = ("replace a checkpoint that megarl convert wrote earlier, or write into a folder that holds "
+                          "other files, which stay as they are (as for --overwrite of export). Default: only a new "
+                          "or empty folder")
 CHECK_HELP = ("check the config against its model, tokenizer, files and reward function (every check made "
               "before a run, less what this machine lacks, e.g. a GPU), print the result and run nothing")
 
@@ -372,7 +375,7 @@ def _convert(p: argparse.ArgumentParser):
     p.add_argument("--vpp", type=positive_int("--vpp"), default=1,
                    help="virtual pipeline stages (model chunks) per pipeline rank of the conversion world")
     p.add_argument("--dtype", choices=DTYPES, default=None)
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.add_argument("--overwrite", action="store_true", help=CONVERT_OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.launch.convert import convert_to_megarl

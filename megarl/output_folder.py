@@ -7,7 +7,7 @@ A command writes into its output folder OUT when OUT is
 - or holds only what an earlier run of the same command wrote there, known by the command's own marker: for
   ``convert`` a megarl checkpoint that is no training checkpoint (its ``megarl.json`` records no training step),
   for the others the manifest ``megarl_<command>.json`` listing the files it wrote (:func:`manifest_name`). That
-  earlier output is replaced.
+  earlier output is replaced (``convert``'s only with ``overwrite``: :func:`megarl.launch.convert.convert_to_megarl`).
 
 Any other folder is refused, the message naming its files, unless ``overwrite`` (``--overwrite``): the command's
 files then go in beside the others, which stay as they were; a file of the same name as one the command writes

@@ -44,6 +44,10 @@ def tiny(tmp_path_factory):
         (root / f"torn-{name}" / name).write_text(TORN_TEXT)
     (root / "torn-ckpt").mkdir()  # a checkpoint whose megarl.json is cut short
     (root / "torn-ckpt" / "megarl.json").write_text(TORN_TEXT)
+    for name, keep in CUT_SAFETENSORS.items():  # a model folder whose model.safetensors is cut short
+        shutil.copytree(model, root / name)
+        with open(root / name / "model.safetensors", "r+b") as f:
+            f.truncate(keep if keep > 0 else f.seek(0, 2) + keep)
     _write_gguf(root / "whole.gguf")
     blob = (root / "whole.gguf").read_bytes()
     (root / "cut.gguf").write_bytes(blob[:len(blob) - 100])
@@ -115,6 +119,11 @@ BYTE_FILES = {"latin1.yaml": b"trainer:\n  steps: 3\n# caf\xe9\n",
               "train.parquet": b"question,ground_truth\na b,x\n"}
 TORN_JSON = ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json")
 TORN_TEXT = '{\n  "vocab_size": 16,\n  "hidden_size": '  # cut short: a value expected at line 3, column 18
+CUT_SAFETENSORS = {"cut-st": -1000, "header-st": 100}  # bytes kept (negative: from the end)
+CUT_ST = ("DATA:cut-st/model.safetensors: not a readable safetensors file: truncated: expected ", " bytes (its "
+          "header places tensors up to there), found ")
+HEADER_ST = ("DATA:header-st/model.safetensors: not a readable safetensors file: its header is unreadable (100 "
+             "bytes, the header length says ")
 
 # (argv, what the one error line must name); "TINY" marks a train command on the tiny model, "YAML:" a file
 CASES = [
@@ -220,6 +229,14 @@ CASES = [
        "short: download or copy the model again") for name in TORN_JSON],
     (["eval", "DATA:torn-ckpt"], "DATA:torn-ckpt/megarl.json: not valid JSON at line 3, column 18 (Expecting value); "
                                  "the checkpoint is damaged"),
+    # a safetensors file cut short (issue 48: safetensors' own error, with a traceback naming no file)
+    (["TINY", "model.path=DATA:cut-st"], CUT_ST[0]),
+    (["TINY", "model.path=DATA:cut-st", "--check"], CUT_ST[1]),
+    (["eval", "DATA:cut-st"], CUT_ST[0]),
+    (["eval", "DATA:cut-st", "--check"], CUT_ST[0]),
+    (["convert", "DATA:cut-st", "out"], CUT_ST[0]),
+    (["TINY", "model.path=DATA:header-st"], HEADER_ST),
+    (["convert", "DATA:header-st", "out"], HEADER_ST),
     (["TINY", "model.path=DATA:text.gguf"], "DATA:text.gguf: not a GGUF file: it starts with b'not ', not the magic "
                                             "bytes b'GGUF'"),
     (["TINY", "model.path=DATA:cut.gguf"], "DATA:cut.gguf: 20604 bytes, but its tensor table places tensor "
@@ -362,3 +379,20 @@ def test_a_damaged_generation_config_is_named_with_its_line_and_column(tiny, tmp
         read_generation_config(model)
     assert str(e.value) == (f"{model}/generation_config.json: not valid JSON at line 3, column 18 (Expecting value); "
                             "the file is damaged or cut short: download or copy the model again")
+
+
+def test_a_damaged_model_file_is_not_retried(tiny):
+    """Issue 48: ``megarl train --max-restarts 2`` of a model whose ``model.safetensors`` is cut short ends in the
+    one line naming the file, status 2, and is not run again (safetensors' error was a crash, retried twice)."""
+    import subprocess
+    import sys
+
+    model, data, _ = tiny
+    cut = model.parent / "cut-st"
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "train",
+                        *task_overrides(cut, data, model.parent / "runs", "cut"), "--max-restarts", "2"],
+                       capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "restart" not in r.stderr, r.stderr[-3000:]
+    errors = [x for x in r.stderr.splitlines() if x.startswith("megarl: error:")]
+    assert len(errors) == 1 and f"{cut}/model.safetensors: not a readable safetensors file: truncated" in errors[0], \
+        r.stderr[-3000:]

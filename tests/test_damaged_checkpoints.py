@@ -183,16 +183,25 @@ def test_a_checkpoint_without_rng_states_resumes_with_a_warning(saved):
                                "reproduce the uninterrupted run"), warning[0]
 
 
+def _without_hashes(step: Path) -> None:
+    """Make ``step`` a checkpoint written before content hashes were recorded (``megarl.json`` without them)."""
+    meta = json.loads((step / "megarl.json").read_text())
+    del meta["hashes"]
+    (step / "megarl.json").write_text(json.dumps(meta))
+
+
 def test_bytes_overwritten_at_the_same_size_are_named_when_the_load_fails(saved):
-    """64 bytes of a model tensor's item in the newest checkpoint overwritten, the file's size unchanged (the
-    checks before the load see nothing): ``megarl eval`` of it ends in one line naming the file, the tensor and
-    its bytes (status 2), as does ``megarl export`` of it (its rank's error), and a resume passes it over for ``step_000001`` with a warning saying so (both ended in
+    """64 bytes of a model tensor's item in the newest checkpoint overwritten, the file's size unchanged, in a
+    checkpoint without content hashes (an older save's: the checks before the load see nothing): ``megarl eval``
+    of it ends in one line naming the file, the tensor and its bytes (status 2), as does ``megarl export`` of it
+    (its rank's error), and a resume passes it over for ``step_000001`` with a warning saying so (both ended in
     an ``UnpicklingError`` traceback, export a ``RuntimeError`` one; a resume's on every rank, and
     ``--max-restarts`` ran it again)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     run = _copy(saved, "overwritten")
     step2 = run / "checkpoints" / "step_000002"
+    _without_hashes(step2)
     index = FileSystemReader(str(step2 / "model")).read_metadata()
     key, info = next((k, i) for k, i in index.storage_data.items() if k.fqn.startswith("embedding.")
                      and "optimizer" not in k.fqn)
@@ -219,3 +228,70 @@ def test_bytes_overwritten_at_the_same_size_are_named_when_the_load_fails(saved)
     assert warning[0].endswith("resuming from the older step_000001 instead (the steps after it are trained again)")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed"]["checkpoint"] == str(run / "checkpoints" / "step_000001") and summary["steps"] == 3
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megarl.cli", *args], capture_output=True, text=True, timeout=600,
+                          cwd=REPO, env={**os.environ})
+
+
+def _refused(r: subprocess.CompletedProcess, step: Path, fault: str) -> None:
+    """``r`` ended in one ``megarl: error:`` line naming ``step`` and its ``fault``, status 2, no traceback."""
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [x for x in r.stderr.splitlines() if x.startswith("megarl: error:")]
+    assert len(errors) == 1 and f"the checkpoint {step} is damaged: {fault}" in errors[0], r.stderr[-3000:]
+    assert "restart" not in r.stderr, r.stderr[-3000:]
+
+
+def test_bytes_overwritten_at_the_same_size_are_found_by_their_hash_before_any_load(saved):
+    """Issue 48: 4 KB of the newest checkpoint's largest weight zeroed, the file's size unchanged (zeros load as
+    numbers: a resume went on silently from the changed state). The content hash ``megarl.json`` records
+    finds it before anything loads: a resume passes the checkpoint over for ``step_000001`` with a warning naming
+    the file, and eval, export and a new run from it (``model.path``) refuse it in one line each, status 2, never
+    retried."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = _copy(saved, "zeroed")
+    step2 = run / "checkpoints" / "step_000002"
+    index = FileSystemReader(str(step2 / "model")).read_metadata()
+    info = max((i for k, i in index.storage_data.items() if "optimizer" not in k.fqn), key=lambda i: i.length)
+    with open(step2 / "model" / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes(min(4096, info.length // 4)))
+    fault = f"model/{info.relative_path} does not hold the bytes that were written (its xxh3_128 hash is "
+    r = _train(*saved, "zeroed", "trainer.steps=3", "--resume", "--max-restarts", "1")
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "restart 1/1" not in r.stderr, r.stderr[-3000:]
+    warning = [x for x in r.stderr.splitlines() if "WARNING" in x and "damaged" in x]
+    assert len(warning) == 1 and f"the checkpoint {step2} is damaged: {fault}" in warning[0], r.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed"]["checkpoint"] == str(run / "checkpoints" / "step_000001") and summary["steps"] == 3
+    step2 = _copy(saved, "zeroed-read") / "checkpoints" / "step_000002"
+    with open(step2 / "model" / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes(min(4096, info.length // 4)))
+    for args in (["eval", str(step2), f"validation.files=[{saved[2]}]", "validation.num_prompts=2", "--out",
+                  str(saved[0] / "eval-zeroed")],
+                 ["export", str(step2), str(saved[0] / "export-zeroed")],
+                 ["train", *task_overrides(step2, saved[2], saved[0] / "runs", "from-zeroed"), *SMALL,
+                  "trainer.steps=1", "--max-restarts", "1"]):
+        _refused(_run_cli(*args), step2, fault)
+    assert not (saved[0] / "eval-zeroed").exists() and not (saved[0] / "export-zeroed").exists()
+
+
+def test_every_reader_refuses_a_truncated_checkpoint_before_any_process(saved):
+    """Issue 48: the newest checkpoint's largest ``.distcp`` cut to half, the damage ``--resume`` names: ``megarl
+    eval`` of it reported ``accuracy 0.0000`` with status 0; now eval (and its ``--check``), export, a new run from
+    it (train and ``--check``) refuse it in one line naming the file, status 2, before any process starts."""
+    step2 = _copy(saved, "cut") / "checkpoints" / "step_000002"
+    f = _distcp(step2)
+    size = f.stat().st_size
+    os.truncate(f, size // 2)
+    fault = f"model/{f.name} has {size // 2} bytes, {size} were written"
+    train = ["train", *task_overrides(step2, saved[2], saved[0] / "runs", "from-cut"), *SMALL, "trainer.steps=1"]
+    for args in (["eval", str(step2), f"validation.files=[{saved[2]}]", "validation.num_prompts=2", "--out",
+                  str(saved[0] / "eval-cut")], ["eval", str(step2), "--check"],
+                 ["export", str(step2), str(saved[0] / "export-cut")], train, [*train, "--check"]):
+        r = _run_cli(*args)
+        _refused(r, step2, fault)
+        assert "launching" not in r.stdout and "loading" not in r.stdout, r.stdout[-2000:]
+    assert not (saved[0] / "eval-cut").exists() and not (saved[0] / "export-cut").exists()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import megarl.launch.convert as lc
+import megarl.models.checkpoint as ck
 from megarl.cli import main
 
 
@@ -38,6 +39,7 @@ def _fake_world(fn, world_size, *args, reraise=()):
 def cli(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(lc, "run_world", _fake_world)
     monkeypatch.setattr(lc, "check_conversion", lambda *a: None)
+    monkeypatch.setattr(ck, "checkpoint_fault", lambda path: None)  # the stand-in checkpoints hold no tensors
     monkeypatch.chdir(tmp_path)
 
     def run(*argv):
@@ -48,7 +50,11 @@ def cli(monkeypatch, tmp_path, capsys):
 
 def test_convert_refuses_a_folder_of_other_files_and_overwrite_keeps_them(cli, tmp_path):
     assert cli("convert", "src", "ckpt")[0] == 0
-    assert cli("convert", "src", "ckpt")[0] == 0                      # its own earlier output: replaced
+    status, err = cli("convert", "src", "ckpt")                       # its own earlier output: only with the flag
+    assert status == 2 and err.strip() == (f"megarl: error: megarl convert: the output folder {tmp_path / 'ckpt'} "
+                                           "holds a megarl checkpoint converted earlier (megarl.json, model); pass "
+                                           "--overwrite to replace it, or name a new or empty folder"), err
+    assert cli("convert", "src", "ckpt", "--overwrite")[0] == 0      # replaced
     (tmp_path / "ckpt" / "notes.txt").write_text("mine")
     status, err = cli("convert", "src", "ckpt")
     assert status == 2 and "holds files that megarl convert did not write (notes.txt)" in err and "--overwrite" in err
@@ -181,3 +187,35 @@ def test_a_run_folder_is_known_by_what_megarl_train_writes_first():
 
     assert LOCK_FILE in RUN_FOLDER_SIGNS and RUN_CHECKPOINTS in RUN_FOLDER_SIGNS
     assert set(RUN_FOLDER_SIGNS) - {LOCK_FILE, RUN_CHECKPOINTS} <= set(RECORD)
+
+
+def test_a_real_conversion_into_its_earlier_output_needs_overwrite_and_ends_without_a_traceback(tmp_path):
+    """Issue 48: ``megarl convert`` into a folder holding a checkpoint it converted earlier rewrote it without
+    ``--overwrite`` (status 0; a ``multiprocessing.resource_tracker`` KeyError traceback at exit): now one line
+    naming the flag, status 2, the earlier checkpoint unchanged; with ``--overwrite`` it is replaced, and no
+    conversion prints a traceback (the tiny model of :mod:`tests.rl_tasks`, real conversion worlds)."""
+    import subprocess
+    import sys
+
+    from tests.rl_tasks import make_tiny_model
+
+    model, out = make_tiny_model(tmp_path / "model"), tmp_path / "ckpt"
+
+    def convert(*flags):
+        return subprocess.run([sys.executable, "-m", "megarl.cli", "convert", str(model), str(out), *flags],
+                              capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+
+    def files():
+        return {f: f.read_bytes() for f in sorted(out.rglob("*")) if f.is_file()}
+
+    first = convert()
+    assert first.returncode == 0 and "Traceback" not in first.stderr, first.stderr[-3000:]
+    written = files()
+    again = convert()
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"megarl: error: megarl convert: the output folder {out} holds a megarl checkpoint converted earlier "
+        "(megarl.json, model); pass --overwrite to replace it, or name a new or empty folder"], again.stderr
+    assert files() == written
+    replaced = convert("--overwrite")
+    assert replaced.returncode == 0 and "Traceback" not in replaced.stderr, replaced.stderr[-3000:]
+    assert set(files()) == set(written)

@@ -170,6 +170,30 @@ def test_an_extended_run_with_changed_optimizer_settings_follows_the_current_con
         check_run_folder(load_config(None, base + changed), 1)  # no model is loaded to train 0 steps
 
 
+PPO = ["algorithm.name=ppo", "critic.warmup_steps=1", "critic.ppo_mini_batch_size=8", "critic.micro_batch_size=4",
+       "critic.optim.lr=1e-2"]
+PPO_COMPARED = [*COMPARED, "critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"]
+
+
+def test_ppo_saves_inside_the_critics_warm_up_and_resumes_from_it_as_the_uninterrupted_run(task):
+    """Issue 48: PPO with a critic warmed up alone for its first step saves a checkpoint after every step: the
+    first inside the warm-up, when the actor's optimizer has never stepped (megatron-core's DistributedOptimizer
+    asserted on its empty state), the next after it. A run stopped at the warm-up's checkpoint and resumed trains
+    steps 2 and 3 as the uninterrupted run does: the actor's first updates start from Adam's initial state (zero
+    moments, no step), two updates a step so the second reads the moments and the step count."""
+    straight = _run(task, "ppo_straight", extra=[*PPO, "trainer.steps=3"])[0]
+    assert [h["step"] for h in straight] == [1, 2, 3]
+    assert "actor/grad_norm" not in straight[0] and "actor/grad_norm" in straight[1]  # step 1: the warm-up
+    assert [p.name for p in (task[0] / "runs" / "ppo_straight" / "checkpoints").iterdir()] == ["step_000003"]
+    _run(task, "ppo_resumed", extra=[*PPO, "trainer.steps=1"])
+    resumed = _run(task, "ppo_resumed", extra=[*PPO, "trainer.steps=3", "trainer.resume=true"])[0]
+    assert [h["step"] for h in resumed] == [1, 2, 3]
+    for step in (2, 3):
+        for key in PPO_COMPARED:
+            got, want = resumed[step - 1][key], straight[step - 1][key]
+            assert got == pytest.approx(want, rel=1e-4, abs=1e-6), (step, key, got, want)
+
+
 def test_resume_without_a_checkpoint_is_refused_before_any_process(task):
     """Issue 24 item 7: ``train --resume`` on a folder without a checkpoint (a mistyped ``run.name``) stops with
     an error, as ``submit --resume`` does, instead of training from step 0."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megarl.models.checkpoint import META_FILE, is_training_checkpoint
 from megarl.models.convert import check_conversion, convert_rank, export_rank
-from megarl.output_folder import OutputFolder, manifest_name
+from megarl.output_folder import OutputFolder, OutputFolderError, manifest_name
 from megarl.parallel.launch import run_world
 
 EXPORT_MANIFEST = manifest_name("export")  # the files an export wrote, so that a later export may replace them
@@ -40,11 +40,17 @@ def convert_to_megarl(src: str | None, out: str, *, tp: int = 1, pp: int = 1, vp
             divide layers, a VPP without PP or whose PP x VPP does not divide layers (before any process
             starts), missing or mismatched tensors.
         OutputFolderError: ``out`` may not be written (:meth:`~megarl.output_folder.OutputFolder.claim`): a
-            training run's folder or checkpoint, or files that no conversion wrote.
+            training run's folder or checkpoint, or files that no conversion wrote; or, without ``overwrite``, a
+            checkpoint converted earlier (a conversion may have taken long, and the new one may be of another
+            model: it is replaced only when asked).
     """
     check_conversion(src, tp, pp, dtype, vpp)
-    folder = OutputFolder.claim(out, "convert", overwrite=overwrite, earlier=_converted_entries(Path(out).resolve()),
-                                writes=CHECKPOINT_ENTRIES)
+    earlier = _converted_entries(Path(out).resolve())
+    folder = OutputFolder.claim(out, "convert", overwrite=overwrite, earlier=earlier, writes=CHECKPOINT_ENTRIES)
+    if earlier and not overwrite:
+        raise OutputFolderError(f"megarl convert: the output folder {folder.target} holds a megarl checkpoint "
+                                f"converted earlier ({', '.join(sorted(earlier))}); pass --overwrite to replace it, "
+                                "or name a new or empty folder")
     run_world(convert_rank, tp * pp, src, str(folder.staging), tp, pp, dtype, vpp, reraise=USER_ERRORS)
     folder.finish()
     return folder.target

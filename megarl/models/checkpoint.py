@@ -3,18 +3,20 @@
 A megarl checkpoint is a directory::
 
     megarl.json          what it holds: {"format": "megarl", "hf_config": ..., "dtype": ..., "tokenizer": ...,
-                         "files": {every other file's path: its size in bytes}, plus whatever the trainer adds:
-                         step, dataloader state, ...}
+                         "files": {every other file's path: its size in bytes}, "hashes": {"xxh3_128": {every
+                         other file's path: its content hash}}, plus whatever the trainer adds: step, dataloader
+                         state, ...}
     model/               megatron-core dist checkpoint (torch_dist) of the actor ("model") and, when saved by
                          the trainer, its optimizer and the critic: metadata.json (its format), .metadata (the
                          index: every tensor's file, offset and length), __<rank>_<k>.distcp, common.pt
     ranks/               per-rank objects (the trainer's RNG states)
 
 Checkpoints are written atomically: into ``<dir>.tmp`` and renamed once every rank has finished, so a crash
-mid-save leaves the previous checkpoint intact. A checkpoint damaged afterwards (a file truncated or deleted, a
-torn ``megarl.json``) is found before anything loads it by :func:`checkpoint_fault`, a cheap look at its files
-(sizes, JSON, megatron's index; no tensor is read); :func:`sound_checkpoint` is a run folder's newest checkpoint
-that passes it. Because megatron's dist checkpoints are layout-free, one saved
+mid-save leaves the previous checkpoint intact. A checkpoint damaged afterwards (a file truncated, deleted or
+overwritten, a torn ``megarl.json``) is found before anything loads it by
+:func:`~megarl.models.integrity.checkpoint_fault` (sizes, JSON, megatron's index, content hashes; no tensor is
+read), which :func:`read_meta`, every reader's first step, runs; :func:`sound_checkpoint` is a run folder's newest
+checkpoint that passes it. Because megatron's dist checkpoints are layout-free, one saved
 at TP=2 x PP=1 loads at TP=1 x PP=2, and one saved at PP=2 x VPP=2 (model chunks) at PP=1 (megatron-core's
 resharding loader).
 """
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from megarl.config import DTYPE_TABLE
 from megarl.models.hf_io import (HFCheckpoint, open_hf_checkpoint, read_generation_config, read_hf_config,
                                  resolve_model_path)
+from megarl.models.integrity import META_FILE, checkpoint_fault, files_meta, record_files
 from megarl.models.layout import VALUE_HEAD, lora_canonical_shapes, megatron_rank_tensors
 from megarl.models.lora import is_adapter
 from megarl.models.spec import ModelSpec, SpecError
@@ -49,7 +52,6 @@ from megarl.textfiles import read_json
 
 log = logging.getLogger(__name__)
 
-META_FILE = "megarl.json"
 CHECKPOINT_FIX = "the checkpoint is damaged: restore the file, or use an older checkpoint"
 CHECKPOINT_PREFIX = "step_"  # a run's checkpoints: <run folder>/checkpoints/step_<N>
 RUN_CHECKPOINTS = "checkpoints"
@@ -96,62 +98,10 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def checkpoint_fault(path: str | os.PathLike) -> str | None:
-    """What is wrong with the files of the checkpoint at ``path``, in words naming the file (relative to
-    ``path``) and the cause, or None when they look sound. Cheap (no tensor is read): ``megarl.json`` parses;
-    every file it records (``files``, written by :func:`save_checkpoint`) is there with its size; megatron's
-    ``model/metadata.json`` parses and its index ``model/.metadata`` loads; every file that index names is there
-    and long enough for the tensors it places in it (checkpoints written before ``files`` was recorded get this
-    check alone)."""
-    path = Path(path)
-
-    def parse_json(rel: str) -> tuple[Any, str | None]:
-        try:
-            return json.loads((path / rel).read_text()), None
-        except FileNotFoundError:
-            return None, f"{rel} is missing"
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            return None, f"{rel} is not valid JSON ({e})"
-        except OSError as e:
-            return None, f"{rel} cannot be read ({describe(e)})"
-
-    meta, fault = parse_json(META_FILE)
-    if fault:
-        return fault
-    if not isinstance(meta, dict):
-        return f"{META_FILE} does not hold a checkpoint's description (a JSON {type(meta).__name__})"
-    for rel, size in sorted((meta.get("files") or {}).items()):
-        f = path / rel
-        if not f.is_file():
-            return f"{rel} is missing"
-        if (have := f.stat().st_size) != size:
-            return f"{rel} has {have} bytes, {size} were written"
-    _, fault = parse_json("model/metadata.json")
-    if fault:
-        return fault
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if not (path / "model" / ".metadata").is_file():
-        return "model/.metadata is missing"
-    try:
-        index = FileSystemReader(str(path / "model")).read_metadata()
-        needed: dict[str, int] = {}
-        for info in (index.storage_data or {}).values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    except Exception as e:  # noqa: BLE001 (a torn pickle: EOFError, UnpicklingError, ...)
-        return f"model/.metadata cannot be read ({type(e).__name__}: {str(e)[:200] or 'no detail'})"
-    for rel, size in sorted(needed.items()):
-        f = path / "model" / rel
-        if not f.is_file():
-            return f"model/{rel} is missing (model/.metadata places tensors in it)"
-        if (have := f.stat().st_size) < size:
-            return f"model/{rel} is truncated: {have} bytes, model/.metadata places tensors up to byte {size}"
-    return None
-
-
 class CheckpointDamagedError(ValueError):
-    """A checkpoint whose files passed :func:`checkpoint_fault` but did not load (bytes overwritten, the size
-    unchanged): ``path`` and ``fault``, in words naming the file, the tensor and the cause."""
+    """A damaged checkpoint: one that :func:`checkpoint_fault` finds damaged when :func:`read_meta` reads it, or
+    whose files passed it but did not load (bytes overwritten in a checkpoint written before content hashes):
+    ``path`` and ``fault``, in words naming the file (and the tensor) and the cause."""
 
     def __init__(self, path: str | os.PathLike, fault: str):
         super().__init__(f"the checkpoint {path} is damaged: {fault}; {CHECKPOINT_FIX}")
@@ -221,17 +171,14 @@ def run_folder_as_model(path: str | os.PathLike) -> str | None:
             "megarl checkpoint)")
 
 
-def _file_sizes(directory: Path) -> dict[str, int]:
-    """Every file under ``directory`` (relative path, POSIX form) with its size in bytes."""
-    return {f.relative_to(directory).as_posix(): f.stat().st_size for f in sorted(directory.rglob("*"))
-            if f.is_file()}
-
-
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``megarl.json`` of a checkpoint.
+    """The ``megarl.json`` of a checkpoint whose files are sound: every reader of a checkpoint (a resume, eval,
+    export, a model or reference load) reads it here, so each refuses a damaged one alike, before it loads
+    anything (:func:`checkpoint_fault`: sizes, megatron's index and content hashes, read once per process).
 
     Raises:
         FileNotFoundError: not a megarl checkpoint directory.
+        CheckpointDamagedError: a file is missing, cut short or holds other bytes than were written.
     """
     f = Path(path) / META_FILE
     if not Path(path).exists():
@@ -239,7 +186,10 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     if not f.is_file():
         raise FileNotFoundError(run_folder_as_model(path) or f"{path} is not a megarl checkpoint (no {META_FILE}); "
                                 "convert a Hugging Face checkpoint with `megarl convert`")
-    return read_json(f, CHECKPOINT_FIX)
+    meta = read_json(f, CHECKPOINT_FIX)  # a torn megarl.json named with its line and column
+    if fault := checkpoint_fault(path):
+        raise CheckpointDamagedError(path, fault)
+    return meta
 
 
 def checkpoint_spec(path: str | os.PathLike) -> ModelSpec:
@@ -413,8 +363,10 @@ def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta
             for name, obj in per_rank.items():
                 torch.save(obj, tmp / "ranks" / f"{name}_{rank}.pt")
         dist.barrier()
+        records = [None] * dist.get_world_size()  # every rank's files are written: each rank hashes its share
+        dist.all_gather_object(records, record_files(tmp, rank, dist.get_world_size()))
         if rank == 0:
-            meta = {**meta, "files": _file_sizes(tmp)}  # every rank's files are written: checkpoint_fault's sizes
+            meta = {**meta, **files_meta({k: v for part in records for k, v in part.items()})}
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
             fault_point("checkpoint.before_rename")
             if final.exists():

@@ -320,7 +320,45 @@ def open_hf_checkpoint(path: str | os.PathLike | None) -> HFCheckpoint:
     return ckpt
 
 
+def check_safetensors(path: Path) -> None:
+    """Check a safetensors file's frame without reading a tensor: an 8-byte little-endian header length, that
+    many bytes of JSON header, then the tensors' bytes, which end where the header's largest ``data_offsets``
+    says (the safetensors format; its own reader says ``Error while deserializing header`` and names no file).
+
+    Raises:
+        FileFormatError: naming the file, what is wrong (header unreadable, truncated: expected N bytes, found
+            M) and the fix.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        text = f.read(length) if length is not None and length <= size - 8 else b""
+    where = f"{path}: not a readable safetensors file"
+    if length is None or length > size - 8:
+        raise FileFormatError(f"{where}: its header is unreadable ({size} bytes, " + (
+            "too short for the 8-byte header length" if length is None else
+            f"the header length says {length} bytes of header follow") + f"); {MODEL_FIX}")
+    try:
+        header = json.loads(text)
+        end = 8 + length + max([int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"],
+                               default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise FileFormatError(f"{where}: its header is unreadable ({type(e).__name__}: {str(e)[:120]}); "
+                              f"{MODEL_FIX}") from None
+    if size != end:
+        raise FileFormatError(f"{where}: {'truncated' if size < end else 'longer than its header says'}: expected "
+                              f"{end} bytes (its header places tensors up to there), found {size}; {MODEL_FIX}")
+
+
 def _safetensors_index(directory: Path) -> dict[str, Path]:
+    """Which file of a Hugging Face directory holds each tensor (its index's ``weight_map``, or every
+    ``*.safetensors`` file's header), every file checked by :func:`check_safetensors` first.
+
+    Raises:
+        FileNotFoundError: no safetensors file, or shards the index names missing. FileFormatError: a damaged
+            index or safetensors file.
+    """
     from safetensors import safe_open
 
     index = directory / "model.safetensors.index.json"
@@ -329,10 +367,14 @@ def _safetensors_index(directory: Path) -> dict[str, Path]:
         missing = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
         if missing:
             raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
+        for f in sorted(set(weight_map.values())):
+            check_safetensors(directory / f)
         return {name: directory / f for name, f in weight_map.items()}
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory} has no *.safetensors files")
+    for f in files:
+        check_safetensors(f)
     out = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:

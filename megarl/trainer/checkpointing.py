@@ -321,8 +321,8 @@ class Checkpointer:
         path = resumable_checkpoint(self.cfg)  # the newest sound one (check_run_folder warned of damaged ones)
         self.offloads.to_device()
         while True:
-            meta = ck.read_meta(path)
             try:
+                meta = ck.read_meta(path)
                 with phase("resume"):
                     loaded = ck.load_checkpoint(path, self._sharded_state(
                         is_loading=True, optimizer_format=meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT),

@@ -51,7 +51,7 @@ from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
 from megarl.parallel.placement import PoolGroups
 from megarl.workers.optimizer import (OPTIMIZER_CHAIN_PREFIX, OPTIMIZER_FORMAT, load_optimizer_state,
-                                      sharded_optimizer_state, use_fused_adam)
+                                      init_adam_state, sharded_optimizer_state, use_fused_adam)
 from megarl.workers.packing import pack_rows, pack_shares, trim_to_longest
 
 MODEL_INPUTS = ("input_ids", "prompt_lens", "response_mask")
@@ -201,6 +201,7 @@ class MegatronWorker:
             initial_loss_scale=FP16_INITIAL_LOSS_SCALE), ddps,
             pg_collection=self.pg_collection, use_gloo_process_groups=self.pg_collection is None)
         use_fused_adam(opt)
+        init_adam_state(opt)
         # The schedule multiplies the last stage's loss by the optimizer's loss scale before the backward (1.0
         # for bf16/fp32; fp16's dynamic scale, which the optimizer divides out of the gradients), as Megatron-LM's
         # setup_model_and_optimizer sets it; without it fp16 gradients were 2**-32 of their size.

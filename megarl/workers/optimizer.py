@@ -53,6 +53,37 @@ def use_fused_adam(optimizer) -> None:
                 group["foreach"], group["fused"] = False, True
 
 
+def init_adam_state(optimizer) -> None:
+    """Give the torch Adam/AdamW inside a megatron optimizer (plain, chained, or the sub-optimizers of the
+    HybridDeviceOptimizer of ``optim.cpu_offload``) the state that torch creates lazily at its first step
+    (``torch.optim.Adam._init_group``): for every parameter a step count of 0 (float32; on the parameter's device
+    for the fused kernel) and zero moments of its shape and dtype, so the first update is the same. A
+    never-stepped optimizer (the actor during the critic's warm-up) is then checkpointed and resumed as any
+    other: megatron-core's DistributedOptimizer reads its one step count from the state to save it (an empty
+    state failed its ``assert len(steps) == 1``), and a run resumed from it makes the uninterrupted run's first
+    update. The moments take the memory that the first update would take (2 x the fp32 main
+    parameters of this rank's shard), from the build on."""
+    for wrapper in _optimizers(optimizer):
+        inner = getattr(wrapper, "optimizer", None)
+        hybrid = getattr(inner, "sub_optimizers", None)  # optim.cpu_offload: megatron's HybridDeviceOptimizer
+        for adam in hybrid if hybrid is not None else [inner]:
+            if type(adam) not in (torch.optim.Adam, torch.optim.AdamW):
+                continue
+            for group in adam.param_groups:
+                on_device = group.get("fused") or group.get("capturable")
+                for p in group["params"]:
+                    if adam.state[p]:
+                        continue
+                    state = adam.state[p]
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group.get("amsgrad"):
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if hybrid is not None:
+            inner._sync_sub_optimizers_state_to_hdo()  # what its step does after the sub-optimizers' steps
+
+
 def sharded_optimizer_state(optimizer, model_sd: dict[str, Any], *, is_loading: bool,
                             optimizer_format: str = OPTIMIZER_FORMAT,
                             chain_prefix: bool = OPTIMIZER_CHAIN_PREFIX) -> dict[str, Any]:
@@ -83,10 +114,10 @@ def load_optimizer_state(optimizer, loaded: dict[str, Any]) -> None:
 
 
 def _materialize_state(optimizer) -> None:
-    """Without TE or apex, torch's Adam has no state before its first step, and megatron's
-    DistributedOptimizer cannot describe an empty state for loading (``state_dict`` asserts one ``step``).
-    Create it the way megatron does for its FSDP checkpoints: one step on zero gradients (the parameters
-    are loaded from the checkpoint right after)."""
+    """An optimizer whose state is created at its first step (TE's or apex's fused Adam; torch's has its
+    state from the build on: :func:`init_adam_state`) cannot describe an empty state for loading. Create it
+    the way megatron does for its FSDP checkpoints: one step on zero gradients (the parameters are loaded
+    from the checkpoint right after)."""
     for opt in _optimizers(optimizer):
         if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()
