@@ -254,6 +254,11 @@ def prepare_files(cfg: Config, files: list[str]) -> None:
 
         write = functools.partial(prepare_reasoning_gym, kwargs=cfg.data.prepare_kwargs)
         what = "reasoning-gym's tasks"
+    elif name == "verifiers":
+        from megarl.environments.verifiers import prepare_verifiers
+
+        write = functools.partial(prepare_verifiers, kwargs=cfg.data.prepare_kwargs)
+        what = f"verifiers taskset {cfg.data.prepare_kwargs.get('taskset')!r}"
     elif name == "arithmetic":
         from megarl.data.arithmetic import prepare_arithmetic as write
 
