@@ -123,6 +123,7 @@ ENVIRONMENTS: Registry[Callable[..., Environment]] = Registry("environment", "re
 register_env = ENVIRONMENTS.register
 # environments of other libraries (megarl/environments/), imported when a config names them
 ENVIRONMENTS.declare("verifiers", "megarl.environments.verifiers:VerifiersEnvironment")
+ENVIRONMENTS.declare("textarena", "megarl.environments.textarena:TextArenaEnvironment")
 
 
 @register_env("tools")
