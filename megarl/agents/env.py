@@ -124,6 +124,7 @@ register_env = ENVIRONMENTS.register
 # environments of other libraries (megarl/environments/), imported when a config names them
 ENVIRONMENTS.declare("verifiers", "megarl.environments.verifiers:VerifiersEnvironment")
 ENVIRONMENTS.declare("textarena", "megarl.environments.textarena:TextArenaEnvironment")
+ENVIRONMENTS.declare("openenv", "megarl.environments.openenv:OpenEnvEnvironment")
 
 
 @register_env("tools")
