@@ -4,7 +4,8 @@
 # with --no-deps) and the megarl._C extension (CUDA build where a GPU and nvcc exist, CPU build elsewhere).
 # Safe to run again: it installs only what changed.
 #   MEGARL_PYTHON=/path/to/python3.12 ./build.sh    choose the interpreter
-#   MEGARL_EXTRAS=dev,gpu ./build.sh                 extras to install (default: dev; gpu adds vllm 0.24.0)
+#   MEGARL_EXTRAS=dev,gpu ./build.sh                 extras to install (default: dev, with envs: verifiers, textarena;
+#                                                    gpu adds vllm 0.24.0)
 set -euo pipefail
 cd "$(dirname "$0")"
 

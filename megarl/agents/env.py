@@ -27,6 +27,10 @@ It lives as long as its episode, so it keeps the episode's state on ``self``::
   is done. Calls run on a worker thread, at the same time as other episodes' turns and generation.
 - ``self.rng``: a ``random.Random`` seeded for the episode (from the run's seed, the step and the episode's
   prompt and sample index), set before ``reset``, for environments that draw (a secret, a maze).
+- :meth:`Environment.close` is called once when the episode ends, however it ended (done, a turn or token
+  budget, the context; not after an exception): an environment that scores the whole episode (a rubric, a game's
+  outcome) returns its reward there; ``self.metrics`` (name -> float, set any time) are averaged over the step's
+  episodes that set them (``reward/<name>``, ``game/win``, ...).
 - The episode's reward is the sum of the rewards the environment returned, or, where it returned none, the
   run's ``reward.fn`` on the episode's last assistant message (the prompt and ground truth as for one-turn
   responses). An exception in ``reset`` or ``step`` ends that episode with reward 0 and is counted
@@ -95,12 +99,19 @@ class Environment:
         """The episode's first messages (module docstring); default: ``prompt``."""
         return prompt
 
+    metrics: dict[str, float] = {}  # the episode's figures (module docstring); an instance sets its own dict
+
     def step(self, turn: AssistantTurn) -> StepResult:
         """The observations after ``turn`` (module docstring); default: :func:`tool_messages`, done when the turn
         called no tool (and wrote no malformed call)."""
         if not turn.tool_results:
             return StepResult(done=True)
         return StepResult(tool_messages(turn))
+
+    def close(self, end: str) -> float | None:
+        """The episode has ended (``end``: one of :data:`megarl.agents.rollout.ENDS` but "env_error"); returns a
+        reward added to the episode's, or None (the default)."""
+        return None
 
 
 def tool_messages(turn: AssistantTurn) -> list[Message]:
@@ -110,6 +121,10 @@ def tool_messages(turn: AssistantTurn) -> list[Message]:
 
 ENVIRONMENTS: Registry[Callable[..., Environment]] = Registry("environment", "register_env")
 register_env = ENVIRONMENTS.register
+# environments of other libraries (megarl/environments/), imported when a config names them
+ENVIRONMENTS.declare("verifiers", "megarl.environments.verifiers:VerifiersEnvironment")
+ENVIRONMENTS.declare("textarena", "megarl.environments.textarena:TextArenaEnvironment")
+ENVIRONMENTS.declare("openenv", "megarl.environments.openenv:OpenEnvEnvironment")
 
 
 @register_env("tools")

@@ -182,6 +182,7 @@ class EpisodeResult:
         turns_cut: turns cut at ``rollout.max_new_tokens``.
         finish_reason: "length" when the episode was cut by its token budget or the context, or its last turn
             at ``rollout.max_new_tokens``; else "stop".
+        metrics: the environment's figures of the episode (``Environment.metrics``: ``reward/<name>``, ...).
     """
 
     prompt_index: int
@@ -198,6 +199,7 @@ class EpisodeResult:
     splits: int
     turns_cut: int = 0
     last_cut: bool = False
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def finish_reason(self) -> str:
@@ -230,7 +232,8 @@ class EpisodeBatch:
 
     def metrics(self) -> dict[str, float]:
         """Per-step figures (``agent/...``): turns, tool calls and errors by kind, environment seconds, tokens by
-        role, episodes by how they ended, splits, prefix-cache hit rate."""
+        role, episodes by how they ended, splits, prefix-cache hit rate; and the environments' own figures
+        (``EpisodeResult.metrics``), each the mean over the episodes that report it."""
         eps = self.episodes
         count = max(len(eps), 1)
         errors = Counter()
@@ -253,6 +256,9 @@ class EpisodeBatch:
         out.update({f"agent/tool_errors/{k}": float(errors.get(k, 0)) for k in ERROR_KINDS})
         ends = Counter(e.end for e in eps)
         out.update({f"agent/ended/{k}": ends.get(k, 0) / count for k in ENDS})
+        for name in sorted({k for e in eps for k in e.metrics}):  # each over the episodes that report it
+            values = [e.metrics[name] for e in eps if name in e.metrics]
+            out[name] = float(np.mean(values))
         return out
 
 
@@ -311,11 +317,22 @@ def _episode(loop: GenerationLoop, renderer: ChatRenderer, env, tools: Mapping[s
     state = {"env_s": 0.0, "calls": 0, "rewards": [], "text": "", "turns": 0, "used": 0, "cut": 0, "last_cut": False}
 
     def finish(end: str) -> EpisodeResult:
+        if end != "env_error" and callable(getattr(env, "close", None)):
+            t0 = time.perf_counter()
+            try:
+                closing = env.close(end)
+            except Exception as e:  # noqa: BLE001
+                log.warning("environment close failed (prompt %d): %s: %s", prompt_index, type(e).__name__, e)
+                end, closing = "env_error", None
+            state["env_s"] += time.perf_counter() - t0
+            if closing is not None:
+                state["rewards"].append(float(closing))
         rewards = state["rewards"]
         reward = 0.0 if end == "env_error" else (float(sum(rewards)) if rewards else None)
         return EpisodeResult(prompt_index, sample_index, tokens.trained_samples, reward, end, state["text"],
                              tokens.messages, state["turns"], state["calls"], dict(errors), state["env_s"],
-                             tokens.splits, state["cut"], state["last_cut"])
+                             tokens.splits, state["cut"], state["last_cut"],
+                             {k: float(v) for k, v in dict(getattr(env, "metrics", None) or {}).items()})
 
     t0 = time.perf_counter()
     try:

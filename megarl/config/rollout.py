@@ -206,7 +206,8 @@ class RolloutConfig:
                 f"is a vLLM knob, but rollout.engine={self.engine}; use rollout.engine=vllm or leave its default")
 
 
-PREPARED = ("arithmetic", "calculator", "gsm8k")  # data.prepare's datasets; each writes its train.parquet and test.parquet
+# data.prepare's datasets; each writes its train.parquet and test.parquet
+PREPARED = ("arithmetic", "calculator", "gsm8k", "reasoning_gym", "verifiers")
 
 
 @dataclass
@@ -217,7 +218,11 @@ class DataConfig:
         train_files: jsonl or parquet files with one prompt per row.
         prepare: if the train files are missing, prepare them first: "arithmetic" (the CPU default's task,
             :mod:`megarl.data.arithmetic`), "calculator" (its 5-digit version, for the calculator tool), "gsm8k"
-            (from ``gsm8k_source``) or null.
+            (from ``gsm8k_source``), "reasoning_gym" (reasoning-gym's tasks named by ``prepare_kwargs``,
+            :mod:`megarl.environments.reasoning_gym`), "verifiers" (a verifiers taskset's tasks,
+            :mod:`megarl.environments.verifiers`) or null.
+        prepare_kwargs: the preparation's settings (reasoning_gym: tasks, size, test_size, seed; verifiers:
+            taskset, taskset_args, size, test_size); {} for the others.
         gsm8k_source: a local GSM8K folder ({train,test}.jsonl) or "hub" (openai/gsm8k, online only);
             "auto" tries ../shared/data/gsm8k, then the hub.
         prompt_key / answer_key: row fields holding the prompt and the ground truth.
@@ -231,6 +236,7 @@ class DataConfig:
 
     train_files: list[str] = field(default_factory=lambda: ["data/arithmetic/train.parquet"])
     prepare: Optional[str] = "arithmetic"
+    prepare_kwargs: dict[str, Any] = field(default_factory=dict)
     gsm8k_source: str = "auto"
     prompt_key: str = "question"
     answer_key: str = "ground_truth"
@@ -247,6 +253,9 @@ class DataConfig:
         require(self.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
         require(self.prepare is None or self.prepare in PREPARED, "data.prepare",
                 f"must be null or one of {list(PREPARED)}, got {self.prepare!r}")
+        require(not self.prepare_kwargs or self.prepare in ("reasoning_gym", "verifiers"), "data.prepare_kwargs",
+                f"are settings of data.prepare=reasoning_gym or verifiers, but data.prepare={self.prepare}; leave "
+                "them empty")
 
 
 @dataclass

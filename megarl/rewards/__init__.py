@@ -5,6 +5,9 @@ See :mod:`megarl.rewards.registry` for the calling convention; ``load_reward_fn(
 """
 
 from megarl.rewards import arithmetic, gsm8k, http_reward, reward_model  # noqa: F401  (the built-in rewards)
-from megarl.rewards.registry import LoadedReward, RewardError, load_reward_fn, register_reward
+from megarl.rewards.registry import REWARDS, LoadedReward, RewardError, load_reward_fn, register_reward
+
+# reasoning-gym's tasks, each scored by its own score_answer (imported when a config names it)
+REWARDS.declare("reasoning_gym", "megarl.environments.reasoning_gym:reasoning_gym_reward")
 
 __all__ = ["LoadedReward", "RewardError", "load_reward_fn", "register_reward"]

@@ -152,3 +152,22 @@ def find_reward(spec: str) -> Any:
         RewardError: unknown name, a module that fails to import, a missing attribute, not callable.
     """
     return REWARDS.find(spec, RewardError)
+
+
+def task_metrics(tasks: Sequence[Any], scores: torch.Tensor, correct: Sequence[bool],
+                 scored: torch.Tensor) -> dict[str, float]:
+    """Reward figures per task, for data whose rows name one (a ``task`` field: reasoning-gym's,
+    :mod:`megarl.environments.reasoning_gym`): ``reward/<task>/mean`` and ``reward/<task>/accuracy`` (score >= 1)
+    over each task's scored samples.
+
+    Args:
+        tasks: ``B`` task names, None where a row names none (left out).
+        scores: ``[B]`` float32. correct: ``B`` bools. scored: ``[B]`` bool, False where the score was dropped.
+    """
+    out: dict[str, float] = {}
+    for task in sorted({str(t) for t in tasks if t is not None}):
+        rows = [k for k, t in enumerate(tasks) if t is not None and str(t) == task and bool(scored[k])]
+        if rows:
+            out[f"reward/{task}/mean"] = scores[rows].mean().item()
+            out[f"reward/{task}/accuracy"] = sum(bool(correct[k]) for k in rows) / len(rows)
+    return out

@@ -242,10 +242,24 @@ def prepare_files(cfg: Config, files: list[str]) -> None:
             write (never replaced), or is part of a training run.
     """
     name = cfg.data.prepare
+    if name == "reasoning_gym":  # the tasks exist, and files already there were made from these settings
+        from megarl.environments.reasoning_gym import check_prepared
+
+        check_prepared([f for f in files if preparable(name, f)], cfg.data.prepare_kwargs)
     folders = dict.fromkeys(Path(f).parent for f in files if not Path(f).is_file() and preparable(name, f))
     if not folders:
         return
-    if name == "arithmetic":
+    if name == "reasoning_gym":
+        from megarl.environments.reasoning_gym import prepare_reasoning_gym
+
+        write = functools.partial(prepare_reasoning_gym, kwargs=cfg.data.prepare_kwargs)
+        what = "reasoning-gym's tasks"
+    elif name == "verifiers":
+        from megarl.environments.verifiers import prepare_verifiers
+
+        write = functools.partial(prepare_verifiers, kwargs=cfg.data.prepare_kwargs)
+        what = f"verifiers taskset {cfg.data.prepare_kwargs.get('taskset')!r}"
+    elif name == "arithmetic":
         from megarl.data.arithmetic import prepare_arithmetic as write
 
         what = "the arithmetic task"
@@ -362,8 +376,13 @@ def check_reward(cfg: Config) -> None:
 
 
 def check_data_files(cfg: Config) -> None:
-    """:func:`check_files` of ``data.train_files`` and, when validation is on, ``validation.files``."""
+    """:func:`check_files` of ``data.train_files`` and, when validation is on, ``validation.files``; with
+    ``data.prepare=reasoning_gym``, its ``data.prepare_kwargs`` (tasks reasoning-gym has)."""
     check_files(cfg, "data.train_files", cfg.data.train_files)
+    if cfg.data.prepare == "reasoning_gym":  # the task names, weights and configs, against reasoning-gym
+        from megarl.environments.reasoning_gym import normalise_kwargs
+
+        normalise_kwargs(cfg.data.prepare_kwargs)
     if cfg.validation.enabled:
         check_files(cfg, "validation.files", cfg.validation.files, " (or validation.enabled=false)")
 

@@ -46,7 +46,7 @@ from megarl.parallel.placement import (build_pool_groups, global_layout, join_op
                                       validate_for_world)
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
-from megarl.rewards.registry import load_reward_fn
+from megarl.rewards.registry import load_reward_fn, task_metrics
 from megarl.rollout.base import RolloutOutput, SamplingConfig
 from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel, map_data_parallel, map_share,
                                           rollout_dp_group)
@@ -286,6 +286,9 @@ class Trainer:
         metrics = {**prepared, **updates, **batch_metrics(batch, version=version, step=self.state.step + 1,
                                                           epoch=self.state.loader.epoch),
                    **old_logprob_metrics(batch, self.cfg.algorithm)}
+        task = dict(zip(prompts.index, (row.get("task") for row in prompts.rows or ())))  # per-task figures
+        metrics.update(task_metrics([task.get(i) for i in batch.meta["index"]], batch["scores"],
+                                    batch.meta["correct"], ~batch["dropped"]))
         if self.agent is not None:  # turns, tools, tokens by role; the reward figures per episode
             metrics.update(episode_metrics(batch, out))
         return metrics, batch
