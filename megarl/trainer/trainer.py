@@ -46,7 +46,7 @@ from megarl.parallel.placement import (build_pool_groups, global_layout, join_op
                                       validate_for_world)
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
-from megarl.rewards.registry import load_reward_fn
+from megarl.rewards.mix import StepReward, merge_reward_metrics
 from megarl.rollout.base import RolloutOutput, SamplingConfig
 from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel, map_data_parallel, map_share,
                                           rollout_dp_group)
@@ -121,7 +121,7 @@ class Trainer:
         self.spec = resolve_eos(self.spec, self.tokenizer, cfg.model.path, self.generation_config)
         self.prompts = load_prompts(cfg, self.tokenizer)
         self.reward_ranks = self.layouts["reward"].ranks  # a reward model is loaded on its pool only
-        self.reward_fn = load_reward_fn(cfg.reward.fn, cfg.reward.kwargs) if self.rank in self.reward_ranks else None
+        self.reward_fn = StepReward(cfg.reward) if self.rank in self.reward_ranks else None
         self.agent = build_agent(cfg, self.tokenizer) if cfg.rollout.multi_turn.enabled else None  # episodes
         self.validation = None
         if cfg.validation.enabled:
@@ -287,6 +287,9 @@ class Trainer:
                 values = self.critic.compute_values(batch) if self.critic else None
         with t("share"):
             self._gather_scores(batch, scores, known_scores)
+            judge_metrics = merge_reward_metrics(gather_shares(
+                self.reward_fn and self.reward_fn.take_metrics(), self.reward_ranks, group=group)
+            ) if cfg.reward.judge.enabled else {}
             nonfinite_metrics = drop_nonfinite(batch, alg, self.step_idx + 1)  # every rank: the same decision
             shape_rewards(batch, alg, cfg.rollout.max_new_tokens)
             frame = batch["response_mask"].shape
@@ -332,7 +335,7 @@ class Trainer:
             "response/length_mean": mask.sum(-1).mean().item(), "response/length_max": mask.sum(-1).max().item(),
             "response/clip_ratio": float(np.mean([r == "length" for r in batch.meta["finish_reason"]])),
             "prompt/length_mean": batch["prompt_lens"].float().mean().item(),
-            **kl_metrics, **loss_metrics, **nonfinite_metrics, **old_logprob_metrics(batch, alg),
+            **kl_metrics, **loss_metrics, **nonfinite_metrics, **judge_metrics, **old_logprob_metrics(batch, alg),
             "rollout/policy_version": version, "rollout/staleness": staleness(self.step_idx + 1, version),
             "data/epoch": self.loader.epoch,
         })
@@ -447,6 +450,8 @@ class Trainer:
                      time.perf_counter() - start)
         self.engine.sleep(level=self.sleep_level)
         self.engine.calls = calls
+        if self.reward_fn is not None:  # the judge's figures are the training steps' alone
+            self.reward_fn.take_metrics()
         if self.rank == 0:
             append_samples(self.run_dir / "val_samples.jsonl", records, step=self.step_idx)
         return metrics
