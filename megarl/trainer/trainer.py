@@ -64,6 +64,7 @@ from megarl.trainer.offload import HostOffload
 from megarl.trainer.pipeline import staleness
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
 from megarl.trainer.run_lock import RunLock
+from megarl.trainer.teacher import build_teacher, check_teacher
 from megarl.trainer.validation import append_samples
 from megarl.trainer.workers import BasePolicy, CriticWorker, PolicyWorker
 
@@ -119,6 +120,7 @@ class Trainer:
         self.tokenizer_source = tokenizer_source(cfg, tok_source)
         self.tokenizer = load_tokenizer(self.tokenizer_source)
         self.spec = resolve_eos(self.spec, self.tokenizer, cfg.model.path, self.generation_config)
+        self.teacher_spec = check_teacher(cfg, self.tokenizer)  # on-policy distillation's, or None
         self.prompts = load_prompts(cfg, self.tokenizer)
         self.reward_ranks = self.layouts["reward"].ranks  # a reward model is loaded on its pool only
         self.reward_fn = StepReward(cfg.reward) if self.rank in self.reward_ranks else None
@@ -155,7 +157,10 @@ class Trainer:
                                       pool=pools["actor"], seed=cfg.run.seed)
         else:
             join_optimizer_setup()
-        if "reference" in pools and self.actor_lora and self.actor:  # the actor's base: its adapters off
+        if "reference" in pools and self.teacher_spec is not None:  # distillation: the teacher in the slot
+            self.ref = (build_teacher(cfg, self.teacher_spec, pools["reference"], dtype)
+                        if pools["reference"].holds_here else None)
+        elif "reference" in pools and self.actor_lora and self.actor:  # the actor's base: its adapters off
             self.ref = BasePolicy(self.actor)
         elif "reference" in pools and pools["reference"].holds_here:  # a copy of the actor where it is here
             self.ref = PolicyWorker(self.spec, pools["reference"].mesh, "actor", self.actor or source, dtype,
@@ -295,8 +300,9 @@ class Trainer:
             frame = batch["response_mask"].shape
             if pass_reason:
                 batch["old_logprobs"] = share_tensor(old, self.pools["actor"].ranks, frame, group=group)
-            if "reference" in self.pools:
-                batch["ref_logprobs"] = share_tensor(ref, self.pools["reference"].ranks, frame, group=group)
+            if "reference" in self.pools:  # the KL's reference, or distillation's teacher
+                key = "ref_logprobs" if self.teacher_spec is None else "teacher_logprobs"
+                batch[key] = share_tensor(ref, self.pools["reference"].ranks, frame, group=group)
             if "critic" in self.pools:
                 batch["values"] = share_tensor(values, self.pools["critic"].ranks, frame, group=group)
         self._log_samples(prompts, batch)
