@@ -19,11 +19,11 @@ from megarl.rewards.judge import GenerativeJudge, parse_verdict
 from megarl.rewards.mix import StepReward, merge_reward_metrics
 from megarl.rewards.registry import RewardError
 
-RUBRIC = "Q: {prompt}\nA: {response}\nREF: {reference}\nSay 'Score: N'."
+RUBRIC = "Q: {prompt} |A: {response} |REF: {reference} | Say 'Score: N'."
 
 
 class JudgeServer:
-    """A chat-completions server whose reply to a sample is ``script[response]``: a text, or ("sleep", s) (answer
+    """A chat-completions server whose reply to a sample is ``script[response]`` (or ``script(response)``): a text, or ("sleep", s) (answer
     after s seconds), or "500" (HTTP 500), or ("barrier", text) (wait until ``barrier`` requests are in flight at
     once, then answer text; an unmet barrier answers "no barrier"). Records each request's body."""
 
@@ -39,8 +39,8 @@ class JudgeServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append(body)
-                user = body["messages"][-1]["content"]
-                action = server.script[user.split("\nA: ")[1].split("\nREF: ")[0]]
+                response = body["messages"][-1]["content"].split(" |A: ")[1].split(" |REF: ")[0]
+                action = server.script(response) if callable(server.script) else server.script[response]
                 if action == "500":
                     self.send_response(500)
                     self.end_headers()
@@ -105,13 +105,13 @@ def test_scripted_scores_unreadable_verdicts_and_timeouts_give_the_scripted_rewa
     assert (counts["requests"], counts["unreadable"], counts["timeouts"]) == (7, 2, 1)
     assert judge.take_counts()["requests"] == 0  # taken: zeroed
     # r5 was sent twice (one retry after its timeout); each request carries the model, system and rubric
-    assert sum("A: r5\n" in r["messages"][-1]["content"] for r in server.requests) == 2
-    first = next(r for r in server.requests if "A: r0\n" in r["messages"][-1]["content"])
+    assert sum("|A: r5 |" in r["messages"][-1]["content"] for r in server.requests) == 2
+    first = next(r for r in server.requests if "|A: r0 |" in r["messages"][-1]["content"])
     assert first["model"] == "judge-m" and first["messages"][0] == {"role": "system",
                                                                      "content": "You are a strict grader."}
-    assert first["messages"][1]["content"] == "Q: p0\nA: r0\nREF: ref0\nSay 'Score: N'."
-    second = next(r for r in server.requests if "A: r1\n" in r["messages"][-1]["content"])
-    assert "REF: \n" in second["messages"][-1]["content"]  # no ground truth: empty reference
+    assert first["messages"][1]["content"] == "Q: p0 |A: r0 |REF: ref0 | Say 'Score: N'."
+    second = next(r for r in server.requests if "|A: r1 |" in r["messages"][-1]["content"])
+    assert "|REF:  |" in second["messages"][-1]["content"]  # no ground truth: empty reference
 
 
 def test_choices_and_a_null_error_score_give_nan(serve):
@@ -157,6 +157,38 @@ def test_mixed_with_a_rule_reward_by_weights(serve):
     assert merged == {"reward/judge_s": 3.0, "reward/judge_timeouts": 3}
 
 
+def test_a_training_step_scores_with_the_judge_and_logs_its_metrics(serve, tmp_path):
+    """Two CPU steps of the tiny task, the judge alone as the reward: each logged sample's score is the
+    scripted verdict of its response (10 for one starting with the target, 0 else, unreadable for "y"), and
+    the step's judge metrics count every sample and the unreadable ones."""
+    from tests.distributed import run_world
+    from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
+
+    def verdict(response):
+        words = response.split()
+        return "???" if words[:1] == ["y"] else f"Score: {10 if words[:1] == ['x'] else 0}"
+
+    server = serve(verdict)
+    model, data = make_tiny_model(tmp_path / "model"), write_prompts(tmp_path / "prompts.jsonl", 16)
+    overrides = task_overrides(model, data, tmp_path / "runs", "judge") + [
+        "trainer.steps=2", "trainer.save_every=0", "data.prompts_per_step=2", "rollout.n=4",
+        "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4", "trainer.log_samples=8",
+        "reward.judge.enabled=true", f"reward.judge.url={server.url}", f'reward.judge.rubric="{RUBRIC}"',
+        "reward.judge.error_score=-1", "reward.judge.max_retries=0"]
+    history = run_world(train_on_rank, 1, overrides)[0]
+    samples = [json.loads(line) for line in (tmp_path / "runs" / "judge" / "samples.jsonl").open()]
+    assert len(samples) == 16
+    for s in samples:
+        want = {"???": -1.0, "Score: 10": 1.0, "Score: 0": 0.0}[verdict(s["response"])]
+        assert s["score"] == want, s
+    for step, h in enumerate(history, 1):
+        ours = [s for s in samples if s["step"] == step]
+        assert h["reward/judge_requests"] == 8
+        assert h["reward/judge_unreadable"] == sum(verdict(s["response"]) == "???" for s in ours)
+        assert h["reward/judge_timeouts"] == 0 and h["reward/judge_s"] > 0 and "reward/rule_s" in h
+        assert h["reward/mean"] == pytest.approx(sum(s["score"] for s in ours) / 8)
+
+
 @pytest.mark.parametrize("text,kw,want", [
     ("Score: 7/10", {}, 0.7), ("score = 2.5", {}, 0.25), ("Score: -1", {}, None), ("seven", {}, None),
     ("Score: 3 ... on reflection, Score: 9", {}, 0.9), ("GRADE 4", {"normalize": False}, 4.0),
@@ -197,3 +229,4 @@ def test_bad_judge_configs_are_one_error_line_naming_the_field(overrides, field,
     assert status == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"megarl: error: {field}:"), lines[0]
     load_config(None, overrides[:1] + ["reward.judge.enabled=false"])  # off: nothing checked
+
