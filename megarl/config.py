@@ -973,6 +973,9 @@ class AlgorithmConfig:
         require(self.distill.teacher is None or self.kl.coef == 0, "algorithm.kl.coef",
                 f"must be 0 with algorithm.distill.teacher (got {self.kl.coef}): the teacher takes the reference's "
                 "slot, and the distillation signal is already a KL to it; set algorithm.kl.coef=0")
+        require(self.distill.teacher is None or self.distill.reward_coef > 0 or not self.dynamic_sampling.enabled,
+                "algorithm.dynamic_sampling.enabled", "drops groups whose task rewards tie, but distillation without "
+                "a task reward (algorithm.distill.reward_coef=0) learns from every group; set it to false")
         require(self.name in ADVANTAGES, "algorithm.name", f"unknown algorithm {self.name!r}; choose one of "
                  f"{ADVANTAGES.names()}")
         require(self.policy_loss in POLICY_LOSSES, "algorithm.policy_loss",

@@ -125,6 +125,8 @@ def other_teacher(models):
     (["algorithm.distill.teacher=NOWHERE"], "megarl: error: algorithm.distill.teacher: "),
     (["algorithm.distill.teacher=TEACHER", "algorithm.kl.coef=0.01"], "megarl: error: algorithm.kl.coef: must be 0"),
     (["algorithm.distill.teacher=TEACHER", "algorithm.distill.coef=0"], "megarl: error: algorithm.distill.coef:"),
+    (["algorithm.distill.teacher=TEACHER", "algorithm.dynamic_sampling.enabled=true"],
+     "megarl: error: algorithm.dynamic_sampling.enabled:"),
 ])
 def test_bad_teachers_are_one_error_line_before_any_process(models, other_teacher, extra, starts, monkeypatch,
                                                              capsys, tmp_path):
