@@ -165,3 +165,17 @@ def test_the_tokenizer_check_names_the_first_difference(models, other_teacher):
     with pytest.raises(ConfigError, match="another tokenizer than the student"):
         check_teacher(cfg, tok)
     assert json.loads((student / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_the_memory_estimate_counts_the_teacher_at_its_own_size(models):
+    from megarl.launch.memory import estimate_memory, stage_params
+    from megarl.models.checkpoint import source_spec
+
+    root, student, teacher, data = models
+    base = task_overrides(student, data, root / "runs", "m") + DISTILL
+    spec = source_spec(str(student))[0]
+    est = estimate_memory(load_config(None, base + [f"algorithm.distill.teacher={teacher}"]), spec, 1, gpu=False)
+    teacher_params = stage_params(source_spec(str(teacher))[0], 1, 1)
+    assert teacher_params > stage_params(spec, 1, 1)  # 3 layers against 2
+    assert est.reference == teacher_params * 4  # fp32
+    assert estimate_memory(load_config(None, base), spec, 1, gpu=False).reference == 0
