@@ -656,7 +656,8 @@ class JudgeConfig:
         system: an optional system message.
         verdict: "score" (a number in ``score_range``) or "choice" (a label of ``choices``).
         score_range: [low, high]; a score outside it is unreadable; normalize: map it to [0, 1].
-        choices: label -> reward for ``verdict=choice`` (labels matched case-insensitively), e.g. {yes: 1, no: 0}.
+        choices: label -> reward for ``verdict=choice`` (labels matched case-insensitively), e.g. {"yes": 1, "no": 0}
+            (quoted: YAML reads a bare yes / no as a boolean).
         pattern: the regular expression whose first group is the verdict (its last match counts); null = the
             built-in one of the verdict ("Score: 7", "Verdict: [[A]]"; a reply that is only the verdict also reads).
         error_score: the reward of an unreadable verdict or a timed-out request (null: no score, the sample is
@@ -714,7 +715,7 @@ class JudgeConfig:
         require(len(self.score_range) == 2 and self.score_range[0] < self.score_range[1], "reward.judge.score_range",
                 f"must be [low, high] with low < high, got {list(self.score_range)}")
         require(self.verdict != "choice" or len(self.choices) > 0, "reward.judge.choices",
-                "verdict=choice needs the labels and their rewards, e.g. reward.judge.choices='{yes: 1, no: 0}'")
+                "verdict=choice needs the labels and their rewards, e.g. reward.judge.choices='{\"yes\": 1, \"no\": 0}'")
         if self.pattern is not None:
             try:
                 groups = re.compile(self.pattern).groups

@@ -23,9 +23,10 @@ RUBRIC = "Q: {prompt} |A: {response} |REF: {reference} | Say 'Score: N'."
 
 
 class JudgeServer:
-    """A chat-completions server whose reply to a sample is ``script[response]`` (or ``script(response)``): a text, or ("sleep", s) (answer
-    after s seconds), or "500" (HTTP 500), or ("barrier", text) (wait until ``barrier`` requests are in flight at
-    once, then answer text; an unmet barrier answers "no barrier"). Records each request's body."""
+    """A chat-completions server whose reply to a sample is ``script[response]`` (or ``script(response)``): a text,
+    or ("sleep", s) (answer after s seconds), or "500" (HTTP 500), or ("barrier", text) (wait until ``barrier``
+    requests are in flight at once, then answer text; an unmet barrier answers "no barrier"). Records each
+    request's body."""
 
     def __init__(self, script: dict, barrier: int = 0):
         self.script, self.requests = script, []
@@ -123,6 +124,10 @@ def test_choices_and_a_null_error_score_give_nan(serve):
     scores = judge(["p"] * 5, list(script), None)
     assert scores[:4] == [1.0, 0.0, 1.0, 0.25] and math.isnan(scores[4])
     assert judge.take_counts()["unreadable"] == 1
+    # from the command line, quoted: a bare yes is YAML's True
+    cfg = load_config(None, ["reward.judge.enabled=true", f"reward.judge.url={server.url}",
+                             "reward.judge.verdict=choice", 'reward.judge.choices={"yes": 1, "no": 0.25}'])
+    assert cfg.reward.judge.choices == {"yes": 1.0, "no": 0.25}
 
 
 def test_requests_of_one_call_are_in_flight_together(serve):
