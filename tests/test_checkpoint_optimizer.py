@@ -62,7 +62,7 @@ def _never_stepped(rank, world, tmp, cpu_offload):
     from megarl.config import ActorConfig, OptimConfig
     from megarl.models import checkpoint as ck
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import MegatronWorker
+    from megarl.workers.engine import MegatronWorker
 
     initialize_model_parallel(ParallelLayout(dp=world))
 

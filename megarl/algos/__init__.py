@@ -10,6 +10,7 @@
 - :mod:`~megarl.algos.shaping`: DAPO's overlong reward penalty.
 - :mod:`~megarl.algos.nonfinite`: the rule for non-finite rollout log-probs, scores, losses and gradients.
 - :mod:`~megarl.algos.kl`: k1/k2/k3/k3+ KL estimators, the reward KL penalty, fixed/adaptive KL coefficient.
+- :mod:`~megarl.algos.distill`: on-policy distillation's per-token reverse KL to a teacher as the advantage.
 - :mod:`~megarl.algos.aggregation`: masked reductions, exact group deviations, loss aggregation with global
   normalisers.
 - :mod:`~megarl.algos.registry`: the registries (no torch): names, the config fields each algorithm takes.

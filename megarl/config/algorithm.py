@@ -163,6 +163,29 @@ class NonFiniteConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (:mod:`megarl.algos.distill`): a teacher scores every token the student sampled,
+    and the per-token reverse KL ``log p_student - log p_teacher`` is a negative advantage, with the task reward's
+    advantage mixed in. Off while ``teacher`` is null.
+
+    Attributes:
+        teacher: the teacher model, any ``model.path`` form megarl reads (HF directory, megarl checkpoint, GGUF
+            file), of any size, with the student's tokenizer; it takes the reference's slot (``placement.reference``,
+            ``placement.reference_parallel``).
+        coef: the reverse KL's weight in the advantage (> 0).
+        reward_coef: the weight of ``algorithm.name``'s task-reward advantage (0: distillation alone).
+    """
+
+    teacher: Optional[str] = None
+    coef: float = 1.0
+    reward_coef: float = 0.0
+
+    def __post_init__(self):
+        require(self.coef > 0, "algorithm.distill.coef", f"must be > 0 (the reverse KL's weight), got {self.coef}")
+        require(self.reward_coef >= 0, "algorithm.distill.reward_coef", f"must be >= 0, got {self.reward_coef}")
+
+
+@dataclass
 class AlgorithmConfig:
     """The RL algorithm: advantage estimator, policy/value losses, KL.
 
@@ -183,7 +206,7 @@ class AlgorithmConfig:
         loss_agg_mode: token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (Dr.
             GRPO: each response's token sum over the constant loss_norm_tokens).
         loss_norm_tokens: the constant of seq-mean-token-sum-norm, tokens; null = rollout.max_new_tokens.
-        rollout_correction / dynamic_sampling / overlong / nonfinite: see their sections.
+        rollout_correction / dynamic_sampling / overlong / nonfinite / distill: see their sections.
         entropy_coef: entropy bonus weight.
         value_clip: PPO value clipping range; vf_coef: value-loss weight.
     """
@@ -208,8 +231,15 @@ class AlgorithmConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self):
+        require(self.distill.teacher is None or self.kl.coef == 0, "algorithm.kl.coef",
+                f"must be 0 with algorithm.distill.teacher (got {self.kl.coef}): the teacher takes the reference's "
+                "slot, and the distillation signal is already a KL to it; set algorithm.kl.coef=0")
+        require(self.distill.teacher is None or self.distill.reward_coef > 0 or not self.dynamic_sampling.enabled,
+                "algorithm.dynamic_sampling.enabled", "drops groups whose task rewards tie, but distillation without "
+                "a task reward (algorithm.distill.reward_coef=0) learns from every group; set it to false")
         require(self.name in ADVANTAGES, "algorithm.name", f"unknown algorithm {self.name!r}; choose one of "
                  f"{ADVANTAGES.names()}")
         require(self.policy_loss in POLICY_LOSSES, "algorithm.policy_loss",
@@ -229,3 +259,9 @@ class AlgorithmConfig:
     def uses_critic(self) -> bool:
         """The advantage estimator needs a critic's values."""
         return "values" in ADVANTAGES.entry(self.name).needs
+
+    @property
+    def uses_reference(self) -> bool:
+        """A model in the reference's slot: the KL's reference policy (``kl.coef > 0``) or the distillation's
+        teacher (``distill.teacher``)."""
+        return self.kl.coef > 0 or self.distill.teacher is not None

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+import string
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -258,6 +260,103 @@ class DataConfig:
                 "them empty")
 
 
+JUDGE_BACKENDS = ("http",)  # reward.judge.backend: an OpenAI-compatible server (a "vllm" engine of our own: later)
+JUDGE_VERDICTS = ("score", "choice")  # reward.judge.verdict
+JUDGE_FIELDS = ("prompt", "response", "reference")  # the placeholders of reward.judge.rubric
+
+
+@dataclass
+class JudgeConfig:
+    """A generative judge (LLM-as-judge) as a reward: a judge model reads each (prompt, response, reference)
+    through a rubric and answers a verdict (:mod:`megarl.rewards.judge`). Off unless ``enabled``.
+
+    Attributes:
+        enabled: score with the judge; the step's reward is ``weight * judge + rule_weight * reward.fn``.
+        backend: "http": an OpenAI-compatible chat-completions server at ``url`` (vLLM's ``vllm serve``, SGLang,
+            a hosted API). (An engine of megarl's own, colocated with sleep, is planned as "vllm".)
+        url: the server's base URL (``http://judge-host:8000/v1``; ``/chat/completions`` is appended unless given).
+        model: the served model's name (the request's ``model``); null leaves the field out.
+        rubric: the user message, a Python format string with ``{prompt}``, ``{response}`` (required) and
+            ``{reference}`` (the ground truth; "" where there is none); double braces for literal ones.
+        system: an optional system message.
+        verdict: "score" (a number in ``score_range``) or "choice" (a label of ``choices``).
+        score_range: [low, high]; a score outside it is unreadable; normalize: map it to [0, 1].
+        choices: label -> reward for ``verdict=choice`` (labels matched case-insensitively), e.g. {"yes": 1, "no": 0}
+            (quoted: YAML reads a bare yes / no as a boolean).
+        pattern: the regular expression whose first group is the verdict (its last match counts); null = the
+            built-in one of the verdict ("Score: 7", "Verdict: [[A]]"; a reply that is only the verdict also reads).
+        error_score: the reward of an unreadable verdict or a timed-out request (null: no score, the sample is
+            dropped from its group, ``megarl.algos.nonfinite``); counted in ``reward/judge_unreadable``,
+            ``reward/judge_timeouts``.
+        max_concurrency: requests in flight at once; timeout_s: seconds per request; max_retries: retries of a
+            request that timed out, could not connect or got HTTP 429/5xx; backoff_s: the first retry's delay.
+        max_tokens / temperature: the judge's sampling.
+        weight / rule_weight: the judge's and ``reward.fn``'s weights in the reward (rule_weight 0: the judge
+            alone, reward.fn is not called).
+    """
+
+    enabled: bool = False
+    backend: str = "http"
+    url: Optional[str] = None
+    model: Optional[str] = None
+    rubric: str = ("Rate the response to the question from 0 (wrong or unhelpful) to 10 (correct and complete)."
+                   "\n\nQuestion: {prompt}\n\nResponse: {response}\n\nReference answer (may be empty): {reference}"
+                   "\n\nEnd your reply with 'Score: N'.")
+    system: Optional[str] = None
+    verdict: str = "score"
+    score_range: list[float] = field(default_factory=lambda: [0.0, 10.0])
+    normalize: bool = True
+    choices: dict[str, float] = field(default_factory=dict)
+    pattern: Optional[str] = None
+    error_score: Optional[float] = 0.0
+    max_concurrency: int = 32
+    timeout_s: float = 120.0
+    max_retries: int = 2
+    backoff_s: float = 1.0
+    max_tokens: int = 512
+    temperature: float = 0.0
+    weight: float = 1.0
+    rule_weight: float = 0.0
+
+    def __post_init__(self):
+        if not self.enabled:
+            return
+        require(self.backend in JUDGE_BACKENDS, "reward.judge.backend",
+                f"must be one of {list(JUDGE_BACKENDS)}, got {self.backend!r}; serve the judge with "
+                "`vllm serve JUDGE` and give its URL (reward.judge.url)")
+        require(self.url is not None and self.url.startswith(("http://", "https://")), "reward.judge.url",
+                f"the judge needs an OpenAI-compatible server's http:// or https:// URL, got {self.url!r}; e.g. "
+                "reward.judge.url=http://judge-host:8000/v1")
+        try:
+            names = [f for _, f, _, _ in string.Formatter().parse(self.rubric) if f is not None]
+        except ValueError as e:
+            names = [f"<{e}>"]
+        bad = [n for n in names if n not in JUDGE_FIELDS]
+        require(not bad and "response" in names, "reward.judge.rubric",
+                f"may use only the placeholders {{prompt}}, {{response}} (required) and {{reference}}, got "
+                f"{['{' + n + '}' for n in names]}; write literal braces as {{{{ and }}}}")
+        require(self.verdict in JUDGE_VERDICTS, "reward.judge.verdict",
+                f"must be one of {list(JUDGE_VERDICTS)}, got {self.verdict!r}")
+        require(len(self.score_range) == 2 and self.score_range[0] < self.score_range[1], "reward.judge.score_range",
+                f"must be [low, high] with low < high, got {list(self.score_range)}")
+        require(self.verdict != "choice" or len(self.choices) > 0, "reward.judge.choices",
+                "verdict=choice needs the labels and their rewards, e.g. "
+                "reward.judge.choices='{\"yes\": 1, \"no\": 0}'")
+        if self.pattern is not None:
+            try:
+                groups = re.compile(self.pattern).groups
+            except re.error as e:
+                groups = f"not a regular expression ({e})"
+            require(groups == 1, "reward.judge.pattern", f"must be a regular expression with one group (the "
+                    f"verdict), got {self.pattern!r}: {groups if isinstance(groups, str) else f'{groups} groups'}")
+        for name, low in (("max_concurrency", 1), ("max_retries", 0), ("max_tokens", 1)):
+            require(getattr(self, name) >= low, f"reward.judge.{name}", f"must be >= {low}, got {getattr(self, name)}")
+        require(self.timeout_s > 0 and self.backoff_s >= 0, "reward.judge.timeout_s",
+                f"must be > 0 (and backoff_s >= 0), got {self.timeout_s} and {self.backoff_s}")
+        require(self.weight != 0 or self.rule_weight != 0, "reward.judge.weight",
+                "weight and rule_weight are both 0: no reward; set reward.judge.weight (the judge's) > 0")
+
+
 @dataclass
 class RewardConfig:
     """How responses are scored.
@@ -270,10 +369,12 @@ class RewardConfig:
             answer in the "#### N" format), strict, last_number; reward_model: model (an HF directory), batch_size,
             max_length, device, dtype; http: url, model, api, batch_size, timeout_s, max_retries, backoff_s,
             label_index, template).
+        judge: a generative judge, alone or mixed with ``fn`` by weights (:class:`JudgeConfig`).
     """
 
     fn: str = "arithmetic"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass

@@ -25,7 +25,7 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
   H200 (perf/RESULTS.md, issue 30): a full 7B run with ``cpu_offload=0.8`` trained and was killed by the host's
   OOM killer in its first save. Not part of ``total`` (a device figure).
 - **reference** (``algorithm.kl.coef > 0``): a frozen copy of the actor's parameters (none with ``actor.lora``: the
-  reference is the actor's base).
+  reference is the actor's base); with ``algorithm.distill.teacher``, the teacher's stage in the actor's layout.
 - **LoRA** (``actor.lora.rank > 0``): the base is frozen in the model dtype (no gradient buffer, no optimizer
   state); the stage's adapters (:func:`stage_adapter_params`: ``r x in`` and ``out x r`` per adapted layer, split
   over TP like their weights) are added to the parameters and take the gradients and optimizer state alone.
@@ -307,6 +307,10 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
     else:
         ad, trained, reference = 0, n, n * e if cfg.algorithm.kl.coef > 0 else 0
         state = optimizer(n, cfg.actor.optim.distributed)
+    if cfg.algorithm.distill.teacher is not None:  # distillation's teacher in the reference's slot: its own size
+        from megarl.models.checkpoint import source_spec
+
+        reference = stage_params(source_spec(cfg.algorithm.distill.teacher)[0], p.tp, p.pp) * e
     actor_optimizer, host = split(state, cfg.actor.optim.cpu_offload)
     critic = 0
     if cfg.algorithm.uses_critic:

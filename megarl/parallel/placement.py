@@ -70,7 +70,7 @@ class RoleLayout:
 
 def role_layouts(cfg: Config, world_size: int) -> dict[str, RoleLayout]:
     """The layout of every role the run builds (the critic with a critic-based algorithm, the reference with
-    ``algorithm.kl.coef > 0``), in a world of ``world_size`` ranks.
+    ``algorithm.kl.coef > 0`` or the distillation's teacher in its slot), in a world of ``world_size`` ranks.
 
     Raises:
         ConfigError: a pool larger than the world or naming ranks outside it; a layout that does not fit its
@@ -90,7 +90,7 @@ def role_layouts(cfg: Config, world_size: int) -> dict[str, RoleLayout]:
     megatron = {"actor": cfg.actor.parallel}
     if cfg.algorithm.uses_critic:
         megatron["critic"] = cfg.critic.parallel
-    if cfg.algorithm.kl.coef > 0:
+    if cfg.algorithm.uses_reference:
         megatron["reference"] = pl.reference_parallel or dataclasses.replace(cfg.actor.parallel, dp=0)
     out = {}
     for role, p in megatron.items():

@@ -2,6 +2,8 @@
 
 See :mod:`megarl.rewards.registry` for the calling convention; ``load_reward_fn("gsm8k")`` or
 ``load_reward_fn("mypkg.mymod:fn", params)`` gives a callable ``(prompts, responses, ground_truths) -> [B]``.
+The run's reward, ``reward.fn`` mixed with a generative judge (:mod:`megarl.rewards.judge`) where
+``reward.judge`` is on, is :class:`megarl.rewards.mix.StepReward`.
 """
 
 from megarl.rewards import arithmetic, gsm8k, http_reward, reward_model  # noqa: F401  (the built-in rewards)

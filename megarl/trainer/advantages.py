@@ -15,6 +15,7 @@ import logging
 import torch
 
 from megarl.algos.aggregation import masked_mean
+from megarl.algos.distill import distill_advantages
 from megarl.algos.kl import apply_kl_penalty
 from megarl.algos.nonfinite import check_nonfinite, estimate_without, find_nonfinite
 from megarl.algos.registry import ADVANTAGES
@@ -65,7 +66,10 @@ def compute_advantages(batch: RolloutBatch, alg: AlgorithmConfig, kl_ctl) -> dic
     over the token rewards: ``batch["scores"]`` ``[B]`` (plus the overlong penalty), with the KL penalty to the
     reference (``batch["ref_logprobs"]``) in the reward when ``algorithm.kl.in_loss`` is false, its coefficient
     from ``kl_ctl`` (a fixed or adaptive KL controller, updated here; only there are ``batch["old_logprobs"]``
-    read); over the samples not ``batch["dropped"]`` (:func:`drop_nonfinite`: 0 on those). Returns
+    read); over the samples not ``batch["dropped"]`` (:func:`drop_nonfinite`: 0 on those). With a teacher's
+    ``batch["teacher_logprobs"]`` (on-policy distillation) the advantages are
+    :func:`~megarl.algos.distill.distill_advantages` of the student's old log-probs, the teacher's and the
+    estimator's, with its ``distill/...`` metrics. Returns
     ``actor/kl_coef``, ``reward/overlong_penalty_mean`` and ``advantages/mean`` where they apply (``actor/kl``:
     :func:`~megarl.trainer.old_logprobs.old_logprob_metrics`)."""
     mask = batch["response_mask"]
@@ -83,6 +87,11 @@ def compute_advantages(batch: RolloutBatch, alg: AlgorithmConfig, kl_ctl) -> dic
     dropped = batch.tensors.get("dropped", torch.zeros(len(batch), dtype=torch.bool))
     adv, ret = estimate_without(dropped, estimator, rewards, mask, values=batch.tensors.get("values"),
                                 group_index=batch["group"])
+    if "teacher_logprobs" in batch:  # on-policy distillation: -coef * reverse KL (+ reward_coef * adv)
+        keep = mask.bool() & ~dropped[:, None] & ~batch.tensors.get("logprob_nonfinite", torch.zeros_like(mask.bool()))
+        adv, distill_metrics = distill_advantages(batch["old_logprobs"], batch["teacher_logprobs"], keep, adv,
+                                                  coef=alg.distill.coef, reward_coef=alg.distill.reward_coef)
+        metrics.update(distill_metrics)
     batch["advantages"], batch["returns"] = adv, ret
     metrics["advantages/mean"] = masked_mean(adv, mask.bool() & ~dropped[:, None]).item()
     return metrics

@@ -31,7 +31,7 @@ from megarl.models import checkpoint as ck
 from megarl.models.hf_io import load_tokenizer, open_hf_checkpoint
 from megarl.models.weights import fill_local_tensors
 from megarl.parallel.mesh import init_distributed
-from megarl.rewards.registry import load_reward_fn
+from megarl.rewards.mix import StepReward
 from megarl.rollout.base import RolloutEngine, WriteFn, state_dict_writer
 from megarl.rollout.data_parallel import rollout_dp_group
 from megarl.trainer.preflight import check_files, tokenizer_source
@@ -76,7 +76,7 @@ def evaluate_model(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
     tokenizer = load_tokenizer(tokenizer_source(cfg, model_tokenizer))
     init_distributed()
     spec = resolve_eos(spec, tokenizer, cfg.model.path, ck.source_generation_config(source))
-    validation = load_validation(cfg, tokenizer, score_data_parallel(load_reward_fn(cfg.reward.fn, cfg.reward.kwargs)),
+    validation = load_validation(cfg, tokenizer, score_data_parallel(StepReward(cfg.reward)),
                                  spec)
     engine = make_engine(cfg, spec)
     engine.update_weights(weights_writer(source, engine))

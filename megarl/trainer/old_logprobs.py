@@ -38,7 +38,8 @@ def old_logprob_pass(cfg: Config, *, rows: int, step: int, moe: bool) -> str | N
     - ``actor.ppo_epochs > 1`` or more than one mini-batch (``actor.ppo_mini_batch_size`` < ``rows``): the later
       updates need the weights before the first;
     - the KL penalty is in the reward (``algorithm.kl.coef > 0``, ``kl.in_loss=false``), or the rollout
-      correction is on (its weights and mask enter the loss and its normalisers): both read the old log-probs
+      correction is on (its weights and mask enter the loss and its normalisers), or on-policy distillation
+      (``algorithm.distill.teacher``: the student's log-probs in its advantage): all read the old log-probs
       before the update;
     - a critic's warm-up step (``critic.warmup_steps``): no actor update;
     - an MoE actor: the pass measures the routing agreement with the engine's routes;
@@ -58,6 +59,7 @@ def old_logprob_pass(cfg: Config, *, rows: int, step: int, moe: bool) -> str | N
                        "need the weights before the first"),
         (alg.kl.coef > 0 and not alg.kl.in_loss, "the KL penalty is in the reward (algorithm.kl.in_loss=false)"),
         (alg.rollout_correction.enabled, "the rollout correction weighs the loss (algorithm.rollout_correction)"),
+        (alg.distill.teacher is not None, "on-policy distillation's advantage reads the student's log-probs"),
         (alg.uses_critic and step < cfg.critic.warmup_steps, "the critic's warm-up: no actor update"),
         (moe, "an MoE actor's pass measures the routing agreement"),
         (a.lora.enabled and a.lora.dropout > 0, "LoRA dropout changes the update's forward"),

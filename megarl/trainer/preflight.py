@@ -34,6 +34,7 @@ from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 from megarl.parallel.placement import validate_for_world
 from megarl.rewards.registry import RewardError, check_reward_params, find_reward, load_reward_fn
+from megarl.trainer.teacher import check_teacher
 
 log = logging.getLogger(__name__)
 
@@ -415,7 +416,8 @@ def check_this_machine(cfg: Config) -> None:
 def preflight(cfg: Config, world_size: int, *, this_machine: bool = True) -> ModelSpec:
     """Every check that needs no process group or model, made by the process that starts a job's ranks on this
     machine: :func:`~megarl.parallel.placement.validate_for_world`, the model (:func:`validate_for_model`),
-    the reward function and its parameters, with ``this_machine`` what this machine must have (``--check``
+    the reward function and its parameters, the distillation's teacher
+    (:func:`~megarl.trainer.teacher.check_teacher`), with ``this_machine`` what this machine must have (``--check``
     leaves it out: a GPU config checked on a CPU machine), then the data (:func:`check_data`: prepared when
     missing, every row read and tokenised) and the multi-turn agent's tools, parser and environment
     (:func:`~megarl.trainer.episodes.build_agent`). Returns the model's spec.
@@ -431,6 +433,7 @@ def preflight(cfg: Config, world_size: int, *, this_machine: bool = True) -> Mod
         check_this_machine(cfg)
     check_data_files(cfg)
     tokenizer = check_tokenizer(cfg, model_tokenizer)
+    check_teacher(cfg, tokenizer)  # on-policy distillation's: its tokenizer, layout and context
     check_data(cfg, tokenizer, prepare=this_machine)
     if cfg.rollout.multi_turn.enabled:  # tools found, the parser fits the chat template, the environment builds
         from megarl.trainer.episodes import build_agent

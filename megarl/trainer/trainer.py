@@ -46,7 +46,8 @@ from megarl.parallel.placement import (build_pool_groups, global_layout, join_op
                                       validate_for_world)
 from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
-from megarl.rewards.registry import load_reward_fn, task_metrics
+from megarl.rewards.mix import StepReward, merge_reward_metrics
+from megarl.rewards.registry import task_metrics
 from megarl.rollout.base import RolloutOutput, SamplingConfig
 from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel, map_data_parallel, map_share,
                                           rollout_dp_group)
@@ -63,6 +64,7 @@ from megarl.trainer.old_logprobs import old_logprob_metrics, old_logprob_pass
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.run_state import RunState
+from megarl.trainer.teacher import build_teacher, check_teacher
 from megarl.trainer.validation import append_samples
 from megarl.workers.actor import BasePolicy, PolicyWorker
 from megarl.workers.critic import CriticWorker
@@ -138,9 +140,10 @@ class Trainer:
         self.tokenizer_source = tokenizer_source(cfg, tok_source)
         self.tokenizer = load_tokenizer(self.tokenizer_source)
         self.spec = resolve_eos(self.spec, self.tokenizer, cfg.model.path, self.generation_config)
+        self.teacher_spec = check_teacher(cfg, self.tokenizer)  # on-policy distillation's, or None
         self.prompts = load_prompts(cfg, self.tokenizer)
         self.reward_ranks = self.layouts["reward"].ranks  # a reward model is loaded on its pool only
-        self.reward_fn = load_reward_fn(cfg.reward.fn, cfg.reward.kwargs) if self.rank in self.reward_ranks else None
+        self.reward_fn = StepReward(cfg.reward) if self.rank in self.reward_ranks else None
         self.agent = build_agent(cfg, self.tokenizer) if cfg.rollout.multi_turn.enabled else None  # episodes
         self.validation = None
         if cfg.validation.enabled:
@@ -174,7 +177,10 @@ class Trainer:
                                       pool=pools["actor"], seed=cfg.run.seed)
         else:
             join_optimizer_setup()
-        if "reference" in pools and self.actor_lora and self.actor:  # the actor's base: its adapters off
+        if "reference" in pools and self.teacher_spec is not None:  # distillation: the teacher in the slot
+            self.ref = (build_teacher(cfg, self.teacher_spec, pools["reference"], dtype)
+                        if pools["reference"].holds_here else None)
+        elif "reference" in pools and self.actor_lora and self.actor:  # the actor's base: its adapters off
             self.ref = BasePolicy(self.actor)
         elif "reference" in pools and pools["reference"].holds_here:  # a copy of the actor where it is here
             self.ref = PolicyWorker(self.spec, pools["reference"].mesh, "actor", self.actor or source, dtype,
@@ -329,16 +335,22 @@ class Trainer:
         alg, t = self.cfg.algorithm, self.timer
         with t("share"):
             self._gather_scores(batch, scores, known_scores)
+            judge_metrics = merge_reward_metrics(gather_shares(
+                self.reward_fn and self.reward_fn.take_metrics(), self.reward_ranks, group=self.train_group)
+            ) if self.cfg.reward.judge.enabled else {}
             nonfinite_metrics = drop_nonfinite(batch, alg, self.state.step + 1)  # every rank: the same decision
             shape_rewards(batch, alg, self.cfg.rollout.max_new_tokens)
-            for key, role in (("old_logprobs", "actor"), ("ref_logprobs", "reference"), ("values", "critic")):
+            # the reference's slot holds the KL's reference, or on-policy distillation's teacher
+            ref_key = "ref_logprobs" if self.teacher_spec is None else "teacher_logprobs"
+            for key, role, batch_key in (("old_logprobs", "actor", "old_logprobs"),
+                                         ("ref_logprobs", "reference", ref_key), ("values", "critic", "values")):
                 if key in passes:
-                    batch[key] = self.roles[role].share(passes[key], batch["response_mask"].shape)
+                    batch[batch_key] = self.roles[role].share(passes[key], batch["response_mask"].shape)
         with t("advantages"):
             kl_metrics = compute_advantages(batch, alg, self.state.kl_ctl)
             loss_metrics = set_loss_mask(batch, alg)
         routing = self.roles["actor"].share(passes["routing"])
-        return {**routing, **kl_metrics, **loss_metrics, **nonfinite_metrics}
+        return {**routing, **kl_metrics, **loss_metrics, **nonfinite_metrics, **judge_metrics}
 
     def _updates(self, batch: RolloutBatch, *, old_logprobs_from_update: bool) -> dict[str, float]:
         """The critic's update, then the actor's (once the critic's warm-up, ``critic.warmup_steps``, is over),
@@ -451,6 +463,8 @@ class Trainer:
                      time.perf_counter() - start)
         self.engine.sleep(level=self.sleep_level)
         self.engine.calls = calls
+        if self.reward_fn is not None:  # the judge's figures are the training steps' alone
+            self.reward_fn.take_metrics()
         if self.rank == 0:
             append_samples(self.run_dir / "val_samples.jsonl", records, step=self.state.step)
         return metrics
