@@ -4,7 +4,7 @@
 A process killed in the middle of an append leaves a torn last line: part of a record, no newline.
 :func:`append_records` first sets such a tail aside, appending its bytes to ``<file>.torn`` with a warning that
 names both files, and cuts the file back to its last complete line, so that the new record starts a line of its
-own. :func:`read_records` returns every complete record: a line that does not parse is skipped with a warning
+own; a last line that is a whole record, only its newline missing, is kept and its newline added. :func:`read_records` returns every complete record: a line that does not parse is skipped with a warning
 naming the file and the line, except for the record that an older megarl appended onto a torn line (``{"step":
 3, "rew{"step": 4, ...}``), which is read from where it starts. Complete records are never lost, and one damaged
 line never makes a run folder unreadable.
@@ -54,6 +54,12 @@ def _set_torn_tail_aside(path: Path, f) -> None:
             break
     f.seek(start)
     torn = f.read()
+    if _complete(torn):  # a whole record whose newline alone was not written: kept, its line ended
+        f.seek(end)
+        f.write(b"\n")
+        log.warning("%s ended in a complete record without its newline (a process stopped while writing it): "
+                    "kept, the newline added", path)
+        return
     aside = path.with_name(path.name + TORN_SUFFIX)
     with aside.open("ab") as out:
         out.write(torn + b"\n")
@@ -61,6 +67,14 @@ def _set_torn_tail_aside(path: Path, f) -> None:
     f.seek(start)
     log.warning("%s ended in a torn line (a process stopped while writing it): its %d bytes were moved to %s; "
                 "every complete record is kept", path, len(torn), aside)
+
+
+def _complete(line: bytes) -> bool:
+    """Whether ``line`` is a whole JSON object (a prefix of a record that parses is the record itself)."""
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:

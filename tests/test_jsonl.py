@@ -67,3 +67,16 @@ def test_a_record_appended_onto_a_torn_line_by_an_older_megarl_is_read(tmp_path,
     append_records(run / "new" / "samples.jsonl", [{"step": 1}, {"step": 2}])  # folder made; nothing torn
     assert read_records(run / "new" / "samples.jsonl") == [{"step": 1}, {"step": 2}]
     assert not (run / "new" / "samples.jsonl.torn").exists()
+
+
+def test_a_complete_last_record_without_its_newline_is_kept(tmp_path, caplog):
+    """Issue 48: the process stopped after writing step 3's whole record but before its newline; the record parses,
+    so it is kept (its line ended) and nothing is set aside; the next record starts a line of its own."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in STEPS) + json.dumps({"step": 3, "reward/mean": 0.3}))
+    with caplog.at_level(logging.WARNING, logger="megarl.jsonl"):
+        append_records(path, [{"step": 4, "reward/mean": 0.4}])
+    assert [(h["step"], h["reward/mean"]) for h in read_metrics(path)] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    assert not (tmp_path / "metrics.jsonl.torn").exists()
+    assert path.read_text().endswith('{"step": 3, "reward/mean": 0.3}\n{"step": 4, "reward/mean": 0.4}\n')
+    assert any("complete record without its newline" in r.message for r in caplog.records), caplog.records
