@@ -28,7 +28,7 @@ from megarl.parallel.watchdog import progress_watched
 from megarl.trainer import checkpointing
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
 from megarl.trainer.pipeline import schedule
-from megarl.trainer.run_record import keep_earlier_record
+from megarl.trainer.run_record import cut_record_back, keep_earlier_record
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +36,16 @@ log = logging.getLogger(__name__)
 def fit(trainer) -> dict[str, Any]:
     """Run until ``trainer.steps``; returns the summary (also printed and written to summary.json). A run that
     starts at step 0 first moves an earlier run's record aside (:func:`~megarl.trainer.run_record.
-    keep_earlier_record`)."""
+    keep_earlier_record`); a resumed one cuts its record back to its checkpoint's step
+    (:func:`~megarl.trainer.run_record.cut_record_back`)."""
     cfg = trainer.cfg
     start = time.perf_counter()
     if trainer.rank == 0:
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
         if trainer.step_idx == 0:  # first: the logger opens its files
             keep_earlier_record(trainer.run_dir)
+        else:  # resumed: the steps after the checkpoint are logged again
+            cut_record_back(trainer.run_dir, trainer.step_idx)
     logger = MetricsLogger(trainer.run_dir / "metrics.jsonl", cfg.trainer.steps, trainer.step_idx,
                            enabled=trainer.rank == 0, progress=cfg.trainer.progress, loggers=cfg.trainer.loggers,
                            config=to_dict(cfg))
