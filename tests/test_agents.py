@@ -338,3 +338,35 @@ def test_the_policy_loss_sees_sampled_tokens_of_every_turn_and_observations_only
     other[0, positions] = (other[0, positions] + 7) % 300
     grads2, _, metrics2 = _policy_loss_grads(ids, other, batch, noise=5.0)  # and other entropy, KL inputs there
     assert torch.equal(grads, grads2) and metrics == metrics2 and metrics["entropy"] != 0
+
+
+def test_an_environment_that_never_answers_ends_its_episode_only(tok):
+    """Issue 48: an environment whose ``step`` (or ``reset``) never returns ended nothing but the run (at the
+    watchdog's ``trainer.timeout_s``). Past ``env_timeout_s`` its episode ends with reward 0, counted in
+    ``agent/env_timeouts``; the other episodes run to their end."""
+    gate = threading.Event()
+
+    class Hangs(ToolEnvironment):
+        def reset(self, row, prompt):
+            if prompt[0]["content"] == "c":
+                gate.wait(60)
+            return prompt
+
+        def step(self, turn):
+            if turn.text.startswith("hello"):
+                gate.wait(60)
+            return StepResult(reward=1.0, done=True)
+
+    script = {"a": "hello", "b": "the answer", "c": "the answer"}
+    try:
+        out, _, _ = _run(tok, lambda p, t: _ids(tok, script[tok.decode(p).split("user\n")[1][0]]) + [tok.eos_token_id],
+                         env=Hangs, prompts=[[{"role": "user", "content": k}] for k in "abc"],
+                         settings=EpisodeSettings(max_turns=4, max_turn_tokens=400, env_timeout_s=0.5))
+    finally:
+        gate.set()
+    hung, fine, hung_reset = out.episodes
+    assert (hung.end, hung.reward, hung.turns) == ("env_timeout", 0.0, 1)
+    assert (fine.end, fine.reward) == ("done", 1.0)
+    assert (hung_reset.end, hung_reset.reward, hung_reset.turns) == ("env_timeout", 0.0, 0)
+    m = out.metrics()
+    assert m["agent/env_timeouts"] == 2 and m["agent/ended/env_timeout"] == pytest.approx(2 / 3)
