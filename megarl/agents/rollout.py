@@ -368,13 +368,13 @@ def _episode(loop: GenerationLoop, renderer: ChatRenderer, env, tools: Mapping[s
             return finish("done")
         if turn + 1 == settings.max_turns:
             break
-        ids, append_only = tokens.observation_ids(observations)
-        if settings.max_episode_tokens and state["used"] + len(ids) >= settings.max_episode_tokens:
+        ids, append_only, observed = tokens.observation_ids(observations)
+        if settings.max_episode_tokens and state["used"] + observed >= settings.max_episode_tokens:
             return finish("episode_budget")
         if (len(tokens.current.ids) + len(ids) if append_only else len(ids)) >= context:
             return finish("context")
         tokens.add_observations(observations, ids, append_only)
-        state["used"] += len(ids) if append_only else 0
+        state["used"] += observed
     return finish("max_turns")
 
 
