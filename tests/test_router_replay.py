@@ -230,8 +230,9 @@ def test_router_replay_in_a_training_run(tmp_path):
     """``megarl train`` with an MoE actor, ``actor.moe.router_replay=true`` and ``rollout.engine=vllm`` (the fake
     vLLM; the transformers engine's samples carry their routes the same way): the config starts the engine
     recording routes, they travel from its samples through the batch to the actor, and every step reports the
-    routing agreement, 1 on every layer (the actor's routers, its weights the engine's, choose the engine's
-    experts themselves)."""
+    routing agreement: the actor's routers' own choice against the engine's routes, nearly every token (the fake
+    vLLM holds the weights in bf16, the actor in fp32: a near-tie may flip; issue 48: it read 1 by
+    construction)."""
     from tests.rl_tasks import task_overrides, write_prompts
 
     model = make_tiny_moe_model(tmp_path / "model")
@@ -241,7 +242,7 @@ def test_router_replay_in_a_training_run(tmp_path):
         "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4", "actor.moe.router_replay=true"])[0]
     assert [h["step"] for h in history] == [1, 2]
     for h in history:
-        assert [h[f"moe/routing_agreement{k}"] for k in ("", "/layer_0", "/layer_1")] == [1.0] * 3, h
+        assert all(0.9 < h[f"moe/routing_agreement{k}"] <= 1.0 for k in ("", "/layer_0", "/layer_1")), h
 
 
 LAYOUTS = [dict(dp=2), dict(tp=2, sequence_parallel=True), dict(pp=2), dict(dp=2, ep=2)]  # EP: all-to-all dispatch
