@@ -1,13 +1,14 @@
-"""JSON-lines record files (a run's ``metrics.jsonl``, ``samples.jsonl``, ``val_samples.jsonl``,
-``restarts.jsonl``): appended a record at a time, and read back whatever a crash left in them.
+"""JSON-lines record files (a run's ``metrics.jsonl``, ``samples.jsonl``, ``val_samples.jsonl``, ``restarts.jsonl``):
+appended a record at a time, and read back whatever a crash left in them.
 
 A process killed in the middle of an append leaves a torn last line: part of a record, no newline.
 :func:`append_records` first sets such a tail aside, appending its bytes to ``<file>.torn`` with a warning that
-names both files, and cuts the file back to its last complete line, so that the new record starts a line of its
-own; a last line that is a whole record, only its newline missing, is kept and its newline added. :func:`read_records` returns every complete record: a line that does not parse is skipped with a warning
-naming the file and the line, except for the record that an older megarl appended onto a torn line (``{"step":
-3, "rew{"step": 4, ...}``), which is read from where it starts. Complete records are never lost, and one damaged
-line never makes a run folder unreadable.
+names both files, and cuts the file back to its last complete line, so that the new record starts a line of its own;
+a last line that is a whole record, only its newline missing, is kept and its newline added. :func:`read_records`
+returns every complete record: a line that does not parse is skipped with a warning naming the file and the line,
+except for the record that an older megarl appended onto a torn line (``{"step": 3, "rew{"step": 4, ...}``), which
+is read from where it starts. Complete records are never lost, and one damaged line never makes a run folder
+unreadable.
 """
 
 from __future__ import annotations

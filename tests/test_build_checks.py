@@ -60,7 +60,8 @@ def test_lora_on_the_experts_of_a_dense_model_says_it_has_none():
     """Issue 48: on a dense model ``actor.lora.experts`` said to set ``moe_experts=sequential``, which does not
     help: the model has no experts; at any ``moe_experts``."""
     for experts in ("grouped", "sequential"):
-        cfg = load_config(None, ["actor.lora.rank=4", "actor.lora.experts=true", f"actor.kernels.moe_experts={experts}"])
+        cfg = load_config(None, ["actor.lora.rank=4", "actor.lora.experts=true",
+                                 f"actor.kernels.moe_experts={experts}"])
         with pytest.raises(ConfigError, match=r"^actor\.lora\.experts: .* is a dense llama model: it has no experts "
                                               r"to adapt; set actor\.lora\.experts=false") as e:
             validate_for_model(cfg, DENSE)

@@ -116,6 +116,7 @@ def test_overrides_after_resume_are_read(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"megarl: error: trainer.resume: the run folder {tmp_path / 'later'} holds no checkpoint"), err
+    want = f"megarl: error: trainer.resume: the run folder {tmp_path / 'later'} holds no checkpoint"
+    assert err.startswith(want), err
     assert main(["train", "parallel_configs/cpu_smollm2_grpo.yaml", "--resume", "--bogus"]) == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
