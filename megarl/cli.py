@@ -701,7 +701,12 @@ def main(argv: list[str] | None = None) -> int:
         if not argv:
             parser.print_help()
             return 0
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra and isinstance(getattr(args, "overrides", None), list) and all(
+                "=" in e and not e.startswith("-") for e in extra):
+            args.overrides += extra  # overrides after a flag: `megarl train CONFIG --resume trainer.steps=N`
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         run = getattr(args, "run", None)
         if run is None:
             parser.print_help()

@@ -338,3 +338,76 @@ def test_the_policy_loss_sees_sampled_tokens_of_every_turn_and_observations_only
     other[0, positions] = (other[0, positions] + 7) % 300
     grads2, _, metrics2 = _policy_loss_grads(ids, other, batch, noise=5.0)  # and other entropy, KL inputs there
     assert torch.equal(grads, grads2) and metrics == metrics2 and metrics["entropy"] != 0
+
+
+def test_an_environment_that_never_answers_ends_its_episode_only(tok):
+    """Issue 48: an environment whose ``step`` (or ``reset``) never returns ended nothing but the run (at the
+    watchdog's ``trainer.timeout_s``). Past ``env_timeout_s`` its episode ends with reward 0, counted in
+    ``agent/env_timeouts``; the other episodes run to their end."""
+    gate = threading.Event()
+
+    class Hangs(ToolEnvironment):
+        def reset(self, row, prompt):
+            if prompt[0]["content"] == "c":
+                gate.wait(60)
+            return prompt
+
+        def step(self, turn):
+            if turn.text.startswith("hello"):
+                gate.wait(60)
+            return StepResult(reward=1.0, done=True)
+
+    script = {"a": "hello", "b": "the answer", "c": "the answer"}
+    try:
+        out, _, _ = _run(tok, lambda p, t: _ids(tok, script[tok.decode(p).split("user\n")[1][0]]) + [tok.eos_token_id],
+                         env=Hangs, prompts=[[{"role": "user", "content": k}] for k in "abc"],
+                         settings=EpisodeSettings(max_turns=4, max_turn_tokens=400, env_timeout_s=0.5))
+    finally:
+        gate.set()
+    hung, fine, hung_reset = out.episodes
+    assert (hung.end, hung.reward, hung.turns) == ("env_timeout", 0.0, 1)
+    assert (fine.end, fine.reward) == ("done", 1.0)
+    assert (hung_reset.end, hung_reset.reward, hung_reset.turns) == ("env_timeout", 0.0, 0)
+    m = out.metrics()
+    assert m["agent/env_timeouts"] == 2 and m["agent/ended/env_timeout"] == pytest.approx(2 / 3)
+
+
+class Again:
+    """Answers every turn with a user message "again", never done."""
+
+    def reset(self, row, prompt):
+        return prompt
+
+    def step(self, turn):
+        return StepResult([{"role": "user", "content": "again"}])
+
+
+def test_the_episode_budget_counts_sampled_and_observation_tokens_for_every_template():
+    """Issue 48: ``max_episode_tokens`` is sampled plus observation tokens after the first prompt. A template that
+    re-renders the history (dropping earlier turns' reasoning, where the episode is split) had the whole new
+    prompt counted against the budget, then no observation tokens after the split. Given the same turns, every
+    budget now ends the episode at the same turn for the append-only template and the re-rendering one, and
+    the append-only episode's sampled and observation tokens are what the budget counts."""
+    answer = "<think>the answer is</think>here"
+    chatml, strip = bpe_tokenizer(CHATML), bpe_tokenizer(CHATML_STRIP)
+    turn = _ids(chatml, answer) + [chatml.eos_token_id]
+    assert turn == _ids(strip, answer) + [strip.eos_token_id]
+
+    def episode(template, budget):
+        tokenizer = chatml if template is CHATML else strip
+        out, _, _ = _run(tokenizer, lambda p, t: turn, env=Again, template=template,
+                         settings=EpisodeSettings(max_turns=6, max_turn_tokens=64, max_episode_tokens=budget))
+        return out.episodes[0]
+
+    full = episode(CHATML, 0)
+    assert full.end == "max_turns" and full.splits == 0
+    (sample,) = full.samples
+    observation = (len(sample.response_ids) - 6 * len(turn)) // 5  # each turn's sampled ids, then its observation's
+    assert sample.mask == ([1] * len(turn) + [0] * observation) * 5 + [1] * len(turn)
+    assert episode(CHATML_STRIP, 0).splits == 4  # the re-rendering template splits after every turn but the first
+    for budget in range(len(turn) + 1, 6 * (len(turn) + observation), 3):
+        append_only, rerendered = episode(CHATML, budget), episode(CHATML_STRIP, budget)
+        assert (append_only.end, append_only.turns) == (rerendered.end, rerendered.turns), budget
+        # the turns that fit: each turn's sampled ids, and the observation before the next, within the budget
+        fit = next(k for k in range(1, 7) if k == 6 or k * len(turn) + k * observation >= budget)
+        assert append_only.turns == fit, (budget, append_only.turns, fit)

@@ -49,11 +49,23 @@ def test_lora_on_an_moe_model_refuses_transformer_engine():
 
 def test_lora_on_the_experts_refuses_the_grouped_experts_naming_both_fields():
     with pytest.raises(ConfigError, match=r"lora\.experts.*kernels\.moe_experts=sequential"):
-        load_config(None, ["actor.lora.rank=4", "actor.lora.experts=true"])
-    assert load_config(None, ["actor.lora.rank=4", "actor.lora.experts=true",
-                              "actor.kernels.moe_experts=sequential"]).actor.kernels.moe_experts == "sequential"
+        validate_for_model(load_config(None, ["actor.lora.rank=4", "actor.lora.experts=true"]), MOE)
+    validate_for_model(load_config(None, ["actor.lora.rank=4", "actor.lora.experts=true",
+                                          "actor.kernels.moe_experts=sequential"]), MOE)
     with pytest.raises(ConfigError, match=r"kernels\.moe_experts: must be one of"):
         load_config(None, ["actor.kernels.moe_experts=loop"])
+
+
+def test_lora_on_the_experts_of_a_dense_model_says_it_has_none():
+    """Issue 48: on a dense model ``actor.lora.experts`` said to set ``moe_experts=sequential``, which does not
+    help: the model has no experts; at any ``moe_experts``."""
+    for experts in ("grouped", "sequential"):
+        cfg = load_config(None, ["actor.lora.rank=4", "actor.lora.experts=true",
+                                 f"actor.kernels.moe_experts={experts}"])
+        with pytest.raises(ConfigError, match=r"^actor\.lora\.experts: .* is a dense llama model: it has no experts "
+                                              r"to adapt; set actor\.lora\.experts=false") as e:
+            validate_for_model(cfg, DENSE)
+        assert "sequential" not in str(e.value)
 
 
 def test_any_other_refusal_of_megatrons_transformer_config_names_the_parallel_field(monkeypatch):
@@ -70,9 +82,15 @@ def test_any_other_refusal_of_megatrons_transformer_config_names_the_parallel_fi
 
 
 def test_expert_parallelism_must_fit_the_ranks_of_a_stage():
-    # placement.global_layout on the ranks: ep must divide tp x dp (here one rank)
-    with pytest.raises(ConfigError, match=r"actor\.parallel\.ep: 2 does not divide the actor's tp=1 x dp=1"):
+    # placement.global_layout on the ranks: ep must divide tp x dp (here one rank); the error says dp must be a
+    # multiple of ep and how to get there (issue 48: it gave no fix)
+    with pytest.raises(ConfigError, match=r"actor\.parallel\.ep: 2 does not divide the actor's tp=1 x dp=1 .*dp "
+                                          r"must be a multiple of ep\); set actor\.parallel\.dp=2 .* or "
+                                          r"actor\.parallel\.ep=1$"):
         validate_for_world(load_config(None, ["actor.parallel.ep=2"]), 1)
+    with pytest.raises(ConfigError, match=r"dp must be a multiple of 2\); set actor\.parallel\.dp=2 \(or a "
+                                          r"multiple: the job runs on 4 ranks at dp=2\)"):
+        validate_for_world(load_config(None, ["actor.parallel.ep=4", "actor.parallel.tp=2"]), 2)
     validate_for_world(load_config(None, ["actor.parallel.ep=2"]), 2)
     with pytest.raises(ConfigError, match=r"actor\.parallel\.ep: 2 does not divide the actor's tp=1 x dp=1"):
         validate_for_world(load_config(None, ["actor.parallel.ep=2", "actor.parallel.pp=2"]), 2)

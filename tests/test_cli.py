@@ -102,3 +102,21 @@ def test_a_note_comes_from_rank_0_alone_and_errors_from_every_rank():
     zero, one = run("0"), run("1")
     assert "a note" in zero and "an error" in zero, zero
     assert "a note" not in one and "an error" in one, one
+
+
+def test_overrides_after_resume_are_read(tmp_path, capsys, monkeypatch):
+    """Issue 48: ``megarl train CONFIG --resume trainer.steps=N`` (the README's and the error hint's order) failed
+    with "unrecognized arguments"; overrides before and after the flag are read, in order (here the run folder
+    of ``run.output_dir``/``run.name`` given after it, which holds no checkpoint); an unknown flag is still
+    refused."""
+    from megarl.cli import main
+
+    argv = ["train", "parallel_configs/cpu_smollm2_grpo.yaml", "run.name=first", "--resume",
+            f"run.output_dir={tmp_path}", "run.name=later"]
+    monkeypatch.chdir(REPO)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    want = f"megarl: error: trainer.resume: the run folder {tmp_path / 'later'} holds no checkpoint"
+    assert err.startswith(want), err
+    assert main(["train", "parallel_configs/cpu_smollm2_grpo.yaml", "--resume", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -238,3 +238,47 @@ def test_an_update_changes_only_the_adapters(results):
         # its fp32 shards: this DP rank's share of the adapters (the base has none)
         assert abs(r["optimizer_elements"] - r["adapter_elements"]) <= 2 * len(r["adapters"]), (rank, r)
         assert r["ref_equal_before"] and r["ref_equal_after"] and r["actor_moved"], (rank, r)
+
+
+def test_a_peft_export_names_its_real_base_and_the_peft_its_expert_adapters_need(tmp_path, caplog, monkeypatch):
+    """Issue 48: the exported adapter named its base "default" (the CPU default), which peft's
+    ``AutoPeftModelForCausalLM`` took for a hub name and fetched (offline: failed); it names the base's absolute
+    path now, a relative one resolved. Adapters on the MoE experts need peft >= 0.20 (older ones ignore them
+    without a word): the folder's metadata says so, and the export warns."""
+    import json
+    import logging
+
+    from safetensors import safe_open
+
+    from megarl.models.convert import adapter_base
+    from megarl.models.hf_io import default_model_path
+    from megarl.models.layout import lora_targets
+    from megarl.models.lora import LoRASpec
+    from megarl.models.peft import MIN_PEFT_EXPERTS, save_peft_adapter
+    from megarl.models.spec import preset
+
+    assert MIN_PEFT_EXPERTS == "0.20.0"
+    assert adapter_base(None) == str(default_model_path()) and adapter_base("default") == adapter_base(None)
+    (tmp_path / "base").mkdir()
+    with monkeypatch.context() as m:
+        m.chdir(tmp_path)
+        assert adapter_base("base") == str(tmp_path / "base")
+    spec = preset("tiny-qwen3-moe")
+    shapes = spec.hf_tensor_shapes()
+    for experts in (False, True):
+        lora = LoRASpec(rank=2, alpha=4.0, experts=experts)
+        adapters = {}
+        for w, (a, b) in lora_targets(spec, lora).items():
+            out_rows, in_cols = shapes[w]
+            adapters.setdefault(a, torch.zeros(2, in_cols))
+            adapters.setdefault(b, torch.zeros(out_rows, 2))
+        folder = tmp_path / f"adapter_{experts}"
+        with caplog.at_level(logging.WARNING, logger="megarl.models.peft"):
+            caplog.clear()
+            save_peft_adapter(folder, spec, lora, adapters, str(tmp_path / "base"))
+        config = json.loads((folder / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str(tmp_path / "base")
+        with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
+            assert f.metadata().get("min_peft_version") == ("0.20.0" if experts else None)
+            assert any(".experts." in k for k in f.keys()) == experts
+        assert any("peft >= 0.20.0" in r.message for r in caplog.records) == experts

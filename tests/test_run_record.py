@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 from tests.distributed import run_world
 from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
@@ -63,3 +64,32 @@ def test_a_restart_from_step_0_keeps_its_restarts_and_the_next_record_goes_to_th
     assert (run / "restarts.jsonl").read_text() == '{"restart": 1}\n'
     assert "held the record of a failed attempt of this run that saved no checkpoint (metrics.jsonl, tensorboard)" \
         in caplog.text
+
+
+def _steps(path):
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    """Issue 48: a run with ``trainer.save_every=2`` killed during step 4 had logged step 3 after its last
+    checkpoint (step 2); resumed, it logs step 3 again. The folder now holds each step once: step 3's first
+    records are moved to ``<file>.superseded`` (kept, named in a warning), ``metrics.jsonl`` and ``samples.jsonl``
+    hold steps 1 to 4 once each, and the report shows each logged sample once. (The crash is the folder of a run
+    of 3 steps without its step-3 checkpoint: what a kill in step 4 leaves.)"""
+    model, data = make_tiny_model(tmp_path / "model"), write_prompts(tmp_path / "prompts.jsonl", 16)
+    base = task_overrides(model, data, tmp_path / "runs", "r") + [
+        "data.prompts_per_step=2", "rollout.n=2", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4",
+        "trainer.save_every=2", "trainer.keep_checkpoints=2", "trainer.log_samples=3"]
+    run = tmp_path / "runs" / "r"
+    run_world(train_on_rank, 1, base + ["trainer.steps=3"])
+    shutil.rmtree(run / "checkpoints" / "step_000003")
+    first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert _steps(run / "metrics.jsonl") == [1, 2, 3] and _steps(run / "samples.jsonl") == [1] * 3 + [2] * 3 + [3] * 3
+    history = run_world(train_on_rank, 1, base + ["trainer.steps=4", "trainer.resume=true", "trainer.report=true"])[0]
+    assert _steps(run / "metrics.jsonl") == [1, 2, 3, 4] and [h["step"] for h in history] == [1, 2, 3, 4]
+    assert _steps(run / "samples.jsonl") == [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3
+    assert [json.loads(line) for line in (run / "metrics.jsonl.superseded").read_text().splitlines()] == first[2:]
+    assert _steps(run / "samples.jsonl.superseded") == [3] * 3
+    assert history[2]["reward/mean"] == first[2]["reward/mean"]  # step 3 trained again, as before the crash
+    shown = [s.split("\n## ")[0] for s in (run / "report.md").read_text().split("\n### ")[1:]]  # a sample each
+    assert len(shown) == len(set(shown)) > 0, shown

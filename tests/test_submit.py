@@ -125,14 +125,18 @@ def test_a_dry_run_without_model_path_names_the_variable(capsys, monkeypatch):
     assert "export MODEL_PATH=DIR" in err, err
 
 
-def test_a_launch_whose_world_does_not_match_fails_before_any_model():
-    """``megarl train`` started by srun with a task count its mesh cannot use stops at the config check."""
+def test_a_launch_whose_world_does_not_match_fails_before_any_model(tmp_path):
+    """``megarl train`` started by srun with a task count its mesh cannot use stops at the config check. Its run
+    folder is under ``tmp_path`` (issue 48: the checkout kept an empty ``runs/<name>/run.lock`` of this test)."""
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "1"}
-    r = _megarl("train", "parallel_configs/cpu_smollm2_pp2.yaml", env=env, timeout=120)
+    checkout_run = ROOT / "runs" / "smollm2-arithmetic-grpo-pp2"
+    before = checkout_run.exists()
+    r = _megarl("train", "parallel_configs/cpu_smollm2_pp2.yaml", f"run.output_dir={tmp_path}", env=env, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "megarl: error: actor.parallel" in r.stderr and "3 ranks" in r.stderr, r.stderr
     assert "dequantising" not in r.stderr
+    assert checkout_run.exists() == before  # nothing written into the checkout
 
 
 SMALL = ["trainer.steps=1", "trainer.save_every=1", "trainer.progress=false", "validation.enabled=false",

@@ -34,7 +34,8 @@ It lives as long as its episode, so it keeps the episode's state on ``self``::
 - The episode's reward is the sum of the rewards the environment returned, or, where it returned none, the
   run's ``reward.fn`` on the episode's last assistant message (the prompt and ground truth as for one-turn
   responses). An exception in ``reset`` or ``step`` ends that episode with reward 0 and is counted
-  (``agent/env_errors``); the run goes on.
+  (``agent/ended/env_error``), and so does a call that runs past ``rollout.multi_turn.env_timeout_s``
+  (``agent/env_timeouts``; the call is left running in a daemon thread); the run goes on.
 
 Built-in: ``tools`` (:class:`ToolEnvironment`: tool calls get their results, a turn without a call ends the
 episode; the default), ``guess_number`` (:class:`GuessNumber`: no tools, "higher/lower" feedback).

@@ -147,6 +147,7 @@ class EpisodeTokens:
         self.samples: list[TokenSample] = []
         self.splits = 0
         self._held = ""  # the text of the current sample's ids
+        self._stop_text = ""  # the text of the stop token that ended the last turn ("" where none did)
 
     @property
     def current(self) -> TokenSample:
@@ -167,17 +168,36 @@ class EpisodeTokens:
         self.current.append(ids, logprobs)
         self._held += self.renderer.decode(ids)
         content = ids[:-1] if ids and ids[-1] in self.stop else ids
+        self._stop_text = self.renderer.decode(ids[len(content):])
         text = self.renderer.decode(content)
         self.messages.append({"role": "assistant", "content": text})
         return text
 
-    def observation_ids(self, observations: Sequence[Message]) -> tuple[list[int], bool]:
-        """What appending ``observations`` would add, without adding it: ``(ids, append_only)``; the ids are
-        the delta after the held text (append-only) or the whole new rendering (a split)."""
-        text = self.renderer.render(self.messages + [dict(m) for m in observations])
+    def observation_ids(self, observations: Sequence[Message]) -> tuple[list[int], bool, int]:
+        """What appending ``observations`` after the last assistant turn would add, without adding it: ``(ids,
+        append_only, observed)``; the ids are the delta after the held text (append-only) or the whole new
+        rendering (a split); ``observed`` counts the observation tokens alone, what
+        ``rollout.multi_turn.max_episode_tokens`` counts: the delta's ids, or after a split the tokens of the
+        new rendering after the last assistant turn's text (:meth:`_after_last_turn`), the same count for an
+        append-only template and one that re-renders earlier turns."""
+        observations = [dict(m) for m in observations]
+        text = self.renderer.render(self.messages + observations)
         if text.startswith(self._held):
-            return self.renderer.encode(text[len(self._held):]), True
-        return self.renderer.encode(text), False
+            ids = self.renderer.encode(text[len(self._held):])
+            return ids, True, len(ids)
+        return self.renderer.encode(text), False, len(self.renderer.encode(self._after_last_turn(observations)))
+
+    def _after_last_turn(self, observations: list[Message]) -> str:
+        """The text the template renders after the last assistant turn's content when ``observations`` follow it
+        (less the stop token the model sampled to end the turn, which the turn holds): the common end of two
+        renderings whose last assistant content differs in a final mark, rendered with the same history, so the
+        template drops or keeps the earlier turns' reasoning as in the split's rendering."""
+        *before, last = self.messages
+        a, b = (self.renderer.render(before + [{**last, "content": last["content"] + mark}] + observations)
+                for mark in ("\x01", "\x02"))
+        common = next((k for k in range(min(len(a), len(b))) if a[-1 - k] != b[-1 - k]), min(len(a), len(b)))
+        after = a[len(a) - common:]
+        return after[len(self._stop_text):] if self._stop_text and after.startswith(self._stop_text) else after
 
     def add_observations(self, observations: Sequence[Message], ids: list[int], append_only: bool) -> None:
         """Append the observation messages with their ids from :meth:`observation_ids` (mask 0), or start a new

@@ -26,13 +26,15 @@ observation messages (each cut to ``max_observation_tokens``) are appended as to
 ``finish_reason`` is "length"; the template closes it, a half-written call is malformed; ``agent/turns_cut``).
 The episode ends when the environment says done, after ``max_turns`` turns, when the episode's
 ``max_episode_tokens`` (sampled and observation tokens after the first prompt) or the context would be
-exceeded (a turn cut by either ends it too), or when the environment raises. ``EpisodeResult.end`` says which;
-the metrics count each.
+exceeded (a turn cut by either ends it too), or when the environment raises or runs past ``env_timeout_s`` in
+``reset`` or ``step`` (its call is left running in a daemon thread). ``EpisodeResult.end`` says which; the
+metrics count each.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import queue
 import random
@@ -48,13 +50,13 @@ import torch.distributed as dist
 
 from megarl.agents.env import AssistantTurn, EnvironmentFactory, Message
 from megarl.agents.episode import ChatRenderer, EpisodeTokens, TokenSample
-from megarl.agents.tools import ERROR_KINDS, Tool, ToolResult, run_tool_calls
+from megarl.agents.tools import ERROR_KINDS, TimedCall, Tool, ToolResult, run_tool_calls
 from megarl.rollout.base import Completion, RequestEngine, RolloutStats, SamplingConfig, turn_seed
 from megarl.rollout.data_parallel import shard_bounds
 
 log = logging.getLogger(__name__)
 
-ENDS = ("done", "max_turns", "episode_budget", "context", "env_error")
+ENDS = ("done", "max_turns", "episode_budget", "context", "env_error", "env_timeout")
 ENV_SEED_TURN = 2**31 - 1  # the "turn" of turn_seed that seeds an episode's environment (env.rng)
 
 
@@ -148,6 +150,8 @@ class EpisodeSettings:
         max_turn_tokens: tokens one turn may sample (``rollout.max_new_tokens``).
         max_episode_tokens: sampled and observation tokens after the first prompt; 0 = the context only.
         tool_timeout_s: seconds per tool call.
+        env_timeout_s: seconds per environment call (``reset``, ``step``); past them the episode ends
+            (``env_timeout``).
         max_observation_tokens: longer observation messages are cut (``truncated``); 0 = no limit.
         max_parallel_episodes: episodes (worker threads) at a time.
     """
@@ -156,6 +160,7 @@ class EpisodeSettings:
     max_turn_tokens: int = 64
     max_episode_tokens: int = 0
     tool_timeout_s: float = 10.0
+    env_timeout_s: float = 60.0
     max_observation_tokens: int = 256
     max_parallel_episodes: int = 256
 
@@ -176,7 +181,7 @@ class EpisodeResult:
         turns: turns sampled.
         tool_calls: calls read by the parser (malformed ones not counted).
         tool_errors: error kind -> count (:data:`~megarl.agents.tools.ERROR_KINDS`; an environment that raised
-            ends the episode with ``end == "env_error"`` instead).
+            ends the episode with ``end == "env_error"`` instead, one past ``env_timeout_s`` with "env_timeout").
         env_seconds: wall seconds in ``reset``, ``step`` and the tools.
         splits: times the history was split into a new sample.
         turns_cut: turns cut at ``rollout.max_new_tokens``.
@@ -251,6 +256,7 @@ class EpisodeBatch:
             "agent/observation_tokens": float(sum(e.observation_tokens for e in eps)),
             "agent/samples_split": float(sum(e.splits for e in eps)),
             "agent/turns_cut": float(sum(e.turns_cut for e in eps)),
+            "agent/env_timeouts": float(sum(e.end == "env_timeout" for e in eps)),
             "agent/prefix_cache_hit_rate": self.cached_tokens / max(self.stats.prompt_tokens, 1),
         }
         out.update({f"agent/tool_errors/{k}": float(errors.get(k, 0)) for k in ERROR_KINDS})
@@ -328,21 +334,19 @@ def _episode(loop: GenerationLoop, renderer: ChatRenderer, env, tools: Mapping[s
             if closing is not None:
                 state["rewards"].append(float(closing))
         rewards = state["rewards"]
-        reward = 0.0 if end == "env_error" else (float(sum(rewards)) if rewards else None)
+        reward = 0.0 if end in ("env_error", "env_timeout") else (float(sum(rewards)) if rewards else None)
         return EpisodeResult(prompt_index, sample_index, tokens.trained_samples, reward, end, state["text"],
                              tokens.messages, state["turns"], state["calls"], dict(errors), state["env_s"],
                              tokens.splits, state["cut"], state["last_cut"],
                              {k: float(v) for k, v in dict(getattr(env, "metrics", None) or {}).items()})
 
     t0 = time.perf_counter()
-    try:
-        first = env.reset(row, [dict(m) for m in prompt])
-    except Exception as e:  # noqa: BLE001 (a broken environment ends its episode, not the run)
-        log.warning("environment reset failed (prompt %d): %s: %s", prompt_index, type(e).__name__, e)
-        state["env_s"] += time.perf_counter() - t0
-        tokens.messages = list(prompt)
-        return finish("env_error")
+    first, failed = _env_call(env.reset, settings.env_timeout_s, f"reset (prompt {prompt_index})", row,
+                              [dict(m) for m in prompt])
     state["env_s"] += time.perf_counter() - t0
+    if failed:
+        tokens.messages = list(prompt)
+        return finish(failed)
     tokens.begin(first)
     for turn in range(settings.max_turns):
         limits = {"turn": settings.max_turn_tokens,
@@ -368,13 +372,11 @@ def _episode(loop: GenerationLoop, renderer: ChatRenderer, env, tools: Mapping[s
                     for m in malformed]
         state["calls"] += len(calls)
         errors.update(r.error for r in results if r.error)
-        try:
-            answer = env.step(AssistantTurn(text, calls, results, turn, done.finish_reason))
-        except Exception as e:  # noqa: BLE001
-            log.warning("environment step failed (prompt %d, turn %d): %s: %s", prompt_index, turn,
-                        type(e).__name__, e)
+        answer, failed = _env_call(env.step, settings.env_timeout_s, f"step (prompt {prompt_index}, turn {turn})",
+                                   AssistantTurn(text, calls, results, turn, done.finish_reason))
+        if failed:
             state["env_s"] += time.perf_counter() - t0
-            return finish("env_error")
+            return finish(failed)
         if answer.reward is not None:
             state["rewards"].append(float(answer.reward))
         observations = [_cut(renderer, m, settings.max_observation_tokens, errors) for m in answer.messages]
@@ -383,14 +385,31 @@ def _episode(loop: GenerationLoop, renderer: ChatRenderer, env, tools: Mapping[s
             return finish("done")
         if turn + 1 == settings.max_turns:
             break
-        ids, append_only = tokens.observation_ids(observations)
-        if settings.max_episode_tokens and state["used"] + len(ids) >= settings.max_episode_tokens:
+        ids, append_only, observed = tokens.observation_ids(observations)
+        if settings.max_episode_tokens and state["used"] + observed >= settings.max_episode_tokens:
             return finish("episode_budget")
         if (len(tokens.current.ids) + len(ids) if append_only else len(ids)) >= context:
             return finish("context")
         tokens.add_observations(observations, ids, append_only)
-        state["used"] += len(ids) if append_only else 0
+        state["used"] += observed
     return finish("max_turns")
+
+
+def _env_call(method: Callable[..., Any], timeout_s: float, what: str, *args: Any) -> tuple[Any, str | None]:
+    """``method(*args)`` of an environment, given ``timeout_s`` seconds in a thread of its own
+    (:class:`~megarl.agents.tools.TimedCall`): ``(its value, None)``, or ``(None, "env_error")`` where it raised
+    (an ``Exception``) and ``(None, "env_timeout")`` where it ran past them (left running; a warning each)."""
+    call = TimedCall(functools.partial(method, *args), {}, name=f"env-{method.__name__}")
+    if not call.wait(time.perf_counter() + timeout_s):
+        log.warning("environment %s ran past rollout.multi_turn.env_timeout_s=%g s: its episode ends "
+                    "(agent/env_timeouts)", what, timeout_s)
+        return None, "env_timeout"
+    if isinstance(call.error, Exception):  # a broken environment ends its episode, not the run
+        log.warning("environment %s failed: %s: %s", what, type(call.error).__name__, call.error)
+        return None, "env_error"
+    if call.error is not None:  # KeyboardInterrupt, SystemExit: as if called here
+        raise call.error
+    return call.value, None
 
 
 def _cut(renderer: ChatRenderer, message: Message, limit: int, errors: Counter) -> Message:

@@ -28,7 +28,7 @@ reads and a counted kind (``agent/tool_errors/<kind>``):
 - ``bad_arguments``: the arguments do not fit the function's signature;
 - ``exception``: the tool raised (the observation is ``error: <Type>: <message>``);
 - ``timeout``: it ran past ``timeout_s`` (its thread is left to finish on its own: Python cannot stop a
-  thread, which is why tools run in daemon threads that do not hold the process open);
+  thread, which is why tools run in daemon threads that do not hold the process open: :class:`TimedCall`);
 - ``malformed`` (from the parser, :mod:`megarl.agents.parsers`) and ``truncated`` (an observation cut to
   ``rollout.multi_turn.max_observation_tokens``, :mod:`megarl.agents.episode`).
 """
@@ -206,26 +206,46 @@ def run_tool_calls(calls: Sequence[ToolCall], tools: Mapping[str, Tool], timeout
         except TypeError as e:
             results[k] = ToolResult(call, f"error: bad arguments for {call.name}: {e}", "bad_arguments")
             continue
-        box: dict[str, Any] = {}
-
-        def run(fn=found.fn, arguments=dict(call.arguments), box=box):
-            t0 = time.perf_counter()
-            try:
-                box["value"] = fn(**arguments)
-            except BaseException as e:  # noqa: BLE001 (whatever a tool raises is an observation)
-                box["error"] = e
-            box["seconds"] = time.perf_counter() - t0
-
-        thread = threading.Thread(target=run, name=f"tool-{call.name}", daemon=True)
-        thread.start()
-        threads.append((k, call, thread, box))
-    for k, call, thread, box in threads:
-        thread.join(max(0.0, timeout_s - (time.perf_counter() - start)))
-        if thread.is_alive() or "seconds" not in box:
+        threads.append((k, call, TimedCall(found.fn, dict(call.arguments), name=f"tool-{call.name}")))
+    for k, call, timed in threads:
+        if not timed.wait(start + timeout_s):
             results[k] = ToolResult(call, f"error: {call.name} timed out after {timeout_s:g} s", "timeout", timeout_s)
-        elif "error" in box:
-            e = box["error"]
-            results[k] = ToolResult(call, f"error: {type(e).__name__}: {e}", "exception", box["seconds"])
+        elif timed.error is not None:
+            e = timed.error
+            results[k] = ToolResult(call, f"error: {type(e).__name__}: {e}", "exception", timed.seconds)
         else:
-            results[k] = ToolResult(call, observation_text(box["value"]), None, box["seconds"])
+            results[k] = ToolResult(call, observation_text(timed.value), None, timed.seconds)
     return results
+
+
+class TimedCall:
+    """``fn(**arguments)`` started at once in a daemon thread of its own, waited for until a deadline: a call that
+    runs past it is left to finish on its own (Python cannot stop a thread; a daemon thread does not hold the
+    process open). Tools (:func:`run_tool_calls`) and environments (``rollout.multi_turn.env_timeout_s``,
+    :mod:`megarl.agents.rollout`) run this way.
+
+    Attributes (once :meth:`wait` returned True):
+        value: what ``fn`` returned. error: what it raised (any ``BaseException``), or None.
+        seconds: its wall time (seconds).
+    """
+
+    def __init__(self, fn: Callable[..., Any], arguments: Mapping[str, Any], *, name: str):
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(fn, dict(arguments)), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], arguments: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.value = fn(**arguments)
+        except BaseException as e:  # noqa: BLE001 (whatever the call raises is the caller's to report)
+            self.error = e
+        self.seconds = time.perf_counter() - t0
+        self._done.set()
+
+    def wait(self, deadline: float) -> bool:
+        """Wait until the call ends or ``time.perf_counter()`` reaches ``deadline``; whether it ended."""
+        return self._done.wait(max(0.0, deadline - time.perf_counter()))

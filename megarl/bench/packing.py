@@ -32,6 +32,8 @@ from unittest import mock
 
 import torch
 
+from megarl.jsonl import latest_per_step, read_records
+
 
 def sample_lengths(source: str, rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(prompt_lens [rows], response_lens [rows])`` int64 drawn from ``source`` (``synth`` or a samples.jsonl;
@@ -46,8 +48,8 @@ def sample_lengths(source: str, rows: int, seed: int = 0) -> tuple[torch.Tensor,
         responses = (64 + torch.empty(rows).exponential_(1 / 250, generator=g)).clamp(max=1024).long()
         return prompts, responses
     pairs = []
-    for line in Path(source).read_text().splitlines():
-        rec = json.loads(line) if line.strip() else {}
+    records = read_records(source)  # a run's samples once each, however often a resume logged a step
+    for rec in (records[i] for i in latest_per_step(records)):
         response = rec.get("response_tokens", rec.get("length"))
         prompt = rec.get("prompt_tokens", len(rec.get("prompt", "")) // 4)
         if response is not None and int(response) > 0:

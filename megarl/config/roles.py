@@ -306,12 +306,6 @@ class ActorConfig:
         _require_in_section(not (self.moe.router_replay and self.recompute and self.parallel.pp > 1),
                             "moe.router_replay", "with recompute and parallel.pp > 1 the recomputed routers would "
                             "not see their own micro-batch's routes; set recompute=false or parallel.pp=1")
-        _require_in_section(not (self.lora.experts and self.kernels.transformer_engine), "lora.experts",
-                            "adapters on the experts run on the local layer spec; set "
-                            "kernels.transformer_engine=false or lora.experts=false")
-        _require_in_section(not (self.lora.experts and self.kernels.moe_experts == "grouped"), "lora.experts",
-                            "adapters on the experts need one linear layer per expert; set "
-                            "kernels.moe_experts=sequential or lora.experts=false")
         _require_in_section(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
         _require_in_section(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
                             f"must be >= 0 (0 = fixed-size micro-batches), got {self.max_tokens_per_micro_batch}")

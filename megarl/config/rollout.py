@@ -37,6 +37,8 @@ class MultiTurnConfig:
         max_episode_tokens: sampled plus observation tokens after the first prompt; 0 = up to the context.
             Each turn samples at most rollout.max_new_tokens.
         tool_timeout_s: seconds per tool call (> 0); a call past it is a "timeout" observation.
+        env_timeout_s: seconds per environment call, ``reset`` or ``step`` (> 0); past them the episode ends with
+            reward 0 (``agent/env_timeouts``), the run goes on.
         max_observation_tokens: observation messages are cut to this many tokens ("truncated"); 0 = no limit.
         max_parallel_episodes: episodes running at once per rank (worker threads; agents: coroutines), >= 1.
         agent: an agent written as ordinary code instead of ``env`` and ``tools``: a registered name or a
@@ -56,6 +58,7 @@ class MultiTurnConfig:
     max_turns: int = 4
     max_episode_tokens: int = 0
     tool_timeout_s: float = 10.0
+    env_timeout_s: float = 60.0
     max_observation_tokens: int = 256
     max_parallel_episodes: int = 256
     agent: str = ""
@@ -67,6 +70,8 @@ class MultiTurnConfig:
                 f"must be >= 0 (0: up to the context), got {self.max_episode_tokens}")
         require(self.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s",
                 f"must be > 0 seconds, got {self.tool_timeout_s}")
+        require(self.env_timeout_s > 0, "rollout.multi_turn.env_timeout_s",
+                f"must be > 0 seconds, got {self.env_timeout_s}")
         require(self.max_observation_tokens >= 0, "rollout.multi_turn.max_observation_tokens",
                 f"must be >= 0 (0: no limit), got {self.max_observation_tokens}")
         require(self.max_parallel_episodes >= 1, "rollout.multi_turn.max_parallel_episodes",

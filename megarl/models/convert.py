@@ -187,8 +187,23 @@ def export_rank(rank: int, world: int, ckpt_dir: str, out: str) -> str:
     if lora is not None:  # beside the merged model (save_hf_checkpoint replaced the folder)
         from megarl.models.peft import save_peft_adapter
 
-        save_peft_adapter(path / ADAPTER_FOLDER, spec, lora, canonical, meta["lora"]["base"] or "default")
+        save_peft_adapter(path / ADAPTER_FOLDER, spec, lora, canonical, adapter_base(meta["lora"]["base"]))
     _copy_tokenizer(meta.get("tokenizer"), path)
+    return str(path)
+
+
+def adapter_base(base: str | None) -> str:
+    """The base model a LoRA checkpoint names (``lora.base``; None: the CPU default) as PEFT's
+    ``base_model_name_or_path``: its real, absolute path (never "default", which peft takes for a hub name).
+    A GGUF base (the CPU default) is a file that ``AutoModelForCausalLM.from_pretrained`` loads only with
+    ``gguf_file=``: said in a warning."""
+    from megarl.models.hf_io import resolve_model_path
+
+    path = resolve_model_path(base)
+    if path.suffix == ".gguf":
+        log.warning("the LoRA adapter's base is the GGUF file %s: peft's AutoPeftModelForCausalLM cannot load it by "
+                    "name; load it with AutoModelForCausalLM.from_pretrained(%r, gguf_file=%r), then "
+                    "PeftModel.from_pretrained(model, <export>/adapter)", path, str(path.parent), path.name)
     return str(path)
 
 

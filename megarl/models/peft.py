@@ -7,11 +7,17 @@ projection ``P``, ``base_model.model.<P>.lora_A.weight`` ``[r, in]`` and ``base_
 ``[out, r]``. megarl's canonical adapters (:func:`megarl.models.layout.lora_targets`) share one ``A`` between q, k
 and v (and between gate and up), as megatron's fused layers do; in PEFT's format each projection carries its own
 copy of that ``A``, which is the same model (``W_q + s B_q A``, ...).
+
+``base_model_name_or_path`` is the base model's real path (absolute; peft's ``AutoPeftModelForCausalLM`` loads
+it from there, offline). Adapters on a mixture-of-experts model's experts (``actor.lora.experts``) load only with
+peft >= :data:`MIN_PEFT_EXPERTS` (an older peft ignores them without a warning): such a folder says so in its
+weights' metadata (``min_peft_version``), and :func:`save_peft_adapter` warns.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Mapping
@@ -25,6 +31,9 @@ from megarl.models.spec import ModelSpec
 PREFIX = "base_model.model."
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+MIN_PEFT_EXPERTS = "0.20.0"  # the first peft that loads LoRA adapters on the experts of an MoE model
+
+log = logging.getLogger(__name__)
 
 
 def peft_tensors(spec: ModelSpec, lora: LoRASpec, adapters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -57,7 +66,8 @@ def adapter_config(spec: ModelSpec, lora: LoRASpec, base: str | None) -> dict:
 def save_peft_adapter(directory: str | os.PathLike, spec: ModelSpec, lora: LoRASpec,
                       adapters: Mapping[str, torch.Tensor], base: str | None) -> Path:
     """Write a PEFT adapter folder (module docstring): ``adapter_config.json`` and ``adapter_model.safetensors``,
-    each written to a temporary name and renamed.
+    each written to a temporary name and renamed; adapters on the experts say which peft they need (metadata
+    ``min_peft_version``) and are warned of.
 
     Returns:
         The folder.
@@ -68,7 +78,13 @@ def save_peft_adapter(directory: str | os.PathLike, spec: ModelSpec, lora: LoRAS
     out.mkdir(parents=True, exist_ok=True)
     # a shared A is one tensor under several names; safetensors stores each name's own copy (clone)
     tensors = {k: v.detach().cpu().clone().contiguous() for k, v in peft_tensors(spec, lora, adapters).items()}
-    save_file(tensors, str(out / (WEIGHTS_FILE + ".tmp")), metadata={"format": "pt"})
+    metadata = {"format": "pt"}
+    if lora.experts:
+        metadata["min_peft_version"] = MIN_PEFT_EXPERTS
+        log.warning("%s holds LoRA adapters on the MoE experts, which load only with peft >= %s (an older peft "
+                    "ignores them without a warning: the model would lack them); its metadata says so", out,
+                    MIN_PEFT_EXPERTS)
+    save_file(tensors, str(out / (WEIGHTS_FILE + ".tmp")), metadata=metadata)
     os.replace(out / (WEIGHTS_FILE + ".tmp"), out / WEIGHTS_FILE)
     (out / (CONFIG_FILE + ".tmp")).write_text(json.dumps(adapter_config(spec, lora, base), indent=2))
     os.replace(out / (CONFIG_FILE + ".tmp"), out / CONFIG_FILE)

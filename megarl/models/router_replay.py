@@ -24,9 +24,12 @@ the replayed experts' scores as usual). Tokens without a route are sent to exper
 megarl gives each router its instance directly and keeps it out of megatron's global instance list, whose
 static setters assume one model per process (the actor and the reference policy are two).
 
-Agreement (every step, replay on or off): per MoE layer, the share of the tokens the engine routed whose
-top-k *set* in the trainer's old-log-prob pass (the experts that pass actually dispatched to, read from the
-router's ``routing_map``) equals the engine's; with replay it is 1 by construction.
+Agreement (every step, replay on or off): per MoE layer, the share of the tokens the engine routed whose top-k
+*set* that the trainer's router chooses for itself in the old-log-prob pass equals the engine's at the same
+position: without replay the experts the pass dispatched to (the router's ``routing_map``); with replay the top-k
+of the router's own scores, computed beside the replayed routes (megatron's top-k function, which the replay
+passes over). Compared with the replayed routes themselves the share would be 1 by construction, and a replay of
+routes misaligned with the tokens (shifted by one) would not show.
 """
 
 from __future__ import annotations
@@ -124,11 +127,14 @@ class RouteReplay:
         self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (routes [N, K], valid [N])
         self._measure = False
         self._counts = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=self.device)  # agreeing, routed
+        self._own: dict[int, torch.Tensor] = {}  # layer -> the top-k [N, K] its router chose itself (replay)
         for routers in self.routers:
             for router in routers:
                 if replay and router.router_replay is None:
                     router.router_replay = RouterReplay()
                     RouterReplay.global_router_replay_instances.remove(router.router_replay)
+                if replay:
+                    self._keep_own_choice(router)
                 router.register_forward_hook(self._compare)
         for c, chunk in enumerate(chunks):
             chunk.register_forward_pre_hook(
@@ -194,16 +200,35 @@ class RouteReplay:
                 router.router_replay.set_target_indices(target)
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
+    def _keep_own_choice(self, router) -> None:
+        """Wrap ``router``'s replay so that, while measuring a replayed forward, the top-k experts the router
+        would choose itself (megatron's top-k function on the scores the replay gathers from) are kept for
+        :meth:`_compare`."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        replay = router.router_replay
+        replay_topk = replay.get_replay_topk
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            if self._measure and replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+                self._own[router.layer_number - 1] = default_compute_topk(scores, topk, num_groups, group_topk)[1]
+            return replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+
+        replay.get_replay_topk = get_replay_topk
+
     def _compare(self, router, args, output) -> None:
-        """After a router's forward: count its tokens whose dispatched experts (``routing_map [N, E]``) are the
-        engine's."""
+        """After a router's forward: count its tokens whose own experts (``routing_map [N, E]``, or under replay
+        the top-k it chose itself) are the engine's at the same position."""
         layer = router.layer_number - 1
+        own = self._own.pop(layer, None)
         if not self._measure or layer not in self._current:
             return
         target, valid = self._current[layer]
-        routing_map = output[1]
+        routing_map = output[1].bool()
+        if own is not None:
+            routing_map = torch.zeros_like(routing_map).scatter_(1, own.to(routing_map.device), True)
         engine = torch.zeros_like(routing_map, dtype=torch.bool).scatter_(1, target, True)
-        agree = (routing_map.bool() == engine).all(dim=1) & valid
+        agree = (routing_map == engine).all(dim=1) & valid
         self._counts[layer, 0] += agree.sum()
         self._counts[layer, 1] += valid.sum()
 

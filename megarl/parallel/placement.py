@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -449,8 +450,12 @@ def global_layout(layouts: dict[str, RoleLayout], world_size: int, ep: int = 1) 
     """
     a = layouts["actor"]
     if not is_split(layouts, world_size):
+        dp = ep // math.gcd(a.tp, ep)  # the least dp whose tp x dp ranks ep divides
         require(ep == 1 or (a.tp * a.dp) % ep == 0, "actor.parallel.ep",
-                f"{ep} does not divide the actor's tp={a.tp} x dp={a.dp} ranks of a pipeline stage")
+                f"{ep} does not divide the actor's tp={a.tp} x dp={a.dp} ranks of a pipeline stage (expert "
+                f"parallelism splits the experts over a stage's tp x dp ranks: dp must be a multiple of "
+                f"{'ep' if dp == ep else dp}); set actor.parallel.dp={dp} (or a multiple: the job runs on "
+                f"{a.tp * a.pp * a.cp * dp} ranks at dp={dp}) or actor.parallel.ep=1")
         return ParallelLayout(tp=a.tp, pp=a.pp, dp=a.dp, ep=ep, cp=a.cp, vpp=a.vpp)
     require(ep == 1, "actor.parallel.ep", f"{ep}: expert parallelism needs every Megatron role on the whole "
             "world (no placement pools); set ep=1 or drop the pools")

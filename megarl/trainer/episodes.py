@@ -94,6 +94,7 @@ def build_agent(cfg: Config, tokenizer) -> Agent:
         raise ConfigError(msg if msg.startswith("rollout.") else f"rollout.multi_turn: {msg}") from e
     settings = EpisodeSettings(max_turns=mt.max_turns, max_turn_tokens=cfg.rollout.max_new_tokens,
                                max_episode_tokens=mt.max_episode_tokens, tool_timeout_s=mt.tool_timeout_s,
+                               env_timeout_s=mt.env_timeout_s,
                                max_observation_tokens=mt.max_observation_tokens,
                                max_parallel_episodes=mt.max_parallel_episodes)
     template = PromptTemplate(system_prompt=cfg.data.system_prompt, instruction=cfg.data.instruction)

@@ -28,7 +28,7 @@ from megarl.parallel.restart import RequeueRequested, read_restarts, requeue_mes
 from megarl.parallel.watchdog import progress_watched
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
 from megarl.trainer.pipeline import schedule
-from megarl.trainer.run_record import keep_earlier_record
+from megarl.trainer.run_record import cut_record_back, keep_earlier_record
 from megarl.trainer.run_state import RunState
 
 log = logging.getLogger(__name__)
@@ -37,13 +37,16 @@ log = logging.getLogger(__name__)
 def fit(trainer) -> dict[str, Any]:
     """Run until ``trainer.steps``; returns the summary (also printed and written to summary.json). A run that
     starts at step 0 first moves an earlier run's record aside (:func:`~megarl.trainer.run_record.
-    keep_earlier_record`)."""
+    keep_earlier_record`); a resumed one cuts its record back to its checkpoint's step
+    (:func:`~megarl.trainer.run_record.cut_record_back`)."""
     cfg, state = trainer.cfg, trainer.state
     start = time.perf_counter()
     if trainer.rank == 0:
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
         if state.step == 0:  # first: the logger opens its files
             keep_earlier_record(trainer.run_dir)
+        else:  # resumed: the steps after the checkpoint are logged again
+            cut_record_back(trainer.run_dir, state.step)
     logger = MetricsLogger(trainer.run_dir / "metrics.jsonl", cfg.trainer.steps, state.step,
                            enabled=trainer.rank == 0, progress=cfg.trainer.progress, loggers=cfg.trainer.loggers,
                            config=to_dict(cfg))

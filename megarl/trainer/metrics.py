@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from megarl.jsonl import append_records, read_records
+from megarl.jsonl import append_records, latest_per_step, one_record, read_records
 from megarl.trainer.pipeline import staleness
 
 # (metric key, label, format) of the one-line digest printed after every step
@@ -46,12 +46,14 @@ def digest(step: int, total: int, m: dict[str, Any]) -> str:
 
 
 class TensorBoardWriter:
-    """Scalars as TensorBoard event files in ``log_dir`` (``torch.utils.tensorboard``; needs ``tensorboard``)."""
+    """Scalars as TensorBoard event files in ``log_dir`` (``torch.utils.tensorboard``; needs ``tensorboard``); a
+    run resumed after step ``start_step`` hides the events of later steps that an earlier attempt wrote
+    (TensorBoard's ``purge_step``), so each step shows once."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, start_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=start_step + 1 if start_step else None)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         for key, value in scalars(metrics).items():
@@ -170,7 +172,7 @@ class MetricsLogger:
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if "tensorboard" in loggers:
-                self.writers.append(TensorBoardWriter(self.path.parent / "tensorboard"))
+                self.writers.append(TensorBoardWriter(self.path.parent / "tensorboard", start_step))
             if "wandb" in loggers:
                 self.writers.append(WandbWriter(self.path.parent, self.path.parent.name, config))
             if progress and self.console:
@@ -204,10 +206,12 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All step records of a metrics JSONL file, by step (the last record wins for a repeated step; a torn or
-    damaged line is skipped with a warning: :func:`megarl.jsonl.read_records`)."""
-    by_step = {rec["step"]: rec for rec in read_records(path) if isinstance(rec.get("step"), int)}
-    return [by_step[k] for k in sorted(by_step)]
+    """All step records of a metrics JSONL file, one a step, by step (a step logged again, by a run resumed before
+    it that an older megarl did not cut back, counts as the later record, the records logged after it before
+    that resume dropped: :func:`megarl.jsonl.latest_per_step`; a torn or damaged line is skipped with a
+    warning: :func:`megarl.jsonl.read_records`)."""
+    records = [rec for rec in read_records(path) if isinstance(rec.get("step"), int)]
+    return sorted((records[i] for i in latest_per_step(records, one_record)), key=lambda rec: rec["step"])
 
 
 def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Path | None,

@@ -156,7 +156,8 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
     * a top-1 router whose weights are renormalised over the top-k (``norm_topk_prob``, Mixtral) has no
       megatron form (``TransformerConfig`` asks for ``moe_router_pre_softmax`` with top-1, which weighs the expert
       by its softmax probability instead of 1: another model);
-    * LoRA on an MoE model runs on the local layer spec (:func:`megarl.models.lora.adapt_layer_spec`);
+    * LoRA on an MoE model runs on the local layer spec (:func:`megarl.models.lora.adapt_layer_spec`), and
+      adapters on its experts (``actor.lora.experts``; a dense model has none) on the sequential experts;
     * the grouped experts (``kernels.moe_experts="grouped"`` on the local spec) need a hidden size and
       ``moe_ffn_hidden_size`` whose rows torch's ``grouped_mm`` takes
       (:func:`megarl.kernels.grouped_experts.misaligned_sizes`);
@@ -178,6 +179,12 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
                           "renormalised over the top-k (norm_topk_prob; weight 1), which megatron-core cannot "
                           "build (it needs moe_router_pre_softmax with top-1: the softmax probability as the weight); "
                           "use a model with num_experts_per_tok >= 2 or norm_topk_prob=false")
+    if cfg.actor.lora.experts:
+        require(spec.is_moe, "actor.lora.experts", f"{cfg.model.path} is a dense {spec.family} model: it has no "
+                "experts to adapt; set actor.lora.experts=false (actor.lora.target_modules adapts its layers)")
+        require(cfg.actor.kernels.moe_experts != "grouped" or cfg.actor.kernels.transformer_engine,
+                "actor.lora.experts", "adapters on the experts need one linear layer per expert; set "
+                "actor.kernels.moe_experts=sequential or actor.lora.experts=false")
     if spec.is_moe and cfg.actor.lora.enabled and cfg.actor.kernels.transformer_engine:
         raise ConfigError("actor.kernels.transformer_engine: LoRA on a mixture-of-experts model runs on the local "
                           "layer spec (TE's grouped and shared experts have no adapters); set "

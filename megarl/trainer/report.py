@@ -22,7 +22,7 @@ from typing import Any
 from matplotlib.figure import Figure  # ImportError without matplotlib: the trainer then skips the report
 from matplotlib.ticker import MaxNLocator
 
-from megarl.jsonl import read_records
+from megarl.jsonl import latest_per_step, read_records
 from megarl.trainer.metrics import read_metrics
 
 SAMPLES_SHOWN = 2  # of each kind: best, worst, cut off
@@ -116,7 +116,9 @@ def plot_run(history: list[dict[str, Any]], out_dir: Path) -> dict[str, Path]:
 
 
 def _read_jsonl(path: Path, **tag: Any) -> list[dict[str, Any]]:
-    return [{**record, **tag} for record in read_records(path)]
+    """The samples of a run's samples file, each step's once (:func:`megarl.jsonl.latest_per_step`), with ``tag``."""
+    records = read_records(path)
+    return [{**records[i], **tag} for i in latest_per_step(records)]
 
 
 def pick_samples(samples: list[dict[str, Any]], k: int = SAMPLES_SHOWN) -> dict[str, list[dict[str, Any]]]:

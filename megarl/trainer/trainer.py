@@ -538,14 +538,15 @@ class Trainer:
 
 
     def _log_samples(self, prompts, batch: RolloutBatch) -> None:
-        """Append the step's first ``trainer.log_samples`` responses to ``samples.jsonl`` (rank 0): prompt, response,
-        score, ground truth, ``length`` (response tokens), ``prompt_tokens``, policy version, finish reason."""
+        """Append the step's first ``trainer.log_samples`` responses to ``samples.jsonl`` (rank 0): ``row`` (in the
+        step's batch), prompt, response, score, ground truth, ``length`` (response tokens), ``prompt_tokens``,
+        policy version, finish reason."""
         k = min(self.cfg.trainer.log_samples, len(batch))
         if self.rank != 0 or k == 0:
             return
         adapters = "adapter_version" in batch.meta
         append_samples(self.run_dir / "samples.jsonl", [
-            {"prompt": prompts.raw_prompt[g], "response": batch.meta["response"][i],
+            {"row": i, "prompt": prompts.raw_prompt[g], "response": batch.meta["response"][i],
              "score": None if batch["dropped"][i] else float(batch["scores"][i]),
              "ground_truth": prompts.ground_truth[g], "length": int(batch["response_lens"][i]),
              "prompt_tokens": int(batch["prompt_lens"][i]), "policy_version": batch.meta["policy_version"][i],
