@@ -294,7 +294,7 @@ def _shifted_world(rank, world, model_dir):
     from megarl.config import ActorConfig, MoEConfig
     from megarl.models.router_replay import NO_ROUTE, ROUTES
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.trainer.workers import PolicyWorker
+    from megarl.workers.actor import PolicyWorker
 
     layout = ParallelLayout()
     initialize_model_parallel(layout)
