@@ -11,7 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
+from megarl.models.layout import hf_layout
+from megarl.models.layout_megatron import megatron_layout
+from megarl.models.layout_vllm import vllm_layout
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard import boxcopy

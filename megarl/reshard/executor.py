@@ -22,7 +22,7 @@ the pack of round ``k + 1`` waits only for the unpack of round ``k - 1`` (its bu
 ``k``'s messages overlap the pack of ``k + 1`` and the unpack of ``k - 1``. On CPU (and with ``profile``) the
 same schedule runs in order.
 
-Merged LoRA weights (a destination layout of :func:`~megarl.models.layout.with_lora_merge`): the plan also fills
+Merged LoRA weights (a destination layout of :func:`~megarl.models.layout_lora.with_lora_merge`): the plan also fills
 each merged tensor's auxiliary tensors (its rows of ``B``, its columns of ``A``, in the wire dtype, allocated
 here), and once every transfer has landed each merge writes ``W + (alpha / r) B A`` into the engine's tensor in
 place (:func:`megarl.models.lora.apply_merges`: fp64, one rounding to the tensor's dtype).
