@@ -62,8 +62,9 @@ class GroupedExperts(MegatronModule):
     pg_collection=...)``). Expert TP is 1 (each rank holds its experts whole).
 
     Parameters (``E``: local experts, ``H``: hidden size, ``F``: ``moe_ffn_hidden_size``; the config's
-    ``params_dtype``), stored 2-D with the experts stacked on rows (their layout in :mod:`megarl.models.layout`
-    and vLLM's ``w13_weight`` / ``w2_weight`` viewed 2-D), and viewed 3-D in the GEMMs:
+    ``params_dtype``), stored 2-D with the experts stacked on rows (their layout in
+    :mod:`megarl.models.layout_megatron` and vLLM's ``w13_weight`` / ``w2_weight`` viewed 2-D), and viewed 3-D in
+    the GEMMs:
         ``linear_fc1.weight``: ``[E * 2F, H]``, expert ``e``'s rows ``[gate_e; up_e]`` (``SequentialMLP``'s
         ``local_experts.{e}.linear_fc1.weight``, concatenated over ``e``).
         ``linear_fc2.weight``: ``[E * H, F]``, expert ``e``'s down projection in rows ``[e * H, (e + 1) * H)``.

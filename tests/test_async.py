@@ -138,7 +138,7 @@ def _reshard_across_pools(rank: int, world: int) -> dict:
     """The actor's Megatron shards (cut by the reference slicer) on ranks 0-1 into (1) the transformers engine
     on ranks 2-3 through its ``update_weights`` (the trainer's path) and (2) vLLM TP=2 shards on ranks 2-3."""
     from megarl.config import load_config as load
-    from megarl.models.layout import megatron_layout
+    from megarl.models.layout_megatron import megatron_layout
     from megarl.models.spec import ModelSpec
     from megarl.parallel.mesh import ParallelLayout, init_distributed
     from megarl.reshard.executor import execute_plan

@@ -127,7 +127,8 @@ def test_readme_test_command_is_what_ci_runs():
 
 
 def test_the_8_gpu_config_fits_qwen2_5_7b_and_its_reshard_stays_on_each_gpu():
-    from megarl.models.layout import megatron_layout, vllm_layout
+    from megarl.models.layout_megatron import megatron_layout
+    from megarl.models.layout_vllm import vllm_layout
     from megarl.models.spec import preset
     from megarl.parallel.mesh import ParallelLayout
     from megarl.reshard.planner import plan_reshard

@@ -66,7 +66,7 @@ def _model_run(spec, mesh, hf_sd, tokens, weights, role: str):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     from megarl.kernels.context_parallel import gather_from_cp_ranks, next_tokens, split_for_cp_rank
-    from megarl.models.layout import megatron_rank_tensors
+    from megarl.models.layout_megatron import megatron_rank_tensors
     from megarl.models.logprobs import vocab_parallel_logprobs
     from megarl.models.megatron import build_model
     from megarl.models.pipeline import run_microbatches
@@ -133,7 +133,9 @@ def _model_checks(rank: int) -> dict:
 def _reshard_checks(rank: int) -> dict:
     """The reshard from Megatron TP=2 x CP=2 to vLLM TP=2 / TP=4 and to whole HF tensors, vs the reference
     slicer; the CP peers' layouts are the same blocks."""
-    from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
+    from megarl.models.layout import hf_layout
+    from megarl.models.layout_megatron import megatron_layout
+    from megarl.models.layout_vllm import vllm_layout
     from megarl.parallel.mesh import ParallelLayout
     from megarl.reshard.executor import execute_plan
     from megarl.reshard.planner import plan_reshard
@@ -164,7 +166,7 @@ def _checkpoint_checks(rank: int, tmp: str) -> dict:
     from megatron.core import parallel_state as ps
 
     from megarl.models import checkpoint as ck
-    from megarl.models.layout import megatron_rank_tensors
+    from megarl.models.layout_megatron import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel

@@ -71,7 +71,8 @@ def test_the_quantise_kernel_equals_vllms_block_quantisation_bit_for_bit():
 
 def _fp8_engine(rank, world):
     from megarl.models import fp8
-    from megarl.models.layout import megatron_layout, vllm_layout
+    from megarl.models.layout_megatron import megatron_layout
+    from megarl.models.layout_vllm import vllm_layout
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel

@@ -78,7 +78,8 @@ def test_te_lora_matches_the_local_spec():
 
 def _adapter_sync(rank, world):
     from megarl.models.checkpoint import chunk_parameters
-    from megarl.models.layout import adapter_layout, megatron_layout
+    from megarl.models.layout_lora import adapter_layout
+    from megarl.models.layout_megatron import megatron_layout
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.reshard.executor import execute_plan
     from megarl.reshard.planner import plan_reshard

@@ -22,7 +22,7 @@ MISTRAL = ModelSpec("mistral", vocab_size=4096, hidden_size=512, num_layers=4, n
 def _check(rank, world, spec):
     from transformers import AutoModelForCausalLM
 
-    from megarl.models.layout import megatron_rank_tensors
+    from megarl.models.layout_megatron import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.pipeline import run_microbatches
     from megarl.models.weights import fill_local_tensors, state_dict_reader

@@ -43,7 +43,7 @@ SAMPLED = dict(n=2, temperature=1.0, max_new_tokens=32, seed=7)
 def _check(rank, world):
     import time
 
-    from megarl.models.layout import megatron_layout, megatron_rank_tensors
+    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import assemble_canonical
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel

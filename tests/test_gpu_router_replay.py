@@ -35,7 +35,7 @@ MBS = 4  # old-log-prob micro-batch rows
 def _check(rank, world):
     from megarl.config import ActorConfig, MoEConfig
     from megarl.models.checkpoint import as_chunks
-    from megarl.models.layout import megatron_layout
+    from megarl.models.layout_megatron import megatron_layout
     from megarl.models.router_replay import ROUTES
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.reshard.executor import execute_plan

@@ -40,7 +40,7 @@ def _prompts() -> list[list[int]]:
 def _check(rank, world, enforce_eager):
     import time
 
-    from megarl.models.layout import megatron_layout
+    from megarl.models.layout_megatron import megatron_layout
     from megarl.models.megatron import build_model
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.reshard.executor import execute_plan

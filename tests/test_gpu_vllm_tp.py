@@ -52,7 +52,7 @@ def _run(rank: int, world: int, mesh_sizes: tuple[int, int, int], rollout_tp: in
     from megarl.models.megatron import build_model
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel, ranks_per_node
     from megarl.reshard.executor import execute_plan
-    from megarl.models.layout import megatron_layout
+    from megarl.models.layout_megatron import megatron_layout
     from megarl.reshard.planner import plan_reshard
     from megarl.rollout.base import SamplingConfig
     from megarl.rollout.data_parallel import generate_data_parallel, rollout_dp_group

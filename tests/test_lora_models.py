@@ -32,7 +32,7 @@ TOLERANCE = 1e-10
 
 def _canonical(seed: int, lora):
     """Random base weights, random nonzero adapters, and the merged weights ``W + s B A`` (fp64)."""
-    from megarl.models.layout import lora_canonical_shapes, lora_targets
+    from megarl.models.layout_lora import lora_canonical_shapes, lora_targets
 
     g = torch.Generator().manual_seed(seed)
     w = {n: ((1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else 0.2 * torch.randn(s, generator=g)).to(DTYPE)
@@ -47,7 +47,8 @@ def _canonical(seed: int, lora):
 def _build(mesh, sp: bool, tensors: dict, lora=None):
     from megatron.core import parallel_state as ps
 
-    from megarl.models.layout import lora_canonical_shapes, megatron_rank_tensors
+    from megarl.models.layout_lora import lora_canonical_shapes
+    from megarl.models.layout_megatron import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
 

@@ -70,7 +70,10 @@ def megatron_adapters(model: str, w: dict, ad: dict, tp: int, r: int) -> dict[st
 
 
 def _world(rank: int, world: int) -> dict:
-    from megarl.models.layout import adapter_layout, hf_layout, megatron_layout, vllm_layout, with_lora_merge
+    from megarl.models.layout import hf_layout
+    from megarl.models.layout_lora import adapter_layout, with_lora_merge
+    from megarl.models.layout_megatron import megatron_layout
+    from megarl.models.layout_vllm import vllm_layout
     from megarl.models.lora import LoRASpec
     from megarl.models.spec import ModelSpec
     from megarl.parallel.mesh import ParallelLayout
@@ -121,7 +124,7 @@ def test_config_and_memory_estimate_know_lora():
     the adapters once."""
     from megarl.config import LORA_TARGETS, load_config
     from megarl.launch.memory import estimate_memory
-    from megarl.models.layout import parameter_counts
+    from megarl.models.layout_lora import parameter_counts
     from megarl.models.lora import LoRASpec
     from megarl.models.spec import PRESETS
 

@@ -56,7 +56,7 @@ def _world(rank, world, tmp):
 
     from megarl.models import checkpoint as ck
     from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
-    from megarl.models.layout import megatron_rank_tensors
+    from megarl.models.layout_megatron import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
@@ -174,7 +174,7 @@ MISTRAL = ModelSpec("mistral", vocab_size=500, hidden_size=64, num_layers=2, num
 def _sliding_window_world(rank, world):
     from megatron.core import parallel_state as ps
 
-    from megarl.models.layout import megatron_rank_tensors
+    from megarl.models.layout_megatron import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel

@@ -182,7 +182,9 @@ def _case_label(model, mesh, dst):
 
 def _world(rank: int, world: int) -> dict:
     from megarl.bench.reshard import MeshGroups, gather_full_then_slice, per_tensor_allgather
-    from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
+    from megarl.models.layout import hf_layout
+    from megarl.models.layout_megatron import megatron_layout
+    from megarl.models.layout_vllm import vllm_layout
     from megarl.models.spec import ModelSpec
     from megarl.parallel.mesh import ParallelLayout
     from megarl.reshard.executor import execute_plan

@@ -11,13 +11,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
+from megarl.models.layout import hf_layout
+from megarl.models.layout_megatron import megatron_layout
+from megarl.models.layout_vllm import vllm_layout
 from megarl.models.spec import ModelSpec
 from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard import boxcopy
 from megarl.reshard.boxcopy import Box, BoxBatch
-from megarl.reshard.executor import ROUND_MIN_BYTES, STAGING, _rank_rounds, _schedule, execute_plan
+from megarl.reshard.executor import execute_plan
 from megarl.reshard.planner import plan_reshard
+from megarl.reshard.rounds import ROUND_MIN_BYTES, STAGING, _schedule, rank_rounds
 from tests.test_reshard_exact import MODELS, hf_weights, ref_megatron, ref_vllm
 
 needs_ext = pytest.mark.skipif(not boxcopy.extension_available(),
@@ -74,7 +77,7 @@ def test_rounds_cover_every_remote_transfer_within_the_bucket(which, bucket, ele
     # every rank's view: staging = the staged elements of its round (messages through the staging buffer),
     # at most the bucket; a rank's messages to or from one peer are in the peer's order
     for rank in range(8):
-        for rd in _rank_rounds(plan, rank, elem_size, bucket, direct_min):
+        for rd in rank_rounds(plan, rank, elem_size, bucket, direct_min):
             assert rd.staging == sum(m.elements for m in rd.messages if m.key == STAGING) <= cap
             assert rd.staging == rd.pack.total_elements() + rd.unpack.total_elements()
 

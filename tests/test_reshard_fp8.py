@@ -214,7 +214,8 @@ def ref_vllm_fp8(model: str, w: dict, tp: int, r: int) -> dict[str, torch.Tensor
 
 
 def _fp8_world(rank: int, world: int) -> dict:
-    from megarl.models.layout import megatron_layout, vllm_layout
+    from megarl.models.layout_megatron import megatron_layout
+    from megarl.models.layout_vllm import vllm_layout
     from megarl.models.spec import ModelSpec
     from megarl.parallel.mesh import ParallelLayout
     from megarl.reshard.executor import execute_plan

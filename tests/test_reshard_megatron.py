@@ -18,7 +18,9 @@ CASES = [("gqa_tied", 2, 2, 1), ("gqa_untied_bias", 2, 2, 1), ("gqa_untied_bias"
 
 
 def _world(rank: int, world: int) -> dict:
-    from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
+    from megarl.models.layout import hf_layout
+    from megarl.models.layout_megatron import megatron_layout
+    from megarl.models.layout_vllm import vllm_layout
     from megarl.models.megatron import build_model
     from megarl.models.spec import ModelSpec
     from megarl.models.weights import fill_local_tensors, state_dict_reader

@@ -5,7 +5,7 @@ Sources are real Megatron models at EP=2 (TP=1 x DP=4, TP=2 x DP=2, and PP=2 x D
 with megatron's ``SequentialMLP``) filled from random HF weights (their logits equal transformers',
 tests/test_models_moe.py). Every destination tensor must equal, bitwise, the tensor cut directly from the HF
 weights by the reference slicer below, written from scratch with plain torch (stack and cat, not
-megarl.models.layout) from what vLLM 0.24.0's loaders do (layout.py's notes): per engine rank r of TP t,
+megarl.models.layout) from what vLLM 0.24.0's loaders do (layout_vllm.py's notes): per engine rank r of TP t,
 ``w13_weight[e] = [gate_e[r]; up_e[r]]`` (rows r * I/t ...), ``w2_weight[e] = down_e[:, r]``.
 Every rank receives exactly the destination elements its own shards do not hold (the planner's lower bound).
 """
@@ -84,7 +84,9 @@ def ref_vllm(spec, w: dict[str, torch.Tensor], tp: int, r: int) -> dict[str, tor
 def _world(rank, world):
     from megatron.core import parallel_state as ps
 
-    from megarl.models.layout import hf_layout, local_views, megatron_layout, megatron_rank_tensors, vllm_layout
+    from megarl.models.layout import hf_layout, local_views
+    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
+    from megarl.models.layout_vllm import vllm_layout
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel

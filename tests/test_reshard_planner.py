@@ -10,8 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megarl.models.layout import (Block, Layout, LocalTensor, hf_layout, megatron_layout, vllm_layout,
-                                   vllm_padded_vocab)
+from megarl.models.layout import Block, Layout, LocalTensor, hf_layout
+from megarl.models.layout_megatron import megatron_layout
+from megarl.models.layout_vllm import vllm_layout, vllm_padded_vocab
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard.planner import PlanError, plan_reshard

@@ -45,7 +45,7 @@ def actor_logprobs(model, spec, prompts, out, temperature: float) -> list[torch.
 def _world(rank, world):
     from megatron.core import parallel_state as ps
 
-    from megarl.models.layout import megatron_rank_tensors
+    from megarl.models.layout_megatron import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
@@ -120,7 +120,7 @@ def test_data_parallel_generation_equals_one_engine(world):
 
 
 def _sliding_window_world(rank, world):
-    from megarl.models.layout import megatron_rank_tensors
+    from megarl.models.layout_megatron import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel

@@ -50,7 +50,7 @@ def _engines(rank: int, world: int, task: tuple) -> dict:
     _fake_vllm()
     from megarl.parallel.mesh import ParallelLayout
     from megarl.reshard.executor import execute_plan
-    from megarl.models.layout import megatron_layout
+    from megarl.models.layout_megatron import megatron_layout
     from megarl.reshard.planner import plan_reshard
     from megarl.rollout.base import SamplingConfig
     from megarl.rollout.data_parallel import generate_data_parallel, rollout_dp_group
@@ -87,7 +87,7 @@ def _fp8_engines(rank: int, world: int) -> dict:
     """Block-FP8 engines of TP=2 with every vLLM knob of VLLMSettings set: the reshard from Megatron TP=2 x DP=2
     and the HF state dict's writer (each quantising on its own) give the same E4M3 bytes and scales, those of
     quantising the HF tensors then slicing (tests.test_reshard_fp8), and the same samples."""
-    from megarl.models.layout import megatron_layout
+    from megarl.models.layout_megatron import megatron_layout
     from megarl.models.spec import ModelSpec
     from megarl.parallel.mesh import ParallelLayout
     from megarl.reshard.executor import execute_plan

@@ -110,7 +110,8 @@ def _parity(rank: int, out: dict) -> None:
     from megatron.core import parallel_state as ps
 
     from megarl.models.checkpoint import chunk_parameters
-    from megarl.models.layout import canonical_shapes, megatron_rank_tensors
+    from megarl.models.layout import canonical_shapes
+    from megarl.models.layout_megatron import megatron_rank_tensors
     from megarl.models.megatron import build_model, build_model_chunks
     from megarl.models.pipeline import run_microbatches
     from megarl.models.weights import assemble_canonical, fill_local_tensors, state_dict_reader
@@ -162,7 +163,9 @@ def _parity(rank: int, out: dict) -> None:
 def _reshard(rank: int, world: int, out: dict) -> None:
     """The reshard from the PP=2 x VPP=2 layout, whose chunks hold the reference slicer's virtual stages."""
     from megarl.models.checkpoint import chunk_parameters
-    from megarl.models.layout import hf_layout, megatron_layout, vllm_layout
+    from megarl.models.layout import hf_layout
+    from megarl.models.layout_megatron import megatron_layout
+    from megarl.models.layout_vllm import vllm_layout
     from megarl.models.megatron import build_model_chunks
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import initialize_model_parallel
@@ -203,7 +206,7 @@ def _checkpoints(rank: int, world: int, tmp: str, out: dict) -> None:
     from megarl.models.checkpoint import chunk_parameters
     from megarl.models.convert import convert_rank
     from megarl.models.hf_io import save_hf_checkpoint
-    from megarl.models.layout import megatron_rank_tensors
+    from megarl.models.layout_megatron import megatron_rank_tensors
     from megarl.models.megatron import build_model, build_model_chunks
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import initialize_model_parallel

@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import DTYPE_TABLE
-from megarl.models.layout import (Layout, canonical_shapes, check_vllm_tp, hf_layout, megatron_layout,
-                                   megatron_rank_tensors, vllm_layout)
+from megarl.models.layout import Layout, canonical_shapes, hf_layout
+from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
+from megarl.models.layout_vllm import check_vllm_tp, vllm_layout
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError, preset
 from megarl.parallel.mesh import ParallelLayout

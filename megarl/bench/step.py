@@ -76,7 +76,7 @@ from megarl.measure.flops import device_name, measured_bf16_flops, mfu, peak_bf1
 from megarl.measure.monitor import UtilizationSampler
 from megarl.bench.vllm_standalone import GenerateRecorder
 from megarl.config import Config, to_dict
-from megarl.models.layout import parameter_counts
+from megarl.models.layout_lora import parameter_counts
 from megarl.models.lora import LoRASpec
 
 PHASE_ORDER = ("wake_up", "reshard", "generate", "reward", "old_logprobs", "reference", "values", "advantages",

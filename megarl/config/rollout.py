@@ -114,7 +114,7 @@ class RolloutConfig:
         quantization: the rollout engine's weights: null (bf16) or "fp8": block-FP8 (E4M3, one float32 scale a
             128 x 128 tile, vLLM's ``fp8`` with ``weight_block_size``), quantised by the reshard while it moves
             the actor's bf16 shards (half the bytes; the actor trains in bf16); vllm engine, dense models whose
-            TP shards are whole 128-blocks (:func:`megarl.models.layout.check_vllm_fp8`). Its rollout log-probs
+            TP shards are whole 128-blocks (:func:`megarl.models.layout_vllm.check_vllm_fp8`). Its rollout log-probs
             are those of the FP8 model: ``algorithm.rollout_correction`` then defaults to token-level TIS
             (``preset: token_tis``; ``preset: none`` turns it off).
         model_runner: vLLM's model runner: "v1", "v2" or null (vLLM's choice for the architecture: V1 for Qwen2,

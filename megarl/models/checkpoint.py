@@ -41,7 +41,9 @@ from megarl.config import DTYPE_TABLE
 from megarl.models.hf_io import (HFCheckpoint, open_hf_checkpoint, read_generation_config, read_hf_config,
                                  resolve_model_path)
 from megarl.models.integrity import META_FILE, checkpoint_fault, files_meta, record_files
-from megarl.models.layout import VALUE_HEAD, lora_canonical_shapes, megatron_rank_tensors
+from megarl.models.layout import VALUE_HEAD
+from megarl.models.layout_lora import lora_canonical_shapes
+from megarl.models.layout_megatron import megatron_rank_tensors
 from megarl.models.lora import is_adapter
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.models.weights import fill_local_tensors, preset_reader
@@ -213,7 +215,7 @@ def chunk_parameters(model) -> dict[str, torch.Tensor]:
     """The parameters of a rank's model by local name: a single model's own names
     (``decoder.layers.0.mlp.linear_fc1.weight``), with VPP prefixed by the chunk (``1.decoder.layers.0...``, as
     ``torch.nn.ModuleList(chunks).named_parameters()`` names them); the names of
-    :func:`megarl.models.layout.megatron_rank_tensors`.
+    :func:`megarl.models.layout_megatron.megatron_rank_tensors`.
 
     Args:
         model: a ``GPTModel`` or a list of chunks (possibly DDP-wrapped: the wrapper's ``module.`` is left out).

@@ -113,7 +113,7 @@ def load_canonical(ckpt_dir: str, *, merged: bool = True) -> dict:
     """Every canonical (HF) tensor of a megarl checkpoint (saved at any TP x PP x VPP), loaded on this process as a
     TP=1 x PP=1 Megatron model replicated over all ranks of the initialised world (megatron-core reshards on
     load). A LoRA checkpoint: its base with the adapters merged in (``merged``), else the base and the adapters'
-    canonical factors (:func:`megarl.models.layout.lora_canonical_shapes`).
+    canonical factors (:func:`megarl.models.layout_lora.lora_canonical_shapes`).
 
     Returns:
         canonical name -> tensor, in the checkpoint's dtype.
@@ -126,7 +126,8 @@ def load_canonical(ckpt_dir: str, *, merged: bool = True) -> dict:
     import torch.distributed as dist
 
     from megarl.models import checkpoint as ck
-    from megarl.models.layout import lora_canonical_shapes, megatron_rank_tensors
+    from megarl.models.layout_lora import lora_canonical_shapes
+    from megarl.models.layout_megatron import megatron_rank_tensors
     from megarl.models.megatron import build_model
     from megarl.models.weights import assemble_canonical
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
@@ -152,7 +153,8 @@ def merge_adapters(spec, lora, canonical: dict) -> dict:
     """The canonical tensors of a LoRA model with its adapters merged in: ``W + (alpha / r) B A`` for every adapted
     weight (the reshard's merge on whole tensors, :func:`megarl.models.lora.apply_merges`: fp64, one rounding),
     the other base tensors as they are, no adapter factor."""
-    from megarl.models.layout import hf_layout, lora_targets, with_lora_merge
+    from megarl.models.layout import hf_layout
+    from megarl.models.layout_lora import lora_targets, with_lora_merge
     from megarl.models.lora import apply_merges
 
     merges = with_lora_merge(hf_layout(spec, [0]), lora).merges[0]

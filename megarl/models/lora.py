@@ -447,7 +447,7 @@ def finalize_with_partial_grads(finalize: Callable, tp_group_of: Callable[[], ob
 class Merge(NamedTuple):
     """One LoRA merge on a destination rank: ``tensor[rows, cols] = W + scale * B_aux[rows] @ A_aux[a_row:a_row + r,
     cols]``, computed wider than the tensor and rounded to its dtype once (:func:`apply_merges`; built by
-    :func:`megarl.models.layout.with_lora_merge`).
+    :func:`megarl.models.layout_lora.with_lora_merge`).
 
     Attributes:
         tensor: the destination tensor (its ``W`` block has arrived in place).

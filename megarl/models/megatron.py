@@ -312,9 +312,9 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     The model's parameters are initialised randomly (megatron's init) unless ``init_weights=False``; load
     weights with :func:`megarl.models.checkpoint.load_weights`. ``attention`` picks the local spec's core
     attention (:func:`layer_spec`), ``use_te`` Transformer Engine's spec instead (recorded as the model's
-    ``megarl_use_te``, which names its parameters in :mod:`megarl.models.layout`), ``moe_experts`` the local spec's
-    routed experts (:func:`layer_spec`; recorded as ``megarl_moe_experts``, which names theirs), ``moe_dispatcher``
-    its token dispatcher (:func:`moe_config_kwargs`); ``fp8`` turns on FP8 training
+    ``megarl_use_te``, which names its parameters in :mod:`megarl.models.layout_megatron`), ``moe_experts`` the
+    local spec's routed experts (:func:`layer_spec`; recorded as ``megarl_moe_experts``, which names theirs),
+    ``moe_dispatcher`` its token dispatcher (:func:`moe_config_kwargs`); ``fp8`` turns on FP8 training
     (:func:`transformer_config`; TE spec only). ``vp_stage``: the chunk ``c`` of this rank to build when
     ``layout.vpp > 1`` (virtual stage ``c * pp + pp_rank``, :meth:`~megarl.parallel.mesh.ParallelLayout.chunk_layers`):
     the embedding only on virtual stage 0, the output layer only on the last; :func:`build_model_chunks` builds

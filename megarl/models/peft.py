@@ -4,7 +4,7 @@ model, and the tensor names vLLM's in-memory LoRA loading reads.
 A PEFT adapter folder holds ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``, ``target_modules``
 by HF module name, ``base_model_name_or_path``) and ``adapter_model.safetensors`` with, for every adapted HF
 projection ``P``, ``base_model.model.<P>.lora_A.weight`` ``[r, in]`` and ``base_model.model.<P>.lora_B.weight``
-``[out, r]``. megarl's canonical adapters (:func:`megarl.models.layout.lora_targets`) share one ``A`` between q, k
+``[out, r]``. megarl's canonical adapters (:func:`megarl.models.layout_lora.lora_targets`) share one ``A`` between q, k
 and v (and between gate and up), as megatron's fused layers do; in PEFT's format each projection carries its own
 copy of that ``A``, which is the same model (``W_q + s B_q A``, ...).
 
@@ -24,7 +24,7 @@ from typing import Mapping
 
 import torch
 
-from megarl.models.layout import lora_targets
+from megarl.models.layout_lora import lora_targets
 from megarl.models.lora import LoRASpec
 from megarl.models.spec import ModelSpec
 

@@ -286,8 +286,8 @@ def plan_reshard(src: Layout, dst: Layout, ranks_per_node: int | None = None) ->
     """Plan the transfers that fill every local tensor of ``dst`` from the local tensors of ``src``.
 
     Args:
-        src: where the weights are (e.g. :func:`~megarl.models.layout.megatron_layout`).
-        dst: where they must go (e.g. :func:`~megarl.models.layout.vllm_layout`,
+        src: where the weights are (e.g. :func:`~megarl.models.layout_megatron.megatron_layout`).
+        dst: where they must go (e.g. :func:`~megarl.models.layout_vllm.vllm_layout`,
             :func:`~megarl.models.layout.hf_layout`); may share ranks with ``src`` (colocated) or not.
         ranks_per_node: ranks per node, for the same-node preference among replicas
             (:attr:`megarl.parallel.mesh.ParallelLayout.ranks_per_node`); None: all ranks on one node.

@@ -18,7 +18,7 @@ skips ``init_process_group`` when torch.distributed is up, and ``_WORLD`` spans 
 lays it out as ``arange(world).reshape(-1, dp, pp, pcp, tp)`` (``initialize_model_parallel``): the leading
 dimension is the "ExternalDP" of independent engines, so with ``data_parallel_size=1`` (the default, kept
 here) the TP groups are consecutive blocks of ``tp`` ranks and ``world / tp`` engines generate independently,
-which is what :func:`~megarl.models.layout.vllm_layout` assumes; ``world == tp * pp * dp`` is not required
+which is what :func:`~megarl.models.layout_vllm.vllm_layout` assumes; ``world == tp * pp * dp`` is not required
 (``ParallelConfig.world_size`` stays ``tp * pp``; only vLLM's own DP, ``data_parallel_size > 1``, would put
 engines in lockstep and multiply it in). The ranks of one engine must make the same calls with the same
 prompts (every rank runs the same deterministic scheduler); requests are seeded, so they sample alike.
@@ -113,7 +113,7 @@ serialized-FP8 ``quantization_config`` (``quant_method: fp8``, ``weight_block_si
 activations), so vLLM creates every linear weight as E4M3 with its ``weight_scale_inv`` (no bf16 copy), and
 DeepGEMM is off (``VLLM_USE_DEEP_GEMM=0``) so that these tensors stay as created (see
 :mod:`megarl.models.fp8`); the reshard quantises the actor's shards into them
-(:func:`~megarl.models.layout.vllm_layout` with ``quantization="fp8"``).
+(:func:`~megarl.models.layout_vllm.vllm_layout` with ``quantization="fp8"``).
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ import torch.distributed as dist
 
 from megarl.config import QUANTIZATIONS
 from megarl.models.fp8 import BLOCK
-from megarl.models.layout import Layout, check_vllm_fp8, check_vllm_tp, local_views, vllm_layout, vllm_rank_tensors
+from megarl.models.layout import Layout, local_views
+from megarl.models.layout_vllm import check_vllm_fp8, check_vllm_tp, vllm_layout, vllm_rank_tensors
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import init_distributed
 from megarl.rollout.base import (
@@ -383,9 +384,9 @@ class VLLMRolloutEngine:
     Raises:
         RolloutError: no CUDA device, bad sizes, a LoRA rank above vLLM's largest, ``record_routes`` for a dense
             model, or vLLM's TP group is not the expected block of ranks.
-        SpecError: the model does not split at TP=``tp`` (:func:`~megarl.models.layout.check_vllm_tp`; with FP8
-            :func:`~megarl.models.layout.check_vllm_fp8`), or vLLM's parameter names or shapes differ from
-            :func:`~megarl.models.layout.vllm_rank_tensors`.
+        SpecError: the model does not split at TP=``tp`` (:func:`~megarl.models.layout_vllm.check_vllm_tp`; with FP8
+            :func:`~megarl.models.layout_vllm.check_vllm_fp8`), or vLLM's parameter names or shapes differ from
+            :func:`~megarl.models.layout_vllm.vllm_rank_tensors`.
         ImportError: vllm is not installed.
     """
 
@@ -479,7 +480,7 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ weights and memory
     def weight_layout(self, ranks: Iterable[int]) -> Layout:
-        """vLLM's TP shards on ``ranks`` (:func:`~megarl.models.layout.vllm_layout`, block-FP8 with
+        """vLLM's TP shards on ``ranks`` (:func:`~megarl.models.layout_vllm.vllm_layout`, block-FP8 with
         ``settings.quantization``): engine ``k`` is ``ranks[k*tp:(k+1)*tp]``; with tied embeddings there is no
         ``lm_head.weight``."""
         return vllm_layout(self.spec, self.tp, ranks, self.settings.quantization)
@@ -506,7 +507,7 @@ class VLLMRolloutEngine:
 
     def update_adapters(self, adapters: dict[str, torch.Tensor], lora, *, version: int) -> None:
         """Serve the LoRA adapters ``adapters`` (whole canonical factors by name,
-        :func:`~megarl.models.layout.adapter_layout`; this rank's copy) from now on, as adapter version ``version``
+        :func:`~megarl.models.layout_lora.adapter_layout`; this rank's copy) from now on, as adapter version ``version``
         (module docstring); the previous version is dropped, and so is the prefix cache.
 
         Raises:

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from megarl.config import Config, ConfigError
 from megarl.data.dataset import PromptDataset
-from megarl.models.layout import Layout, hf_layout, vllm_layout
+from megarl.models.layout import Layout, hf_layout
+from megarl.models.layout_vllm import vllm_layout
 from megarl.models.spec import ModelSpec
 from megarl.trainer.preflight import check_files, prepare_files, read_prompts
 from megarl.trainer.validation import Validation

@@ -28,7 +28,7 @@ from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.template import DataError, PromptTemplate
 from megarl.models.checkpoint import source_spec
 from megarl.models.hf_io import load_tokenizer
-from megarl.models.layout import check_vllm_fp8, check_vllm_tp
+from megarl.models.layout_vllm import check_vllm_fp8, check_vllm_tp
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout

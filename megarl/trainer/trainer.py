@@ -37,7 +37,8 @@ from megarl.measure.throughput import step_perf_metrics
 from megarl.measure.timers import PhaseTimer
 from megarl.models import checkpoint as ck
 from megarl.models.hf_io import load_tokenizer
-from megarl.models.layout import adapter_layout, megatron_layout, with_lora_merge
+from megarl.models.layout_lora import adapter_layout, with_lora_merge
+from megarl.models.layout_megatron import megatron_layout
 from megarl.models.lora import LoRASpec
 from megarl.parallel.lifecycle import peer_failures_named, record_peers
 from megarl.parallel.mesh import init_distributed, initialize_model_parallel, launch_info, ranks_per_node

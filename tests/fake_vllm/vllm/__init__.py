@@ -3,7 +3,7 @@ around vLLM engines of TP > 1 in a gloo world: no GPU, no model forward (but for
 
 Like ``vllm.LLM(distributed_executor_backend="external_launcher")``, an :class:`LLM` joins the torch.distributed
 world as consecutive TP groups of ``tensor_parallel_size`` ranks and holds this rank's TP shard of every
-parameter (names and shapes of :func:`megarl.models.layout.vllm_rank_tensors`, zero until written). Its
+parameter (names and shapes of :func:`megarl.models.layout_vllm.vllm_rank_tensors`, zero until written). Its
 :meth:`LLM.generate` does what a TP engine needs of its ranks and what the tests check:
 
 - every rank of the TP group must make the call with the same requests (checked with one all-gather over the
@@ -237,7 +237,7 @@ class LLM:
                  dtype: str = "bfloat16", seed: int = 0, **kwargs: Any):
         global _TP_GROUP
         from megarl.models.spec import ModelSpec
-        from megarl.models.layout import vllm_rank_tensors
+        from megarl.models.layout_vllm import vllm_rank_tensors
 
         unknown = set(kwargs) - set(_ENGINE_ARGS)
         if unknown:
@@ -283,7 +283,8 @@ class LLM:
 
     def _assemble(self) -> dict[str, torch.Tensor]:
         """The canonical tensors from every TP rank's shard (all-gathered over the engine's group)."""
-        from megarl.models.layout import canonical_shapes, vllm_rank_tensors
+        from megarl.models.layout import canonical_shapes
+        from megarl.models.layout_vllm import vllm_rank_tensors
 
         from megarl.models.fp8 import dequantize_blocks
 

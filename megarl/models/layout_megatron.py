@@ -1,0 +1,182 @@
+"""The layout of a megatron-core ``GPTModel`` on TP x PP x DP (:func:`megatron_layout`,
+:func:`megatron_rank_tensors`), in the algebra of :mod:`megarl.models.layout`.
+
+QKV interleaved by query group, ``linear_fc1`` = ``[gate_r; up_r]``, row-parallel splits on the input dim, vocab
+padded and split, layers split across PP stages (and VPP chunks) with local numbering, tied embeddings on the
+first and last stage. Mixture-of-experts layers hold the router (replicated), the ``num_experts / ep`` experts of
+EP rank ``e`` (whole: expert TP = 1) and Qwen2-MoE's shared expert split over TP like a dense MLP. A LoRA actor's
+adapters sit beside the weights they adapt (:func:`megarl.models.layout_lora.adapter_tensors`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from megarl.models.layout import (VALUE_HEAD, Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up,
+                                  gate_up, row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
+from megarl.models.layout_lora import adapter_tensors, lora_canonical_shapes, lora_targets
+from megarl.models.lora import LoRASpec
+from megarl.models.megatron import check_layout, padded_vocab_size
+from megarl.models.spec import ModelSpec, SpecError
+from megarl.parallel.mesh import ParallelLayout
+
+
+def megatron_names(use_te: bool = False) -> dict[str, str]:
+    """Per-layer Megatron parameter names (local numbering) of the layer norms for the local or TE spec."""
+    if use_te:
+        return {"input_layernorm": "self_attention.linear_qkv.layer_norm_weight",
+                "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm_weight"}
+    return {"input_layernorm": "input_layernorm.weight", "pre_mlp_layernorm": "pre_mlp_layernorm.weight"}
+
+
+def megatron_rank_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, pp_rank: int, *,
+                          role: str = "actor", use_te: bool = False, padded_vocab: int | None = None,
+                          ep_rank: int = 0, lora: LoRASpec | None = None, moe_experts: str = "grouped"
+                          ) -> dict[str, LocalTensor]:
+    """The local tensors of one Megatron rank (``GPTModel.named_parameters()`` names and shapes).
+
+    With VPP (``mesh.vpp > 1``) the rank holds ``vpp`` model chunks, chunk ``c`` the layers of virtual stage
+    ``c * pp + pp_rank`` (:meth:`~megarl.parallel.mesh.ParallelLayout.chunk_layers`) numbered from 0 within the
+    chunk; its names carry the prefix ``"{c}."`` (:func:`megarl.models.checkpoint.chunk_parameters`). The word
+    embeddings sit on chunk 0 of the first pipeline rank, the final norm and output layer on the last chunk of
+    the last.
+
+    Args:
+        padded_vocab: Megatron's padded vocab (:func:`megarl.models.megatron.padded_vocab_size`).
+        ep_rank: the rank's expert-parallel rank (:meth:`ParallelLayout.ep_rank`; MoE models): it holds experts
+            ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` of every layer.
+        lora: the adapters of a LoRA actor: each adapted layer's ``lora_a`` and ``lora_b`` beside its weight
+            (:func:`~megarl.models.layout_lora.adapter_tensors`).
+        moe_experts: the local spec's routed experts, "grouped" or "sequential" (the model's
+            ``megarl_moe_experts``: :func:`~megarl.models.megatron.layer_spec`), which name them.
+
+    Raises:
+        SpecError: the mesh does not fit the model (:func:`~megarl.models.megatron.check_layout`).
+    """
+    check_layout(spec, mesh)
+    targets = lora_targets(spec, lora) if lora is not None else {}
+    out: list[LocalTensor] = []
+    for c, layers in enumerate(mesh.chunk_layers(spec.num_layers, pp_rank)):
+        prefix = f"{c}." if mesh.vpp > 1 else ""
+        first = pp_rank == 0 and c == 0
+        last = pp_rank == mesh.pp - 1 and c == mesh.vpp - 1
+        for lt in _megatron_chunk_tensors(spec, mesh, tp_rank, layers, first, last, role=role, use_te=use_te,
+                                          padded_vocab=padded_vocab, ep_rank=ep_rank, moe_experts=moe_experts):
+            out.append(LocalTensor(prefix + lt.name, lt.shape, lt.blocks))
+            if any(b.name in targets for b in lt.blocks):
+                base = out[-1].name.removesuffix("weight")
+                a, b, _ = adapter_tensors(out[-1], targets, lora.rank, base + "lora_a", base + "lora_b")
+                out += [a, b]
+    return {lt.name: lt for lt in out}
+
+
+def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int, layers: range, first: bool,
+                            last: bool, *, role: str, use_te: bool, padded_vocab: int | None, ep_rank: int,
+                            moe_experts: str) -> list[LocalTensor]:
+    """The tensors of one model chunk (a rank's stage without VPP) holding decoder ``layers``, named as its
+    ``GPTModel`` names them; ``first`` / ``last``: it is the first / last (virtual) pipeline stage."""
+    t, r = mesh.tp, tp_rank
+    h, hd = spec.hidden_size, spec.head_dim
+    vp = padded_vocab or padded_vocab_size(spec.vocab_size, t)
+    norms = megatron_names(use_te)
+    out: list[LocalTensor] = []
+    if first:
+        out.append(vocab_shard("model.embed_tokens.weight", "embedding.word_embeddings.weight",
+                                spec.vocab_size, vp, t, r, h))
+    groups = spec.num_kv_heads // t
+    npg = spec.heads_per_group
+    per_group = (npg + 2) * hd
+    for local_i, i in enumerate(layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{local_i}."
+        for suffix, cols in (("weight", h), ("bias", None)):
+            if suffix == "bias" and not spec.qkv_bias:
+                continue
+            blocks = []
+            for j in range(groups):
+                g = r * groups + j
+                base = j * per_group
+                blocks.append(rows(hf + f"self_attn.q_proj.{suffix}", g * npg * hd, base, npg * hd, cols))
+                blocks.append(rows(hf + f"self_attn.k_proj.{suffix}", g * hd, base + npg * hd, hd, cols))
+                blocks.append(rows(hf + f"self_attn.v_proj.{suffix}", g * hd, base + (npg + 1) * hd, hd, cols))
+            shape = (groups * per_group, h) if cols else (groups * per_group,)
+            out.append(LocalTensor(mg + f"self_attention.linear_qkv.{suffix}", shape, tuple(blocks)))
+        out.append(row_parallel(hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight",
+                                 h, spec.q_size, t, r))
+        out.append(whole(hf + "input_layernorm.weight", (h,), mg + norms["input_layernorm"]))
+        if spec.qk_norm:
+            out.append(whole(hf + "self_attn.q_norm.weight", (hd,), mg + "self_attention.q_layernorm.weight"))
+            out.append(whole(hf + "self_attn.k_norm.weight", (hd,), mg + "self_attention.k_layernorm.weight"))
+        if spec.is_moe:
+            out.append(whole(hf + "post_attention_layernorm.weight", (h,), mg + "pre_mlp_layernorm.weight"))
+            out.extend(_megatron_moe(spec, mesh, i, mg + "mlp.", r, ep_rank, use_te, moe_experts))
+            continue
+        out.append(whole(hf + "post_attention_layernorm.weight", (h,), mg + norms["pre_mlp_layernorm"]))
+        out.append(gate_up(hf, mg + "mlp.linear_fc1.weight", spec, t, r))
+        out.append(row_parallel(hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight",
+                                 h, spec.ffn_hidden_size, t, r))
+    if last:
+        out.append(whole("model.norm.weight", (h,), "decoder.final_layernorm.weight"))
+        if role == "critic":
+            out.append(whole(VALUE_HEAD, (1, h), "output_layer.weight"))
+        elif not spec.tie_word_embeddings:
+            out.append(vocab_shard("lm_head.weight", "output_layer.weight", spec.vocab_size, vp, t, r, h))
+        elif not first:  # tied, PP > 1: the last stage keeps its own copy of the word embeddings
+            out.append(vocab_shard("model.embed_tokens.weight", "output_layer.weight",
+                                    spec.vocab_size, vp, t, r, h))
+    return out
+
+
+def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp_rank: int, ep_rank: int,
+                  use_te: bool = False, moe_experts: str = "grouped") -> list[LocalTensor]:
+    """One MoE layer's tensors on a Megatron rank: the router, the rank's local experts (whole: expert TP = 1;
+    the local spec's :class:`~megarl.kernels.grouped_experts.GroupedExperts` stacks them in ``linear_fc1.weight`` and
+    ``linear_fc2.weight``, its ``SequentialMLP`` names them ``local_experts.{j}.linear_fc1.weight``, TE's
+    ``TEGroupedMLP`` ``linear_fc1.weight{j}``) and the shared expert (split over TP)."""
+    per_rank = spec.num_experts // mesh.ep
+    out = [whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), mg + "router.weight")]
+    first = ep_rank * per_rank
+    if use_te:
+        stacks = [(f"experts.linear_fc1.weight{j}", f"experts.linear_fc2.weight{j}", range(first + j, first + j + 1))
+                  for j in range(per_rank)]
+    elif moe_experts == "grouped":
+        stacks = [("experts.linear_fc1.weight", "experts.linear_fc2.weight", range(first, first + per_rank))]
+    else:
+        stacks = [(f"experts.local_experts.{j}.linear_fc1.weight", f"experts.local_experts.{j}.linear_fc2.weight",
+                   range(first + j, first + j + 1)) for j in range(per_rank)]
+    for fc1, fc2, experts in stacks:
+        out.append(experts_gate_up(spec, layer, mg + fc1, experts, 1, 0))
+        out.append(experts_down(spec, layer, mg + fc2, experts, 1, 0))
+    if spec.shared_expert_ffn_hidden_size:
+        out.extend(shared_expert(f"model.layers.{layer}.", mg + "shared_experts.", spec, mesh.tp, tp_rank,
+                                  ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")))
+    return out
+
+
+def megatron_layout(spec: ModelSpec, mesh: ParallelLayout, *, ranks: Iterable[int] | None = None,
+                    role: str = "actor", use_te: bool = False, padded_vocab: int | None = None,
+                    lora: LoRASpec | None = None, moe_experts: str = "grouped") -> Layout:
+    """The layout of a Megatron model on ``mesh``; ``ranks[i]`` is the global rank of mesh rank ``i``
+    (default: ``0 .. world-1``). Weights are replicated over DP and CP: the DP and CP peers of a rank hold the
+    same blocks (the reshard planner may read either). ``lora``: a LoRA actor's adapters too; ``moe_experts``: the
+    local spec's routed experts (:func:`megatron_rank_tensors`).
+
+    Raises:
+        SpecError: the mesh does not fit the model, or ``ranks`` has the wrong length.
+    """
+    ranks = list(range(mesh.world_size)) if ranks is None else list(ranks)
+    if len(ranks) != mesh.world_size:
+        raise SpecError(f"megatron layout: {len(ranks)} ranks given for a mesh of {mesh.world_size}")
+    per_stage = {}
+    out = {}
+    for i, g in enumerate(ranks):
+        c = mesh.coords(i)
+        key = (c.tp, c.pp, mesh.ep_rank(i))
+        if key not in per_stage:
+            per_stage[key] = megatron_rank_tensors(spec, mesh, c.tp, c.pp, role=role, use_te=use_te,
+                                                   padded_vocab=padded_vocab, ep_rank=key[2], lora=lora,
+                                                   moe_experts=moe_experts)
+        out[g] = per_stage[key]
+    canonical = {**canonical_shapes(spec, role), **(lora_canonical_shapes(spec, lora) if lora else {})}
+    return Layout("megatron", spec, canonical, out,
+                  ("megatron", shape_key(spec), mesh.tp, mesh.pp, mesh.dp, mesh.ep, tuple(ranks), role, use_te,
+                   padded_vocab, mesh.cp, mesh.vpp, lora, moe_experts))

@@ -1,0 +1,227 @@
+"""vLLM's layout: the local tensors of vLLM's Llama/Qwen2 (and MoE) modules at TP=t' (:func:`vllm_layout`,
+:func:`vllm_rank_tensors`), in the algebra of :mod:`megarl.models.layout`, and the checks that a model splits.
+
+``qkv_proj`` = ``[q_r; k_r; v_r]`` with KV heads replicated when t' > num_kv_heads, ``gate_up_proj``, vocab padded
+to a multiple of 64 and split evenly, ``lm_head`` only when untied; MoE layers hold the fused experts of all
+``num_experts`` split over TP on the intermediate dim. With ``quantization="fp8"`` the linear weights are
+block-FP8 (:attr:`~megarl.models.layout.LocalTensor.scale`, :func:`check_vllm_fp8`). The notes above each
+function say which vLLM source each rule was read from.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from megarl.config import QUANTIZATIONS
+from megarl.models import fp8
+from megarl.models.layout import (Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up, gate_up,
+                                  row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
+from megarl.models.spec import FAMILIES, ModelSpec, SpecError
+
+VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
+
+
+# Checked against vLLM 0.24.0's source (vllm/model_executor/...; read 2026-11-29, the version GPU.md pins):
+# - layers/vocab_parallel_embedding.py: VocabParallelEmbedding.__init__ pads the vocab with pad_vocab_size(
+#   vocab, DEFAULT_VOCAB_PADDING_SIZE=64) (no added LoRA vocab for Llama/Qwen2: org_vocab_size == vocab) and gives
+#   every TP rank divide(padded, tp) rows; _get_indices puts rank r on rows [r * padded/tp, (r+1) * padded/tp)
+#   clipped to org_vocab_size; weight_loader copies those canonical rows to the shard's first rows and zero-fills
+#   the rest. The reshard leaves padding rows untouched: layers/logits_processor.py cuts logits to
+#   org_vocab_size, so they are never read. ParallelLMHead shards the same way.
+# - layers/linear.py: QKVParallelLinear.__init__ has num_heads = divide(total_heads, tp) and, when
+#   tp >= total_kv_heads, one KV head per rank with num_kv_head_replicas = divide(tp, total_kv_heads), else
+#   divide(total_kv_heads, tp) heads; weight_loader places q, k, v at offsets 0, q, q + kv and takes KV heads
+#   from shard_rank = tp_rank // num_kv_head_replicas. MergedColumnParallelLinear (gate_up_proj, output_sizes
+#   [ffn, ffn]) places each half's rank-r slice at sum(output_sizes[:i]) // tp. RowParallelLinear (o_proj,
+#   down_proj) splits the input dim.
+# - models/llama.py and models/qwen2.py: the attention asserts heads % tp == 0 and kv % tp == 0 or tp % kv == 0;
+#   with tie_word_embeddings, LlamaForCausalLM ties lm_head to embed_tokens' Parameter (ParallelLMHead.
+#   tie_weights) and Qwen2ForCausalLM sets lm_head = model.embed_tokens, so named_parameters() lists only
+#   model.embed_tokens.weight; load_weights maps q/k/v_proj -> qkv_proj and gate/up_proj -> gate_up_proj.
+def vllm_padded_vocab(vocab_size: int) -> int:
+    """vLLM's padded vocab: a multiple of 64 (``pad_vocab_size(vocab, DEFAULT_VOCAB_PADDING_SIZE)``)."""
+    return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+
+
+def check_vllm_tp(spec: ModelSpec, tp: int) -> None:
+    """Check that vLLM can shard ``spec`` at TP=``tp``.
+
+    Raises:
+        SpecError: naming the tensor and the sizes that do not divide.
+    """
+    if spec.num_attention_heads % tp:
+        raise SpecError(f"vLLM tp={tp} does not divide the query heads of qkv_proj: "
+                        f"num_attention_heads={spec.num_attention_heads}")
+    if tp >= spec.num_kv_heads and tp % spec.num_kv_heads:
+        raise SpecError(f"vLLM tp={tp} is neither a divisor nor a multiple of num_kv_heads={spec.num_kv_heads} "
+                        "(k/v heads of qkv_proj cannot be split or replicated evenly)")
+    if tp < spec.num_kv_heads and spec.num_kv_heads % tp:
+        raise SpecError(f"vLLM tp={tp} does not divide num_kv_heads={spec.num_kv_heads} (qkv_proj)")
+    if spec.ffn_hidden_size % tp:
+        raise SpecError(f"vLLM tp={tp} does not divide gate_up_proj: ffn_hidden_size={spec.ffn_hidden_size}")
+    if spec.is_moe and (tp > spec.num_experts or spec.moe_ffn_hidden_size % tp):
+        raise SpecError(f"vLLM tp={tp} must be <= num_experts={spec.num_experts} and divide the experts' "
+                        f"moe_intermediate_size={spec.moe_ffn_hidden_size} (w13_weight, w2_weight)")
+    if spec.shared_expert_ffn_hidden_size % tp:
+        raise SpecError(f"vLLM tp={tp} does not divide the shared expert's shared_expert_intermediate_size="
+                        f"{spec.shared_expert_ffn_hidden_size}")
+    if vllm_padded_vocab(spec.vocab_size) % tp:
+        raise SpecError(f"vLLM tp={tp} does not divide the padded vocab {vllm_padded_vocab(spec.vocab_size)} "
+                        "of embed_tokens")
+
+
+FP8_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+# vLLM 0.24.0's block-FP8 linear layers (model_executor/layers/quantization/fp8.py, Fp8LinearMethod with
+# weight_block_size [128, 128], read 2026-12-02): create_weights registers `weight` (float8_e4m3fn
+# [out_per_partition, in_per_partition]) and `weight_scale_inv` (float32 [ceil(out / 128), ceil(in / 128)]) and
+# calls utils/fp8_utils.py validate_fp8_block_shape, which raises unless (a) a row-parallel layer split over TP
+# (input_size // input_per_partition == tp > 1) has input_per_partition % 128 == 0, and (b) a layer split over TP
+# on its output (output_size // sum(partitions) == tp > 1) has every output partition % 128 == 0, a merged layer
+# (QKV, gate/up) that is not such a split every partition but the last. Embeddings, the LM head and norms stay
+# in the model dtype (VocabParallelEmbedding is no LinearBase); MoE experts take another method (Fp8MoEMethod).
+def check_vllm_fp8(spec: ModelSpec, tp: int) -> None:
+    """Check that vLLM 0.24 can serve ``spec`` at TP=``tp`` with block-FP8 weights (vLLM's rules above).
+
+    Raises:
+        SpecError: naming the layer and the size that 128 does not divide, or an MoE model.
+    """
+    check_vllm_tp(spec, tp)
+    if spec.is_moe:
+        raise SpecError("block-FP8 rollouts are described for dense models only (vLLM's Fp8MoEMethod lays the "
+                        "experts out otherwise); use rollout.quantization=null for an MoE model")
+    hd, b = spec.head_dim, fp8.BLOCK
+    kv_local = 1 if tp >= spec.num_kv_heads else spec.num_kv_heads // tp
+    merged = {"qkv_proj": ([spec.q_size // tp, kv_local * hd, kv_local * hd], spec.q_size + 2 * spec.num_kv_heads * hd),
+              "gate_up_proj": ([spec.ffn_hidden_size // tp] * 2, 2 * spec.ffn_hidden_size)}
+    for layer, (parts, total) in merged.items():
+        checked = parts if tp > 1 and total // sum(parts) == tp else parts[:-1]
+        for size in checked:
+            if size % b:
+                raise SpecError(f"vLLM tp={tp} with block-FP8 weights: an output partition of {layer} has {size} "
+                                f"rows, not a multiple of the {b}-row quantisation block (partitions {parts})")
+    if tp > 1:
+        for layer, cols in (("o_proj", spec.q_size), ("down_proj", spec.ffn_hidden_size)):
+            if (cols // tp) % b:
+                raise SpecError(f"vLLM tp={tp} with block-FP8 weights: {layer} holds {cols // tp} input columns "
+                                f"a rank, not a multiple of the {b}-column quantisation block")
+
+
+def _block_fp8(out: list[LocalTensor]) -> list[LocalTensor]:
+    """``out`` with the weights of :data:`FP8_LINEARS` marked block-FP8 and their scale tensors added."""
+    quantised = []
+    for lt in out:
+        if lt.name.endswith(".weight") and lt.name.removesuffix(".weight").endswith(FP8_LINEARS):
+            scale = lt.name.removesuffix("weight") + "weight_scale_inv"
+            quantised += [LocalTensor(lt.name, lt.shape, lt.blocks, scale),
+                          LocalTensor(scale, fp8.scale_shape(lt.shape), ())]
+        else:
+            quantised.append(lt)
+    return quantised
+
+
+def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None = None) -> dict[str, LocalTensor]:
+    """The local tensors of vLLM TP rank ``r`` (``model.named_parameters()`` names of vLLM's Llama/Qwen2).
+
+    Args:
+        quantization: None (the model dtype) or "fp8": the four linear weights of every layer block-FP8
+            (:attr:`~megarl.models.layout.LocalTensor.scale`), each with its ``weight_scale_inv``
+            (:func:`check_vllm_fp8`).
+
+    Raises:
+        SpecError: the TP (or FP8 at this TP) does not fit the model, or an unknown quantization.
+    """
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise SpecError(f"quantization must be null or one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "fp8":
+        check_vllm_fp8(spec, tp)
+    check_vllm_tp(spec, tp)
+    h, hd = spec.hidden_size, spec.head_dim
+    vp = vllm_padded_vocab(spec.vocab_size)
+    q_heads = spec.num_attention_heads // tp
+    if tp >= spec.num_kv_heads:
+        kv_heads, kv_first = 1, r // (tp // spec.num_kv_heads)
+    else:
+        kv_heads = spec.num_kv_heads // tp
+        kv_first = r * kv_heads
+    out = [vocab_shard("model.embed_tokens.weight", "model.embed_tokens.weight", spec.vocab_size, vp, tp, r, h)]
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        for suffix, cols in (("weight", h), ("bias", None)):
+            if suffix == "bias" and not spec.qkv_bias:
+                continue
+            q, kv = q_heads * hd, kv_heads * hd
+            blocks = (rows(p + f"self_attn.q_proj.{suffix}", r * q, 0, q, cols),
+                      rows(p + f"self_attn.k_proj.{suffix}", kv_first * hd, q, kv, cols),
+                      rows(p + f"self_attn.v_proj.{suffix}", kv_first * hd, q + kv, kv, cols))
+            shape = (q + 2 * kv, h) if cols else (q + 2 * kv,)
+            out.append(LocalTensor(p + f"self_attn.qkv_proj.{suffix}", shape, blocks))
+        out.append(row_parallel(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight",
+                                 h, spec.q_size, tp, r))
+        if spec.qk_norm:
+            out += [whole(p + "self_attn.q_norm.weight", (hd,)), whole(p + "self_attn.k_norm.weight", (hd,))]
+        if spec.is_moe:
+            out.extend(_vllm_moe(spec, i, tp, r))
+        else:
+            out.append(gate_up(p, p + "mlp.gate_up_proj.weight", spec, tp, r))
+            out.append(row_parallel(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight",
+                                     h, spec.ffn_hidden_size, tp, r))
+        out.append(whole(p + "input_layernorm.weight", (h,)))
+        out.append(whole(p + "post_attention_layernorm.weight", (h,)))
+    out.append(whole("model.norm.weight", (h,)))
+    if not spec.tie_word_embeddings:
+        out.append(vocab_shard("lm_head.weight", "lm_head.weight", spec.vocab_size, vp, tp, r, h))
+    if quantization == "fp8":
+        out = _block_fp8(out)
+    return {lt.name: lt for lt in out}
+
+
+# MoE, read in vLLM 0.24.0's source (the wheel of GPU.md's list, 2026-12-01):
+# - models/qwen3_moe.py, qwen2_moe.py: Qwen{3,2}MoeSparseMoeBlock registers, in this order, `gate`
+#   (ReplicatedLinear [num_experts, hidden]), for Qwen2-MoE `shared_expert_gate` (ReplicatedLinear [1, hidden]) and
+#   `shared_expert` (Qwen2MoeMLP: MergedColumnParallelLinear `gate_up_proj` [2 * shared / tp, hidden],
+#   RowParallelLinear `down_proj` [hidden, shared / tp]), then `experts = FusedMoE(...)`. models/mixtral.py:
+#   MixtralMoE is the layer's `block_sparse_moe` with `gate` and `experts` the same way (checkpoint names w1/w3/w2).
+#   Qwen3MoeAttention has `q_norm`/`k_norm` (RMSNorm [head_dim]).
+# - layers/fused_moe/layer.py: FusedMoE(...) returns a MoERunner holding `routed_experts` (RoutedExperts, after
+#   `gate` and `shared_expert_gate`, which the block registered first, so named_parameters() lists them under the
+#   block's names); fused_moe_make_expert_params_mapping maps checkpoint experts to
+#   `experts.routed_experts.w13_weight` / `w2_weight` (routed_experts_prefix="routed_experts").
+# - layers/fused_moe/unquantized_fused_moe_method.py create_weights: w13_weight [num_experts, 2 *
+#   intermediate_size_per_partition, hidden], w2_weight [num_experts, hidden, intermediate_size_per_partition].
+# - layers/fused_moe/routed_experts.py weight_loader: without expert parallelism every rank holds all experts
+#   (local id = global id); w1 (gate) and w3 (up) are narrowed on dim 0 to rows [r * I/tp, (r+1) * I/tp) and go to
+#   rows [0, I/tp) and [I/tp, 2 I/tp) of w13_weight[e]; w2 (down) is narrowed on its input dim (dim 1).
+# - layers/fused_moe/oracle/unquantized.py: on SM90 (H200) the Triton backend comes first and keeps that layout;
+#   FlashInfer CUTLASS would swap to [w3; w1] after loading (convert_to_unquantized_kernel_format), so the GPU
+#   check (perf/gpu_moe.sh) compares vLLM's own load_weights result with the reshard's.
+# vLLM's expert parallelism (enable_expert_parallel) is not described here: every engine rank holds all experts.
+def _vllm_moe(spec: ModelSpec, layer: int, tp: int, r: int) -> list[LocalTensor]:
+    block = f"model.layers.{layer}.{FAMILIES[spec.family].moe.block}."
+    experts = range(spec.num_experts)
+    out = [whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), block + "gate.weight"),
+           experts_gate_up(spec, layer, block + "experts.routed_experts.w13_weight", experts, tp, r),
+           experts_down(spec, layer, block + "experts.routed_experts.w2_weight", experts, tp, r)]
+    if spec.shared_expert_ffn_hidden_size:
+        out.extend(shared_expert(f"model.layers.{layer}.", block, spec, tp, r,
+                                  ("shared_expert.gate_up_proj.weight", "shared_expert.down_proj.weight",
+                                   "shared_expert_gate.weight")))
+    return out
+
+
+def vllm_layout(spec: ModelSpec, tp: int, ranks: Iterable[int], quantization: str | None = None) -> Layout:
+    """vLLM engines of TP=``tp`` on ``ranks``: engine ``k`` is ``ranks[k*tp:(k+1)*tp]``, its TP rank ``i``
+    is ``ranks[k*tp + i]`` (several engines = rollout data parallelism); ``quantization`` as in
+    :func:`vllm_rank_tensors`.
+
+    Raises:
+        SpecError: the TP (or FP8 at this TP) does not fit the model (:func:`check_vllm_tp`,
+            :func:`check_vllm_fp8`) or does not divide ``len(ranks)``.
+    """
+    ranks = list(ranks)
+    if len(ranks) % tp:
+        raise SpecError(f"vLLM layout: tp={tp} does not divide the {len(ranks)} rollout ranks")
+    per_tp = [vllm_rank_tensors(spec, tp, r, quantization) for r in range(tp)]
+    return Layout("vllm", spec, canonical_shapes(spec), {g: per_tp[i % tp] for i, g in enumerate(ranks)},
+                  ("vllm", shape_key(spec), tp, tuple(ranks), quantization))
