@@ -253,7 +253,7 @@ def test_a_peft_export_names_its_real_base_and_the_peft_its_expert_adapters_need
 
     from megarl.models.convert import adapter_base
     from megarl.models.hf_io import default_model_path
-    from megarl.models.layout import lora_targets
+    from megarl.models.layout_lora import lora_targets
     from megarl.models.lora import LoRASpec
     from megarl.models.peft import MIN_PEFT_EXPERTS, save_peft_adapter
     from megarl.models.spec import preset
