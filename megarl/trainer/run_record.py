@@ -23,7 +23,7 @@ from megarl.parallel.restart import RESTARTS_FILE, restart_number
 log = logging.getLogger(__name__)
 
 RECORD = ("metrics.jsonl", "samples.jsonl", "val_samples.jsonl", "config.json", "summary.json", "report.md",
-          "report", "tensorboard", "wandb", "hf", RESTARTS_FILE)
+          "report", "tensorboard", "wandb", "hf", "dpo_reference.pt", RESTARTS_FILE)
 EARLIER = "earlier"
 
 
