@@ -191,3 +191,38 @@ def test_resume_reproduces_the_uninterrupted_run_and_the_checkpoint_trains_with_
         for key in ("sft/loss", "sft/tokens", "actor/grad_norm", "actor/lr", "data/epoch"):
             assert resumed[step][key] == pytest.approx(straight[step][key], rel=1e-6, abs=1e-7), (step, key)
     assert [h["step"] for h in rl] == [1] and "reward/mean" in rl[0]
+
+
+@pytest.mark.parametrize("command,rows,extra,match", [
+    ("sft", [{"prompt": "a b", "completion": "x"}, {"prompt": "c d"}], [],
+     r"row 1: no field 'completion' .*sft.completion_key"),
+    ("sft", [{"messages": [{"role": "user", "content": "a"}]}], [], "row 0: a conversation needs an assistant"),
+    ("sft", [{"prompt": "a b", "completion": "x"}], ["sft.batch_size=4"], "sft.batch_size: 4 is more than the 1"),
+    ("sft", [{"prompt": "a b", "completion": "x"}], ["sft.max_length=65"], "sft.max_length: 65 tokens exceed"),
+    ("sft", [{"prompt": "a b", "completion": "x"}], ["sft.beta=1"], "sft.beta: Key 'beta' not in"),
+    ("dpo", [{"prompt": "a b", "chosen": "x"}], [], r"row 0: no field 'rejected' .*dpo.rejected_key"),
+])
+def test_bad_input_is_one_error_line_before_any_process(task, tmp_path, monkeypatch, capsys, command, rows, extra,
+                                                        match):
+    """Bad data and settings end in one ``megarl: error:`` line naming the file and row or the field, with no
+    world started and nothing written; a good config passes ``--check``."""
+    import megarl.offline.trainer
+    from megarl.cli import main
+
+    def started(*_, **__):
+        raise AssertionError("a run was started for a bad input")
+
+    monkeypatch.setattr(megarl.offline.trainer, "run", started)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [command, f"model.path={task[1]}", f"{command}.train_files=[{data}]", f"{command}.batch_size=1",
+            f"{command}.max_length=64", f"run.output_dir={tmp_path / 'runs'}", *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("megarl: error:")
+    assert __import__("re").search(match, err), err
+    assert not (tmp_path / "runs").exists()
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"prompt": "a b", "completion": "x", "chosen": "x", "rejected": "a"}) + "\n")
+    assert main([*args[:2], f"{command}.train_files=[{good}]", *args[3:-len(extra) or None], "--check"]) == 0
+    assert "check passed" in capsys.readouterr().out
