@@ -56,26 +56,66 @@ def dpo_on_rank(rank, world, overrides):
     return read_metrics(cfg.run.run_dir / "metrics.jsonl") if rank == 0 else None
 
 
-def test_a_short_run_raises_the_margin(tmp_path):
-    """16 pairs (chosen: the target word; rejected: another letter), 6 steps at DP=2 with packed micro-batches:
-    the validation margin starts at 0 (the policy is the reference) and ends above it, the preference accuracy
-    at 1, the loss below log 2."""
-    model = make_tiny_model(tmp_path / "model")
+@pytest.fixture(scope="module")
+def prefs(tmp_path_factory):
+    """The tiny model and 16 pairs: chosen the target word, rejected another letter, after 3 random letters."""
+    root = tmp_path_factory.mktemp("dpo")
+    model = make_tiny_model(root / "model")
     g = torch.Generator().manual_seed(0)
     letters = WORDS[3:14]
     rows = [{"prompt": " ".join(letters[int(i)] for i in torch.randint(0, 11, (3,), generator=g)),
              "chosen": "x", "rejected": letters[int(torch.randint(0, 11, (1,), generator=g))]} for _ in range(16)]
-    data = tmp_path / "pairs.jsonl"
+    data = root / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    history = run_world(dpo_on_rank, 2, [f"model.path={model}", f"dpo.train_files=[{data}]",
-                                         f"dpo.val_files=[{data}]", "dpo.max_length=64", "dpo.batch_size=8",
-                                         "dpo.steps=6", "dpo.beta=0.5", "actor.optim.lr=1e-2",
-                                         "actor.max_tokens_per_micro_batch=24", "actor.sequence_packing=true",
-                                         f"run.output_dir={tmp_path / 'runs'}", "run.name=dpo",
-                                         "trainer.progress=false", "trainer.report=false"])[0]
+    return root, model, data, rows
+
+
+def _dpo(prefs, name, *extra):
+    root, model, data, _ = prefs
+    return [f"model.path={model}", f"dpo.train_files=[{data}]", f"dpo.val_files=[{data}]", "dpo.max_length=64",
+            "dpo.batch_size=8", "dpo.beta=0.5", "actor.optim.lr=1e-2", f"run.output_dir={root / 'runs'}",
+            f"run.name={name}", "trainer.progress=false", "trainer.report=false", *extra]
+
+
+def _reference_gradient_norm(model, rows, beta):
+    """The DPO loss's gradient norm at the start (policy = reference) under the transformers model, float64
+    loss of fp32 log-probs; each row's completion tokens (the tiny template: words, then ``<eos>``) by hand."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+
+    def seq_logprob(prompt, completion):
+        ids = [WORDS.index(w) for w in prompt.split()] + [WORDS.index(w) for w in completion.split() + ["<eos>"]]
+        logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1)
+        start = len(prompt.split())
+        return sum(logp[t - 1, ids[t]] for t in range(start, len(ids))).double()
+
+    chosen = torch.stack([seq_logprob(r["prompt"], r["chosen"]) for r in rows])
+    rejected = torch.stack([seq_logprob(r["prompt"], r["rejected"]) for r in rows])
+    loss, _ = dpo_loss(chosen, rejected, chosen.detach(), rejected.detach(), beta)
+    loss.backward()
+    return float(loss), math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in hf.parameters()))
+
+
+def test_the_first_update_has_the_dpo_gradient_at_tp2(prefs):
+    """Step 1 (one batch of 8 pairs, unshuffled) at TP=2: the loss is log 2 (policy = reference) and the gradient
+    norm, from the two-pass update, equals that of the DPO loss differentiated through the transformers model
+    (rows 0-7) within 1e-4 relative."""
+    history = run_world(dpo_on_rank, 2, _dpo(prefs, "tp2", "dpo.steps=1", "dpo.shuffle=false",
+                                             "actor.parallel.tp=2"))[0]
+    loss, norm = _reference_gradient_norm(prefs[1], prefs[3][:8], 0.5)
+    assert history[1]["dpo/loss"] == pytest.approx(loss, abs=1e-6)
+    assert history[1]["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
+
+
+def test_a_short_run_raises_the_margin(prefs):
+    """6 steps at DP=2 with packed micro-batches: the validation margin starts at 0 (the policy is the reference)
+    and ends above it, the preference accuracy at 1, the loss below log 2."""
+    history = run_world(dpo_on_rank, 2, _dpo(prefs, "dpo", "dpo.steps=6", "actor.max_tokens_per_micro_batch=24",
+                                             "actor.sequence_packing=true"))[0]
     before, after = history[0], history[-1]
     assert before["val/margin"] == pytest.approx(0.0, abs=1e-6)
     assert before["val/loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert history[1]["dpo/margin"] == pytest.approx(0.0, abs=1e-6)  # step 1's batch: the reference's weights
     assert after["val/margin"] > 0.5 and after["val/accuracy"] == 1.0 and after["val/loss"] < math.log(2) - 0.2
-    assert (tmp_path / "runs" / "dpo" / "dpo_reference.pt").is_file()
+    assert (prefs[0] / "runs" / "dpo" / "dpo_reference.pt").is_file()
