@@ -53,5 +53,5 @@ def run(name: str, config: str | None, overrides: list[str], a: argparse.Namespa
         return 0
     if relaunch_world(prepared.cfg, [name, *a.argv], run_folder=True, checks=lambda c, w: prepared.spec):
         return 0
-    run_offline(trainer_cls, cfg, prepared if world == 1 else None)
+    run_offline(trainer_cls, cfg, prepared)
     return 0

@@ -201,7 +201,8 @@ def run(trainer_cls: type[OfflineTrainer], cfg: Config, prepared: Prepared | Non
     """Run an offline command on this rank (every rank of the job calls it), as
     :func:`megarl.trainer.trainer.train` runs ``megarl train``: rank 0 holds the run folder's lock; the run
     folder's checkpoints must fit (a new run, or ``--resume``). ``prepared``: :meth:`OfflineTrainer.prepare` of
-    ``cfg`` where the caller has it. Returns the summary.
+    ``cfg`` for ``cfg.world_size`` ranks where the caller has it (used where that is this job's world). Returns
+    the summary.
 
     Raises:
         ConfigError / DataError: the config, the data or the run folder, before any model is built.
@@ -209,7 +210,8 @@ def run(trainer_cls: type[OfflineTrainer], cfg: Config, prepared: Prepared | Non
         PeerLostError: a collective failed because a peer died or stalled.
     """
     seed_all(cfg.run.seed)
-    prepared = prepared or trainer_cls.prepare(cfg, launch_info().world_size)
+    if prepared is None or launch_info().world_size != cfg.world_size:
+        prepared = trainer_cls.prepare(cfg, launch_info().world_size)
     cfg = prepared.cfg
     check_run_folder(cfg, launch_info().world_size)
     lock = RunLock(cfg.run.run_dir).acquire() if launch_info().rank == 0 else None
