@@ -226,3 +226,14 @@ def test_bad_input_is_one_error_line_before_any_process(task, tmp_path, monkeypa
     good.write_text(json.dumps({"prompt": "a b", "completion": "x", "chosen": "x", "rejected": "a"}) + "\n")
     assert main([*args[:2], f"{command}.train_files=[{good}]", *args[3:-len(extra) or None], "--check"]) == 0
     assert "check passed" in capsys.readouterr().out
+
+
+def test_the_loss_is_the_same_at_cp2_and_with_lora_adapters(task):
+    """Step 1's loss equals the transformers reference at CP=2 (each sequence split over two ranks) and for a LoRA
+    actor at DP=2 (its adapters start at B = 0, so its model is the base), within 1e-5."""
+    want = _reference_loss(task[1], _rows())
+    runs = [_sft(task, "cp2", "sft.batch_size=8", "sft.steps=1", "actor.parallel.cp=2"),
+            _sft(task, "lora", "sft.batch_size=8", "sft.steps=1", "actor.lora.rank=4")]
+    for history in run_world(sft_each_on_rank, 2, runs)[0]:
+        assert history[0]["sft/loss"] == pytest.approx(want, abs=1e-5, rel=0)
+        assert history[0]["actor/grad_norm"] > 0
