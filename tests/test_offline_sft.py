@@ -237,3 +237,27 @@ def test_the_loss_is_the_same_at_cp2_and_with_lora_adapters(task):
     for history in run_world(sft_each_on_rank, 2, runs)[0]:
         assert history[0]["sft/loss"] == pytest.approx(want, abs=1e-5, rel=0)
         assert history[0]["actor/grad_norm"] > 0
+
+
+def test_a_datasets_name_is_guarded(monkeypatch):
+    """A ``datasets`` name without the package, or one that cannot be loaded (offline), is one DataError naming
+    the field and the fix; no network is touched here (the package is faked)."""
+    import sys
+    import types
+
+    from megarl.offline.data import read_source
+
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DataError, match=r"sft.train_files: the dataset 'org/chat' needs the 'datasets' package"):
+        read_source([], "org/chat", "train", "sft.train_files")
+
+    def offline(name, split):
+        raise ConnectionError("Couldn't reach 'org/chat' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    with pytest.raises(DataError, match=r"cannot load the dataset 'org/chat' \(split 'train'\): Couldn't reach"):
+        read_source([], "org/chat", "train", "sft.train_files")
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(
+        load_dataset=lambda name, split: [{"prompt": "a", "completion": "x"}]))
+    assert read_source([], "org/chat", "train", "sft.train_files") == [
+        ("org/chat[train] row 0", {"prompt": "a", "completion": "x"})]
