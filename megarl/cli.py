@@ -7,6 +7,8 @@
     megarl data gsm8k --src DIR|hub --out DIR [--overwrite] prepare GSM8K parquet files
     megarl data arithmetic --out DIR [--overwrite]          write the arithmetic task's parquet files
     megarl data calculator --out DIR [--overwrite]          write the calculator task's parquet files
+    megarl sft [CONFIG.yaml] [key=value ...] [--resume]     supervised fine-tuning (chat, prompt/completion)
+    megarl dpo [CONFIG.yaml] [key=value ...] [--resume]     DPO on chosen/rejected pairs
     megarl eval MODEL [CONFIG.yaml] [key=value ...]         held-out accuracy of a model or checkpoint
     megarl report RUN_DIR                                   plots and a markdown page of a run
     megarl bench reshard ...                                reshard benchmark (see --help)
@@ -104,9 +106,10 @@ def split_config_and_overrides(config: str | None, overrides: list[str]) -> tupl
     return config, list(overrides)
 
 
-def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
+def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False, checks: Callable | None = None) -> bool:
     """Under torchrun or SLURM: False (this process is one rank). Started plainly: check ``cfg`` against its
-    world size and its model (:func:`megarl.trainer.preflight.preflight`), then, with ``run_folder``, that the
+    world size and its model (``checks(cfg, world_size) -> spec``; default :func:`megarl.trainer.preflight.
+    preflight`), then, with ``run_folder``, that the
     run folder is free and its checkpoints fit the run; and when that is more than one rank, run ``megarl ARGV``
     under ``torchrun --nproc_per_node=<world size>`` on this node and return True once it has finished (its
     ranks end with this process, SIGKILL included: :mod:`megarl.parallel.lifecycle`).
@@ -118,9 +121,10 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False) -> bool:
     """
     if is_rank():
         return False
-    from megarl.trainer.preflight import preflight
+    if checks is None:
+        from megarl.trainer.preflight import preflight as checks
 
-    spec = preflight(cfg, cfg.world_size)  # first: a config error is named even while another run owns the folder
+    spec = checks(cfg, cfg.world_size)  # first: a config error is named even while another run owns the folder
     if run_folder:
         from megarl.launch.memory import warn_host_memory
         from megarl.storage import check_writable
@@ -280,6 +284,22 @@ def _train(p: argparse.ArgumentParser):
                               "no checkpoint was written yet: the run starts over") from None
         return 0
     return run
+
+
+@command("sft", help="supervised fine-tuning on chat or prompt/completion data (megarl.offline)")
+def _sft(p: argparse.ArgumentParser):
+    from megarl.offline import command as offline
+
+    offline.add_arguments(p)
+    return lambda a: offline.run("sft", *split_config_and_overrides(a.config, a.overrides), a, relaunch_world)
+
+
+@command("dpo", help="DPO on chosen/rejected pairs (megarl.offline)")
+def _dpo(p: argparse.ArgumentParser):
+    from megarl.offline import command as offline
+
+    offline.add_arguments(p)
+    return lambda a: offline.run("dpo", *split_config_and_overrides(a.config, a.overrides), a, relaunch_world)
 
 
 def _checkpoint_run(model: str):

@@ -17,6 +17,7 @@ from megarl.config.algorithm import (AlgorithmConfig, DistillConfig, DynamicSamp
                                      OverlongConfig, ROLLOUT_CORRECTION_OFF, RolloutCorrectionConfig)
 from megarl.config.errors import ConfigError, require
 from megarl.config.loading import absolute_paths, load_config, to_dict
+from megarl.config.offline import DPOConfig, DPORunConfig, OfflineDataConfig, SFTConfig, SFTRunConfig
 from megarl.config.roles import (ATTENTION_KERNELS, ActorConfig, CriticConfig, DTYPES, DTYPE_TABLE, Dtype,
                                  KernelsConfig, LORA_SYNC, LORA_TARGETS, LoRAConfig, MEGATRON_ROLES, MOE_DISPATCHERS,
                                  MOE_EXPERTS, MoEConfig, ModelConfig, OLD_LOGPROB_PASSES, OptimConfig, ParallelConfig,
@@ -27,12 +28,13 @@ from megarl.config.rollout import (DataConfig, JUDGE_BACKENDS, JUDGE_FIELDS, JUD
 from megarl.config.run import (Config, LAUNCH_ENV, LOGGERS, LOGGER_PACKAGES, LaunchConfig, RunConfig, TrainerConfig,
                                ValidationConfig)
 
-__all__ = ['ATTENTION_KERNELS', 'ActorConfig', 'AlgorithmConfig', 'Config', 'ConfigError', 'CriticConfig', 'DTYPES',
-           'DTYPE_TABLE', 'DataConfig', 'DistillConfig', 'Dtype', 'DynamicSamplingConfig', 'JUDGE_BACKENDS',
-           'JUDGE_FIELDS', 'JUDGE_VERDICTS', 'JudgeConfig', 'KLConfig', 'KernelsConfig', 'LAUNCH_ENV', 'LOGGERS',
-           'LOGGER_PACKAGES', 'LORA_SYNC', 'LORA_TARGETS', 'LaunchConfig', 'LoRAConfig', 'MEGATRON_ROLES',
+__all__ = ['ATTENTION_KERNELS', 'ActorConfig', 'AlgorithmConfig', 'Config', 'ConfigError', 'CriticConfig', 'DPOConfig',
+           'DPORunConfig', 'DTYPES', 'DTYPE_TABLE', 'DataConfig', 'DistillConfig', 'Dtype', 'DynamicSamplingConfig',
+           'JUDGE_BACKENDS', 'JUDGE_FIELDS', 'JUDGE_VERDICTS', 'JudgeConfig', 'KLConfig', 'KernelsConfig', 'LAUNCH_ENV',
+           'LOGGERS', 'LOGGER_PACKAGES', 'LORA_SYNC', 'LORA_TARGETS', 'LaunchConfig', 'LoRAConfig', 'MEGATRON_ROLES',
            'MIN_BUCKET_MB', 'MODEL_RUNNERS', 'MOE_DISPATCHERS', 'MOE_EXPERTS', 'MoEConfig', 'ModelConfig',
-           'MultiTurnConfig', 'NonFiniteConfig', 'OLD_LOGPROB_PASSES', 'OptimConfig', 'OverlongConfig', 'PREPARED',
-           'ParallelConfig', 'PlacementConfig', 'QUANTIZATIONS', 'ROLES', 'ROLLOUT_CORRECTION_OFF', 'ReshardConfig',
-           'RewardConfig', 'RolloutConfig', 'RolloutCorrectionConfig', 'RunConfig', 'TrainerConfig', 'ValidationConfig',
-           'absolute_paths', 'load_config', 'require', 'to_dict']
+           'MultiTurnConfig', 'NonFiniteConfig', 'OLD_LOGPROB_PASSES', 'OfflineDataConfig', 'OptimConfig',
+           'OverlongConfig', 'PREPARED', 'ParallelConfig', 'PlacementConfig', 'QUANTIZATIONS', 'ROLES',
+           'ROLLOUT_CORRECTION_OFF', 'ReshardConfig', 'RewardConfig', 'RolloutConfig', 'RolloutCorrectionConfig',
+           'RunConfig', 'SFTConfig', 'SFTRunConfig', 'TrainerConfig', 'ValidationConfig', 'absolute_paths',
+           'load_config', 'require', 'to_dict']

@@ -13,8 +13,10 @@ from typing import Any
 from megarl.config.errors import ConfigError, _SectionFieldError
 from megarl.config.run import Config
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the YAML file, then ``key=value`` overrides; typed and validated.
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                schema: type[Config] = Config) -> Config:
+    """Defaults, then the YAML file, then ``key=value`` overrides; typed and validated. ``schema``: the config's
+    class (a :class:`Config` with sections of its own: :mod:`megarl.config.offline`).
 
     Raises:
         ConfigError: an unknown key, a wrong type or an invalid value, naming the field.
@@ -23,7 +25,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    base = OmegaConf.structured(Config)
+    base = OmegaConf.structured(schema)
     try:
         layers = [base]
         if path is not None:

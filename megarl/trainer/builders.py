@@ -15,8 +15,10 @@ import torch.distributed as dist
 
 from megarl.config import Config, ConfigError
 from megarl.data.dataset import PromptDataset
+from megarl.models import checkpoint as ck
 from megarl.models.layout import Layout, hf_layout
 from megarl.models.layout_vllm import vllm_layout
+from megarl.models.lora import LoRASpec
 from megarl.models.spec import ModelSpec
 from megarl.trainer.preflight import check_files, prepare_files, read_prompts
 from megarl.trainer.validation import Validation
@@ -74,6 +76,18 @@ def resolve_eos(spec: ModelSpec, tokenizer, source: str, generation_config: dict
                 tokenizer.eos_token, eos)
     return spec.replace(eos_token_ids=(int(eos),))
 
+
+
+def model_meta(cfg: Config, spec: ModelSpec, tokenizer_source: str, source_config: dict | None,
+               generation_config: dict | None) -> dict:
+    """The model's part of a checkpoint's ``megarl.json``: its config, dtype, tokenizer, layer spec, the
+    source's ``config.json`` and ``generation_config.json``, and a LoRA actor's adapters and base."""
+    lora = LoRASpec.from_config(cfg.actor.lora)
+    base = None if cfg.model.path == "default" else cfg.model.path
+    return ck.model_meta(spec, ck.DTYPES[cfg.model.dtype], tokenizer_source,
+                         use_te=cfg.actor.kernels.transformer_engine, source_config=source_config,
+                         generation_config=generation_config,
+                         **({"lora": ck.lora_meta(lora.as_dict(), base)} if lora else {}))
 
 
 def load_validation(cfg: Config, tokenizer, score, spec) -> Validation:

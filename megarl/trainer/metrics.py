@@ -21,12 +21,13 @@ DIGEST = [
     ("reward/mean", "reward", "{:.3f}"), ("reward/std", "±", "{:.3f}"), ("reward/accuracy", "acc", "{:.2f}"),
     ("response/length_mean", "len", "{:.0f}"), ("actor/kl", "kl", "{:.4f}"), ("actor/entropy", "ent", "{:.3f}"),
     ("actor/clipfrac", "clip", "{:.3f}"), ("actor/pg_loss", "pg", "{:+.4f}"), ("critic/vf_loss", "vf", "{:.4f}"),
-    ("actor/grad_norm", "gnorm", "{:.3f}"), ("actor/lr", "lr", "{:.2e}"),
+    ("sft/loss", "loss", "{:.4f}"), ("dpo/loss", "dpo loss", "{:.4f}"), ("dpo/margin", "margin", "{:+.3f}"),
+    ("dpo/accuracy", "pref acc", "{:.2f}"), ("actor/grad_norm", "gnorm", "{:.3f}"), ("actor/lr", "lr", "{:.2e}"),
     ("throughput/generate_tokens_per_s", "gen tok/s", "{:.0f}"), ("perf/tokens_per_s_per_gpu", "tok/s/GPU", "{:.0f}"),
     ("perf/mfu", "MFU", "{:.1%}"), ("time/step", "step s", "{:.1f}"),
     ("rollout/staleness", "stale", "{:.0f}"),
     ("val/accuracy", "val acc", "{:.3f}"), ("val/reward_mean", "val reward", "{:.3f}"),
-    ("val/seconds", "val s", "{:.1f}"),
+    ("val/seconds", "val s", "{:.1f}"), ("val/loss", "val loss", "{:.4f}"),
 ]
 
 
@@ -218,9 +219,11 @@ def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Pa
                  hf_export: Path | None, wall_s: float, steps_this_session: int,
                  validation: str | None = None, notes: Sequence[str] = ()) -> str:
     """A human-readable end-of-run summary: reward and accuracy by step, validation accuracy by step (with
-    ``validation`` describing its prompts), throughput, where things were written, and ``notes`` (lines on
+    ``validation`` describing its prompts) or, for an offline run (``megarl sft``, ``megarl dpo``), its losses and
+    validation loss by step, throughput, where things were written, and ``notes`` (lines on
     how the run was resumed and restarted)."""
     validated = [h for h in history if h.get("val/accuracy") is not None]
+    val_loss = [h for h in history if h.get("val/loss") is not None]
     history = [h for h in history if h["step"] > 0]  # step 0: the validation before training
     if not history:
         return f"no steps were run; run folder {run_dir}"
@@ -243,18 +246,28 @@ def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Pa
         return f.format(sum(values) / len(values)) if values else "n/a"
 
     gen = [h["throughput/generate_tokens_per_s"] for h in history if h.get("throughput/generate_tokens_per_s")]
+    losses = [k for k in ("sft/loss", "dpo/loss", "dpo/margin") if any(k in h for h in history)]
     lines = [
         "=" * 72,
         f"megarl run finished at step {last['step']} ({steps_this_session} step{'' if steps_this_session == 1 else 's'}"
         f" in this session, {wall_s:.0f} s)",
-        f"  reward by step     {by_step('reward/mean')}",
-        f"  accuracy by step   {by_step('reward/accuracy', '{:.2f}')}",
-        *([f"  val accuracy       " + "  ".join(f"step {h['step']}: {h['val/accuracy']:.3f}" for h in validated)
-           + f"   ({validation})"] if validated else []),
-        f"  last step          response length {fmt('response/length_mean', '{:.0f}')} tokens "
-        f"({fmt('response/clip_ratio', '{:.0%}')} cut at rollout.max_new_tokens), KL to ref "
-        f"{fmt('actor/kl', '{:.5f}')}, entropy {fmt('actor/entropy')}",
-        f"  generation         {sum(gen) / len(gen):.1f} tokens/s on average" if gen else "  generation    n/a",
+    ]
+    if losses:  # an offline run (megarl sft, megarl dpo): no rewards, no generation
+        lines += [f"  {k + ' by step':<19}{by_step(k, '{:.4f}')}" for k in losses]
+        lines += [f"  val loss           " + "  ".join(f"step {h['step']}: {h['val/loss']:.4f}" for h in val_loss)
+                  + f"   ({validation})"] if val_loss else []
+    else:
+        lines += [
+            f"  reward by step     {by_step('reward/mean')}",
+            f"  accuracy by step   {by_step('reward/accuracy', '{:.2f}')}",
+            *([f"  val accuracy       " + "  ".join(f"step {h['step']}: {h['val/accuracy']:.3f}" for h in validated)
+               + f"   ({validation})"] if validated else []),
+            f"  last step          response length {fmt('response/length_mean', '{:.0f}')} tokens "
+            f"({fmt('response/clip_ratio', '{:.0%}')} cut at rollout.max_new_tokens), KL to ref "
+            f"{fmt('actor/kl', '{:.5f}')}, entropy {fmt('actor/entropy')}",
+            f"  generation         {sum(gen) / len(gen):.1f} tokens/s on average" if gen else "  generation    n/a",
+        ]
+    lines += [
         f"  step time          {sum(h.get('time/step', 0) for h in history) / len(history):.1f} s on average",
         f"  throughput         {mean('perf/tokens_per_s_per_gpu', '{:.0f}')} tokens/s/GPU (prompt + response), "
         f"MFU {mean('perf/mfu', '{:.1%}')} on average",

@@ -6,7 +6,9 @@ and writes, beside them, ``report.md`` and its figures in ``report/`` (PNG, matp
 - ``reward.png``: training reward and accuracy by step, validation accuracy by step (step 0: before training);
 - ``time.png``: seconds per phase of each step (the ``time/*`` metrics) as stacked bars;
 - ``length.png``: mean response length (tokens) and the share of responses cut at ``max_new_tokens``;
-- ``kl_entropy.png``: KL to the reference policy and the policy's entropy by step (when logged).
+- ``kl_entropy.png``: KL to the reference policy and the policy's entropy by step (when logged);
+- ``loss.png`` instead of ``reward.png`` and ``length.png`` for an offline run (``megarl sft``, ``megarl dpo``):
+  its training and validation losses (and DPO's margin) by step.
 
 The page lists the best, the worst and cut-off responses among the logged training and validation samples.
 ``megarl train`` writes the report at the end of a run (``trainer.report``). Needs matplotlib
@@ -62,7 +64,18 @@ def plot_run(history: list[dict[str, Any]], out_dir: Path) -> dict[str, Path]:
         ax.set_ylabel("reward / accuracy")
         ax.legend(loc="best", fontsize="small")
 
-    figures["reward"] = _figure(out_dir / "reward.png", "Reward and accuracy", reward)
+    losses = [k for k in ("sft/loss", "dpo/loss", "val/loss", "dpo/margin") if any(k in h for h in history)]
+    if losses:  # an offline run (megarl sft, megarl dpo): its losses instead of rewards and responses
+        def loss(ax):
+            for key in losses:
+                x, y = _series(history, key)
+                ax.plot(x, y, "-s" if key.startswith("val/") else "-o", label=key, markersize=4)
+            ax.set_ylabel("loss (nats) / margin")
+            ax.legend(loc="best", fontsize="small")
+
+        figures["loss"] = _figure(out_dir / "loss.png", "Loss", loss)
+    else:
+        figures["reward"] = _figure(out_dir / "reward.png", "Reward and accuracy", reward)
 
     phases = sorted({k for h in train for k in h if k.startswith("time/") and k != "time/step"})
     if phases:
@@ -95,7 +108,8 @@ def plot_run(history: list[dict[str, Any]], out_dir: Path) -> dict[str, Path]:
         more = right.get_legend_handles_labels()
         ax.legend(lines[0] + more[0], lines[1] + more[1], loc="best", fontsize="small")
 
-    figures["length"] = _figure(out_dir / "length.png", "Response length and clipping", length)
+    if not losses:
+        figures["length"] = _figure(out_dir / "length.png", "Response length and clipping", length)
 
     if any("actor/kl" in h or "actor/entropy" in h for h in train):
         def kl_entropy(ax):

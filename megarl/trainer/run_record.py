@@ -28,7 +28,7 @@ from megarl.parallel.restart import RESTARTS_FILE, restart_number
 log = logging.getLogger(__name__)
 
 RECORD = ("metrics.jsonl", "samples.jsonl", "val_samples.jsonl", "config.json", "summary.json", "report.md",
-          "report", "tensorboard", "wandb", "hf", RESTARTS_FILE)
+          "report", "tensorboard", "wandb", "hf", "dpo_reference.pt", RESTARTS_FILE)
 EARLIER = "earlier"
 # the JSON-lines files keyed by "step", with what tells a step's records apart (megarl.jsonl.latest_per_step)
 STEP_RECORDS = {"metrics.jsonl": one_record, "samples.jsonl": sample_identity, "val_samples.jsonl": sample_identity}

@@ -54,8 +54,8 @@ from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel,
                                           rollout_dp_group)
 from megarl.trainer.advantages import compute_advantages, drop_nonfinite, set_loss_mask, shape_rewards
 from megarl.trainer.checkpointing import Checkpointer, check_run_folder
-from megarl.trainer.builders import (load_prompts, load_validation, make_engine, resolve_eos, rollout_layout,
-                                     seed_all)
+from megarl.trainer.builders import (load_prompts, load_validation, make_engine, model_meta, resolve_eos,
+                                     rollout_layout, seed_all)
 from megarl.trainer.dynamic_sampling import dynamic_sampling, group_unit
 from megarl.trainer.episodes import (build_agent, episode_batch, episode_metrics, evaluate_episodes, fill_scores,
                                      generate_episodes, row_multiple, to_score)
@@ -113,22 +113,12 @@ class Trainer:
                               else FixedKLController(kl.coef))
         self.checkpointer = Checkpointer(cfg, actor=self.actor, critic=self.critic, pools=self.pools,
                                          rollout_ranks=self.rollout_ranks, offloads=self.offloads,
-                                         model_meta=self._model_meta())
+                                         model_meta=model_meta(cfg, self.spec, self.tokenizer_source,
+                                                               self.source_config, self.generation_config))
         if cfg.trainer.resume:
             self.checkpointer.resume(self.state)
             if self.engine is not None:  # what it is between steps (generate sets it per step)
                 self.engine.calls = self.state.step
-
-    def _model_meta(self) -> dict[str, Any]:
-        """The model's part of a checkpoint's ``megarl.json``: its config, dtype, tokenizer, layer spec, the
-        source's ``config.json`` and ``generation_config.json``, and a LoRA actor's adapters and base."""
-        cfg = self.cfg
-        return ck.model_meta(self.spec, ck.DTYPES[cfg.model.dtype], self.tokenizer_source,
-                             use_te=cfg.actor.kernels.transformer_engine, source_config=self.source_config,
-                             generation_config=self.generation_config,
-                             **({"lora": ck.lora_meta(self.actor_lora.as_dict(),
-                                                      None if cfg.model.path == "default" else cfg.model.path)}
-                                if self.actor_lora else {}))
 
     def _build_data(self) -> None:
         """The model's spec and tokenizer, the training prompts and their loader, the reward function (on the
