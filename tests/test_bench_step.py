@@ -150,7 +150,7 @@ def test_bench_step_on_two_ranks(tmp_path):
 def test_bench_step_never_writes_into_the_training_runs_folder():
     """Issue 24: with run.name left as the config has it, bench step wrote bench_step.json (and its trainer's
     files) into the main training run's folder."""
-    from megarl.cli import bench_step_config
+    from megarl.cli.bench import bench_step_config
     from megarl.config import load_config
 
     train = load_config(None, [])

@@ -285,7 +285,7 @@ def test_eval_default_model_is_deterministic(tmp_path):
 
 
 def test_eval_default_folders_of_two_runs_checkpoints_differ():
-    from megarl.cli import _eval_name
+    from megarl.cli.train import _eval_name
 
     assert _eval_name("runs/a/checkpoints/step_000004") == "a-step_000004"
     assert _eval_name("runs/b/checkpoints/step_000004/") == "b-step_000004"

@@ -6,7 +6,7 @@
 The config is a :class:`~megarl.config.offline.SFTRunConfig` / :class:`~megarl.config.offline.DPORunConfig`. As for
 ``megarl train``, everything is checked before any process starts (the config, the model, every data row, the
 layout against the world, the run folder): bad input ends in one ``megarl: error:`` line. A config whose layout
-needs several ranks relaunches itself under torchrun on this node (:func:`megarl.cli.relaunch_world`).
+needs several ranks relaunches itself under torchrun on this node (:func:`megarl.cli.world.relaunch_world`).
 """
 
 from __future__ import annotations
