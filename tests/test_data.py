@@ -276,7 +276,8 @@ def test_data_prepare_writes_only_its_own_files(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"data.train_files: \['data/gsm8k/train.parquet'\] do not exist; check "
                                           r"the path \(data.prepare=arithmetic writes only its own"):
         check_files(cfg, "data.train_files", ["data/gsm8k/train.parquet"])
-    with pytest.raises(ConfigError, match=r"data.prepare: must be null or one of \['arithmetic', 'calculator', 'gsm8k'\]"):
+    with pytest.raises(ConfigError, match=r"data.prepare: must be null or one of \['arithmetic', 'calculator', "
+                                          r"'gsm8k', 'reasoning_gym', 'verifiers'\]"):
         load_config(None, ["data.prepare=gsm8K"])
 
 
