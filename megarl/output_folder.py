@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Iterable
 
 # what `megarl train` leaves in every run folder: its lock (taken before anything is written), the metrics of
-# its steps, its checkpoints (megarl.trainer.run_lock.LOCK_FILE, megarl.trainer.metrics, megarl.models.checkpoint)
+# its steps, its checkpoints (megarl.parallel.run_lock.LOCK_FILE, megarl.trainer.metrics, megarl.models.checkpoint)
 RUN_FOLDER_SIGNS = ("run.lock", "metrics.jsonl", "checkpoints")
 RUN_CHECKPOINTS = "checkpoints"  # megarl.models.checkpoint.RUN_CHECKPOINTS (that module imports none of this one)
 

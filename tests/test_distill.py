@@ -153,7 +153,7 @@ def test_bad_teachers_are_one_error_line_before_any_process(models, other_teache
 
 def test_the_tokenizer_check_names_the_first_difference(models, other_teacher):
     from megarl.models.hf_io import load_tokenizer
-    from megarl.trainer.teacher import check_teacher, tokenizer_difference
+    from megarl.workers.teacher import check_teacher, tokenizer_difference
 
     root, student, teacher, data = models
     tok = load_tokenizer(str(student))

@@ -291,7 +291,7 @@ def test_a_spawned_world_ends_with_its_parent_sigkill_included(tmp_path):
 def test_run_lock_names_its_owner_and_takes_over_a_dead_ones(tmp_path, caplog):
     import json
 
-    from megarl.trainer.run_lock import LOCK_FILE, RunLock, RunLockedError, check_free
+    from megarl.parallel.run_lock import LOCK_FILE, RunLock, RunLockedError, check_free
 
     run_dir = tmp_path / "run"
     first = RunLock(run_dir).acquire()

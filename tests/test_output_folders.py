@@ -182,7 +182,7 @@ def test_a_run_folder_is_known_by_what_megarl_train_writes_first():
     """:data:`megarl.output_folder.RUN_FOLDER_SIGNS` names the trainer's own files (the module sits below the
     trainer and cannot import their names)."""
     from megarl.output_folder import RUN_CHECKPOINTS, RUN_FOLDER_SIGNS
-    from megarl.trainer.run_lock import LOCK_FILE
+    from megarl.parallel.run_lock import LOCK_FILE
     from megarl.trainer.run_record import RECORD
 
     assert LOCK_FILE in RUN_FOLDER_SIGNS and RUN_CHECKPOINTS in RUN_FOLDER_SIGNS

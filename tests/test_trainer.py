@@ -113,7 +113,7 @@ def test_a_run_folder_with_checkpoints_takes_only_its_own_run_resumed_at_its_lay
     assert "launching" not in other.stdout  # no process started
     check_run_folder(load_config(None, base + ["trainer.resume=true", "trainer.steps=2"]), 1)  # the same layout
     check_run_folder(load_config(None, base + ["trainer.resume=true", "trainer.steps=2", "actor.parallel.pp=2"]), 2)
-    from megarl.trainer.run_lock import RunLock
+    from megarl.parallel.run_lock import RunLock
 
     lock = RunLock(root / "runs" / "owned").acquire()  # another run owns the folder: a config error still shows
     try:

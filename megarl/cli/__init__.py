@@ -33,7 +33,7 @@ one line, ``megarl: error: <what> ...``, naming the flag or config field, before
 ``megarl train`` runs under torchrun or SLURM's srun as given; started plainly for a config whose mesh needs
 several ranks, it relaunches itself with ``torchrun --nproc_per_node=<world size>`` on this node; those ranks
 end with it, SIGKILL included (:mod:`megarl.parallel.lifecycle`), and a run folder has one run at a time
-(:mod:`megarl.trainer.run_lock`).
+(:mod:`megarl.parallel.run_lock`).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.parallel.lifecycle import PeerLostError, interrupted
     from megarl.parallel.restart import EXIT_REQUEUE, EXIT_STORAGE, RequeueRequested
     from megarl.storage import StorageError, is_storage_fault
-    from megarl.trainer.run_lock import RunLockedError
+    from megarl.parallel.run_lock import RunLockedError
 
     try:
         parser = build_parser(argv)

@@ -30,7 +30,7 @@ def relaunch_world(cfg, argv: list[str], *, run_folder: bool = False,
     if run_folder:
         from megarl.launch.memory import warn_host_memory
         from megarl.storage import check_writable
-        from megarl.trainer.run_lock import check_free
+        from megarl.parallel.run_lock import check_free
         from megarl.trainer.checkpointing import check_run_folder
 
         check_free(cfg.run.run_dir)  # another run owns the folder

@@ -33,7 +33,7 @@ from megarl.trainer.builders import model_meta, resolve_eos, seed_all
 from megarl.trainer.checkpointing import Checkpointer, check_run_folder
 from megarl.trainer.loop import fit
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
-from megarl.trainer.run_lock import RunLock
+from megarl.parallel.run_lock import RunLock
 from megarl.trainer.run_state import RunState
 from megarl.workers.offload import RoleOffloads
 

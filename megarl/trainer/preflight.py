@@ -34,7 +34,7 @@ from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 from megarl.parallel.placement import validate_for_world
 from megarl.rewards.registry import RewardError, check_reward_params, find_reward, load_reward_fn
-from megarl.trainer.teacher import check_teacher
+from megarl.workers.teacher import check_teacher
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +424,7 @@ def preflight(cfg: Config, world_size: int, *, this_machine: bool = True) -> Mod
     """Every check that needs no process group or model, made by the process that starts a job's ranks on this
     machine: :func:`~megarl.parallel.placement.validate_for_world`, the model (:func:`validate_for_model`),
     the reward function and its parameters, the distillation's teacher
-    (:func:`~megarl.trainer.teacher.check_teacher`), with ``this_machine`` what this machine must have (``--check``
+    (:func:`~megarl.workers.teacher.check_teacher`), with ``this_machine`` what this machine must have (``--check``
     leaves it out: a GPU config checked on a CPU machine), then the data (:func:`check_data`: prepared when
     missing, every row read and tokenised) and the multi-turn agent's tools, parser and environment
     (:func:`~megarl.trainer.episodes.build_agent`). Returns the model's spec.

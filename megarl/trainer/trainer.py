@@ -63,9 +63,9 @@ from megarl.trainer.loop import fit
 from megarl.trainer.metrics import batch_metrics, timing_metrics, update_metrics
 from megarl.trainer.old_logprobs import old_logprob_metrics, old_logprob_pass
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
-from megarl.trainer.run_lock import RunLock
+from megarl.parallel.run_lock import RunLock
 from megarl.trainer.run_state import RunState
-from megarl.trainer.teacher import build_teacher, check_teacher
+from megarl.workers.teacher import build_teacher, check_teacher
 from megarl.trainer.validation import append_samples
 from megarl.workers.actor import BasePolicy, PolicyWorker
 from megarl.workers.critic import CriticWorker
@@ -557,7 +557,7 @@ def _device_bytes_in_use() -> int:
 def train(cfg: Config) -> dict[str, Any]:
     """Run RL training on this rank (call on every rank of the job).
 
-    Rank 0 holds the run folder's lock (:mod:`megarl.trainer.run_lock`) for the whole run, taken before the
+    Rank 0 holds the run folder's lock (:mod:`megarl.parallel.run_lock`) for the whole run, taken before the
     process group is set up (the other ranks wait for rank 0 there), so no rank writes into a folder that
     another run owns.
 
