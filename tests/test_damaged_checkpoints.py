@@ -62,7 +62,7 @@ def test_a_truncated_file_is_passed_over_for_the_older_checkpoint_with_a_warning
     os.truncate(f, size // 2)
     r = _train(*saved, "truncated", "trainer.steps=3", "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
-    warning = [x for x in r.stderr.splitlines() if "WARNING" in x and "damaged" in x]
+    warning = [x for x in r.stderr.splitlines() if "WARNING" in x and " is damaged" in x]
     assert len(warning) == 1, r.stderr[-3000:]
     assert warning[0].endswith(
         f"the checkpoint {run / 'checkpoints' / 'step_000002'} is damaged: model/{f.name} has {size // 2} bytes, "
@@ -223,7 +223,7 @@ def test_bytes_overwritten_at_the_same_size_are_named_when_the_load_fails(saved)
         f"megarl: error: the checkpoint {step2} is damaged: {fault}"), r.stderr[-3000:]
     r = _train(*saved, "overwritten", "trainer.steps=3", "--resume", "--max-restarts", "1")
     assert r.returncode == 0 and "Traceback" not in r.stderr and "restart 1/1" not in r.stderr, r.stderr[-3000:]
-    warning = [x for x in r.stderr.splitlines() if "WARNING" in x and "damaged" in x]
+    warning = [x for x in r.stderr.splitlines() if "WARNING" in x and " is damaged" in x]
     assert len(warning) == 1 and f"the checkpoint {step2} is damaged: {fault}" in warning[0], r.stderr[-3000:]
     assert warning[0].endswith("resuming from the older step_000001 instead (the steps after it are trained again)")
     summary = json.loads((run / "summary.json").read_text())
@@ -268,7 +268,7 @@ def test_bytes_overwritten_at_the_same_size_are_found_by_their_hash_before_any_l
     fault = f"model/{info.relative_path} does not hold the bytes that were written (its xxh3_128 hash is "
     r = _train(*saved, "zeroed", "trainer.steps=3", "--resume", "--max-restarts", "1")
     assert r.returncode == 0 and "Traceback" not in r.stderr and "restart 1/1" not in r.stderr, r.stderr[-3000:]
-    warning = [x for x in r.stderr.splitlines() if "WARNING" in x and "damaged" in x]
+    warning = [x for x in r.stderr.splitlines() if "WARNING" in x and " is damaged" in x]
     assert len(warning) == 1 and f"the checkpoint {step2} is damaged: {fault}" in warning[0], r.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed"]["checkpoint"] == str(run / "checkpoints" / "step_000001") and summary["steps"] == 3

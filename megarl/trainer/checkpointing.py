@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -158,8 +159,10 @@ def resumable_checkpoint(cfg: Config, failed: ck.CheckpointDamagedError | None =
         raise ConfigError(f"trainer.resume: the checkpoint {newest} is damaged: {fault}{older}. Restore the file, "
                           f"or start the run over without --resume after moving {cfg.run.run_dir / 'checkpoints'} "
                           "aside (or under another run.name)")
+    # a rank of megarl's launcher leaves it to the launcher; a launcher that --max-restarts started warns itself
+    rank_of_megarl = started_by_megarl() and "RANK" in os.environ
     for p, fault in damaged:
-        if str(p) not in _warned and (failed and dist.get_rank() == 0 or not failed and not started_by_megarl()):
+        if str(p) not in _warned and (failed and dist.get_rank() == 0 or not failed and not rank_of_megarl):
             log.warning("the checkpoint %s is damaged: %s; resuming from the older %s instead (the steps after it "
                         "are trained again)", p, fault, path.name)
         _warned.add(str(p))
