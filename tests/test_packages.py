@@ -32,7 +32,9 @@ print(json.dumps({"megarl": megarl.kernels.attention.__file__, "hf": kernels.__f
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert Path(found["megarl"]).resolve() == REPO / "kernels" / "attention.py"
-    assert REPO not in Path(found["hf"]).resolve().parents, found["hf"]  # Hugging Face's, not the repository's
+    # Hugging Face's (from site-packages, which may sit inside the repository's .venv), not the repository's folder
+    assert REPO / "kernels" not in Path(found["hf"]).resolve().parents, found["hf"]
+    assert "site-packages" in Path(found["hf"]).resolve().parts, found["hf"]
     assert found["get_kernel"] and found["transformers"], found
 
 
