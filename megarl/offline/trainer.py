@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from typing import Any
 
 from megarl.algos.kl import FixedKLController
@@ -26,15 +25,14 @@ from megarl.models.hf_io import load_tokenizer
 from megarl.models.spec import SpecError
 from megarl.offline.data import Conversations, ExampleLoader, ExampleSet, read_source
 from megarl.offline.policy import OfflinePolicy
-from megarl.parallel.lifecycle import peer_failures_named, record_peers
+from megarl.parallel.lifecycle import record_peers
 from megarl.parallel.mesh import init_distributed, initialize_model_parallel, launch_info
 from megarl.parallel.placement import build_pool_groups, global_layout, role_layouts, validate_for_world
 from megarl.trainer.builders import model_meta, resolve_eos, seed_all
-from megarl.trainer.checkpointing import Checkpointer, check_run_folder
-from megarl.trainer.loop import fit
+from megarl.trainer.checkpointing import Checkpointer
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
-from megarl.parallel.run_lock import RunLock
 from megarl.trainer.run_state import RunState
+from megarl.trainer.trainer import fit_in_run_folder
 from megarl.workers.offload import RoleOffloads
 
 log = logging.getLogger(__name__)
@@ -212,13 +210,4 @@ def run(trainer_cls: type[OfflineTrainer], cfg: Config, prepared: Prepared | Non
     seed_all(cfg.run.seed)
     if prepared is None or launch_info().world_size != cfg.world_size:
         prepared = trainer_cls.prepare(cfg, launch_info().world_size)
-    cfg = prepared.cfg
-    check_run_folder(cfg, launch_info().world_size)
-    lock = RunLock(cfg.run.run_dir).acquire() if launch_info().rank == 0 else None
-    try:
-        os.makedirs(cfg.run.run_dir, exist_ok=True)
-        with peer_failures_named(cfg.trainer.timeout_s):
-            return fit(trainer_cls(prepared))
-    finally:
-        if lock is not None:
-            lock.release()
+    return fit_in_run_folder(prepared.cfg, lambda: trainer_cls(prepared))

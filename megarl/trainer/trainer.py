@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -568,12 +568,19 @@ def train(cfg: Config) -> dict[str, Any]:
         PeerLostError: a collective failed because a peer died or stalled past ``trainer.timeout_s``.
     """
     seed_all(cfg.run.seed)
+    return fit_in_run_folder(cfg, lambda: Trainer(cfg))
+
+
+def fit_in_run_folder(cfg: Config, build: Callable[[], Any]) -> dict[str, Any]:
+    """Check that the run folder's checkpoints fit ``cfg``'s run, hold the folder's lock on rank 0, build the
+    trainer (``build()``: :class:`Trainer`, or an offline trainer of :mod:`megarl.offline`) and run its loop
+    (:func:`~megarl.trainer.loop.fit`) with lost peers named; returns the summary. Raises as :func:`train`."""
     check_run_folder(cfg, launch_info().world_size)
     lock = RunLock(cfg.run.run_dir).acquire() if launch_info().rank == 0 else None
     try:
         os.makedirs(cfg.run.run_dir, exist_ok=True)
         with peer_failures_named(cfg.trainer.timeout_s):
-            return fit(Trainer(cfg))
+            return fit(build())
     finally:
         if lock is not None:
             lock.release()
