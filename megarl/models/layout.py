@@ -236,11 +236,13 @@ def row_parallel(name: str, local: str, rows: int, cols: int, tp: int, r: int) -
     return LocalTensor(local, (rows, per), (Block(name, (0, r * per), (0, 0), (rows, per)),))
 
 
-def gate_up(prefix: str, local: str, spec: ModelSpec, tp: int, r: int) -> LocalTensor:
-    """A dense MLP's gate and up projections fused as ``[gate_r; up_r]`` (rows of TP rank ``r`` of ``tp``)."""
+def gate_up(spec: ModelSpec, layer: int, local: str, tp: int, r: int) -> LocalTensor:
+    """Dense layer ``layer``'s gate and up projections fused as ``[gate_r; up_r]`` (rows of TP rank ``r`` of
+    ``tp``), cut from their own canonical tensors or from Phi-3's fused ``gate_up_proj``
+    (:meth:`~megarl.models.spec.ModelSpec.gate_up_sources`)."""
     per, h = spec.ffn_hidden_size // tp, spec.hidden_size
-    return LocalTensor(local, (2 * per, h), (rows(prefix + "mlp.gate_proj.weight", r * per, 0, per, h),
-                                             rows(prefix + "mlp.up_proj.weight", r * per, per, per, h)))
+    (gate, g0), (up, u0) = spec.gate_up_sources(layer)
+    return LocalTensor(local, (2 * per, h), (rows(gate, g0 + r * per, 0, per, h), rows(up, u0 + r * per, per, per, h)))
 
 
 # ----------------------------------------------------------------------------------------- HF

@@ -4,7 +4,8 @@ the factors a local tensor holds, engine layouts that merge them, and the adapte
 LoRA adapters (:mod:`megarl.models.lora`) are canonical tensors too (:func:`lora_targets`): each adapted weight ``W``
 (``[rows, cols]``) has ``B`` ``[rows, r]`` named ``<W>.lora_B.weight`` and ``A`` ``[r, cols]``, shared by the
 projections that megatron fuses into one layer (``self_attn.qkv_proj.lora_A.weight`` for q, k and v,
-``mlp.gate_up_proj.lora_A.weight`` for gate and up; ``<W>.lora_A.weight`` otherwise). A local tensor's adapter
+``mlp.gate_up_proj.lora_A.weight`` for gate and up; ``<W>.lora_A.weight`` otherwise, Phi-3's fused ``qkv_proj``
+and ``gate_up_proj`` included, which PEFT adapts as they are). A local tensor's adapter
 factors follow its blocks: the ``B`` side holds, for each block of ``W`` rows, those rows of ``B``; the ``A`` side,
 for each block's columns, those columns of ``A`` (:func:`adapter_tensors`). That describes megatron's adapters
 (``lora_b`` split like a column-parallel weight's rows, ``lora_a`` like a row-parallel weight's columns) and, in a
@@ -25,7 +26,8 @@ from megarl.models.spec import ModelSpec, SpecError
 def lora_targets(spec: ModelSpec, lora: LoRASpec) -> dict[str, tuple[str, str]]:
     """Every weight that ``lora`` adapts, by canonical name, with its adapter's canonical ``(A, B)`` names (module
     docstring): q/k/v share ``self_attn.qkv_proj.lora_A.weight``, gate/up ``<mlp>.gate_up_proj.lora_A.weight``
-    (one per expert, and the shared expert's), ``o_proj`` / ``down_proj`` have their own.
+    (one per expert, and the shared expert's), ``o_proj`` / ``down_proj`` have their own, as have Phi-3's fused
+    ``qkv_proj`` and ``gate_up_proj`` (whose ``A`` has the same name).
 
     Raises:
         SpecError: ``lora.experts`` on a dense model.
@@ -51,11 +53,17 @@ def lora_targets(spec: ModelSpec, lora: LoRASpec) -> dict[str, tuple[str, str]]:
 
     for i in range(spec.num_layers):
         p = f"model.layers.{i}.self_attn."
+        m = f"model.layers.{i}.mlp."
+        if spec.fused_qkv_mlp:  # Phi-3: the fused projections are the adapted weights themselves
+            for module, w in (("linear_qkv", p + "qkv_proj.weight"), ("linear_proj", p + "o_proj.weight"),
+                              ("linear_fc1", m + "gate_up_proj.weight"), ("linear_fc2", m + "down_proj.weight")):
+                if module in want:
+                    own(w)
+            continue
         if "linear_qkv" in want:
             shared(tuple(p + f"{x}_proj.weight" for x in "qkv"), p + "qkv_proj.lora_A.weight")
         if "linear_proj" in want:
             own(p + "o_proj.weight")
-        m = f"model.layers.{i}.mlp."
         if not spec.is_moe:
             mlp(m, m + "gate_proj.weight", m + "up_proj.weight", m + "down_proj.weight")
             continue

@@ -92,12 +92,13 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
             if suffix == "bias" and not spec.qkv_bias:
                 continue
             blocks = []
+            (q, q0), (k, k0), (v, v0) = spec.qkv_sources(i, suffix)
             for j in range(groups):
                 g = r * groups + j
                 base = j * per_group
-                blocks.append(rows(hf + f"self_attn.q_proj.{suffix}", g * npg * hd, base, npg * hd, cols))
-                blocks.append(rows(hf + f"self_attn.k_proj.{suffix}", g * hd, base + npg * hd, hd, cols))
-                blocks.append(rows(hf + f"self_attn.v_proj.{suffix}", g * hd, base + (npg + 1) * hd, hd, cols))
+                blocks.append(rows(q, q0 + g * npg * hd, base, npg * hd, cols))
+                blocks.append(rows(k, k0 + g * hd, base + npg * hd, hd, cols))
+                blocks.append(rows(v, v0 + g * hd, base + (npg + 1) * hd, hd, cols))
             shape = (groups * per_group, h) if cols else (groups * per_group,)
             out.append(LocalTensor(mg + f"self_attention.linear_qkv.{suffix}", shape, tuple(blocks)))
         out.append(row_parallel(hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight",
@@ -111,7 +112,7 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
             out.extend(_megatron_moe(spec, mesh, i, mg + "mlp.", r, ep_rank, use_te, moe_experts))
             continue
         out.append(whole(hf + "post_attention_layernorm.weight", (h,), mg + norms["pre_mlp_layernorm"]))
-        out.append(gate_up(hf, mg + "mlp.linear_fc1.weight", spec, t, r))
+        out.append(gate_up(spec, i, mg + "mlp.linear_fc1.weight", t, r))
         out.append(row_parallel(hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight",
                                  h, spec.ffn_hidden_size, t, r))
     if last:

@@ -1,4 +1,4 @@
-"""vLLM's layout: the local tensors of vLLM's Llama/Qwen2 (and MoE) modules at TP=t' (:func:`vllm_layout`,
+"""vLLM's layout: the local tensors of vLLM's Llama/Qwen2/Qwen3/Phi-3 (and MoE) modules at TP=t' (:func:`vllm_layout`,
 :func:`vllm_rank_tensors`), in the algebra of :mod:`megarl.models.layout`, and the checks that a model splits.
 
 ``qkv_proj`` = ``[q_r; k_r; v_r]`` with KV heads replicated when t' > num_kv_heads, ``gate_up_proj``, vocab padded
@@ -38,6 +38,12 @@ VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.D
 #   with tie_word_embeddings, LlamaForCausalLM ties lm_head to embed_tokens' Parameter (ParallelLMHead.
 #   tie_weights) and Qwen2ForCausalLM sets lm_head = model.embed_tokens, so named_parameters() lists only
 #   model.embed_tokens.weight; load_weights maps q/k/v_proj -> qkv_proj and gate/up_proj -> gate_up_proj.
+# - models/qwen3.py (read 2026-12-06): Qwen3ForCausalLM is Qwen2's model with Qwen3Attention, which adds q_norm and
+#   k_norm (RMSNorm [head_dim], whole on every rank) after qkv_proj, head_dim from the config; lm_head =
+#   model.embed_tokens when tied. models/phi3.py: Phi3ForCausalLM is LlamaForCausalLM (same parameters) whose
+#   checkpoint holds qkv_proj and gate_up_proj already fused; layers/linear.py QKVParallelLinear.weight_loader and
+#   MergedColumnParallelLinear.weight_loader with loaded_shard_id=None split such a tensor at q_size, q_size +
+#   kv_size (at ffn) and load each part as q/k/v (gate/up) would be: the same local tensors as Llama's.
 def vllm_padded_vocab(vocab_size: int) -> int:
     """vLLM's padded vocab: a multiple of 64 (``pad_vocab_size(vocab, DEFAULT_VOCAB_PADDING_SIZE)``)."""
     return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
@@ -122,7 +128,7 @@ def _block_fp8(out: list[LocalTensor]) -> list[LocalTensor]:
 
 
 def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None = None) -> dict[str, LocalTensor]:
-    """The local tensors of vLLM TP rank ``r`` (``model.named_parameters()`` names of vLLM's Llama/Qwen2).
+    """The local tensors of vLLM TP rank ``r`` (``model.named_parameters()`` names of vLLM's Llama/Qwen2/Qwen3/Phi3).
 
     Args:
         quantization: None (the model dtype) or "fp8": the four linear weights of every layer block-FP8
@@ -152,9 +158,9 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None
             if suffix == "bias" and not spec.qkv_bias:
                 continue
             q, kv = q_heads * hd, kv_heads * hd
-            blocks = (rows(p + f"self_attn.q_proj.{suffix}", r * q, 0, q, cols),
-                      rows(p + f"self_attn.k_proj.{suffix}", kv_first * hd, q, kv, cols),
-                      rows(p + f"self_attn.v_proj.{suffix}", kv_first * hd, q + kv, kv, cols))
+            (qn, q0), (kn, k0), (vn, v0) = spec.qkv_sources(i, suffix)
+            blocks = (rows(qn, q0 + r * q, 0, q, cols), rows(kn, k0 + kv_first * hd, q, kv, cols),
+                      rows(vn, v0 + kv_first * hd, q + kv, kv, cols))
             shape = (q + 2 * kv, h) if cols else (q + 2 * kv,)
             out.append(LocalTensor(p + f"self_attn.qkv_proj.{suffix}", shape, blocks))
         out.append(row_parallel(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight",
@@ -164,7 +170,7 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None
         if spec.is_moe:
             out.extend(_vllm_moe(spec, i, tp, r))
         else:
-            out.append(gate_up(p, p + "mlp.gate_up_proj.weight", spec, tp, r))
+            out.append(gate_up(spec, i, p + "mlp.gate_up_proj.weight", tp, r))
             out.append(row_parallel(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight",
                                      h, spec.ffn_hidden_size, tp, r))
         out.append(whole(p + "input_layernorm.weight", (h,)))

@@ -5,9 +5,10 @@ canonical (Hugging Face) name and shape of every weight. The Megatron builders, 
 checkpoint converters and the rollout engines all derive from it, so a new model family is a new entry in
 :data:`FAMILIES`, not a new code path.
 
-Supported families: Llama (Llama 2/3, SmolLM2), Mistral and Qwen2/Qwen2.5 (bias on Q/K/V), and the mixtures of
-experts Qwen3-MoE (RMSNorm on queries and keys), Qwen2-MoE (Q/K/V bias, a shared expert with a sigmoid gate) and
-Mixtral. All have GQA, RoPE, RMSNorm, SwiGLU and tied or untied embeddings.
+Supported families: Llama (Llama 2/3, SmolLM2), Mistral and Qwen2/Qwen2.5 (bias on Q/K/V), Qwen3 (RMSNorm on
+queries and keys, ``head_dim`` not tied to ``hidden / heads``), Phi-3/Phi-4 (q/k/v and gate/up fused in the
+checkpoint), and the mixtures of experts Qwen3-MoE (RMSNorm on queries and keys), Qwen2-MoE (Q/K/V bias, a shared
+expert with a sigmoid gate) and Mixtral. All have GQA, RoPE, RMSNorm, SwiGLU and tied or untied embeddings.
 
 A mixture-of-experts spec (``num_experts > 0``) has a routed MoE block on every layer: a router (``gate``,
 ``[experts, hidden]``) picks the top ``moe_top_k`` experts of each token by softmax score, each expert is a SwiGLU
@@ -57,7 +58,9 @@ class Family:
         qkv_bias: whether q/k/v projections carry a bias (Qwen2: yes).
         qk_norm: RMSNorm of every query and key head (``q_norm``/``k_norm``, ``[head_dim]``; Qwen3).
         moe: checkpoint names of the MoE block (None: a dense family).
-        sliding_window: the family's attention may have one window on every layer (Mistral, Mixtral).
+        sliding_window: the family's attention may have one window on every layer (Mistral, Mixtral, Phi-3).
+        fused_qkv_mlp: the checkpoint holds q/k/v as one ``self_attn.qkv_proj`` (rows ``[q; k; v]``) and gate/up as
+            one ``mlp.gate_up_proj`` (rows ``[gate; up]``), which are then the canonical tensors (Phi-3).
     """
 
     hf_architecture: str
@@ -66,6 +69,7 @@ class Family:
     qk_norm: bool = False
     moe: MoENames | None = None
     sliding_window: bool = False
+    fused_qkv_mlp: bool = False
 
 
 _QWEN_MOE = MoENames("mlp", "gate_proj", "up_proj", "down_proj")
@@ -77,6 +81,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family("Qwen2MoeForCausalLM", "qwen2_moe", qkv_bias=True, moe=_QWEN_MOE),
     "mixtral": Family("MixtralForCausalLM", "mixtral", qkv_bias=False, sliding_window=True,
                       moe=MoENames("block_sparse_moe", "w1", "w3", "w2")),
+    # dense families of 2025 (issue 43)
+    "qwen3": Family("Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True),
+    "phi3": Family("Phi3ForCausalLM", "phi3", qkv_bias=False, sliding_window=True, fused_qkv_mlp=True),
 }
 
 # rope_type values whose effect is a change of the inverse frequencies alone (no attention scaling);
@@ -89,7 +96,8 @@ class ModelSpec:
     """A decoder-only transformer (a family of :data:`FAMILIES`), in Hugging Face terms.
 
     Attributes:
-        family: key of :data:`FAMILIES` ("llama", "mistral", "qwen2", "qwen3_moe", "qwen2_moe", "mixtral").
+        family: key of :data:`FAMILIES` ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "qwen2_moe",
+            "mixtral").
         vocab_size: rows of the (unpadded) embedding table.
         hidden_size: model width.
         num_layers: decoder layers.
@@ -151,8 +159,8 @@ class ModelSpec:
                 raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
         fam = FAMILIES[self.family]
         if self.sliding_window is not None and (not fam.sliding_window or self.sliding_window < 1):
-            raise SpecError(f"sliding_window={self.sliding_window}: megarl runs sliding-window attention on Mistral "
-                            "and Mixtral models (every layer, a window >= 1 token) only")
+            raise SpecError(f"sliding_window={self.sliding_window}: megarl runs sliding-window attention on Mistral, "
+                            "Mixtral and Phi-3 models (every layer, a window >= 1 token) only")
         if (fam.moe is not None) != (self.num_experts > 0):
             raise SpecError(f"num_experts={self.num_experts}: a {self.family} model "
                             f"{'has' if fam.moe else 'has no'} experts")
@@ -182,6 +190,10 @@ class ModelSpec:
     @property
     def qk_norm(self) -> bool:
         return FAMILIES[self.family].qk_norm
+
+    @property
+    def fused_qkv_mlp(self) -> bool:
+        return FAMILIES[self.family].fused_qkv_mlp
 
     @property
     def is_moe(self) -> bool:
@@ -227,6 +239,26 @@ class ModelSpec:
         """Canonical name of layer ``layer``'s router weight ``[num_experts, hidden]``."""
         return f"model.layers.{layer}.{FAMILIES[self.family].moe.block}.gate.weight"
 
+    # ------------------------------------------------------------------ where q/k/v and gate/up rows live
+    def qkv_sources(self, layer: int, suffix: str = "weight") -> tuple[tuple[str, int], ...]:
+        """Where layer ``layer``'s query, key and value rows start: ``((name, row), ...)`` for q, k and v, each
+        ``q_size`` / ``kv_size`` / ``kv_size`` rows (of a weight, or of a bias with ``suffix="bias"``): their own
+        tensors (row 0), or rows ``0``, ``q_size``, ``q_size + kv_size`` of the fused ``self_attn.qkv_proj``
+        (:attr:`Family.fused_qkv_mlp`)."""
+        p = f"model.layers.{layer}.self_attn."
+        if self.fused_qkv_mlp:
+            return ((p + f"qkv_proj.{suffix}", 0), (p + f"qkv_proj.{suffix}", self.q_size),
+                    (p + f"qkv_proj.{suffix}", self.q_size + self.kv_size))
+        return tuple((p + f"{x}_proj.{suffix}", 0) for x in "qkv")
+
+    def gate_up_sources(self, layer: int) -> tuple[tuple[str, int], tuple[str, int]]:
+        """Where dense layer ``layer``'s gate and up rows (``ffn_hidden_size`` each) start: ``((name, row),
+        (name, row))``; rows ``0`` and ``ffn_hidden_size`` of the fused ``mlp.gate_up_proj`` (Phi-3)."""
+        p = f"model.layers.{layer}.mlp."
+        if self.fused_qkv_mlp:
+            return (p + "gate_up_proj.weight", 0), (p + "gate_up_proj.weight", self.ffn_hidden_size)
+        return (p + "gate_proj.weight", 0), (p + "up_proj.weight", 0)
+
     # ------------------------------------------------------------------ canonical tensors
     def hf_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every canonical (Hugging Face) tensor, in ``state_dict`` order."""
@@ -234,9 +266,12 @@ class ModelSpec:
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            shapes[p + "self_attn.q_proj.weight"] = (self.q_size, h)
-            shapes[p + "self_attn.k_proj.weight"] = (self.kv_size, h)
-            shapes[p + "self_attn.v_proj.weight"] = (self.kv_size, h)
+            if self.fused_qkv_mlp:
+                shapes[p + "self_attn.qkv_proj.weight"] = (self.q_size + 2 * self.kv_size, h)
+            else:
+                shapes[p + "self_attn.q_proj.weight"] = (self.q_size, h)
+                shapes[p + "self_attn.k_proj.weight"] = (self.kv_size, h)
+                shapes[p + "self_attn.v_proj.weight"] = (self.kv_size, h)
             if self.qkv_bias:
                 shapes[p + "self_attn.q_proj.bias"] = (self.q_size,)
                 shapes[p + "self_attn.k_proj.bias"] = (self.kv_size,)
@@ -247,6 +282,9 @@ class ModelSpec:
                 shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
             if self.is_moe:
                 shapes.update(self._moe_shapes(i))
+            elif self.fused_qkv_mlp:
+                shapes[p + "mlp.gate_up_proj.weight"] = (2 * f, h)
+                shapes[p + "mlp.down_proj.weight"] = (h, f)
             else:
                 shapes[p + "mlp.gate_proj.weight"] = (f, h)
                 shapes[p + "mlp.up_proj.weight"] = (f, h)
@@ -296,6 +334,8 @@ class ModelSpec:
             raise SpecError("attention_bias=True on a qwen3_moe model is not supported")
         if family == "qwen2_moe" and not cfg.get("qkv_bias", True):
             raise SpecError("qkv_bias=False on a qwen2_moe model is not supported")
+        if family in ("qwen3", "phi3"):
+            _check_qwen3_phi3(family, cfg)
         windowed = FAMILIES[family].sliding_window
         if not windowed and cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
             raise SpecError(f"sliding-window attention on some layers of a {family} model (use_sliding_window="
@@ -336,7 +376,7 @@ class ModelSpec:
         )
 
     def to_hf_config(self):
-        """The transformers ``PretrainedConfig`` (LlamaConfig, MistralConfig or Qwen2Config) of this spec."""
+        """The transformers ``PretrainedConfig`` of this spec's family (LlamaConfig, Qwen3Config, Phi3Config, ...)."""
         import transformers
 
         fam = FAMILIES[self.family]
@@ -382,11 +422,50 @@ class ModelSpec:
             kwargs.update(attention_bias=False)
         if self.family == "qwen2_moe":
             kwargs.update(shared_expert_intermediate_size=self.shared_expert_ffn_hidden_size, qkv_bias=True)
+        if self.family in ("qwen3", "phi3"):
+            kwargs.update(_qwen3_phi3_config_kwargs(self))
         return config_cls(**kwargs)
 
     def replace(self, **changes) -> "ModelSpec":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------- Qwen3 and Phi-3/Phi-4 (issue 43)
+_LONGROPE = ("longrope", "su", "yarn")  # Phi3Config names LongRoPE "longrope" (and maps "su"/"yarn" to it)
+
+
+def _check_qwen3_phi3(family: str, cfg: dict[str, Any]) -> None:
+    """Refuse the Qwen3 / Phi-3 configs megarl cannot build: Q/K/V biases (``attention_bias``), Phi-3's LongRoPE
+    (Phi-3-mini-128k, Phi-3.5, Phi-4-mini: short and long factors picked by the sequence's length and an attention
+    scale, which megatron-core's one-frequency-table ``RotaryEmbedding`` cannot express) and partial rotary
+    embeddings (``partial_rotary_factor`` < 1).
+
+    Raises:
+        SpecError: naming the field, what is wrong and the fix.
+    """
+    if cfg.get("attention_bias"):
+        raise SpecError(f"attention_bias=True on a {family} model is not supported (its q/k/v projections have no "
+                        "bias in the released checkpoints)")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if family == "phi3" and rope_type in _LONGROPE:
+        raise SpecError(f"rope_scaling.rope_type={rope_type!r}: Phi-3's LongRoPE (Phi-3-mini-128k, Phi-3.5, "
+                        "Phi-4-mini) switches between short and long frequency factors by the sequence's length and "
+                        "scales attention, which megatron-core's RotaryEmbedding cannot express; use a checkpoint "
+                        "with plain RoPE (Phi-3-mini-4k, Phi-3-medium-4k, Phi-4)")
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise SpecError(f"partial_rotary_factor={partial}: megarl rotates every channel of a head (a {family} "
+                        "model with partial_rotary_factor=1.0)")
+
+
+def _qwen3_phi3_config_kwargs(spec: "ModelSpec") -> dict[str, Any]:
+    """The family-specific ``Qwen3Config`` / ``Phi3Config`` arguments of a spec (:meth:`ModelSpec.to_hf_config`)."""
+    if spec.family == "qwen3":
+        return dict(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    return dict(sliding_window=spec.sliding_window, original_max_position_embeddings=spec.max_position_embeddings,
+                resid_pdrop=0.0, embd_pdrop=0.0)
 
 
 def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -438,6 +517,23 @@ PRESETS: dict[str, ModelSpec] = {
     "llama-3-8b": ModelSpec("llama", 128256, 4096, 32, 32, 8, 128, 14336, rope_theta=500000.0,
                             rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=8192,
                             bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    # Qwen/Qwen3-*'s config.json (dense): head_dim 128 at every size, QK-norm, tied embeddings up to 4B
+    **{f"qwen3-{size}": ModelSpec("qwen3", 151936, hidden, layers, heads, 8, 128, ffn, rope_theta=1e6,
+                                  rms_norm_eps=1e-6, tie_word_embeddings=tied, max_position_embeddings=40960,
+                                  bos_token_id=151643, eos_token_ids=(151645,), pad_token_id=151643)
+       for size, hidden, layers, heads, ffn, tied in (("0.6b", 1024, 28, 16, 3072, True),
+                                                      ("1.7b", 2048, 28, 16, 6144, True),
+                                                      ("4b", 2560, 36, 32, 9728, True),
+                                                      ("8b", 4096, 36, 32, 12288, False),
+                                                      ("14b", 5120, 40, 40, 17408, False),
+                                                      ("32b", 5120, 64, 64, 25600, False))},
+    # microsoft/Phi-3-mini-4k-instruct (MHA, a 2047-token window on every layer) and microsoft/phi-4 (plain RoPE)
+    "phi-3-mini": ModelSpec("phi3", 32064, 3072, 32, 32, 32, 96, 8192, rope_theta=10000.0, rms_norm_eps=1e-5,
+                            tie_word_embeddings=False, max_position_embeddings=4096, bos_token_id=1,
+                            eos_token_ids=(32000,), pad_token_id=32000, sliding_window=2047),
+    "phi-4": ModelSpec("phi3", 100352, 5120, 40, 40, 10, 128, 17920, rope_theta=250000.0, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False, max_position_embeddings=16384, bos_token_id=100257,
+                       eos_token_ids=(100265,), pad_token_id=100349),
     # a tiny Qwen3-MoE (8 experts, top-2) with SmolLM2's vocabulary (model.tokenizer=default), for CPU sweeps
     "tiny-qwen3-moe": ModelSpec("qwen3_moe", 49152, 64, 4, 4, 2, 16, 128, rope_theta=10000.0, rms_norm_eps=1e-6,
                                 tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=1,
