@@ -31,6 +31,14 @@ def tiny(tmp_path_factory):
     cfg.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8,
                max_window_layers=1)
     (windowed / "config.json").write_text(json.dumps(cfg))
+    longrope = root / "longrope"  # a Phi-3.5-style config: LongRoPE's short and long factors (megarl has no LongRoPE)
+    longrope.mkdir()
+    half = cfg["hidden_size"] // cfg["num_attention_heads"] // 2
+    cfg = {k: v for k, v in cfg.items() if k not in ("use_sliding_window", "max_window_layers", "rope_parameters")}
+    cfg.update(model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=None,
+               rope_scaling={"type": "longrope", "short_factor": [1.0] * half, "long_factor": [2.0] * half},
+               original_max_position_embeddings=64)
+    (longrope / "config.json").write_text(json.dumps(cfg))
     notoken = root / "notoken"  # the weights and config alone, no tokenizer files
     notoken.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -216,6 +224,7 @@ CASES = [
     pytest.param(["TINY", "rollout.engine=vllm"], "rollout.engine: vllm generates on a GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
     (["WINDOWED"], "model.path: sliding-window attention"),
+    (["TINY", "model.path=DATA:longrope"], "model.path: rope_scaling.rope_type='longrope': Phi-3's LongRoPE"),
     (["TINY", "model.path=NOTOKEN"], "model.tokenizer: no usable tokenizer in "),
     (["eval", "NOTOKEN"], "no usable tokenizer in "),
     # files that are not UTF-8, not JSON, not parquet or not GGUF: the file, the place in it and the fix

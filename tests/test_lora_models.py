@@ -283,3 +283,34 @@ def test_a_peft_export_names_its_real_base_and_the_peft_its_expert_adapters_need
             assert f.metadata().get("min_peft_version") == ("0.20.0" if experts else None)
             assert any(".experts." in k for k in f.keys()) == experts
         assert any("peft >= 0.20.0" in r.message for r in caplog.records) == experts
+
+
+def test_phi3_adapters_are_peft_s_own_on_its_fused_projections():
+    """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` are adapted as whole modules: megarl's PEFT export has the
+    names and shapes that peft itself gives transformers' Phi-3 for the same target modules, and Megatron's TP=2
+    ``linear_qkv`` holds each rank's rows of the one ``qkv_proj.lora_B`` (both ranks the whole ``lora_A``)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models.layout_lora import lora_canonical_shapes
+    from megarl.models.layout_megatron import megatron_layout
+    from megarl.models.lora import LoRASpec
+    from megarl.models.peft import peft_tensors, target_modules
+    from megarl.parallel.mesh import ParallelLayout
+
+    spec = ModelSpec("phi3", 97, 32, 2, 4, 2, 8, 48, max_position_embeddings=64)
+    lora = LoRASpec(rank=4, alpha=8.0)
+    assert target_modules(spec, lora) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    ours = {n: tuple(t.shape) for n, t in peft_tensors(spec, lora, {n: torch.zeros(s) for n, s in
+                                                                   lora_canonical_shapes(spec, lora).items()}).items()}
+    model = get_peft_model(AutoModelForCausalLM.from_config(spec.to_hf_config()),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=target_modules(spec, lora)))
+    theirs = {n.replace(".default.", "."): tuple(p.shape) for n, p in model.named_parameters() if "lora_" in n}
+    assert ours == theirs
+    layout = megatron_layout(spec, ParallelLayout(tp=2, pp=1, dp=1), lora=lora)
+    for r in (0, 1):
+        b = layout.tensors(r)["decoder.layers.0.self_attention.linear_qkv.lora_b"]
+        assert {blk.name for blk in b.blocks} == {"model.layers.0.self_attn.qkv_proj.lora_B.weight"}
+        assert b.shape == ((4 + 2 * 2) * 8 // 2, 4)
+        a = layout.tensors(r)["decoder.layers.0.self_attention.linear_qkv.lora_a"]
+        assert a.shape == (4, 32) and a.blocks[0].size == (4, 32)

@@ -133,3 +133,38 @@ def test_an_moe_checkpoint_with_the_older_chained_optimizer_keys_refuses_a_chang
     check_run_folder(load_config(None, base + ["actor.parallel.tp=2", "actor.parallel.sequence_parallel=true"]), 2)
     write([], optimizer_chain_prefix=False)
     check_run_folder(load_config(None, base + ["actor.parallel.ep=2"]), 2)
+
+
+@pytest.mark.parametrize("family,changes,match", [
+    ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}},
+     r"rope_type='longrope': Phi-3's LongRoPE .*use a checkpoint with plain RoPE"),
+    ("phi3", {"rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}},
+     r"rope_type='su': Phi-3's LongRoPE"),
+    ("phi3", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5: megarl rotates every channel"),
+    ("qwen3", {"attention_bias": True}, r"attention_bias=True on a qwen3 model"),
+    ("phi3", {"attention_bias": True}, r"attention_bias=True on a phi3 model"),
+])
+def test_qwen3_and_phi3_configs_megarl_cannot_build_are_refused(family, changes, match):
+    """Phi-3's LongRoPE (Phi-3-mini-128k, Phi-3.5), partial rotary embeddings and Q/K/V biases are refused with
+    the field and the fix; the same configs without them build, and round-trip through transformers' config."""
+    spec = ModelSpec(family, 100, 32, 2, 4, 2, 8, 48, max_position_embeddings=64)
+    cfg = {**spec.to_hf_config().to_dict(), "rope_parameters": None}
+    assert ModelSpec.from_hf_config(cfg) == spec
+    with pytest.raises(SpecError, match=match):
+        ModelSpec.from_hf_config({**cfg, **changes})
+
+
+def test_qwen3_and_phi3_presets_have_their_checkpoints_sizes():
+    """The presets' parameter counts are those of the released models (Qwen3-0.6B: 0.6B with tied embeddings,
+    Qwen3-8B, Qwen3-32B; Phi-3-mini-4k 3.8B; phi-4 14.7B), Qwen3's head_dim 128 is not hidden / heads, and
+    Phi-3's canonical tensors are its fused qkv_proj and gate_up_proj."""
+    from megarl.models.spec import preset
+
+    sizes = {"qwen3-0.6b": 0.596, "qwen3-8b": 8.19, "qwen3-32b": 32.76, "phi-3-mini": 3.82, "phi-4": 14.66}
+    for name, billions in sizes.items():
+        assert abs(preset(name).num_params() / 1e9 - billions) < 0.01, name
+    assert preset("qwen3-0.6b").head_dim * preset("qwen3-0.6b").num_attention_heads == 2048 != 1024
+    phi = preset("phi-4?layers=2").hf_tensor_shapes()
+    assert phi["model.layers.1.self_attn.qkv_proj.weight"] == ((40 + 2 * 10) * 128, 5120)
+    assert phi["model.layers.1.mlp.gate_up_proj.weight"] == (2 * 17920, 5120)
+    assert not [n for n in phi if "q_proj" in n or "gate_proj" in n]

@@ -7,7 +7,9 @@ or whole HF tensors on some ranks), every destination tensor must equal, bitwise
 random HF weights by the reference slicer below. The reference is written from scratch with plain torch ops
 (it does not use megarl.models.layout) and also builds the Megatron source shards, so a wrong layout rule
 on either side is caught. Models: GQA with fewer KV heads than the destination TP (tied, and untied with
-Q/K/V bias), MHA (untied with bias, and tied), vocab sizes that no TP divides.
+Q/K/V bias), MHA (untied with bias, and tied), vocab sizes that no TP divides; on two meshes each, a Qwen3 model
+(QK-norm, head_dim != hidden / heads) and a Phi-3 model whose reference q/k/v and gate/up are split from its fused
+checkpoint tensors (vLLM 0.24's QKVParallelLinear / MergedColumnParallelLinear load such a tensor as its parts).
 
 The same world checks the memory bound of the executor (its own accounting) against baseline 1, the
 baselines' results, and that wrong references are detected.
@@ -31,7 +33,13 @@ MODELS = {
     "gqa_untied_bias": ("qwen2", 157, 24, 2, 8, 2, 4, 20, False),
     "mha_untied_bias": ("qwen2", 131, 16, 2, 4, 4, 4, 12, False),
     "mha_tied": ("llama", 131, 16, 2, 4, 4, 4, 12, True),
+    # issue 43's families, on NEW_FAMILY_MESHES only: Qwen3 (QK-norm, head_dim != hidden / heads), Phi-3 (q/k/v and
+    # gate/up fused in the checkpoint)
+    "qwen3_gqa_tied": ("qwen3", 157, 16, 2, 4, 2, 6, 20, True),
+    "phi3_gqa_untied": ("phi3", 131, 24, 2, 8, 2, 4, 20, False),
 }
+NEW_FAMILY_MESHES = [(2, 2, 2, list(range(8))), (2, 1, 2, [7, 5, 3, 1])]  # (tp, pp, dp, ranks)
+NEW_MODELS = ("qwen3_gqa_tied", "phi3_gqa_untied")
 
 
 # ------------------------------------------------------------------------------ independent reference slicer
@@ -52,16 +60,25 @@ def hf_weights(model, seed: int = 0) -> dict[str, torch.Tensor]:
     w = {"model.embed_tokens.weight": rnd(vocab, h)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = rnd(heads * hd, h)
-        w[p + "self_attn.k_proj.weight"] = rnd(kv * hd, h)
-        w[p + "self_attn.v_proj.weight"] = rnd(kv * hd, h)
+        if fam == "phi3":  # Phi-3's checkpoint: [q; k; v] and [gate; up] in one tensor each
+            w[p + "self_attn.qkv_proj.weight"] = rnd((heads + 2 * kv) * hd, h)
+        else:
+            w[p + "self_attn.q_proj.weight"] = rnd(heads * hd, h)
+            w[p + "self_attn.k_proj.weight"] = rnd(kv * hd, h)
+            w[p + "self_attn.v_proj.weight"] = rnd(kv * hd, h)
         if fam == "qwen2":
             w[p + "self_attn.q_proj.bias"] = rnd(heads * hd)
             w[p + "self_attn.k_proj.bias"] = rnd(kv * hd)
             w[p + "self_attn.v_proj.bias"] = rnd(kv * hd)
         w[p + "self_attn.o_proj.weight"] = rnd(h, heads * hd)
-        w[p + "mlp.gate_proj.weight"] = rnd(ffn, h)
-        w[p + "mlp.up_proj.weight"] = rnd(ffn, h)
+        if fam == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = rnd(hd)
+            w[p + "self_attn.k_norm.weight"] = rnd(hd)
+        if fam == "phi3":
+            w[p + "mlp.gate_up_proj.weight"] = rnd(2 * ffn, h)
+        else:
+            w[p + "mlp.gate_proj.weight"] = rnd(ffn, h)
+            w[p + "mlp.up_proj.weight"] = rnd(ffn, h)
         w[p + "mlp.down_proj.weight"] = rnd(h, ffn)
         w[p + "input_layernorm.weight"] = rnd(h)
         w[p + "post_attention_layernorm.weight"] = rnd(h)
@@ -77,6 +94,17 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
+def _qkv_gate_up(fam: str, w: dict, p: str, suffix: str, heads: int, kv: int, hd: int):
+    """Layer ``p``'s q, k, v (of ``suffix``) and gate, up tensors, cut out of Phi-3's fused ones by plain splits."""
+    if fam == "phi3":
+        q, k, v = w[p + f"self_attn.qkv_proj.{suffix}"].split([heads * hd, kv * hd, kv * hd])
+        gate, up = w[p + "mlp.gate_up_proj.weight"].chunk(2)
+    else:
+        q, k, v = (w[p + f"self_attn.{x}_proj.{suffix}"] for x in "qkv")
+        gate, up = w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]
+    return q, k, v, gate, up
+
+
 def ref_megatron(model, w: dict, tp: int, pp: int, r: int, stage: int) -> dict[str, torch.Tensor]:
     """megatron-core GPTModel parameters of TP rank ``r`` on pipeline stage ``stage`` (local layer spec)."""
     fam, vocab, h, layers, heads, kv, hd, ffn, tied = _shape(model)
@@ -89,16 +117,18 @@ def ref_megatron(model, w: dict, tp: int, pp: int, r: int, stage: int) -> dict[s
     for j in range(per_stage):
         p, m = f"model.layers.{stage * per_stage + j}.", f"decoder.layers.{j}."
         for suffix in ("weight", "bias") if fam == "qwen2" else ("weight",):
-            q, k, v = (w[p + f"self_attn.{x}_proj.{suffix}"] for x in "qkv")
+            q, k, v, gate, up = _qkv_gate_up(fam, w, p, suffix, heads, kv, hd)
             rest = q.shape[1:]
             grouped = torch.cat([q.reshape(kv, heads // kv * hd, *rest), k.reshape(kv, hd, *rest),
                                  v.reshape(kv, hd, *rest)], dim=1)
             out[m + f"self_attention.linear_qkv.{suffix}"] = grouped.reshape(-1, *rest).chunk(tp)[r]
         out[m + "self_attention.linear_proj.weight"] = w[p + "self_attn.o_proj.weight"].chunk(tp, dim=1)[r]
+        if fam == "qwen3":
+            out[m + "self_attention.q_layernorm.weight"] = w[p + "self_attn.q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = w[p + "self_attn.k_norm.weight"]
         out[m + "input_layernorm.weight"] = w[p + "input_layernorm.weight"]
         out[m + "pre_mlp_layernorm.weight"] = w[p + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([w[p + "mlp.gate_proj.weight"].chunk(tp)[r],
-                                                      w[p + "mlp.up_proj.weight"].chunk(tp)[r]])
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])
         out[m + "mlp.linear_fc2.weight"] = w[p + "mlp.down_proj.weight"].chunk(tp, dim=1)[r]
     if stage == pp - 1:
         out["decoder.final_layernorm.weight"] = w["model.norm.weight"]
@@ -110,7 +140,7 @@ def ref_megatron(model, w: dict, tp: int, pp: int, r: int, stage: int) -> dict[s
 
 
 def ref_vllm(model: str, w: dict, tp: int, r: int, wrong: str | None = None) -> dict[str, torch.Tensor]:
-    """vLLM Llama/Qwen2 parameters of TP rank ``r``. ``wrong`` plants a known mistake (to show the comparison
+    """vLLM Llama/Qwen2/Qwen3/Phi3 parameters of TP rank ``r``. ``wrong`` plants a known mistake (to show the comparison
     can fail): "kv_index" picks the KV head by ``r % kv`` instead of ``r // (tp // kv)``; "gate_up" swaps."""
     fam, vocab, h, layers, heads, kv, hd, ffn, tied = MODELS[model]
     padded = -(-vocab // 64) * 64
@@ -118,7 +148,7 @@ def ref_vllm(model: str, w: dict, tp: int, r: int, wrong: str | None = None) -> 
     for i in range(layers):
         p = f"model.layers.{i}."
         for suffix in ("weight", "bias") if fam == "qwen2" else ("weight",):
-            q, k, v = (w[p + f"self_attn.{x}_proj.{suffix}"] for x in "qkv")
+            q, k, v, gate, up = _qkv_gate_up(fam, w, p, suffix, heads, kv, hd)
             if tp > kv:
                 head = r % kv if wrong == "kv_index" else r // (tp // kv)
                 k, v = k[head * hd:(head + 1) * hd], v[head * hd:(head + 1) * hd]
@@ -126,7 +156,10 @@ def ref_vllm(model: str, w: dict, tp: int, r: int, wrong: str | None = None) -> 
                 k, v = k.chunk(tp)[r], v.chunk(tp)[r]
             out[p + f"self_attn.qkv_proj.{suffix}"] = torch.cat([q.chunk(tp)[r], k, v])
         out[p + "self_attn.o_proj.weight"] = w[p + "self_attn.o_proj.weight"].chunk(tp, dim=1)[r]
-        gate, up = w[p + "mlp.gate_proj.weight"].chunk(tp)[r], w[p + "mlp.up_proj.weight"].chunk(tp)[r]
+        if fam == "qwen3":
+            out[p + "self_attn.q_norm.weight"] = w[p + "self_attn.q_norm.weight"]
+            out[p + "self_attn.k_norm.weight"] = w[p + "self_attn.k_norm.weight"]
+        gate, up = gate.chunk(tp)[r], up.chunk(tp)[r]
         out[p + "mlp.gate_up_proj.weight"] = torch.cat([up, gate] if wrong == "gate_up" else [gate, up])
         out[p + "mlp.down_proj.weight"] = w[p + "mlp.down_proj.weight"].chunk(tp, dim=1)[r]
         out[p + "input_layernorm.weight"] = w[p + "input_layernorm.weight"]
@@ -156,6 +189,8 @@ def megatron_coords(i: int, tp: int, dp: int) -> tuple[int, int]:
 def src_meshes(model: str):
     """(tp, pp, dp, global ranks) of every source mesh megatron-core can build for the model: world 8 on all
     ranks, world 4 on a subset (rotating between the low half, the high half and the odd ranks in reverse)."""
+    if model in NEW_MODELS:
+        return NEW_FAMILY_MESHES
     kv, layers = MODELS[model][5], MODELS[model][3]
     placements = [[0, 1, 2, 3], [4, 5, 6, 7], [7, 5, 3, 1]]
     out = []
@@ -281,7 +316,8 @@ def world_results() -> list[dict]:
 def test_every_destination_tensor_equals_the_reference(world_results):
     labels = [k for k in world_results[0] if " -> " in k]
     assert len(labels) >= 60  # all cases ran
-    for name in ("-> vllm4", "-> hf", "tp4 pp2", "tp2 pp2 dp1 on [7, 5, 3, 1]", "tp2 pp2 dp1 on [4, 5, 6, 7]"):
+    for name in ("-> vllm4", "-> hf", "tp4 pp2", "tp2 pp2 dp1 on [7, 5, 3, 1]", "tp2 pp2 dp1 on [4, 5, 6, 7]",
+                 *(f"{m} megatron" for m in NEW_MODELS)):
         assert any(name in k for k in labels), name
     failures = {f"rank {r}: {k}": v for r, res in enumerate(world_results) for k, v in res.items()
                 if " -> " in k and v is not None}

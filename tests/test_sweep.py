@@ -30,7 +30,7 @@ def test_stage_params_count_every_weight_once():
     from megarl.launch.memory import stage_params
     from megarl.models.spec import preset
 
-    for name in ("smollm2-135m", "qwen2.5-7b", "tiny-llama"):
+    for name in ("smollm2-135m", "qwen2.5-7b", "tiny-llama", "qwen3-0.6b", "qwen3-32b", "phi-4"):
         spec = preset(name)
         assert stage_params(spec, 1, 1) == spec.num_params(), name
     spec = preset("qwen2.5-7b")  # untied, vocab 152064 = 1188 x 128: no padding at TP <= 128
