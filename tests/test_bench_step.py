@@ -28,8 +28,8 @@ def _hand_forward_flops(spec: ModelSpec, s: int, out_rows: int) -> int:
             macs += h * q + h * k + h * k  # Q, K, V projections of one token
             macs += q * h  # output projection
             macs += 2 * h * f + f * h  # gate, up, down
-        for t in range(s):  # causal attention: token t sees positions 0..t
-            for _j in range(t + 1):
+        for t in range(s):  # causal attention: token t sees positions 0..t (the last `window` of them)
+            for _j in range(max(0, t + 1 - (spec.sliding_window or t + 1)), t + 1):
                 macs += q  # one score per query head channel (q_size products) ...
                 macs += q  # ... and the weighted value sum
     macs += s * h * out_rows  # output layer
@@ -40,6 +40,9 @@ def test_flops_equal_a_count_by_hand():
     for s in (1, 3, 7):
         assert forward_flops(TINY, [s]) == _hand_forward_flops(TINY, s, TINY.vocab_size)
         assert forward_flops(TINY, [s], output_rows=1) == _hand_forward_flops(TINY, s, 1)
+    windowed = ModelSpec("phi3", 10, 4, 2, 2, 1, 2, 6, sliding_window=3)  # Phi-3-mini: a window on every layer
+    for s in (2, 3, 7):
+        assert forward_flops(windowed, [s]) == _hand_forward_flops(windowed, s, windowed.vocab_size)
     assert forward_flops(TINY, torch.tensor([3, 7])) == forward_flops(TINY, [3]) + forward_flops(TINY, [7])
     assert train_flops(TINY, [5]) == 3 * forward_flops(TINY, [5])
     assert mfu(2e12, 2.0, 2, 1e12) == 0.5 and mfu(1.0, 1.0, 1, None) is None
