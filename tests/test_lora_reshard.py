@@ -2,7 +2,8 @@
 of ``B`` and the columns of ``A`` it needs, and merges ``W + (alpha / r) B A`` in place; checked bit for bit against
 an independent merge of the whole HF tensors followed by the slicing of ``tests/test_reshard_exact.py``, from
 Megatron TP=2 (2 gloo ranks) into vLLM TP=2, vLLM TP=1 on each rank and whole HF tensors, in fp32 and in bf16.
-The adapter-only layout (whole factors on every engine rank) is checked the same way.
+The adapter-only layout (whole factors on every engine rank) is checked the same way. Phi-3's adapters are those
+of its fused ``qkv_proj`` and ``gate_up_proj`` (one ``B`` each, cut by the reference's split of the fused rows).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ COLUMN = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"
 
 
 def adapters(model: str, seed: int = 3) -> dict[str, torch.Tensor]:
-    """Random canonical adapters of every projection: ``B`` per projection, ``A`` shared by q/k/v and gate/up."""
+    """Random canonical adapters of every projection: ``B`` per projection, ``A`` shared by q/k/v and gate/up
+    (Phi-3: the fused ``qkv_proj`` / ``gate_up_proj`` are the projections)."""
     w = hf_weights(model)
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -51,7 +53,8 @@ def megatron_adapters(model: str, w: dict, ad: dict, tp: int, r: int) -> dict[st
     """Megatron's ``lora_a`` / ``lora_b`` of TP rank ``r`` (PP=1), cut by the reference slicer: a column-parallel
     layer's ``B`` as its weight's rows, a row-parallel layer's ``A`` as its weight's columns, the other whole."""
     as_b = {n.replace(".lora_B.weight", ".weight"): t for n, t in ad.items() if n.endswith("lora_B.weight")}
-    as_a = {n.replace(".lora_A.weight", ".weight"): t for n, t in ad.items() if n.endswith("lora_A.weight")}
+    as_a = {n.replace(".lora_A.weight", ".weight"): t for n, t in ad.items()
+            if n.endswith(("o_proj.lora_A.weight", "down_proj.lora_A.weight"))}  # the row-parallel layers
     rows = ref_megatron(model, {**w, **as_b}, tp, 1, r, 0)  # weight-shaped tensors cut like the weights
     cols = ref_megatron(model, {**w, **as_a}, tp, 1, r, 0)
     out = {}
@@ -82,7 +85,7 @@ def _world(rank: int, world: int) -> dict:
 
     lora = LoRASpec(RANK, ALPHA)
     results = {}
-    for model in ("gqa_untied_bias", "gqa_tied"):
+    for model in ("gqa_untied_bias", "gqa_tied", "phi3_gqa_untied"):
         fam, vocab, h, layers, heads, kv, hd, ffn, tied = MODELS[model]
         spec = ModelSpec(fam, vocab, h, layers, heads, kv, hd, ffn, tie_word_embeddings=tied)
         w, ad = hf_weights(model), adapters(model)
