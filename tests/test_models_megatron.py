@@ -127,6 +127,10 @@ def _world(rank, world, tmp):
         if meshes is NEW_MESHES:
             loss_weights = torch.randn(ref_logits.shape, generator=torch.Generator().manual_seed(seed))
             hf_grads = hf_gradients(ref, tokens, loss_weights)
+        if spec.sliding_window is not None:  # the same weights with full attention: the window changes the logits
+            with torch.no_grad():
+                full = hf_model(spec.replace(sliding_window=None), seed)(tokens).logits
+            out["window_matters"] = (full - ref_logits).abs().max().item()
         for tp, pp in meshes:
             mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp))
             initialize_model_parallel(mesh)
@@ -202,6 +206,10 @@ def test_actor_logits_equal_transformers(world, family, tp, pp):
     diffs = [r["logits"][(family, tp, pp)] for r in world if (family, tp, pp) in r["logits"]]
     assert len(diffs) == 4 // pp  # every last-stage rank compared
     assert max(diffs) <= 1e-4, diffs
+
+
+def test_phi3_window_shorter_than_the_sequence_is_what_is_compared(world):
+    assert PHI3.sliding_window < 24 and all(r["window_matters"] > 1e-2 for r in world), world
 
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3"])
