@@ -81,7 +81,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family("Qwen2MoeForCausalLM", "qwen2_moe", qkv_bias=True, moe=_QWEN_MOE),
     "mixtral": Family("MixtralForCausalLM", "mixtral", qkv_bias=False, sliding_window=True,
                       moe=MoENames("block_sparse_moe", "w1", "w3", "w2")),
-    # dense families of 2025 (issue 43)
+    # issue 43: Qwen3 dense (QK-norm) and Phi-3/Phi-4 (fused qkv_proj and gate_up_proj)
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True),
     "phi3": Family("Phi3ForCausalLM", "phi3", qkv_bias=False, sliding_window=True, fused_qkv_mlp=True),
 }
@@ -339,8 +339,8 @@ class ModelSpec:
         windowed = FAMILIES[family].sliding_window
         if not windowed and cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
             raise SpecError(f"sliding-window attention on some layers of a {family} model (use_sliding_window="
-                            "true) is not supported; megarl runs it on Mistral and Mixtral models, where every layer "
-                            "has it. Set use_sliding_window=false in config.json to train with full attention")
+                            "true) is not supported; megarl runs it on Mistral, Mixtral and Phi-3 models, where every "
+                            "layer has it. Set use_sliding_window=false in config.json to train with full attention")
         window = cfg.get("sliding_window") if windowed else None
         if window is not None and window >= cfg.get("max_position_embeddings", 4096):
             window = None  # a window as long as the context: full causal attention
