@@ -280,12 +280,26 @@ def test_calculator_evaluates_arithmetic_only():
             evaluate(bad)
 
 
+def _routes(call: int, rows: int) -> torch.Tensor:
+    """``[rows, 1, 1]`` int16 routes whose value names the call and the position: ``10 * call + position``."""
+    return (10 * call + torch.arange(rows, dtype=torch.int16)).reshape(rows, 1, 1)
+
+
 def test_samples_from_calls_extend_a_sample_while_prompts_extend_it():
-    calls = [([1, 2], [3, 4], [-1.0, -2.0]), ([1, 2, 3, 4, 9], [5], [-3.0]), ([7, 8], [6], [-4.0])]
+    """Each token keeps the version of the call that sampled it (-1 on observations) and the routes of the call
+    that first ran it: the prompt and a turn's sampled tokens from that call, the turn's last sampled token and
+    the observations after it from the next call's prefill (what vLLM's prefix cache reuses)."""
+    calls = [([1, 2], [3, 4], [-1.0, -2.0], 5, _routes(1, 3)), ([1, 2, 3, 4, 9], [5], [-3.0], 6, _routes(2, 5)),
+             ([7, 8], [6], [-4.0], 6, _routes(3, 2))]
     first, second = samples_from_calls(calls)
     assert (first.prompt_ids, first.response_ids, first.mask) == ([1, 2], [3, 4, 9, 5], [1, 1, 0, 1])
     assert first.logprobs == [-1.0, -2.0, 0.0, -3.0]
+    assert first.versions == [5, 5, -1, 6]
+    assert first.routed_experts.flatten().tolist() == [10, 11, 12, 23, 24]  # every token but the last
     assert (second.prompt_ids, second.response_ids, second.mask) == ([7, 8], [6], [1])
+    assert second.versions == [6] and second.routed_experts.flatten().tolist() == [30, 31]
+    plain, = samples_from_calls([([1], [2], [-1.0], None, None)])
+    assert plain.versions == [-1] and plain.routed_experts is None
 
 
 def _policy_loss_grads(ids: torch.Tensor, labels: torch.Tensor, batch, noise: float = 0.0):

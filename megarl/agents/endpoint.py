@@ -220,6 +220,7 @@ class RecordedCall:
         token_ids / logprobs: what it sampled, with the rollout log-prob of each token.
         finish_reason: "stop" or "length".
         reused: the prompt began with the ids of an earlier call (its prompt, or prompt and sampled ids).
+        policy_version / routes: the completion's (:class:`~megarl.rollout.base.Completion`).
     """
 
     prompt_ids: list[int]
@@ -227,6 +228,8 @@ class RecordedCall:
     logprobs: list[float]
     finish_reason: str
     reused: bool
+    policy_version: int | None = None
+    routes: Any = None
 
 
 @dataclass
@@ -366,7 +369,8 @@ class EpisodeRecorder:
         message = {"role": "assistant", "content": content or (None if calls else ""),
                    "tool_calls": [_openai_call(c, f"call_{uuid.uuid4().hex[:12]}") for c in calls] or None}
         with self._lock:
-            self.calls.append(RecordedCall(pending.prompt_ids, ids, logprobs, done.finish_reason, pending.reused))
+            self.calls.append(RecordedCall(pending.prompt_ids, ids, logprobs, done.finish_reason, pending.reused,
+                                           done.policy_version, done.routed_experts))
             self._held.append((pending.prompt_text + r.decode(ids), pending.prompt_ids + ids))
             self._raw[_message_key(message)] = text
             self.used += len(ids)
@@ -620,7 +624,8 @@ async def _agent_episode(agent: AgentFunction, recorder: EpisodeRecorder, client
         close = getattr(client, "close", None)  # an openai.AsyncOpenAI's connections
         if inspect.iscoroutinefunction(close):
             await close()
-    samples = samples_from_calls([(c.prompt_ids, c.token_ids, c.logprobs) for c in recorder.calls])
+    samples = samples_from_calls([(c.prompt_ids, c.token_ids, c.logprobs, c.policy_version, c.routes)
+                                  for c in recorder.calls])
     return EpisodeResult(prompt_index, sample_index, samples, reward, end, recorder.last_text,
                          recorder.messages or [dict(m) for m in prompt], len(recorder.calls), recorder.tool_calls,
                          {"malformed": recorder.malformed} if recorder.malformed else {},

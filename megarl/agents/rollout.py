@@ -228,12 +228,24 @@ class EpisodeBatch:
         n: episodes per prompt.
         stats: prompt tokens of every turn, sampled tokens, seconds (for the throughput figures).
         cached_tokens: prompt tokens the engine's prefix cache served.
+        adapter_version: the LoRA adapters' version of the engine that ran them (one per rollout: its weights
+            change between rollouts); None without LoRA.
     """
 
     episodes: list[EpisodeResult]
     n: int
     stats: RolloutStats
     cached_tokens: int = 0
+    adapter_version: int | None = None
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts of the rollout (``len(episodes) / n``)."""
+        return len(self.episodes) // self.n
+
+    def group(self, k: int) -> list[EpisodeResult]:
+        """The ``n`` episodes of the ``k``-th prompt (DAPO's group: :mod:`megarl.trainer.dynamic_sampling`)."""
+        return self.episodes[k * self.n:(k + 1) * self.n]
 
     def metrics(self) -> dict[str, float]:
         """Per-step figures (``agent/...``): turns, tool calls and errors by kind, environment seconds, tokens by
@@ -360,7 +372,8 @@ def _episode(loop: GenerationLoop, renderer: ChatRenderer, env, tools: Mapping[s
                            turn_seed(sampling.seed, call, prompt_index, sample_index, turn)).result()
         state["turns"] += 1
         state["used"] += len(done.token_ids)
-        state["text"] = text = tokens.add_turn(done.token_ids, done.logprobs.tolist())
+        state["text"] = text = tokens.add_turn(done.token_ids, done.logprobs.tolist(), done.policy_version,
+                                               done.routed_experts)
         state["last_cut"] = done.finish_reason == "length"
         if state["last_cut"] and binding != "turn":
             return finish(binding)

@@ -253,22 +253,18 @@ class Config:
                     "into the engine's weights in their dtype, and vLLM's LoRA layers over block-FP8 weights are "
                     "untested here; use rollout.quantization=null")
         if self.rollout.multi_turn.enabled:
-            not_yet = "not with rollout.multi_turn.enabled=true yet (README 'Agentic RL')"
-            require(not alg.dynamic_sampling.enabled, "algorithm.dynamic_sampling.enabled", f"must be false: {not_yet}")
             require(not alg.overlong.buffer_tokens and not alg.overlong.filter, "algorithm.overlong",
-                    f"buffer_tokens must be 0 and filter false: an episode's length is not one response's; {not_yet}")
+                    "buffer_tokens must be 0 and filter false with rollout.multi_turn.enabled=true: an episode's "
+                    "length is not one response's (its turns are cut by rollout.max_new_tokens and "
+                    "rollout.multi_turn.max_episode_tokens instead)")
             require(self.rollout.engine == "hf" or self.rollout.tp == 1, "rollout.tp",
                     f"must be 1 with rollout.multi_turn.enabled=true, got {self.rollout.tp}: the ranks of one vLLM "
                     "engine must add the same requests at the same scheduler steps, which episodes timed by their "
                     "tools do not (use rollout data parallelism: engines of tp=1 on every rank)")
-            require(not lora.enabled, "actor.lora.enabled", f"must be false: {not_yet}")
         if self.actor.moe.router_replay:
             require(self.rollout.model_runner != "v2", "rollout.model_runner",
                     "must be v1 or null with actor.moe.router_replay=true: vLLM 0.24's V2 model runner does not "
                     "return the routed experts")
-            require(not self.rollout.multi_turn.enabled, "actor.moe.router_replay",
-                    "is not wired for rollout.multi_turn.enabled=true yet (an episode's turns are not recorded "
-                    "together): set actor.moe.router_replay=false")
         require(not self.critic.moe.router_replay, "critic.moe.router_replay",
                 "replays the actor's routes only; set critic.moe.router_replay=false")
         rc = alg.rollout_correction

@@ -57,14 +57,15 @@ from megarl.trainer.checkpointing import Checkpointer, check_run_folder
 from megarl.trainer.builders import (load_prompts, load_validation, make_engine, model_meta, resolve_eos,
                                      rollout_layout, seed_all)
 from megarl.trainer.dynamic_sampling import dynamic_sampling, group_unit
-from megarl.trainer.episodes import (build_agent, episode_batch, episode_metrics, evaluate_episodes, fill_scores,
-                                     generate_episodes, row_multiple, to_score)
+from megarl.trainer.episodes import (build_agent, episode_batch, episode_metrics, episode_scores, evaluate_episodes,
+                                     fill_scores, generate_episodes, row_multiple, to_score)
 from megarl.trainer.loop import fit
 from megarl.trainer.metrics import batch_metrics, timing_metrics, update_metrics
 from megarl.trainer.old_logprobs import old_logprob_metrics, old_logprob_pass
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
 from megarl.parallel.run_lock import RunLock
 from megarl.trainer.run_state import RunState
+from megarl.trainer.staleness import bound_token_staleness, stamp_token_versions, trained_versions
 from megarl.workers.teacher import build_teacher, check_teacher
 from megarl.trainer.validation import append_samples
 from megarl.workers.actor import BasePolicy, PolicyWorker
@@ -273,9 +274,17 @@ class Trainer:
         """
         with self.timer("reward"):
             batch, scores = self._score(prompts, out, known_scores)
-        batch.meta["policy_version"] = [version] * len(batch)
+        if self.agent is None:  # an episode's rows carry their tokens' stamps (episode_batch)
+            stamp_token_versions(batch, [[s.policy_version] * len(s.token_ids) if s.policy_version is not None
+                                         else [] for s in out.samples], default=version)
+        else:
+            stamp_token_versions(batch, batch.meta.pop("token_versions"), default=version)
+        stamps = batch["token_version"]  # each row's oldest stamp (a row without a sampled token: the batch's)
+        oldest = stamps.masked_fill(stamps < 0, torch.iinfo(torch.int64).max).min(dim=1).values
+        batch.meta["policy_version"] = torch.where((stamps >= 0).any(dim=1), oldest, version).tolist()
         if self.actor_lora:
-            batch.meta["adapter_version"] = [s.adapter_version for s in out.samples]
+            batch.meta["adapter_version"] = ([s.adapter_version for s in out.samples] if self.agent is None
+                                             else [out.adapter_version] * len(batch))
         passes = self._forward_passes(batch)
         prepared = self._prepare_loss_inputs(batch, scores, known_scores, passes)
         self._log_samples(prompts, batch)
@@ -340,6 +349,9 @@ class Trainer:
         with t("advantages"):
             kl_metrics = compute_advantages(batch, alg, self.state.kl_ctl)
             loss_metrics = set_loss_mask(batch, alg)
+            tc = self.cfg.trainer  # no token older than the bound trains (megarl.trainer.staleness)
+            loss_metrics.update(bound_token_staleness(batch, self.state.step + 1,
+                                                      tc.max_staleness if tc.mode == "async" else 0))
         routing = self.roles["actor"].share(passes["routing"])
         return {**routing, **kl_metrics, **loss_metrics, **nonfinite_metrics, **judge_metrics}
 
@@ -412,6 +424,7 @@ class Trainer:
         self.engine.wake_up()
         stats = self.engine.update_weights(lambda dst: run(self.reshard_plan, dst))
         self.engine.adapter_version = self.state.step if self.actor_lora else None
+        self.engine.policy_version = self.state.step
         return stats
 
     def _sync_adapters(self, run):
@@ -433,6 +446,7 @@ class Trainer:
         tensors = {n: torch.empty(lt.shape, dtype=engine.dtype, device=engine.device) for n, lt in layout.items()}
         stats = run(self.adapter_plan, tensors)
         engine.update_adapters(tensors, self.actor_lora, version=self.state.step)
+        engine.policy_version = self.state.step
         return stats
 
     def validate(self) -> dict[str, Any]:
@@ -465,7 +479,10 @@ class Trainer:
         return torch.cat(map_data_parallel(self.reward_fn, prompts, responses, truths, ranks=self.reward_ranks))
 
     def _score_round(self, prompts: PromptBatch, out: RolloutOutput) -> torch.Tensor:
-        """``[B]`` float32 scores of a round's responses on every rank (dynamic sampling's rounds)."""
+        """``[B]`` float32 scores of a round's responses (episodes: one each, the environment's reward or
+        ``reward.fn`` on its last assistant message) on every rank (dynamic sampling's rounds)."""
+        if self.agent is not None:
+            return episode_scores(prompts, out, self._rewards)
         texts = self.tokenizer.batch_decode([list(s.token_ids) for s in out.samples], skip_special_tokens=True)
         return self._rewards([prompts.raw_prompt[s.prompt_index] for s in out.samples], texts,
                              [prompts.ground_truth[s.prompt_index] for s in out.samples])
@@ -474,11 +491,13 @@ class Trainer:
         """Decode and pack the rollout into a batch, and score this rank's share of it (the reward pool's ranks
         a share each, None elsewhere; no collective, so the other pools go on meanwhile);
         :meth:`_gather_scores` puts every score into the batch. With ``known`` (the ``[B]`` scores, already
-        computed on every rank: dynamic sampling) nothing is scored."""
+        computed on every rank: dynamic sampling; with episodes one per episode) nothing is scored."""
         if self.agent is not None:  # one row per trained sample of an episode; reward.fn where the env gave none
             batch = episode_batch(prompts, out, self.tokenizer, pad_token_id=self.pad_id,
                                   seq_multiple=8 * self.mesh.tp * self.mesh.cp,
                                   multiple=row_multiple(self.cfg, "critic" in self.pools))
+            if known is not None:
+                return batch, None
             return batch, map_share(self.reward_fn, *to_score(batch, prompts, out), ranks=self.reward_ranks)
         n = out.n
         samples = out.samples
@@ -499,10 +518,14 @@ class Trainer:
     def _gather_scores(self, batch: RolloutBatch, local: Any, known: torch.Tensor | None = None) -> None:
         """Every reward rank's share of the scores (:meth:`_score`) as ``batch["scores"]`` ``[B]`` float32 and
         ``batch.meta["correct"]`` (score >= 1), on every rank (``known``: all of them, already on every rank)."""
-        scores = known if known is not None else torch.cat(gather_shares(local, self.reward_ranks,
-                                                                         group=self.train_group))
-        if self.agent is not None:
-            scores = fill_scores(batch, scores)
+        if self.agent is not None and known is not None:  # an episode's score on each of its rows (padding: 0)
+            scores = torch.tensor([float(known[e]) if e >= 0 else 0.0 for e in batch.meta["episode"]])
+        elif known is not None:
+            scores = known
+        else:
+            scores = torch.cat(gather_shares(local, self.reward_ranks, group=self.train_group))
+            if self.agent is not None:
+                scores = fill_scores(batch, scores)
         batch["scores"] = scores
         batch.meta["correct"] = (scores >= 1.0).tolist()
 
@@ -522,6 +545,7 @@ class Trainer:
         self.engine.calls = index
         if self.agent is not None:
             out = generate_episodes(self.agent, self.engine, prompts, sampling, group=self.rollout_group)
+            out.adapter_version = self.engine.adapter_version
         else:
             out = generate_data_parallel(self.engine, prompts.input_ids, sampling, group=self.rollout_group)
         self.engine.calls = index + 1
@@ -531,7 +555,8 @@ class Trainer:
     def _log_samples(self, prompts, batch: RolloutBatch) -> None:
         """Append the step's first ``trainer.log_samples`` responses to ``samples.jsonl`` (rank 0): ``row`` (in the
         step's batch), prompt, response, score, ground truth, ``length`` (response tokens), ``prompt_tokens``,
-        policy version, finish reason."""
+        policy version (the row's oldest token's), ``token_versions`` (``{version: tokens}`` of the row's tokens in
+        the actor's loss), finish reason."""
         k = min(self.cfg.trainer.log_samples, len(batch))
         if self.rank != 0 or k == 0:
             return
@@ -541,6 +566,7 @@ class Trainer:
              "score": None if batch["dropped"][i] else float(batch["scores"][i]),
              "ground_truth": prompts.ground_truth[g], "length": int(batch["response_lens"][i]),
              "prompt_tokens": int(batch["prompt_lens"][i]), "policy_version": batch.meta["policy_version"][i],
+             "token_versions": trained_versions(batch, i),
              **({"adapter_version": batch.meta["adapter_version"][i]} if adapters else {}),
              "finish_reason": batch.meta["finish_reason"][i]}
             for i, g in ((i, int(batch["group"][i])) for i in range(k))], step=self.state.step + 1)
