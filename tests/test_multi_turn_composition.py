@@ -159,16 +159,16 @@ def test_async_episodes_on_a_rollout_pool_train_no_token_older_than_the_bound(ta
 
     root, model, data = task
     history = run_world(train_on_rank, 2, multi_turn_overrides(model, data, root / "runs", "async") + SMALL + SPLIT_2
-                        + ["trainer.steps=3", "trainer.mode=async", "trainer.max_staleness=1",
+                        + ["trainer.mode=async", "trainer.max_staleness=1",
                            "algorithm.rollout_correction.preset=token_tis"])[0]
-    assert [h["rollout/staleness"] for h in history] == [0, 1, 1]
-    versions = generating_versions(schedule(0, 3, 1, lambda s: False))
+    assert [h["rollout/staleness"] for h in history] == [0, 1]
+    versions = generating_versions(schedule(0, 2, 1, lambda s: False))
     for h in history:
         stale = h["step"] - 1 - versions[h["step"]]
         assert h["rollout/token_staleness_min"] == h["rollout/token_staleness_max"] == stale, h
         assert h["rollout/tokens_past_bound"] == 0 and h["agent/turns_mean"] == 2
     samples = _samples(root / "runs" / "async")
-    assert len(samples) == 3 * 16
+    assert len(samples) == 2 * 16
     for s in samples:
         assert s["token_versions"] == {str(versions[s["step"]]): 2}, s  # both turns' sampled tokens, stamped
         assert all(0 <= s["step"] - 1 - int(v) <= 1 for v in s["token_versions"]), s
