@@ -61,7 +61,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Mapping, Sequence
 
 from megarl.agents.episode import ChatRenderer, samples_from_calls
-from megarl.agents.rollout import EpisodeBatch, EpisodeResult, EpisodeSettings, GenerationLoop, gather_episodes
+from megarl.agents.rollout import (EpisodeBatch, EpisodeResult, EpisodeSettings, GenerationLoop, WeightUpdate,
+                                   gather_episodes)
 from megarl.agents.tools import Tool, ToolCall
 from megarl.algos.registry import Registry
 from megarl.rollout.base import Completion, RequestEngine, RolloutStats, SamplingConfig, turn_seed
@@ -534,9 +535,11 @@ def openai_client(base_url: str) -> Any:
 def run_agent_episodes(engine: RequestEngine, renderer: ChatRenderer, agent: AgentFunction,
                        rows: Sequence[Mapping[str, Any]], prompts: Sequence[list[dict[str, Any]]],
                        sampling: SamplingConfig, settings: EpisodeSettings, *, call: int = 0, prompt_offset: int = 0,
-                       server: bool = False, client_factory: Callable[[str], Any] | None = None) -> EpisodeBatch:
+                       server: bool = False, client_factory: Callable[[str], Any] | None = None,
+                       pause: WeightUpdate | None = None) -> EpisodeBatch:
     """Run ``sampling.n`` episodes of ``agent`` per row on one event loop (a thread of its own) while this
-    thread steps the engine (:class:`~megarl.agents.rollout.GenerationLoop`).
+    thread steps the engine (:class:`~megarl.agents.rollout.GenerationLoop`; ``pause``: new weights taken
+    between calls once due, as there).
 
     Args:
         engine / renderer / sampling / call / prompt_offset: as :func:`~megarl.agents.rollout.run_episodes`.
@@ -590,7 +593,7 @@ def run_agent_episodes(engine: RequestEngine, renderer: ChatRenderer, agent: Age
     thread = threading.Thread(target=run_loop, name="agents", daemon=True)
     thread.start()
     try:
-        loop.run(finished.is_set)
+        loop.run(finished.is_set, pause=pause)
     finally:
         thread.join()
         if http:
@@ -636,12 +639,13 @@ async def _agent_episode(agent: AgentFunction, recorder: EpisodeRecorder, client
 def run_agent_episodes_data_parallel(engine: RequestEngine | None, renderer: ChatRenderer, agent: AgentFunction,
                                      rows: Sequence[Mapping[str, Any]], prompts: Sequence[list[dict[str, Any]]],
                                      sampling: SamplingConfig, settings: EpisodeSettings, *, call: int = 0,
-                                     group=None, server: bool = False) -> EpisodeBatch:
+                                     group=None, server: bool = False, pause: WeightUpdate | None = None,
+                                     gather: bool = True) -> EpisodeBatch:
     """:func:`run_agent_episodes` on this rank's share of the prompts, gathered on every rank of ``group`` (as
-    :func:`~megarl.agents.rollout.run_episodes_data_parallel`)."""
+    :func:`~megarl.agents.rollout.run_episodes_data_parallel`, with its ``pause`` and ``gather``)."""
     import torch.distributed as dist
 
     lo, hi = shard_bounds(len(rows), dist.get_rank(group), dist.get_world_size(group))
     local = run_agent_episodes(engine, renderer, agent, rows[lo:hi], prompts[lo:hi], sampling, settings, call=call,
-                               prompt_offset=lo, server=server)
-    return gather_episodes(local, sampling.n, group)
+                               prompt_offset=lo, server=server, pause=pause)
+    return gather_episodes(local, sampling.n, group) if gather else local

@@ -26,7 +26,7 @@ from megarl.agents.endpoint import AgentError, AgentFunction, load_agent, requir
 from megarl.agents.env import EnvError, EnvironmentFactory, load_environment
 from megarl.agents.episode import ChatRenderer
 from megarl.agents.parsers import ParserError, check_parser, load_parser
-from megarl.agents.rollout import EpisodeBatch, EpisodeSettings, run_episodes_data_parallel
+from megarl.agents.rollout import EpisodeBatch, EpisodeSettings, WeightUpdate, run_episodes_data_parallel
 from megarl.agents.tools import Tool, ToolError, load_tools
 from megarl.config import Config, ConfigError
 from megarl.data.batch import RolloutBatch, build_batch
@@ -101,21 +101,24 @@ def build_agent(cfg: Config, tokenizer) -> Agent:
     return Agent(renderer, env, settings, template, cfg.data.prompt_key, function, mt.agent_server)
 
 
-def generate_episodes(agent: Agent, engine, prompts: PromptBatch, sampling: SamplingConfig, group=None
-                      ) -> EpisodeBatch:
+def generate_episodes(agent: Agent, engine, prompts: PromptBatch, sampling: SamplingConfig, group=None,
+                      pause: WeightUpdate | None = None, gather: bool = True) -> EpisodeBatch:
     """``sampling.n`` episodes per prompt over the rollout data-parallel ``group``; the engine's call counter
-    seeds every turn (the caller advances it)."""
-    return _run(agent, engine, prompts, sampling, engine.calls, group)
+    seeds every turn (the caller advances it). ``pause``: new weights taken between turns once due (in-flight
+    updates, :mod:`megarl.trainer.in_flight`); ``gather=False``: this rank's share alone
+    (:func:`~megarl.agents.rollout.gather_episodes` later)."""
+    return _run(agent, engine, prompts, sampling, engine.calls, group, pause, gather)
 
 
-def _run(agent: Agent, engine, prompts: PromptBatch, sampling: SamplingConfig, call: int, group) -> EpisodeBatch:
+def _run(agent: Agent, engine, prompts: PromptBatch, sampling: SamplingConfig, call: int, group,
+         pause: WeightUpdate | None = None, gather: bool = True) -> EpisodeBatch:
     """The episodes of ``prompts``: the environment loop, or the agent function behind its chat endpoint."""
     if agent.function is not None:
         return run_agent_episodes_data_parallel(engine, agent.renderer, agent.function, prompts.rows,
                                                 agent.prompt_messages(prompts), sampling, agent.settings, call=call,
-                                                group=group, server=agent.server)
+                                                group=group, server=agent.server, pause=pause, gather=gather)
     return run_episodes_data_parallel(engine, agent.renderer, agent.env, prompts.rows, agent.prompt_messages(prompts),
-                                      sampling, agent.settings, call=call, group=group)
+                                      sampling, agent.settings, call=call, group=group, pause=pause, gather=gather)
 
 
 def row_multiple(cfg: Config, uses_critic: bool) -> int:

@@ -404,12 +404,14 @@ class Trainer:
         weight; 1 (weights kept on the host) with LoRA adapter sync, whose base is written once."""
         return 1 if self.adapter_sync else 2
 
-    def reshard_actor_to_engine(self):
+    def reshard_actor_to_engine(self, version: int | None = None):
         """Wake the rollout engine and write the actor's current weights into it (every rank: a rank without
         an engine sends its shards or just takes part); returns this rank's reshard stats. A LoRA actor sends
         merged weights, or with adapter sync its base once and then its adapters alone (:meth:`_sync_adapters`);
-        the engine records the version (``state.step``) its samples come from."""
+        the engine records the version its samples come from: ``version``, default ``state.step`` (a rollout
+        rank taking weights in flight is still at the step before, :mod:`megarl.trainer.in_flight`)."""
         rc = self.cfg.reshard
+        version = self.state.step if version is None else version
 
         def run(plan, dst: dict[str, torch.Tensor]):
             return execute_plan(plan, self.actor.source_tensors() if self.actor else {}, dst,
@@ -418,19 +420,19 @@ class Trainer:
                                 math.ceil(rc.direct_min_kb * 2**10))
 
         if self.adapter_sync:
-            return self._sync_adapters(run)
+            return self._sync_adapters(run, version)
         if self.engine is None:
             return run(self.reshard_plan, {})
         self.engine.wake_up()
         stats = self.engine.update_weights(lambda dst: run(self.reshard_plan, dst))
-        self.engine.adapter_version = self.state.step if self.actor_lora else None
-        self.engine.policy_version = self.state.step
+        self.engine.adapter_version = version if self.actor_lora else None
+        self.engine.policy_version = version
         return stats
 
-    def _sync_adapters(self, run):
+    def _sync_adapters(self, run, version: int):
         """LoRA adapter sync: the base weights into the engine where it has none (the first step; its sleep keeps
         them: :attr:`sleep_level`), then the adapters, whole on every engine rank (vLLM's LoRA layers cut their
-        own TP shards), handed to the engine in memory as version ``state.step``."""
+        own TP shards), handed to the engine in memory as ``version``."""
         engine = self.engine
         has_base = share_object(engine is not None and engine.has_weights, self.rollout_ranks[:1])
         if not has_base:
@@ -445,8 +447,8 @@ class Trainer:
         layout = self.adapter_plan.dst.tensors(self.rank)
         tensors = {n: torch.empty(lt.shape, dtype=engine.dtype, device=engine.device) for n, lt in layout.items()}
         stats = run(self.adapter_plan, tensors)
-        engine.update_adapters(tensors, self.actor_lora, version=self.state.step)
-        engine.policy_version = self.state.step
+        engine.update_adapters(tensors, self.actor_lora, version=version)
+        engine.policy_version = version
         return stats
 
     def validate(self) -> dict[str, Any]:
@@ -529,7 +531,8 @@ class Trainer:
         batch["scores"] = scores
         batch.meta["correct"] = (scores >= 1.0).tolist()
 
-    def generate(self, prompts: PromptBatch, round_idx: int, step: int | None = None) -> RolloutOutput:
+    def generate(self, prompts: PromptBatch, round_idx: int, step: int | None = None, pause=None,
+                 gather: bool = True) -> RolloutOutput:
         """Generate ``rollout.n`` responses to each prompt, over the rollout data-parallel group.
 
         Every sample's seed is a function of ``(run.seed, step, round, prompt, sample)`` alone, never of what
@@ -539,13 +542,16 @@ class Trainer:
         it. So the checkpoint's step is all a resumed run needs to sample as the uninterrupted one
         (:class:`Trainer` sets the counter from it on resume).
         ``step``: the (1-based) step whose batch this is, when not the one after ``state.step`` (a rollout pool
-        of its own generates ahead)."""
+        of its own generates ahead). Episodes only: ``pause``, new weights taken between turns, and
+        ``gather=False``, this rank's episodes alone (:mod:`megarl.trainer.in_flight`)."""
         index = self.state.step if step is None else step - 1
         sampling = SamplingConfig(seed=self.cfg.run.seed * 1_000_003 + index + round_idx * 7_919_993, **self.sampling)
         self.engine.calls = index
         if self.agent is not None:
-            out = generate_episodes(self.agent, self.engine, prompts, sampling, group=self.rollout_group)
-            out.adapter_version = self.engine.adapter_version
+            adapters = self.engine.adapter_version  # at the start: the oldest, where weights change in flight
+            out = generate_episodes(self.agent, self.engine, prompts, sampling, group=self.rollout_group,
+                                    pause=pause, gather=gather)
+            out.adapter_version = adapters
         else:
             out = generate_data_parallel(self.engine, prompts.input_ids, sampling, group=self.rollout_group)
         self.engine.calls = index + 1
