@@ -9,9 +9,9 @@ trained at step ``t`` (by the weights of version ``t - 1``) has staleness ``t - 
 The bound (``trainer.max_staleness`` = k with ``trainer.mode=async``, 0 with ``sync``) holds per token: a token
 older than k is taken out of the actor's loss mask, so no token older than k is ever trained, whatever the
 schedule did (AReaL's per-token versions and prime-rl's ``max_off_policy_steps``, applied where the loss reads
-them). megarl's schedule (:mod:`megarl.trainer.pipeline`) gives the engine new weights only between rollouts,
-so the tokens of one batch share one version and none is older than k; the bound is what guarantees it
-rather than the schedule.
+them). megarl's schedule (:mod:`megarl.trainer.pipeline`) gives the engine new weights between rollouts, or
+with in-flight updates between the turns of a batch's episodes (:mod:`megarl.trainer.in_flight`: newer, never
+older), so no token should be older than k; the bound is what guarantees it rather than the schedule.
 """
 
 from __future__ import annotations
