@@ -51,6 +51,20 @@ def test_the_bound_takes_every_token_older_than_it_out_of_the_loss():
     assert [trained_versions(batch, i) for i in range(3)] == [{"6": 1}, {"5": 2}, {"6": 1}]
 
 
+def test_in_flight_updates_send_a_steps_weights_before_the_hand_over_and_are_refused_without_episodes():
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer.loop import in_flight_order
+    from megarl.trainer.pipeline import schedule
+
+    (_, first), (_, second), (_, last) = schedule(0, 3, 1, lambda s: False)
+    assert [tuple(e) for e in in_flight_order(first, 1)] == [
+        ("reshard", 0), ("generate", 1), ("batch", 1), ("generate", 2), ("train", 1), ("reshard", 1), ("batch", 2)]
+    assert in_flight_order(second, 2) == second and in_flight_order(last, 3) == last  # no weights sent: as they were
+    for extra in (["trainer.mode=async"], ["rollout.multi_turn.enabled=true"]):
+        with pytest.raises(ConfigError, match=r"trainer\.in_flight_updates: changes the weights between the turns"):
+            load_config(None, ["trainer.in_flight_updates=true"] + extra)
+
+
 # ------------------------------------------------------------------------------ DAPO
 def test_dynamic_sampling_keeps_the_groups_of_episodes_whose_rewards_differ(task):
     root, model, data = task
