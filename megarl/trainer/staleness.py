@@ -44,6 +44,14 @@ def stamp_token_versions(batch: RolloutBatch, versions: Sequence[Sequence[int]],
     batch["token_version"] = out
 
 
+def oldest_versions(batch: RolloutBatch, default: int) -> list[int]:
+    """Each row's oldest token version (``samples.jsonl``'s ``policy_version``); ``default`` for a row without a
+    sampled token."""
+    stamps = batch["token_version"]
+    oldest = stamps.masked_fill(stamps < 0, torch.iinfo(torch.int64).max).min(dim=1).values
+    return torch.where((stamps >= 0).any(dim=1), oldest, default).tolist()
+
+
 def bound_token_staleness(batch: RolloutBatch, step: int, bound: int) -> dict[str, float]:
     """Take the tokens older than ``bound`` out of ``batch["loss_mask"]`` (staleness ``step - 1 - version`` at the
     1-based ``step``); returns ``rollout/token_staleness_{min,max,mean}`` over the sampled tokens (before the

@@ -65,7 +65,7 @@ from megarl.trainer.old_logprobs import old_logprob_metrics, old_logprob_pass
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
 from megarl.parallel.run_lock import RunLock
 from megarl.trainer.run_state import RunState
-from megarl.trainer.staleness import bound_token_staleness, stamp_token_versions, trained_versions
+from megarl.trainer.staleness import bound_token_staleness, oldest_versions, stamp_token_versions, trained_versions
 from megarl.workers.teacher import build_teacher, check_teacher
 from megarl.trainer.validation import append_samples
 from megarl.workers.actor import BasePolicy, PolicyWorker
@@ -266,7 +266,8 @@ class Trainer:
         data flows: score -> old and reference log-probs (values) -> advantages and loss masks -> critic and
         actor updates -> metrics. Each role runs on its pool behind its handle (:attr:`roles`, at the same time
         where the pools are disjoint) and shares its results with every training rank. ``version``: the policy
-        version (step) whose weights generated ``out``, recorded with every sample; ``known_scores``: its
+        version (step) whose weights started generating ``out`` (each token's own is stamped on it: the batch's
+        ``token_version``, :mod:`megarl.trainer.staleness`); ``known_scores``: its
         ``[B]`` scores where dynamic sampling already computed them.
 
         Returns:
@@ -279,9 +280,7 @@ class Trainer:
                                          else [] for s in out.samples], default=version)
         else:
             stamp_token_versions(batch, batch.meta.pop("token_versions"), default=version)
-        stamps = batch["token_version"]  # each row's oldest stamp (a row without a sampled token: the batch's)
-        oldest = stamps.masked_fill(stamps < 0, torch.iinfo(torch.int64).max).min(dim=1).values
-        batch.meta["policy_version"] = torch.where((stamps >= 0).any(dim=1), oldest, version).tolist()
+        batch.meta["policy_version"] = oldest_versions(batch, default=version)
         if self.actor_lora:
             batch.meta["adapter_version"] = ([s.adapter_version for s in out.samples] if self.agent is None
                                              else [out.adapter_version] * len(batch))
