@@ -165,6 +165,29 @@ def test_router_replay_routes_every_token_of_every_turn_as_the_engine_ran_it(tmp
         assert all(0.9 < h[f"moe/routing_agreement{k}"] <= 1.0 for k in ("", "/layer_0", "/layer_1")), h
 
 
+def test_a_vllm_request_carries_its_version_and_the_routes_of_its_prompt_and_sampled_tokens():
+    """vLLM's request path (an episode's turns): a finished ``RequestOutput``'s routes (``[prompt + sampled - 1,
+    layers, top_k]`` uint8, as vLLM 0.24 returns them) become the completion's int16 routes, with its version."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from megarl.models.spec import ModelSpec
+    from megarl.rollout.vllm_engine import request_output_to_completion
+
+    spec = ModelSpec("qwen3_moe", vocab_size=16, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+                     head_dim=16, ffn_hidden_size=128, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=32)
+    routes = np.arange(6 * 2 * 2, dtype=np.uint8).reshape(6, 2, 2) % 8
+    sampled = [5, 6, 1]
+    out = SimpleNamespace(request_id="r", prompt_token_ids=[3, 4, 9, 2], num_cached_tokens=2, outputs=[
+        SimpleNamespace(token_ids=sampled, logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in sampled],
+                        finish_reason="stop", routed_experts=routes)])
+    done = request_output_to_completion(out, 3, spec)
+    assert done.policy_version == 3 and done.cached_tokens == 2 and done.token_ids == (5, 6, 1)
+    assert done.routed_experts.dtype == torch.int16 and done.routed_experts.tolist() == routes.tolist()
+    assert request_output_to_completion(out, 3).routed_experts is None  # an engine not recording routes
+
+
 # ------------------------------------------------------------------------------ async on a pool of its own
 def test_async_episodes_on_a_rollout_pool_train_no_token_older_than_the_bound(task):
     """Split pools (actor on rank 0, rollout on rank 1), one step off, weights updated in flight: every trained

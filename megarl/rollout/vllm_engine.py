@@ -102,7 +102,9 @@ exactly, converted to int16 (:func:`completion_routes`). vLLM refuses it with pi
 parallelism and KV connectors (megarl uses none) and its V2 model runner does not capture routes
 (``vllm/config/vllm.py``: ``_get_v2_model_runner_unsupported_features``; the config refuses
 ``rollout.model_runner=v2``; vLLM's own choice falls back to V1). The request path (:meth:`VLLMRolloutEngine.
-add_request`) returns no routes: router replay is refused with multi-turn episodes (:mod:`megarl.config`).
+add_request`, an episode's turns) returns the same rows per request (:func:`request_output_to_completion`): a
+turn's history from the prefix cache has the routes of the turn that first ran it, which is what
+:class:`~megarl.agents.episode.TokenSample` keeps.
 
 Memory: ``sleep(1)`` moves the weights to CPU and drops the KV cache; ``sleep(2)`` drops both. vLLM's
 ``CuMemAllocator`` keeps the virtual addresses, so the parameter tensors held here stay valid across sleeps.
