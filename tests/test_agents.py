@@ -5,6 +5,7 @@ the model, so every token is known."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -72,6 +73,48 @@ def test_trained_ids_are_the_sampled_ids_where_decode_then_encode_differs(tok):
     for turn in (1, 2):
         assert engine.added[turn][k:k + len(sampled)] == sampled
     assert sum(sample.mask) == 3 * len(sampled) and episode.turns == 3 and episode.end == "done"
+
+
+class _Stamping(ScriptedEngine):
+    """:class:`ScriptedEngine` stamping each completion with its ``policy_version`` (a real engine's weights)."""
+
+    policy_version = 0
+    finished = 0
+
+    def step(self):
+        done = [dataclasses.replace(c, policy_version=self.policy_version) for c in super().step()]
+        self.finished += len(done)
+        return done
+
+
+class _NewWeightsAfterTheFirstTurn:
+    """In-flight weights (:class:`megarl.agents.rollout.WeightUpdate`) due once a turn has finished: version 1."""
+
+    def __init__(self, engine):
+        self.engine, self.running_at_update = engine, None
+
+    def due(self):
+        return self.engine.finished >= 1 and self.running_at_update is None
+
+    def __call__(self):
+        self.running_at_update = self.engine.has_unfinished_requests()
+        self.engine.policy_version = 1
+
+
+def test_weights_updated_in_flight_take_effect_between_turns_and_each_token_keeps_its_version(tok):
+    """Issue 44: new weights come after the first turn of a three-turn episode: no request runs while they are
+    written, the later turns are sampled by them, and every sampled token carries the version that sampled it."""
+    engine = _Stamping(lambda p: _ids(tok, "hello there") + [tok.eos_token_id], [tok.eos_token_id])
+    pause = _NewWeightsAfterTheFirstTurn(engine)
+    renderer = ChatRenderer(tok, [], load_parser("auto", tok.chat_template))
+    out = run_episodes(engine, renderer, EnvironmentFactory("e", Feedback), [{}], [USER],
+                       SamplingConfig(n=1, max_new_tokens=64, seed=1), EpisodeSettings(max_turns=4), pause=pause)
+    (sample,) = out.episodes[0].samples
+    turn = len(_ids(tok, "hello there")) + 1
+    sampled = [v for v, m in zip(sample.versions, sample.mask) if m]
+    assert pause.running_at_update is False and out.episodes[0].turns == 3
+    assert sampled == [0] * turn + [1] * 2 * turn  # the first turn on the old weights, the others on the new
+    assert all(v == -1 for v, m in zip(sample.versions, sample.mask) if not m)  # observations: no version
 
 
 def _calls_script(tok):
@@ -280,12 +323,26 @@ def test_calculator_evaluates_arithmetic_only():
             evaluate(bad)
 
 
+def _routes(call: int, rows: int) -> torch.Tensor:
+    """``[rows, 1, 1]`` int16 routes whose value names the call and the position: ``10 * call + position``."""
+    return (10 * call + torch.arange(rows, dtype=torch.int16)).reshape(rows, 1, 1)
+
+
 def test_samples_from_calls_extend_a_sample_while_prompts_extend_it():
-    calls = [([1, 2], [3, 4], [-1.0, -2.0]), ([1, 2, 3, 4, 9], [5], [-3.0]), ([7, 8], [6], [-4.0])]
+    """Each token keeps the version of the call that sampled it (-1 on observations) and the routes of the call
+    that first ran it: the prompt and a turn's sampled tokens from that call, the turn's last sampled token and
+    the observations after it from the next call's prefill (what vLLM's prefix cache reuses)."""
+    calls = [([1, 2], [3, 4], [-1.0, -2.0], 5, _routes(1, 3)), ([1, 2, 3, 4, 9], [5], [-3.0], 6, _routes(2, 5)),
+             ([7, 8], [6], [-4.0], 6, _routes(3, 2))]
     first, second = samples_from_calls(calls)
     assert (first.prompt_ids, first.response_ids, first.mask) == ([1, 2], [3, 4, 9, 5], [1, 1, 0, 1])
     assert first.logprobs == [-1.0, -2.0, 0.0, -3.0]
+    assert first.versions == [5, 5, -1, 6]
+    assert first.routed_experts.flatten().tolist() == [10, 11, 12, 23, 24]  # every token but the last
     assert (second.prompt_ids, second.response_ids, second.mask) == ([7, 8], [6], [1])
+    assert second.versions == [6] and second.routed_experts.flatten().tolist() == [30, 31]
+    plain, = samples_from_calls([([1], [2], [-1.0], None, None)])
+    assert plain.versions == [-1] and plain.routed_experts is None
 
 
 def _policy_loss_grads(ids: torch.Tensor, labels: torch.Tensor, batch, noise: float = 0.0):

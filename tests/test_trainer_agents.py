@@ -51,7 +51,7 @@ def test_a_run_with_failing_tools_and_garbage_calls_finishes_its_steps(task):
     ("rollout.multi_turn.env=no_such_env", "rollout.multi_turn: unknown environment 'no_such_env'"),
     ("rollout.multi_turn.tool_parser=llama3_json", "tool_parser: the 'llama3_json' parser reads"),
     ("rollout.multi_turn.max_turns=0", "rollout.multi_turn.max_turns: must be >= 1"),
-    ("algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.enabled: must be false"),
+    ("algorithm.overlong.buffer_tokens=1", "algorithm.overlong: buffer_tokens must be 0 and filter false"),
 ])
 def test_bad_multi_turn_settings_are_refused_before_a_run(task, override, message):
     from megarl.config import ConfigError, load_config

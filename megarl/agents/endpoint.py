@@ -61,7 +61,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Mapping, Sequence
 
 from megarl.agents.episode import ChatRenderer, samples_from_calls
-from megarl.agents.rollout import EpisodeBatch, EpisodeResult, EpisodeSettings, GenerationLoop, gather_episodes
+from megarl.agents.rollout import (EpisodeBatch, EpisodeResult, EpisodeSettings, GenerationLoop, WeightUpdate,
+                                   gather_episodes)
 from megarl.agents.tools import Tool, ToolCall
 from megarl.algos.registry import Registry
 from megarl.rollout.base import Completion, RequestEngine, RolloutStats, SamplingConfig, turn_seed
@@ -220,6 +221,7 @@ class RecordedCall:
         token_ids / logprobs: what it sampled, with the rollout log-prob of each token.
         finish_reason: "stop" or "length".
         reused: the prompt began with the ids of an earlier call (its prompt, or prompt and sampled ids).
+        policy_version / routes: the completion's (:class:`~megarl.rollout.base.Completion`).
     """
 
     prompt_ids: list[int]
@@ -227,6 +229,8 @@ class RecordedCall:
     logprobs: list[float]
     finish_reason: str
     reused: bool
+    policy_version: int | None = None
+    routes: Any = None
 
 
 @dataclass
@@ -366,7 +370,8 @@ class EpisodeRecorder:
         message = {"role": "assistant", "content": content or (None if calls else ""),
                    "tool_calls": [_openai_call(c, f"call_{uuid.uuid4().hex[:12]}") for c in calls] or None}
         with self._lock:
-            self.calls.append(RecordedCall(pending.prompt_ids, ids, logprobs, done.finish_reason, pending.reused))
+            self.calls.append(RecordedCall(pending.prompt_ids, ids, logprobs, done.finish_reason, pending.reused,
+                                           done.policy_version, done.routed_experts))
             self._held.append((pending.prompt_text + r.decode(ids), pending.prompt_ids + ids))
             self._raw[_message_key(message)] = text
             self.used += len(ids)
@@ -530,9 +535,11 @@ def openai_client(base_url: str) -> Any:
 def run_agent_episodes(engine: RequestEngine, renderer: ChatRenderer, agent: AgentFunction,
                        rows: Sequence[Mapping[str, Any]], prompts: Sequence[list[dict[str, Any]]],
                        sampling: SamplingConfig, settings: EpisodeSettings, *, call: int = 0, prompt_offset: int = 0,
-                       server: bool = False, client_factory: Callable[[str], Any] | None = None) -> EpisodeBatch:
+                       server: bool = False, client_factory: Callable[[str], Any] | None = None,
+                       pause: WeightUpdate | None = None) -> EpisodeBatch:
     """Run ``sampling.n`` episodes of ``agent`` per row on one event loop (a thread of its own) while this
-    thread steps the engine (:class:`~megarl.agents.rollout.GenerationLoop`).
+    thread steps the engine (:class:`~megarl.agents.rollout.GenerationLoop`; ``pause``: new weights taken
+    between calls once due, as there).
 
     Args:
         engine / renderer / sampling / call / prompt_offset: as :func:`~megarl.agents.rollout.run_episodes`.
@@ -586,7 +593,7 @@ def run_agent_episodes(engine: RequestEngine, renderer: ChatRenderer, agent: Age
     thread = threading.Thread(target=run_loop, name="agents", daemon=True)
     thread.start()
     try:
-        loop.run(finished.is_set)
+        loop.run(finished.is_set, pause=pause)
     finally:
         thread.join()
         if http:
@@ -620,7 +627,8 @@ async def _agent_episode(agent: AgentFunction, recorder: EpisodeRecorder, client
         close = getattr(client, "close", None)  # an openai.AsyncOpenAI's connections
         if inspect.iscoroutinefunction(close):
             await close()
-    samples = samples_from_calls([(c.prompt_ids, c.token_ids, c.logprobs) for c in recorder.calls])
+    samples = samples_from_calls([(c.prompt_ids, c.token_ids, c.logprobs, c.policy_version, c.routes)
+                                  for c in recorder.calls])
     return EpisodeResult(prompt_index, sample_index, samples, reward, end, recorder.last_text,
                          recorder.messages or [dict(m) for m in prompt], len(recorder.calls), recorder.tool_calls,
                          {"malformed": recorder.malformed} if recorder.malformed else {},
@@ -631,12 +639,13 @@ async def _agent_episode(agent: AgentFunction, recorder: EpisodeRecorder, client
 def run_agent_episodes_data_parallel(engine: RequestEngine | None, renderer: ChatRenderer, agent: AgentFunction,
                                      rows: Sequence[Mapping[str, Any]], prompts: Sequence[list[dict[str, Any]]],
                                      sampling: SamplingConfig, settings: EpisodeSettings, *, call: int = 0,
-                                     group=None, server: bool = False) -> EpisodeBatch:
+                                     group=None, server: bool = False, pause: WeightUpdate | None = None,
+                                     gather: bool = True) -> EpisodeBatch:
     """:func:`run_agent_episodes` on this rank's share of the prompts, gathered on every rank of ``group`` (as
-    :func:`~megarl.agents.rollout.run_episodes_data_parallel`)."""
+    :func:`~megarl.agents.rollout.run_episodes_data_parallel`, with its ``pause`` and ``gather``)."""
     import torch.distributed as dist
 
     lo, hi = shard_bounds(len(rows), dist.get_rank(group), dist.get_world_size(group))
     local = run_agent_episodes(engine, renderer, agent, rows[lo:hi], prompts[lo:hi], sampling, settings, call=call,
-                               prompt_offset=lo, server=server)
-    return gather_episodes(local, sampling.n, group)
+                               prompt_offset=lo, server=server, pause=pause)
+    return gather_episodes(local, sampling.n, group) if gather else local

@@ -44,23 +44,48 @@ class TokenSample:
         response_ids: everything after the prompt: sampled and observation tokens in order.
         mask: ``len(response_ids)`` ints, 1 on sampled tokens (trained), 0 on observation tokens.
         logprobs: ``len(response_ids)`` floats, the rollout log-prob of each sampled token, 0 on observations.
+        versions: ``len(response_ids)`` ints, the policy version (step) of the weights that sampled each token
+            (:attr:`~megarl.rollout.base.Completion.policy_version`; -1 where unknown), -1 on observations.
+        routes: the engine's routes (router replay) of the sequence's tokens from position 0 on, in pieces:
+            each request's rows past those already held (the prompt and observations from the prefill of the
+            request that first ran them, sampled tokens from the decode that sampled them); :attr:`routed_experts`.
     """
 
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routes: list[Any] = field(default_factory=list)
 
     @property
     def ids(self) -> list[int]:
         """The whole sequence: prompt then response."""
         return self.prompt_ids + self.response_ids
 
-    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
-        """Append sampled ids (with their log-probs) or, with ``logprobs`` None, observation ids."""
+    @property
+    def routed_experts(self) -> Any:
+        """``[tokens, layers, top_k]`` int16 routes of the sequence from position 0 (every token some request
+        ran: all but the last sampled one), or None where no request recorded routes."""
+        if not self.routes:
+            return None
+        import torch
+
+        return torch.cat(self.routes)
+
+    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, version: int | None = None,
+               routes: Any = None) -> None:
+        """Append sampled ids (with their log-probs, sampled by the weights of ``version``) or, with ``logprobs``
+        None, observation ids. ``routes``: the request's ``[prompt + sampled - 1, layers, top_k]`` routes
+        (:attr:`~megarl.rollout.base.Completion.routed_experts`, its prompt the sequence held before these ids):
+        the rows past those already held are added."""
         self.response_ids += list(ids)
         self.mask += [0 if logprobs is None else 1] * len(ids)
         self.logprobs += [0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs]
+        self.versions += [-1 if logprobs is None or version is None else int(version)] * len(ids)
+        if routes is not None:
+            held = sum(len(r) for r in self.routes)
+            self.routes.append(routes[held:])
 
 
 class ChatRenderer:
@@ -161,11 +186,13 @@ class EpisodeTokens:
         self.samples = [TokenSample(self.renderer.encode(self._held))]
         return self.current.prompt_ids
 
-    def add_turn(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> str:
-        """Append a turn's sampled ids (mask 1) and its assistant message; returns the message's text (the
+    def add_turn(self, token_ids: Sequence[int], logprobs: Sequence[float], version: int | None = None,
+                 routes: Any = None) -> str:
+        """Append a turn's sampled ids (mask 1; sampled by the weights of ``version``, with the request's
+        ``routes``: :meth:`TokenSample.append`) and its assistant message; returns the message's text (the
         decoded ids without a final stop token)."""
         ids = [int(t) for t in token_ids]
-        self.current.append(ids, logprobs)
+        self.current.append(ids, logprobs, version, routes)
         self._held += self.renderer.decode(ids)
         content = ids[:-1] if ids and ids[-1] in self.stop else ids
         self._stop_text = self.renderer.decode(ids[len(content):])
@@ -217,18 +244,20 @@ class EpisodeTokens:
         return [s for s in self.samples if any(s.mask)]
 
 
-def samples_from_calls(calls: Sequence[tuple[Sequence[int], Sequence[int], Sequence[float]]]) -> list[TokenSample]:
-    """The trained samples of an episode recorded as engine calls ``(prompt_ids, sampled_ids, logprobs)`` in
-    order (an agent that renders its own prompts, e.g. behind an OpenAI-compatible endpoint): a call whose
+def samples_from_calls(calls: Sequence[tuple[Sequence[int], Sequence[int], Sequence[float], int | None, Any]]
+                       ) -> list[TokenSample]:
+    """The trained samples of an episode recorded as engine calls ``(prompt_ids, sampled_ids, logprobs, policy
+    version, routes)`` in order (an agent that renders its own prompts, e.g. behind an OpenAI-compatible
+    endpoint; version and routes as :class:`~megarl.rollout.base.Completion` has them): a call whose
     prompt begins with the previous call's prompt and sampled ids extends that sample, the prompt's new ids as
     observation tokens (mask 0); any other call starts a new sample (the token-level form of the split in the
     module docstring)."""
     samples: list[TokenSample] = []
-    for prompt, sampled, logprobs in calls:
+    for prompt, sampled, logprobs, version, routes in calls:
         prompt = [int(t) for t in prompt]
         if samples and prompt[:len(samples[-1].ids)] == samples[-1].ids:
             samples[-1].append(prompt[len(samples[-1].ids):], None)
         else:
             samples.append(TokenSample(prompt))
-        samples[-1].append([int(t) for t in sampled], logprobs)
+        samples[-1].append([int(t) for t in sampled], logprobs, version, routes)
     return samples

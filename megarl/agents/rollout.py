@@ -43,7 +43,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch.distributed as dist
@@ -92,16 +92,26 @@ class GenerationLoop:
             self._submitted.put((request_id, list(prompt_ids), sampling, seed, future))
         return future
 
-    def run(self, finished: Callable[[], bool], poll_s: float = 0.01) -> None:
+    def run(self, finished: Callable[[], bool], poll_s: float = 0.01, pause: "WeightUpdate | None" = None) -> None:
         """Step the engine until ``finished()`` and nothing is left running: each iteration adds what was
         submitted, then runs one engine step (or, with nothing running, waits up to ``poll_s`` seconds for a
-        submission).
+        submission). ``pause``: new weights that may arrive meanwhile (in-flight updates between turns): once
+        ``pause.due()``, nothing more is added, the running requests finish with the weights they started
+        with, ``pause()`` writes the new weights, and the requests submitted meanwhile (the episodes' next
+        turns) run with them; every completion is stamped with the version that sampled it.
 
         Raises:
             whatever the engine's ``step`` raises (every waiting future gets it first, so no worker hangs).
         """
         try:
             while True:
+                if pause is not None and pause.due():
+                    if self.engine.has_unfinished_requests():  # the turns running end on the old weights
+                        for c in self.engine.step():
+                            self._finish(c)
+                        continue
+                    pause()
+                    pause = None
                 self._add_submitted(block=not self.engine.has_unfinished_requests(), timeout=poll_s)
                 if self.engine.has_unfinished_requests():
                     for c in self.engine.step():
@@ -139,6 +149,16 @@ class GenerationLoop:
         self.cached_tokens += c.cached_tokens
         self.generated_tokens += len(c.token_ids)
         self._futures.pop(c.request_id).set_result(c)
+
+
+class WeightUpdate(Protocol):
+    """New weights that may arrive while episodes run (:meth:`GenerationLoop.run`'s ``pause``)."""
+
+    def due(self) -> bool:
+        """Whether the new weights wait to be written (polled between engine steps; must not block)."""
+
+    def __call__(self) -> None:
+        """Write them into the engine (no request is running); it stamps its completions with their version."""
 
 
 @dataclass
@@ -228,12 +248,24 @@ class EpisodeBatch:
         n: episodes per prompt.
         stats: prompt tokens of every turn, sampled tokens, seconds (for the throughput figures).
         cached_tokens: prompt tokens the engine's prefix cache served.
+        adapter_version: the LoRA adapters' version of the engine that ran them (one per rollout: its weights
+            change between rollouts); None without LoRA.
     """
 
     episodes: list[EpisodeResult]
     n: int
     stats: RolloutStats
     cached_tokens: int = 0
+    adapter_version: int | None = None
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts of the rollout (``len(episodes) / n``)."""
+        return len(self.episodes) // self.n
+
+    def group(self, k: int) -> list[EpisodeResult]:
+        """The ``n`` episodes of the ``k``-th prompt (DAPO's group: :mod:`megarl.trainer.dynamic_sampling`)."""
+        return self.episodes[k * self.n:(k + 1) * self.n]
 
     def metrics(self) -> dict[str, float]:
         """Per-step figures (``agent/...``): turns, tool calls and errors by kind, environment seconds, tokens by
@@ -270,8 +302,10 @@ class EpisodeBatch:
 
 def run_episodes(engine: RequestEngine, renderer: ChatRenderer, env_factory: EnvironmentFactory,
                  rows: Sequence[Mapping[str, Any]], prompts: Sequence[list[Message]], sampling: SamplingConfig,
-                 settings: EpisodeSettings, *, call: int = 0, prompt_offset: int = 0) -> EpisodeBatch:
-    """Run ``sampling.n`` episodes for every row (module docstring), interleaved on ``engine``.
+                 settings: EpisodeSettings, *, call: int = 0, prompt_offset: int = 0,
+                 pause: WeightUpdate | None = None) -> EpisodeBatch:
+    """Run ``sampling.n`` episodes for every row (module docstring), interleaved on ``engine``; ``pause``: new
+    weights taken between turns once due (:meth:`GenerationLoop.run`).
 
     Args:
         engine: a request-level engine with weights, awake.
@@ -305,7 +339,7 @@ def run_episodes(engine: RequestEngine, renderer: ChatRenderer, env_factory: Env
     with ThreadPoolExecutor(max_workers=max(1, min(settings.max_parallel_episodes, len(jobs))),
                             thread_name_prefix="episode") as pool:
         futures = [pool.submit(work, i) for i in range(len(jobs))]
-        loop.run(lambda: all(f.done() for f in futures))
+        loop.run(lambda: all(f.done() for f in futures), pause=pause)
         for f in futures:
             f.result()  # an error of the framework itself (environment and tool errors are results)
     stats = RolloutStats(prompt_tokens=loop.prompt_tokens, generated_tokens=loop.generated_tokens,
@@ -360,7 +394,8 @@ def _episode(loop: GenerationLoop, renderer: ChatRenderer, env, tools: Mapping[s
                            turn_seed(sampling.seed, call, prompt_index, sample_index, turn)).result()
         state["turns"] += 1
         state["used"] += len(done.token_ids)
-        state["text"] = text = tokens.add_turn(done.token_ids, done.logprobs.tolist())
+        state["text"] = text = tokens.add_turn(done.token_ids, done.logprobs.tolist(), done.policy_version,
+                                               done.routed_experts)
         state["last_cut"] = done.finish_reason == "length"
         if state["last_cut"] and binding != "turn":
             return finish(binding)
@@ -427,15 +462,16 @@ def _cut(renderer: ChatRenderer, message: Message, limit: int, errors: Counter) 
 def run_episodes_data_parallel(engine: RequestEngine | None, renderer: ChatRenderer, env_factory: EnvironmentFactory,
                                rows: Sequence[Mapping[str, Any]], prompts: Sequence[list[Message]],
                                sampling: SamplingConfig, settings: EpisodeSettings, *, call: int = 0,
-                               group=None) -> EpisodeBatch:
+                               group=None, pause: WeightUpdate | None = None, gather: bool = True) -> EpisodeBatch:
     """:func:`run_episodes` on this rank's contiguous share of the prompts (by its rank in ``group``), then every
     rank's episodes gathered, prompt-major, on every rank of ``group`` (stats: tokens summed, seconds of the
-    slowest rank). Every rank of ``group`` calls it with the same arguments."""
+    slowest rank). Every rank of ``group`` calls it with the same arguments. ``gather=False``: this rank's
+    share alone (the caller gathers it later with :func:`gather_episodes`); ``pause`` as :func:`run_episodes`."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     lo, hi = shard_bounds(len(rows), rank, world)
     local = run_episodes(engine, renderer, env_factory, rows[lo:hi], prompts[lo:hi], sampling, settings,
-                         call=call, prompt_offset=lo)
-    return gather_episodes(local, sampling.n, group)
+                         call=call, prompt_offset=lo, pause=pause)
+    return gather_episodes(local, sampling.n, group) if gather else local
 
 
 def gather_episodes(local: EpisodeBatch, n: int, group=None) -> EpisodeBatch:

@@ -381,11 +381,11 @@ def check_rollout_pool(cfg: Config, layouts: dict[str, RoleLayout], world_size: 
     """A rollout pool other than the whole world holds no Megatron role and no reward scoring (its ranks only
     generate), and its size is a multiple of the actor's tp (megatron-core lays its state over every rank of
     the world: the rollout ranks form TP groups of their own in it, unused); ``trainer.mode=async`` needs such a
-    pool, and validation, DAPO's dynamic sampling and multi-turn episodes are refused there (not built yet).
+    pool, and validation and DAPO's dynamic sampling are refused there (not built yet).
 
     Raises:
         ConfigError: naming the field (``placement.rollout``, ``placement.reward``, ``trainer.mode``,
-            ``validation.enabled``, ``algorithm.dynamic_sampling.enabled``, ``rollout.multi_turn.enabled``), the
+            ``validation.enabled``, ``algorithm.dynamic_sampling.enabled``), the
             pools and ranks, and the fix.
     """
     ro = layouts["rollout"]
@@ -420,9 +420,6 @@ def check_rollout_pool(cfg: Config, layouts: dict[str, RoleLayout], world_size: 
     if cfg.validation.enabled:
         raise ConfigError(f"validation.enabled: validation with the rollout on {ro.describe()} (a pool of its own) "
                           "is not built yet; set validation.enabled=false, or placement.rollout=all")
-    if cfg.rollout.multi_turn.enabled:
-        raise ConfigError(f"rollout.multi_turn.enabled: episodes with the rollout on {ro.describe()} (a pool of its "
-                          "own) are not built yet; set placement.rollout=all")
 
 
 def training_group(layouts: dict[str, RoleLayout], world_size: int):

@@ -105,6 +105,9 @@ class Sample:
             prompt and the response (all but the last) was routed to in each MoE layer, by an engine that records
             them (the transformers engine, for an MoE model; vLLM with ``record_routes``:
             :mod:`megarl.models.router_replay`); else None.
+        policy_version: the version (step) of the policy weights that sampled every one of its tokens (the
+            engine's ``policy_version`` when the request started: its weights change only between requests);
+            None where nobody set it.
     """
 
     prompt_index: int
@@ -114,6 +117,7 @@ class Sample:
     finish_reason: FinishReason
     adapter_version: int | None = None
     routed_experts: torch.Tensor | None = None
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,10 @@ class Completion:
         finish_reason: "stop" or "length" (its ``max_new_tokens`` or the context was reached).
         cached_tokens: prompt tokens the engine's prefix cache held already (vLLM's ``num_cached_tokens``;
             0 where the engine keeps no cache between requests).
+        policy_version: the version of the weights that sampled its tokens (as :attr:`Sample.policy_version`).
+        routed_experts: ``[prompt + sampled tokens - 1, layers, top_k]`` int16, the experts each token of the
+            request's prompt (prefilled) and of its sampled tokens but the last was routed to, as
+            :attr:`Sample.routed_experts`; None where the engine records none.
     """
 
     request_id: str
@@ -134,6 +142,8 @@ class Completion:
     logprobs: torch.Tensor
     finish_reason: FinishReason
     cached_tokens: int = 0
+    policy_version: int | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -212,10 +222,13 @@ class RolloutEngine(Protocol):
         spec: the model the engine runs.
         adapter_version: the version of the LoRA adapters its weights hold (set by whoever writes them), stamped
             on every sample (:attr:`Sample.adapter_version`); None without LoRA.
+        policy_version: the version (step) of the policy weights it holds (set by whoever writes them),
+            stamped on every sample and completion (:attr:`Sample.policy_version`); None until set.
     """
 
     spec: ModelSpec
     adapter_version: int | None
+    policy_version: int | None
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
                  prompt_offset: int = 0) -> RolloutOutput:

@@ -60,6 +60,8 @@ class HFRolloutEngine:
         calls: ``generate`` calls so far; part of every sample's seed, so a resumed run restores it.
         adapter_version: the LoRA adapters' version merged into its weights (None without LoRA), stamped on every
             sample.
+        policy_version: the version of the policy weights it holds (None until set), stamped on every sample and
+            completion.
 
     Raises:
         RolloutError: ``max_batch_size < 1``.
@@ -87,6 +89,7 @@ class HFRolloutEngine:
         self._routes = EngineRouteRecorder(self.model, spec) if spec.is_moe else None
         self.calls = 0
         self.adapter_version: int | None = None
+        self.policy_version: int | None = None
         self._has_weights = False
         self._asleep = False
         self._queued: list[tuple[str, list[int], SamplingConfig, int]] = []  # add_request's, for step
@@ -174,7 +177,7 @@ class HFRolloutEngine:
                 for r, out in zip(batch, outs):
                     results[r] = out
         samples = [Sample(prompt_offset + k, j, tuple(tokens), torch.tensor(logprobs, dtype=torch.float32), reason,
-                          self.adapter_version, routes)
+                          self.adapter_version, routes, self.policy_version)
                    for (k, j), (tokens, logprobs, reason, routes) in zip(rows, results)]
         return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)
 
@@ -211,8 +214,9 @@ class HFRolloutEngine:
                     batch = [queued[k] for k in rows[lo:lo + self.max_batch_size]]
                     outs = self._generate_batch([b[1] for b in batch], [b[3] for b in batch], batch[0][2],
                                                 limits=[b[2].max_new_tokens for b in batch])
-                    done += [Completion(b[0], tuple(t), torch.tensor(lp, dtype=torch.float32), reason)
-                             for b, (t, lp, reason, _) in zip(batch, outs)]
+                    done += [Completion(b[0], tuple(t), torch.tensor(lp, dtype=torch.float32), reason,
+                                        policy_version=self.policy_version, routed_experts=routes)
+                             for b, (t, lp, reason, routes) in zip(batch, outs)]
         return done
 
     def _generate_batch(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingConfig,

@@ -102,7 +102,9 @@ exactly, converted to int16 (:func:`completion_routes`). vLLM refuses it with pi
 parallelism and KV connectors (megarl uses none) and its V2 model runner does not capture routes
 (``vllm/config/vllm.py``: ``_get_v2_model_runner_unsupported_features``; the config refuses
 ``rollout.model_runner=v2``; vLLM's own choice falls back to V1). The request path (:meth:`VLLMRolloutEngine.
-add_request`) returns no routes: router replay is refused with multi-turn episodes (:mod:`megarl.config`).
+add_request`, an episode's turns) returns the same rows per request (:func:`request_output_to_completion`): a
+turn's history from the prefix cache has the routes of the turn that first ran it, which is what
+:class:`~megarl.agents.episode.TokenSample` keeps.
 
 Memory: ``sleep(1)`` moves the weights to CPU and drops the KV cache; ``sleep(2)`` drops both. vLLM's
 ``CuMemAllocator`` keeps the virtual addresses, so the parameter tensors held here stay valid across sleeps.
@@ -300,10 +302,10 @@ def request_params(prompt: Sequence[int], sampling: SamplingConfig, *, context: 
 
 
 def completion_to_sample(completion, prompt_index: int, sample_index: int, adapter_version: int | None = None,
-                         routes: torch.Tensor | None = None) -> Sample:
+                         routes: torch.Tensor | None = None, policy_version: int | None = None) -> Sample:
     """A :class:`~megarl.rollout.base.Sample` from a vLLM ``CompletionOutput`` (``token_ids``, ``logprobs``:
-    one ``{token id: Logprob}`` per token, ``finish_reason``), sampled with LoRA adapters ``adapter_version``,
-    with its ``routes`` (:func:`completion_routes`; None: none recorded).
+    one ``{token id: Logprob}`` per token, ``finish_reason``), sampled with LoRA adapters ``adapter_version``
+    by the weights of ``policy_version``, with its ``routes`` (:func:`completion_routes`; None: none recorded).
 
     Raises:
         RolloutError: a finish reason other than "stop" / "length" (an aborted or failed request), or
@@ -319,7 +321,7 @@ def completion_to_sample(completion, prompt_index: int, sample_index: int, adapt
         raise RolloutError(f"vLLM returned {len(logprobs)} log-probs for {len(tokens)} tokens (prompt "
                            f"{prompt_index} sample {sample_index})")
     values = torch.tensor([position[t].logprob for position, t in zip(logprobs, tokens)], dtype=torch.float32)
-    return Sample(prompt_index, sample_index, tokens, values, reason, adapter_version, routes)
+    return Sample(prompt_index, sample_index, tokens, values, reason, adapter_version, routes, policy_version)
 
 
 def completion_routes(completion, prompt_len: int, spec: ModelSpec) -> torch.Tensor:
@@ -340,16 +342,21 @@ def completion_routes(completion, prompt_len: int, spec: ModelSpec) -> torch.Ten
     return torch.from_numpy(routes.astype("int16"))
 
 
-def request_output_to_completion(output) -> Completion:
+def request_output_to_completion(output, policy_version: int | None = None, spec: ModelSpec | None = None
+                                 ) -> Completion:
     """A :class:`~megarl.rollout.base.Completion` from a finished vLLM ``RequestOutput`` of one request
-    (``outputs[0]``: its only sample; ``num_cached_tokens``: prompt tokens found in the prefix cache).
+    (``outputs[0]``: its only sample; ``num_cached_tokens``: prompt tokens found in the prefix cache), sampled
+    by the weights of ``policy_version``; with ``spec`` (an engine recording routes) its routes
+    (:func:`completion_routes` of the request's prompt).
 
     Raises:
-        RolloutError: as :func:`completion_to_sample` (an aborted request, missing log-probs).
+        RolloutError: as :func:`completion_to_sample` (an aborted request, missing log-probs) and
+            :func:`completion_routes`.
     """
     sample = completion_to_sample(output.outputs[0], -1, 0)
+    routes = None if spec is None else completion_routes(output.outputs[0], len(output.prompt_token_ids), spec)
     return Completion(output.request_id, sample.token_ids, sample.logprobs, sample.finish_reason,
-                      int(output.num_cached_tokens or 0))
+                      int(output.num_cached_tokens or 0), policy_version, routes)
 
 
 class VLLMRolloutEngine:
@@ -379,7 +386,9 @@ class VLLMRolloutEngine:
         model: vLLM's model on this rank (its parameters are the engine's weights, written in place).
         calls: ``generate`` calls so far; part of every sample's seed, so a resumed run restores it.
         adapter_version: the LoRA adapters' version its weights (merged) or its LoRA layers hold; None without.
-        record_routes: whether samples carry their routed experts.
+        policy_version: the version of the policy weights it holds (None until set), stamped on every sample and
+            completion.
+        record_routes: whether samples (and completions) carry their routed experts.
 
     Raises:
         RolloutError: no CUDA device, bad sizes, a LoRA rank above vLLM's largest, ``record_routes`` for a dense
@@ -448,6 +457,7 @@ class VLLMRolloutEngine:
         self._check_parameters()
         self.calls = 0
         self.adapter_version: int | None = None
+        self.policy_version: int | None = None
         self._lora_request = None  # the adapters' request once update_adapters ran
         self._has_weights = False
         self._asleep = False
@@ -620,7 +630,7 @@ class VLLMRolloutEngine:
                                     use_tqdm=False, lora_request=request) if rows else []
         samples = [completion_to_sample(out.outputs[0], prompt_offset + k, j, version,
                                         completion_routes(out.outputs[0], len(prompts[k]), self.spec)
-                                        if self.record_routes else None)
+                                        if self.record_routes else None, self.policy_version)
                    for (k, j), out in zip(rows, outputs)]
         return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)
 
@@ -649,7 +659,9 @@ class VLLMRolloutEngine:
 
     def step(self) -> list[Completion]:
         """One iteration of vLLM's scheduler; the requests that finished in it."""
-        return [request_output_to_completion(out) for out in self.llm.llm_engine.step() if out.finished]
+        spec = self.spec if self.record_routes else None
+        return [request_output_to_completion(out, self.policy_version, spec)
+                for out in self.llm.llm_engine.step() if out.finished]
 
     def has_unfinished_requests(self) -> bool:
         """Whether vLLM holds a request that has not finished."""

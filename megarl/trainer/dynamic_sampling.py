@@ -49,9 +49,11 @@ def dynamic_sampling(prompts: PromptBatch, out: RolloutOutput, *,
     """The groups a step trains on, by the rule of the module docstring.
 
     Args:
-        prompts, out: the step's first round (its prompts and their ``n`` responses each).
+        prompts, out: the step's first round (its prompts and their ``n`` responses each): a
+            :class:`~megarl.rollout.base.RolloutOutput`, or with multi-turn episodes an
+            :class:`~megarl.agents.rollout.EpisodeBatch` (a group is a prompt's ``n`` episodes, each scored once).
         generate: ``generate(prompts, round)``: the responses of an extra round (its own sampling seed).
-        score: ``score(prompts, out)``: ``[P * n]`` float32 rewards of a round's responses.
+        score: ``score(prompts, out)``: ``[P * n]`` float32 rewards of a round's responses (episodes).
         more_prompts: the next batch of ``want`` prompts.
         want: ``data.prompts_per_step``. unit: :func:`group_unit`. max_extra_rounds: the rounds after the first.
         step: the (1-based) step, for the log line. verbose: log when the step is short of groups (rank 0).
@@ -91,10 +93,13 @@ def dynamic_sampling(prompts: PromptBatch, out: RolloutOutput, *,
     with_signal = min(len(kept), len(signalled))
     merged = PromptBatch(input_ids=[p.input_ids[k] for p, k, _, _ in kept], index=[p.index[k] for p, k, _, _ in kept],
                          ground_truth=[p.ground_truth[k] for p, k, _, _ in kept],
-                         raw_prompt=[p.raw_prompt[k] for p, k, _, _ in kept])
+                         raw_prompt=[p.raw_prompt[k] for p, k, _, _ in kept],
+                         rows=[p.rows[k] for p, k, _, _ in kept] if all(p.rows for p, _, _, _ in kept) else None)
     samples = [dataclasses.replace(s, prompt_index=i) for i, (_, _, group, _) in enumerate(kept) for s in group]
-    merged_out = RolloutOutput(samples, n, RolloutStats(prompt_tokens=prompt_tokens, generated_tokens=new_tokens,
-                                                        seconds=seconds))  # every round's
+    stats = RolloutStats(prompt_tokens=prompt_tokens, generated_tokens=new_tokens, seconds=seconds)  # every round's
+    # a RolloutOutput of samples, or an EpisodeBatch of episodes (multi-turn): the first round's kind, re-grouped
+    merged_out = (RolloutOutput(samples, n, stats) if isinstance(out, RolloutOutput)
+                  else dataclasses.replace(out, episodes=samples, stats=stats))
     metrics = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups_generated": generated,
                "dynamic_sampling/groups_with_signal": signal, "dynamic_sampling/groups_kept": with_signal,
                "dynamic_sampling/groups_tied_kept": len(kept) - with_signal,

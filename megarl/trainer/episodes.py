@@ -26,7 +26,7 @@ from megarl.agents.endpoint import AgentError, AgentFunction, load_agent, requir
 from megarl.agents.env import EnvError, EnvironmentFactory, load_environment
 from megarl.agents.episode import ChatRenderer
 from megarl.agents.parsers import ParserError, check_parser, load_parser
-from megarl.agents.rollout import EpisodeBatch, EpisodeSettings, run_episodes_data_parallel
+from megarl.agents.rollout import EpisodeBatch, EpisodeSettings, WeightUpdate, run_episodes_data_parallel
 from megarl.agents.tools import Tool, ToolError, load_tools
 from megarl.config import Config, ConfigError
 from megarl.data.batch import RolloutBatch, build_batch
@@ -101,21 +101,24 @@ def build_agent(cfg: Config, tokenizer) -> Agent:
     return Agent(renderer, env, settings, template, cfg.data.prompt_key, function, mt.agent_server)
 
 
-def generate_episodes(agent: Agent, engine, prompts: PromptBatch, sampling: SamplingConfig, group=None
-                      ) -> EpisodeBatch:
+def generate_episodes(agent: Agent, engine, prompts: PromptBatch, sampling: SamplingConfig, group=None,
+                      pause: WeightUpdate | None = None, gather: bool = True) -> EpisodeBatch:
     """``sampling.n`` episodes per prompt over the rollout data-parallel ``group``; the engine's call counter
-    seeds every turn (the caller advances it)."""
-    return _run(agent, engine, prompts, sampling, engine.calls, group)
+    seeds every turn (the caller advances it). ``pause``: new weights taken between turns once due (in-flight
+    updates, :mod:`megarl.trainer.in_flight`); ``gather=False``: this rank's share alone
+    (:func:`~megarl.agents.rollout.gather_episodes` later)."""
+    return _run(agent, engine, prompts, sampling, engine.calls, group, pause, gather)
 
 
-def _run(agent: Agent, engine, prompts: PromptBatch, sampling: SamplingConfig, call: int, group) -> EpisodeBatch:
+def _run(agent: Agent, engine, prompts: PromptBatch, sampling: SamplingConfig, call: int, group,
+         pause: WeightUpdate | None = None, gather: bool = True) -> EpisodeBatch:
     """The episodes of ``prompts``: the environment loop, or the agent function behind its chat endpoint."""
     if agent.function is not None:
         return run_agent_episodes_data_parallel(engine, agent.renderer, agent.function, prompts.rows,
                                                 agent.prompt_messages(prompts), sampling, agent.settings, call=call,
-                                                group=group, server=agent.server)
+                                                group=group, server=agent.server, pause=pause, gather=gather)
     return run_episodes_data_parallel(engine, agent.renderer, agent.env, prompts.rows, agent.prompt_messages(prompts),
-                                      sampling, agent.settings, call=call, group=group)
+                                      sampling, agent.settings, call=call, group=group, pause=pause, gather=gather)
 
 
 def row_multiple(cfg: Config, uses_critic: bool) -> int:
@@ -130,7 +133,10 @@ def episode_batch(prompts: PromptBatch, out: EpisodeBatch, tokenizer, *, pad_tok
     Meta (one entry per row): ``episode`` (index in ``out.episodes``; -1 on padding), ``env_reward`` (the
     episode's reward, or None: ``reward.fn`` scores it), ``response`` (the row's response decoded, for
     samples.jsonl), ``final_response`` (the episode's last assistant text, what ``reward.fn`` scores),
-    ``finish_reason``, ``index``.
+    ``finish_reason``, ``index``, ``token_versions`` (each response token's policy version, -1 on observations:
+    :func:`~megarl.trainer.staleness.stamp_token_versions` takes them). With router replay the rows carry the
+    routes of every token the engine ran: the prompt, each turn's sampled tokens and the observations (from the
+    prefill of the turn after them), :attr:`~megarl.agents.episode.TokenSample.routed_experts`.
     """
     rows = [(i, s) for i, e in enumerate(out.episodes) for s in e.samples]
     with_tokens = {i for i, _ in rows}
@@ -148,9 +154,14 @@ def episode_batch(prompts: PromptBatch, out: EpisodeBatch, tokenizer, *, pad_tok
     meta = {"episode": [i for i, _ in rows], "env_reward": [e.reward if e else 0.0 for e in eps],
             "response": texts, "final_response": [e.last_text if e else "" for e in eps],
             "finish_reason": [e.finish_reason if e else "stop" for e in eps],
-            "index": [prompts.index[e.prompt_index] if e else -1 for e in eps]}
+            "index": [prompts.index[e.prompt_index] if e else -1 for e in eps],
+            "token_versions": [s.versions if s else [] for _, s in rows]}
+    routes = [s.routed_experts if s else None for _, s in rows]
+    if any(r is not None for r in routes):  # padding rows: no route (NO_ROUTE), of the routes' shape
+        empty = next(r for r in routes if r is not None)[:0]
+        routes = [empty if r is None else r for r in routes]
     return build_batch(prompts_ids, responses, logprobs, groups, pad_token_id=pad_token_id, seq_multiple=seq_multiple,
-                       meta=meta, response_masks=masks)
+                       meta=meta, response_masks=masks, routed_experts=routes)
 
 
 def to_score(batch: RolloutBatch, prompts: PromptBatch, out: EpisodeBatch) -> tuple[list[str], list[str], list[Any]]:
@@ -167,6 +178,16 @@ def fill_scores(batch: RolloutBatch, scored: torch.Tensor) -> torch.Tensor:
     rows of :func:`to_score`, in order) elsewhere."""
     it = iter(scored.tolist())
     return torch.tensor([next(it) if r is None else float(r) for r in batch.meta["env_reward"]], dtype=torch.float32)
+
+
+def episode_scores(prompts: PromptBatch, out: EpisodeBatch, score) -> torch.Tensor:
+    """``[episodes]`` float32: each episode's reward, or where the environment gave none ``score(prompts,
+    responses, ground truths)`` (``reward.fn``) on its last assistant message."""
+    eps = out.episodes
+    need = [k for k, e in enumerate(eps) if e.reward is None]
+    scored = iter(score([prompts.raw_prompt[eps[k].prompt_index] for k in need], [eps[k].last_text for k in need],
+                        [prompts.ground_truth[eps[k].prompt_index] for k in need]).tolist()) if need else iter(())
+    return torch.tensor([next(scored) if e.reward is None else e.reward for e in eps], dtype=torch.float32)
 
 
 def episode_metrics(batch: RolloutBatch, out: EpisodeBatch) -> dict[str, float]:
@@ -196,10 +217,7 @@ def evaluate_episodes(agent: Agent, engine, prompts: PromptBatch, sampling: Samp
     calls = engine.calls
     out = _run(agent, engine, prompts, sampling, calls, group)
     eps = out.episodes
-    need = [k for k, e in enumerate(eps) if e.reward is None]
-    scored = iter(score([prompts.raw_prompt[eps[k].prompt_index] for k in need], [eps[k].last_text for k in need],
-                        [prompts.ground_truth[eps[k].prompt_index] for k in need]).tolist())
-    scores = torch.tensor([next(scored) if e.reward is None else e.reward for e in eps], dtype=torch.float32)
+    scores = episode_scores(prompts, out, score)
     correct = (scores >= CORRECT_SCORE).reshape(len(prompts), sampling.n)
     metrics = {"accuracy": correct.float().mean().item(), "reward_mean": scores.mean().item(),
                "response_length_mean": float(np.mean([e.sampled_tokens for e in eps])),

@@ -22,11 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.agents.rollout import gather_episodes
 from megarl.config import Config, to_dict
 from megarl.parallel.placement import share_object
 from megarl.parallel.restart import RequeueRequested, read_restarts, requeue_message, requeue_requested
 from megarl.parallel.watchdog import progress_watched
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
+from megarl.trainer.in_flight import NewWeights, announce, flag_source
 from megarl.trainer.pipeline import schedule
 from megarl.trainer.run_record import cut_record_back, keep_earlier_record
 from megarl.trainer.run_state import RunState
@@ -151,16 +153,28 @@ def fit_split(trainer, batches, steps: int | None = None):
             next(batches)  # drawn and generated before the save
         else:
             ready[s] = flight[s]
+    source = flag_source(trainer.world, trainer.rollout_ranks)
     for step, events in schedule(state.step, end, k, lambda s: steps is None and save_due(cfg, s),
                                  in_flight=len(restored)):
         step_start = time.perf_counter()
         busy, stats, metrics, trained = {"train": 0.0, "rollout": 0.0}, None, {}, None
         save = False
+        events = in_flight_order(events, step) if cfg.trainer.in_flight_updates else events
+        new_weights, local = None, {}  # the step's weights taken in flight; the episodes generated meanwhile
         for e in events:
-            if e.kind == "reshard":
+            if e.kind == "reshard" and new_weights is not None and e.step == step:  # the rollout ranks' side
+                new_weights.finish()
+                for j, (out, version) in local.items():
+                    ready[j] = (gather_episodes(out, out.n, trainer.rollout_group), version)
+                state.policy_version = e.step
+            elif e.kind == "reshard":
                 with t("reshard"):
                     stats = trainer.reshard_actor_to_engine()
                 state.policy_version = e.step
+            elif e.kind == "generate" and generating and in_flight_due(events, e, step, cfg):
+                new_weights = new_weights or NewWeights(step, source, trainer.reshard_actor_to_engine)
+                local[e.step] = (trainer.generate(next(batches), 0, e.step, pause=new_weights, gather=False),
+                                 state.policy_version)
             elif e.kind == "generate" and generating:
                 ready[e.step] = (trainer.generate(next(batches), 0, e.step), state.policy_version)
             elif e.kind == "batch":  # the rollout pool's first rank hands the samples to every rank
@@ -176,6 +190,8 @@ def fit_split(trainer, batches, steps: int | None = None):
                     metrics, batch = trainer.train_on(next(batches), out, version)
                     busy["train"] = time.perf_counter() - start
                     trained = (batch, out)
+                    if any(in_flight_due(events, g, step, cfg) for g in events):  # the weights follow at once
+                        announce(trainer.rollout_ranks, source)
                 state.step = e.step
             elif e.kind == "save":  # the step's last event
                 save = True
@@ -189,6 +205,25 @@ def fit_split(trainer, batches, steps: int | None = None):
         yield step, _split_step_metrics(trainer, metrics, trained, stats, busy, step_start)
         if requeue and state.step < end:
             raise _requeue_error(state)
+
+
+def in_flight_order(events: list, step: int) -> list:
+    """A step's events with in-flight updates (:mod:`megarl.trainer.in_flight`): where the step sends its weights
+    (``reshard step``), it does so right after its update, before the hand-overs of the batches generated
+    meanwhile (whose episodes took them between turns)."""
+    out = [e for e in events if (e.kind, e.step) != ("reshard", step)]
+    if len(out) == len(events):
+        return events
+    at = next(i for i, e in enumerate(out) if e.kind == "train") + 1
+    return out[:at] + [next(e for e in events if (e.kind, e.step) == ("reshard", step))] + out[at:]
+
+
+def in_flight_due(events: list, event, step: int, cfg: Config) -> bool:
+    """Whether ``event`` (of ``step``'s ``events``) generates episodes that take the step's weights in flight:
+    ``trainer.in_flight_updates``, a batch of a later step generated while ``step`` trains, and the step sends
+    its weights (``reshard step``)."""
+    return (cfg.trainer.in_flight_updates and event.kind == "generate" and event.step > step
+            and any((e.kind, e.step) == ("reshard", step) for e in events))
 
 
 def _split_step_metrics(trainer, metrics: dict[str, Any], trained, stats, busy: dict[str, float],

@@ -57,14 +57,15 @@ from megarl.trainer.checkpointing import Checkpointer, check_run_folder
 from megarl.trainer.builders import (load_prompts, load_validation, make_engine, model_meta, resolve_eos,
                                      rollout_layout, seed_all)
 from megarl.trainer.dynamic_sampling import dynamic_sampling, group_unit
-from megarl.trainer.episodes import (build_agent, episode_batch, episode_metrics, evaluate_episodes, fill_scores,
-                                     generate_episodes, row_multiple, to_score)
+from megarl.trainer.episodes import (build_agent, episode_batch, episode_metrics, episode_scores, evaluate_episodes,
+                                     fill_scores, generate_episodes, row_multiple, to_score)
 from megarl.trainer.loop import fit
 from megarl.trainer.metrics import batch_metrics, timing_metrics, update_metrics
 from megarl.trainer.old_logprobs import old_logprob_metrics, old_logprob_pass
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
 from megarl.parallel.run_lock import RunLock
 from megarl.trainer.run_state import RunState
+from megarl.trainer.staleness import bound_token_staleness, oldest_versions, stamp_token_versions, trained_versions
 from megarl.workers.teacher import build_teacher, check_teacher
 from megarl.trainer.validation import append_samples
 from megarl.workers.actor import BasePolicy, PolicyWorker
@@ -265,7 +266,8 @@ class Trainer:
         data flows: score -> old and reference log-probs (values) -> advantages and loss masks -> critic and
         actor updates -> metrics. Each role runs on its pool behind its handle (:attr:`roles`, at the same time
         where the pools are disjoint) and shares its results with every training rank. ``version``: the policy
-        version (step) whose weights generated ``out``, recorded with every sample; ``known_scores``: its
+        version (step) whose weights started generating ``out`` (each token's own is stamped on it: the batch's
+        ``token_version``, :mod:`megarl.trainer.staleness`); ``known_scores``: its
         ``[B]`` scores where dynamic sampling already computed them.
 
         Returns:
@@ -273,9 +275,15 @@ class Trainer:
         """
         with self.timer("reward"):
             batch, scores = self._score(prompts, out, known_scores)
-        batch.meta["policy_version"] = [version] * len(batch)
+        if self.agent is None:  # an episode's rows carry their tokens' stamps (episode_batch)
+            stamp_token_versions(batch, [[s.policy_version] * len(s.token_ids) if s.policy_version is not None
+                                         else [] for s in out.samples], default=version)
+        else:
+            stamp_token_versions(batch, batch.meta.pop("token_versions"), default=version)
+        batch.meta["policy_version"] = oldest_versions(batch, default=version)
         if self.actor_lora:
-            batch.meta["adapter_version"] = [s.adapter_version for s in out.samples]
+            batch.meta["adapter_version"] = ([s.adapter_version for s in out.samples] if self.agent is None
+                                             else [out.adapter_version] * len(batch))
         passes = self._forward_passes(batch)
         prepared = self._prepare_loss_inputs(batch, scores, known_scores, passes)
         self._log_samples(prompts, batch)
@@ -340,6 +348,9 @@ class Trainer:
         with t("advantages"):
             kl_metrics = compute_advantages(batch, alg, self.state.kl_ctl)
             loss_metrics = set_loss_mask(batch, alg)
+            tc = self.cfg.trainer  # no token older than the bound trains (megarl.trainer.staleness)
+            loss_metrics.update(bound_token_staleness(batch, self.state.step + 1,
+                                                      tc.max_staleness if tc.mode == "async" else 0))
         routing = self.roles["actor"].share(passes["routing"])
         return {**routing, **kl_metrics, **loss_metrics, **nonfinite_metrics, **judge_metrics}
 
@@ -392,12 +403,14 @@ class Trainer:
         weight; 1 (weights kept on the host) with LoRA adapter sync, whose base is written once."""
         return 1 if self.adapter_sync else 2
 
-    def reshard_actor_to_engine(self):
+    def reshard_actor_to_engine(self, version: int | None = None):
         """Wake the rollout engine and write the actor's current weights into it (every rank: a rank without
         an engine sends its shards or just takes part); returns this rank's reshard stats. A LoRA actor sends
         merged weights, or with adapter sync its base once and then its adapters alone (:meth:`_sync_adapters`);
-        the engine records the version (``state.step``) its samples come from."""
+        the engine records the version its samples come from: ``version``, default ``state.step`` (a rollout
+        rank taking weights in flight is still at the step before, :mod:`megarl.trainer.in_flight`)."""
         rc = self.cfg.reshard
+        version = self.state.step if version is None else version
 
         def run(plan, dst: dict[str, torch.Tensor]):
             return execute_plan(plan, self.actor.source_tensors() if self.actor else {}, dst,
@@ -406,18 +419,19 @@ class Trainer:
                                 math.ceil(rc.direct_min_kb * 2**10))
 
         if self.adapter_sync:
-            return self._sync_adapters(run)
+            return self._sync_adapters(run, version)
         if self.engine is None:
             return run(self.reshard_plan, {})
         self.engine.wake_up()
         stats = self.engine.update_weights(lambda dst: run(self.reshard_plan, dst))
-        self.engine.adapter_version = self.state.step if self.actor_lora else None
+        self.engine.adapter_version = version if self.actor_lora else None
+        self.engine.policy_version = version
         return stats
 
-    def _sync_adapters(self, run):
+    def _sync_adapters(self, run, version: int):
         """LoRA adapter sync: the base weights into the engine where it has none (the first step; its sleep keeps
         them: :attr:`sleep_level`), then the adapters, whole on every engine rank (vLLM's LoRA layers cut their
-        own TP shards), handed to the engine in memory as version ``state.step``."""
+        own TP shards), handed to the engine in memory as ``version``."""
         engine = self.engine
         has_base = share_object(engine is not None and engine.has_weights, self.rollout_ranks[:1])
         if not has_base:
@@ -432,7 +446,8 @@ class Trainer:
         layout = self.adapter_plan.dst.tensors(self.rank)
         tensors = {n: torch.empty(lt.shape, dtype=engine.dtype, device=engine.device) for n, lt in layout.items()}
         stats = run(self.adapter_plan, tensors)
-        engine.update_adapters(tensors, self.actor_lora, version=self.state.step)
+        engine.update_adapters(tensors, self.actor_lora, version=version)
+        engine.policy_version = version
         return stats
 
     def validate(self) -> dict[str, Any]:
@@ -465,7 +480,10 @@ class Trainer:
         return torch.cat(map_data_parallel(self.reward_fn, prompts, responses, truths, ranks=self.reward_ranks))
 
     def _score_round(self, prompts: PromptBatch, out: RolloutOutput) -> torch.Tensor:
-        """``[B]`` float32 scores of a round's responses on every rank (dynamic sampling's rounds)."""
+        """``[B]`` float32 scores of a round's responses (episodes: one each, the environment's reward or
+        ``reward.fn`` on its last assistant message) on every rank (dynamic sampling's rounds)."""
+        if self.agent is not None:
+            return episode_scores(prompts, out, self._rewards)
         texts = self.tokenizer.batch_decode([list(s.token_ids) for s in out.samples], skip_special_tokens=True)
         return self._rewards([prompts.raw_prompt[s.prompt_index] for s in out.samples], texts,
                              [prompts.ground_truth[s.prompt_index] for s in out.samples])
@@ -474,11 +492,13 @@ class Trainer:
         """Decode and pack the rollout into a batch, and score this rank's share of it (the reward pool's ranks
         a share each, None elsewhere; no collective, so the other pools go on meanwhile);
         :meth:`_gather_scores` puts every score into the batch. With ``known`` (the ``[B]`` scores, already
-        computed on every rank: dynamic sampling) nothing is scored."""
+        computed on every rank: dynamic sampling; with episodes one per episode) nothing is scored."""
         if self.agent is not None:  # one row per trained sample of an episode; reward.fn where the env gave none
             batch = episode_batch(prompts, out, self.tokenizer, pad_token_id=self.pad_id,
                                   seq_multiple=8 * self.mesh.tp * self.mesh.cp,
                                   multiple=row_multiple(self.cfg, "critic" in self.pools))
+            if known is not None:
+                return batch, None
             return batch, map_share(self.reward_fn, *to_score(batch, prompts, out), ranks=self.reward_ranks)
         n = out.n
         samples = out.samples
@@ -499,14 +519,19 @@ class Trainer:
     def _gather_scores(self, batch: RolloutBatch, local: Any, known: torch.Tensor | None = None) -> None:
         """Every reward rank's share of the scores (:meth:`_score`) as ``batch["scores"]`` ``[B]`` float32 and
         ``batch.meta["correct"]`` (score >= 1), on every rank (``known``: all of them, already on every rank)."""
-        scores = known if known is not None else torch.cat(gather_shares(local, self.reward_ranks,
-                                                                         group=self.train_group))
-        if self.agent is not None:
-            scores = fill_scores(batch, scores)
+        if self.agent is not None and known is not None:  # an episode's score on each of its rows (padding: 0)
+            scores = torch.tensor([float(known[e]) if e >= 0 else 0.0 for e in batch.meta["episode"]])
+        elif known is not None:
+            scores = known
+        else:
+            scores = torch.cat(gather_shares(local, self.reward_ranks, group=self.train_group))
+            if self.agent is not None:
+                scores = fill_scores(batch, scores)
         batch["scores"] = scores
         batch.meta["correct"] = (scores >= 1.0).tolist()
 
-    def generate(self, prompts: PromptBatch, round_idx: int, step: int | None = None) -> RolloutOutput:
+    def generate(self, prompts: PromptBatch, round_idx: int, step: int | None = None, pause=None,
+                 gather: bool = True) -> RolloutOutput:
         """Generate ``rollout.n`` responses to each prompt, over the rollout data-parallel group.
 
         Every sample's seed is a function of ``(run.seed, step, round, prompt, sample)`` alone, never of what
@@ -516,12 +541,16 @@ class Trainer:
         it. So the checkpoint's step is all a resumed run needs to sample as the uninterrupted one
         (:class:`Trainer` sets the counter from it on resume).
         ``step``: the (1-based) step whose batch this is, when not the one after ``state.step`` (a rollout pool
-        of its own generates ahead)."""
+        of its own generates ahead). Episodes only: ``pause``, new weights taken between turns, and
+        ``gather=False``, this rank's episodes alone (:mod:`megarl.trainer.in_flight`)."""
         index = self.state.step if step is None else step - 1
         sampling = SamplingConfig(seed=self.cfg.run.seed * 1_000_003 + index + round_idx * 7_919_993, **self.sampling)
         self.engine.calls = index
         if self.agent is not None:
-            out = generate_episodes(self.agent, self.engine, prompts, sampling, group=self.rollout_group)
+            adapters = self.engine.adapter_version  # at the start: the oldest, where weights change in flight
+            out = generate_episodes(self.agent, self.engine, prompts, sampling, group=self.rollout_group,
+                                    pause=pause, gather=gather)
+            out.adapter_version = adapters
         else:
             out = generate_data_parallel(self.engine, prompts.input_ids, sampling, group=self.rollout_group)
         self.engine.calls = index + 1
@@ -531,7 +560,8 @@ class Trainer:
     def _log_samples(self, prompts, batch: RolloutBatch) -> None:
         """Append the step's first ``trainer.log_samples`` responses to ``samples.jsonl`` (rank 0): ``row`` (in the
         step's batch), prompt, response, score, ground truth, ``length`` (response tokens), ``prompt_tokens``,
-        policy version, finish reason."""
+        policy version (the row's oldest token's), ``token_versions`` (``{version: tokens}`` of the row's tokens in
+        the actor's loss), finish reason."""
         k = min(self.cfg.trainer.log_samples, len(batch))
         if self.rank != 0 or k == 0:
             return
@@ -541,6 +571,7 @@ class Trainer:
              "score": None if batch["dropped"][i] else float(batch["scores"][i]),
              "ground_truth": prompts.ground_truth[g], "length": int(batch["response_lens"][i]),
              "prompt_tokens": int(batch["prompt_lens"][i]), "policy_version": batch.meta["policy_version"][i],
+             "token_versions": trained_versions(batch, i),
              **({"adapter_version": batch.meta["adapter_version"][i]} if adapters else {}),
              "finish_reason": batch.meta["finish_reason"][i]}
             for i, g in ((i, int(batch["group"][i])) for i in range(k))], step=self.state.step + 1)
