@@ -10,7 +10,7 @@
     megarl sft [CONFIG.yaml] [key=value ...] [--resume]     supervised fine-tuning (chat, prompt/completion)
     megarl dpo [CONFIG.yaml] [key=value ...] [--resume]     DPO on chosen/rejected pairs
     megarl eval MODEL [CONFIG.yaml] [key=value ...]         held-out accuracy of a model or checkpoint
-    megarl report RUN_DIR                                   plots and a markdown page of a run
+    megarl report RUN_DIR [--overwrite]                     plots and a markdown page of a run
     megarl bench reshard ...                                reshard benchmark (see --help)
     megarl bench step [CONFIG.yaml] [key=value ...] --steps N --warmup K [--json PATH]
                                                             RL step benchmark: per-phase tokens/s/GPU, MFU
