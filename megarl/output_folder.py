@@ -1,25 +1,30 @@
-"""The folders that megarl's commands write into (``megarl convert``, ``megarl export``, ``megarl data ...``), and
-the one rule for them: megarl never deletes or replaces a file it did not write.
+"""The outputs of megarl's commands, and the one rule for them: megarl never replaces a file or folder that it
+did not write in this run, the same command's output of an earlier run included, unless asked (``--overwrite``);
+and what it replaces, it replaces whole: written beside, then renamed into place.
 
-A command writes into its output folder OUT when OUT is
+Output folders (``megarl convert``, ``megarl export``, ``megarl data ...``): a command writes into its output
+folder OUT when OUT is new or empty. OUT may also hold
 
-- new or empty;
-- or holds only what an earlier run of the same command wrote there, known by the command's own marker: for
-  ``convert`` a megarl checkpoint that is no training checkpoint (its ``megarl.json`` records no training step),
-  for the others the manifest ``megarl_<command>.json`` listing the files it wrote (:func:`manifest_name`). That
-  earlier output is replaced (``convert``'s only with ``overwrite``: :func:`megarl.launch.convert.convert_to_megarl`).
+- what an earlier run of the same command wrote there, known by the command's own marker: for ``convert`` a
+  megarl checkpoint that is no training checkpoint (its ``megarl.json`` records no training step), for the
+  others the manifest ``megarl_<command>.json`` listing the files it wrote (:func:`manifest_name`). Refused,
+  the message naming the folder and ``--overwrite``; with ``overwrite`` that earlier output is replaced;
+- files of no earlier run of the command: refused, the message naming them, unless ``overwrite``: the command's
+  files then go in beside the others, which stay as they were; a file of the same name as one the command writes
+  is refused, never replaced (delete or move it first).
 
-Any other folder is refused, the message naming its files, unless ``overwrite`` (``--overwrite``): the command's
-files then go in beside the others, which stay as they were; a file of the same name as one the command writes
-is refused, never replaced (delete or move it first). A path naming a file is refused. A training run's folder
-(:func:`is_run_folder`) and a training checkpoint (a ``megarl.json`` with a step, or anything in a run's
-``checkpoints/``) are refused even with ``overwrite``: their weights, optimizer state, data position and RNG
-states cannot be made again by any other command.
+A path naming a file is refused. A training run's folder (:func:`is_run_folder`) and a training checkpoint (a
+``megarl.json`` with a step, or anything in a run's ``checkpoints/``) are refused even with ``overwrite``: their
+weights, optimizer state, data position and RNG states cannot be made again by any other command.
 
-A command :meth:`OutputFolder.claim` s the folder before any work, writes into :attr:`OutputFolder.staging`
-(OUT itself when it holds nothing else, else a hidden sibling whose entries then move in), and
-:meth:`OutputFolder.finish` es: the manifest, the move, and the removal of files of its earlier output that
-it did not write again.
+A command :meth:`OutputFolder.claim` s the folder before any work, then, in ``with folder:``, writes into
+:attr:`OutputFolder.staging` (a hidden sibling of OUT); at the block's end :meth:`OutputFolder.finish` writes
+the manifest, renames each entry into OUT and removes the files of its earlier output that it did not write
+again. A command that fails (or dies) leaves OUT as it was: its staging folder is removed (by the next claim).
+
+Output files (``megarl report``'s page and figures, ``megarl bench ... --json``, ``megarl sweep``'s table, CSV,
+plot and job script): :func:`claim_outputs` refuses, before any work, the ones that exist unless ``overwrite``;
+:func:`write_beside` writes each beside its place and renames it there.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 # what `megarl train` leaves in every run folder: its lock (taken before anything is written), the metrics of
 # its steps, its checkpoints (megarl.parallel.run_lock.LOCK_FILE, megarl.trainer.metrics, megarl.models.checkpoint)
@@ -81,9 +86,9 @@ class OutputFolder:
     Attributes:
         target: the output folder (absolute).
         command: the command's name in messages (``"convert"``, ``"data arithmetic"``).
-        staging: where the command writes: ``target`` itself, or a hidden sibling when ``target`` holds files
-            the command did not write.
-        earlier: the entries of ``target`` that an earlier run of the command wrote (replaced).
+        staging: where the command writes: a hidden sibling of ``target`` (:func:`staging_path`).
+        earlier: the entries of ``target`` that an earlier run of the command wrote (replaced; only with
+            ``overwrite``).
         kept: the entries of ``target`` it did not write (kept; only with ``overwrite``).
         manifest: the manifest file's name, or None for a command whose output is its own marker (convert).
     """
@@ -97,17 +102,21 @@ class OutputFolder:
 
     @classmethod
     def claim(cls, out: str | os.PathLike, command: str, *, overwrite: bool = False,
-              earlier: Iterable[str] | None = None, writes: Iterable[str] = ()) -> "OutputFolder":
+              earlier: Iterable[str] | None = None, earlier_what: str | None = None,
+              writes: Iterable[str] = ()) -> "OutputFolder":
         """Check that ``command`` may write into ``out``, before any of its work.
 
         Args:
             earlier: the entries of ``out`` that an earlier run of the command wrote, for a command whose output is
                 its own marker; None: the ones its manifest lists.
+            earlier_what: that earlier output in the refusal's words (default: "the output of an earlier megarl
+                <command>").
             writes: names the command is known to write, refused up front when another file holds one.
 
         Raises:
-            OutputFolderError: ``out`` is a file, part of a training run, or holds files the command did not
-                write (without ``overwrite``; with it, a file of a name the command writes).
+            OutputFolderError: ``out`` is a file or part of a training run; without ``overwrite``, it holds files
+                the command did not write, or an earlier run's output of the command (the message names the folder
+                and ``--overwrite``); with it, a file of a name the command writes that the command did not write.
         """
         target = Path(out).resolve()
         if target.exists() and not target.is_dir():
@@ -122,17 +131,29 @@ class OutputFolder:
         present = {p.name for p in target.iterdir()} if target.is_dir() else set()
         ours = present & set(earlier)
         kept = present - ours
-        folder = cls(target, command, target, frozenset(ours), frozenset(kept), manifest)
-        if not kept:
-            return folder
-        if not overwrite:
+        if kept and not overwrite:
             raise OutputFolderError(f"megarl {command}: the output folder {target} holds files that megarl {command} "
                                     f"did not write ({_listed(kept)}); name a new or empty folder, or pass "
                                     f"--overwrite to write beside them (they are kept, never replaced)")
+        if ours and not overwrite:
+            raise OutputFolderError(f"megarl {command}: the output folder {target} holds "
+                                    f"{earlier_what or f'the output of an earlier megarl {command}'} "
+                                    f"({_listed(ours)}); pass --overwrite to replace it, or name a new or empty folder")
+        staging = staging_path(target, command)
+        folder = cls(target, command, staging, frozenset(ours), frozenset(kept), manifest)
         folder._refuse_clashes(set(writes))
-        staging = target.with_name(f".{target.name}.megarl-{command.replace(' ', '-')}")
         shutil.rmtree(staging, ignore_errors=True)  # a staging folder left by a command that died
-        return cls(target, command, staging, frozenset(ours), frozenset(kept), manifest)
+        return folder
+
+    def __enter__(self) -> "OutputFolder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """:meth:`finish` after the command's work; after its failure, the staging folder removed."""
+        if exc_type is None:
+            self.finish()
+        else:
+            shutil.rmtree(self.staging, ignore_errors=True)
 
     def _refuse_clashes(self, names: set[str]) -> None:
         clash = names & self.kept
@@ -142,38 +163,96 @@ class OutputFolder:
                                     "a file it did not write: delete or move it, or name another folder")
 
     def finish(self) -> list[str]:
-        """After the command wrote :attr:`staging`: write the manifest, move the staged entries into
-        :attr:`target` (replacing those of the earlier output), delete the earlier output's files not written
-        again. Returns the names written.
+        """After the command wrote :attr:`staging`: write the manifest, rename the staged entries into
+        :attr:`target` (each replacing the earlier output's entry of its name, :func:`_rename_over`; a new
+        ``target``: the staging folder renamed), delete the earlier output's files not written again. Returns the
+        names written.
 
         Raises:
             OutputFolderError: the command wrote a file of a name that a kept file has (nothing of
                 :attr:`target` was changed; the staged files are removed).
         """
+        self.staging.mkdir(parents=True, exist_ok=True)  # a command that wrote nothing
         written = sorted(p.name for p in self.staging.iterdir() if p.name != self.manifest)
-        if self.staging != self.target:
-            try:
-                self._refuse_clashes(set(written))
-            except OutputFolderError:
-                shutil.rmtree(self.staging, ignore_errors=True)
-                raise
+        try:
+            self._refuse_clashes(set(written))
+        except OutputFolderError:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            raise
         if self.manifest:
             tmp = self.staging / f"{self.manifest}.tmp"
             tmp.write_text(json.dumps({"files": written}, indent=2) + "\n")
             os.replace(tmp, self.staging / self.manifest)
-        if self.staging != self.target:
+        if not self.target.exists():
+            os.rename(self.staging, self.target)
+        else:
             for entry in sorted(self.staging.iterdir()):
-                dest = self.target / entry.name
-                if dest.is_dir() and not dest.is_symlink():
-                    shutil.rmtree(dest)
-                elif dest.exists() or dest.is_symlink():
-                    dest.unlink()
-                os.replace(entry, dest)
+                _rename_over(entry, self.target / entry.name)
             self.staging.rmdir()
         for name in self.earlier - set(written) - {self.manifest}:
-            stale = self.target / name
-            shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink(missing_ok=True)
+            _remove(self.target / name)
         return written
+
+
+def staging_path(target: Path, command: str) -> Path:
+    """Where ``command`` writes its output ``target`` (a file or folder) before renaming it there: a hidden
+    sibling, on the same file system (so that the rename is one step)."""
+    return target.with_name(f".{target.name}.megarl-{command.replace(' ', '-')}")
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+
+
+def _rename_over(new: Path, dest: Path) -> None:
+    """Put ``new`` at ``dest`` by renames: a file replaces a file in one step (``os.replace``); an entry in the way
+    of a folder (or a folder in the way of a file) is renamed aside first and removed after."""
+    if not (dest.exists() or dest.is_symlink()) or (new.is_file() and dest.is_file() and not dest.is_symlink()):
+        os.replace(new, dest)
+        return
+    aside = dest.with_name(f".{dest.name}.megarl-replaced")
+    _remove(aside)  # left by a command that died between the renames
+    os.rename(dest, aside)
+    os.rename(new, dest)
+    _remove(aside)
+
+
+def claim_outputs(paths: Iterable[str | os.PathLike], command: str, *, overwrite: bool = False,
+                  alternative: str = "") -> list[Path]:
+    """Check, before any of ``command``'s work, that it may write its output files or folders ``paths``: each is
+    new, or with ``overwrite`` replaced (:func:`write_beside`); one that exists is never replaced otherwise,
+    whoever wrote it (an earlier run of the command included). Returns the paths (absolute).
+
+    Raises:
+        OutputFolderError: without ``overwrite``, naming the paths that exist and ``--overwrite`` (and
+            ``alternative``, another way out, e.g. ", or give another --json").
+    """
+    paths = [Path(p).absolute() for p in paths]
+    there = [p for p in paths if p.exists() or p.is_symlink()]
+    if there and not overwrite:
+        names = ", ".join(str(p) for p in there)
+        raise OutputFolderError(f"megarl {command}: {names} exist{'s' if len(there) == 1 else ''} (an earlier run's "
+                                f"output, or not megarl's); megarl {command} replaces no file it did not write: "
+                                f"pass --overwrite to replace {'it' if len(there) == 1 else 'them'}{alternative}")
+    return paths
+
+
+def write_beside(path: str | os.PathLike, write: Callable[[Path], object], command: str) -> Path:
+    """Make the file or folder ``path`` with ``write(tmp)``, ``tmp`` a hidden sibling (:func:`staging_path`),
+    then rename ``tmp`` to ``path`` (:func:`_rename_over`): a reader sees the earlier ``path`` or the new one,
+    never half of one, and a ``write`` that raises leaves ``path`` as it was. Claim ``path`` first
+    (:func:`claim_outputs`). Returns ``path``."""
+    path = Path(path)
+    tmp = staging_path(path, command)
+    _remove(tmp)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write(tmp)
+    except BaseException:
+        _remove(tmp)
+        raise
+    _rename_over(tmp, path)
+    return path
 
 
 def _manifest_files(path: Path) -> set[str]:

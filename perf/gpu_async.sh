@@ -81,8 +81,8 @@ case $CASE in
                  algorithm.rollout_correction.preset=token_tis "$@" ;;
   *) echo "unknown case $CASE (colocated split-sync split-async summary)"; exit 2 ;;
 esac
-python3 -m megarl.cli bench step "$@" --steps 3 --warmup 1 --json "$OUT/$CASE.json" 2>&1 | tee "$OUT/$CASE.log" \
-  | grep -v -i -E "warn|^\s*warnings\.warn|INFO"
+python3 -m megarl.cli bench step "$@" --steps 3 --warmup 1 --json "$OUT/$CASE.json" --overwrite 2>&1 \
+  | tee "$OUT/$CASE.log" | grep -v -i -E "warn|^\s*warnings\.warn|INFO"
 rc=${PIPESTATUS[0]}
 python3 - "$OUT/$CASE.json" <<'EOF' || rc=1
 import json

@@ -72,7 +72,7 @@ case $CASE in
               run.name="$CASE" "$@" --steps 3 --warmup 1 --standalone-vllm ;;
   *) echo "unknown case $CASE (mfu-1.5b mem-0.5b grpo-1.5b grpo-1.5b-fast smollm2)"; exit 2 ;;
 esac
-python3 -m megarl.cli bench step "$@" --json "$OUT/$CASE.json" 2>&1 | tee "$OUT/$CASE.log" \
+python3 -m megarl.cli bench step "$@" --json "$OUT/$CASE.json" --overwrite 2>&1 | tee "$OUT/$CASE.log" \
   | grep -v -i -E "warn|^\s*warnings\.warn|INFO"
 rc=${PIPESTATUS[0]}
 python3 - "$OUT/$CASE.json" <<'EOF' || rc=1

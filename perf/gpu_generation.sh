@@ -53,7 +53,7 @@ generation() {  # generation LABEL VARIANTS [overrides...]: one engine, its vari
   local label=$1 variants=$2
   shift 2
   python3 -m megarl.cli bench generation $CASE "$@" --label "$label" --variants "$variants" --profile-tokens 32 \
-    --json "$OUT/gen_$label.json" 2>&1 | grep --line-buffered -v -i -E "warn|INFO"
+    --json "$OUT/gen_$label.json" --overwrite 2>&1 | grep --line-buffered -v -i -E "warn|INFO"
   return "${PIPESTATUS[0]}"
 }
 
@@ -67,8 +67,8 @@ make_tiny_model(Path('$OUT/tok')); write_prompts(Path('$OUT/prompts.jsonl'), 409
   python3 -m megarl.cli bench step $CASE model.tokenizer="$OUT/tok" "data.train_files=[$OUT/prompts.jsonl]" \
     data.prepare=null data.use_chat_template=false "data.instruction=''" reward.fn=tests.rl_tasks:says_target \
     trainer.progress=false run.output_dir="$OUT" run.name="step-$label" actor.micro_batch_size=32 \
-    actor.logprob_micro_batch_size=64 actor.ppo_mini_batch_size=256 "$@" --json "$OUT/step_$label.json" 2>&1 \
-    | grep --line-buffered -v -i -E "warn|INFO"
+    actor.logprob_micro_batch_size=64 actor.ppo_mini_batch_size=256 "$@" --json "$OUT/step_$label.json" --overwrite \
+    2>&1 | grep --line-buffered -v -i -E "warn|INFO"
   return "${PIPESTATUS[0]}"
 }
 

@@ -36,7 +36,7 @@ make_tiny_model(Path('$OUT/tok')); write_prompts(Path('$OUT/prompts.jsonl'), 102
     run.output_dir="$OUT" run.name=moe-bench validation.enabled=false data.max_prompt_length=8 \
     rollout.max_new_tokens=128 data.prompts_per_step=64 rollout.n=8 actor.ppo_mini_batch_size=512 \
     actor.micro_batch_size=64 actor.logprob_micro_batch_size=64 rollout.gpu_memory_utilization=0.12 \
-    algorithm.kl.coef=0 --steps 2 --warmup 1 --standalone-vllm --json "$OUT/moe-bench.json" || return 1
+    algorithm.kl.coef=0 --steps 2 --warmup 1 --standalone-vllm --json "$OUT/moe-bench.json" --overwrite || return 1
   python3 - "$OUT/moe-bench.json" <<'PY'
 import json
 import sys

@@ -33,7 +33,7 @@ build_extension() {  # megarl._C with its CUDA kernels
 bench() {  # bench NAME ARGS...: one reshard benchmark, JSON to $OUT/bench_NAME.json
   local name=$1; shift
   python3 -m megarl.cli bench reshard --model "${MODEL:-qwen2.5-7b}" --layers "${LAYERS:-0}" --dtype bf16 --nproc 2 \
-    --dst vllm --iters 5 --ranks-per-node 2 --json "$OUT/bench_$name.json" "$@"
+    --dst vllm --iters 5 --ranks-per-node 2 --json "$OUT/bench_$name.json" --overwrite "$@"
 }
 
 reshard_bench() {

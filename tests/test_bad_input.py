@@ -246,6 +246,16 @@ CASES = [
     (["convert", "DATA:cut-st", "out"], CUT_ST[0]),
     (["TINY", "model.path=DATA:header-st"], HEADER_ST),
     (["convert", "DATA:header-st", "out"], HEADER_ST),
+    # the same in the other model folders a run reads (issue 48: a reward model's was transformers' traceback on
+    # every rank, retried by --max-restarts; the teacher's named no field)
+    (["TINY", "reward.fn=reward_model", "reward.kwargs.model=DATA:cut-st"], "reward.kwargs.model: " + CUT_ST[0]),
+    (["TINY", "reward.fn=reward_model", "reward.kwargs.model=DATA:header-st", "--check"],
+     "reward.kwargs.model: " + HEADER_ST),
+    (["eval", "TINYMODEL", "reward.fn=reward_model", "reward.kwargs.model=DATA:cut-st", "data.prepare=null",
+      "validation.files=[DATA:prompts.jsonl]", "data.use_chat_template=false", "data.instruction=''"],
+     "reward.kwargs.model: " + CUT_ST[0]),
+    (["TINY", "algorithm.distill.teacher=DATA:cut-st", "algorithm.kl.coef=0"],
+     "algorithm.distill.teacher: " + CUT_ST[0]),
     (["TINY", "model.path=DATA:text.gguf"], "DATA:text.gguf: not a GGUF file: it starts with b'not ', not the magic "
                                             "bytes b'GGUF'"),
     (["TINY", "model.path=DATA:cut.gguf"], "DATA:cut.gguf: 20604 bytes, but its tensor table places tensor "

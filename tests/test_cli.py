@@ -82,6 +82,37 @@ def test_a_crash_prints_its_traceback_and_never_exits_0():
     assert r.stderr.strip().splitlines()[-1] == "AttributeError: a bug", r.stderr[-3000:]
 
 
+def rank_holding_a_semaphore() -> None:
+    """A spawned rank's end, as ``run_world``'s: a semaphore registered with its launcher's resource tracker
+    (tqdm's lock, made by a GGUF dequantisation), then :func:`~megarl.parallel.lifecycle.end_descendants`, then
+    the process's exit, which releases the semaphore."""
+    import multiprocessing as mp
+
+    from megarl.parallel.lifecycle import end_descendants
+
+    global _SEMAPHORE
+    _SEMAPHORE = mp.get_context("spawn").Lock()
+    end_descendants()
+
+
+_SPAWN_A_RANK = """
+import multiprocessing as mp
+from tests.test_cli import rank_holding_a_semaphore
+p = mp.get_context("spawn").Process(target=rank_holding_a_semaphore)
+p.start()
+p.join()
+assert p.exitcode == 0, p.exitcode
+"""
+
+
+def test_a_spawned_rank_ends_without_a_resource_tracker_traceback():
+    """Issue 48: ``megarl convert`` of a GGUF file ended in a ``multiprocessing.resource_tracker`` ``KeyError``
+    traceback and a leaked-semaphore warning: the rank's ``end_descendants`` closed its end of its launcher's
+    tracker, so its exit released tqdm's semaphore through a second tracker that had never seen it."""
+    r = subprocess.run([sys.executable, "-c", _SPAWN_A_RANK], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0 and "resource_tracker" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 _LOG_AS_RANK = """
 import logging
 from megarl.console import quiet_libraries, quiet_other_ranks

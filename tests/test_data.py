@@ -247,7 +247,7 @@ def test_prepare_gsm8k_from_the_hub(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     with pytest.raises(DataError, match="ConnectionError: no network.*pass --src DIR"):
-        prepare_gsm8k("openai/gsm8k", tmp_path / "out")
+        prepare_gsm8k("openai/gsm8k", tmp_path / "out2")  # (tmp_path / "out": its earlier output, refused first)
 
 
 def test_arithmetic_task_splits_are_disjoint_sums_and_the_same_every_time(tmp_path, capsys):

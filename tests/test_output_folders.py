@@ -1,7 +1,9 @@
-"""The output folders of ``megarl convert``, ``megarl export`` and ``megarl data`` (:mod:`megarl.output_folder`):
-a new or empty folder is written, the command's own earlier output replaced, and a folder holding anything else
-refused unless ``--overwrite``, which keeps the other files and never replaces one of them; a training run's
-folder or checkpoint is refused always. megarl never deletes or replaces a file it did not write.
+"""The outputs of megarl's commands (:mod:`megarl.output_folder`). The folders of ``megarl convert``, ``megarl
+export`` and ``megarl data``: a new or empty folder is written; the command's own earlier output is replaced only
+with ``--overwrite``, whole or not at all (written beside, renamed in); a folder holding anything else is refused
+unless ``--overwrite``, which keeps the other files and never replaces one of them; a training run's folder or
+checkpoint is refused always. The files of ``megarl report``, ``megarl bench ... --json`` and ``megarl sweep``: one
+that exists is replaced only with ``--overwrite``. megarl never replaces a file it did not write in this run.
 
 The conversion and export worlds are replaced by functions that write what the ranks write (a folder replaced
 whole, as :func:`megarl.models.checkpoint.save_checkpoint` and :func:`megarl.models.hf_io.save_hf_checkpoint`
@@ -80,8 +82,16 @@ def test_export_refuses_a_full_folder_and_replaces_only_its_own_files(cli, tmp_p
     assert len(names) == 34 and {"config.json", "model.safetensors", "megarl_export.json"} <= set(names)
     assert json.loads((user / "megarl_export.json").read_text())["files"] == \
         ["config.json", "model.safetensors", "tokenizer.json"]
-    # a folder holding only an earlier export is replaced without --overwrite
-    assert cli("export", str(ckpt), "fresh")[0] == 0 and cli("export", str(ckpt), "fresh")[0] == 0
+    # a folder holding only an earlier export: replaced only with --overwrite (issue 48)
+    assert cli("export", str(ckpt), "fresh")[0] == 0
+    written = _files(tmp_path / "fresh")
+    status, err = cli("export", str(ckpt), "fresh")
+    assert status == 2 and err.strip() == (
+        f"megarl: error: megarl export: the output folder {tmp_path / 'fresh'} holds the output of an earlier megarl "
+        "export (config.json, megarl_export.json, model.safetensors, tokenizer.json); pass --overwrite to replace "
+        "it, or name a new or empty folder"), err
+    assert _files(tmp_path / "fresh") == written
+    assert cli("export", str(ckpt), "fresh", "--overwrite")[0] == 0
     (tmp_path / "fresh" / "README.md").write_text("mine")
     assert cli("export", str(ckpt), "fresh")[0] == 2
     assert cli("export", str(ckpt), "not_a_folder")[0] == 0
@@ -172,10 +182,103 @@ def test_data_arithmetic_never_replaces_the_users_parquet_files(cli, tmp_path):
     assert json.loads((out / "megarl_data_arithmetic.json").read_text())["files"] == ["test.parquet", "train.parquet"]
     assert pq.read_metadata(out / "train.parquet").num_rows == 336
     (out / "notes.parquet").unlink()
-    assert cli("data", "arithmetic", "--out", "mydata")[0] == 0      # its own earlier output: replaced
+    written = _files(out)
+    status, err = cli("data", "arithmetic", "--out", "mydata")       # its own earlier output: only with the flag
+    assert status == 2 and "holds the output of an earlier megarl data arithmetic" in err and "--overwrite" in err
+    assert _files(out) == written
+    assert cli("data", "arithmetic", "--out", "mydata", "--overwrite")[0] == 0
     assert cli("data", "arithmetic", "--out", "new/folder")[0] == 0
     assert sorted(p.name for p in (tmp_path / "new" / "folder").iterdir()) == [
         "megarl_data_arithmetic.json", "test.parquet", "train.parquet"]
+
+
+def test_a_failed_overwrite_leaves_the_earlier_output_as_it_was(cli, tmp_path, monkeypatch):
+    """Issue 48: ``convert --overwrite`` of a folder holding an earlier conversion wrote into the folder itself, so a
+    conversion that failed halfway had already replaced (here: deleted) the earlier checkpoint. The new output is
+    written beside and renamed in at the end: a failure leaves the earlier one whole, and no staging folder."""
+    assert cli("convert", "src", "ckpt")[0] == 0
+    before = _files(tmp_path / "ckpt")
+
+    def failing_world(fn, world_size, *args, reraise=()):
+        out = Path(args[1])
+        shutil.rmtree(out, ignore_errors=True)
+        (out / "model").mkdir(parents=True)
+        (out / "model" / "shard").write_text("half a conversion")
+        raise ValueError("rank 1: the source is damaged")
+    monkeypatch.setattr(lc, "run_world", failing_world)
+    status, err = cli("convert", "src", "ckpt", "--overwrite")
+    assert status == 2 and "the source is damaged" in err, err
+    assert _files(tmp_path / "ckpt") == before and not list(tmp_path.glob(".ckpt*"))
+
+
+def _refused(status: int, err: str, *paths: Path) -> bool:
+    """One ``megarl: error:`` line naming each path and ``--overwrite``, status 2."""
+    lines = err.strip().splitlines()
+    return (status == 2 and len(lines) == 1 and lines[0].startswith("megarl: error:") and "--overwrite" in lines[0]
+            and all(str(p) in lines[0] for p in paths))
+
+
+def test_report_replaces_an_earlier_report_only_with_overwrite(cli, tmp_path):
+    """Issue 48: ``megarl report RUN`` replaced the report that the run (or an earlier ``megarl report``) wrote,
+    and a user's own ``report.md`` with it; now refused, naming the files and ``--overwrite``, which replaces them
+    (each renamed into place; no staging file left)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": s / 10}) + "\n"
+                                               for s in (1, 2)))
+    (run / "report.md").write_text("my notes")
+    status, err = cli("report", str(run))
+    assert _refused(status, err, run / "report.md"), err
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "report.md"]
+    assert cli("report", str(run), "--overwrite")[0] == 0
+    page = (run / "report.md").read_text()
+    assert "2 steps; last step: reward 0.200" in page and "](report/reward.png)" in page
+    assert (run / "report" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    status, err = cli("report", str(run))                            # megarl report's own earlier report
+    assert _refused(status, err, run / "report.md", run / "report"), err
+    assert cli("report", str(run), "--overwrite")[0] == 0
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "report", "report.md"]
+
+
+def test_bench_and_sweep_files_of_an_earlier_run_are_refused_before_any_work(cli, tmp_path, monkeypatch):
+    """Issue 48: ``megarl bench step|generation|reshard --json PATH`` and ``megarl sweep`` replaced an earlier
+    run's report, table, CSV and plot. Each is refused before anything runs, naming the file and ``--overwrite``."""
+    import yaml
+
+    import megarl.bench.generation
+    import megarl.bench.reshard
+    import megarl.bench.step
+    import megarl.launch.sweep
+    from tests.rl_tasks import make_tiny_model, task_overrides, write_prompts
+
+    def started(*args, **kwargs):
+        raise AssertionError("the benchmark started")
+    for module, name in ((megarl.bench.step, "bench_step"), (megarl.bench.generation, "bench_generation"),
+                         (megarl.bench.reshard, "run"), (megarl.launch.sweep, "run_local")):
+        monkeypatch.setattr(module, name, started)
+    model, data = make_tiny_model(tmp_path / "model"), write_prompts(tmp_path / "prompts.jsonl", 8)
+    task = task_overrides(model, data, tmp_path / "runs", "b")
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text("an earlier run's report")
+    for argv in (["bench", "step", *task, "--json", str(earlier)],
+                 ["bench", "generation", *task, "rollout.engine=vllm", "--json", str(earlier)],
+                 ["bench", "reshard", "micro", "--json", str(earlier)]):
+        status, err = cli(*argv)
+        assert _refused(status, err, earlier) and "or give another --json" in err, (argv, err)
+    assert earlier.read_text() == "an earlier run's report"
+    sweep = tmp_path / "again.yaml"
+    sweep.write_text(yaml.safe_dump({"name": "again", "output": str(tmp_path / "sweeps"), "overrides": task,
+                                     "grid": {"actor.parallel.tp": [1]}, "job": {"ntasks_per_node": 1}}))
+    table = tmp_path / "sweeps" / "again" / "results.csv"
+    table.parent.mkdir(parents=True)
+    table.write_text("an earlier sweep's table")
+    status, err = cli("sweep", str(sweep), "--local")
+    assert _refused(status, err, table), err
+    assert sorted(p.name for p in table.parent.iterdir()) == ["results.csv"]
+    monkeypatch.setattr(megarl.launch.sweep, "run_local", lambda *a: None)  # the point ran, and wrote nothing
+    assert cli("sweep", str(sweep), "--local", "--overwrite")[0] == 0
+    assert table.read_text().startswith("point,") and (table.parent / "throughput.png").is_file()
+    assert not list(table.parent.glob(".*"))
 
 
 def test_a_run_folder_is_known_by_what_megarl_train_writes_first():

@@ -138,6 +138,8 @@ def test_sweep_of_a_tiny_model_as_a_job_array(slurm_cluster, tmp_path):
         res = json.loads((out / "results" / f"{row['point']}.json").read_text())
         assert res["status"] == "ok" and res["phases"]["generate"]["time_s"] > 0
 
-    again = _sweep(str(path), "--slurm")
+    again = _sweep(str(path), "--slurm")  # its table, CSV, plot and script are there: refused (issue 48)
+    assert again.returncode == 2 and "results.csv" in again.stderr and "--overwrite" in again.stderr, again.stderr
+    again = _sweep(str(path), "--slurm", "--overwrite")
     assert again.returncode == 0, again.stderr
     assert "4 points already have results, 0 to run" in again.stdout and "submitted" not in again.stdout

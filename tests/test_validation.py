@@ -164,11 +164,11 @@ def test_tensorboard_events_equal_the_jsonl(run):
 
 
 def test_report_writes_plots_and_a_page_linking_them(run):
-    run_dir, _ = run  # the run wrote its report (trainer.report=true); megarl report rewrites it
+    run_dir, _ = run  # the run wrote its report (trainer.report=true); megarl report --overwrite rewrites it
     page = run_dir / "report.md"
     page.unlink()
-    r = subprocess.run([sys.executable, "-m", "megarl.cli", "report", str(run_dir)], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "report", str(run_dir), "--overwrite"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     text = page.read_text()
     for name in ("reward", "time", "length", "kl_entropy"):

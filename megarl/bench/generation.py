@@ -53,6 +53,7 @@ from typing import Any, Callable
 import torch
 
 from megarl.config import Config
+from megarl.output_folder import write_beside
 
 VARIANTS = {  # name -> (through megarl's engine.generate, per-request seeds, log-prob, stop ids)
     "megarl": (True, True, True, True),
@@ -290,9 +291,8 @@ def bench_generation(cfg: Config, *, label: str, variants: list[str], repeats: i
         short = SamplingConfig(n=r.n, temperature=r.temperature, max_new_tokens=profile_tokens, seed=cfg.run.seed)
         engine.llm.reset_prefix_cache()
         report["profile"] = profile_generation(engine, timers, variants[0], prompts, short)
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2))
+    if json_path:  # claimed before the engine started (megarl.cli.bench)
+        write_beside(json_path, lambda tmp: tmp.write_text(json.dumps(report, indent=2)), "bench generation")
     print(format_table(report), flush=True)
     return report
 

@@ -45,6 +45,7 @@ from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
 from megarl.models.layout_vllm import check_vllm_tp, vllm_layout
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError, preset
+from megarl.output_folder import write_beside
 from megarl.parallel.mesh import ParallelLayout
 from megarl.reshard.boxcopy import Box, BoxBatch, extension_available
 from megarl.reshard.executor import execute_plan
@@ -532,10 +533,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(_what(result))
     print(_micro_table(result) if args.mode == "micro" else _layout_table(result["ranks"]))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    if args.json:  # claimed before any rank started (megarl.cli.bench)
+        write_beside(args.json, lambda tmp: tmp.write_text(json.dumps(result, indent=1, default=str)), "bench reshard")
     exact = all(m["exact"] for r in result.get("ranks", []) for m in r["methods"].values()) and \
         all(c.get("kernel_equals_torch", True) for c in result.get("cases", {}).values())
     return 0 if exact else 1

@@ -15,7 +15,8 @@ are sampled with NVML in a background thread during the measured steps (CPU use 
 process on the CPU).
 
 Output: a table on the console and one JSON (``--json``; default ``<run folder>/bench_step.json``), written
-by rank 0, that ``megarl sweep`` collects. Its keys:
+by rank 0 (beside, then renamed into place; an existing one is replaced only with ``--overwrite``, checked
+before the run by :mod:`megarl.cli.bench`), that ``megarl sweep`` collects. Its keys:
 
 - ``status``: "ok", "oom" (CUDA out of memory) or "error" (then ``error`` holds the message);
 - ``config``: ``path``, ``overrides``, ``layout`` (tp, pp, dp, world size, rollout engine and tp, model,
@@ -78,18 +79,20 @@ from megarl.bench.vllm_standalone import GenerateRecorder
 from megarl.config import Config, to_dict
 from megarl.models.layout_lora import parameter_counts
 from megarl.models.lora import LoRASpec
+from megarl.output_folder import write_beside
 
 PHASE_ORDER = ("wake_up", "reshard", "generate", "reward", "old_logprobs", "reference", "values", "advantages",
                "critic_update", "actor_update")
 
 
-def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.PathLike | None = None,
+def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.PathLike,
                peak_tflops: float | None = None, sample_interval_s: float = 0.1, standalone_vllm: bool = False,
                standalone_repeats: int = 3, config_path: str | None = None,
                overrides: list[str] | None = None) -> dict[str, Any]:
     """Run ``warmup + steps`` RL steps of ``cfg`` on this rank (call on every rank) and report the measured ones.
 
     Args:
+        json_path: the report file (replaced when it exists: the caller checks that it may be).
         standalone_vllm: afterwards, generate rank 0's batches of the measured steps again on a plain vLLM
             (:mod:`megarl.bench.vllm_standalone`) and report the ratio (``standalone_vllm`` in the report).
         standalone_repeats: timed passes of that baseline (its median and spread are reported).
@@ -103,7 +106,7 @@ def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.Path
     cfg.trainer.steps = warmup + steps  # the loader's epochs cover every step
     cfg.trainer.log_samples = 0
     cfg.trainer.resume = False
-    path = Path(json_path) if json_path else cfg.run.run_dir / "bench_step.json"
+    path = Path(json_path)
     report: dict[str, Any] = {"status": "ok", "config": _config_section(cfg, config_path, overrides),
                               "world_size": cfg.world_size, "device": device_name(), "steps": steps,
                               "warmup": warmup}
@@ -273,8 +276,7 @@ def _rank() -> int:
 def _write(report: dict[str, Any], path: Path) -> None:
     if _rank() != 0:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str))
+    write_beside(path, lambda tmp: tmp.write_text(json.dumps(report, indent=2, default=str)), "bench step")
 
 
 def _config_section(cfg: Config, config_path: str | None, overrides: list[str] | None) -> dict[str, Any]:

@@ -10,15 +10,16 @@
     megarl sft [CONFIG.yaml] [key=value ...] [--resume]     supervised fine-tuning (chat, prompt/completion)
     megarl dpo [CONFIG.yaml] [key=value ...] [--resume]     DPO on chosen/rejected pairs
     megarl eval MODEL [CONFIG.yaml] [key=value ...]         held-out accuracy of a model or checkpoint
-    megarl report RUN_DIR                                   plots and a markdown page of a run
+    megarl report RUN_DIR [--overwrite]                     plots and a markdown page of a run
     megarl bench reshard ...                                reshard benchmark (see --help)
-    megarl bench step [CONFIG.yaml] [key=value ...] --steps N --warmup K [--json PATH]
+    megarl bench step [CONFIG.yaml] [key=value ...] --steps N --warmup K [--json PATH] [--overwrite]
                                                             RL step benchmark: per-phase tokens/s/GPU, MFU
     megarl bench gate REPORT.json --case NAME [--tolerance F] [--append]
                                                             speed gate: the report against its case's history
     megarl submit [CONFIG.yaml] [key=value ...] --nodes N --gpus-per-node G [--dry-run] [--resume]
                                                             a training run as one SLURM batch job
-    megarl sweep SWEEP.yaml (--slurm | --local | --plan)    benchmark a grid of layouts (SLURM job array)
+    megarl sweep SWEEP.yaml (--slurm | --local | --plan) [--overwrite]
+                                                            benchmark a grid of layouts (SLURM job array)
 
 Each subcommand registers itself with :func:`~megarl.cli.args.command` (its arguments and the function that
 runs it) in the module of its group: :mod:`~megarl.cli.train` (train, eval, report), :mod:`~megarl.cli.offline`

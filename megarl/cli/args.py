@@ -75,12 +75,12 @@ def split_config_and_overrides(config: str | None, overrides: list[str]) -> tupl
         return None, [config, *overrides]
     return config, list(overrides)
 
-OVERWRITE_HELP = ("write into a folder that holds other files, which stay as they are (a file of a name the "
-                  "command writes is refused, never replaced; a training run's folder or checkpoint is refused "
-                  "always). Default: only a new or empty folder, or one this command wrote")
-CONVERT_OVERWRITE_HELP = ("replace a checkpoint that megarl convert wrote earlier, or write into a folder that holds "
-                          "other files, which stay as they are (as for --overwrite of export). Default: only a new "
-                          "or empty folder")
+OVERWRITE_HELP = ("replace what an earlier run of this command wrote into the folder, or write into a folder that "
+                  "holds other files, which stay as they are (a file of a name the command writes is refused, never "
+                  "replaced; a training run's folder or checkpoint is refused always). Default: only a new or empty "
+                  "folder")
+FILE_OVERWRITE_HELP = ("replace the output files when they exist (an earlier run's, or anyone's), each written beside "
+                       "and renamed into place. Default: refuse")
 CHECK_HELP = ("check the config against its model, tokenizer, files and reward function (every check made "
               "before a run, less what this machine lacks, e.g. a GPU), print the result and run nothing")
 

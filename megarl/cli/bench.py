@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from megarl.cli.args import (CHECK_HELP, UsageError, command, int_at_least, positive_float, positive_int,
-                             split_config_and_overrides)
+from megarl.cli.args import (CHECK_HELP, FILE_OVERWRITE_HELP, UsageError, command, int_at_least, positive_float,
+                             positive_int, split_config_and_overrides)
 from megarl.cli.world import check_only, relaunch_world
+from megarl.output_folder import claim_outputs
 
 
 @command("bench", "reshard", help="reshard benchmark against two baselines")
@@ -41,6 +42,7 @@ vLLM TP=1 engines, bf16, the trainer's bucket size (reshard.bucket_mb)."""
     p.add_argument("--dtype", choices=short_dtypes, default="bf16", help="source dtype (default bf16)")
     p.add_argument("--iters", type=positive_int("--iters"), default=5, help="measured runs, median (default 5)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--overwrite", action="store_true", help=FILE_OVERWRITE_HELP)
     g = p.add_argument_group("layout mode")
     g.add_argument("--nproc", type=positive_int("--nproc"), default=3,
                    help="local processes to spawn (default 3; ignored under torchrun or srun)")
@@ -72,6 +74,8 @@ vLLM TP=1 engines, bf16, the trainer's bucket size (reshard.bucket_mb)."""
         from megarl.bench.reshard import check_layout_args, run as bench_reshard
 
         a.direct_min_kb = None if a.no_direct else dflt.direct_min_kb
+        claim_outputs([a.json] if a.json else [], "bench reshard", overwrite=a.overwrite,
+                      alternative=", or give another --json")
         if a.check:
             world = int(os.environ.get("WORLD_SIZE", a.nproc))
             if a.mode == "layout":
@@ -92,6 +96,7 @@ def _bench_step(p: argparse.ArgumentParser):
                    help="RL steps run first and not measured (default 1)")
     p.add_argument("--json", default=None, help="report file (default: <run folder>/bench_step.json; the run "
                    "folder is runs/bench-<run.name> unless run.name is given on the command line)")
+    p.add_argument("--overwrite", action="store_true", help=FILE_OVERWRITE_HELP)
     p.add_argument("--peak-tflops", type=positive_float("--peak-tflops"), default=None,
                    help="peak TFLOP/s per GPU for MFU (default: the device's datasheet dense bf16 peak)")
     p.add_argument("--sample-interval", type=positive_float("--sample-interval"), default=0.1,
@@ -110,13 +115,15 @@ def _bench_step(p: argparse.ArgumentParser):
         if a.standalone_vllm and cfg.rollout.engine != "vllm":
             raise UsageError(f"bench step: --standalone-vllm compares with vLLM rollouts; rollout.engine is "
                              f"{cfg.rollout.engine!r}: set rollout.engine=vllm or drop the flag")
+        json_path = a.json or cfg.run.run_dir / "bench_step.json"
+        claim_outputs([json_path], "bench step", overwrite=a.overwrite, alternative=", or give another --json")
         if a.check:
             return check_only(cfg, "bench step")
         if relaunch_world(cfg, ["bench", *a.argv]):
             return 0
         from megarl.bench.step import bench_step
 
-        report = bench_step(cfg, steps=a.steps, warmup=a.warmup, json_path=a.json, peak_tflops=a.peak_tflops,
+        report = bench_step(cfg, steps=a.steps, warmup=a.warmup, json_path=json_path, peak_tflops=a.peak_tflops,
                             sample_interval_s=a.sample_interval, standalone_vllm=a.standalone_vllm,
                             standalone_repeats=a.standalone_repeats, config_path=config, overrides=overrides)
         return 0 if report["status"] == "ok" else 1
@@ -146,6 +153,7 @@ def _bench_generation(p: argparse.ArgumentParser):
     p.add_argument("--profile-tokens", type=int_at_least("--profile-tokens", 0), default=0,
                    help="profile the first variant on this many new tokens with the torch profiler (default 0: no)")
     p.add_argument("--json", default=None, help="report file")
+    p.add_argument("--overwrite", action="store_true", help=FILE_OVERWRITE_HELP)
     p.add_argument("--check", action="store_true", help="check the config against its model and print the "
                    "result; nothing is run")
 
@@ -165,6 +173,8 @@ def _bench_generation(p: argparse.ArgumentParser):
                              f"rollout.tp=1 (got {cfg.rollout.engine}, tp={cfg.rollout.tp})")
         spec = model_spec(cfg.model.path)
         validate_for_model(cfg, spec)
+        claim_outputs([a.json] if a.json else [], "bench generation", overwrite=a.overwrite,
+                      alternative=", or give another --json")
         if a.check:
             print(f"megarl bench generation: check passed (model {cfg.model.path}: {spec.num_layers} layers, hidden "
                   f"{spec.hidden_size}); nothing was run", flush=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megarl.cli.args import CONVERT_OVERWRITE_HELP, OVERWRITE_HELP, command, positive_int
+from megarl.cli.args import OVERWRITE_HELP, command, positive_int
 
 
 @command("convert", help="HF directory / GGUF -> megarl (Megatron dist) checkpoint")
@@ -19,7 +19,7 @@ def _convert(p: argparse.ArgumentParser):
     p.add_argument("--vpp", type=positive_int("--vpp"), default=1,
                    help="virtual pipeline stages (model chunks) per pipeline rank of the conversion world")
     p.add_argument("--dtype", choices=DTYPES, default=None)
-    p.add_argument("--overwrite", action="store_true", help=CONVERT_OVERWRITE_HELP)
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     def run(a: argparse.Namespace) -> int:
         from megarl.launch.convert import convert_to_megarl

@@ -129,12 +129,14 @@ def _eval(p: argparse.ArgumentParser):
 @command("report", help="plots and a markdown page of a finished (or running) run")
 def _report(p: argparse.ArgumentParser):
     p.add_argument("run_dir", help="a run folder, runs/<name> (metrics.jsonl, config.json, samples.jsonl)")
+    p.add_argument("--overwrite", action="store_true", help="replace the report (report.md and report/) when the "
+                   "run or an earlier megarl report wrote one. Default: refuse")
 
     def run(a: argparse.Namespace) -> int:
         try:
             from megarl.trainer.report import write_report
         except ImportError as e:
             raise UsageError(f"megarl report needs matplotlib ({e}): pip install 'megarl[report]'") from None
-        print(f"wrote {write_report(a.run_dir)}")
+        print(f"wrote {write_report(a.run_dir, overwrite=a.overwrite)}")
         return 0
     return run

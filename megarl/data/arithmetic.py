@@ -62,14 +62,16 @@ def prepare_arithmetic(out_dir: str | os.PathLike, *, overwrite: bool = False) -
     the files written, ``megarl_data_arithmetic.json``.
 
     Args:
-        overwrite: write into a folder that holds other files, keeping them (:mod:`megarl.output_folder`).
+        overwrite: replace the command's earlier output in ``out_dir``, or write into a folder that holds
+            other files, keeping them (:mod:`megarl.output_folder`).
 
     Returns:
         split name -> written file.
 
     Raises:
-        OutputFolderError: ``out_dir`` holds files that this command did not write (without ``overwrite``; with
-            it, a ``train.parquet`` or ``test.parquet`` of someone else's), or is part of a training run.
+        OutputFolderError: ``out_dir`` holds files that this command did not write or an earlier run's output of
+            it (without ``overwrite``; with it, a ``train.parquet`` or ``test.parquet`` of someone else's), or is
+            part of a training run.
     """
     return _write_task(arithmetic_rows, out_dir, "data arithmetic", overwrite)
 

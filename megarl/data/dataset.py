@@ -76,12 +76,10 @@ def write_splits(splits: Sequence[str], make_tables: Callable[[], Mapping[str, A
     names = {split: f"{split}.parquet" for split in splits}
     folder = OutputFolder.claim(out_dir, command, overwrite=overwrite, writes=names.values())
     tables = make_tables()
-    folder.staging.mkdir(parents=True, exist_ok=True)
-    for split, name in names.items():
-        tmp = folder.staging / f"{name}.tmp"
-        pq.write_table(tables[split], tmp)
-        os.replace(tmp, folder.staging / name)  # a reader never sees half a file
-    folder.finish()
+    with folder:
+        folder.staging.mkdir(parents=True, exist_ok=True)
+        for split, name in names.items():
+            pq.write_table(tables[split], folder.staging / name)
     return {split: folder.target / name for split, name in names.items()}
 
 class PromptDataset:

@@ -37,7 +37,8 @@ def prepare_gsm8k(src: str | os.PathLike, out_dir: str | os.PathLike, *, overwri
         src: a local directory with ``{train,test}.jsonl`` (or ``.parquet``), or a hub dataset id
             ("openai/gsm8k", or "hub" for it).
         out_dir: where to write ``train.parquet`` and ``test.parquet`` (created if missing).
-        overwrite: write into a folder that holds other files, keeping them (:mod:`megarl.output_folder`).
+        overwrite: replace the command's earlier output in ``out_dir``, or write into a folder that holds
+            other files, keeping them (:mod:`megarl.output_folder`).
 
     Returns:
         split name -> written file.
@@ -45,8 +46,9 @@ def prepare_gsm8k(src: str | os.PathLike, out_dir: str | os.PathLike, *, overwri
     Raises:
         DataError: ``src`` is neither a directory nor a reachable hub dataset, a split is missing, or a row
             lacks ``question``/``answer`` or a number after ``####`` (the message names the file and row).
-        OutputFolderError: ``out_dir`` holds files that this command did not write (without ``overwrite``; with
-            it, a ``train.parquet`` or ``test.parquet`` of someone else's), or is part of a training run.
+        OutputFolderError: ``out_dir`` holds files that this command did not write or an earlier run's output of
+            it (without ``overwrite``; with it, a ``train.parquet`` or ``test.parquet`` of someone else's), or is
+            part of a training run.
     """
     src = HF_REPO if str(src) == "hub" else src
     if not Path(src).is_dir() and not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", str(src)):

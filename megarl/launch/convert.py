@@ -1,7 +1,7 @@
 """``megarl convert`` and ``megarl export`` as functions: each checks its input and claims its output folder
-(:class:`megarl.output_folder.OutputFolder`: new, empty or its own earlier output; other files only with
-``overwrite``, and kept; never a training run's folder or checkpoint), then runs the per-rank work of
-:mod:`megarl.models.convert` in a local world (one process per rank; gloo on CPU) through
+(:class:`megarl.output_folder.OutputFolder`: new or empty; its own earlier output only with ``overwrite``,
+replaced; other files only with ``overwrite``, and kept; never a training run's folder or checkpoint), then runs
+the per-rank work of :mod:`megarl.models.convert` in a local world (one process per rank; gloo on CPU) through
 :func:`megarl.parallel.launch.run_world`.
 
 A conversion's own output is its megarl checkpoint (``megarl.json`` without a training step, ``model/``,
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megarl.models.checkpoint import META_FILE, is_training_checkpoint
 from megarl.models.convert import check_conversion, convert_rank, export_rank
-from megarl.output_folder import OutputFolder, OutputFolderError, manifest_name
+from megarl.output_folder import OutputFolder, manifest_name
 from megarl.parallel.launch import run_world
 
 EXPORT_MANIFEST = manifest_name("export")  # the files an export wrote, so that a later export may replace them
@@ -33,7 +33,8 @@ def convert_to_megarl(src: str | None, out: str, *, tp: int = 1, pp: int = 1, vp
 
     Args:
         dtype: "float32", "bfloat16" or "float16"; default: the checkpoint's own (float32 for GGUF).
-        overwrite: write into a folder that holds other files, keeping them (:mod:`megarl.output_folder`).
+        overwrite: replace the command's earlier output in ``out``, or write into a folder that holds other
+            files, keeping them (:mod:`megarl.output_folder`).
 
     Raises:
         SpecError: unknown architecture, a TP that does not divide heads/query groups, a PP that does not
@@ -41,18 +42,13 @@ def convert_to_megarl(src: str | None, out: str, *, tp: int = 1, pp: int = 1, vp
             starts), missing or mismatched tensors.
         OutputFolderError: ``out`` may not be written (:meth:`~megarl.output_folder.OutputFolder.claim`): a
             training run's folder or checkpoint, or files that no conversion wrote; or, without ``overwrite``, a
-            checkpoint converted earlier (a conversion may have taken long, and the new one may be of another
-            model: it is replaced only when asked).
+            checkpoint converted earlier.
     """
     check_conversion(src, tp, pp, dtype, vpp)
-    earlier = _converted_entries(Path(out).resolve())
-    folder = OutputFolder.claim(out, "convert", overwrite=overwrite, earlier=earlier, writes=CHECKPOINT_ENTRIES)
-    if earlier and not overwrite:
-        raise OutputFolderError(f"megarl convert: the output folder {folder.target} holds a megarl checkpoint "
-                                f"converted earlier ({', '.join(sorted(earlier))}); pass --overwrite to replace it, "
-                                "or name a new or empty folder")
-    run_world(convert_rank, tp * pp, src, str(folder.staging), tp, pp, dtype, vpp, reraise=USER_ERRORS)
-    folder.finish()
+    folder = OutputFolder.claim(out, "convert", overwrite=overwrite, earlier=_converted_entries(Path(out).resolve()),
+                                earlier_what="a megarl checkpoint converted earlier", writes=CHECKPOINT_ENTRIES)
+    with folder:
+        run_world(convert_rank, tp * pp, src, str(folder.staging), tp, pp, dtype, vpp, reraise=USER_ERRORS)
     return folder.target
 
 
@@ -63,15 +59,15 @@ def export_to_hf(ckpt_dir: str, out: str, *, overwrite: bool = False) -> Path:
     Raises:
         FileNotFoundError: ``ckpt_dir`` is not a megarl checkpoint.
         OutputFolderError: ``out`` may not be written (:meth:`~megarl.output_folder.OutputFolder.claim`): a
-            training run's folder or checkpoint, files that no export wrote, or with ``overwrite`` a file of a
-            name the export writes.
+            training run's folder or checkpoint; without ``overwrite``, files that no export wrote or an earlier
+            export; with it, a file of a name the export writes that no export wrote.
     """
     from megarl.models.checkpoint import read_meta
 
     read_meta(ckpt_dir)
     folder = OutputFolder.claim(out, "export", overwrite=overwrite, writes=(HF_CONFIG,))
-    run_world(export_rank, 1, ckpt_dir, str(folder.staging), reraise=USER_ERRORS)
-    folder.finish()
+    with folder:
+        run_world(export_rank, 1, ckpt_dir, str(folder.staging), reraise=USER_ERRORS)
     return folder.target
 
 

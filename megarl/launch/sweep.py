@@ -23,7 +23,10 @@ are skipped (``--retry-failed`` re-runs the failed ones). The rest run as one SL
 the command waits for it) or one after another on this machine (``--local``). Each point's ``megarl bench
 step`` writes ``results/<point>.json``; a point that ends without one (an error, OOM, the time limit) is
 recorded there as failed with the reason, and the sweep goes on. At the end: ``results.csv``, ``results.md``
-(the table sorted by tokens/s, then the dropped points with their reasons) and ``throughput.png``.
+(the table sorted by tokens/s, then the dropped points with their reasons), ``throughput.png`` and
+``sweep.json`` (the points), each written beside and renamed into place. A sweep that wrote them (or its job
+script ``sweep.sbatch``) before is run again only with ``--overwrite`` (checked before anything runs); the
+results of its points are kept either way, and a point's log is appended to.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ from megarl.config import Config, ConfigError, load_config
 from megarl.launch.memory import GIB, MemoryEstimate, estimate_memory, host_memory_bytes
 from megarl.launch.submit import (JobShape, SbatchOptions, add_sbatch_arguments, batch_script, check_job_shape,
                                   sbatch, sbatch_options_from_args, srun_prefix)
+from megarl.output_folder import claim_outputs, write_beside
+
+SUMMARY = ("results.csv", "results.md", "throughput.png", "sweep.json")  # what every run writes at its end
+SCRIPT = "sweep.sbatch"  # what --slurm writes before it submits
 
 
 @dataclass
@@ -271,7 +278,7 @@ def record_failure(point: Point, result: Path, why: str, log: Path) -> None:
     reason = got.get("error") or _error_line(log) or "no result written"
     got.update(status="failed" if got.get("status", "ok") == "ok" else got["status"], point=point.name,
                reason=f"{why}: {reason}", config={"overrides": point.overrides, **got.get("config", {})})
-    result.write_text(json.dumps(got, indent=2, default=str))
+    write_beside(result, lambda tmp: tmp.write_text(json.dumps(got, indent=2, default=str)), "sweep")
 
 
 def run_local(spec: SweepSpec, todo: list[Point], python: str) -> None:
@@ -282,7 +289,7 @@ def run_local(spec: SweepSpec, todo: list[Point], python: str) -> None:
         print(f"sweep: running {point.name}", flush=True)
         result.unlink(missing_ok=True)  # a failed result being retried
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
-        with log.open("w") as f:
+        with log.open("a") as f:  # a log of an earlier attempt stays
             rc = subprocess.run(bench_command(spec, point, python, result), stdout=f, stderr=subprocess.STDOUT,
                                 env=env).returncode
         if rc != 0 or (_result(result) or {}).get("status") != "ok":
@@ -319,11 +326,11 @@ def run_slurm(spec: SweepSpec, cfg: Config, todo: list[Point], shape: JobShape, 
               python: str, poll_s: float = 2.0) -> None:
     """Submit the points as one job array, wait for it (``squeue``), record the points that wrote no result."""
     out = spec.out_dir
-    script = out / "sweep.sbatch"
-    script.write_text(array_script(spec, cfg, todo, shape, opts, python, os.getcwd()))
+    script = write_beside(out / SCRIPT, lambda tmp: tmp.write_text(array_script(spec, cfg, todo, shape, opts, python,
+                                                                                 os.getcwd())), "sweep")
     for point in todo:
         (out / "results" / f"{point.name}.json").unlink(missing_ok=True)  # a failed result being retried
-    job = sbatch(script, written="sweep.sbatch")
+    job = sbatch(script, written=SCRIPT)
     print(f"sweep: submitted job array {job} ({len(todo)} points); logs in {out / 'logs'}", flush=True)
     while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
         time.sleep(poll_s)
@@ -371,23 +378,26 @@ def _fmt(v: Any) -> str:
 
 def write_report(spec: SweepSpec, points: list[Point]) -> dict[str, Path]:
     """``results.csv``, ``results.md`` (sorted by tokens/s; dropped points and reasons below) and
-    ``throughput.png`` (tokens/s/GPU per point) in the sweep's folder."""
+    ``throughput.png`` (tokens/s/GPU per point) in the sweep's folder, each written beside and renamed there."""
     out = spec.out_dir
     rows = collect(spec, points)
     swept = list(dict.fromkeys(k for p in points for k in p.values))
     cols = ["point", *swept, *COLUMNS[1:]]
-    with (out / "results.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+
+    def table(tmp: Path) -> None:
+        with tmp.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+    write_beside(out / "results.csv", table, "sweep")
     md = [f"# Sweep {spec.name}: {len(rows)} points ran, {sum(r['status'] == 'ok' for r in rows)} finished", "",
           "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     md += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     dropped = [p for p in points if p.reason]
     md += ["", f"## Dropped before running ({len(dropped)})", ""]
     md += [f"- `{p.name}`: {p.reason}" for p in dropped] or ["none"]
-    (out / "results.md").write_text("\n".join(md) + "\n")
-    _plot(rows, out / "throughput.png", spec.name)
+    write_beside(out / "results.md", lambda tmp: tmp.write_text("\n".join(md) + "\n"), "sweep")
+    write_beside(out / "throughput.png", lambda tmp: _plot(rows, tmp, spec.name), "sweep")
     return {"csv": out / "results.csv", "markdown": out / "results.md", "plot": out / "throughput.png"}
 
 
@@ -407,7 +417,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_xlabel("tokens/s per GPU (rank)")
     ax.set_title(f"sweep {title}: throughput per layout (red: failed)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
 
 
@@ -420,6 +430,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--local", action="store_true", help="run the points one after another on this machine")
     mode.add_argument("--plan", action="store_true", help="list the points and the dropped ones; run nothing")
     p.add_argument("--retry-failed", action="store_true", help="run the points recorded as failed again")
+    p.add_argument("--overwrite", action="store_true", help="run a sweep that ran before in its folder again, "
+                   "replacing its table, CSV, plot, sweep.json and job script (its points' results are kept). "
+                   "Default: refuse")
     p.add_argument("--check", action="store_true", help="check every point's config against its model, files and "
                    "reward function, as a run would (not the memory estimate, which needs the device); exit 1 if "
                    "a point is dropped; run nothing")
@@ -451,6 +464,8 @@ def run(a: argparse.Namespace) -> int:
             print(f"  valid {p.name}: estimated {p.estimate.describe()} per rank")
         return 0
     out = spec.out_dir
+    claim_outputs([out / name for name in (*SUMMARY, *([SCRIPT] if a.slurm else []))], "sweep", overwrite=a.overwrite,
+                  alternative=f", or give the sweep another name than {spec.name!r}")
     for d in ("results", "logs"):
         (out / d).mkdir(parents=True, exist_ok=True)
 
@@ -465,11 +480,10 @@ def run(a: argparse.Namespace) -> int:
         run_slurm(spec, configs[todo[0].name], todo, shape, opts, python)
     elif todo:
         run_local(spec, todo, python)
-    (out / "sweep.json").write_text(json.dumps(
-        {"name": spec.name, "job": shape.describe(), "device_memory_bytes": memory,
-         "points": [{"name": p.name, "values": p.values, "overrides": p.overrides, "dropped": p.reason,
-                     "estimate": p.estimate.as_dict() if p.estimate else None} for p in points]},
-        indent=2, default=str))
+    record = {"name": spec.name, "job": shape.describe(), "device_memory_bytes": memory,
+              "points": [{"name": p.name, "values": p.values, "overrides": p.overrides, "dropped": p.reason,
+                          "estimate": p.estimate.as_dict() if p.estimate else None} for p in points]}
+    write_beside(out / "sweep.json", lambda tmp: tmp.write_text(json.dumps(record, indent=2, default=str)), "sweep")
     files = write_report(spec, points)
     print((out / "results.md").read_text(), end="")
     print("sweep: wrote " + ", ".join(str(f) for f in files.values()), flush=True)

@@ -351,9 +351,34 @@ def check_safetensors(path: Path) -> None:
                               f"{end} bytes (its header places tensors up to there), found {size}; {MODEL_FIX}")
 
 
+def check_weight_files(directory: str | os.PathLike) -> dict[str, str] | None:
+    """Check the safetensors files of a Hugging Face directory without reading a tensor (:func:`check_safetensors`:
+    those its index ``model.safetensors.index.json`` names, else every ``*.safetensors``); for any folder that
+    megarl or a library it calls loads weights from (``model.path``, a reward model, a teacher). Returns the
+    index's ``weight_map`` (tensor name -> file name), or None without an index.
+
+    Raises:
+        FileNotFoundError: shards the index names missing. FileFormatError: a damaged index or safetensors file,
+            naming the file, what is wrong and the fix.
+    """
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index, MODEL_FIX)["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
+        files = [directory / f for f in sorted(set(weight_map.values()))]
+    else:
+        weight_map, files = None, sorted(directory.glob("*.safetensors"))
+    for f in files:
+        check_safetensors(f)
+    return weight_map
+
+
 def _safetensors_index(directory: Path) -> dict[str, Path]:
     """Which file of a Hugging Face directory holds each tensor (its index's ``weight_map``, or every
-    ``*.safetensors`` file's header), every file checked by :func:`check_safetensors` first.
+    ``*.safetensors`` file's header), every file checked by :func:`check_weight_files` first.
 
     Raises:
         FileNotFoundError: no safetensors file, or shards the index names missing. FileFormatError: a damaged
@@ -361,20 +386,12 @@ def _safetensors_index(directory: Path) -> dict[str, Path]:
     """
     from safetensors import safe_open
 
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index, MODEL_FIX)["weight_map"]
-        missing = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
-        if missing:
-            raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
-        for f in sorted(set(weight_map.values())):
-            check_safetensors(directory / f)
+    weight_map = check_weight_files(directory)
+    if weight_map is not None:
         return {name: directory / f for name, f in weight_map.items()}
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory} has no *.safetensors files")
-    for f in files:
-        check_safetensors(f)
     out = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:

@@ -26,8 +26,10 @@ that started them, under the local launcher, torchrun and ``srun`` alike:
   worker, a ``run_world`` rank: their ``fork``-ed helpers carry the environment they were started with).
 - :func:`end_descendants` (``megarl.cli``'s exit, after the command's work is written) stops them at a normal
   end, before the process leaves: SIGTERM, then SIGKILL after a grace period, to every descendant and every
-  process with the token; ``multiprocessing``'s resource tracker is stopped as ``multiprocessing`` stops it
-  (it ignores SIGTERM and ends when its pipe closes, after cleaning up what it tracks).
+  process with the token; ``multiprocessing``'s resource tracker, where this process started it, is stopped as
+  ``multiprocessing`` stops it (it ignores SIGTERM and ends when its pipe closes, after cleaning up what it
+  tracks). A ``run_world`` rank (spawned) shares its launcher's tracker and leaves it running: its own
+  semaphores are released after this call, at its exit, through that tracker.
 
 Peers. :func:`record_peers` notes every rank's host and pid once the process group is up, and :func:`phase`
 marks what a rank is doing (the trainer's step phases, ``checkpoint``, ...). :func:`peer_failure` turns a
@@ -254,9 +256,15 @@ def owned_processes() -> list[int]:
 
 def end_descendants(grace_s: float = 3.0) -> None:
     """End every process this one started (:func:`owned_processes`): SIGTERM, then SIGKILL to those left after
-    ``grace_s`` seconds; then stop ``multiprocessing``'s resource tracker (it ends once its pipe closes, after
-    releasing what it tracks). Call at a normal end, once this process's own work is written: afterwards nothing
-    it started holds its stdout or stderr. Linux only (``/proc``); elsewhere it does nothing."""
+    ``grace_s`` seconds; then stop ``multiprocessing``'s resource tracker if this process started it (it ends
+    once its pipe closes, after releasing what it tracks). Call at a normal end, once this process's own work is
+    written: afterwards nothing it started holds its stdout or stderr. Linux only (``/proc``); elsewhere it does
+    nothing.
+
+    A process spawned by ``multiprocessing`` (a ``run_world`` rank) writes to its parent's tracker, which it did
+    not start: closing its end of that pipe here made its exit, which releases its semaphores afterwards (tqdm's
+    lock of a GGUF dequantisation), start a second tracker that had never seen them (a ``KeyError`` traceback),
+    while the parent's reported them leaked at its exit (``megarl convert`` of a GGUF file; issue 48)."""
     if not os.path.isdir("/proc"):
         return
     from multiprocessing import resource_tracker
@@ -275,8 +283,9 @@ def end_descendants(grace_s: float = 3.0) -> None:
             targets = [p for p in targets if process_alive(p)]
             if targets:
                 time.sleep(0.02)
-    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
-    if stop is not None:
+    tracker = resource_tracker._resource_tracker
+    stop = getattr(tracker, "_stop", None)
+    if stop is not None and getattr(tracker, "_pid", None) is not None:  # this process's own tracker
         try:
             stop()  # closes its pipe and waits for it
         except Exception:  # noqa: BLE001 (best effort: it also ends when this process does)

@@ -34,7 +34,7 @@ from megarl.parallel.mesh import init_distributed
 from megarl.rewards.mix import StepReward
 from megarl.rollout.base import RolloutEngine, WriteFn, state_dict_writer
 from megarl.rollout.data_parallel import rollout_dp_group
-from megarl.trainer.preflight import check_files, tokenizer_source
+from megarl.trainer.preflight import check_files, check_reward, tokenizer_source
 from megarl.trainer.builders import load_validation, make_engine, resolve_eos
 from megarl.trainer.validation import append_samples, score_data_parallel
 
@@ -66,12 +66,14 @@ def evaluate_model(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
 
     Raises:
         ConfigError: a missing data file that cannot be prepared, a model without a tokenizer (a preset without
-            ``model.tokenizer``), or a bad rollout setting.
+            ``model.tokenizer``), a bad rollout setting, or a bad reward (:func:`~megarl.trainer.preflight.
+            check_reward`).
         FileNotFoundError: the model does not exist.
     """
     source = None if cfg.model.path == "default" else cfg.model.path
     spec, _, model_tokenizer = ck.source_spec(source)  # a bad path or data fail before any process group
     check_files(cfg, "validation.files", cfg.validation.files)
+    check_reward(cfg)  # a reward model's damaged weight file, before any process group
     _say(f"loading {cfg.model.path} and its tokenizer")
     tokenizer = load_tokenizer(tokenizer_source(cfg, model_tokenizer))
     init_distributed()

@@ -277,10 +277,11 @@ def _resume_notes(run_dir: Path, state: RunState) -> list[str]:
 
 
 def _write_report(trainer) -> None:
-    """``report.md`` and its plots in the run folder (:mod:`.report`; skipped without matplotlib)."""
+    """``report.md`` and its plots in the run folder (:mod:`.report`; skipped without matplotlib), replacing the
+    report of this run's earlier attempt (an earlier run's was moved to ``earlier/`` when this one started)."""
     try:
         from megarl.trainer.report import write_report
     except ImportError as e:
         log.warning("no report written (%s): pip install 'megarl[report]' for matplotlib", e)
         return
-    print(f"report: {write_report(trainer.run_dir)}", flush=True)
+    print(f"report: {write_report(trainer.run_dir, overwrite=True)}", flush=True)

@@ -27,13 +27,15 @@ from megarl.config import PREPARED, Config, ConfigError, require
 from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.template import DataError, PromptTemplate
 from megarl.models.checkpoint import source_spec
-from megarl.models.hf_io import load_tokenizer
+from megarl.models.hf_io import check_weight_files, load_tokenizer
 from megarl.models.layout_vllm import check_vllm_fp8, check_vllm_tp
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 from megarl.parallel.placement import validate_for_world
 from megarl.rewards.registry import RewardError, check_reward_params, find_reward, load_reward_fn
+from megarl.rewards.reward_model import RewardModel
+from megarl.textfiles import FileFormatError
 from megarl.workers.teacher import check_teacher
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,8 @@ def model_spec(cfg: Config) -> ModelSpec:
     """The spec of ``model.path``, read from its config alone (no weight is loaded).
 
     Raises:
-        ConfigError: naming ``model.path``: no such path, an unknown architecture or an unsupported feature.
+        ConfigError: naming ``model.path``: no such path, a damaged file (a ``config.json``, a weight file cut
+            short), an unknown architecture or an unsupported feature.
     """
     return _model_source(cfg)[0]
 
@@ -56,7 +59,7 @@ def _model_source(cfg: Config) -> tuple[ModelSpec, str | None]:
     """
     try:
         spec, _, tokenizer = source_spec(None if cfg.model.path == "default" else cfg.model.path)
-    except (FileNotFoundError, SpecError) as e:
+    except (FileNotFoundError, SpecError, FileFormatError) as e:
         hint = ""
         if isinstance(e, FileNotFoundError) and "MODEL_PATH" not in os.environ \
                 and not os.path.exists(os.path.expanduser(str(cfg.model.path))):  # the GPU configs' default
@@ -367,11 +370,12 @@ def check_one_batch(cfg: Config, train: PromptDataset, validation: PromptDataset
 
 def check_reward(cfg: Config) -> None:
     """Find ``reward.fn`` and check ``reward.kwargs`` against its parameters (a function's, or a class's
-    constructor's; the class is built on the ranks).
+    constructor's; the class is built on the ranks), and a reward model's folder's weight files
+    (:func:`~megarl.models.hf_io.check_weight_files`; transformers, which loads them on the ranks, names no file).
 
     Raises:
         ConfigError: naming ``reward.fn`` (unknown name, unimportable path) or ``reward.kwargs`` (parameters
-            it does not take, a value of the wrong type).
+            it does not take, a value of the wrong type), or ``reward.kwargs.model`` (a damaged weight file).
     """
     try:
         fn = find_reward(cfg.reward.fn)
@@ -381,6 +385,12 @@ def check_reward(cfg: Config) -> None:
         check_reward_params(cfg.reward.fn, fn, cfg.reward.kwargs)
     except RewardError as e:
         raise ConfigError(f"reward.kwargs: {e}") from None
+    model = (cfg.reward.kwargs or {}).get("model")
+    if fn is RewardModel and isinstance(model, str) and Path(model).is_dir():
+        try:
+            check_weight_files(model)
+        except (FileNotFoundError, FileFormatError) as e:
+            raise ConfigError(f"reward.kwargs.model: {e}") from None
 
 
 def check_data_files(cfg: Config) -> None:

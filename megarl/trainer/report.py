@@ -11,7 +11,9 @@ and writes, beside them, ``report.md`` and its figures in ``report/`` (PNG, matp
   its training and validation losses (and DPO's margin) by step.
 
 The page lists the best, the worst and cut-off responses among the logged training and validation samples.
-``megarl train`` writes the report at the end of a run (``trainer.report``). Needs matplotlib
+``megarl train`` writes the report at the end of a run (``trainer.report``); ``megarl report`` replaces an
+existing report (the run's, an earlier ``megarl report``'s) only with ``--overwrite``, the page and the figures'
+folder each written beside and renamed into place (:mod:`megarl.output_folder`). Needs matplotlib
 (``pip install 'megarl[report]'``).
 """
 
@@ -25,6 +27,7 @@ from matplotlib.figure import Figure  # ImportError without matplotlib: the trai
 from matplotlib.ticker import MaxNLocator
 
 from megarl.jsonl import latest_per_step, read_records
+from megarl.output_folder import claim_outputs, write_beside
 from megarl.trainer.metrics import read_metrics
 
 SAMPLES_SHOWN = 2  # of each kind: best, worst, cut off
@@ -161,21 +164,27 @@ def _quote(text: Any) -> str:
     return "\n".join("    " + line for line in text.splitlines() or [""])
 
 
-def write_report(run_dir: str | Path) -> Path:
+def write_report(run_dir: str | Path, *, overwrite: bool = False) -> Path:
     """Write ``report.md`` and ``report/*.png`` for a run folder; returns the page's path.
 
+    Args:
+        overwrite: replace a report that exists (the run's own at its end passes True).
+
     Raises:
+        OutputFolderError: without ``overwrite``, ``report.md`` or ``report/`` exists (nothing is read or written).
         FileNotFoundError: the folder has no ``metrics.jsonl`` (not a megarl run, or no step finished).
         ImportError: matplotlib is not installed.
     """
     import yaml
 
     run_dir = Path(run_dir)
+    page, folder = claim_outputs([run_dir / "report.md", run_dir / "report"], "report", overwrite=overwrite)
     history = read_metrics(run_dir / "metrics.jsonl")
     if not history:
         raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'} is missing or empty: RUN_DIR must be a megarl run "
                                 "folder (runs/<name>) with at least one finished step or validation")
-    figures = plot_run(history, run_dir / "report")
+    figures: dict[str, Path] = {}
+    write_beside(folder, lambda tmp: figures.update(plot_run(history, tmp)), "report")
     train = [h for h in history if h["step"] > 0]
     val = [h for h in history if "val/accuracy" in h]
     lines = [f"# megarl run `{run_dir.name}`", ""]
@@ -192,7 +201,7 @@ def write_report(run_dir: str | Path) -> Path:
                   for h in val]
         lines.append("")
     for name, path in figures.items():
-        lines += [f"![{name}]({path.relative_to(run_dir).as_posix()})", ""]
+        lines += [f"![{name}]({folder.name}/{path.name})", ""]
     samples = (_read_jsonl(run_dir / "samples.jsonl", split="train")
                + _read_jsonl(run_dir / "val_samples.jsonl", split="validation"))
     if samples:
@@ -207,6 +216,4 @@ def write_report(run_dir: str | Path) -> Path:
     if config.is_file():
         lines += ["## Config", "", "```yaml", yaml.safe_dump(json.loads(config.read_text()), sort_keys=False).rstrip(),
                   "```", ""]
-    page = run_dir / "report.md"
-    page.write_text("\n".join(lines))
-    return page
+    return write_beside(page, lambda tmp: tmp.write_text("\n".join(lines)), "report")

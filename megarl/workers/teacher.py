@@ -22,6 +22,7 @@ from megarl.models.hf_io import load_tokenizer
 from megarl.models.megatron import check_layout
 from megarl.models.spec import ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
+from megarl.textfiles import FileFormatError
 
 FIELD = "algorithm.distill.teacher"
 SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -52,8 +53,8 @@ def check_teacher(cfg: Config, student_tokenizer: Any) -> ModelSpec | None:
     layout; returns its spec.
 
     Raises:
-        ConfigError: naming ``algorithm.distill.teacher``: a path that does not exist or an unknown
-            architecture, a model without a tokenizer, another tokenizer than the student's (the reason), a
+        ConfigError: naming ``algorithm.distill.teacher``: a path that does not exist, a damaged weight file or
+            an unknown architecture, a model without a tokenizer, another tokenizer than the student's (the reason), a
             model that the reference's TP / PP do not divide, or a context shorter than
             ``data.max_prompt_length + rollout.max_new_tokens``.
     """
@@ -61,8 +62,8 @@ def check_teacher(cfg: Config, student_tokenizer: Any) -> ModelSpec | None:
     if teacher is None:
         return None
     try:
-        spec, _, tokenizer_path = source_spec(teacher)
-    except (FileNotFoundError, SpecError) as e:
+        spec, _, tokenizer_path = source_spec(teacher)  # every weight file's frame checked (check_weight_files)
+    except (FileNotFoundError, SpecError, FileFormatError) as e:
         raise ConfigError(f"{FIELD}: {e}") from None
     if tokenizer_path is None:
         raise ConfigError(f"{FIELD}: {teacher} has no tokenizer to compare with the student's (a preset); give "
