@@ -80,10 +80,11 @@ class PolicyWorker(MegatronWorker):
         return frame(logp), (frame(ent) if with_entropy else None)
 
     def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False, *,
-                         adapters: bool = True) -> dict[str, torch.Tensor]:
+                         adapters: bool = True, exact: bool = False) -> dict[str, torch.Tensor]:
         """``{"logprobs": [B, R]}`` (and ``"entropy"``) of the batch's responses under this policy, fp32;
         ``adapters=False``: under a LoRA actor's base (its adapters off, :func:`~megarl.models.lora.
-        adapters_disabled`)."""
+        adapters_disabled`); ``exact``: the batch-invariant pass of ``rollout.exact``
+        (:meth:`~megarl.workers.engine.MegatronWorker.forward_response_frame`)."""
         names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
 
         def fn(mb, logits):
@@ -93,7 +94,7 @@ class PolicyWorker(MegatronWorker):
         measure = self.routes.measuring() if self.routes is not None and adapters else contextlib.nullcontext()
         with contextlib.nullcontext() if adapters else adapters_disabled(self.chunks), measure:
             return self.forward_response_frame(batch, fn, names, self._model_kwargs(with_entropy),
-                                               count_routes=adapters and self.optimizer is not None)
+                                               count_routes=adapters and self.optimizer is not None, exact=exact)
 
     def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int,
                norm_tokens: float | None = None, step: int | None = None) -> list[dict[str, float]]:

@@ -1,0 +1,116 @@
+"""The trainer's half of exact on-policy (``rollout.exact``; docs/DESIGN.md, "Exact on-policy"): the old-log-prob
+pass on the kernels of vLLM's batch-invariant mode.
+
+vLLM 0.24's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, ``vllm/model_executor/layers/batch_invariant.py``)
+has two halves, read in its source:
+
+- process-wide overrides, installed by ``init_batch_invariance()`` when the engine's worker starts: ``torch.library``
+  implementations of ``aten::_log_softmax``, ``aten::softmax``/``_softmax``, ``aten::mean.dim`` and ``aten::bmm``
+  on CUDA (Triton kernels whose reduction order does not depend on the batch), on SM80 also ``aten::mm``,
+  ``addmm``, ``matmul`` and ``linear`` (a persistent Triton matmul), on SM90+ cuBLASLt without split-K
+  (``CUBLAS_WORKSPACE_CONFIG=:16:8``, ``CUBLASLT_WORKSPACE_SIZE=1``), reduced-precision reductions off, TF32
+  off;
+- vLLM's own layers calling its kernels directly: every unquantised linear layer ``linear_batch_invariant``
+  (the persistent Triton matmul, whatever the GPU), every ``RMSNorm`` ``rms_norm_batch_invariant`` (one program
+  per row), attention with one KV split (``num_splits=1``, no cascade attention).
+
+The engine runs in the training process (:mod:`megarl.rollout.vllm_engine`), so the overrides of the first half
+act on the trainer's forward too once :func:`enable_batch_invariant_mode` has run (it runs them itself, before
+the trainer's first matmul, so that cuBLAS reads its workspace setting). The second half is not in torch's
+dispatcher: :func:`vllm_kernels` routes megatron's linear layers and RMSNorm modules (local layer spec, TP = 1)
+through the same two functions for the duration of a forward-only pass. What stays different (attention, the
+residual add fused into vLLM's later RMSNorms, RoPE) is listed in docs/DESIGN.md; the GPU test
+(tests/test_gpu_exact.py) measures it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Iterator
+
+import torch
+
+# The variables of vLLM's batch-invariant mode that must be set before cuBLAS is first used in the process.
+BATCH_INVARIANT_ENV = {"VLLM_BATCH_INVARIANT": "1", "CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def enable_batch_invariant_mode() -> bool:
+    """Put this process in vLLM's batch-invariant mode (the overrides of the module docstring) where a GPU and
+    vLLM are there; a no-op on the CPU (returns False), where the old-log-prob pass is made batch-invariant by
+    running each sample alone (:meth:`megarl.workers.engine.MegatronWorker.forward_response_frame`).
+
+    Returns:
+        Whether the mode is on.
+
+    Raises:
+        ImportError: a GPU but no vLLM (``rollout.exact`` with ``rollout.engine=vllm`` needs it; the preflight checks).
+    """
+    if not torch.cuda.is_available():
+        return False
+    os.environ.update(BATCH_INVARIANT_ENV)
+    from vllm.model_executor.layers.batch_invariant import init_batch_invariance
+
+    init_batch_invariance()
+    return True
+
+
+def _vllm_functions() -> tuple[LinearFn, NormFn]:
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
+
+    return linear_batch_invariant, rms_norm_batch_invariant
+
+
+@contextlib.contextmanager
+def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None,
+                 rms_norm: NormFn | None = None) -> Iterator[int]:
+    """Within the block, every megatron ``ColumnParallelLinear`` / ``RowParallelLinear`` of ``modules`` computes
+    ``linear(x, weight, bias)`` and every ``torch.nn.RMSNorm`` ``rms_norm(x, weight, eps)``: vLLM's
+    ``linear_batch_invariant`` and ``rms_norm_batch_invariant`` by default (module docstring). For forward-only
+    passes of a TP = 1 model (no gradient flows through the replaced forwards).
+
+    Args:
+        modules: the model chunks.
+        linear / rms_norm: the functions (tests pass plain torch ones; None: vLLM's).
+
+    Yields:
+        How many modules were rerouted.
+
+    Raises:
+        ValueError: a linear layer split over TP ranks (``rollout.exact`` refuses ``actor.parallel.tp > 1``).
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if linear is None or rms_norm is None:
+        default_linear, default_norm = _vllm_functions()
+        linear, rms_norm = linear or default_linear, rms_norm or default_norm
+    patched: list[torch.nn.Module] = []
+
+    def linear_forward(layer, x, *args, **kwargs):
+        bias = None if layer.skip_bias_add else layer.bias
+        return linear(x, layer.weight, bias), (layer.bias if layer.skip_bias_add else None)
+
+    def norm_forward(norm, x):
+        eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+        return rms_norm(x, norm.weight, eps)
+
+    try:
+        for chunk in modules:
+            for m in chunk.modules():
+                if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                    if m.tp_group.size() != 1:
+                        raise ValueError(f"vllm_kernels: {type(m).__name__} is split over {m.tp_group.size()} "
+                                         "TP ranks; exact log-probs need TP = 1")
+                    m.forward = linear_forward.__get__(m)
+                elif isinstance(m, torch.nn.RMSNorm):
+                    m.forward = norm_forward.__get__(m)
+                else:
+                    continue
+                patched.append(m)
+        yield len(patched)
+    finally:
+        for m in patched:
+            del m.forward  # back to the class's forward
