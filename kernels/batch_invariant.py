@@ -58,6 +58,30 @@ def enable_batch_invariant_mode() -> bool:
     return True
 
 
+def vllm_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int, temperature: float
+                  ) -> torch.Tensor:
+    """Each label's log-prob as vLLM 0.24's V1 sampler computes the processed log-probs
+    (``vllm/v1/sample/sampler.py``): the logits cut to the real vocab, in float32, divided by the temperature,
+    ``log_softmax(dim=-1, dtype=float32)`` (in batch-invariant mode the Triton kernel that vLLM's ``torch.library``
+    override puts behind it), then the label's entry. (The V2 runner's sampler computes the same figure with a
+    Triton kernel of its own, ``vllm/v1/worker/gpu/sample/logprob.py``: one row a program, max then log-sum-exp
+    over blocks of 1024; tests/test_gpu_exact.py tells whether the two agree to the bit.)
+
+    Args:
+        logits: ``[b, s, v]`` (TP = 1: the padded vocab whole), any float dtype.
+        labels: ``[b, s]`` int64 in ``[0, vocab_size)``.
+        vocab_size: the real vocab (the padding columns are cut off, as vLLM's logits processor does).
+        temperature: > 0.
+
+    Returns:
+        ``[b, s]`` float32.
+    """
+    z = logits[..., :vocab_size].float()
+    if temperature != 1.0:
+        z = z / temperature
+    return torch.log_softmax(z, dim=-1, dtype=torch.float32).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
 def _vllm_functions() -> tuple[LinearFn, NormFn]:
     from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
 

@@ -78,6 +78,20 @@ def test_an_old_gpu_is_refused_for_exact_vllm(monkeypatch):
     preflight.check_this_machine(cfg)  # and without exact the old GPU is not this check's business
 
 
+def test_vllm_logprobs_cut_the_padded_vocab_and_divide_by_the_temperature():
+    """The exact pass's log-probs as vLLM's V1 sampler takes them, against float64: the padding columns (here huge
+    logits, which would take all the mass) are cut, then ``log_softmax(logits / T)`` at the labels."""
+    from megarl.kernels.batch_invariant import vllm_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 5, 72, generator=g) * 3).bfloat16()
+    logits[..., 64:] = 100.0
+    labels = torch.randint(0, 64, (2, 5), generator=g)
+    got = vllm_logprobs(logits, labels, vocab_size=64, temperature=0.7)
+    want = torch.log_softmax(logits[..., :64].double() / 0.7, -1).gather(-1, labels[..., None])[..., 0]
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), want, rtol=0, atol=1e-5)
+
+
 def _batch(rows, seq_multiple=8):
     from megarl.data.batch import build_batch
 
