@@ -77,10 +77,11 @@ import json
 import sys
 from pathlib import Path
 
+TIMING = ("time/", "throughput/", "perf/", "memory/", "pool/")  # seconds, rates and busy/idle shares
+
 def steps(name):
     lines = (Path(sys.argv[1]) / name / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(l).items() if not k.startswith(("time/", "throughput/", "perf/", "memory/"))}
-            for l in lines if l.strip()]
+    return [{k: v for k, v in json.loads(l).items() if not k.startswith(TIMING)} for l in lines if l.strip()]
 
 a, b = steps("exact-a"), steps("exact-b")
 assert len(a) == len(b) == 20, (len(a), len(b))

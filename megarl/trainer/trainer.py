@@ -158,7 +158,7 @@ class Trainer:
         initialize_model_parallel(self.mesh, seed=cfg.run.seed, timeout_s=cfg.trainer.timeout_s)
         self.pools = build_pool_groups(self.layouts, self.world, self.mesh.ep)
         dtype = ck.DTYPES[cfg.model.dtype]
-        if cfg.rollout.exact:  # before the roles' first matmul: cuBLAS reads its workspace setting once
+        if cfg.rollout.exact and cfg.rollout.engine == "vllm":  # before the first matmul (cuBLAS's workspace)
             enable_batch_invariant_mode()
         source = None if cfg.model.path == "default" else cfg.model.path
         updates = cfg.trainer.steps * cfg.actor.ppo_epochs * (cfg.rollout_batch_size // cfg.actor.ppo_mini_batch_size)

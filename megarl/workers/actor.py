@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megarl.kernels.batch_invariant import vllm_logprobs
+from megarl.kernels.batch_invariant import batch_invariant_mode, vllm_logprobs
 from megarl.kernels.chunked_logprobs import LogprobOutput
 from megarl.kernels.context_parallel import next_tokens, split_for_cp_rank
 from megarl.algos.aggregation import agg_loss
@@ -85,11 +85,11 @@ class PolicyWorker(MegatronWorker):
         """``{"logprobs": [B, R]}`` (and ``"entropy"``) of the batch's responses under this policy, fp32;
         ``adapters=False``: under a LoRA actor's base (its adapters off, :func:`~megarl.models.lora.
         adapters_disabled`); ``exact``: the batch-invariant pass of ``rollout.exact``
-        (:meth:`~megarl.workers.engine.MegatronWorker.forward_response_frame`); on the GPU its log-probs come
+        (:meth:`~megarl.workers.engine.MegatronWorker.forward_response_frame`); in vLLM's mode its log-probs come
         from the model's whole logits as vLLM's sampler computes them (:func:`~megarl.kernels.batch_invariant.
         vllm_logprobs`), not from the chunked output layer."""
         names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
-        engine_logprobs = exact and not with_entropy and self.device.type == "cuda"
+        engine_logprobs = exact and not with_entropy and batch_invariant_mode()
 
         def fn(mb, logits):
             if engine_logprobs:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megarl.kernels.batch_invariant import vllm_kernels
+from megarl.kernels.batch_invariant import batch_invariant_mode, vllm_kernels
 from megarl.kernels.context_parallel import gather_from_cp_ranks
 from megarl.algos.nonfinite import NonFiniteError
 from megarl.config import ActorConfig, OptimConfig
@@ -233,8 +233,8 @@ class MegatronWorker:
 
         ``exact`` (``rollout.exact``'s old-log-prob pass): batch-invariant, a sample's outputs do not depend on the
         other samples of the batch, their number or its padding: every sample is a micro-batch of its own, cut to
-        its own length (:meth:`_exact_micro_batches`), and on the GPU the linear layers and norms run vLLM's
-        batch-invariant kernels (:func:`megarl.kernels.batch_invariant.vllm_kernels`)."""
+        its own length (:meth:`_exact_micro_batches`), and in vLLM's batch-invariant mode (a GPU run with vLLM) the
+        linear layers, norms and attention run vLLM's kernels (:func:`megarl.kernels.batch_invariant.vllm_kernels`)."""
         found = routers(self.model) if count_routes else []
         moe_names = ("response_lens",) if needs_batch_stats(found) else ()
         if exact:
@@ -247,7 +247,7 @@ class MegatronWorker:
         forward = functools.partial(run_microbatches, self.model, micro,
                                     lambda mb, out: (torch.zeros((), device=self.device), fn(mb, out)),
                                     forward_only=True, model_kwargs=model_kwargs)
-        kernels = vllm_kernels(self.chunks) if exact and self.device.type == "cuda" else contextlib.nullcontext()
+        kernels = vllm_kernels(self.chunks) if exact and batch_invariant_mode() else contextlib.nullcontext()
         with torch.no_grad(), kernels:
             if moe_names:
                 stats, res = count_routing(found, forward, self.dp_group)
