@@ -7,6 +7,9 @@ place here); and two seeded runs on the transformers engine giving the same log-
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -24,9 +27,15 @@ SPEC = ModelSpec("llama", 512, 128, 2, 8, 2, 16, 512, tie_word_embeddings=False,
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """The tiny Llama, its prompts, a tiny MoE model and the Llama as a Mistral with an 8-token window."""
     root = tmp_path_factory.mktemp("exact")
-    return make_tiny_model(root / "model"), write_prompts(root / "prompts.jsonl", 8), \
-        make_tiny_moe_model(root / "moe")
+    model = make_tiny_model(root / "model")
+    windowed = root / "windowed"
+    shutil.copytree(model, windowed)
+    cfg = json.loads((windowed / "config.json").read_text())
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+    (windowed / "config.json").write_text(json.dumps(cfg))
+    return model, write_prompts(root / "prompts.jsonl", 8), make_tiny_moe_model(root / "moe"), windowed
 
 
 REFUSALS = [  # (overrides beside rollout.exact=true, what the one error line must say)
@@ -42,13 +51,15 @@ REFUSALS = [  # (overrides beside rollout.exact=true, what the one error line mu
     (["actor.lora.rank=8"], "actor.lora.rank: 8 cannot be exact"),
     (["trainer.mode=async"], "trainer.mode: async generates with the weights of an earlier step"),
     (["MOE"], "rollout.exact: a qwen3_moe model (mixture of experts) cannot be exact yet"),
+    (["WINDOWED", "rollout.engine=vllm", "model.dtype=bfloat16"],
+     "rollout.exact: a sliding window of 8 tokens is not wired into the exact pass"),
 ]
 
 
 @pytest.mark.parametrize("extra,says", REFUSALS, ids=[f"{r[1].split(':')[0]}-{i}" for i, r in enumerate(REFUSALS)])
 def test_what_cannot_be_exact_is_refused_before_anything_starts(tiny, run_cli, extra, says):
-    model, data, moe = tiny
-    extra = [f"model.path={moe}" if e == "MOE" else e for e in extra]
+    model, data, moe, windowed = tiny
+    extra = [{"MOE": f"model.path={moe}", "WINDOWED": f"model.path={windowed}"}.get(e, e) for e in extra]
     status, err = run_cli(["train", *task_overrides(model, data, "runs", "exact"), "rollout.exact=true", *extra])
     lines = err.strip().splitlines()
     assert status == 2 and len(lines) == 1, err
@@ -174,7 +185,7 @@ def test_two_seeded_exact_runs_on_the_transformers_engine_match(tmp_path, tiny):
     """The same seed and config twice: every sample's tokens and rollout log-probs, the trainer's old log-probs and
     so every metric but the timings come out identical; ``rollout/exact`` and ``mismatch/exact_tokens_frac`` are
     logged (the transformers engine and megatron are other implementations: their log-probs differ slightly)."""
-    model, data, _ = tiny
+    model, data, _, _ = tiny
     runs = []
     for name in ("a", "b"):
         overrides = [*task_overrides(model, data, tmp_path, name), "rollout.exact=true", "trainer.steps=2",

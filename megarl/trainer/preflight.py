@@ -87,7 +87,7 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
         ConfigError: naming the field (``actor.parallel.tp``, ``actor.parallel.pp``, ``actor.parallel.vpp``,
             ``actor.parallel.ep``, ``actor.moe.router_replay``, ``critic.parallel.tp``,
             ``placement.reference_parallel.tp``, ``rollout.tp``, ``rollout.quantization``, ``rollout.max_model_len``,
-            ``rollout.max_new_tokens``), what does not divide or
+            ``rollout.max_new_tokens``, ``rollout.exact``), what does not divide or
             fit, and the sizes that would; what megatron-core refuses to build or train
             (:func:`check_megatron_build`).
     """
@@ -114,6 +114,9 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
             f"a {spec.family} model (mixture of experts) cannot be exact yet: vLLM's fused experts and megatron's "
             "grouped or sequential ones sum the top-k experts in other orders; use a dense model (llama, mistral, "
             "qwen2) or rollout.exact=false")
+    require(not (cfg.rollout.exact and cfg.rollout.engine == "vllm" and spec.sliding_window is not None),
+            "rollout.exact", f"a sliding window of {spec.sliding_window} tokens is not wired into the exact pass's "
+            "attention (vLLM's FlashAttention over whole sequences); use a model without one or rollout.exact=false")
     check_megatron_build(cfg, spec)
     r = cfg.rollout
     if r.engine == "vllm":
