@@ -89,6 +89,20 @@ def test_an_old_gpu_is_refused_for_exact_vllm(monkeypatch):
     preflight.check_this_machine(cfg)  # and without exact the old GPU is not this check's business
 
 
+def test_the_vllm_engine_starts_in_batch_invariant_mode_with_exact_only():
+    """``rollout.exact`` reaches the engine's settings and from there the variables vLLM reads when it starts
+    (``VLLM_BATCH_INVARIANT=1``; cuBLAS without split-K), which the standalone baseline's child gets too."""
+    from megarl.config import load_config
+    from megarl.rollout.vllm_engine import VLLMSettings
+
+    on = VLLMSettings.from_config(load_config(None, ["rollout.engine=vllm", "model.dtype=bfloat16",
+                                                     "rollout.exact=true"]).rollout)
+    assert on.exact and on.environment()["VLLM_BATCH_INVARIANT"] == "1"
+    assert on.environment()["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and on.as_dict()["exact"] is True
+    off = VLLMSettings.from_config(load_config(None, ["rollout.engine=vllm"]).rollout)
+    assert not off.exact and "VLLM_BATCH_INVARIANT" not in off.environment()
+
+
 def test_vllm_logprobs_cut_the_padded_vocab_and_divide_by_the_temperature():
     """The exact pass's log-probs as vLLM's V1 sampler takes them, against float64: the padding columns (here huge
     logits, which would take all the mass) are cut, then ``log_softmax(logits / T)`` at the labels."""
