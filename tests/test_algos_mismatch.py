@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.algos.mismatch import first_turns, length_buckets, mismatch_metrics, mismatch_stats, turn_index
+from megarl.algos.mismatch import (first_mismatch, first_turns, length_buckets, mismatch_metrics, mismatch_stats,
+                                   turn_index)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -22,13 +23,13 @@ def reference(train, gen, mask) -> dict[str, float]:
              for t, g, m in zip(tr, gr, mr) if m]
     if not diffs:
         return {"token_mult_prob_error": 1.0, "gen_kl_error": 0.0, "abs_diff_mean": 0.0, "abs_diff_max": 0.0,
-                "abs_diff_p99": 0.0, "tokens": 0.0}
+                "abs_diff_p99": 0.0, "exact_tokens_frac": 1.0, "tokens": 0.0}
     n = len(diffs)
     return {"token_mult_prob_error": sum(math.exp(abs(d)) for d in diffs) / n,
             "gen_kl_error": sum(math.expm1(d) - d for d in diffs) / n,  # r - 1 - log r, r = p_train / p_gen
             "abs_diff_mean": sum(abs(d) for d in diffs) / n, "abs_diff_max": max(abs(d) for d in diffs),
             "abs_diff_p99": float(np.percentile(np.abs(np.array(diffs, dtype=np.float64)), 99)),
-            "tokens": float(n)}
+            "exact_tokens_frac": sum(d == 0 for d in diffs) / n, "tokens": float(n)}
 
 
 def assert_figures(got: dict[str, torch.Tensor], want: dict[str, float], prefix: str = "") -> None:
@@ -64,6 +65,27 @@ def test_nemo_rl_examples_fix_the_definitions_and_the_sign():
 def test_stats_match_the_float64_reference_with_padding_nan_and_inf(seed):
     train, gen, mask = random_case(seed)
     assert_figures(mismatch_stats(train, gen, mask.float()), reference(train, gen, mask))
+
+
+def test_exact_tokens_are_counted_bit_for_bit_and_the_first_other_one_is_named():
+    """``exact_tokens_frac``: tokens whose two float32 log-probs are the same number (the nearest float32 is not
+    enough); :func:`first_mismatch`: the first valid differing token, row-major; padding never counts."""
+    train, gen, mask = random_case(7, rows=4, width=10)
+    train = torch.where(mask, gen, train)  # every valid token exact
+    assert mismatch_stats(train, gen, mask)["exact_tokens_frac"].item() == 1.0
+    assert first_mismatch(train, gen, mask) is None
+    valid = mask.nonzero().tolist()
+    (r1, c1), (r2, c2) = valid[5], valid[-1]
+    train[r2, c2] = torch.nextafter(gen[r2, c2], torch.tensor(0.0))  # one ulp off
+    train[r1, c1] = gen[r1, c1] + 0.5
+    got = mismatch_stats(train, gen, mask)
+    assert got["exact_tokens_frac"].item() == pytest.approx((len(valid) - 2) / len(valid), rel=1e-15)
+    assert_figures(got, reference(train, gen, mask))
+    assert first_mismatch(train, gen, mask) == (r1, c1)
+    padding = (~mask).nonzero()[0].tolist()
+    assert first_mismatch(train, gen, mask & ~torch.zeros_like(mask).index_put_(
+        (torch.tensor([r1]), torch.tensor([c1])), torch.tensor(True))) == (r2, c2)
+    assert torch.isnan(train[padding[0], padding[1]])  # a NaN outside the mask is not a mismatch
 
 
 def test_small_differences_keep_their_k3_to_float64_precision():

@@ -16,6 +16,7 @@ ONE_MINI_BATCH = ["data.prompts_per_step=2", "rollout.n=8"]  # 16 rows, the defa
     (["actor.kernels.chunked_logprob=false", "actor.max_tokens_per_micro_batch=64",
       "actor.logprob_micro_batch_size=8", "actor.lora.rank=4"], None),  # the same micro-batches, no dropout
     (["actor.old_logprob_pass=always"], "actor.old_logprob_pass=always"),
+    (["rollout.exact=true"], "rollout.exact: the batch-invariant pass"),
     (["actor.ppo_epochs=2"], "actor.ppo_epochs=2"),
     (["actor.ppo_mini_batch_size=8"], "16 samples in mini-batches of 8"),
     (["algorithm.kl.in_loss=false"], "KL penalty is in the reward"),

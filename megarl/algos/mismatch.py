@@ -18,11 +18,14 @@ logp_gen_t`` for each valid token ``t`` (``N`` of them):
   runs over the loss mask). 0 is perfect.
 - ``abs_diff_mean``, ``abs_diff_max`` and ``abs_diff_p99``: the mean, largest and 99th percentile of ``|d_t|``
   (the percentile interpolated linearly between order statistics, numpy's default).
+- ``exact_tokens_frac``: the fraction of the ``N`` tokens whose two log-probs are the same number (``d_t == 0``,
+  bit for bit in the float32 both engines report): 1.0 is what ``rollout.exact`` promises, and
+  :func:`first_mismatch` names the first token that breaks it.
 - ``tokens``: ``N``.
 
 Everything is computed in float64 (``expm1``): at the |d| of 1e-3 typical of bf16, k3 is ~5e-7, which float32's
 ``exp(d) - 1`` would get wrong by ~20%. Positions outside the mask never reach a figure, NaN or infinite as they
-may be; with no valid token the figures are the perfect values (1, 0, 0, 0, 0) and ``tokens`` is 0.
+may be; with no valid token the figures are the perfect values (1, 0, 0, 0, 0, 1) and ``tokens`` is 0.
 
 :func:`mismatch_metrics` adds the same figures per response-length bucket (:func:`length_buckets`) and, for
 multi-turn episodes, per turn (:func:`turn_index`).
@@ -35,7 +38,8 @@ from typing import Sequence
 import torch
 
 LENGTH_EDGES = (256, 1024, 4096)  # response-length buckets: [1, 256), [256, 1024), [1024, 4096), [4096, inf)
-STATS = ("token_mult_prob_error", "gen_kl_error", "abs_diff_mean", "abs_diff_max", "abs_diff_p99", "tokens")
+STATS = ("token_mult_prob_error", "gen_kl_error", "abs_diff_mean", "abs_diff_max", "abs_diff_p99", "exact_tokens_frac",
+         "tokens")
 
 
 def mismatch_stats(train_logprob: torch.Tensor, rollout_logprob: torch.Tensor, mask: torch.Tensor
@@ -62,11 +66,20 @@ def mismatch_stats(train_logprob: torch.Tensor, rollout_logprob: torch.Tensor, m
     if n == 0:
         zero = d.new_zeros(())
         return {"token_mult_prob_error": zero + 1, "gen_kl_error": zero, "abs_diff_mean": zero,
-                "abs_diff_max": zero, "abs_diff_p99": zero, "tokens": zero}
+                "abs_diff_max": zero, "abs_diff_p99": zero, "exact_tokens_frac": zero + 1, "tokens": zero}
     a = d.abs()
     return {"token_mult_prob_error": a.exp().mean(), "gen_kl_error": (torch.expm1(d) - d).mean(),
             "abs_diff_mean": a.mean(), "abs_diff_max": a.max(), "abs_diff_p99": _quantile(a, 0.99),
-            "tokens": d.new_tensor(float(n))}
+            "exact_tokens_frac": (d == 0).double().mean(), "tokens": d.new_tensor(float(n))}
+
+
+def first_mismatch(train_logprob: torch.Tensor, rollout_logprob: torch.Tensor, mask: torch.Tensor
+                   ) -> tuple[int, int] | None:
+    """The first valid token (row-major: the lowest row, then the lowest column) whose two log-probs differ,
+    as ``(row, column)``; None where every valid token's are equal. Shapes and ``mask`` as in
+    :func:`mismatch_stats` (a NaN on both sides differs)."""
+    where = (mask.bool() & (train_logprob != rollout_logprob)).nonzero()
+    return None if where.numel() == 0 else (int(where[0, 0]), int(where[0, 1]))
 
 
 def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:

@@ -190,7 +190,7 @@ def _one_step(trainer, batches) -> dict[str, Any]:
 ROLLOUT_METRICS = {"rollout_vs_old_logprob_diff": "actor/rollout_vs_old_logprob_diff", "kl_k3": "rollout_corr/kl_k3",
                    "truncated_frac": "rollout_corr/truncated_frac",
                    **{k: f"mismatch/{k}" for k in ("token_mult_prob_error", "gen_kl_error", "abs_diff_max",
-                                                   "abs_diff_p99")}}
+                                                   "abs_diff_p99", "exact_tokens_frac")}}
 
 
 def rollout_agreement(history: list[dict[str, Any]]) -> dict[str, float]:

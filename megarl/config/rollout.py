@@ -133,6 +133,11 @@ class RolloutConfig:
         request_seeds: seed every sample on its own (its tokens do not depend on how prompts are batched or split
             over engines); false: vLLM's generator seeded by run.seed (reproducible for the same batches only),
             which saves the V1 runner's per-request noise loop.
+        exact: exact on-policy (README "Exact on-policy"; docs/DESIGN.md): vLLM in its batch-invariant mode
+            (``VLLM_BATCH_INVARIANT=1``) and the trainer's old-log-prob pass batch-invariant with the same kernels
+            (:mod:`megarl.kernels.batch_invariant`), so that the old log-probs equal the rollout's bit for bit
+            (``mismatch/exact_tokens_frac`` 1.0); the combinations that cannot be exact are refused here and in
+            :class:`megarl.config.Config`.
 
     The vLLM knobs (quantization to request_seeds) apply to ``engine: vllm``; ``perf/gpu_generation.sh``
     measures them side by side.
@@ -158,10 +163,19 @@ class RolloutConfig:
     cudagraph_capture_sizes: Optional[list[int]] = None
     max_cudagraph_capture_size: Optional[int] = None
     request_seeds: bool = True
+    exact: bool = False
 
     def __post_init__(self):
         require(self.engine in ("hf", "vllm"), "rollout.engine", f"must be 'hf' or 'vllm', got {self.engine!r}")
         self._check_vllm_knobs()
+        if self.exact:
+            require(self.quantization is None, "rollout.quantization",
+                    f"{self.quantization} rollouts cannot be exact: the engine samples from the quantised model, the "
+                    "trainer computes the bf16 one; set rollout.quantization=null or rollout.exact=false")
+            require(self.engine == "hf" or self.tp == 1, "rollout.tp",
+                    f"{self.tp} cannot be exact yet: vLLM's row-parallel layers all-reduce partial sums over the TP "
+                    "ranks, another reduction order than the trainer's one matmul (TP-invariant reductions are not "
+                    "wired); set rollout.tp=1 (more engines: rollout data parallelism) or rollout.exact=false")
         require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
         require(self.temperature > 0, "rollout.temperature",
                  "must be > 0 for RL (log-probs of a greedy policy are not defined)")

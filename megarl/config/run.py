@@ -277,9 +277,39 @@ class Config:
                     "return the routed experts")
         require(not self.critic.moe.router_replay, "critic.moe.router_replay",
                 "replays the actor's routes only; set critic.moe.router_replay=false")
+        if self.rollout.exact:
+            self._check_exact()
         rc = alg.rollout_correction
         if self.rollout.quantization is not None and rc.preset is None and rc.level is None:
             rc.preset = "token_tis"  # the FP8 model's log-probs differ from the bf16 actor's (RolloutCorrectionConfig)
+
+    def _check_exact(self) -> None:
+        """What ``rollout.exact`` cannot make exact, each refused with its reason and fix (docs/DESIGN.md, "Exact
+        on-policy"); the model (a dense family) and the GPU are checked by :mod:`megarl.trainer.preflight`."""
+        a, off = self.actor, "or rollout.exact=false"
+        require(self.rollout.engine == "hf" or self.model.dtype == "bfloat16", "model.dtype",
+                f"{self.model.dtype} cannot be exact with rollout.engine=vllm, which runs bfloat16; set "
+                f"model.dtype=bfloat16 {off}")
+        p = a.parallel
+        require(p.tp == 1, "actor.parallel.tp", f"{p.tp} cannot be exact yet: megatron's row-parallel layers "
+                "all-reduce partial sums over the TP ranks, another reduction order than the engine's one matmul "
+                f"(TP-invariant reductions are not wired); set actor.parallel.tp=1 (dp is exact) {off}")
+        require(p.pp == 1, "actor.parallel.pp", f"{p.pp} cannot be exact yet: the pipeline schedule sends one shape "
+                "for every micro-batch, so the exact pass could not run each sample alone at its own length; set "
+                f"actor.parallel.pp=1 {off}")
+        require(p.cp == 1, "actor.parallel.cp", f"{p.cp} cannot be exact: context parallelism merges each query's "
+                "attention from partial softmaxes of CP ranks, an order the engine's attention does not have; set "
+                f"actor.parallel.cp=1 {off}")
+        require(not a.sequence_packing, "actor.sequence_packing", "cannot be exact: packed rows run the attention "
+                f"and the output layer on other shapes than the engine; set actor.sequence_packing=false {off}")
+        require(not a.kernels.transformer_engine, "actor.kernels.transformer_engine", "cannot be exact: Transformer "
+                "Engine's fused LayerNorm + GEMM kernels are not the engine's batch-invariant ones; set "
+                f"actor.kernels.transformer_engine=false {off}")
+        require(not a.lora.enabled, "actor.lora.rank", f"{a.lora.rank} cannot be exact: the trainer computes W x + "
+                "B A x while the engine runs W + B A merged in its dtype (or vLLM's LoRA kernels); set "
+                f"actor.lora.rank=0 {off}")
+        require(self.trainer.mode == "sync", "trainer.mode", "async generates with the weights of an earlier step, "
+                f"so its log-probs are not the trainer's by design; set trainer.mode=sync {off}")
 
     @property
     def loss_norm_tokens(self) -> int:

@@ -131,6 +131,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import QUANTIZATIONS
+from megarl.kernels.batch_invariant import BATCH_INVARIANT_ENV
 from megarl.models.fp8 import BLOCK
 from megarl.models.layout import Layout, local_views
 from megarl.models.layout_vllm import check_vllm_fp8, check_vllm_tp, vllm_layout, vllm_rank_tensors
@@ -180,6 +181,9 @@ class VLLMSettings:
         request_seeds: seed every request (:func:`~megarl.rollout.base.sample_seed`: samples independent of
             batching); False: vLLM's generator, seeded once by ``run.seed`` (samples then depend on the batch).
         quantization: None (the model dtype) or "fp8" (block-FP8 weights, module docstring).
+        exact: vLLM's batch-invariant mode (``rollout.exact``: :data:`~megarl.kernels.batch_invariant.
+            BATCH_INVARIANT_ENV`; vLLM then picks a batch-invariant attention backend, one KV split, no cascade
+            attention, no custom all-reduce).
     """
 
     model_runner: str | None = None
@@ -190,6 +194,7 @@ class VLLMSettings:
     max_cudagraph_capture_size: int | None = None
     request_seeds: bool = True
     quantization: str | None = None
+    exact: bool = False
 
     @classmethod
     def from_config(cls, rollout) -> "VLLMSettings":
@@ -204,8 +209,9 @@ class VLLMSettings:
         return dataclasses.asdict(self)
 
     def environment(self) -> dict[str, str]:
-        """The variables vLLM must see (set before it is imported): the model runner; DeepGEMM off for FP8."""
-        env = {}
+        """The variables vLLM must see (set before it is imported): the model runner; DeepGEMM off for FP8; the
+        batch-invariant mode (``exact``)."""
+        env = dict(BATCH_INVARIANT_ENV) if self.exact else {}
         if self.model_runner is not None:
             env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if self.model_runner == "v2" else "0"
         if self.quantization == "fp8":

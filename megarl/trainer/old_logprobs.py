@@ -14,16 +14,19 @@ update whichever way they came, reports the same metrics from them.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from megarl.algos.aggregation import masked_mean
 from megarl.algos.kl import kl_penalty
-from megarl.algos.mismatch import first_turns, mismatch_metrics, turn_index
+from megarl.algos.mismatch import first_mismatch, first_turns, mismatch_metrics, turn_index
 from megarl.algos.rollout_correction import rollout_correction
 from megarl.config import AlgorithmConfig, Config
 from megarl.data.batch import RolloutBatch
+
+log = logging.getLogger(__name__)
 
 
 def old_logprob_pass(cfg: Config, *, rows: int, step: int, moe: bool) -> str | None:
@@ -35,6 +38,8 @@ def old_logprob_pass(cfg: Config, *, rows: int, step: int, moe: bool) -> str | N
     The pass runs where any of these holds (in this order; the reason says which):
 
     - ``actor.old_logprob_pass="always"``;
+    - ``rollout.exact``: the old log-probs come from the batch-invariant pass (one sample per micro-batch, the
+      engine's kernels), not the update's micro-batches;
     - ``actor.ppo_epochs > 1`` or more than one mini-batch (``actor.ppo_mini_batch_size`` < ``rows``): the later
       updates need the weights before the first;
     - the KL penalty is in the reward (``algorithm.kl.coef > 0``, ``kl.in_loss=false``), or the rollout
@@ -54,6 +59,7 @@ def old_logprob_pass(cfg: Config, *, rows: int, step: int, moe: bool) -> str | N
     mini = a.ppo_mini_batch_size
     reasons = (
         (a.old_logprob_pass == "always", "actor.old_logprob_pass=always"),
+        (cfg.rollout.exact, "rollout.exact: the batch-invariant pass"),
         (a.ppo_epochs > 1, f"actor.ppo_epochs={a.ppo_epochs}: the later epochs need the weights before the first"),
         (mini != rows, f"{rows} samples in mini-batches of {mini} (actor.ppo_mini_batch_size): the later ones "
                        "need the weights before the first"),
@@ -69,7 +75,7 @@ def old_logprob_pass(cfg: Config, *, rows: int, step: int, moe: bool) -> str | N
     return next((why for holds, why in reasons if holds), None)
 
 
-def old_logprob_metrics(batch: RolloutBatch, alg: AlgorithmConfig) -> dict[str, float]:
+def old_logprob_metrics(batch: RolloutBatch, alg: AlgorithmConfig, *, exact: bool = False) -> dict[str, float]:
     """The step's metrics of ``batch["old_logprobs"]`` ``[B, T]`` (from the pass or the update), read after
     the update: ``actor/rollout_vs_old_logprob_diff`` (mean ``|rollout - old|`` over the response tokens with a
     finite rollout log-prob), ``actor/kl`` (the ``algorithm.kl.estimator`` KL to ``batch["ref_logprobs"]``
@@ -78,7 +84,10 @@ def old_logprob_metrics(batch: RolloutBatch, alg: AlgorithmConfig) -> dict[str, 
     :func:`~megarl.trainer.advantages.set_loss_mask` reports them), and the ``mismatch/...`` figures of
     :func:`~megarl.algos.mismatch.mismatch_metrics` over the same tokens as the first (their mean ``|diff|`` is
     that one): overall, per response-length bucket (``batch["response_lens"]``) and, for multi-turn episodes
-    (``batch.meta["episode"]``), per turn of the episode.
+    (``batch.meta["episode"]``), per turn of the episode. ``rollout/exact`` records ``exact``
+    (``rollout.exact``); with it on, a token whose two log-probs differ is a fault (a weight not synced, a stale
+    KV cache, a wrong template token) and a warning names the first one (:func:`~megarl.algos.mismatch.
+    first_mismatch`: its sample, prompt and response position).
     """
     old, mask = batch["old_logprobs"], batch["response_mask"].bool()
     valid = mask & ~batch["logprob_nonfinite"]
@@ -87,7 +96,15 @@ def old_logprob_metrics(batch: RolloutBatch, alg: AlgorithmConfig) -> dict[str, 
         turns = turn_index(mask, first_turns(mask, torch.tensor(batch.meta["episode"], dtype=torch.int64)))
     mismatch = mismatch_metrics(old, batch["rollout_logprobs"], valid, lengths=batch["response_lens"], turns=turns)
     metrics = {"actor/rollout_vs_old_logprob_diff": mismatch.pop("abs_diff_mean").item(),
-               **{f"mismatch/{k}": v.item() for k, v in mismatch.items()}}
+               **{f"mismatch/{k}": v.item() for k, v in mismatch.items()}, "rollout/exact": float(exact)}
+    first = first_mismatch(old, batch["rollout_logprobs"], valid) if exact else None
+    if first is not None:
+        (row, col), n = first, int(metrics["mismatch/tokens"])
+        log.warning("rollout.exact: %d of %d tokens differ from the rollout's log-probs; the first is sample %d "
+                    "(prompt %d), response token %d: trainer %r, rollout %r (a weight not synced, a stale KV "
+                    "cache or another template token?)", round((1 - metrics["mismatch/exact_tokens_frac"]) * n), n,
+                    row, int(batch["group"][row]), col, old[row, col].item(),
+                    batch["rollout_logprobs"][row, col].item())
     if "ref_logprobs" in batch:
         metrics["actor/kl"] = masked_mean(kl_penalty(old, batch["ref_logprobs"], alg.kl.estimator), mask).item()
     if not alg.rollout_correction.enabled:

@@ -39,6 +39,7 @@ from megarl.textfiles import FileFormatError
 from megarl.workers.teacher import check_teacher
 
 log = logging.getLogger(__name__)
+MIN_EXACT_CAPABILITY = (8, 0)  # rollout.exact's GPUs (check_this_machine)
 
 
 def model_spec(cfg: Config) -> ModelSpec:
@@ -89,7 +90,7 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
         ConfigError: naming the field (``actor.parallel.tp``, ``actor.parallel.pp``, ``actor.parallel.vpp``,
             ``actor.parallel.ep``, ``actor.moe.router_replay``, ``critic.parallel.tp``,
             ``placement.reference_parallel.tp``, ``rollout.tp``, ``rollout.quantization``, ``rollout.max_model_len``,
-            ``rollout.max_new_tokens``), what does not divide or
+            ``rollout.max_new_tokens``, ``rollout.exact``), what does not divide or
             fit, and the sizes that would; what megatron-core refuses to build or train
             (:func:`check_megatron_build`).
     """
@@ -112,6 +113,13 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
         raise ConfigError(f"actor.parallel.ep: {e}") from None
     require(spec.is_moe or not cfg.actor.moe.router_replay, "actor.moe.router_replay",
             f"a {spec.family} model has no experts to route; set actor.moe.router_replay=false")
+    require(not (cfg.rollout.exact and spec.is_moe), "rollout.exact",
+            f"a {spec.family} model (mixture of experts) cannot be exact yet: vLLM's fused experts and megatron's "
+            "grouped or sequential ones sum the top-k experts in other orders; use a dense model (llama, mistral, "
+            "qwen2) or rollout.exact=false")
+    require(not (cfg.rollout.exact and cfg.rollout.engine == "vllm" and spec.sliding_window is not None),
+            "rollout.exact", f"a sliding window of {spec.sliding_window} tokens is not wired into the exact pass's "
+            "attention (vLLM's FlashAttention over whole sequences); use a model without one or rollout.exact=false")
     check_megatron_build(cfg, spec)
     r = cfg.rollout
     if r.engine == "vllm":
@@ -420,14 +428,22 @@ def check_tokenizer(cfg: Config, model_tokenizer: str | None):
 def check_this_machine(cfg: Config) -> None:
     """What this machine must have for a job of its own ranks: vLLM rollouts need vLLM and a GPU.
 
+    With ``rollout.exact``, a GPU that vLLM 0.24's batch-invariant mode supports: compute capability 8.0 and up
+    (``vllm/model_executor/layers/batch_invariant.py``: Triton matmuls on SM80, cuBLASLt without split-K on SM90+).
+
     Raises:
-        ConfigError: naming ``rollout.engine`` and the fix.
+        ConfigError: naming ``rollout.engine`` (or ``rollout.exact``) and the fix.
     """
     if cfg.rollout.engine == "vllm" and not torch.cuda.is_available():
         raise ConfigError("rollout.engine: vllm generates on a GPU and this machine has none; use "
                           "rollout.engine=hf on a CPU")
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine: vllm is not installed (MEGARL_EXTRAS=gpu ./build.sh installs it)")
+    capability = torch.cuda.get_device_capability() if cfg.rollout.engine == "vllm" and cfg.rollout.exact else None
+    if capability is not None and capability < MIN_EXACT_CAPABILITY:
+        raise ConfigError(f"rollout.exact: vLLM's batch-invariant mode needs an NVIDIA GPU of compute capability "
+                          f"{'.'.join(map(str, MIN_EXACT_CAPABILITY))} or newer (A100, H100, H200, B200), this one "
+                          f"is {'.'.join(map(str, capability))}; use such a GPU or rollout.exact=false")
 
 
 def preflight(cfg: Config, world_size: int, *, this_machine: bool = True) -> ModelSpec:

@@ -32,6 +32,7 @@ from megarl.algos.kl import AdaptiveKLController, FixedKLController
 from megarl.config import Config, absolute_paths
 from megarl.data.batch import RolloutBatch, build_batch
 from megarl.data.loader import PromptBatch, PromptLoader
+from megarl.kernels.batch_invariant import enable_batch_invariant_mode
 from megarl.measure.flops import peak_bf16_flops
 from megarl.measure.throughput import step_perf_metrics
 from megarl.measure.timers import PhaseTimer
@@ -158,6 +159,8 @@ class Trainer:
         initialize_model_parallel(self.mesh, seed=cfg.run.seed, timeout_s=cfg.trainer.timeout_s)
         self.pools = build_pool_groups(self.layouts, self.world, self.mesh.ep)
         dtype = ck.DTYPES[cfg.model.dtype]
+        if cfg.rollout.exact and cfg.rollout.engine == "vllm":  # before the first matmul (cuBLAS's workspace)
+            enable_batch_invariant_mode()
         source = None if cfg.model.path == "default" else cfg.model.path
         updates = cfg.trainer.steps * cfg.actor.ppo_epochs * (cfg.rollout_batch_size // cfg.actor.ppo_mini_batch_size)
         self.actor = self.ref = self.critic = None
@@ -290,7 +293,7 @@ class Trainer:
         updates = self._updates(batch, old_logprobs_from_update="old_logprobs" not in passes)
         metrics = {**prepared, **updates, **batch_metrics(batch, version=version, step=self.state.step + 1,
                                                           epoch=self.state.loader.epoch),
-                   **old_logprob_metrics(batch, self.cfg.algorithm)}
+                   **old_logprob_metrics(batch, self.cfg.algorithm, exact=self.cfg.rollout.exact)}
         task = dict(zip(prompts.index, (row.get("task") for row in prompts.rows or ())))  # per-task figures
         metrics.update(task_metrics([task.get(i) for i in batch.meta["index"]], batch["scores"],
                                     batch.meta["correct"], ~batch["dropped"]))
@@ -314,7 +317,8 @@ class Trainer:
         passes: dict[str, Any] = {"routing": roles["actor"].run(lambda actor: {})}
         if reason:
             with t("old_logprobs"):
-                passes["old_logprobs"] = roles["actor"].run(lambda actor: actor.compute_logprobs(batch)["logprobs"])
+                passes["old_logprobs"] = roles["actor"].run(lambda actor: actor.compute_logprobs(
+                    batch, exact=self.cfg.rollout.exact)["logprobs"])
                 passes["routing"] = roles["actor"].run(lambda actor: actor.routing_agreement())
         if "reference" in roles:
             with t("reference"):

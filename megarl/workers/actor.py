@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from megarl.kernels.batch_invariant import batch_invariant_mode, vllm_logprobs
 from megarl.kernels.chunked_logprobs import LogprobOutput
 from megarl.kernels.context_parallel import next_tokens, split_for_cp_rank
 from megarl.algos.aggregation import agg_loss
@@ -80,20 +81,29 @@ class PolicyWorker(MegatronWorker):
         return frame(logp), (frame(ent) if with_entropy else None)
 
     def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False, *,
-                         adapters: bool = True) -> dict[str, torch.Tensor]:
+                         adapters: bool = True, exact: bool = False) -> dict[str, torch.Tensor]:
         """``{"logprobs": [B, R]}`` (and ``"entropy"``) of the batch's responses under this policy, fp32;
         ``adapters=False``: under a LoRA actor's base (its adapters off, :func:`~megarl.models.lora.
-        adapters_disabled`)."""
+        adapters_disabled`); ``exact``: the batch-invariant pass of ``rollout.exact``
+        (:meth:`~megarl.workers.engine.MegatronWorker.forward_response_frame`); in vLLM's mode its log-probs come
+        from the model's whole logits as vLLM's sampler computes them (:func:`~megarl.kernels.batch_invariant.
+        vllm_logprobs`), not from the chunked output layer."""
         names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
+        engine_logprobs = exact and not with_entropy and batch_invariant_mode()
 
         def fn(mb, logits):
+            if engine_logprobs:
+                logp = vllm_logprobs(logits, next_tokens(mb["input_ids"]), vocab_size=self.spec.vocab_size,
+                                     temperature=self.temperature)
+                return {"logprobs": to_response_frame(logp, mb["prompt_lens"], mb["response_mask"].shape[1])}
             logp, ent = self._logprobs(mb, logits, with_entropy)
             return {"logprobs": logp, "entropy": ent} if with_entropy else {"logprobs": logp}
 
         measure = self.routes.measuring() if self.routes is not None and adapters else contextlib.nullcontext()
         with contextlib.nullcontext() if adapters else adapters_disabled(self.chunks), measure:
-            return self.forward_response_frame(batch, fn, names, self._model_kwargs(with_entropy),
-                                               count_routes=adapters and self.optimizer is not None)
+            return self.forward_response_frame(batch, fn, names,
+                                               None if engine_logprobs else self._model_kwargs(with_entropy),
+                                               count_routes=adapters and self.optimizer is not None, exact=exact)
 
     def update(self, batch: RolloutBatch, alg: AlgorithmConfig, *, seed: int,
                norm_tokens: float | None = None, step: int | None = None) -> list[dict[str, float]]:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from megarl.kernels.batch_invariant import batch_invariant_mode, vllm_kernels
 from megarl.kernels.context_parallel import gather_from_cp_ranks
 from megarl.algos.nonfinite import NonFiniteError
 from megarl.config import ActorConfig, OptimConfig
@@ -222,23 +223,32 @@ class MegatronWorker:
     # ------------------------------------------------------------------ forward-only
     def forward_response_frame(self, batch: RolloutBatch, fn: Callable, names: tuple[str, ...],
                                model_kwargs: dict[str, Any] | None = None, *,
-                               count_routes: bool = False) -> dict[str, torch.Tensor]:
+                               count_routes: bool = False, exact: bool = False) -> dict[str, torch.Tensor]:
         """Run ``fn(micro_batch, output) -> {name: [b, R] tensor}`` over this rank's DP share (``model_kwargs``:
         extra model arguments); return the whole batch's ``{name: [B, R] float32}`` on every rank.
 
         ``count_routes`` (a trainable MoE actor's old-log-prob pass): the routers also count the batch's routing
         statistics (:func:`~megarl.models.moe_router.count_routing`), which the update of this batch then uses
-        instead of a pass of its own where the weights are still these (:attr:`pass_routing`)."""
-        size = self.forward_micro_batch_size(len(batch) // self.dp_size)
+        instead of a pass of its own where the weights are still these (:attr:`pass_routing`).
+
+        ``exact`` (``rollout.exact``'s old-log-prob pass): batch-invariant, a sample's outputs do not depend on the
+        other samples of the batch, their number or its padding: every sample is a micro-batch of its own, cut to
+        its own length (:meth:`_exact_micro_batches`), and in vLLM's batch-invariant mode (a GPU run with vLLM) the
+        linear layers, norms and attention run vLLM's kernels (:func:`megarl.kernels.batch_invariant.vllm_kernels`)."""
         found = routers(self.model) if count_routes else []
         moe_names = ("response_lens",) if needs_batch_stats(found) else ()
-        micro, rows = self._micro_batches(batch, MODEL_INPUTS + moe_names, size)
+        if exact:
+            micro, rows = self._exact_micro_batches(batch, MODEL_INPUTS + moe_names)
+        else:
+            micro, rows = self._micro_batches(batch, MODEL_INPUTS + moe_names,
+                                              self.forward_micro_batch_size(len(batch) // self.dp_size))
         for chunk in self.chunks:
             chunk.eval()
         forward = functools.partial(run_microbatches, self.model, micro,
                                     lambda mb, out: (torch.zeros((), device=self.device), fn(mb, out)),
                                     forward_only=True, model_kwargs=model_kwargs)
-        with torch.no_grad():
+        kernels = vllm_kernels(self.chunks) if exact and batch_invariant_mode() else contextlib.nullcontext()
+        with torch.no_grad(), kernels:
             if moe_names:
                 stats, res = count_routing(found, forward, self.dp_group)
                 self.pass_routing = PassRouting.of(batch, stats)
@@ -302,6 +312,23 @@ class MegatronWorker:
             micro = [self._with_logit_positions(self._to_device(trim_to_longest(
                 {k: batch[k][idx] for k in names}, lengths[idx], multiple))) for idx in packed[self.dp_rank]]
         return micro, [torch.cat(p) for p in packed]
+
+    def _exact_micro_batches(self, batch: RolloutBatch, names: tuple[str, ...]
+                             ) -> tuple[list[dict[str, torch.Tensor]], None]:
+        """This rank's DP share of ``batch`` as micro-batches of one row each, each cut to its own length (padded
+        to a multiple of ``8 * tp``, as the batch is: :func:`~megarl.workers.packing.trim_to_longest`), in order;
+        the rows are None (:meth:`_micro_batches`). The shapes a sample runs at are then its own, and so are the
+        positions whose logits the chunked output layer computes (its response's, not the batch's response width:
+        ``logit_positions``, :meth:`_with_logit_positions`), which its chunks of tokens cut."""
+        share = dp_share(batch, self.dp_rank, self.dp_size)
+        lengths = share["prompt_lens"] + share["response_lens"]
+        micro = []
+        for i, mb in enumerate(share.micro_batches(1, names)):
+            mb = self._to_device(trim_to_longest(mb, lengths[i:i + 1], 8 * self.mesh.tp))
+            mb["logit_positions"] = response_positions(mb["prompt_lens"], int(share["response_lens"][i]),
+                                                       mb["input_ids"].shape[1])
+            micro.append(mb)
+        return micro, None
 
     def _with_logit_positions(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``mb`` with ``logit_positions`` ``[b, s]`` bool, the response tokens' labels

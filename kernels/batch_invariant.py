@@ -1,0 +1,182 @@
+"""The trainer's half of exact on-policy (``rollout.exact``; docs/DESIGN.md, "Exact on-policy"): the old-log-prob
+pass on the kernels of vLLM's batch-invariant mode.
+
+vLLM 0.24's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, ``vllm/model_executor/layers/batch_invariant.py``)
+has two halves, read in its source:
+
+- process-wide overrides, installed by ``init_batch_invariance()`` when the engine's worker starts: ``torch.library``
+  implementations of ``aten::_log_softmax``, ``aten::softmax``/``_softmax``, ``aten::mean.dim`` and ``aten::bmm``
+  on CUDA (Triton kernels whose reduction order does not depend on the batch), on SM80 also ``aten::mm``,
+  ``addmm``, ``matmul`` and ``linear`` (a persistent Triton matmul), on SM90+ cuBLASLt without split-K
+  (``CUBLAS_WORKSPACE_CONFIG=:16:8``, ``CUBLASLT_WORKSPACE_SIZE=1``), reduced-precision reductions off, TF32
+  off;
+- vLLM's own layers calling its kernels directly: every unquantised linear layer ``linear_batch_invariant``
+  (the persistent Triton matmul, whatever the GPU), every ``RMSNorm`` ``rms_norm_batch_invariant`` (one program
+  per row), attention with one KV split (``num_splits=1``, no cascade attention).
+
+The engine runs in the training process (:mod:`megarl.rollout.vllm_engine`), so the overrides of the first half
+act on the trainer's forward too once :func:`enable_batch_invariant_mode` has run (it runs them itself, before
+the trainer's first matmul, so that cuBLAS reads its workspace setting). The second half is not in torch's
+dispatcher: :func:`vllm_kernels` routes megatron's linear layers, RMSNorm modules and core attention (local layer
+spec, TP = 1) through the same functions for the duration of a forward-only pass, as TorchTitan's
+``deterministic_vllm_rl`` does with its own model. What stays different (the residual add fused into vLLM's later
+RMSNorms, RoPE, prefill against decode over a paged KV cache) is listed in docs/DESIGN.md; the GPU test
+(tests/test_gpu_exact.py) measures it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Iterator
+
+import torch
+
+# The variables of vLLM's batch-invariant mode that must be set before cuBLAS is first used in the process.
+BATCH_INVARIANT_ENV = {"VLLM_BATCH_INVARIANT": "1", "CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
+
+_ENABLED = False  # enable_batch_invariant_mode ran (batch_invariant_mode)
+LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], torch.Tensor]
+
+
+def enable_batch_invariant_mode() -> bool:
+    """Put this process in vLLM's batch-invariant mode (the overrides of the module docstring) where a GPU is
+    there (the trainer calls it for ``rollout.exact`` with ``rollout.engine=vllm``); a no-op on the CPU (returns
+    False), where the old-log-prob pass is made batch-invariant by
+    running each sample alone (:meth:`megarl.workers.engine.MegatronWorker.forward_response_frame`).
+
+    Returns:
+        Whether the mode is on.
+
+    Raises:
+        ImportError: a GPU but no vLLM (``rollout.exact`` with ``rollout.engine=vllm`` needs it; the preflight checks).
+    """
+    global _ENABLED
+    if not torch.cuda.is_available():
+        return False
+    os.environ.update(BATCH_INVARIANT_ENV)
+    from vllm.model_executor.layers.batch_invariant import init_batch_invariance
+
+    init_batch_invariance()
+    _ENABLED = True
+    return True
+
+
+def batch_invariant_mode() -> bool:
+    """Whether :func:`enable_batch_invariant_mode` put this process in vLLM's mode (a GPU run with
+    ``rollout.engine=vllm``): the exact pass then runs vLLM's kernels (:func:`vllm_kernels`, :func:`vllm_logprobs`)."""
+    return _ENABLED
+
+
+def vllm_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int, temperature: float
+                  ) -> torch.Tensor:
+    """Each label's log-prob as vLLM 0.24's V1 sampler computes the processed log-probs
+    (``vllm/v1/sample/sampler.py``): the logits cut to the real vocab, in float32, divided by the temperature,
+    ``log_softmax(dim=-1, dtype=float32)`` (in batch-invariant mode the Triton kernel that vLLM's ``torch.library``
+    override puts behind it), then the label's entry. (The V2 runner's sampler computes the same figure with a
+    Triton kernel of its own, ``vllm/v1/worker/gpu/sample/logprob.py``: one row a program, max then log-sum-exp
+    over blocks of 1024; tests/test_gpu_exact.py tells whether the two agree to the bit.)
+
+    Args:
+        logits: ``[b, s, v]`` (TP = 1: the padded vocab whole), any float dtype.
+        labels: ``[b, s]`` int64 in ``[0, vocab_size)``.
+        vocab_size: the real vocab (the padding columns are cut off, as vLLM's logits processor does).
+        temperature: > 0.
+
+    Returns:
+        ``[b, s]`` float32.
+    """
+    z = logits[..., :vocab_size].float()
+    if temperature != 1.0:
+        z = z / temperature
+    return torch.log_softmax(z, dim=-1, dtype=torch.float32).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def _vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """One sequence's causal attention ``[s, heads, d]`` (keys and values ``[s, kv_heads, d]``) on the kernel of
+    vLLM's FLASH_ATTN backend with one KV split, as its batch-invariant mode runs it
+    (``vllm/v1/attention/backends/flash_attn.py``: ``num_splits=1``), the FlashAttention version vLLM picks."""
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+    s = q.shape[0]
+    cu = torch.tensor([0, s], dtype=torch.int32, device=q.device)
+    return flash_attn_varlen_func(q.contiguous(), k.contiguous(), v.contiguous(), max_seqlen_q=s, cu_seqlens_q=cu,
+                                  max_seqlen_k=s, cu_seqlens_k=cu, softmax_scale=scale, causal=True, num_splits=1,
+                                  fa_version=get_flash_attn_version(head_size=q.shape[-1]))
+
+
+def _vllm_functions() -> tuple[LinearFn, NormFn, AttentionFn]:
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
+
+    return linear_batch_invariant, rms_norm_batch_invariant, _vllm_attention
+
+
+@contextlib.contextmanager
+def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None, rms_norm: NormFn | None = None,
+                 attention: AttentionFn | None = None) -> Iterator[int]:
+    """Within the block, every megatron ``ColumnParallelLinear`` / ``RowParallelLinear`` of ``modules`` computes
+    ``linear(x, weight, bias)``, every ``torch.nn.RMSNorm`` ``rms_norm(x, weight, eps)`` and every
+    :class:`~megarl.kernels.attention.SDPAttention` (causal, no window, not packed) ``attention(q, k, v, scale)``
+    one sequence at a time: vLLM's ``linear_batch_invariant``, ``rms_norm_batch_invariant`` and its FlashAttention
+    with one KV split by default (module docstring). For forward-only passes of a TP = 1 model (no gradient flows
+    through the replaced forwards).
+
+    Args:
+        modules: the model chunks.
+        linear / rms_norm / attention: the functions (tests pass plain torch ones; None: vLLM's).
+
+    Yields:
+        How many modules were rerouted.
+
+    Raises:
+        ValueError: a linear layer split over TP ranks (``rollout.exact`` refuses ``actor.parallel.tp > 1``).
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from megarl.kernels.attention import SDPAttention
+
+    if linear is None or rms_norm is None or attention is None:
+        defaults = _vllm_functions()
+        linear, rms_norm, attention = linear or defaults[0], rms_norm or defaults[1], attention or defaults[2]
+    patched: list[torch.nn.Module] = []
+
+    def linear_forward(layer, x, *args, **kwargs):
+        bias = None if layer.skip_bias_add else layer.bias
+        return linear(x, layer.weight, bias), (layer.bias if layer.skip_bias_add else None)
+
+    def norm_forward(norm, x):
+        eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+        return rms_norm(x, norm.weight, eps)
+
+    def attention_forward(core, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                          packed_seq_params=None):
+        plain = (packed_seq_params is None and attention_bias is None and attention_mask is None
+                 and core.window_size is None and (attn_mask_type or core.attn_mask_type).name == "causal")
+        if not plain:
+            raise ValueError("vllm_kernels: exact attention covers causal attention of unpacked rows without a "
+                             "window or mask")
+        sq, b, heads, hn = query.shape  # [s, b, n, d], one sequence a row
+        out = torch.stack([attention(query[:, i], key[:, i], value[:, i], core.softmax_scale) for i in range(b)], 1)
+        return out.reshape(sq, b, heads * hn)
+
+    try:
+        for chunk in modules:
+            for m in chunk.modules():
+                if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                    if m.tp_group.size() != 1:
+                        raise ValueError(f"vllm_kernels: {type(m).__name__} is split over {m.tp_group.size()} "
+                                         "TP ranks; exact log-probs need TP = 1")
+                    m.forward = linear_forward.__get__(m)
+                elif isinstance(m, torch.nn.RMSNorm):
+                    m.forward = norm_forward.__get__(m)
+                elif isinstance(m, SDPAttention):
+                    m.forward = attention_forward.__get__(m)
+                else:
+                    continue
+                patched.append(m)
+        yield len(patched)
+    finally:
+        for m in patched:
+            del m.forward  # back to the class's forward

@@ -1,0 +1,213 @@
+"""``rollout.exact`` on the CPU (issue 46): the combinations that cannot be exact refused with one ``megarl:
+error:`` line before anything starts; the trainer's old-log-prob pass batch-invariant (a sample's log-probs do
+not depend on the other samples of its batch, the micro-batch size or the padding), bit for bit; vLLM's kernels
+wired into megatron's layers (:func:`megarl.kernels.batch_invariant.vllm_kernels`, with torch functions in their
+place here); and two seeded runs on the transformers engine giving the same log-probs and metrics. The GPU half
+(trainer == vLLM bit for bit) is tests/test_gpu_exact.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from megarl.models.spec import ModelSpec
+from tests.distributed import run_world
+from tests.rl_tasks import make_tiny_model, make_tiny_moe_model, task_overrides, train_on_rank, write_prompts
+from tests.test_bad_input import run_cli  # noqa: F401  (fixture: main(argv) with every launcher replaced)
+
+# Hidden 128 and a 7-token log-prob chunk: sizes at which the plain pass is NOT batch-invariant on the CPU (MKL's
+# sgemm of a few rows rounds otherwise than of many: the chunks of the output layer cut the micro-batch's tokens
+# at places that move with its rows; measured: up to 9.5e-7 apart at micro-batch size 4).
+SPEC = ModelSpec("llama", 512, 128, 2, 8, 2, 16, 512, tie_word_embeddings=False, max_position_embeddings=256,
+                 eos_token_ids=(1,))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny Llama, its prompts, a tiny MoE model and the Llama as a Mistral with an 8-token window."""
+    root = tmp_path_factory.mktemp("exact")
+    model = make_tiny_model(root / "model")
+    windowed = root / "windowed"
+    shutil.copytree(model, windowed)
+    cfg = json.loads((windowed / "config.json").read_text())
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+    (windowed / "config.json").write_text(json.dumps(cfg))
+    return model, write_prompts(root / "prompts.jsonl", 8), make_tiny_moe_model(root / "moe"), windowed
+
+
+REFUSALS = [  # (overrides beside rollout.exact=true, what the one error line must say)
+    (["rollout.engine=vllm", "rollout.quantization=fp8", "model.dtype=bfloat16"],
+     "rollout.quantization: fp8 rollouts cannot be exact"),
+    (["rollout.engine=vllm", "rollout.tp=2", "model.dtype=bfloat16"], "rollout.tp: 2 cannot be exact yet"),
+    (["rollout.engine=vllm"], "model.dtype: float32 cannot be exact with rollout.engine=vllm"),
+    (["actor.parallel.tp=2"], "actor.parallel.tp: 2 cannot be exact yet"),
+    (["actor.parallel.pp=2"], "actor.parallel.pp: 2 cannot be exact yet"),
+    (["actor.parallel.cp=2"], "actor.parallel.cp: 2 cannot be exact"),
+    (["actor.max_tokens_per_micro_batch=64", "actor.sequence_packing=true"], "actor.sequence_packing: cannot be exact"),
+    (["actor.kernels.transformer_engine=true"], "actor.kernels.transformer_engine: cannot be exact"),
+    (["actor.lora.rank=8"], "actor.lora.rank: 8 cannot be exact"),
+    (["trainer.mode=async"], "trainer.mode: async generates with the weights of an earlier step"),
+    (["MOE"], "rollout.exact: a qwen3_moe model (mixture of experts) cannot be exact yet"),
+    (["WINDOWED", "rollout.engine=vllm", "model.dtype=bfloat16"],
+     "rollout.exact: a sliding window of 8 tokens is not wired into the exact pass"),
+]
+
+
+@pytest.mark.parametrize("extra,says", REFUSALS, ids=[f"{r[1].split(':')[0]}-{i}" for i, r in enumerate(REFUSALS)])
+def test_what_cannot_be_exact_is_refused_before_anything_starts(tiny, run_cli, extra, says):
+    model, data, moe, windowed = tiny
+    extra = [{"MOE": f"model.path={moe}", "WINDOWED": f"model.path={windowed}"}.get(e, e) for e in extra]
+    status, err = run_cli(["train", *task_overrides(model, data, "runs", "exact"), "rollout.exact=true", *extra])
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, err
+    assert lines[0].startswith("megarl: error: " + says), lines[0]
+    assert lines[0].endswith("or rollout.exact=false"), lines[0]  # and the way out
+
+
+def test_an_old_gpu_is_refused_for_exact_vllm(monkeypatch):
+    """vLLM 0.24's batch-invariant mode needs compute capability 8.0 (its SM80 Triton path) or newer."""
+    import importlib.util
+
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer import preflight
+
+    cfg = load_config(None, ["rollout.engine=vllm", "model.dtype=bfloat16", "rollout.exact=true"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    with pytest.raises(ConfigError, match=r"^rollout.exact: .* compute capability 8.0 or newer .* this one is 7.5"):
+        preflight.check_this_machine(cfg)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    preflight.check_this_machine(cfg)  # an H100 passes
+    cfg.rollout.exact = False
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    preflight.check_this_machine(cfg)  # and without exact the old GPU is not this check's business
+
+
+def test_the_vllm_engine_starts_in_batch_invariant_mode_with_exact_only():
+    """``rollout.exact`` reaches the engine's settings and from there the variables vLLM reads when it starts
+    (``VLLM_BATCH_INVARIANT=1``; cuBLAS without split-K), which the standalone baseline's child gets too."""
+    from megarl.config import load_config
+    from megarl.rollout.vllm_engine import VLLMSettings
+
+    on = VLLMSettings.from_config(load_config(None, ["rollout.engine=vllm", "model.dtype=bfloat16",
+                                                     "rollout.exact=true"]).rollout)
+    assert on.exact and on.environment()["VLLM_BATCH_INVARIANT"] == "1"
+    assert on.environment()["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and on.as_dict()["exact"] is True
+    off = VLLMSettings.from_config(load_config(None, ["rollout.engine=vllm"]).rollout)
+    assert not off.exact and "VLLM_BATCH_INVARIANT" not in off.environment()
+
+
+def test_vllm_logprobs_cut_the_padded_vocab_and_divide_by_the_temperature():
+    """The exact pass's log-probs as vLLM's V1 sampler takes them, against float64: the padding columns (here huge
+    logits, which would take all the mass) are cut, then ``log_softmax(logits / T)`` at the labels."""
+    from megarl.kernels.batch_invariant import vllm_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 5, 72, generator=g) * 3).bfloat16()
+    logits[..., 64:] = 100.0
+    labels = torch.randint(0, 64, (2, 5), generator=g)
+    got = vllm_logprobs(logits, labels, vocab_size=64, temperature=0.7)
+    want = torch.log_softmax(logits[..., :64].double() / 0.7, -1).gather(-1, labels[..., None])[..., 0]
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), want, rtol=0, atol=1e-5)
+
+
+def _batch(rows, seq_multiple=8):
+    from megarl.data.batch import build_batch
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 512, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(8)]
+    responses = [torch.randint(2, 512, (int(torch.randint(1, 100, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(8)]
+    return build_batch([prompts[i] for i in rows], [responses[i] for i in rows],
+                       [torch.zeros(len(responses[i])) for i in rows], list(range(len(rows))), pad_token_id=0,
+                       seq_multiple=seq_multiple)
+
+
+def _passes(rank, world, exact):
+    """Each sample's log-probs (its valid columns) from the old-log-prob pass of batches that put it among other
+    samples, alone, in another order, with more padding, at micro-batch sizes 1 and 4; then the patched layers of
+    :func:`vllm_kernels` with torch functions against the plain forward."""
+    from megarl.config import ActorConfig, KernelsConfig
+    from megarl.kernels.batch_invariant import vllm_kernels
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+    from megarl.workers.actor import PolicyWorker
+
+    initialize_model_parallel(ParallelLayout(), seed=0)
+    out: dict[str, list[torch.Tensor]] = {}
+    workers = []
+    for mb in (1, 4):
+        rc = ActorConfig(micro_batch_size=mb, ppo_mini_batch_size=8, kernels=KernelsConfig(logprob_chunk_tokens=7))
+        w = PolicyWorker(SPEC, ParallelLayout(), "actor", workers[0] if workers else "preset:random", torch.float32,
+                         rc, trainable=False, temperature=0.9)
+        workers.append(w)
+        pads = (8, 64) if mb == 1 else (64, 8)  # columns padded to a multiple of 8, or of 64
+        for name, rows, multiple in (("together", list(range(8)), pads[0]), ("reversed", list(range(7, -1, -1)),
+                                                                           pads[1])):
+            b = _batch(rows, multiple)
+            lp = w.compute_logprobs(b, exact=exact)["logprobs"]
+            out[f"mb{mb}-{name}-pad{multiple}"] = [lp[rows.index(i), :int(b["response_lens"][rows.index(i)])]
+                                                   for i in range(8)]
+    out["alone"] = [workers[0].compute_logprobs(_batch([i]), exact=exact)["logprobs"][0,
+                    :int(_batch([i])["response_lens"][0])] for i in range(8)]
+    w, b = workers[0], _batch(range(8))
+    plain = w.compute_logprobs(b)["logprobs"]
+
+    def linear(x, weight, bias):
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def norm(x, weight, eps):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def attention(q, k, v, scale):  # [s, n, d] one sequence, grouped KV heads
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                               is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
+
+    with vllm_kernels(w.chunks, linear, norm, attention) as rerouted:
+        routed = w.compute_logprobs(b)["logprobs"]
+    zero = lambda x, weight, bias: torch.zeros(*x.shape[:-1], weight.shape[0])  # noqa: E731
+    with vllm_kernels(w.chunks, zero, norm, attention):
+        zeroed = w.compute_logprobs(b)["logprobs"]
+    restored = w.compute_logprobs(b)["logprobs"]
+    mask = b["response_mask"].bool()
+    return out, {"rerouted": rerouted, "routed_vs_plain": (routed - plain)[mask].abs().max().item(),
+                 "zeroed_vs_plain": (zeroed - plain)[mask].abs().max().item(), "restored": torch.equal(restored, plain)}
+
+
+def test_the_exact_old_logprob_pass_is_batch_invariant_bit_for_bit():
+    """Fails without ``exact`` (the plain pass of these sizes gives a sample other bits among other samples)."""
+    out, routed = run_world(_passes, 1, True)[0]
+    reference = out.pop("alone")
+    for name, lps in out.items():
+        for i, (got, want) in enumerate(zip(lps, reference)):
+            assert torch.equal(got, want), f"{name}: sample {i} differs by {(got - want).abs().max().item():.3g}"
+    # vllm_kernels reroutes every linear layer (4 a layer, the output layer), RMSNorm (2 a layer, the final one)
+    # and core attention (1 a layer)
+    assert routed["rerouted"] == 2 * 4 + 1 + 2 * 2 + 1 + 2
+    assert routed["routed_vs_plain"] < 1e-5 and routed["zeroed_vs_plain"] > 1e-2 and routed["restored"]
+
+
+@pytest.mark.slow  # two training runs: ~1 min on 2 free cores
+def test_two_seeded_exact_runs_on_the_transformers_engine_match(tmp_path, tiny):
+    """The same seed and config twice: every sample's tokens and rollout log-probs, the trainer's old log-probs and
+    so every metric but the timings come out identical; ``rollout/exact`` and ``mismatch/exact_tokens_frac`` are
+    logged (the transformers engine and megatron are other implementations: their log-probs differ slightly)."""
+    model, data, _, _ = tiny
+    runs = []
+    for name in ("a", "b"):
+        overrides = [*task_overrides(model, data, tmp_path, name), "rollout.exact=true", "trainer.steps=2",
+                     "rollout.n=4", "data.prompts_per_step=2", "actor.ppo_mini_batch_size=8", "trainer.save_every=0"]
+        runs.append(run_world(train_on_rank, 1, overrides)[0])
+    timing = ("time/", "throughput/", "perf/", "memory/", "pool/")  # seconds, rates and busy/idle shares
+    for a, b in zip(*runs):
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and not k.startswith(timing))
+        assert not diff, f"step {a['step']}: the two runs differ in {[(k, a.get(k), b.get(k)) for k in diff]}"
+    assert len(runs[0]) == len(runs[1]) == 2
+    assert all(step["rollout/exact"] == 1.0 and 0.0 <= step["mismatch/exact_tokens_frac"] <= 1.0 for step in runs[0])
