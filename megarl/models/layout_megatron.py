@@ -3,7 +3,8 @@
 
 QKV interleaved by query group, ``linear_fc1`` = ``[gate_r; up_r]``, row-parallel splits on the input dim, vocab
 padded and split, layers split across PP stages (and VPP chunks) with local numbering, tied embeddings on the
-first and last stage. Mixture-of-experts layers hold the router (replicated), the ``num_experts / ep`` experts of
+first and last stage; Gemma 3's post-attention and post-MLP norms as ``self_attention.post_layernorm`` and
+``mlp.post_layernorm`` (:mod:`megarl.models.gemma3`). Mixture-of-experts layers hold the router (replicated), the ``num_experts / ep`` experts of
 EP rank ``e`` (whole: expert TP = 1) and Qwen2-MoE's shared expert split over TP like a dense MLP. A LoRA actor's
 adapters sit beside the weights they adapt (:func:`megarl.models.layout_lora.adapter_tensors`).
 """
@@ -17,7 +18,7 @@ from megarl.models.layout import (VALUE_HEAD, Layout, LocalTensor, canonical_sha
 from megarl.models.layout_lora import adapter_tensors, lora_canonical_shapes, lora_targets
 from megarl.models.lora import LoRASpec
 from megarl.models.megatron import check_layout, padded_vocab_size
-from megarl.models.spec import ModelSpec, SpecError
+from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 
 
@@ -110,7 +111,12 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
             out.append(whole(hf + "post_attention_layernorm.weight", (h,), mg + "pre_mlp_layernorm.weight"))
             out.extend(_megatron_moe(spec, mesh, i, mg + "mlp.", r, ep_rank, use_te, moe_experts))
             continue
-        out.append(whole(hf + "post_attention_layernorm.weight", (h,), mg + norms["pre_mlp_layernorm"]))
+        if FAMILIES[spec.family].gemma:  # Gemma 3's post-norms (megarl.models.gemma3), its pre-MLP norm
+            out += [whole(hf + "post_attention_layernorm.weight", (h,), mg + "self_attention.post_layernorm.weight"),
+                    whole(hf + "pre_feedforward_layernorm.weight", (h,), mg + "pre_mlp_layernorm.weight"),
+                    whole(hf + "post_feedforward_layernorm.weight", (h,), mg + "mlp.post_layernorm.weight")]
+        else:
+            out.append(whole(hf + "post_attention_layernorm.weight", (h,), mg + norms["pre_mlp_layernorm"]))
         out.append(gate_up(hf, mg + "mlp.linear_fc1.weight", spec, t, r))
         out.append(row_parallel(hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight",
                                  h, spec.ffn_hidden_size, t, r))
