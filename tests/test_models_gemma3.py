@@ -117,6 +117,18 @@ def _world(rank, world, tmp):
             execute_plan(plan_reshard(layout, hf_layout(spec, range(world))), params, back)
             out["hf_bad"] = [n for n in sd if not torch.equal(back[n], sd[n])]
 
+    # the trainer's default attention (sdpa), on padded rows and on the two sequences packed in one row
+    mesh = ParallelLayout(tp=1, pp=1, dp=world)
+    initialize_model_parallel(mesh)
+    model = build_model(spec, mesh, attention="sdpa").eval()
+    fill_local_tensors(megatron_rank_tensors(spec, mesh, 0, 0), dict(model.named_parameters()),
+                       state_dict_reader(sd, spec.hf_tensor_shapes()))
+    packed = {"input_ids": tokens.reshape(1, -1), "position_ids": torch.arange(2 * SEQ).unsqueeze(0),
+              "cu_seqlens": torch.tensor([0, SEQ, 2 * SEQ], dtype=torch.int32)}
+    for key, mb in (("sdpa", {"input_ids": tokens}), ("packed", packed)):
+        logits = run_microbatches(model, [mb], output_fn(False), forward_only=True)[0]["logits"]
+        out["logits"][key] = (logits.reshape(ref_logits.shape) - ref_logits).abs().max().item()
+
     # HF safetensors -> megarl dist checkpoint at PP=2 -> HF export (compared in the test)
     if rank == 0:
         save_hf_checkpoint(f"{tmp}/hf_in", spec, sd)
@@ -171,6 +183,11 @@ def test_logits_equal_transformers(world, tp, pp):
     assert max(diffs) <= 1e-4, diffs
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "packed"])
+def test_sdpa_attention_and_packed_sequences_equal_transformers(world, attention):
+    assert max(r["logits"][attention] for r in world) <= 1e-4, [r["logits"] for r in world]
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_training_step_gradients_equal_transformers(world, tp):
     assert max(r["grads"][tp] for r in world) <= 1e-5, [r["grads"] for r in world]
@@ -211,6 +228,17 @@ def test_hub_config_json_of_gemma3_1b_gives_its_preset():
     assert spec == preset("gemma3-1b")
     assert spec.sliding_window_pattern == tuple(int(i % 6 != 5) for i in range(26))
     assert 0.99e9 < spec.num_params() < 1.01e9
+
+
+def test_transformer_engine_is_refused_before_the_run():
+    from megarl.config import ConfigError, load_config
+    from megarl.models.spec import preset
+    from megarl.trainer.preflight import validate_for_model
+
+    cfg = load_config(None, ["actor.kernels.transformer_engine=true"])
+    with pytest.raises(ConfigError, match=r"actor\.kernels\.transformer_engine: Gemma 3 runs on the local layer"):
+        validate_for_model(cfg, preset("gemma3-1b"))
+    validate_for_model(load_config(None), preset("gemma3-1b"))
 
 
 @pytest.mark.parametrize("change,message", [

@@ -4,9 +4,10 @@
 QKV interleaved by query group, ``linear_fc1`` = ``[gate_r; up_r]``, row-parallel splits on the input dim, vocab
 padded and split, layers split across PP stages (and VPP chunks) with local numbering, tied embeddings on the
 first and last stage; Gemma 3's post-attention and post-MLP norms as ``self_attention.post_layernorm`` and
-``mlp.post_layernorm`` (:mod:`megarl.models.gemma3`). Mixture-of-experts layers hold the router (replicated), the ``num_experts / ep`` experts of
-EP rank ``e`` (whole: expert TP = 1) and Qwen2-MoE's shared expert split over TP like a dense MLP. A LoRA actor's
-adapters sit beside the weights they adapt (:func:`megarl.models.layout_lora.adapter_tensors`).
+``mlp.post_layernorm`` (:mod:`megarl.models.gemma3`). Mixture-of-experts layers hold the router (replicated), the
+``num_experts / ep`` experts of EP rank ``e`` (whole: expert TP = 1) and Qwen2-MoE's shared expert split over TP
+like a dense MLP. A LoRA actor's adapters sit beside the weights they adapt
+(:func:`megarl.models.layout_lora.adapter_tensors`).
 """
 
 from __future__ import annotations

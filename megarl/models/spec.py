@@ -470,9 +470,9 @@ def _refuse_gemma3_multimodal(model_type: str | None, archs: list[str]) -> None:
 
 def _gemma3_fields(cfg: dict[str, Any]) -> tuple[float, dict | None, int | None, dict[str, Any]]:
     """The global RoPE base and scaling, the sliding window (kept when as long as the context: the local layers
-    still have their own RoPE base; None without local layers) and the Gemma 3 fields of a :class:`ModelSpec`, from a ``gemma3_text``
-    config: ``layer_types`` (or the older ``sliding_window_pattern``, default 6: every 6th layer global),
-    ``rope_parameters`` per layer type (transformers 5) or ``rope_theta`` / ``rope_scaling`` /
+    still have their own RoPE base; None without local layers) and the Gemma 3 fields of a :class:`ModelSpec`, from
+    a ``gemma3_text`` config: ``layer_types`` (or the older ``sliding_window_pattern``, default 6: every 6th layer
+    global), ``rope_parameters`` per layer type (transformers 5) or ``rope_theta`` / ``rope_scaling`` /
     ``rope_local_base_freq`` (older config.json files), ``query_pre_attn_scalar``.
 
     Raises:
@@ -521,7 +521,8 @@ def _gemma3_hf_kwargs(spec: ModelSpec) -> dict[str, Any]:
     """The ``Gemma3TextConfig`` arguments of a Gemma 3 spec beyond the common ones."""
     pattern = spec.sliding_window_pattern or (1 if spec.sliding_window else 0,) * spec.num_layers
     glob = {"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope_scaling or {})}
-    return dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=spec.query_pre_attn_scalar or spec.head_dim,
+    return dict(hidden_activation="gelu_pytorch_tanh",
+                query_pre_attn_scalar=spec.query_pre_attn_scalar or spec.head_dim,
                 sliding_window=spec.sliding_window or spec.max_position_embeddings,
                 layer_types=["sliding_attention" if w else "full_attention" for w in pattern],
                 rope_parameters={"full_attention": glob, "sliding_attention": {
