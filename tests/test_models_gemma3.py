@@ -241,6 +241,26 @@ def test_transformer_engine_is_refused_before_the_run():
     validate_for_model(load_config(None), preset("gemma3-1b"))
 
 
+def test_flops_count_the_local_layers_attention_over_their_window():
+    from megarl.measure.flops import forward_flops, matmul_params
+    from megarl.models.spec import preset
+
+    spec = preset("gemma3-1b")  # 22 local layers (window 512), 4 global
+    s, w, q = 2000, 512, spec.q_size
+    attention = 2 * 2 * q * (4 * sum(t + 1 for t in range(s)) + 22 * sum(min(t + 1, w) for t in range(s)))
+    assert forward_flops(spec, [s]) == pytest.approx(2 * matmul_params(spec) * s + attention, rel=1e-12)
+    assert forward_flops(spec, [w]) == pytest.approx(forward_flops(spec.replace(sliding_window_pattern=None,
+                                                                                 sliding_window=None), [w]))
+
+
+def test_memory_estimate_counts_every_parameter():
+    from megarl.launch.memory import stage_params
+    from megarl.models.spec import preset
+
+    spec = preset("gemma3-1b")  # vocab 262144: no padding at TP=1
+    assert stage_params(spec, 1, 1) == spec.num_params()
+
+
 @pytest.mark.parametrize("change,message", [
     ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}, "vision-language"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
