@@ -18,9 +18,9 @@ recomputation, no padding). A decoder-only transformer with ``L`` layers, width 
   = 2 * L * q * s * (s + 1)`` FLOPs forward. PaLM's appendix B counts ``6 * L * H * Q * T`` FLOPs per token
   (``12 L H Q T`` for training), ``H * Q = q``, over the full ``T x T`` score matrix; a causal mask needs half
   of it, which is what this counts (``12 * L * q * s^2 / 2`` per sequence for training, plus the diagonal).
-  A layer with a sliding window of ``w`` tokens (Mistral's layers, Gemma 3's local ones) attends to
-  ``min(t + 1, w)`` positions: ``sum_t min(t + 1, w) = s (s + 1) / 2`` for ``s <= w``, else
-  ``w (w + 1) / 2 + (s - w) w``.
+  With a sliding window of ``w`` tokens on every layer (Mistral, Phi-3-mini) token ``t`` attends to
+  ``min(t + 1, w)`` positions: ``sum_t min(t + 1, w) = m (m + 1) / 2 + (s - m) w`` with ``m = min(s, w)``.
+  Gemma 3 has the window on its local layers only (``sliding_window_pattern``); its global layers count in full.
 - Training = 3 x forward: the backward pass costs twice the forward (gradients of the inputs and of the
   weights); Narayanan et al. 2021 (Megatron-LM, arXiv:2104.04473, section 5.1: ``72 B s l h^2 (1 + s/(6h) +
   V/(12 l h))``, which is this count for ``f = 4h``, ``k = q = h``, full attention and no recomputation).
@@ -79,8 +79,8 @@ def forward_flops(spec: ModelSpec, seq_lens: Iterable[int] | torch.Tensor, outpu
         output_rows: rows of the output layer (None = the vocab; 1 for the critic's value head).
 
     Returns:
-        ``sum_i 2 * N_mm * s_i + 2 * L * q * s_i * (s_i + 1)`` FLOPs (float), the sliding-window layers' attention
-        counted over the window (module docstring).
+        ``sum_i 2 * N_mm * s_i + 2 * L * q * s_i * (s_i + 1)`` FLOPs (float); with a sliding window ``w``,
+        ``m_i (m_i + 1) + 2 (s_i - m_i) w`` in place of ``s_i (s_i + 1)``, ``m_i = min(s_i, w)``.
 
     Raises:
         ValueError: a negative length.
@@ -90,14 +90,13 @@ def forward_flops(spec: ModelSpec, seq_lens: Iterable[int] | torch.Tensor, outpu
     if (lens < 0).any():
         raise ValueError(f"sequence lengths must be >= 0, got {lens.min().item()}")
     dense = 2.0 * matmul_params(spec, output_rows) * lens.sum()
-    attended = lens * (lens + 1) / 2  # sum_t (t + 1): the positions a causal layer attends to
-    windowed = 0
-    if spec.sliding_window is not None:
-        w = spec.sliding_window
-        windowed = sum(spec.sliding_window_pattern) if spec.sliding_window_pattern else spec.num_layers
-        attended_w = torch.where(lens <= w, attended, w * (w + 1) / 2 + (lens - w) * w)
-    attention = 4.0 * spec.q_size * ((spec.num_layers - windowed) * attended.sum()
-                                     + (windowed * attended_w.sum() if windowed else 0))
+    seen = lens.clamp(max=spec.sliding_window) if spec.sliding_window is not None else lens
+    pairs = seen * (seen + 1) + 2 * (lens - seen) * (spec.sliding_window or 0)  # 2 x sum_t min(t + 1, w)
+    attention = 2.0 * spec.num_layers * spec.q_size * pairs.sum()
+    if spec.sliding_window_pattern is not None:  # Gemma 3: the window on the local layers only
+        local = sum(spec.sliding_window_pattern)
+        full = (lens * (lens + 1)).sum()
+        attention = 2.0 * spec.q_size * (local * pairs.sum() + (spec.num_layers - local) * full)
     return float(dense + attention)
 
 

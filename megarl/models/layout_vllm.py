@@ -34,14 +34,14 @@ VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.D
 #   from shard_rank = tp_rank // num_kv_head_replicas. MergedColumnParallelLinear (gate_up_proj, output_sizes
 #   [ffn, ffn]) places each half's rank-r slice at sum(output_sizes[:i]) // tp. RowParallelLinear (o_proj,
 #   down_proj) splits the input dim.
-# - models/llama.py and models/qwen2.py: the attention asserts heads % tp == 0 and kv % tp == 0 or tp % kv == 0;
-#   with tie_word_embeddings, LlamaForCausalLM ties lm_head to embed_tokens' Parameter (ParallelLMHead.
-#   tie_weights) and Qwen2ForCausalLM sets lm_head = model.embed_tokens, so named_parameters() lists only
-#   model.embed_tokens.weight; load_weights maps q/k/v_proj -> qkv_proj and gate/up_proj -> gate_up_proj.
 # - models/gemma3.py: Gemma3ForCausalLM has the same linear layers, q_norm/k_norm and two more norms a layer
 #   (pre_feedforward_layernorm, post_feedforward_layernorm), ties lm_head to embed_tokens; its norms are
 #   layers/layernorm.py GemmaRMSNorm, which stores the checkpoint's weight as it is (default_weight_loader, no
 #   post-processing) and adds 1 in forward; the sqrt(hidden) embedding scale is a buffer, not a parameter.
+# - models/llama.py and models/qwen2.py: the attention asserts heads % tp == 0 and kv % tp == 0 or tp % kv == 0;
+#   with tie_word_embeddings, LlamaForCausalLM ties lm_head to embed_tokens' Parameter (ParallelLMHead.
+#   tie_weights) and Qwen2ForCausalLM sets lm_head = model.embed_tokens, so named_parameters() lists only
+#   model.embed_tokens.weight; load_weights maps q/k/v_proj -> qkv_proj and gate/up_proj -> gate_up_proj.
 def vllm_padded_vocab(vocab_size: int) -> int:
     """vLLM's padded vocab: a multiple of 64 (``pad_vocab_size(vocab, DEFAULT_VOCAB_PADDING_SIZE)``)."""
     return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING

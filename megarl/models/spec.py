@@ -7,8 +7,7 @@ checkpoint converters and the rollout engines all derive from it, so a new model
 
 Supported families: Llama (Llama 2/3, SmolLM2), Mistral and Qwen2/Qwen2.5 (bias on Q/K/V), and the mixtures of
 experts Qwen3-MoE (RMSNorm on queries and keys), Qwen2-MoE (Q/K/V bias, a shared expert with a sigmoid gate) and
-Mixtral. All have GQA, RoPE, RMSNorm, SwiGLU and tied or untied embeddings. Gemma 3 (text, ``gemma3_text``) adds
-its own norms, GeGLU, scaled embeddings and local/global layers (:data:`GEMMA3`, :mod:`megarl.models.gemma3`).
+Mixtral. All have GQA, RoPE, RMSNorm, SwiGLU and tied or untied embeddings.
 
 A mixture-of-experts spec (``num_experts > 0``) has a routed MoE block on every layer: a router (``gate``,
 ``[experts, hidden]``) picks the top ``moe_top_k`` experts of each token by softmax score, each expert is a SwiGLU
@@ -19,6 +18,9 @@ per expert and projection, e.g. ``model.layers.0.mlp.experts.3.gate_proj.weight`
 ``block_sparse_moe.experts.3.w1.weight``), which is what safetensors files hold and vLLM loads; transformers 5 fuses
 them in memory into ``experts.gate_up_proj`` ``[experts, 2 * ffn, hidden]`` and ``experts.down_proj``
 ``[experts, hidden, ffn]`` (:mod:`megarl.models.layout` describes both).
+
+Gemma 3 (text, ``gemma3_text``: :data:`GEMMA3`) adds (1 + weight) norms, post-attention and post-MLP norms, GeGLU,
+scaled embeddings and local (sliding-window, own RoPE base) and global layers (:mod:`megarl.models.gemma3`).
 """
 
 from __future__ import annotations
@@ -57,20 +59,20 @@ class Family:
         model_type: the ``model_type`` string of a Hugging Face config.
         qkv_bias: whether q/k/v projections carry a bias (Qwen2: yes).
         qk_norm: RMSNorm of every query and key head (``q_norm``/``k_norm``, ``[head_dim]``; Qwen3).
-        moe: checkpoint names of the MoE block (None: a dense family).
-        sliding_window: the family's attention may have one window on every layer (Mistral, Mixtral).
         gemma: Gemma 3's decoder: (1 + weight) RMSNorms, a norm after attention and after the MLP as well
             (``pre_feedforward_layernorm``, ``post_feedforward_layernorm``), a GeGLU MLP, embeddings scaled by
             sqrt(hidden), sliding-window layers with their own RoPE base (:mod:`megarl.models.gemma3`).
+        moe: checkpoint names of the MoE block (None: a dense family).
+        sliding_window: the family's attention may have one window on every layer (Mistral, Mixtral).
     """
 
     hf_architecture: str
     model_type: str
     qkv_bias: bool
     qk_norm: bool = False
+    gemma: bool = False
     moe: MoENames | None = None
     sliding_window: bool = False
-    gemma: bool = False
 
 
 _QWEN_MOE = MoENames("mlp", "gate_proj", "up_proj", "down_proj")
@@ -172,7 +174,7 @@ class ModelSpec:
         fam = FAMILIES[self.family]
         if self.sliding_window is not None and (not fam.sliding_window or self.sliding_window < 1):
             raise SpecError(f"sliding_window={self.sliding_window}: megarl runs sliding-window attention on Mistral "
-                            "and Mixtral models (every layer) and Gemma 3 (its local layers), a window >= 1 token")
+                            "and Mixtral models (every layer, a window >= 1 token) only")
         if not fam.gemma and (self.sliding_window_pattern, self.local_rope_theta, self.query_pre_attn_scalar) != (
                 None, None, None):
             raise SpecError("sliding_window_pattern, local_rope_theta and query_pre_attn_scalar are Gemma 3 fields")
@@ -404,6 +406,9 @@ class ModelSpec:
             kwargs.update(use_sliding_window=False, sliding_window=None)
         if self.family in ("mistral", "mixtral"):
             kwargs.update(sliding_window=self.sliding_window)
+        if FAMILIES[self.family].gemma:
+            kwargs.update(_gemma3_hf_kwargs(self))
+            del kwargs["hidden_act"]
         if self.is_moe:
             kwargs.update(num_experts_per_tok=self.moe_top_k, router_aux_loss_coef=self.moe_aux_loss_coef)
             if self.moe_z_loss_coef:
@@ -418,9 +423,6 @@ class ModelSpec:
             kwargs.update(attention_bias=False)
         if self.family == "qwen2_moe":
             kwargs.update(shared_expert_intermediate_size=self.shared_expert_ffn_hidden_size, qkv_bias=True)
-        if FAMILIES[self.family].gemma:
-            kwargs.update(_gemma3_hf_kwargs(self))
-            del kwargs["hidden_act"]
         return config_cls(**kwargs)
 
     def replace(self, **changes) -> "ModelSpec":
