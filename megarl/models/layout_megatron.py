@@ -112,15 +112,12 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
             out.append(whole(hf + "post_attention_layernorm.weight", (h,), mg + "pre_mlp_layernorm.weight"))
             out.extend(_megatron_moe(spec, mesh, i, mg + "mlp.", r, ep_rank, use_te, moe_experts))
             continue
-        if FAMILIES[spec.family].gemma:  # Gemma 3's post-norms (megarl.models.gemma3), its pre-MLP norm
-            out += [whole(hf + "post_attention_layernorm.weight", (h,), mg + "self_attention.post_layernorm.weight"),
-                    whole(hf + "pre_feedforward_layernorm.weight", (h,), mg + "pre_mlp_layernorm.weight"),
-                    whole(hf + "post_feedforward_layernorm.weight", (h,), mg + "mlp.post_layernorm.weight")]
-        else:
-            out.append(whole(hf + "post_attention_layernorm.weight", (h,), mg + norms["pre_mlp_layernorm"]))
+        out.append(whole(hf + "post_attention_layernorm.weight", (h,), mg + norms["pre_mlp_layernorm"]))
         out.append(gate_up(hf, mg + "mlp.linear_fc1.weight", spec, t, r))
         out.append(row_parallel(hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight",
                                  h, spec.ffn_hidden_size, t, r))
+    if FAMILIES[spec.family].gemma:
+        out = _gemma3_norms(out, h)
     if last:
         out.append(whole("model.norm.weight", (h,), "decoder.final_layernorm.weight"))
         if role == "critic":
@@ -131,6 +128,24 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
             out.append(vocab_shard("model.embed_tokens.weight", "output_layer.weight",
                                     spec.vocab_size, vp, t, r, h))
     return out
+
+
+def _gemma3_norms(out: list[LocalTensor], h: int) -> list[LocalTensor]:
+    """Gemma 3's layer norms (:mod:`megarl.models.gemma3`, local spec) in a chunk's tensors ``out`` laid out as
+    Llama's: HF's ``post_attention_layernorm`` (Llama's pre-MLP norm, Gemma's attention post-norm) goes to
+    ``self_attention.post_layernorm``, ``pre_feedforward_layernorm`` to ``pre_mlp_layernorm``,
+    ``post_feedforward_layernorm`` to ``mlp.post_layernorm``."""
+    gemma = []
+    for lt in out:
+        if not lt.name.endswith(".pre_mlp_layernorm.weight"):
+            gemma.append(lt)
+            continue
+        mg, hf = lt.name.removesuffix("pre_mlp_layernorm.weight"), lt.blocks[0].name.removesuffix(
+            "post_attention_layernorm.weight")
+        gemma += [whole(hf + "post_attention_layernorm.weight", (h,), mg + "self_attention.post_layernorm.weight"),
+                  whole(hf + "pre_feedforward_layernorm.weight", (h,), mg + "pre_mlp_layernorm.weight"),
+                  whole(hf + "post_feedforward_layernorm.weight", (h,), mg + "mlp.post_layernorm.weight")]
+    return gemma
 
 
 def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp_rank: int, ep_rank: int,

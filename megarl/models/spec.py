@@ -175,13 +175,6 @@ class ModelSpec:
         if self.sliding_window is not None and (not fam.sliding_window or self.sliding_window < 1):
             raise SpecError(f"sliding_window={self.sliding_window}: megarl runs sliding-window attention on Mistral "
                             "and Mixtral models (every layer, a window >= 1 token) only")
-        if not fam.gemma and (self.sliding_window_pattern, self.local_rope_theta, self.query_pre_attn_scalar) != (
-                None, None, None):
-            raise SpecError("sliding_window_pattern, local_rope_theta and query_pre_attn_scalar are Gemma 3 fields")
-        if self.sliding_window_pattern is not None and (self.sliding_window is None or len(
-                self.sliding_window_pattern) != self.num_layers or set(self.sliding_window_pattern) - {0, 1}):
-            raise SpecError(f"sliding_window_pattern={self.sliding_window_pattern} must hold a 0 or 1 for each of the "
-                            f"{self.num_layers} layers, and needs a sliding_window")
         if (fam.moe is not None) != (self.num_experts > 0):
             raise SpecError(f"num_experts={self.num_experts}: a {self.family} model "
                             f"{'has' if fam.moe else 'has no'} experts")
@@ -202,6 +195,13 @@ class ModelSpec:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise SpecError(f"rope_scaling.rope_type={rope_type!r} is not supported; "
                             f"supported: {SUPPORTED_ROPE_TYPES}")
+        if not fam.gemma and (self.sliding_window_pattern, self.local_rope_theta, self.query_pre_attn_scalar) != (
+                None, None, None):
+            raise SpecError("sliding_window_pattern, local_rope_theta and query_pre_attn_scalar are Gemma 3 fields")
+        if self.sliding_window_pattern is not None and (self.sliding_window is None or len(
+                self.sliding_window_pattern) != self.num_layers or set(self.sliding_window_pattern) - {0, 1}):
+            raise SpecError(f"sliding_window_pattern={self.sliding_window_pattern} must hold a 0 or 1 for each of the "
+                            f"{self.num_layers} layers, and needs a sliding_window")
 
     # ------------------------------------------------------------------ derived sizes
     @property
