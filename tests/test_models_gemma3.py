@@ -2,9 +2,10 @@
 
 A small random-weight model (fp32; norms randomised, head_dim 32 != hidden / heads, query_pre_attn_scalar 24,
 local layers 0 and 2 with a 5-token window and RoPE base 1e4, global layers 1 and 3 with base 1e6 and linear
-scaling) over 24 tokens: logits at TP=1, TP=2 and PP=2 (a local and a global layer on each stage), the gradients
-of a cross-entropy step at TP=1 and TP=2, HF -> megarl checkpoint (PP=2) -> HF export bit-identical, and the
-vLLM TP=2 tensors the reshard writes against an independent slicing of the HF tensors.
+scaling) over 24 tokens: logits at TP=1, TP=2 and PP=2 (a local and a global layer on each stage), with sdpa
+attention, packed sequences and CP=2, the gradients of a cross-entropy step at TP=1 and TP=2, HF -> megarl
+checkpoint (PP=2) -> HF export bit-identical, and the vLLM TP=2 tensors the reshard writes against an independent
+slicing of the HF tensors.
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ def _world(rank, world, tmp):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from megarl.kernels.context_parallel import split_for_cp_rank
     from megarl.models import checkpoint as ck
     from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
     from megarl.models.layout import hf_layout
     from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
     from megarl.models.layout_vllm import vllm_layout
+    from megarl.models.lora import LoRASpec
     from megarl.models.megatron import build_model
     from megarl.models.pipeline import run_microbatches
     from megarl.models.weights import fill_local_tensors, state_dict_reader
@@ -106,6 +109,16 @@ def _world(rank, world, tmp):
                 if "q_layernorm" in n or "k_layernorm" in n:
                     dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
             out["grads"][tp] = _grads_differ(local, params, hf_grads)
+        if (tp, pp) == (2, 1):  # LoRA on every target: the layout's names, zero adapters change nothing
+            lora = LoRASpec(rank=4, alpha=8.0)
+            adapted = build_model(spec, mesh, lora=lora).eval()
+            lora_local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0, lora=lora)
+            names = {n: tuple(p.shape) for n, p in adapted.named_parameters()}
+            out["lora_names"] = names == {n: lt.shape for n, lt in lora_local.items()} and sum(
+                "lora_" in n for n in names) == 4 * 4 * 2
+            fill_local_tensors(local, dict(adapted.named_parameters()), state_dict_reader(sd, spec.hf_tensor_shapes()))
+            res = run_microbatches(adapted, [{"input_ids": tokens}], output_fn(False), forward_only=True)
+            out["logits"]["lora"] = (res[0]["logits"] - ref_logits).abs().max().item()
         if (tp, pp) == (2, 1):  # the reshard into vLLM's TP=2 layout, and back to whole HF tensors
             layout = megatron_layout(spec, mesh)
             want = _ref_vllm(sd, rank)
@@ -128,6 +141,17 @@ def _world(rank, world, tmp):
     for key, mb in (("sdpa", {"input_ids": tokens}), ("packed", packed)):
         logits = run_microbatches(model, [mb], output_fn(False), forward_only=True)[0]["logits"]
         out["logits"][key] = (logits.reshape(ref_logits.shape) - ref_logits).abs().max().item()
+
+    # CP=2 (sdpa): each rank's share of the tokens (chunks r and 3 - r), its local layers' window across the cut
+    mesh = ParallelLayout(tp=1, pp=1, dp=1, cp=2)
+    initialize_model_parallel(mesh)
+    model = build_model(spec, mesh, attention="sdpa").eval()
+    fill_local_tensors(megatron_rank_tensors(spec, mesh, 0, 0), dict(model.named_parameters()),
+                       state_dict_reader(sd, spec.hf_tensor_shapes()))
+    logits = run_microbatches(model, [{"input_ids": tokens}], lambda mb, o: (o.sum() * 0, {"logits": o[..., :v]}),
+                              forward_only=True)[0]["logits"]
+    want = split_for_cp_rank(ref_logits, 1, ps.get_context_parallel_group())
+    out["logits"]["cp"] = (logits - want).abs().max().item()
 
     # HF safetensors -> megarl dist checkpoint at PP=2 -> HF export (compared in the test)
     if rank == 0:
@@ -183,14 +207,18 @@ def test_logits_equal_transformers(world, tp, pp):
     assert max(diffs) <= 1e-4, diffs
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "packed"])
-def test_sdpa_attention_and_packed_sequences_equal_transformers(world, attention):
+@pytest.mark.parametrize("attention", ["sdpa", "packed", "cp", "lora"])
+def test_sdpa_attention_packed_sequences_cp2_and_zero_lora_equal_transformers(world, attention):
     assert max(r["logits"][attention] for r in world) <= 1e-4, [r["logits"] for r in world]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_training_step_gradients_equal_transformers(world, tp):
     assert max(r["grads"][tp] for r in world) <= 1e-5, [r["grads"] for r in world]
+
+
+def test_lora_adapters_sit_where_the_layout_says(world):
+    assert all(r["lora_names"] for r in world)
 
 
 def test_vllm_layout_is_an_independent_slicing_of_the_hf_tensors(world):
