@@ -29,7 +29,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from megarl.models.spec import ModelSpec
+from megarl.models.spec import ModelSpec, SpecError
 
 gelu_tanh = functools.partial(F.gelu, approximate="tanh")  # transformers' "gelu_pytorch_tanh"
 
@@ -117,8 +117,6 @@ def rope_inv_freqs(spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
         SpecError: a RoPE variant that also scales attention (megatron's RoPE would not apply the factor).
     """
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
-
-    from megarl.models.spec import SpecError
 
     rope = Gemma3RotaryEmbedding(spec.to_hf_config())
     for kind in ("full_attention", "sliding_attention"):
