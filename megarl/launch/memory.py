@@ -164,6 +164,7 @@ def stage_params(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 
             (:func:`megarl.models.megatron.check_layout`).
     """
     from megarl.models.megatron import padded_vocab_size
+    from megarl.models.spec import FAMILIES
 
     h, f, kv = spec.hidden_size, spec.ffn_hidden_size, spec.kv_size
     if spec.is_moe:  # router and local experts whole, the shared expert and its gate split like a dense MLP
@@ -173,6 +174,7 @@ def stage_params(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 
         ffn = 3 * h * f // tp
     layer = (h * (spec.q_size + 2 * kv) + spec.q_size * h) // tp + ffn + 2 * h
     layer += 2 * spec.head_dim if spec.qk_norm else 0
+    layer += 2 * h if FAMILIES[spec.family].gemma else 0  # Gemma 3's post-attention and post-MLP norms
     layer += (spec.q_size + 2 * kv) // tp if spec.qkv_bias else 0
     embed = padded_vocab_size(spec.vocab_size, tp) * h // tp
     output = h if value_head else embed  # tied embeddings: the last stage holds a copy for the output layer

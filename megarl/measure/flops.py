@@ -20,6 +20,7 @@ recomputation, no padding). A decoder-only transformer with ``L`` layers, width 
   of it, which is what this counts (``12 * L * q * s^2 / 2`` per sequence for training, plus the diagonal).
   With a sliding window of ``w`` tokens on every layer (Mistral, Phi-3-mini) token ``t`` attends to
   ``min(t + 1, w)`` positions: ``sum_t min(t + 1, w) = m (m + 1) / 2 + (s - m) w`` with ``m = min(s, w)``.
+  Gemma 3 has the window on its local layers only (``sliding_window_pattern``); its global layers count in full.
 - Training = 3 x forward: the backward pass costs twice the forward (gradients of the inputs and of the
   weights); Narayanan et al. 2021 (Megatron-LM, arXiv:2104.04473, section 5.1: ``72 B s l h^2 (1 + s/(6h) +
   V/(12 l h))``, which is this count for ``f = 4h``, ``k = q = h``, full attention and no recomputation).
@@ -92,6 +93,10 @@ def forward_flops(spec: ModelSpec, seq_lens: Iterable[int] | torch.Tensor, outpu
     seen = lens.clamp(max=spec.sliding_window) if spec.sliding_window is not None else lens
     pairs = seen * (seen + 1) + 2 * (lens - seen) * (spec.sliding_window or 0)  # 2 x sum_t min(t + 1, w)
     attention = 2.0 * spec.num_layers * spec.q_size * pairs.sum()
+    if spec.sliding_window_pattern is not None:  # Gemma 3: the window on the local layers only
+        local = sum(spec.sliding_window_pattern)
+        full = (lens * (lens + 1)).sum()
+        attention = 2.0 * spec.q_size * (local * pairs.sum() + (spec.num_layers - local) * full)
     return float(dense + attention)
 
 

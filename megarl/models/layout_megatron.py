@@ -3,9 +3,11 @@
 
 QKV interleaved by query group, ``linear_fc1`` = ``[gate_r; up_r]``, row-parallel splits on the input dim, vocab
 padded and split, layers split across PP stages (and VPP chunks) with local numbering, tied embeddings on the
-first and last stage. Mixture-of-experts layers hold the router (replicated), the ``num_experts / ep`` experts of
-EP rank ``e`` (whole: expert TP = 1) and Qwen2-MoE's shared expert split over TP like a dense MLP. A LoRA actor's
-adapters sit beside the weights they adapt (:func:`megarl.models.layout_lora.adapter_tensors`).
+first and last stage; Gemma 3's post-attention and post-MLP norms as ``self_attention.post_layernorm`` and
+``mlp.post_layernorm`` (:mod:`megarl.models.gemma3`). Mixture-of-experts layers hold the router (replicated), the
+``num_experts / ep`` experts of EP rank ``e`` (whole: expert TP = 1) and Qwen2-MoE's shared expert split over TP
+like a dense MLP. A LoRA actor's adapters sit beside the weights they adapt
+(:func:`megarl.models.layout_lora.adapter_tensors`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from megarl.models.layout import (VALUE_HEAD, Layout, LocalTensor, canonical_sha
 from megarl.models.layout_lora import adapter_tensors, lora_canonical_shapes, lora_targets
 from megarl.models.lora import LoRASpec
 from megarl.models.megatron import check_layout, padded_vocab_size
-from megarl.models.spec import ModelSpec, SpecError
+from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 
 
@@ -115,6 +117,8 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
         out.append(gate_up(spec, i, mg + "mlp.linear_fc1.weight", t, r))
         out.append(row_parallel(hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight",
                                  h, spec.ffn_hidden_size, t, r))
+    if FAMILIES[spec.family].gemma:
+        out = _gemma3_norms(out, h)
     if last:
         out.append(whole("model.norm.weight", (h,), "decoder.final_layernorm.weight"))
         if role == "critic":
@@ -125,6 +129,24 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
             out.append(vocab_shard("model.embed_tokens.weight", "output_layer.weight",
                                     spec.vocab_size, vp, t, r, h))
     return out
+
+
+def _gemma3_norms(out: list[LocalTensor], h: int) -> list[LocalTensor]:
+    """Gemma 3's layer norms (:mod:`megarl.models.gemma3`, local spec) in a chunk's tensors ``out`` laid out as
+    Llama's: HF's ``post_attention_layernorm`` (Llama's pre-MLP norm, Gemma's attention post-norm) goes to
+    ``self_attention.post_layernorm``, ``pre_feedforward_layernorm`` to ``pre_mlp_layernorm``,
+    ``post_feedforward_layernorm`` to ``mlp.post_layernorm``."""
+    gemma = []
+    for lt in out:
+        if not lt.name.endswith(".pre_mlp_layernorm.weight"):
+            gemma.append(lt)
+            continue
+        mg, hf = lt.name.removesuffix("pre_mlp_layernorm.weight"), lt.blocks[0].name.removesuffix(
+            "post_attention_layernorm.weight")
+        gemma += [whole(hf + "post_attention_layernorm.weight", (h,), mg + "self_attention.post_layernorm.weight"),
+                  whole(hf + "pre_feedforward_layernorm.weight", (h,), mg + "pre_mlp_layernorm.weight"),
+                  whole(hf + "post_feedforward_layernorm.weight", (h,), mg + "mlp.post_layernorm.weight")]
+    return gemma
 
 
 def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp_rank: int, ep_rank: int,

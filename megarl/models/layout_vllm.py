@@ -34,6 +34,10 @@ VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.D
 #   from shard_rank = tp_rank // num_kv_head_replicas. MergedColumnParallelLinear (gate_up_proj, output_sizes
 #   [ffn, ffn]) places each half's rank-r slice at sum(output_sizes[:i]) // tp. RowParallelLinear (o_proj,
 #   down_proj) splits the input dim.
+# - models/gemma3.py: Gemma3ForCausalLM has the same linear layers, q_norm/k_norm and two more norms a layer
+#   (pre_feedforward_layernorm, post_feedforward_layernorm), ties lm_head to embed_tokens; its norms are
+#   layers/layernorm.py GemmaRMSNorm, which stores the checkpoint's weight as it is (default_weight_loader, no
+#   post-processing) and adds 1 in forward; the sqrt(hidden) embedding scale is a buffer, not a parameter.
 # - models/llama.py and models/qwen2.py: the attention asserts heads % tp == 0 and kv % tp == 0 or tp % kv == 0;
 #   with tie_word_embeddings, LlamaForCausalLM ties lm_head to embed_tokens' Parameter (ParallelLMHead.
 #   tie_weights) and Qwen2ForCausalLM sets lm_head = model.embed_tokens, so named_parameters() lists only
@@ -175,6 +179,9 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None
                                      h, spec.ffn_hidden_size, tp, r))
         out.append(whole(p + "input_layernorm.weight", (h,)))
         out.append(whole(p + "post_attention_layernorm.weight", (h,)))
+        if FAMILIES[spec.family].gemma:
+            out += [whole(p + "pre_feedforward_layernorm.weight", (h,)),
+                    whole(p + "post_feedforward_layernorm.weight", (h,))]
     out.append(whole("model.norm.weight", (h,)))
     if not spec.tie_word_embeddings:
         out.append(vocab_shard("lm_head.weight", "lm_head.weight", spec.vocab_size, vp, tp, r, h))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megarl.config import MOE_DISPATCHERS, MOE_EXPERTS
 from megarl.models.lora import LoRASpec, adapt_layer_spec, freeze_base
-from megarl.models.spec import ModelSpec, SpecError
+from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
@@ -115,6 +115,10 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         kwargs.update(window_size=(spec.sliding_window - 1, 0))
     if spec.is_moe:
         kwargs.update(moe_config_kwargs(spec, layout.ep, grouped_gemm, moe_dispatcher))
+    if FAMILIES[spec.family].gemma:
+        from megarl.models import gemma3
+
+        kwargs.update(gemma3.config_kwargs(spec))
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe="tensorwise")
     if layout.vpp > 1:
@@ -131,7 +135,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         kv_channels=spec.head_dim,
         ffn_hidden_size=spec.ffn_hidden_size,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=kwargs.pop("activation_func", F.silu),
         normalization="RMSNorm",
         layernorm_epsilon=spec.rms_norm_eps,
         add_bias_linear=False,
@@ -249,6 +253,10 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
                         "and a GPU (perf/gpu_te.sh builds it); set actor.kernels.transformer_engine=false for the "
                         "local spec")
     moe = dict(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm) if spec is not None else {}
+    gemma = spec is not None and FAMILIES[spec.family].gemma
+    if use_te and gemma:
+        raise SpecError("Gemma 3 runs on the local layer spec (its (1 + weight) and post-attention/post-MLP norms are "
+                        "megarl modules, not Transformer Engine's); set actor.kernels.transformer_engine=false")
     if use_te:
         layer = get_gpt_layer_with_transformer_engine_spec(**moe, moe_grouped_gemm=bool(moe.get("num_experts")))
     else:
@@ -257,6 +265,10 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
             from megarl.kernels.attention import SDPAttention
 
             layer.submodules.self_attention.submodules.core_attention = SDPAttention
+        if gemma:
+            from megarl.models import gemma3
+
+            gemma3.adapt_layer_spec(layer, spec)
     if moe.get("num_experts"):
         from megarl.models.moe_router import GlobalBatchRouter
 
@@ -358,9 +370,14 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
                                 recompute=recompute, init_weights=init_weights, fp8=fp8,
                                 grouped_gemm=use_te and spec.is_moe, moe_dispatcher=moe_dispatcher)
     tied = spec.tie_word_embeddings and role == "actor"
+    layers = layer_spec(use_te, attention, spec, lora, moe_experts)
+    if FAMILIES[spec.family].gemma:
+        from megarl.models import gemma3
+
+        layers = gemma3.block_spec(layers, config, vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te, attention, spec, lora, moe_experts),
+        transformer_layer_spec=layers,
         vocab_size=padded_vocab_size(spec.vocab_size, layout.tp, vocab_divisible_by),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -377,6 +394,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         model.output_layer = ValueHead(spec.hidden_size, params_dtype, config.sequence_parallel)
     _zero_vocab_padding(model, spec.vocab_size)
     _cast_parameters(model, params_dtype)
+    if FAMILIES[spec.family].gemma:
+        gemma3.scale_embeddings(model, spec.hidden_size)
     model.megarl_spec = spec
     model.megarl_role = role
     model.megarl_use_te = use_te
@@ -442,7 +461,11 @@ def _set_rope_frequencies(rotary, spec: ModelSpec) -> None:
 
     rope_type = (spec.rope_scaling or {}).get("rope_type", "default")
     hf_config = spec.to_hf_config()
-    if rope_type == "default":
+    if FAMILIES[spec.family].gemma:  # the global layers' (the local ones': megarl.models.gemma3)
+        from megarl.models import gemma3
+
+        inv_freq, scale = gemma3.rope_inv_freqs(spec)[0], 1.0
+    elif rope_type == "default":
         base = spec.rope_theta
         inv_freq = 1.0 / (base ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim))
         scale = 1.0

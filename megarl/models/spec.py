@@ -19,6 +19,9 @@ per expert and projection, e.g. ``model.layers.0.mlp.experts.3.gate_proj.weight`
 ``block_sparse_moe.experts.3.w1.weight``), which is what safetensors files hold and vLLM loads; transformers 5 fuses
 them in memory into ``experts.gate_up_proj`` ``[experts, 2 * ffn, hidden]`` and ``experts.down_proj``
 ``[experts, hidden, ffn]`` (:mod:`megarl.models.layout` describes both).
+
+Gemma 3 (text, ``gemma3_text``: :data:`GEMMA3`) adds (1 + weight) norms, post-attention and post-MLP norms, GeGLU,
+scaled embeddings and local (sliding-window, own RoPE base) and global layers (:mod:`megarl.models.gemma3`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class Family:
         model_type: the ``model_type`` string of a Hugging Face config.
         qkv_bias: whether q/k/v projections carry a bias (Qwen2: yes).
         qk_norm: RMSNorm of every query and key head (``q_norm``/``k_norm``, ``[head_dim]``; Qwen3).
+        gemma: Gemma 3's decoder: (1 + weight) RMSNorms, a norm after attention and after the MLP as well
+            (``pre_feedforward_layernorm``, ``post_feedforward_layernorm``), a GeGLU MLP, embeddings scaled by
+            sqrt(hidden), sliding-window layers with their own RoPE base (:mod:`megarl.models.gemma3`).
         moe: checkpoint names of the MoE block (None: a dense family).
         sliding_window: the family's attention may have one window on every layer (Mistral, Mixtral, Phi-3).
         fused_qkv_mlp: the checkpoint holds q/k/v as one ``self_attn.qkv_proj`` (rows ``[q; k; v]``) and gate/up as
@@ -67,6 +73,7 @@ class Family:
     model_type: str
     qkv_bias: bool
     qk_norm: bool = False
+    gemma: bool = False
     moe: MoENames | None = None
     sliding_window: bool = False
     fused_qkv_mlp: bool = False
@@ -85,6 +92,11 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True),
     "phi3": Family("Phi3ForCausalLM", "phi3", qkv_bias=False, sliding_window=True, fused_qkv_mlp=True),
 }
+
+# Gemma 3 text (Gemma3ForCausalLM; arXiv 2503.19786): QK-norm, sandwich norms, local and global layers.
+GEMMA3 = "gemma3"
+FAMILIES[GEMMA3] = Family("Gemma3ForCausalLM", "gemma3_text", qkv_bias=False, qk_norm=True, sliding_window=True,
+                          gemma=True)
 
 # rope_type values whose effect is a change of the inverse frequencies alone (no attention scaling);
 # the Megatron builder sets its RotaryEmbedding.inv_freq from transformers' own ROPE_INIT_FUNCTIONS.
@@ -122,6 +134,13 @@ class ModelSpec:
         moe_norm_topk_prob: the top-k scores are renormalised to sum to 1 (Mixtral: always).
         moe_aux_loss_coef: the load-balancing loss coefficient (``router_aux_loss_coef``).
         moe_z_loss_coef: the router z-loss coefficient (``router_z_loss_coef``; 0: none).
+        sliding_window_pattern: Gemma 3: per layer, 1 where it has the sliding window (a local layer), 0 where it
+            attends to every earlier token (a global layer); megatron's ``window_attn_skip_freq`` list. None: the
+            window (if any) is on every layer.
+        local_rope_theta: Gemma 3: the RoPE base of the local layers (``rope_local_base_freq``; the global layers'
+            is ``rope_theta``, with ``rope_scaling``). None: every layer uses ``rope_theta``.
+        query_pre_attn_scalar: Gemma 3: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (None:
+            ``head_dim ** -0.5``).
     """
 
     family: str
@@ -148,6 +167,9 @@ class ModelSpec:
     moe_norm_topk_prob: bool = True
     moe_aux_loss_coef: float = 0.0
     moe_z_loss_coef: float = 0.0
+    sliding_window_pattern: tuple[int, ...] | None = None
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -181,6 +203,13 @@ class ModelSpec:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise SpecError(f"rope_scaling.rope_type={rope_type!r} is not supported; "
                             f"supported: {SUPPORTED_ROPE_TYPES}")
+        if not fam.gemma and (self.sliding_window_pattern, self.local_rope_theta, self.query_pre_attn_scalar) != (
+                None, None, None):
+            raise SpecError("sliding_window_pattern, local_rope_theta and query_pre_attn_scalar are Gemma 3 fields")
+        if self.sliding_window_pattern is not None and (self.sliding_window is None or len(
+                self.sliding_window_pattern) != self.num_layers or set(self.sliding_window_pattern) - {0, 1}):
+            raise SpecError(f"sliding_window_pattern={self.sliding_window_pattern} must hold a 0 or 1 for each of the "
+                            f"{self.num_layers} layers, and needs a sliding_window")
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -291,6 +320,9 @@ class ModelSpec:
                 shapes[p + "mlp.down_proj.weight"] = (h, f)
             shapes[p + "input_layernorm.weight"] = (h,)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
+            if FAMILIES[self.family].gemma:
+                shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+                shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         shapes["model.norm.weight"] = (h,)
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
@@ -320,6 +352,7 @@ class ModelSpec:
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         model_type = cfg.get("model_type")
         archs = cfg.get("architectures") or []
+        _refuse_gemma3_multimodal(model_type, archs)
         family = next((k for k, f in FAMILIES.items() if f.model_type == model_type), None)
         if family is None:
             family = next((k for k, f in FAMILIES.items() if f.hf_architecture in archs), None)
@@ -354,6 +387,10 @@ class ModelSpec:
             rope["rope_type"] = rope.pop("type")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        if FAMILIES[family].gemma:
+            theta, rope, window, gemma = _gemma3_fields(cfg)
+        else:
+            gemma = {}
         return cls(
             family=family,
             vocab_size=cfg["vocab_size"],
@@ -366,13 +403,14 @@ class ModelSpec:
             rope_theta=theta,
             rope_scaling=rope or None,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", FAMILIES[family].gemma)),  # Gemma: tied
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"),
             sliding_window=window,
             **_moe_fields(family, cfg),
+            **gemma,
         )
 
     def to_hf_config(self):
@@ -408,6 +446,9 @@ class ModelSpec:
             kwargs.update(use_sliding_window=False, sliding_window=None)
         if self.family in ("mistral", "mixtral"):
             kwargs.update(sliding_window=self.sliding_window)
+        if FAMILIES[self.family].gemma:
+            kwargs.update(_gemma3_hf_kwargs(self))
+            del kwargs["hidden_act"]
         if self.is_moe:
             kwargs.update(num_experts_per_tok=self.moe_top_k, router_aux_loss_coef=self.moe_aux_loss_coef)
             if self.moe_z_loss_coef:
@@ -496,6 +537,80 @@ def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+# ------------------------------------------------------------------ Gemma 3
+def _refuse_gemma3_multimodal(model_type: str | None, archs: list[str]) -> None:
+    """Refuse a Gemma 3 vision-language checkpoint (``Gemma3ForConditionalGeneration``, model_type ``gemma3``):
+    its text weights are named ``model.language_model.*`` (``language_model.model.*`` before transformers 5) beside
+    the vision tower, and its config nests the text model's."""
+    if model_type == "gemma3" or "Gemma3ForConditionalGeneration" in archs:
+        raise SpecError("a Gemma 3 vision-language checkpoint (Gemma3ForConditionalGeneration, model_type 'gemma3') is "
+                        "not supported; megarl trains the text model (Gemma3ForCausalLM, model_type 'gemma3_text'): "
+                        "use a text-only checkpoint (google/gemma-3-1b-*), or save the language model with "
+                        "transformers as a Gemma3ForCausalLM checkpoint")
+
+
+def _gemma3_fields(cfg: dict[str, Any]) -> tuple[float, dict | None, int | None, dict[str, Any]]:
+    """The global RoPE base and scaling, the sliding window (kept when as long as the context: the local layers
+    still have their own RoPE base; None without local layers) and the Gemma 3 fields of a :class:`ModelSpec`, from
+    a ``gemma3_text`` config: ``layer_types`` (or the older ``sliding_window_pattern``, default 6: every 6th layer
+    global), ``rope_parameters`` per layer type (transformers 5) or ``rope_theta`` / ``rope_scaling`` /
+    ``rope_local_base_freq`` (older config.json files), ``query_pre_attn_scalar``.
+
+    Raises:
+        SpecError: what megarl does not run: logit soft-capping (Gemma 2's; Gemma 3 has none), bidirectional
+            attention, biases, another activation than GELU-tanh, scaled RoPE on the local layers, local layers
+            without a ``sliding_window``.
+    """
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise SpecError(f"{key}={cfg[key]} on a gemma3_text model is not supported (Gemma 3 checkpoints set "
+                            f"none); set {key}=null in config.json")
+    if cfg.get("use_bidirectional_attention") or cfg.get("attention_bias"):
+        raise SpecError("use_bidirectional_attention or attention_bias on a gemma3_text model is not supported; "
+                        "megarl trains causal Gemma 3 decoders without biases")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise SpecError(f"hidden_activation={act!r} on a gemma3_text model is not supported; Gemma 3's MLP is "
+                        "GeGLU with 'gelu_pytorch_tanh'")
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % int(cfg.get("sliding_window_pattern") or 6) == 0
+                                       else "sliding_attention" for i in range(layers)]
+    rope = cfg.get("rope_parameters") or {}
+    if "full_attention" in rope:
+        glob, local = dict(rope["full_attention"] or {}), dict(rope.get("sliding_attention") or {})
+    else:
+        glob = dict(cfg.get("rope_scaling") or {}, rope_theta=cfg.get("rope_theta", 1e6))
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+    if local.get("rope_type", "default") != "default":
+        raise SpecError(f"a scaled RoPE on Gemma 3's local layers ({local}) is not supported; megarl scales the "
+                        "global layers' RoPE only")
+    theta = float(glob.pop("rope_theta", 1e6))
+    glob.pop("type", None)
+    if glob.get("rope_type", "default") == "default":
+        glob = {}
+    pattern = tuple(int(t == "sliding_attention") for t in types)
+    window = cfg.get("sliding_window") if any(pattern) else None
+    if any(pattern) and not window:
+        raise SpecError(f"a gemma3_text config with local layers (layer_types {types}) needs a sliding_window")
+    return theta, glob or None, window, dict(
+        sliding_window_pattern=pattern if any(pattern) else None,
+        local_rope_theta=float(local.get("rope_theta", 1e4)),
+        query_pre_attn_scalar=int(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]))
+
+
+def _gemma3_hf_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """The ``Gemma3TextConfig`` arguments of a Gemma 3 spec beyond the common ones."""
+    pattern = spec.sliding_window_pattern or (1 if spec.sliding_window else 0,) * spec.num_layers
+    glob = {"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope_scaling or {})}
+    return dict(hidden_activation="gelu_pytorch_tanh",
+                query_pre_attn_scalar=spec.query_pre_attn_scalar or spec.head_dim,
+                sliding_window=spec.sliding_window or spec.max_position_embeddings,
+                layer_types=["sliding_attention" if w else "full_attention" for w in pattern],
+                rope_parameters={"full_attention": glob, "sliding_attention": {
+                    "rope_type": "default", "rope_theta": spec.local_rope_theta or spec.rope_theta}},
+                final_logit_softcapping=None, attn_logit_softcapping=None, attention_bias=False)
+
+
 # Named shapes for benchmarks, GPU configs and tests (weights are random or loaded separately).
 PRESETS: dict[str, ModelSpec] = {
     # a tiny Llama with SmolLM2's vocabulary (use its tokenizer: model.tokenizer=default), for CPU sweeps
@@ -545,6 +660,20 @@ PRESETS: dict[str, ModelSpec] = {
                                eos_token_ids=(151645,), pad_token_id=151643, num_experts=128, moe_top_k=8,
                                moe_ffn_hidden_size=768, moe_norm_topk_prob=True, moe_aux_loss_coef=0.001),
 }
+# Gemma 3 text (google/gemma-3-{1b,27b}-*'s config.json; the 27B's text model): every 6th layer global
+PRESETS.update({
+    "gemma3-1b": ModelSpec("gemma3", 262144, 1152, 26, 4, 1, 256, 6912, rope_theta=1e6, rms_norm_eps=1e-6,
+                           tie_word_embeddings=True, max_position_embeddings=32768, bos_token_id=2,
+                           eos_token_ids=(1, 106), pad_token_id=0, sliding_window=512,
+                           sliding_window_pattern=tuple(int(i % 6 != 5) for i in range(26)), local_rope_theta=1e4,
+                           query_pre_attn_scalar=256),
+    "gemma3-27b": ModelSpec("gemma3", 262208, 5376, 62, 32, 16, 128, 21504, rope_theta=1e6,
+                            rope_scaling={"rope_type": "linear", "factor": 8.0}, rms_norm_eps=1e-6,
+                            tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=2,
+                            eos_token_ids=(1, 106), pad_token_id=0, sliding_window=1024,
+                            sliding_window_pattern=tuple(int(i % 6 != 5) for i in range(62)), local_rope_theta=1e4,
+                            query_pre_attn_scalar=168),
+})
 
 
 def preset(name: str) -> ModelSpec:
@@ -565,4 +694,5 @@ def preset(name: str) -> ModelSpec:
     if key != "layers" or not value.isdigit() or not 1 <= int(value) <= spec.num_layers:
         raise SpecError(f"preset {name!r}: the only option is ?layers=N with 1 <= N <= {spec.num_layers} "
                         f"(the layers of {base}), e.g. preset:{base}?layers=4")
-    return spec.replace(num_layers=int(value))
+    pattern = spec.sliding_window_pattern  # Gemma 3: the first N layers' local/global pattern
+    return spec.replace(num_layers=int(value), sliding_window_pattern=pattern and pattern[:int(value)])

@@ -30,7 +30,7 @@ from megarl.models.checkpoint import source_spec
 from megarl.models.hf_io import check_weight_files, load_tokenizer
 from megarl.models.layout_vllm import check_vllm_fp8, check_vllm_tp
 from megarl.models.megatron import check_layout
-from megarl.models.spec import ModelSpec, SpecError
+from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
 from megarl.parallel.placement import validate_for_world
 from megarl.rewards.registry import RewardError, check_reward_params, find_reward, load_reward_fn
@@ -167,6 +167,7 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
     * a top-1 router whose weights are renormalised over the top-k (``norm_topk_prob``, Mixtral) has no
       megatron form (``TransformerConfig`` asks for ``moe_router_pre_softmax`` with top-1, which weighs the expert
       by its softmax probability instead of 1: another model);
+    * Gemma 3 runs on the local layer spec (:mod:`megarl.models.gemma3`), not Transformer Engine's;
     * LoRA on an MoE model runs on the local layer spec (:func:`megarl.models.lora.adapt_layer_spec`), and
       adapters on its experts (``actor.lora.experts``; a dense model has none) on the sequential experts;
     * the grouped experts (``kernels.moe_experts="grouped"`` on the local spec) need a hidden size and
@@ -179,7 +180,7 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
     Raises:
         ConfigError: naming the field (``{role}.parallel.sequence_parallel``, ``model.path``,
             ``actor.kernels.transformer_engine``, ``actor.kernels.moe_experts``, ``critic.kernels.moe_experts``,
-            ``{role}.parallel``) and the fix.
+            ``critic.kernels.transformer_engine``, ``{role}.parallel``) and the fix.
     """
     from megarl.kernels.grouped_experts import misaligned_sizes
     from megarl.models.checkpoint import DTYPES
@@ -206,6 +207,10 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
                               f"tp={p.tp} without sequence parallelism ({spec.family} has {spec.num_experts} "
                               f"experts); set {field_name}.sequence_parallel=true or tp=1")
         section = "critic" if role == "critic" else "actor"  # the reference is built as the actor
+        if FAMILIES[spec.family].gemma and rc.kernels.transformer_engine:
+            raise ConfigError(f"{section}.kernels.transformer_engine: Gemma 3 runs on the local layer spec (its "
+                              "(1 + weight) and post-attention/post-MLP norms are megarl modules, not Transformer "
+                              f"Engine's); set {section}.kernels.transformer_engine=false")
         grouped = spec.is_moe and rc.kernels.moe_experts == "grouped" and not rc.kernels.transformer_engine
         misaligned = grouped and misaligned_sizes(spec.hidden_size, spec.moe_ffn_hidden_size, DTYPES[cfg.model.dtype])
         if misaligned:
