@@ -2,7 +2,7 @@
 two-turn :class:`tests.rl_tasks.SecretWord` task: DAPO's dynamic sampling over groups of episodes, a LoRA actor,
 router replay of every token an episode's turns ran (sampled, and observations prefilled by the next turn) and
 one-step-off async RL on a rollout pool of its own, with every trained token's policy version checked against the
-staleness bound (:mod:`megarl.trainer.staleness`)."""
+staleness bound (:mod:`megarl.data.staleness`)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_the_bound_takes_every_token_older_than_it_out_of_the_loss():
     """Stamps of versions 3..6 (and observations, -1) trained at step 7 (weights of version 6) with bound 1:
     versions 3 and 4 (staleness 3 and 2) leave the loss mask, 5 and 6 stay; the figures are the sampled tokens'."""
     from megarl.data.batch import build_batch
-    from megarl.trainer.staleness import bound_token_staleness, stamp_token_versions, trained_versions
+    from megarl.data.staleness import bound_token_staleness, stamp_token_versions, trained_versions
 
     batch = build_batch([[1, 2]] * 3, [[3, 4, 5, 6], [7, 8], [9]], [torch.zeros(4), torch.zeros(2), torch.zeros(1)],
                         [0, 0, 1], pad_token_id=0, response_masks=[[1, 1, 0, 1], [1, 1], [1]])

@@ -97,7 +97,7 @@ def test_eval_of_the_start_model_and_the_final_checkpoint_matches_the_run(run):
 
 
 def test_an_evaluation_never_replaces_an_earlier_ones_results(tmp_path):
-    from megarl.trainer.evaluate import result_files
+    from megarl.offline.evaluate import result_files
 
     assert result_files(tmp_path / "new") == (tmp_path / "new" / "eval.json", tmp_path / "new" / "eval_samples.jsonl")
     (tmp_path / "eval.json").write_text("{}")

@@ -108,7 +108,7 @@ def _eval(p: argparse.ArgumentParser):
         cfg = load_config(config, overrides + [f"model.path={a.model}"])
         if a.check:
             return check_only(cfg, "eval")
-        from megarl.trainer.evaluate import evaluate_model
+        from megarl.offline.evaluate import evaluate_model
 
         out = a.out or Path(cfg.run.output_dir) / "eval" / _eval_name(a.model)
         result = evaluate_model(cfg, out)

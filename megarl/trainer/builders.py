@@ -1,6 +1,6 @@
 """What a run is built from, on every rank: its data (prepared when missing), prompts, EOS tokens, validation,
 rollout engine and the engines' weight layout, and the RNG seeds (torchtitan-style builders: each a short
-function of the config, called by :class:`~megarl.trainer.trainer.Trainer` and :mod:`megarl.trainer.evaluate`).
+function of the config, called by :class:`~megarl.trainer.trainer.Trainer` and :mod:`megarl.offline.evaluate`).
 """
 
 from __future__ import annotations

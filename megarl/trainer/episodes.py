@@ -105,7 +105,7 @@ def generate_episodes(agent: Agent, engine, prompts: PromptBatch, sampling: Samp
                       pause: WeightUpdate | None = None, gather: bool = True) -> EpisodeBatch:
     """``sampling.n`` episodes per prompt over the rollout data-parallel ``group``; the engine's call counter
     seeds every turn (the caller advances it). ``pause``: new weights taken between turns once due (in-flight
-    updates, :mod:`megarl.trainer.in_flight`); ``gather=False``: this rank's share alone
+    updates, :mod:`megarl.parallel.in_flight`); ``gather=False``: this rank's share alone
     (:func:`~megarl.agents.rollout.gather_episodes` later)."""
     return _run(agent, engine, prompts, sampling, engine.calls, group, pause, gather)
 
@@ -134,7 +134,7 @@ def episode_batch(prompts: PromptBatch, out: EpisodeBatch, tokenizer, *, pad_tok
     episode's reward, or None: ``reward.fn`` scores it), ``response`` (the row's response decoded, for
     samples.jsonl), ``final_response`` (the episode's last assistant text, what ``reward.fn`` scores),
     ``finish_reason``, ``index``, ``token_versions`` (each response token's policy version, -1 on observations:
-    :func:`~megarl.trainer.staleness.stamp_token_versions` takes them). With router replay the rows carry the
+    :func:`~megarl.data.staleness.stamp_token_versions` takes them). With router replay the rows carry the
     routes of every token the engine ran: the prompt, each turn's sampled tokens and the observations (from the
     prefill of the turn after them), :attr:`~megarl.agents.episode.TokenSample.routed_experts`.
     """

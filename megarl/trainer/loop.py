@@ -28,7 +28,7 @@ from megarl.parallel.placement import share_object
 from megarl.parallel.restart import RequeueRequested, read_restarts, requeue_message, requeue_requested
 from megarl.parallel.watchdog import progress_watched
 from megarl.trainer.metrics import MetricsLogger, read_metrics, summary_text
-from megarl.trainer.in_flight import NewWeights, announce, flag_source
+from megarl.parallel.in_flight import NewWeights, announce, flag_source
 from megarl.trainer.pipeline import schedule
 from megarl.trainer.run_record import cut_record_back, keep_earlier_record
 from megarl.trainer.run_state import RunState
@@ -208,7 +208,7 @@ def fit_split(trainer, batches, steps: int | None = None):
 
 
 def in_flight_order(events: list, step: int) -> list:
-    """A step's events with in-flight updates (:mod:`megarl.trainer.in_flight`): where the step sends its weights
+    """A step's events with in-flight updates (:mod:`megarl.parallel.in_flight`): where the step sends its weights
     (``reshard step``), it does so right after its update, before the hand-overs of the batches generated
     meanwhile (whose episodes took them between turns)."""
     out = [e for e in events if (e.kind, e.step) != ("reshard", step)]

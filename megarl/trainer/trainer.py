@@ -66,7 +66,7 @@ from megarl.trainer.old_logprobs import old_logprob_metrics, old_logprob_pass
 from megarl.trainer.preflight import tokenizer_source, validate_for_model
 from megarl.parallel.run_lock import RunLock
 from megarl.trainer.run_state import RunState
-from megarl.trainer.staleness import bound_token_staleness, oldest_versions, stamp_token_versions, trained_versions
+from megarl.data.staleness import bound_token_staleness, oldest_versions, stamp_token_versions, trained_versions
 from megarl.workers.teacher import build_teacher, check_teacher
 from megarl.trainer.validation import append_samples
 from megarl.workers.actor import BasePolicy, PolicyWorker
@@ -270,7 +270,7 @@ class Trainer:
         actor updates -> metrics. Each role runs on its pool behind its handle (:attr:`roles`, at the same time
         where the pools are disjoint) and shares its results with every training rank. ``version``: the policy
         version (step) whose weights started generating ``out`` (each token's own is stamped on it: the batch's
-        ``token_version``, :mod:`megarl.trainer.staleness`); ``known_scores``: its
+        ``token_version``, :mod:`megarl.data.staleness`); ``known_scores``: its
         ``[B]`` scores where dynamic sampling already computed them.
 
         Returns:
@@ -352,7 +352,7 @@ class Trainer:
         with t("advantages"):
             kl_metrics = compute_advantages(batch, alg, self.state.kl_ctl)
             loss_metrics = set_loss_mask(batch, alg)
-            tc = self.cfg.trainer  # no token older than the bound trains (megarl.trainer.staleness)
+            tc = self.cfg.trainer  # no token older than the bound trains (megarl.data.staleness)
             loss_metrics.update(bound_token_staleness(batch, self.state.step + 1,
                                                       tc.max_staleness if tc.mode == "async" else 0))
         routing = self.roles["actor"].share(passes["routing"])
@@ -412,7 +412,7 @@ class Trainer:
         an engine sends its shards or just takes part); returns this rank's reshard stats. A LoRA actor sends
         merged weights, or with adapter sync its base once and then its adapters alone (:meth:`_sync_adapters`);
         the engine records the version its samples come from: ``version``, default ``state.step`` (a rollout
-        rank taking weights in flight is still at the step before, :mod:`megarl.trainer.in_flight`)."""
+        rank taking weights in flight is still at the step before, :mod:`megarl.parallel.in_flight`)."""
         rc = self.cfg.reshard
         version = self.state.step if version is None else version
 
@@ -546,7 +546,7 @@ class Trainer:
         (:class:`Trainer` sets the counter from it on resume).
         ``step``: the (1-based) step whose batch this is, when not the one after ``state.step`` (a rollout pool
         of its own generates ahead). Episodes only: ``pause``, new weights taken between turns, and
-        ``gather=False``, this rank's episodes alone (:mod:`megarl.trainer.in_flight`)."""
+        ``gather=False``, this rank's episodes alone (:mod:`megarl.parallel.in_flight`)."""
         index = self.state.step if step is None else step - 1
         sampling = SamplingConfig(seed=self.cfg.run.seed * 1_000_003 + index + round_idx * 7_919_993, **self.sampling)
         self.engine.calls = index

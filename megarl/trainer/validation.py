@@ -1,7 +1,7 @@
 """Validation: the policy's responses to a fixed set of held-out prompts, scored by the run's reward function.
 
 A run validates before its first step (logged as step 0), after every ``validation.every``-th step and after
-the last step (config ``validation``); ``megarl eval`` (:mod:`megarl.trainer.evaluate`) runs the same
+the last step (config ``validation``); ``megarl eval`` (:mod:`megarl.offline.evaluate`) runs the same
 evaluation on a model outside a run. The prompts go through the rollout engine already in use (vLLM on the
 GPU, transformers on the CPU), split over the rollout data-parallel ranks
 (:func:`~megarl.rollout.data_parallel.generate_data_parallel`), and the reward function scores each rank's

@@ -6,7 +6,7 @@ Without them the engines finish every batch they generate ahead with the weights
 update ends, while they still generate the batches of later steps: each rollout rank then lets the turns it
 is running end on the old weights, takes the new ones (the step's reshard, world-wide), and runs every later
 turn with them; an episode's tokens carry the version of the weights that sampled each
-(:mod:`megarl.trainer.staleness`). This is the in-flight update of PipelineRL and AReaL (whose interrupted
+(:mod:`megarl.data.staleness`). This is the in-flight update of PipelineRL and AReaL (whose interrupted
 requests resume on the new weights mid-sequence) and prime-rl, taken at turn boundaries: a turn is never
 sampled by two versions, and vLLM's prefix cache is reset with the new weights, so the next turn's prefill
 recomputes the history's KV with them.

@@ -10,7 +10,7 @@ The bound (``trainer.max_staleness`` = k with ``trainer.mode=async``, 0 with ``s
 older than k is taken out of the actor's loss mask, so no token older than k is ever trained, whatever the
 schedule did (AReaL's per-token versions and prime-rl's ``max_off_policy_steps``, applied where the loss reads
 them). megarl's schedule (:mod:`megarl.trainer.pipeline`) gives the engine new weights between rollouts, or
-with in-flight updates between the turns of a batch's episodes (:mod:`megarl.trainer.in_flight`: newer, never
+with in-flight updates between the turns of a batch's episodes (:mod:`megarl.parallel.in_flight`: newer, never
 older), so no token should be older than k; the bound is what guarantees it rather than the schedule.
 """
 
