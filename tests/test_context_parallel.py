@@ -287,17 +287,16 @@ COMPARED = ["reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", 
 def test_trainer_at_cp2_matches_dp2_at_step_1(tmp_path):
     """PPO with a critic and a reference policy: one step at CP=2 (the sequences split over the 2 ranks,
     chunked log-probs) gives the metrics of DP=2 on the same rollouts (two mini-batches: the second runs after
-    an update)."""
-    from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
+    an update). Both runs in one 2-rank world (:func:`tests.rl_tasks.train_each_on_rank`: one process start)."""
+    from tests.rl_tasks import make_tiny_model, task_overrides, train_each_on_rank, write_prompts
 
     model, data = make_tiny_model(tmp_path / "model"), write_prompts(tmp_path / "prompts.jsonl", 16)
     ppo = TRAIN + ["algorithm.name=ppo", "critic.ppo_mini_batch_size=8", "critic.micro_batch_size=2",
                    "algorithm.kl.coef=0.01", "algorithm.kl.in_loss=true"]
-    runs = {}
-    for name, extra in (("dp2", []), ("cp2", ["actor.parallel.cp=2", "critic.parallel.cp=2"])):
-        runs[name] = run_world(train_on_rank, 2, task_overrides(model, data, tmp_path / "runs", name) + ppo
-                               + extra)[0][0]
-    ref, cp2 = runs["dp2"], runs["cp2"]
+    layouts = {"dp2": [], "cp2": ["actor.parallel.cp=2", "critic.parallel.cp=2"]}
+    runs = run_world(train_each_on_rank, 2, [task_overrides(model, data, tmp_path / "runs", name) + ppo + extra
+                                             for name, extra in layouts.items()])[0]
+    ref, cp2 = (history[0] for history, _ in runs)
     assert ref["actor/ppo_kl"] != 0 and ref["critic/vf_loss"] != 0, ref
     for key in COMPARED:
         assert cp2[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key

@@ -230,9 +230,16 @@ def test_bytes_overwritten_at_the_same_size_are_named_when_the_load_fails(saved)
     assert summary["resumed"]["checkpoint"] == str(run / "checkpoints" / "step_000001") and summary["steps"] == 3
 
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megarl.cli", *args], capture_output=True, text=True, timeout=600,
-                          cwd=REPO, env={**os.environ})
+def _run_cli(capfd, *args: str) -> subprocess.CompletedProcess:
+    """``megarl *args`` run by :func:`megarl.cli.main` in this process (the refusals below come before any model
+    loads: a new interpreter's imports cost more than the check), its status and output (this process's and its
+    children's: ``--max-restarts`` runs the launcher as a child) as a subprocess's."""
+    from megarl.cli import main
+
+    capfd.readouterr()
+    status = main(list(args))
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["megarl", *args], status, out, err)
 
 
 def _refused(r: subprocess.CompletedProcess, step: Path, fault: str) -> None:
@@ -243,7 +250,7 @@ def _refused(r: subprocess.CompletedProcess, step: Path, fault: str) -> None:
     assert "restart" not in r.stderr, r.stderr[-3000:]
 
 
-def test_bytes_overwritten_at_the_same_size_are_found_by_their_hash_before_any_load(saved):
+def test_bytes_overwritten_at_the_same_size_are_found_by_their_hash_before_any_load(saved, capfd):
     """Issue 48: 4 KB of a weight in the newest checkpoint zeroed, the file's size unchanged (zeros load as
     numbers: a resume went on silently from the changed state). The content hash ``megarl.json`` records
     finds it before anything loads: a resume passes the checkpoint over for ``step_000001`` with a warning naming
@@ -281,11 +288,11 @@ def test_bytes_overwritten_at_the_same_size_are_found_by_their_hash_before_any_l
                  ["export", str(step2), str(saved[0] / "export-zeroed")],
                  ["train", *task_overrides(step2, saved[2], saved[0] / "runs", "from-zeroed"), *SMALL,
                   "trainer.steps=1", "--max-restarts", "1"]):
-        _refused(_run_cli(*args), step2, fault)
+        _refused(_run_cli(capfd, *args), step2, fault)
     assert not (saved[0] / "eval-zeroed").exists() and not (saved[0] / "export-zeroed").exists()
 
 
-def test_every_reader_refuses_a_truncated_checkpoint_before_any_process(saved):
+def test_every_reader_refuses_a_truncated_checkpoint_before_any_process(saved, capfd):
     """Issue 48: the newest checkpoint's largest ``.distcp`` cut to half, the damage ``--resume`` names: ``megarl
     eval`` of it reported ``accuracy 0.0000`` with status 0; now eval (and its ``--check``), export, a new run from
     it (train and ``--check``) refuse it in one line naming the file, status 2, before any process starts."""
@@ -298,7 +305,7 @@ def test_every_reader_refuses_a_truncated_checkpoint_before_any_process(saved):
     for args in (["eval", str(step2), f"validation.files=[{saved[2]}]", "validation.num_prompts=2", "--out",
                   str(saved[0] / "eval-cut")], ["eval", str(step2), "--check"],
                  ["export", str(step2), str(saved[0] / "export-cut")], train, [*train, "--check"]):
-        r = _run_cli(*args)
+        r = _run_cli(capfd, *args)
         _refused(r, step2, fault)
         assert "launching" not in r.stdout and "loading" not in r.stdout, r.stdout[-2000:]
     assert not (saved[0] / "eval-cut").exists() and not (saved[0] / "export-cut").exists()

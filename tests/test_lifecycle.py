@@ -150,8 +150,8 @@ def test_launcher_sigkill_ends_its_ranks_and_a_second_run_is_refused_then_resume
         time.sleep(1.0)  # both ranks are past the save, asleep
         ranks = [p for p in _descendants(first.pid) if _parent(p) == first.pid and not _is_watchdog(p)]
         assert len(ranks) == 2, ranks
-        started = _descendants(first.pid)  # the ranks, and what they started (megatron's checkpoint writer's
-        assert len(started) > 2, started   # multiprocessing manager: grandchildren that are not megarl code)
+        started = _descendants(first.pid)  # the ranks, and what they started (their watchdogs: grandchildren
+        assert len(started) > 2, started   # that end with them too)
         before = _files(run_dir)
 
         code, out = _cli(task, name, "run.seed=2")  # a second run on the same folder

@@ -34,7 +34,10 @@ def task(tmp_path_factory):
 def _save_on_full_disks(rank: int, world: int, model_dir: str, out: str) -> list[dict]:
     """Save the tiny model at TP=2, then save it again to the same folder twice, each time while every file that
     megatron's writer opens on one rank (0, then 1) fails with ENOSPC; what each rank raised each time, and what
-    the folder holds after."""
+    the folder holds after, and the processes the saves left running (megatron's writer started a multiprocessing
+    Manager on each rank's first save)."""
+    import multiprocessing
+
     import megatron.core.dist_checkpointing.strategies.filesystem_async as writer
     import torch.distributed as dist
 
@@ -63,7 +66,8 @@ def _save_on_full_disks(rank: int, world: int, model_dir: str, out: str) -> list
             vars(writer).pop("open", None)
         dist.barrier()
         results.append({"raised": raised, "entries": sorted(p.name for p in Path(out).parent.iterdir()),
-                        "format": ck.read_meta(out)["format"]})
+                        "format": ck.read_meta(out)["format"],
+                        "children": [p.name for p in multiprocessing.active_children()]})
         dist.barrier()  # every rank has looked before rank 0 starts the next save's ckpt.tmp
     return results
 
@@ -71,7 +75,8 @@ def _save_on_full_disks(rank: int, world: int, model_dir: str, out: str) -> list
 def test_a_full_disk_during_a_save_names_the_cause_and_leaves_no_partial_checkpoint(task):
     """Megatron's writer reports ``RuntimeError: Worker failure`` (the cause only in its log): the rank that met
     the full disk names ``No space left on device`` and the file; megatron's coordinator (rank 0) names the rank
-    that failed; the partial ``ckpt.tmp`` is removed and the folder's earlier checkpoint stays."""
+    that failed; the partial ``ckpt.tmp`` is removed and the folder's earlier checkpoint stays. No save starts a
+    process (the writer's results go through a thread queue: megarl saves in the rank's own process)."""
     root, model, _ = task
     out = root / "full" / "ckpt"
     ranks = run_world(_save_on_full_disks, 2, str(model), str(out))
@@ -79,7 +84,8 @@ def test_a_full_disk_during_a_save_names_the_cause_and_leaves_no_partial_checkpo
             "newest complete checkpoint")
     for full_rank in (0, 1):
         results = [r[full_rank] for r in ranks]
-        assert all(r["entries"] == ["ckpt"] and r["format"] == "megarl" for r in results), results
+        assert all(r["entries"] == ["ckpt"] and r["format"] == "megarl" and r["children"] == [] for r in results), \
+            results
         kind, message, code = results[full_rank]["raised"]
         assert kind == "StorageError" and code == errno.ENOSPC, results
         assert message.startswith(f"cannot save the checkpoint {out}: No space left on device (ENOSPC): "

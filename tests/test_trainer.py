@@ -1,7 +1,7 @@
 """The RL trainer end to end on the CPU: learning (GRPO, PPO+GAE), resume, layout invariance, bad configs.
 
 All runs use the tiny model and synthetic task of :mod:`tests.rl_tasks` (answer with the target word), each
-in its own spawned world (megatron's parallel state is per process).
+in its own spawned world but the layout comparison's, which share one.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from tests.distributed import run_world
-from tests.rl_tasks import make_tiny_model, make_tiny_moe_model, task_overrides, train_on_rank, write_prompts
+from tests.rl_tasks import (make_tiny_model, make_tiny_moe_model, task_overrides, train_each_on_rank, train_on_rank,
+                            write_prompts)
 
 COMPARED = ["reward/mean", "response/length_mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
             "actor/kl", "actor/clipfrac", "actor/ppo_kl"]
@@ -144,13 +145,18 @@ LAYOUT = ["trainer.steps=1", "trainer.save_every=0", "data.prompts_per_step=4", 
 
 
 def test_tp2_pp2_and_sequence_parallel_match_tp1_at_step_1(task):
-    ref = _run(task, "tp1dp2", world=2, extra=LAYOUT)[0][0]
-    tp2 = _run(task, "tp2", world=2, extra=LAYOUT + ["actor.parallel.tp=2"])[0][0]
-    pp2 = _run(task, "pp2", world=2, extra=LAYOUT + ["actor.parallel.pp=2"])[0][0]
-    sp = _run(task, "tp2sp", world=2, extra=LAYOUT + ["actor.parallel.tp=2", "actor.parallel.sequence_parallel=true"])
+    """DP=2, then TP=2, PP=2 and TP=2 with sequence parallelism: the same step-1 metrics. The four runs share one
+    2-rank world (:func:`tests.rl_tasks.train_each_on_rank`: each run builds its trainer and megatron's parallel
+    state anew; one process start instead of four)."""
+    root, model, data = task
+    layouts = {"tp1dp2": [], "tp2": ["actor.parallel.tp=2"], "pp2": ["actor.parallel.pp=2"],
+               "tp2sp": ["actor.parallel.tp=2", "actor.parallel.sequence_parallel=true"]}
+    runs = run_world(train_each_on_rank, 2, [task_overrides(model, data, root / "runs", name) + LAYOUT + layout
+                                             for name, layout in layouts.items()])[0]
+    ref, tp2, pp2, sp = (history[0] for history, _ in runs)
     assert ref["actor/ppo_kl"] != 0  # the second mini-batch ran after an update: the losses are not trivial
     assert ref["actor/kl"] == 0.0  # the reference policy starts as an exact copy of the actor
-    for other in (tp2, pp2, sp[0][0]):
+    for other in (tp2, pp2, sp):
         for key in COMPARED:
             assert other[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed import run_world
-from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
+from tests.rl_tasks import make_tiny_model, task_overrides, train_each_on_rank, train_on_rank, write_prompts
 
 # PPO with a critic and a reference policy (KL in the loss): 16 rollouts, 2 mini-batches of 8 (the second after
 # an update), each 4 micro-batches of 2: a multiple of pp=2
@@ -34,14 +34,19 @@ def setup(tmp_path_factory):
     def run(name, extra):
         return run_world(train_on_rank, 2, task_overrides(model, data, root / "runs", name) + TRAIN + extra)[0]
 
-    return root, run
+    def run_each(runs):  # several runs in one world: one process start
+        return [metrics for metrics, _ in run_world(train_each_on_rank, 2, [
+            task_overrides(model, data, root / "runs", name) + TRAIN + extra for name, extra in runs])[0]]
+
+    return root, run, run_each
 
 
 @pytest.fixture(scope="module")
 def runs(setup):
-    """Two steps at PP=2 (saving each); step 1 at PP=2 x VPP=2 (saved)."""
-    _, run = setup
-    return {"pp2": run("pp2", ["actor.parallel.pp=2", "trainer.steps=2"]), "vpp2": run("vpp2", VPP2)}
+    """Two steps at PP=2 (saving each); step 1 at PP=2 x VPP=2 (saved); both in one world."""
+    *_, run_each = setup
+    pp2, vpp2 = run_each([("pp2", ["actor.parallel.pp=2", "trainer.steps=2"]), ("vpp2", VPP2)])
+    return {"pp2": pp2, "vpp2": vpp2}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +55,7 @@ def later_runs(setup, runs):
     at PP=2 x VPP=2 with packed micro-batches."""
     import shutil
 
-    root, run = setup
+    root, run, _ = setup
     shutil.copytree(root / "runs" / "vpp2", root / "runs" / "vpp2_at_pp2")
     resume = ["trainer.steps=2", "trainer.resume=true"]
     out = {"vpp2 resumed": run("vpp2", VPP2 + resume),

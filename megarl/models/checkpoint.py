@@ -28,6 +28,7 @@ import io
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 import zlib
@@ -326,6 +327,21 @@ def init_adapters(model, seed: int) -> None:
     fill_local_tensors({n: t for n, t in local.items() if is_adapter(n)}, chunk_parameters(as_chunks(model)), start)
 
 
+def _write_results_in_process() -> None:
+    """Give megatron-core's checkpoint writer a plain thread queue for its results, once per process.
+
+    The writer passes its threads' results to the saving process through a queue that megatron-core makes on first
+    use as a ``multiprocessing`` Manager's (``get_write_results_queue``), for saves written by another process. megarl
+    saves in this process (``dist_checkpointing.save``: the writer's threads, synchronously), so that Manager was a
+    Python process spawned by every rank at its first save for nothing (a second or more of start-up on a busy CPU;
+    each test's training run paid it). The writer's ``put`` and ``get_nowait`` are those of :class:`queue.Queue`.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta: dict[str, Any], *,
                     per_rank: dict[str, Any] | None = None) -> Path:
     """Save a megatron sharded state dict and ``meta`` as a megarl checkpoint, atomically. Collective.
@@ -359,6 +375,7 @@ def save_checkpoint(directory: str | os.PathLike, sharded_state_dict: dict, meta
                     shutil.rmtree(tmp)
                 (tmp / "model").mkdir(parents=True)
             dist.barrier()
+            _write_results_in_process()
             dist_checkpointing.save(sharded_state_dict, str(tmp / "model"))
         if per_rank:
             (tmp / "ranks").mkdir(exist_ok=True)

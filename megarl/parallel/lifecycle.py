@@ -12,10 +12,11 @@ a torchrun or ``srun`` that the user started. What the kernel's rule implies: th
 *thread* that started the child ends (torchrun and ``run_world`` start them from the main thread), and it is
 not inherited across ``fork``.
 
-Descendants. Processes that libraries start inside a megarl process are not bound that way: megatron-core's
-checkpoint writer starts a ``multiprocessing`` manager (spawned, with its ``resource_tracker``) per rank and
-never stops it, torch's compile workers, ... They hold the process's stdout and stderr, so a leftover keeps
-``megarl train ... | cat`` (or an ``srun`` job's output) open after the run. Two rules end them with the process
+Descendants. Processes that libraries start inside a megarl process are not bound that way: a
+``multiprocessing`` manager (spawned, with its ``resource_tracker``) that is never stopped (megatron-core's
+checkpoint writer started one per rank until megarl gave it a thread queue), torch's compile workers, ... They
+hold the process's stdout and stderr, so a leftover keeps ``megarl train ... | cat`` (or an ``srun`` job's
+output) open after the run. Two rules end them with the process
 that started them, under the local launcher, torchrun and ``srun`` alike:
 
 - :func:`own_descendants` (``megarl.cli.main``, before a command runs; ``run_world``'s ranks) puts a token of
