@@ -40,8 +40,47 @@ APIS = {"pooling": "data", "classify": "probs"}  # api -> the reply field holdin
 RETRYABLE_HTTP = (429, 500, 502, 503, 504)
 
 
-class _Retryable(Exception):
-    """A failure that a later attempt may not meet (connection, timeout, 429/5xx)."""
+class Retryable(Exception):
+    """A failure that a later attempt may not meet (no connection, HTTP 429/5xx, no reply in time)."""
+
+
+class NoReply(Retryable):
+    """A request that got no reply within its timeout."""
+
+
+def post_json(url: str, body: dict, *, timeout_s: float, server: str) -> dict:
+    """POST ``body`` as JSON to ``url`` and return the decoded JSON reply.
+
+    Args:
+        url: the endpoint.
+        body: the request, JSON-serialisable.
+        timeout_s: seconds to wait for the reply.
+        server: what the server is, for messages ("reward server", "judge server").
+
+    Raises:
+        NoReply: no reply within ``timeout_s``.
+        Retryable: no connection, or HTTP 429/500/502/503/504.
+        RewardError: another HTTP status, or a reply that is not JSON.
+    """
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            raw = reply.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:200].decode(errors="replace")
+        if e.code in RETRYABLE_HTTP:
+            raise Retryable(f"HTTP {e.code} {detail}") from None
+        raise RewardError(f"{server} {url} answered HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, TimeoutError) or isinstance(e, TimeoutError):
+            raise NoReply(f"no reply in {timeout_s} s") from None
+        raise Retryable(f"{type(reason).__name__}: {reason}") from None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        raise RewardError(f"{server} {url} sent a reply that is not JSON: {raw[:200]!r}") from None
 
 
 @register_reward("http")
@@ -108,8 +147,9 @@ class HTTPRewardModel:
         body = {"input": texts, **({"model": self.model} if self.model is not None else {})}
         for attempt in range(self.max_retries + 1):
             try:
-                return self._parse(self._post(body), len(texts))
-            except _Retryable as e:
+                return self._parse(post_json(self.url, body, timeout_s=self.timeout_s, server="reward server"),
+                                   len(texts))
+            except Retryable as e:
                 if attempt == self.max_retries:
                     raise RewardError(f"reward server {self.url} failed {attempt + 1} time(s), last: {e}; is it "
                                       "running and reachable? (reward.kwargs.url, timeout_s, max_retries)") from None
@@ -118,25 +158,6 @@ class HTTPRewardModel:
                             self.max_retries, delay)
                 time.sleep(delay)
         raise AssertionError("unreachable")
-
-    def _post(self, body: dict) -> dict:
-        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                raw = reply.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:200].decode(errors="replace")
-            if e.code in RETRYABLE_HTTP:
-                raise _Retryable(f"HTTP {e.code} {detail}") from None
-            raise RewardError(f"reward server {self.url} answered HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise _Retryable(f"{type(reason).__name__}: {reason}") from None
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            raise RewardError(f"reward server {self.url} sent a reply that is not JSON: {raw[:200]!r}") from None
 
     def _parse(self, reply: dict, n: int) -> list[float]:
         items = reply.get("data") if isinstance(reply, dict) else None

@@ -21,36 +21,25 @@ naming the URL), so no step proceeds on a judge that is down.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping, Sequence
 
 from megarl.config import JudgeConfig
+from megarl.rewards.http_reward import NoReply, Retryable, post_json
 from megarl.rewards.registry import RewardError
 
 log = logging.getLogger(__name__)
 
-RETRYABLE_HTTP = (429, 500, 502, 503, 504)
 NUMBER = r"(-?\d+(?:\.\d+)?)"
 # the verdict after its keyword ("Score: 7", "Rating: [[7]]", "**Score**: 7/10", "the score is 7"); choices:
 # "Verdict: [[A]]", "my answer is yes"
 SCORE_PATTERN = r"(?i)\b(?:score|rating|grade)\b(?:\s+is)?[^\w-]{0,6}" + NUMBER
 CHOICE_PATTERN = r"(?i)\b(?:verdict|answer|choice|decision)\b(?:\s+is)?\W{0,6}(\w+)"
 THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-
-
-class _Timeout(Exception):
-    """A request that got no reply within ``timeout_s``."""
-
-
-class _Retryable(Exception):
-    """A failure a later attempt may not meet (no connection, HTTP 429/5xx)."""
 
 
 def parse_verdict(text: str, *, verdict: str, score_range: Sequence[float] = (0.0, 10.0), normalize: bool = True,
@@ -160,36 +149,15 @@ class GenerativeJudge:
                 "temperature": cfg.temperature, **({"model": cfg.model} if cfg.model is not None else {})}
         for attempt in range(cfg.max_retries + 1):
             try:
-                return self._content(self._post(body))
-            except (_Timeout, _Retryable) as e:
+                return self._content(post_json(self.url, body, timeout_s=cfg.timeout_s, server="judge server"))
+            except Retryable as e:
                 if attempt == cfg.max_retries:
-                    if isinstance(e, _Timeout):
+                    if isinstance(e, NoReply):
                         return None
                     raise RewardError(f"judge server {self.url} failed {attempt + 1} time(s), last: {e}; is it "
                                       "running and reachable? (reward.judge.url, timeout_s, max_retries)") from None
                 time.sleep(cfg.backoff_s * 2 ** attempt)
         raise AssertionError("unreachable")
-
-    def _post(self, body: dict) -> dict:
-        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as reply:
-                raw = reply.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:200].decode(errors="replace")
-            if e.code in RETRYABLE_HTTP:
-                raise _Retryable(f"HTTP {e.code} {detail}") from None
-            raise RewardError(f"judge server {self.url} answered HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, TimeoutError) or isinstance(e, TimeoutError):
-                raise _Timeout(f"no reply in {self.cfg.timeout_s} s") from None
-            raise _Retryable(f"{type(reason).__name__}: {reason}") from None
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            raise RewardError(f"judge server {self.url} sent a reply that is not JSON: {raw[:200]!r}") from None
 
     def _content(self, reply: dict) -> str:
         try:
