@@ -27,20 +27,12 @@
 # "gpu_dapo: PASS" or "gpu_dapo: FAIL" (exit status 0 or 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source perf/gpu_lib.sh  # begin, stage, finish
+source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension
 begin gpu_dapo 585
 
 source perf/gpu_smollm2_gsm8k.sh  # SMOL_GGUF, GSM8K_DIR
 export CONFIG=parallel_configs/gpu_1xh200_smollm2_gsm8k_dapo.yaml RUNS=/tmp/runs DATA=/tmp/data/gsm8k
 export DEADLINE=$(( $(date +%s) + BUDGET_S ))
-
-install_wheels() {
-  bash perf/install_wheels.sh && python3 -c "import pytest"
-}
-
-build_extension() {
-  bash perf/build_C.sh
-}
 
 first_step() {
   rm -rf "$RUNS/dapo-first-step"

@@ -18,16 +18,8 @@
 # 570 s of wall time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source perf/gpu_lib.sh  # begin, stage, finish
+source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension
 begin gpu_exact 570
-
-install_wheels() {
-  bash perf/install_wheels.sh && python3 -c "import pytest"
-}
-
-build_extension() {
-  bash perf/build_C.sh
-}
 
 bench_pair() {  # the 1.5B bench step without, then with rollout.exact, on this machine
   local status=0

@@ -34,16 +34,12 @@
 # or "gpu_generation: FAIL" (exit status 0 or 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source perf/gpu_lib.sh  # begin, stage, finish
+source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension
 begin gpu_generation 560
 
 export AFTER=${AFTER:-rollout.model_runner=v2}
 export CASE="model.path=preset:qwen2.5-1.5b rollout.engine=vllm model.dtype=bfloat16 rollout.enforce_eager=false
   rollout.gpu_memory_utilization=0.35 data.prompts_per_step=64 rollout.n=8 rollout.max_new_tokens=256"
-
-install_wheels() {
-  bash perf/install_wheels.sh && python3 -c "import pytest"
-}
 
 build_extension() {
   bash perf/build_C.sh && python3 -c "import torch, megarl._C as C; assert C.cuda and hasattr(C, 'quantize_fp8_blocks')"

@@ -1,5 +1,6 @@
 # Shared by the staged GPU scripts (perf/gpu_{dapo,moe,multi,resume,vllm}.sh; sourced, from the repo root): the
-# output folder and environment, stages within a budget of wall time, and the last line.
+# output folder and environment, stages within a budget of wall time, the install and build stages' usual
+# functions (a script with its own defines it after sourcing this), and the last line.
 
 begin() {  # begin NAME BUDGET_S: OUT (default runs/NAME, made absolute, exported), perf/gpu_env.sh, the budget
   OUT=${OUT:-runs/$1}
@@ -29,6 +30,14 @@ stage() {  # stage NAME LIMIT_S FUNCTION: run it within min(LIMIT_S, budget left
     tail -n 40 "$OUT/$name.log" | sed 's/^/    /'
     failed=1
   fi
+}
+
+install_wheels() {  # the wheels of /tmp/whl and .whl/ into /tmp/site (perf/install_wheels.sh), pytest with them
+  bash perf/install_wheels.sh && python3 -c "import pytest"
+}
+
+build_extension() {  # megarl._C in place (perf/build_C.sh; skipped when built from the same sources)
+  bash perf/build_C.sh
 }
 
 finish() {  # finish NAME: the last line, "NAME: PASS" or "NAME: FAIL", and the exit status 0 or 1

@@ -19,7 +19,7 @@
 # wheels are uploaded.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source perf/gpu_lib.sh  # begin, stage, finish
+source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension
 begin gpu_packing 570
 
 source perf/gpu_smollm2_gsm8k.sh  # SMOL_GGUF, GSM8K_DIR
@@ -27,10 +27,6 @@ export RUNS=/tmp/runs DATA=/tmp/data/gsm8k
 
 install_wheels() {
   bash perf/install_wheels.sh
-}
-
-build_extension() {
-  bash perf/build_C.sh
 }
 
 gsm8k() {

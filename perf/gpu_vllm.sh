@@ -17,16 +17,8 @@
 # budget of 470 s of wall time (each is cut at what is left), so the whole run ends within 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source perf/gpu_lib.sh  # begin, stage, finish
+source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension
 begin gpu_vllm 470
-
-install_wheels() {
-  bash perf/install_wheels.sh && python3 -c "import pytest"
-}
-
-build_extension() {
-  bash perf/build_C.sh
-}
 
 train_tiny() {
   local task=$OUT/task
