@@ -25,6 +25,7 @@ from megarl.config.offline import OfflineDataConfig
 from megarl.data.batch import RolloutBatch
 from megarl.offline.data import Conversations, preference_pairs, to_batch
 from megarl.offline.trainer import OfflineTrainer, Prepared
+from megarl.output_folder import write_beside
 
 REFERENCE_FILE = "dpo_reference.pt"
 
@@ -87,9 +88,7 @@ class DPOTrainer(OfflineTrainer):
         """Rank 0 writes :attr:`reference` into the run folder once (atomically), after the run's record of an
         earlier run was moved aside (:func:`~megarl.trainer.run_record.keep_earlier_record`)."""
         if self.rank == 0 and not self._written:
-            tmp = self.reference_path.with_name(REFERENCE_FILE + ".tmp")
-            torch.save(self.reference, tmp)
-            os.replace(tmp, self.reference_path)
+            write_beside(self.reference_path, lambda tmp: torch.save(self.reference, tmp), "dpo")
         self._written = True
 
     def step(self, pairs: list, more=None) -> dict[str, Any]:
