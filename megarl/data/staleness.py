@@ -25,10 +25,11 @@ from megarl.data.batch import RolloutBatch
 NO_VERSION = -1  # a token no policy sampled (an observation, padding), or an engine that stamped nothing
 
 
-def stamp_token_versions(batch: RolloutBatch, versions: Sequence[Sequence[int]], default: int) -> None:
-    """``batch["token_version"]`` ``[B, R]`` int64 from each row's per-token stamps (``len(response)`` each, in
-    the response frame), :data:`NO_VERSION` past them; a sampled token (``response_mask`` 1) without a stamp
-    gets ``default`` (the version the schedule generated the batch with).
+def stamp_token_versions(batch: RolloutBatch, versions: Sequence[Sequence[int] | int | None], default: int) -> None:
+    """``batch["token_version"]`` ``[B, R]`` int64 from each row's stamps: per token (``len(response)`` of them,
+    in the response frame; :data:`NO_VERSION` past them), or one version for the whole row (a single-turn
+    sample), or None (none); a sampled token (``response_mask`` 1) without a stamp gets ``default`` (the version
+    the schedule generated the batch with).
 
     Raises:
         ValueError: a row's stamps longer than the batch's response width.
@@ -36,6 +37,9 @@ def stamp_token_versions(batch: RolloutBatch, versions: Sequence[Sequence[int]],
     mask = batch["response_mask"].bool()
     out = torch.full(mask.shape, NO_VERSION, dtype=torch.int64)
     for i, v in enumerate(versions):
+        if v is None or isinstance(v, int):
+            out[i] = NO_VERSION if v is None else v
+            continue
         if len(v) > out.shape[1]:
             raise ValueError(f"row {i} has {len(v)} version stamps for a response width of {out.shape[1]}")
         out[i, :len(v)] = torch.tensor(list(v), dtype=torch.int64)
@@ -57,8 +61,9 @@ def bound_token_staleness(batch: RolloutBatch, step: int, bound: int) -> dict[st
     1-based ``step``); returns ``rollout/token_staleness_{min,max,mean}`` over the sampled tokens (before the
     bound) and ``rollout/tokens_past_bound``, the sampled tokens the bound took out (a count)."""
     sampled = batch["response_mask"].bool() & (batch["token_version"] >= 0)
-    stale = (step - 1 - batch["token_version"])[sampled].double()
-    past = sampled & (step - 1 - batch["token_version"] > bound)
+    age = step - 1 - batch["token_version"]
+    stale = age[sampled].double()
+    past = sampled & (age > bound)
     batch["loss_mask"] = batch["loss_mask"] * (~past).float()
     if not len(stale):
         return {"rollout/tokens_past_bound": 0.0}

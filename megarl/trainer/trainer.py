@@ -279,8 +279,7 @@ class Trainer:
         with self.timer("reward"):
             batch, scores = self._score(prompts, out, known_scores)
         if self.agent is None:  # an episode's rows carry their tokens' stamps (episode_batch)
-            stamp_token_versions(batch, [[s.policy_version] * len(s.token_ids) if s.policy_version is not None
-                                         else [] for s in out.samples], default=version)
+            stamp_token_versions(batch, [s.policy_version for s in out.samples], default=version)
         else:
             stamp_token_versions(batch, batch.meta.pop("token_versions"), default=version)
         batch.meta["policy_version"] = oldest_versions(batch, default=version)
