@@ -142,9 +142,10 @@ def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None,
         linear, rms_norm, attention = linear or defaults[0], rms_norm or defaults[1], attention or defaults[2]
     patched: list[torch.nn.Module] = []
 
-    def linear_forward(layer, x, *args, **kwargs):
+    def linear_forward(layer, x, weight=None, *args, **kwargs):  # weight: the tied embedding (output layer)
         bias = None if layer.skip_bias_add else layer.bias
-        return linear(x, layer.weight, bias), (layer.bias if layer.skip_bias_add else None)
+        return (linear(x, layer.weight if weight is None else weight, bias),
+                layer.bias if layer.skip_bias_add else None)
 
     def norm_forward(norm, x):
         eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps

@@ -4,25 +4,29 @@
 #
 # Before it, the vLLM 0.24.0 wheels must be in /tmp/whl (GPU.md, "Bringing packages over"; as for
 # perf/gpu_vllm.sh, carry .whl). This command then
-#   1. installs the wheels and builds the megarl._C extension (skipped on a kept machine, as gpu_vllm.sh does);
-#   2. runs tests/test_gpu_exact.py: the trainer's old log-probs against vLLM's in its batch-invariant mode, bit
-#      for bit, on the tiny model and on the 135M SmolLM2 shape, at the first step and after updates;
-#   3. runs the 1.5B bench step (perf/gpu_bench_step.sh grpo-1.5b-fast) without and with rollout.exact=true,
-#      back to back on this GPU, and prints the step, generation and training phases of both and their ratio
-#      (the issue's goal: at most 15% on the step);
-#   4. trains the tiny synthetic task with rollout.engine=vllm and rollout.exact=true twice for 20 steps with the
-#      same seed and checks that every metric but the timings is identical and that mismatch/exact_tokens_frac
-#      is 1.0 at every step.
+#   1. installs the wheels (skipped on a kept machine, as gpu_vllm.sh does);
+#   2. runs tests/test_gpu_exact.py: the probe (vLLM's prefill against the trainer's exact pass tensor by tensor,
+#      naming the first that differs), then the trainer's old log-probs against vLLM's in its batch-invariant
+#      mode, bit for bit, on the tiny model and on SmolLM2-135M (SMOL_GGUF, perf/gpu_lib.sh's smol_gguf), at
+#      the first step and after updates;
+#   3. builds megarl._C, then runs the 1.5B bench step (perf/gpu_bench_step.sh grpo-1.5b-fast) without and with
+#      rollout.exact=true, back to back on this GPU, and prints the step, generation and training phases of both
+#      and their ratio (the issue's goal: at most 15% on the step);
+#   4. (before 3) trains the tiny synthetic task with rollout.engine=vllm and rollout.exact=true twice for 20
+#      steps with the same seed and checks that every metric but the timings is identical and that
+#      mismatch/exact_tokens_frac is 1.0 at every step.
 # Logs and run folders go to $OUT (default runs/gpu_exact). Each stage prints PASS or FAIL (with the tail of its
 # log); the last line is "gpu_exact: PASS" or "gpu_exact: FAIL", the exit status 0 or 1. Stages share a budget of
-# 570 s of wall time.
+# 570 s of wall time (BUDGET_S); on one call of the GPU machine run STAGES="test_gpu_exact seeded_pair", then
+# STAGES=bench_pair on the kept machine with the same OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension
+source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension, smol_gguf
 begin gpu_exact 570
 
-bench_pair() {  # the 1.5B bench step without, then with rollout.exact, on this machine
+bench_pair() {  # the 1.5B bench step without, then with rollout.exact, on this machine (megarl._C built first)
   local status=0
+  build_extension || return 1
   OUT=$OUT/bench_plain bash perf/gpu_bench_step.sh grpo-1.5b-fast || status=1
   OUT=$OUT/bench_exact bash perf/gpu_bench_step.sh grpo-1.5b-fast rollout.exact=true || status=1
   python3 - "$OUT/bench_plain/grpo-1.5b-fast.json" "$OUT/bench_exact/grpo-1.5b-fast.json" <<'EOF' || status=1
@@ -89,14 +93,14 @@ EOF
 
 export -f install_wheels build_extension bench_pair seeded_pair
 
+smol_gguf  # the smollm2 case of the test
 stage install 200 install_wheels
-[ $failed -eq 0 ] && stage build 200 build_extension
 if [ $failed -eq 0 ]; then  # all run, so that one GPU session reports on each
-  stage test_gpu_exact 200 "python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_exact.py"
-  stage bench_pair 300 bench_pair
+  stage test_gpu_exact 330 "python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_exact.py"
   stage seeded_pair 300 seeded_pair
+  stage bench_pair 400 bench_pair
 fi
-grep -h "exact on GPU" "$OUT/test_gpu_exact.log" 2>/dev/null
+grep -h -A24 "exact on GPU\|exact probe" "$OUT/test_gpu_exact.log" 2>/dev/null | grep -v "^--$" | head -40
 grep -h "^exact overhead\|^rollout vs actor" "$OUT/bench_pair.log" 2>/dev/null
 grep -h "by step:" "$OUT/seeded_pair.log" 2>/dev/null
 finish gpu_exact

@@ -40,6 +40,14 @@ build_extension() {  # megarl._C in place (perf/build_C.sh; skipped when built f
   bash perf/build_C.sh
 }
 
+smol_gguf() {  # export SMOL_GGUF (default /tmp/smol.gguf), joined from its two uploaded halves where needed
+  # (/tmp/smol.gguf.part-aa and -ab: .gpu/smol/p1 and p2, perf/gpu_smollm2_gsm8k.sh)
+  export SMOL_GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
+  if [ ! -f "$SMOL_GGUF" ] && [ -f /tmp/smol.gguf.part-aa ] && [ -f /tmp/smol.gguf.part-ab ]; then
+    cat /tmp/smol.gguf.part-aa /tmp/smol.gguf.part-ab > "$SMOL_GGUF"
+  fi
+}
+
 finish() {  # finish NAME: the last line, "NAME: PASS" or "NAME: FAIL", and the exit status 0 or 1
   if [ "$failed" -eq 0 ]; then echo "$1: PASS ($(( SECONDS - START )) s)"; exit 0; fi
   echo "$1: FAIL ($(( SECONDS - START )) s; logs in $OUT)"

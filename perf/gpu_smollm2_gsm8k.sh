@@ -4,10 +4,8 @@
 # train.jsonl, default /tmp/gsm8k, else the carried .gpu/smol/p2/gsm8k), and exports both; ends the script,
 # naming what to upload, when either is missing.
 GSM8K_DIR=${GSM8K_DIR:-/tmp/gsm8k}
-SMOL_GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
-if [ ! -f "$SMOL_GGUF" ] && [ -f /tmp/smol.gguf.part-aa ] && [ -f /tmp/smol.gguf.part-ab ]; then
-  cat /tmp/smol.gguf.part-aa /tmp/smol.gguf.part-ab > "$SMOL_GGUF"  # the two uploads of .gpu/smol
-fi
+declare -F smol_gguf >/dev/null || source perf/gpu_lib.sh  # (gpu_bench_step.sh does not source it)
+smol_gguf  # the two uploads of .gpu/smol
 [ -f "$GSM8K_DIR/train.jsonl" ] || [ ! -f .gpu/smol/p2/gsm8k/train.jsonl ] || GSM8K_DIR=$PWD/.gpu/smol/p2/gsm8k
 [ -f "$SMOL_GGUF" ] || { echo "no $SMOL_GGUF: upload the SmolLM2 GGUF (GPU.md) or set SMOL_GGUF"; exit 1; }
 [ -f "$GSM8K_DIR/train.jsonl" ] || { echo "no $GSM8K_DIR/train.jsonl: carry GSM8K or set GSM8K_DIR"; exit 1; }

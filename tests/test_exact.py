@@ -48,6 +48,8 @@ REFUSALS = [  # (overrides beside rollout.exact=true, what the one error line mu
     (["actor.parallel.cp=2"], "actor.parallel.cp: 2 cannot be exact"),
     (["actor.max_tokens_per_micro_batch=64", "actor.sequence_packing=true"], "actor.sequence_packing: cannot be exact"),
     (["actor.kernels.transformer_engine=true"], "actor.kernels.transformer_engine: cannot be exact"),
+    (["rollout.engine=vllm", "model.dtype=bfloat16", "actor.kernels.attention=local"],
+     "actor.kernels.attention: 'local' cannot be exact with rollout.engine=vllm"),
     (["actor.lora.rank=8"], "actor.lora.rank: 8 cannot be exact"),
     (["trainer.mode=async"], "trainer.mode: async generates with the weights of an earlier step"),
     (["MOE"], "rollout.exact: a qwen3_moe model (mixture of experts) cannot be exact yet"),
@@ -101,6 +103,12 @@ def test_the_vllm_engine_starts_in_batch_invariant_mode_with_exact_only():
     assert on.environment()["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and on.as_dict()["exact"] is True
     off = VLLMSettings.from_config(load_config(None, ["rollout.engine=vllm"]).rollout)
     assert not off.exact and "VLLM_BATCH_INVARIANT" not in off.environment()
+    from megarl.rollout.vllm_engine import llm_kwargs
+
+    def custom_ops(settings, eager):  # compiled exact engines keep vLLM's custom (batch-invariant) ops
+        return llm_kwargs(settings, model_dir="m", context=64, seed=0, enforce_eager=eager,
+                          gpu_memory_utilization=0.3).get("compilation_config", {}).get("custom_ops")
+    assert custom_ops(on, False) == ["all"] and custom_ops(on, True) is None and custom_ops(off, False) is None
 
 
 def test_vllm_logprobs_cut_the_padded_vocab_and_divide_by_the_temperature():
@@ -211,3 +219,32 @@ def test_two_seeded_exact_runs_on_the_transformers_engine_match(tmp_path, tiny):
         assert not diff, f"step {a['step']}: the two runs differ in {[(k, a.get(k), b.get(k)) for k in diff]}"
     assert len(runs[0]) == len(runs[1]) == 2
     assert all(step["rollout/exact"] == 1.0 and 0.0 <= step["mismatch/exact_tokens_frac"] <= 1.0 for step in runs[0])
+
+
+def _tied_logits(rank, world):
+    """A tied model's logits (the output layer takes the embedding as its ``weight``), plain and through
+    :func:`vllm_kernels` with torch functions."""
+    from megarl.kernels.batch_invariant import vllm_kernels
+    from megarl.models.megatron import build_model
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+    from tests.actor_decoding import actor_logits
+
+    initialize_model_parallel(ParallelLayout(), seed=0)
+    model = build_model(SPEC.replace(tie_word_embeddings=True), ParallelLayout(), attention="sdpa").eval()
+    ids = list(range(2, 30))
+    plain = actor_logits(model, ids)
+
+    def attention(q, k, v, scale):
+        return torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                                is_causal=True, scale=scale,
+                                                                enable_gqa=True).transpose(0, 1)
+
+    with vllm_kernels([model], torch.nn.functional.linear,
+                      lambda x, w, eps: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps), attention):
+        routed = actor_logits(model, ids)
+    return (routed - plain).abs().max().item()
+
+
+def test_the_exact_pass_takes_a_tied_output_layers_weight_from_the_embedding():
+    """Fails when the rerouted output layer reads its own ``weight`` (None when tied) instead of the one passed."""
+    assert run_world(_tied_logits, 1)[0] < 1e-5

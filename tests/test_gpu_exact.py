@@ -8,10 +8,12 @@ weights: the default model). Each case is one ``megarl train`` of a few GRPO ste
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
 
+from megarl.models.spec import ModelSpec
 from tests.distributed import run_world
 from tests.rl_tasks import make_tiny_model, task_overrides, train_on_rank, write_prompts
 
@@ -30,7 +32,8 @@ def _overrides(case: str, root) -> list[str]:
         model = make_tiny_model(root / "model", embedding_scale=3.0)
         return [*task_overrides(model, write_prompts(root / "prompts.jsonl", 64), root / "runs", "tiny"),
                 "data.prompts_per_step=8", "rollout.n=8", "actor.ppo_mini_batch_size=32", "actor.optim.lr=3e-3"]
-    return ["model.path=default", f"run.output_dir={root / 'runs'}", "run.name=smollm2",  # the arithmetic task
+    return [f"model.path={os.environ.get('SMOL_GGUF', 'default')}", f"run.output_dir={root / 'runs'}",
+            "run.name=smollm2",  # the arithmetic task; SMOL_GGUF: the GGUF where build.sh did not install it
             "data.train_files=[" + str(root / "arithmetic" / "train.parquet") + "]", "actor.optim.lr=1e-5"]
 
 
@@ -45,3 +48,117 @@ def test_trainer_logprobs_equal_vllms_bit_for_bit_at_every_step(tmp_path, case):
     assert all(h["rollout/exact"] == 1.0 for h in history)
     assert fracs == [1.0] * STEPS, "the trainer's old log-probs differ from vLLM's (the warning names the first)"
     assert all(h["mismatch/abs_diff_max"] == 0.0 and h["mismatch/token_mult_prob_error"] == 1.0 for h in history)
+
+
+# The probe below runs vLLM in-process beside the Megatron actor (as tests/test_gpu_vllm.py) on a 2-layer
+# Qwen2 shape and compares, tensor by tensor, what each computes for one prompt's prefill: when the trainer's log-probs
+# are not vLLM's, the first differing tensor in forward order names the kernel that differs.
+PROBE_SPEC = ModelSpec("qwen2", vocab_size=4000, hidden_size=512, num_layers=2, num_attention_heads=8,
+                       num_kv_heads=2, head_dim=64, ffn_hidden_size=1408, rope_theta=1e6, tie_word_embeddings=True,
+                       max_position_embeddings=1024, eos_token_ids=(3999,))
+# (vLLM module, Megatron module, which tensor: "in"/"q" the first input, "k" the second, "out" the output)
+PROBE_POINTS = [("model.embed_tokens", "embedding", "out")] + [
+    pair for i in range(PROBE_SPEC.num_layers) for pair in (
+        (f"model.layers.{i}.input_layernorm", f"decoder.layers.{i}.input_layernorm", "out"),
+        (f"model.layers.{i}.self_attn.qkv_proj", f"decoder.layers.{i}.self_attention.linear_qkv", "out"),
+        (f"model.layers.{i}.self_attn.attn", f"decoder.layers.{i}.self_attention.core_attention", "q"),
+        (f"model.layers.{i}.self_attn.attn", f"decoder.layers.{i}.self_attention.core_attention", "k"),
+        (f"model.layers.{i}.self_attn.o_proj", f"decoder.layers.{i}.self_attention.linear_proj", "in"),
+        (f"model.layers.{i}.self_attn.o_proj", f"decoder.layers.{i}.self_attention.linear_proj", "out"),
+        (f"model.layers.{i}.post_attention_layernorm", f"decoder.layers.{i}.pre_mlp_layernorm", "out"),
+        (f"model.layers.{i}.mlp.down_proj", f"decoder.layers.{i}.mlp.linear_fc2", "in"),
+        (f"model.layers.{i}.mlp.down_proj", f"decoder.layers.{i}.mlp.linear_fc2", "out"))] + [
+    ("model.norm", "decoder.final_layernorm", "out")]
+
+
+def _capture(model, names: set[str], which: dict[str, set[str]], into: dict):
+    """Forward hooks on ``model``'s modules ``names`` that keep, per module, the tensors of ``which[name]``
+    (``in``/``q``: input 0, ``k``: input 1, ``out``: output 0) as ``[tokens, -1]`` float32."""
+    def hook(name):
+        def keep(module, args, out):
+            first = out[0] if isinstance(out, tuple) else out
+            got = {"out": first, "in": args[0], "q": args[0], "k": args[1] if len(args) > 1 else None}
+            for w in which[name]:
+                t = got[w]
+                into[(name, w)] = t.detach().reshape(t.shape[0], -1).float().clone()  # [s, 1, ...]: b = 1
+        return keep
+
+    modules = dict(model.named_modules())
+    return [modules[n].register_forward_hook(hook(n)) for n in names]
+
+
+def _probe(rank, world):
+    from megarl.kernels.batch_invariant import enable_batch_invariant_mode, vllm_kernels, vllm_logprobs
+    from megarl.models.layout_megatron import megatron_layout
+    from megarl.models.megatron import build_model
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+    from megarl.reshard.executor import execute_plan
+    from megarl.reshard.planner import plan_reshard
+    from megarl.rollout.base import SamplingConfig
+    from megarl.rollout.vllm_engine import VLLMRolloutEngine, VLLMSettings
+    from tests.actor_decoding import actor_logits
+
+    assert enable_batch_invariant_mode()
+    mesh = ParallelLayout()
+    initialize_model_parallel(mesh, seed=0)
+    actor = build_model(PROBE_SPEC, mesh, params_dtype=torch.bfloat16, attention="sdpa").cuda().eval()
+    with torch.no_grad():
+        actor.embedding.word_embeddings.weight.mul_(3)
+    engine = VLLMRolloutEngine(PROBE_SPEC, tp=1, gpu_memory_utilization=0.3, seed=0, enforce_eager=True,
+                               settings=VLLMSettings(exact=True))
+    plan = plan_reshard(megatron_layout(PROBE_SPEC, mesh, padded_vocab=actor.vocab_size), engine.weight_layout([0]))
+    src = {n: p.detach() for n, p in actor.named_parameters()}
+    engine.update_weights(lambda dst: execute_plan(plan, src, dst))
+    prompt = torch.randint(0, PROBE_SPEC.vocab_size - 1, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    which_v, which_m = {}, {}
+    for v, m, w in PROBE_POINTS:
+        which_v.setdefault(v, set()).add(w)
+        which_m.setdefault(m, set()).add(w)
+    got_v, got_m = {}, {}
+    handles = _capture(engine.model, set(which_v), which_v, got_v)
+    engine.generate([prompt], SamplingConfig(temperature=1.0, max_new_tokens=1))  # the prompt's prefill only
+    for h in handles:
+        h.remove()
+    handles = _capture(actor, set(which_m), which_m, got_m)
+    with vllm_kernels([actor]):
+        actor_logits(actor, prompt)
+    for h in handles:
+        h.remove()
+    points = []
+    for v, m, w in PROBE_POINTS:
+        a, b = got_v.get((v, w)), got_m.get((m, w))
+        if a is None or b is None or a.shape != b.shape:
+            points.append((v, w, None, f"shapes {None if a is None else tuple(a.shape)} vs "
+                                       f"{None if b is None else tuple(b.shape)}"))
+            continue
+        if w in ("q", "k") or v.endswith("qkv_proj"):  # megatron's per-group q/k/v order: compare sorted rows
+            a, b = a.sort(dim=-1).values, b.sort(dim=-1).values
+        points.append((v, w, int((a != b).sum()), f"max |diff| {(a - b).abs().max().item():.3g}"))
+
+    sampled = engine.generate([prompt], SamplingConfig(n=4, temperature=1.0, max_new_tokens=48, seed=7))
+    equal = total = 0
+    worst = 0.0
+    for s in sampled.samples:
+        ids = prompt + list(s.token_ids)
+        with vllm_kernels([actor]):
+            logits = actor_logits(actor, ids)[None]
+        labels = torch.tensor([ids[1:] + [0]], device=logits.device)
+        lp = vllm_logprobs(logits, labels, vocab_size=PROBE_SPEC.vocab_size, temperature=1.0)[0]
+        mine = lp[len(prompt) - 1:len(ids) - 1].cpu()
+        equal += int((mine == s.logprobs).sum())
+        total += len(mine)
+        worst = max(worst, (mine - s.logprobs).abs().max().item())
+    return {"points": points, "sampled_equal": equal, "sampled_total": total, "sampled_max_diff": worst}
+
+
+def test_the_exact_pass_equals_vllms_forward_tensor_by_tensor():
+    r = run_world(_probe, 1, timeout_s=600)[0]
+    print("\nexact probe (vLLM prefill vs the trainer's exact pass, 2-layer Qwen2 shape, bf16):")
+    for name, which, ndiff, note in r["points"]:
+        print(f"  {name} [{which}]: {'EQUAL' if ndiff == 0 else f'{ndiff} elements differ'} ({note})")
+    print(f"  sampled tokens' log-probs: {r['sampled_equal']}/{r['sampled_total']} equal, max |diff| "
+          f"{r['sampled_max_diff']:.3g}")
+    first = next((p for p in r["points"] if p[2] != 0), None)
+    assert first is None, f"the first tensor that differs: {first}"
+    assert r["sampled_equal"] == r["sampled_total"]

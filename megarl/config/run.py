@@ -302,6 +302,9 @@ class Config:
                 f"actor.parallel.cp=1 {off}")
         require(not a.sequence_packing, "actor.sequence_packing", "cannot be exact: packed rows run the attention "
                 f"and the output layer on other shapes than the engine; set actor.sequence_packing=false {off}")
+        require(self.rollout.engine == "hf" or a.kernels.attention == "sdpa", "actor.kernels.attention",
+                f"{a.kernels.attention!r} cannot be exact with rollout.engine=vllm: the exact pass runs vLLM's "
+                f"FlashAttention in place of megarl's sdpa core attention only; set actor.kernels.attention=sdpa {off}")
         require(not a.kernels.transformer_engine, "actor.kernels.transformer_engine", "cannot be exact: Transformer "
                 "Engine's fused LayerNorm + GEMM kernels are not the engine's batch-invariant ones; set "
                 f"actor.kernels.transformer_engine=false {off}")

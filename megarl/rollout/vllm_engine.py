@@ -226,7 +226,8 @@ def llm_kwargs(settings: VLLMSettings, *, model_dir: str, context: int, seed: in
     ``distributed_executor_backend`` and ``enable_sleep_mode``): the model directory of :func:`write_model_dir`
     with dummy weights and no tokenizer, bf16, sampled-token log-probs of the processed distribution
     (:mod:`megarl.rollout.sampler`), the prefix cache on (multi-turn episodes reuse it), and the knobs of
-    ``settings`` that are not None."""
+    ``settings`` that are not None; ``exact`` with torch.compile (not ``enforce_eager``) keeps vLLM's custom ops
+    on, whose CUDA paths are the batch-invariant kernels (``vllm/model_executor/layers/layernorm.py``)."""
     kwargs: dict[str, Any] = dict(model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
                                   enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
                                   seed=seed, max_model_len=context, logprobs_mode="processed_logprobs",
@@ -237,6 +238,8 @@ def llm_kwargs(settings: VLLMSettings, *, model_dir: str, context: int, seed: in
     compilation = {name: list(v) if isinstance(v, tuple) else v
                    for name in ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
                    if (v := getattr(settings, name)) is not None}
+    if settings.exact and not enforce_eager:  # compiled, vLLM's RMSNorm, rotary and SiLU-and-mul ops would be
+        compilation["custom_ops"] = ["all"]   # Inductor's fusions; the batch-invariant kernels are the custom ops'
     if compilation:
         kwargs["compilation_config"] = compilation
     return kwargs
