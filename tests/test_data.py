@@ -314,3 +314,13 @@ def test_gsm8k_is_prepared_once_when_rank_1_looks_after_rank_0_wrote_it(tmp_path
 
     files = [str(tmp_path / "gsm8k" / "train.parquet"), str(tmp_path / "gsm8k" / "test.parquet")]
     assert run_world(_prepare_on_rank, 2, gsm_dir(tmp_path), tmp_path / "gsm8k", timeout_s=120) == [files, files]
+
+
+@pytest.mark.parametrize("batch,batches,drop_last", [(6, 7, True), (3, 10, True), (4, 5, False), (10, 1, True)])
+def test_the_loaders_epochs_give_every_batch_a_run_asks_for(dataset, batch, batches, drop_last):
+    """The trainer sizes its loader with :meth:`PromptLoader.epochs_for`: 10 prompts in batches of 6 give one batch
+    an epoch, so 7 steps need 7 epochs (the prompt count alone, ceil(7 * 6 / 10) = 5, ran out at step 6; seen on
+    the GPU: a verifiers run of 24 prompts in batches of 16 ended at step 68 of 100 with StopIteration)."""
+    epochs = PromptLoader.epochs_for(len(dataset), batch, batches, drop_last)
+    got = drain(PromptLoader(dataset, batch, seed=1, epochs=epochs, drop_last=drop_last))
+    assert len(got) >= batches and len(got) - batches < len(got) / epochs  # enough, and not an epoch more

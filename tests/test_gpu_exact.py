@@ -75,16 +75,17 @@ def _capture(model, names: set[str], which: dict[str, set[str]], into: dict):
     """Forward hooks on ``model``'s modules ``names`` that keep, per module, the tensors of ``which[name]``
     (``in``/``q``: input 0, ``k``: input 1, ``out``: output 0) as ``[tokens, -1]`` float32."""
     def hook(name):
-        def keep(module, args, out):
-            first = out[0] if isinstance(out, tuple) else out
-            got = {"out": first, "in": args[0], "q": args[0], "k": args[1] if len(args) > 1 else None}
+        def keep(module, args, kwargs, out):
+            inputs = [*args, *kwargs.values()]  # megatron's embedding takes keywords only
+            got = {"out": out[0] if isinstance(out, tuple) else out, "in": inputs[0] if inputs else None,
+                   "q": inputs[0] if inputs else None, "k": inputs[1] if len(inputs) > 1 else None}
             for w in which[name]:
-                t = got[w]
-                into[(name, w)] = t.detach().reshape(t.shape[0], -1).float().clone()  # [s, 1, ...]: b = 1
+                if isinstance(t := got[w], torch.Tensor):
+                    into[(name, w)] = t.detach().reshape(t.shape[0], -1).float().clone()  # [s, 1, ...]: b = 1
         return keep
 
-    modules = dict(model.named_modules())
-    return [modules[n].register_forward_hook(hook(n)) for n in names]
+    modules = dict(model.named_modules())  # a name the model lacks is reported as missing by the comparison
+    return [modules[n].register_forward_hook(hook(n), with_kwargs=True) for n in names if n in modules]
 
 
 def _probe(rank, world):

@@ -71,6 +71,13 @@ class PromptLoader:
         self.epoch = 0
         self.position = 0
 
+    @staticmethod
+    def epochs_for(prompts: int, batch_size: int, batches: int, drop_last: bool = True) -> int:
+        """The epochs (>= 1) over ``prompts`` prompts that give at least ``batches`` batches of ``batch_size``
+        (with ``drop_last`` an epoch gives ``prompts // batch_size``: 24 prompts in batches of 16 give one)."""
+        per_epoch = prompts // batch_size if drop_last else -(-prompts // batch_size)
+        return max(1, -(-batches // max(1, per_epoch)))
+
     @property
     def steps_per_epoch(self) -> int:
         """Batches per epoch."""

@@ -144,7 +144,7 @@ class Trainer:
             self.validation.hold_out(self.prompts)
         ds = cfg.algorithm.dynamic_sampling
         rounds = 1 + (ds.max_extra_rounds if ds.enabled else 0)  # prompt batches a step may draw
-        epochs = max(1, math.ceil(cfg.trainer.steps * rounds * cfg.data.prompts_per_step / len(self.prompts)))
+        epochs = PromptLoader.epochs_for(len(self.prompts), cfg.data.prompts_per_step, cfg.trainer.steps * rounds)
         self.loader = PromptLoader(self.prompts, cfg.data.prompts_per_step, shuffle=cfg.data.shuffle,
                                    seed=cfg.run.seed, epochs=epochs)
         pad = self.spec.pad_token_id
