@@ -105,6 +105,11 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
             out.append(LocalTensor(mg + f"self_attention.linear_qkv.{suffix}", shape, tuple(blocks)))
         out.append(row_parallel(hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight",
                                  h, spec.q_size, t, r))
+        if FAMILIES[spec.family].gpt_oss:  # o_proj's bias (whole: added after the reduce), the heads' sinks
+            heads = spec.num_attention_heads // t
+            out += [whole(hf + "self_attn.o_proj.bias", (h,), mg + "self_attention.linear_proj.bias"),
+                    LocalTensor(mg + "self_attention.core_attention.softmax_offset", (heads,),
+                                (rows(hf + "self_attn.sinks", r * heads, 0, heads, None),))]
         out.append(whole(hf + "input_layernorm.weight", (h,), mg + norms["input_layernorm"]))
         if spec.qk_norm:
             out.append(whole(hf + "self_attn.q_norm.weight", (hd,), mg + "self_attention.q_layernorm.weight"))
@@ -157,6 +162,8 @@ def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp
     ``TEGroupedMLP`` ``linear_fc1.weight{j}``) and the shared expert (split over TP)."""
     per_rank = spec.num_experts // mesh.ep
     out = [whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), mg + "router.weight")]
+    if FAMILIES[spec.family].gpt_oss:
+        out += _gpt_oss_biases(spec, layer, mg, range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
     first = ep_rank * per_rank
     if use_te:
         stacks = [(f"experts.linear_fc1.weight{j}", f"experts.linear_fc2.weight{j}", range(first + j, first + j + 1))
@@ -172,6 +179,19 @@ def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp
     if spec.shared_expert_ffn_hidden_size:
         out.extend(shared_expert(f"model.layers.{layer}.", mg + "shared_experts.", spec, mesh.tp, tp_rank,
                                   ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")))
+    return out
+
+
+def _gpt_oss_biases(spec: ModelSpec, layer: int, mg: str, experts: range) -> list[LocalTensor]:
+    """gpt-oss's router bias and the biases of this EP rank's ``experts`` in ``SequentialMLP`` (local expert ``j``:
+    ``linear_fc1.bias`` = ``[gate; up]``, ``linear_fc2.bias`` = down's), whole (expert TP = 1)."""
+    f, h = spec.moe_ffn_hidden_size, spec.hidden_size
+    out = [whole(spec.router_name(layer).removesuffix("weight") + "bias", (spec.num_experts,), mg + "router.bias")]
+    for j, e in enumerate(experts):
+        gate, up, down = (n.removesuffix("weight") + "bias" for n in spec.expert_names(layer, e))
+        p = f"{mg}experts.local_experts.{j}."
+        out += [LocalTensor(p + "linear_fc1.bias", (2 * f,), (rows(gate, 0, 0, f, None), rows(up, 0, f, f, None))),
+                whole(down, (h,), p + "linear_fc2.bias")]
     return out
 
 
