@@ -50,11 +50,15 @@ def _world(rank, world, tmp):
 
     from megarl.models import checkpoint as ck
     from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
-    from megarl.models.layout_megatron import megatron_rank_tensors
+    from megarl.models.layout import hf_layout
+    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
+    from megarl.models.layout_vllm import vllm_layout
     from megarl.models.megatron import build_model
     from megarl.models.pipeline import run_microbatches
     from megarl.models.weights import fill_local_tensors, state_dict_reader, transformers_canonical
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+    from megarl.reshard.executor import execute_plan
+    from megarl.reshard.planner import plan_reshard
 
     spec, v = GPT_OSS, GPT_OSS.vocab_size
     gen = torch.Generator().manual_seed(7)
@@ -97,6 +101,17 @@ def _world(rank, world, tmp):
         fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
         res = run_microbatches(model.eval(), [{"input_ids": tokens}], output_fn(False), forward_only=True)
         out["logits"][(tp, ep)] = (res[0]["logits"] - ref_logits).abs().max().item()
+        if (tp, ep) == (2, 1):  # the reshard into vLLM's TP=2 layout, and back to whole HF tensors
+            want = _ref_vllm({n: p.detach() for n, p in ref.named_parameters()}, rank)
+            got = {n: torch.zeros(t.shape) for n, t in want.items()}
+            execute_plan(plan_reshard(megatron_layout(spec, mesh, moe_experts="sequential"),
+                                      vllm_layout(spec, 2, range(world))), params, got)
+            out["vllm_names"] = sorted(vllm_layout(spec, 2, range(world)).tensors(rank)) == sorted(want)
+            out["vllm_bad"] = [n for n in want if not torch.equal(got[n], want[n])]
+            back = {n: torch.zeros(t.shape) for n, t in sd.items()}
+            execute_plan(plan_reshard(megatron_layout(spec, mesh, moe_experts="sequential"),
+                                      hf_layout(spec, range(world))), params, back)
+            out["hf_bad"] = [n for n in sd if not torch.equal(back[n], sd[n])]
         if (tp, ep) == (1, 1):
             model.train()
             run_microbatches(model, [{"input_ids": tokens}], output_fn(True), forward_only=False)
@@ -116,6 +131,40 @@ def _world(rank, world, tmp):
     return out
 
 
+def _ref_vllm(hf: dict, r: int) -> dict:
+    """vLLM 0.24 GptOssForCausalLM's TP rank ``r`` of 2, sliced here from transformers' parameters as vLLM's
+    ``_load_weights_other`` slices a bf16 checkpoint: ``qkv_proj`` = [q_r; k_r; v_r] (2 query heads and 1 KV head a
+    rank) with its bias, ``o_proj`` split on the input dim with its bias whole, 2 sinks a rank, the router whole,
+    ``w13`` = ``gate_up_proj[e, :, 32 r : 32 (r + 1)].T`` (gate and up interleaved), ``w2`` = ``down_proj[e, 16 r :
+    16 (r + 1)].T``, ``w2_bias`` on rank 0 only (zeros elsewhere), the vocab padded to 1024 and split in halves, the
+    3-D experts viewed 2-D."""
+    out = {}
+    for name, local in (("model.embed_tokens.weight", "model.embedding.weight"), ("lm_head.weight", "lm_head.weight")):
+        padded = torch.zeros(1024, 64)
+        padded[:1000] = hf[name]
+        out[local] = padded[512 * r:512 * (r + 1)]
+    for i in range(2):
+        p, a, m, x = (f"model.layers.{i}.", f"model.layers.{i}.attn.", f"model.layers.{i}.mlp.",
+                      f"model.layers.{i}.mlp.experts.")
+        for suffix in ("weight", "bias"):
+            q, k, vv = (hf[p + f"self_attn.{n}_proj.{suffix}"] for n in "qkv")
+            out[a + f"qkv_proj.{suffix}"] = torch.cat([q[32 * r:32 * (r + 1)], k[16 * r:16 * (r + 1)],
+                                                       vv[16 * r:16 * (r + 1)]])
+        out[a + "o_proj.weight"] = hf[p + "self_attn.o_proj.weight"][:, 32 * r:32 * (r + 1)]
+        out[a + "o_proj.bias"] = hf[p + "self_attn.o_proj.bias"]
+        out[a + "sinks"] = hf[p + "self_attn.sinks"][2 * r:2 * (r + 1)]
+        out[m + "router.weight"], out[m + "router.bias"] = hf[m + "router.weight"], hf[m + "router.bias"]
+        y = x + "routed_experts."
+        out[y + "w13_weight"] = hf[x + "gate_up_proj"][:, :, 32 * r:32 * (r + 1)].permute(0, 2, 1).reshape(-1, 64)
+        out[y + "w13_bias"] = hf[x + "gate_up_proj_bias"][:, 32 * r:32 * (r + 1)].reshape(-1)
+        out[y + "w2_weight"] = hf[x + "down_proj"][:, 16 * r:16 * (r + 1)].permute(0, 2, 1).reshape(-1, 16)
+        out[y + "w2_bias"] = hf[x + "down_proj_bias"].reshape(-1) * (r == 0)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out[p + n + ".weight"] = hf[p + n + ".weight"]
+    out["model.norm.weight"] = hf["model.norm.weight"]
+    return out
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     return run_world(_world, 2, str(tmp_path_factory.mktemp("gpt_oss")), timeout_s=600)
@@ -131,6 +180,13 @@ def test_logits_equal_transformers(world, mesh):
     for rank in (0, 1):
         assert world[rank]["names"][mesh], "the layout names every parameter of megatron's model"
         assert world[rank]["logits"][mesh] < 1e-4, (mesh, world[rank]["logits"])
+
+
+def test_reshard_into_vllm_equals_an_independent_slicing(world):
+    """megarl's vLLM TP=2 tensors (reshard from Megatron TP=2) equal vLLM's bf16 loader's slicing of transformers'
+    parameters, done in the test; the reshard back to whole HF tensors gives the canonical ones."""
+    for rank in (0, 1):
+        assert world[rank]["vllm_names"] and world[rank]["vllm_bad"] == [] and world[rank]["hf_bad"] == [], rank
 
 
 def test_gradients_equal_transformers(world):
@@ -214,3 +270,14 @@ def test_kernels_without_sinks_or_expert_biases_are_refused_before_the_run():
             validate_for_model(load_config(None, [*ok, override]), spec)
     with pytest.raises(SpecError, match="attention='sdpa': gpt-oss's attention sinks"):
         layer_spec(attention="sdpa", spec=spec, moe_experts="sequential")
+
+
+def test_flops_count_the_windowed_layers_attention_over_their_window():
+    """gpt-oss-20b: 12 layers attend over a 128-token band, 12 over every earlier token."""
+    from megarl.measure.flops import forward_flops, matmul_params
+    from megarl.models.spec import preset
+
+    spec = preset("gpt-oss-20b")
+    s, w, q = 1000, 128, spec.q_size
+    attention = 2 * 2 * q * (12 * sum(t + 1 for t in range(s)) + 12 * sum(min(t + 1, w) for t in range(s)))
+    assert forward_flops(spec, [s]) == pytest.approx(2 * matmul_params(spec) * s + attention, rel=1e-12)
