@@ -2,8 +2,10 @@
 
 A small random-weight model (fp32; every bias, sink and norm randomised, weights scaled so that the SwiGLU clamp at
 7 bites): 2 layers, layer 0 with a 5-token window and layer 1 full, head_dim 16 != hidden / heads, GQA, YaRN RoPE
-(factor 4: attention factor 1.139), 4 experts of top-2. Over 24 tokens: logits at TP=1, TP=2 and EP=2, the gradients
-of a cross-entropy step at TP=1, HF safetensors -> megarl -> HF export bit-identical, and the refusals.
+(factor 4: attention factor 1.139), 4 experts of top-2. Over 24 tokens: logits at TP=1, TP=2, EP=2 and PP=2, with
+zero LoRA adapters on every target, the gradients of a cross-entropy step at TP=1, the vLLM TP=2 tensors the reshard
+writes against an independent slicing, HF safetensors -> megarl -> HF export bit-identical, presets, FLOPs and the
+refusals.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ GPT_OSS = ModelSpec("gpt_oss", vocab_size=1000, hidden_size=64, num_layers=2, nu
                                   "truncate": False, "original_max_position_embeddings": 64},
                     rms_norm_eps=1e-5, max_position_embeddings=256, sliding_window=5, sliding_window_pattern=(1, 0),
                     num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32, eos_token_ids=(2,), pad_token_id=0)
-MESHES = [(1, 1), (2, 1), (1, 2)]  # (tp, ep) in a world of 2
+MESHES = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 2, 1)]  # (tp, ep, pp) in a world of 2: PP=2 puts layer 0 (sliding) and
+# layer 1 (full) on stages of their own
 SEQ = 24
 
 
@@ -53,6 +56,7 @@ def _world(rank, world, tmp):
     from megarl.models.layout import hf_layout
     from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
     from megarl.models.layout_vllm import vllm_layout
+    from megarl.models.lora import LoRASpec
     from megarl.models.megatron import build_model
     from megarl.models.pipeline import run_microbatches
     from megarl.models.weights import fill_local_tensors, state_dict_reader, transformers_canonical
@@ -90,18 +94,20 @@ def _world(rank, world, tmp):
             return (loss if train else loss * 0), {"logits": full.detach()}
         return fn
 
-    for tp, ep in MESHES:
-        mesh = ParallelLayout(tp=tp, pp=1, dp=world // tp, ep=ep)
+    for tp, ep, pp in MESHES:
+        mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
         initialize_model_parallel(mesh)
         model = build_model(spec, mesh, attention="local", moe_experts="sequential")
-        local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0, ep_rank=mesh.ep_rank(rank),
+        local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(),
+                                      ps.get_pipeline_model_parallel_rank(), ep_rank=mesh.ep_rank(rank),
                                       moe_experts="sequential")
         params = dict(model.named_parameters())
-        out.setdefault("names", {})[(tp, ep)] = sorted(params) == sorted(local)
+        out.setdefault("names", {})[(tp, ep, pp)] = sorted(params) == sorted(local)
         fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
         res = run_microbatches(model.eval(), [{"input_ids": tokens}], output_fn(False), forward_only=True)
-        out["logits"][(tp, ep)] = (res[0]["logits"] - ref_logits).abs().max().item()
-        if (tp, ep) == (2, 1):  # the reshard into vLLM's TP=2 layout, and back to whole HF tensors
+        if res:  # the last stage
+            out["logits"][(tp, ep, pp)] = (res[0]["logits"] - ref_logits).abs().max().item()
+        if (tp, ep, pp) == (2, 1, 1):  # the reshard into vLLM's TP=2 layout, and back to whole HF tensors
             want = _ref_vllm({n: p.detach() for n, p in ref.named_parameters()}, rank)
             got = {n: torch.zeros(t.shape) for n, t in want.items()}
             execute_plan(plan_reshard(megatron_layout(spec, mesh, moe_experts="sequential"),
@@ -112,7 +118,19 @@ def _world(rank, world, tmp):
             execute_plan(plan_reshard(megatron_layout(spec, mesh, moe_experts="sequential"),
                                       hf_layout(spec, range(world))), params, back)
             out["hf_bad"] = [n for n in sd if not torch.equal(back[n], sd[n])]
-        if (tp, ep) == (1, 1):
+            # LoRA on every target, experts too: the layout's adapter names are the model's, zero adapters change
+            # nothing
+            lora = LoRASpec(rank=4, alpha=8.0, experts=True)
+            adapted = build_model(spec, mesh, lora=lora, attention="local", moe_experts="sequential").eval()
+            lora_local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0, lora=lora,
+                                               moe_experts="sequential")
+            names = {n: tuple(p.shape) for n, p in adapted.named_parameters()}
+            out["lora_names"] = names == {n: lt.shape for n, lt in lora_local.items()}
+            out["lora_adapters"] = sum("lora_a" in n for n in names)
+            fill_local_tensors(local, dict(adapted.named_parameters()), state_dict_reader(sd, spec.hf_tensor_shapes()))
+            res = run_microbatches(adapted, [{"input_ids": tokens}], output_fn(False), forward_only=True)
+            out["logits"]["lora"] = (res[0]["logits"] - ref_logits).abs().max().item()
+        if (tp, ep, pp) == (1, 1, 1):
             model.train()
             run_microbatches(model, [{"input_ids": tokens}], output_fn(True), forward_only=False)
             out["grads"] = max((params[n].grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max().item()
@@ -179,7 +197,9 @@ def test_window_sinks_and_clamp_change_the_reference(world):
 def test_logits_equal_transformers(world, mesh):
     for rank in (0, 1):
         assert world[rank]["names"][mesh], "the layout names every parameter of megatron's model"
-        assert world[rank]["logits"][mesh] < 1e-4, (mesh, world[rank]["logits"])
+    last = 1 if mesh[2] == 2 else 0
+    assert world[last]["logits"][mesh] < 1e-4, (mesh, world[last]["logits"])
+    assert mesh[2] == 2 or world[1]["logits"][mesh] < 1e-4, (mesh, world[1]["logits"])
 
 
 def test_reshard_into_vllm_equals_an_independent_slicing(world):
@@ -187,6 +207,15 @@ def test_reshard_into_vllm_equals_an_independent_slicing(world):
     parameters, done in the test; the reshard back to whole HF tensors gives the canonical ones."""
     for rank in (0, 1):
         assert world[rank]["vllm_names"] and world[rank]["vllm_bad"] == [] and world[rank]["hf_bad"] == [], rank
+
+
+def test_lora_on_every_target_keeps_the_logits(world):
+    """LoRA adapters (zero) on q/k/v, o, and the 4 experts' fc1/fc2 of each of the 2 layers, at TP=2: the layout's
+    names and shapes are the model's, the logits transformers'."""
+    for rank in (0, 1):
+        w = world[rank]
+        assert w["lora_names"] and w["lora_adapters"] == 2 * (2 + 2 * 4), w["lora_adapters"]
+        assert w["logits"]["lora"] < 1e-4, w["logits"]
 
 
 def test_gradients_equal_transformers(world):
