@@ -22,8 +22,10 @@ The checkpoint holds each layer's experts fused and transposed (transformers' ``
 ``mlp.experts.gate_up_proj`` ``[E, hidden, 2F]`` with gate and up *interleaved* on the last dim (gate ``j`` in
 column ``2j``, up ``j`` in ``2j + 1``), ``gate_up_proj_bias`` ``[E, 2F]`` (interleaved the same way),
 ``down_proj`` ``[E, F, hidden]`` and ``down_proj_bias`` ``[E, hidden]``. megarl's canonical tensors are one 2-D
-tensor per expert and projection, in ``nn.Linear`` orientation (``mlp.experts.{e}.gate_proj.weight`` ``[F,
-hidden]``, ``up_proj``, ``down_proj`` ``[hidden, F]``, each with its ``.bias``), as the other MoE families' are:
+tensor per expert and projection in ``nn.Linear`` orientation (:func:`expert_tensors`): ``mlp.experts.{e}.
+gate_up_proj.weight`` ``[2F, hidden]`` with gate and up rows still interleaved (as vLLM holds them: one box per
+expert and rank; megatron's expert ``linear_fc1`` holds them so too and reorders its output,
+:mod:`megarl.models.gpt_oss_layers`), ``down_proj.weight`` ``[hidden, F]``, each with its ``.bias``:
 :func:`checkpoint_to_canonical`, :func:`canonical_to_checkpoint` and :func:`read_canonical` convert.
 
 The release checkpoints (openai/gpt-oss-20b, -120b) store the experts in MXFP4 (``*_blocks`` / ``*_scales``);
@@ -42,7 +44,6 @@ from megarl.models.spec import ModelSpec, SpecError
 
 SWIGLU_ALPHA = 1.702  # transformers' GptOssExperts.alpha: the sigmoid's slope (megatron's quick_gelu)
 SWIGLU_LIMIT = 7.0  # transformers' GptOssExperts.limit (config.json's swiglu_limit)
-_FUSED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 DEQUANTIZE_RECIPE = ("python -c \"import torch, transformers as t; m = t.AutoModelForCausalLM.from_pretrained('IN', "
                      "quantization_config=t.Mxfp4Config(dequantize=True), dtype=torch.bfloat16); "
@@ -99,10 +100,11 @@ def rope_attention_factor(spec: ModelSpec) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
-def _expert_names(spec: ModelSpec, layer: int, e: int) -> tuple[str, ...]:
-    """Canonical (gate, up, down) weights then (gate, up, down) biases of expert ``e`` of ``layer``."""
-    weights = spec.expert_names(layer, e)
-    return (*weights, *(n.removesuffix("weight") + "bias" for n in weights))
+def expert_tensors(spec: ModelSpec, layer: int, e: int) -> tuple[str, str]:
+    """Canonical names of expert ``e``'s ``gate_up_proj.weight`` ``[2F, hidden]`` (gate row ``j`` at ``2j``, up row
+    ``j`` at ``2j + 1``) and ``down_proj.weight`` ``[hidden, F]`` on ``layer``; their biases end in ``bias``."""
+    p = f"model.layers.{layer}.mlp.experts.{e}."
+    return p + "gate_up_proj.weight", p + "down_proj.weight"
 
 
 def checkpoint_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -114,48 +116,28 @@ def checkpoint_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     for name, shape in spec.hf_tensor_shapes().items():
         if ".mlp.experts." not in name:
             out[name] = shape
-        elif name.endswith(".experts.0.gate_proj.weight"):
-            p = name.removesuffix("0.gate_proj.weight")
+        elif name.endswith(".experts.0.gate_up_proj.weight"):
+            p = name.removesuffix("0.gate_up_proj.weight")
             out.update({p + "gate_up_proj": (e, h, 2 * f), p + "gate_up_proj_bias": (e, 2 * f),
                         p + "down_proj": (e, f, h), p + "down_proj_bias": (e, h)})
     return out
 
 
-def _source(name: str) -> tuple[str, int, str] | None:
-    """Where canonical expert tensor ``name`` lives in the checkpoint: (fused tensor, expert, kind: "gate", "up",
-    "down", with "_bias" after the biases'); None for a tensor stored as it is."""
-    if ".mlp.experts." not in name:
-        return None
-    prefix, rest = name.split(".mlp.experts.")
-    e, proj, suffix = rest.split(".")
-    kind = proj.removesuffix("_proj") + ("_bias" if suffix == "bias" else "")
-    fused = {"gate": "gate_up_proj", "up": "gate_up_proj", "down": "down_proj"}[kind.removesuffix("_bias")]
-    return f"{prefix}.mlp.experts.{fused}" + ("_bias" if suffix == "bias" else ""), int(e), kind
-
-
 def read_canonical(spec: ModelSpec, read: Callable[[str, tuple[slice, ...]], torch.Tensor], name: str,
                    box: tuple[slice, ...] | None) -> torch.Tensor:
     """A box of canonical tensor ``name`` (``None``: all of it) read from a checkpoint through ``read(checkpoint
-    name, box of it)``: per-expert tensors as boxes of the fused ones (gate rows ``j`` = columns ``2j`` of
-    ``gate_up_proj[e]``, transposed), every other tensor as it is."""
-    src = _source(name)
-    shape = spec.hf_tensor_shapes()[name]
-    box = box or tuple(slice(0, n) for n in shape)
-    if src is None:
+    name, box of it)``: an expert's weight as the transposed box of the fused tensor (``gate_up_proj.weight`` of
+    expert ``e`` is ``gate_up_proj[e].T``, ``down_proj.weight`` ``down_proj[e].T``), its bias as a box of
+    ``gate_up_proj_bias[e]`` / ``down_proj_bias[e]``; every other tensor as it is."""
+    box = box or tuple(slice(0, n) for n in spec.hf_tensor_shapes()[name])
+    if ".mlp.experts." not in name:
         return read(name, box)
-    fused, e, kind = src
-    rows = box[0]
-    lo, hi = rows.start or 0, shape[0] if rows.stop is None else rows.stop
-    expert = slice(e, e + 1)
-    if kind in ("gate", "up", "gate_bias", "up_bias"):
-        odd = int(kind.startswith("up"))
-        cols = slice(2 * lo, 2 * hi)
-        if kind.endswith("_bias"):
-            return read(fused, (expert, cols))[0, odd::2]
-        return read(fused, (expert, box[1], cols))[0, :, odd::2].t()
-    if kind == "down_bias":
-        return read(fused, (expert, box[0]))[0]
-    return read(fused, (expert, box[1], box[0]))[0].t()  # down [F, hidden] stored: canonical [hidden, F]
+    prefix, rest = name.split(".mlp.experts.")
+    e, proj, suffix = rest.split(".")
+    fused, expert = f"{prefix}.mlp.experts.{proj}", slice(int(e), int(e) + 1)
+    if suffix == "bias":
+        return read(fused + "_bias", (expert, box[0]))[0]
+    return read(fused, (expert, box[1], box[0]))[0].t()
 
 
 def checkpoint_to_canonical(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -167,23 +149,16 @@ def checkpoint_to_canonical(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]
 
 def canonical_to_checkpoint(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint tensors (:func:`checkpoint_shapes`) of whole canonical tensors ``tensors``: each layer's
-    experts fused, transposed and interleaved as transformers' ``GptOssExperts`` holds them."""
+    experts stacked (weights transposed) as transformers' ``GptOssExperts`` holds them."""
     out = {}
-    for name, shape in checkpoint_shapes(spec).items():
+    for name in checkpoint_shapes(spec):
         if ".mlp.experts." not in name:
             out[name] = tensors[name]
             continue
-        layer = int(name.split(".")[2])
-        t = torch.empty(shape, dtype=tensors[spec.router_name(layer)].dtype)
-        for e in range(spec.num_experts):
-            gate, up, down, gate_b, up_b, down_b = (tensors[n] for n in _expert_names(spec, layer, e))
-            if name.endswith("gate_up_proj"):
-                t[e, :, 0::2], t[e, :, 1::2] = gate.t(), up.t()
-            elif name.endswith("gate_up_proj_bias"):
-                t[e, 0::2], t[e, 1::2] = gate_b, up_b
-            elif name.endswith("down_proj"):
-                t[e] = down.t()
-            else:
-                t[e] = down_b
-        out[name] = t
+        layer, kind = int(name.split(".")[2]), name.rsplit(".", 1)[1]
+        names = [expert_tensors(spec, layer, e)[kind.startswith("down")] for e in range(spec.num_experts)]
+        if kind.endswith("_bias"):
+            out[name] = torch.stack([tensors[n.removesuffix("weight") + "bias"] for n in names])
+        else:
+            out[name] = torch.stack([tensors[n].t() for n in names])
     return out

@@ -7,7 +7,9 @@ megatron-core 0.19.2 has every piece gpt-oss needs on its local spec: ``softmax_
 TP = 1 and EP = 1 returns megatron's all-reduce's input as it is (a view made inside a custom autograd Function),
 and ``MLP.forward`` then adds the routing-weighted bias to it in place, which autograd forbids.
 :class:`ExpertRowParallelLinear` skips that all-reduce (over one rank: nothing to reduce), as megatron itself does
-at EP > 1 (``explicit_expert_comm``).
+at EP > 1 (``explicit_expert_comm``). An expert's ``linear_fc1`` holds gate and up rows interleaved (gpt-oss's
+canonical ``gate_up_proj``, whose rows vLLM holds in that order too): :func:`reorder_expert_outputs` hands megatron's
+GLU its ``[gate; up]``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import torch
 from megatron.core.activations import quick_gelu
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 
@@ -51,3 +54,18 @@ def adapt_layer_spec(layer) -> None:
     moe.experts = functools.partial(experts.func, *experts.args, **{
         **experts.keywords,
         "submodules": dataclasses.replace(experts.keywords["submodules"], linear_fc2=ExpertRowParallelLinear)})
+
+
+def _gate_then_up(x: torch.Tensor) -> torch.Tensor:
+    """``[..., 2F]`` with gate and up interleaved (gate ``j`` at ``2j``) -> ``[gate; up]`` (megatron's GLU order)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+def reorder_expert_outputs(model) -> None:
+    """Make each routed expert's ``linear_fc1`` (its weight and bias rows interleaved as gpt-oss's canonical
+    ``gate_up_proj``: :mod:`megarl.models.gpt_oss`) hand megatron's ``MLP`` its output and bias as ``[gate; up]``,
+    with a forward hook (LoRA's adapted layer included: its adapter's rows are interleaved too)."""
+    for name, module in model.named_modules():
+        if ".experts.local_experts." in name and name.endswith(".linear_fc1"):
+            module.register_forward_hook(lambda m, args, out: (_gate_then_up(out[0]),
+                                                               None if out[1] is None else _gate_then_up(out[1])))

@@ -18,6 +18,7 @@ from megarl.models.layout import (VALUE_HEAD, Layout, LocalTensor, canonical_sha
                                   gate_up, row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
 from megarl.models.layout_lora import adapter_tensors, lora_canonical_shapes, lora_targets
 from megarl.models.lora import LoRASpec
+from megarl.models import gpt_oss
 from megarl.models.megatron import check_layout, padded_vocab_size
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
@@ -163,7 +164,7 @@ def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp
     per_rank = spec.num_experts // mesh.ep
     out = [whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), mg + "router.weight")]
     if FAMILIES[spec.family].gpt_oss:
-        out += _gpt_oss_biases(spec, layer, mg, range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
+        return out + _gpt_oss_experts(spec, layer, mg, range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
     first = ep_rank * per_rank
     if use_te:
         stacks = [(f"experts.linear_fc1.weight{j}", f"experts.linear_fc2.weight{j}", range(first + j, first + j + 1))
@@ -182,16 +183,18 @@ def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp
     return out
 
 
-def _gpt_oss_biases(spec: ModelSpec, layer: int, mg: str, experts: range) -> list[LocalTensor]:
-    """gpt-oss's router bias and the biases of this EP rank's ``experts`` in ``SequentialMLP`` (local expert ``j``:
-    ``linear_fc1.bias`` = ``[gate; up]``, ``linear_fc2.bias`` = down's), whole (expert TP = 1)."""
+def _gpt_oss_experts(spec: ModelSpec, layer: int, mg: str, experts: range) -> list[LocalTensor]:
+    """gpt-oss's router bias and this EP rank's ``experts`` in ``SequentialMLP``, whole (expert TP = 1): local
+    expert ``j``'s ``linear_fc1`` weight and bias are the canonical ``gate_up_proj`` (gate and up rows interleaved:
+    :mod:`megarl.models.gpt_oss_layers` reorders the output), ``linear_fc2`` ``down_proj``."""
     f, h = spec.moe_ffn_hidden_size, spec.hidden_size
     out = [whole(spec.router_name(layer).removesuffix("weight") + "bias", (spec.num_experts,), mg + "router.bias")]
     for j, e in enumerate(experts):
-        gate, up, down = (n.removesuffix("weight") + "bias" for n in spec.expert_names(layer, e))
         p = f"{mg}experts.local_experts.{j}."
-        out += [LocalTensor(p + "linear_fc1.bias", (2 * f,), (rows(gate, 0, 0, f, None), rows(up, 0, f, f, None))),
-                whole(down, (h,), p + "linear_fc2.bias")]
+        for (name, shape), local in zip(zip(gpt_oss.expert_tensors(spec, layer, e), ((2 * f, h), (h, f))),
+                                        ("linear_fc1.", "linear_fc2.")):
+            out += [whole(name, shape, p + local + "weight"),
+                    whole(name.removesuffix("weight") + "bias", shape[:1], p + local + "bias")]
     return out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from megarl.config import QUANTIZATIONS
-from megarl.models import fp8
+from megarl.models import fp8, gpt_oss
 from megarl.models.layout import (Block, Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up, gate_up,
                                   row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
@@ -273,12 +273,10 @@ def _vllm_gpt_oss(spec: ModelSpec, tp: int, r: int) -> list[LocalTensor]:
                 whole(spec.router_name(i), (spec.num_experts, h), m + "router.weight"),
                 whole(spec.router_name(i).removesuffix("weight") + "bias", (spec.num_experts,), m + "router.bias")]
         w13, b13, w2, b2 = [], [], [], []
-        for e in range(spec.num_experts):
-            gate, up, down = spec.expert_names(i, e)
-            for j in range(f):  # gate and up rows interleaved
-                for k, name in enumerate((gate, up)):
-                    w13.append(rows(name, r * f + j, 2 * f * e + 2 * j + k, 1, h))
-                    b13.append(rows(name.removesuffix("weight") + "bias", r * f + j, 2 * f * e + 2 * j + k, 1, None))
+        for e in range(spec.num_experts):  # gate_up_proj: gate and up rows interleaved, as w13 holds them
+            gate_up, down = gpt_oss.expert_tensors(spec, i, e)
+            w13.append(rows(gate_up, 2 * r * f, 2 * f * e, 2 * f, h))
+            b13.append(rows(gate_up.removesuffix("weight") + "bias", 2 * r * f, 2 * f * e, 2 * f, None))
             w2.append(Block(down, (0, r * f), (h * e, 0), (h, f)))
             if r == 0:
                 b2.append(rows(down.removesuffix("weight") + "bias", 0, h * e, h, None))

@@ -433,6 +433,10 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     _cast_parameters(model, params_dtype)
     if FAMILIES[spec.family].gemma:
         gemma3.scale_embeddings(model, spec.hidden_size)
+    if FAMILIES[spec.family].gpt_oss:
+        from megarl.models import gpt_oss_layers
+
+        gpt_oss_layers.reorder_expert_outputs(model)
     model.megarl_spec = spec
     model.megarl_role = role
     model.megarl_use_te = use_te

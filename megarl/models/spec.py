@@ -355,9 +355,12 @@ class ModelSpec:
             shapes[self.router_name(i).removesuffix("weight") + "bias"] = (self.num_experts,)
         for e in range(self.num_experts):
             gate, up, down = self.expert_names(i, e)
-            shapes.update({gate: (m, h), up: (m, h), down: (h, m)})
-            if biased:
-                shapes.update({n.removesuffix("weight") + "bias": (s,) for n, s in ((gate, m), (up, m), (down, h))})
+            if biased:  # gate and up rows interleaved in one tensor, as gpt-oss's checkpoint and vLLM hold them
+                p = gate.removesuffix("gate_proj.weight")
+                shapes.update({p + "gate_up_proj.weight": (2 * m, h), p + "gate_up_proj.bias": (2 * m,),
+                               down: (h, m), down.removesuffix("weight") + "bias": (h,)})
+            else:
+                shapes.update({gate: (m, h), up: (m, h), down: (h, m)})
         if self.shared_expert_ffn_hidden_size:
             s, p = self.shared_expert_ffn_hidden_size, f"model.layers.{i}.mlp."
             shapes.update({p + "shared_expert.gate_proj.weight": (s, h), p + "shared_expert.up_proj.weight": (s, h),
