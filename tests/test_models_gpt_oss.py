@@ -310,3 +310,16 @@ def test_flops_count_the_windowed_layers_attention_over_their_window():
     s, w, q = 1000, 128, spec.q_size
     attention = 2 * 2 * q * (12 * sum(t + 1 for t in range(s)) + 12 * sum(min(t + 1, w) for t in range(s)))
     assert forward_flops(spec, [s]) == pytest.approx(2 * matmul_params(spec) * s + attention, rel=1e-12)
+
+
+def test_memory_estimate_counts_every_parameter():
+    """The memory estimate's parameter count of one stage is the model's, biases and sinks included (TP=1 x
+    PP=1), and an EP=2 rank holds half of the experts."""
+    from megarl.launch.memory import stage_params
+    from megarl.models.megatron import padded_vocab_size
+
+    spec = GPT_OSS
+    padding = 2 * (padded_vocab_size(spec.vocab_size, 1) - spec.vocab_size) * spec.hidden_size
+    assert stage_params(spec, 1, 1) == spec.num_params() + padding
+    expert = 3 * 64 * 32 + 2 * 32 + 64
+    assert stage_params(spec, 1, 1, ep=2) == spec.num_params() + padding - 2 * 2 * expert
