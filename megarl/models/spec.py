@@ -122,7 +122,7 @@ class ModelSpec:
 
     Attributes:
         family: key of :data:`FAMILIES` ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "qwen2_moe",
-            "mixtral").
+            "mixtral", "gemma3", "gpt_oss").
         vocab_size: rows of the (unpadded) embedding table.
         hidden_size: model width.
         num_layers: decoder layers.
@@ -147,9 +147,9 @@ class ModelSpec:
         moe_norm_topk_prob: the top-k scores are renormalised to sum to 1 (Mixtral: always).
         moe_aux_loss_coef: the load-balancing loss coefficient (``router_aux_loss_coef``).
         moe_z_loss_coef: the router z-loss coefficient (``router_z_loss_coef``; 0: none).
-        sliding_window_pattern: Gemma 3: per layer, 1 where it has the sliding window (a local layer), 0 where it
-            attends to every earlier token (a global layer); megatron's ``window_attn_skip_freq`` list. None: the
-            window (if any) is on every layer.
+        sliding_window_pattern: Gemma 3, gpt-oss: per layer, 1 where it has the sliding window (a local layer), 0
+            where it attends to every earlier token (a global layer); megatron's ``window_attn_skip_freq`` list.
+            None: the window (if any) is on every layer.
         local_rope_theta: Gemma 3: the RoPE base of the local layers (``rope_local_base_freq``; the global layers'
             is ``rope_theta``, with ``rope_scaling``). None: every layer uses ``rope_theta``.
         query_pre_attn_scalar: Gemma 3: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (None:
@@ -269,7 +269,8 @@ class ModelSpec:
 
     def expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
         """Canonical names of expert ``expert``'s gate, up and down projections on layer ``layer``
-        (shapes ``[moe_ffn, hidden]``, ``[moe_ffn, hidden]``, ``[hidden, moe_ffn]``).
+        (shapes ``[moe_ffn, hidden]``, ``[moe_ffn, hidden]``, ``[hidden, moe_ffn]``); gpt-oss's gate and up are one
+        tensor instead (:func:`megarl.models.gpt_oss.expert_tensors`), the prefix of these names.
 
         Raises:
             SpecError: a dense model.
