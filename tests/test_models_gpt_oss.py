@@ -10,7 +10,7 @@ refusals.
 
 from __future__ import annotations
 
-import json
+import zlib
 
 import pytest
 import torch
@@ -56,6 +56,8 @@ def _world(rank, world, tmp):
     from megarl.models.layout import hf_layout
     from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
     from megarl.models.layout_vllm import vllm_layout
+    from megarl.models.gpt_oss import canonical_to_checkpoint
+    from megarl.models.layout_lora import adapter_layout, lora_targets, with_lora_merge
     from megarl.models.lora import LoRASpec
     from megarl.models.megatron import build_model
     from megarl.models.pipeline import run_microbatches
@@ -130,6 +132,25 @@ def _world(rank, world, tmp):
             fill_local_tensors(local, dict(adapted.named_parameters()), state_dict_reader(sd, spec.hf_tensor_shapes()))
             res = run_microbatches(adapted, [{"input_ids": tokens}], output_fn(False), forward_only=True)
             out["logits"]["lora"] = (res[0]["logits"] - ref_logits).abs().max().item()
+            # random adapters (replicas alike: seeded by name), merged by the reshard into vLLM's layout
+            aparams = dict(adapted.named_parameters())
+            with torch.no_grad():
+                for n, t in aparams.items():
+                    if "lora_" in n:
+                        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(zlib.crc32(n.encode()))))
+            lsrc, whole = megatron_layout(spec, mesh, lora=lora, moe_experts="sequential"), adapter_layout(
+                spec, lora, range(world))
+            ad = {n: torch.zeros(lt.shape) for n, lt in whole.tensors(rank).items()}
+            execute_plan(plan_reshard(lsrc, whole), aparams, ad)
+            merged = dict(sd)
+            for w, (a, b) in lora_targets(spec, lora).items():
+                merged[w] = (sd[w].double() + lora.alpha / lora.rank * (ad[b].double() @ ad[a].double())).float()
+            want = _ref_vllm(canonical_to_checkpoint(spec, merged), rank)
+            got = {n: torch.zeros(t.shape) for n, t in want.items()}
+            execute_plan(plan_reshard(lsrc, with_lora_merge(vllm_layout(spec, 2, range(world)), lora)), aparams, got)
+            out["lora_vllm_bad"] = [n for n in want if not torch.equal(got[n], want[n])]
+            out["lora_merge_changes"] = sum(not torch.equal(want[n], v) for n, v in _ref_vllm(
+                {n: p.detach() for n, p in ref.named_parameters()}, rank).items())
         if (tp, ep, pp) == (1, 1, 1):
             model.train()
             run_microbatches(model, [{"input_ids": tokens}], output_fn(True), forward_only=False)
@@ -211,11 +232,15 @@ def test_reshard_into_vllm_equals_an_independent_slicing(world):
 
 def test_lora_on_every_target_keeps_the_logits(world):
     """LoRA adapters (zero) on q/k/v, o, and the 4 experts' fc1/fc2 of each of the 2 layers, at TP=2: the layout's
-    names and shapes are the model's, the logits transformers'."""
+    names and shapes are the model's, the logits transformers'; random adapters merged by the reshard into vLLM's
+    layout equal the merge of the whole tensors sliced as vLLM's loader slices them."""
     for rank in (0, 1):
         w = world[rank]
         assert w["lora_names"] and w["lora_adapters"] == 2 * (2 + 2 * 4), w["lora_adapters"]
         assert w["logits"]["lora"] < 1e-4, w["logits"]
+        # random adapters merged into vLLM's TP=2 tensors: W + (alpha / r) B A of the whole canonical tensors, sliced
+        assert w["lora_vllm_bad"] == [] and w["lora_merge_changes"] == 2 * 4, (w["lora_vllm_bad"],
+                                                                               w["lora_merge_changes"])
 
 
 def test_gradients_equal_transformers(world):
