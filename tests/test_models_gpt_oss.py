@@ -45,19 +45,16 @@ def hf_model(spec: ModelSpec, seed: int = 1):
     return model
 
 
-def _world(rank, world, tmp):
-    import torch.distributed as dist
+def _world(rank, world):
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megarl.models import checkpoint as ck
-    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
+    from megarl.models.gpt_oss import canonical_to_checkpoint
     from megarl.models.layout import hf_layout
+    from megarl.models.layout_lora import adapter_layout, lora_targets, with_lora_merge
     from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
     from megarl.models.layout_vllm import vllm_layout
-    from megarl.models.gpt_oss import canonical_to_checkpoint
-    from megarl.models.layout_lora import adapter_layout, lora_targets, with_lora_merge
     from megarl.models.lora import LoRASpec
     from megarl.models.megatron import build_model
     from megarl.models.pipeline import run_microbatches
@@ -77,7 +74,7 @@ def _world(rank, world, tmp):
     F.cross_entropy(ref_logits.reshape(-1, v), targets.reshape(-1)).backward()
     hf_grads = transformers_canonical(spec, {n: p.grad for n, p in ref.named_parameters()})
     ref_logits = ref_logits.detach()
-    out = {"logits": {}, "grads": {}, "tmp": tmp}
+    out = {"logits": {}, "grads": {}}
     with torch.no_grad():  # the window, the sinks and the clamp change the logits: the test compares them
         other = hf_model(spec.replace(sliding_window_pattern=(0, 0)))
         out["window_matters"] = (other(tokens).logits - ref_logits).abs().max().item()
@@ -156,18 +153,30 @@ def _world(rank, world, tmp):
             run_microbatches(model, [{"input_ids": tokens}], output_fn(True), forward_only=False)
             out["grads"] = max((params[n].grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max().item()
                                for n, lt in local.items() for b in lt.blocks)
+    ps.destroy_model_parallel()
+    return out
 
-    # HF safetensors (the checkpoint's fused experts) -> megarl dist checkpoint at EP=2 -> HF export
+
+def _convert_world(rank, world, tmp):
+    """HF safetensors (the checkpoint's fused experts) -> megarl dist checkpoint at EP=2."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megarl.models import checkpoint as ck
+    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
+    from megarl.models.megatron import build_model
+    from megarl.models.weights import transformers_canonical
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+
     if rank == 0:
-        save_hf_checkpoint(f"{tmp}/hf_in", spec, sd)
+        ref = hf_model(GPT_OSS)
+        save_hf_checkpoint(f"{tmp}/hf_in", GPT_OSS, transformers_canonical(GPT_OSS, dict(ref.named_parameters())))
     dist.barrier()
-    mesh = ParallelLayout(tp=1, pp=1, dp=2, ep=2)
-    initialize_model_parallel(mesh)
-    model = build_model(spec, mesh, moe_experts="sequential", attention="local")
+    initialize_model_parallel(ParallelLayout(tp=1, pp=1, dp=2, ep=2))
+    model = build_model(GPT_OSS, ParallelLayout(tp=1, pp=1, dp=2, ep=2), moe_experts="sequential")
     ck.load_hf_weights(model, open_hf_checkpoint(f"{tmp}/hf_in"))
     ck.save_model(f"{tmp}/mg", model)
     ps.destroy_model_parallel()
-    return out
 
 
 def _ref_vllm(hf: dict, r: int) -> dict:
@@ -205,8 +214,8 @@ def _ref_vllm(hf: dict, r: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return run_world(_world, 2, str(tmp_path_factory.mktemp("gpt_oss")), timeout_s=600)
+def world():
+    return run_world(_world, 2, timeout_s=600)
 
 
 def test_window_sinks_and_clamp_change_the_reference(world):
@@ -248,8 +257,8 @@ def test_gradients_equal_transformers(world):
 
 
 
-@pytest.mark.slow  # the export starts a world of its own (as test_models_megatron's newer families')
-def test_convert_export_roundtrip_is_bit_identical(world):
+@pytest.mark.slow  # two worlds of their own (as test_models_megatron's newer families' exports)
+def test_convert_export_roundtrip_is_bit_identical(tmp_path):
     """HF safetensors (experts fused as transformers writes them) -> megarl dist checkpoint (EP=2) -> HF export: every
     stored tensor bit-identical, loadable by transformers, and the exported config.json the same model."""
     from transformers import AutoModelForCausalLM
@@ -258,7 +267,8 @@ def test_convert_export_roundtrip_is_bit_identical(world):
     from megarl.models.gpt_oss import checkpoint_shapes
     from megarl.models.hf_io import open_hf_checkpoint, read_hf_config
 
-    tmp = world[0]["tmp"]
+    tmp = str(tmp_path)
+    run_world(_convert_world, 2, tmp, timeout_s=600)
     export_to_hf(f"{tmp}/mg", f"{tmp}/hf_out")
     source, back = open_hf_checkpoint(f"{tmp}/hf_in"), open_hf_checkpoint(f"{tmp}/hf_out")
     stored = checkpoint_shapes(GPT_OSS)
