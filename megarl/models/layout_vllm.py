@@ -242,7 +242,8 @@ def _vllm_moe(spec: ModelSpec, layer: int, tp: int, r: int) -> list[LocalTensor]
 # gpt-oss, read in vLLM 0.24.0's models/gpt_oss.py (2026-12-06): GptOssForCausalLM holds model.embedding
 # (VocabParallelEmbedding) and an untied lm_head; TransformerBlock holds `attn` (OAIAttention: QKVParallelLinear
 # `qkv_proj` and RowParallelLinear `o_proj`, both with bias, and `sinks` [heads / tp], loaded as
-# weight.narrow(0, tp_rank * heads / tp, heads / tp); the Attention layer gets the same Parameter, listed once;
+# weight.narrow(0, tp_rank * heads / tp, heads / tp); the Attention layer gets the same Parameter, listed once,
+# and v1/attention/backends/flash_attn.py keeps a reference to it as the kernel's s_aux, so writes in place reach it;
 # num_local_key_value_heads = kv // tp: no KV replication; the window on layer_idx % 2 == 0 whatever layer_types
 # say), `mlp` (MLPBlock: ReplicatedLinear `router` with bias, FusedMoE `experts` with has_bias, activation
 # "swigluoai"), input_layernorm, post_attention_layernorm. RowParallelLinear's bias is whole on every rank (added on
