@@ -257,7 +257,7 @@ def _vllm_moe(spec: ModelSpec, layer: int, tp: int, r: int) -> list[LocalTensor]
 # The reshard writes no block into w2_bias on ranks r > 0: vLLM's own load left them zero.
 def _vllm_gpt_oss(spec: ModelSpec, tp: int, r: int) -> list[LocalTensor]:
     """vLLM's ``GptOssForCausalLM`` TP rank ``r`` of ``tp`` (the notes above)."""
-    h, hd, f = spec.hidden_size, spec.head_dim, spec.moe_ffn_hidden_size // tp
+    h, f = spec.hidden_size, spec.moe_ffn_hidden_size // tp
     vp, q, kv = vllm_padded_vocab(spec.vocab_size), spec.q_size // tp, spec.kv_size // tp
     heads = spec.num_attention_heads // tp
     out = [vocab_shard("model.embed_tokens.weight", "model.embedding.weight", spec.vocab_size, vp, tp, r, h)]
