@@ -176,6 +176,9 @@ def stage_params(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 
     layer += 2 * spec.head_dim if spec.qk_norm else 0
     layer += 2 * h if FAMILIES[spec.family].gemma else 0  # Gemma 3's post-attention and post-MLP norms
     layer += (spec.q_size + 2 * kv) // tp if spec.qkv_bias else 0
+    if FAMILIES[spec.family].gpt_oss:  # o_proj's bias, the sinks, the router's and the local experts' biases
+        layer += h + spec.num_attention_heads // tp + spec.num_experts + spec.num_experts // ep * (
+            2 * spec.moe_ffn_hidden_size + h)
     embed = padded_vocab_size(spec.vocab_size, tp) * h // tp
     output = h if value_head else embed  # tied embeddings: the last stage holds a copy for the output layer
     layers = spec.num_layers // pp * layer

@@ -69,7 +69,7 @@ def convert_rank(rank: int, world: int, src: str | None, out: str, tp: int, pp: 
     ``vpp`` model chunks; returns the checkpoint directory."""
     from megarl.models import checkpoint as ck
     from megarl.models.hf_io import open_hf_checkpoint
-    from megarl.models.megatron import build_model_chunks
+    from megarl.models.megatron import build_model_chunks, conversion_moe_experts
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
 
     ckpt = open_hf_checkpoint(src)
@@ -77,7 +77,8 @@ def convert_rank(rank: int, world: int, src: str | None, out: str, tp: int, pp: 
     dtype = ck.DTYPES[dtype_name] if dtype_name else ckpt.dtype
     mesh = ParallelLayout(tp=tp, pp=pp, dp=1, vpp=vpp)
     initialize_model_parallel(mesh)
-    model = build_model_chunks(ckpt.spec, mesh, params_dtype=dtype, init_weights=False)
+    model = build_model_chunks(ckpt.spec, mesh, params_dtype=dtype, init_weights=False,
+                               moe_experts=conversion_moe_experts(ckpt.spec))
     ck.load_hf_weights(model, ckpt)
     return str(ck.save_model(out, model, tokenizer=str(ckpt.path), source=str(ckpt.path),
                              source_config=ckpt.hf_config, generation_config=ck.source_generation_config(src)))
@@ -128,7 +129,7 @@ def load_canonical(ckpt_dir: str, *, merged: bool = True) -> dict:
     from megarl.models import checkpoint as ck
     from megarl.models.layout_lora import lora_canonical_shapes
     from megarl.models.layout_megatron import megatron_rank_tensors
-    from megarl.models.megatron import build_model
+    from megarl.models.megatron import build_model, conversion_moe_experts
     from megarl.models.weights import assemble_canonical
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
 
@@ -138,7 +139,7 @@ def load_canonical(ckpt_dir: str, *, merged: bool = True) -> dict:
     mesh = ParallelLayout(dp=dist.get_world_size())
     initialize_model_parallel(mesh)
     use_te = spec.is_moe and ck.checkpoint_uses_te(ckpt_dir)  # dense: the local spec reads TE's keys
-    experts = "sequential" if lora is not None and lora.experts else "grouped"  # their checkpoints are alike
+    experts = "sequential" if lora is not None and lora.experts else conversion_moe_experts(spec)  # alike on disk
     model = build_model(spec, mesh, params_dtype=ck.DTYPES[meta["dtype"]], init_weights=False, use_te=use_te,
                         lora=lora, moe_experts=experts)
     ck.load_model(ckpt_dir, model)

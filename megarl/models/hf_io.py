@@ -31,7 +31,8 @@ from typing import Callable, Mapping
 import torch
 
 from megarl.config import DTYPE_TABLE
-from megarl.models.spec import ModelSpec, SpecError
+from megarl.models import gpt_oss
+from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.textfiles import FileFormatError, read_json
 
 log = logging.getLogger(__name__)
@@ -263,11 +264,18 @@ class HFCheckpoint:
         return self._handles[f]
 
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """Read a box (``tuple`` of slices, one per dim; ``None`` = whole tensor) of canonical tensor ``name``.
+        """Read a box (``tuple`` of slices, one per dim; ``None`` = whole tensor) of canonical tensor ``name``
+        (gpt-oss's per-expert tensors: boxes of its fused ones, :func:`megarl.models.gpt_oss.read_canonical`).
 
         Raises:
             SpecError: the checkpoint has no such tensor, or its shape differs from the spec's.
         """
+        if FAMILIES[self.spec.family].gpt_oss:
+            return gpt_oss.read_canonical(self.spec, self._read_stored, name, box)
+        return self._read_stored(name, box)
+
+    def _read_stored(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Read a box of tensor ``name`` as the checkpoint stores it (:meth:`read`'s errors)."""
         expected = self.expected_shapes.get(name)
         if name not in self._files and (self._tensors is None or name not in self._tensors):
             raise SpecError(f"checkpoint {self.path} has no tensor {name!r} (it has {len(self.tensor_names)} "
@@ -283,7 +291,10 @@ class HFCheckpoint:
 
     @functools.cached_property
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Canonical name -> shape of every tensor the spec implies."""
+        """Name -> shape of every tensor the spec implies in the checkpoint: the canonical tensors (gpt-oss: its
+        experts fused, :func:`megarl.models.gpt_oss.checkpoint_shapes`)."""
+        if FAMILIES[self.spec.family].gpt_oss:
+            return gpt_oss.checkpoint_shapes(self.spec)
         return self.spec.hf_tensor_shapes()
 
     def check_complete(self) -> None:
@@ -457,7 +468,8 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Map
                        *, max_shard_bytes: int = 5 * 2**30, config: dict | None = None,
                        generation_config: dict | None = None) -> Path:
     """Write canonical tensors as a Hugging Face directory (config.json + safetensors, sharded above
-    ``max_shard_bytes`` with an index), atomically (a temporary directory renamed at the end).
+    ``max_shard_bytes`` with an index), atomically (a temporary directory renamed at the end); gpt-oss's experts
+    fused as its checkpoints hold them (:func:`megarl.models.gpt_oss.canonical_to_checkpoint`).
 
     Args:
         config: the ``config.json`` content (e.g. the source model's own config); default: the spec's.
@@ -473,6 +485,8 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Map
     wrong = [n for n, s in shapes.items() if n in tensors and tuple(tensors[n].shape) != s]
     if missing or wrong:
         raise SpecError(f"cannot export: missing tensors {missing[:8]}, wrong shapes {wrong[:8]}")
+    if FAMILIES[spec.family].gpt_oss:
+        tensors, shapes = gpt_oss.canonical_to_checkpoint(spec, tensors), gpt_oss.checkpoint_shapes(spec)
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():

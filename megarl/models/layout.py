@@ -257,6 +257,10 @@ def hf_layout(spec: ModelSpec, ranks: Iterable[int], role: str = "actor", *, fus
     """
     shapes = canonical_shapes(spec, role)
     tensors = {n: whole(n, s) for n, s in shapes.items()}
+    if fused_experts and FAMILIES[spec.family].gpt_oss:
+        raise SpecError("gpt-oss's transformers model holds its experts transposed and interleaved, which no box of "
+                        "its canonical tensors describes: the transformers engine (rollout.engine=hf) cannot take its "
+                        "weights from the reshard; use rollout.engine=vllm")
     if fused_experts and spec.is_moe:
         for i in range(spec.num_layers):
             moe = {n for n in shapes if n.startswith(f"model.layers.{i}.{FAMILIES[spec.family].moe.block}.")

@@ -18,9 +18,10 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping
 
+from megarl.models import gpt_oss
 from megarl.models.layout import Block, Layout, LocalTensor, shape_key, whole
 from megarl.models.lora import LoRASpec, Merge
-from megarl.models.spec import ModelSpec, SpecError
+from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 
 
 def lora_targets(spec: ModelSpec, lora: LoRASpec) -> dict[str, tuple[str, str]]:
@@ -70,7 +71,12 @@ def lora_targets(spec: ModelSpec, lora: LoRASpec) -> dict[str, tuple[str, str]]:
         if spec.shared_expert_ffn_hidden_size:
             s = m + "shared_expert."
             mlp(s, s + "gate_proj.weight", s + "up_proj.weight", s + "down_proj.weight")
-        if lora.experts:
+        if lora.experts and FAMILIES[spec.family].gpt_oss:  # gate and up in one canonical tensor: adapted whole
+            for e in range(spec.num_experts):
+                for module, w in zip(("linear_fc1", "linear_fc2"), gpt_oss.expert_tensors(spec, i, e)):
+                    if module in want:
+                        own(w)
+        elif lora.experts:
             for e in range(spec.num_experts):
                 gate, up, down = spec.expert_names(i, e)
                 mlp(gate.rsplit(".", 2)[0] + ".", gate, up, down)

@@ -18,6 +18,7 @@ from megarl.models.layout import (VALUE_HEAD, Layout, LocalTensor, canonical_sha
                                   gate_up, row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
 from megarl.models.layout_lora import adapter_tensors, lora_canonical_shapes, lora_targets
 from megarl.models.lora import LoRASpec
+from megarl.models import gpt_oss
 from megarl.models.megatron import check_layout, padded_vocab_size
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
@@ -105,6 +106,11 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
             out.append(LocalTensor(mg + f"self_attention.linear_qkv.{suffix}", shape, tuple(blocks)))
         out.append(row_parallel(hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight",
                                  h, spec.q_size, t, r))
+        if FAMILIES[spec.family].gpt_oss:  # o_proj's bias (whole: added after the reduce), the heads' sinks
+            heads = spec.num_attention_heads // t
+            out += [whole(hf + "self_attn.o_proj.bias", (h,), mg + "self_attention.linear_proj.bias"),
+                    LocalTensor(mg + "self_attention.core_attention.softmax_offset", (heads,),
+                                (rows(hf + "self_attn.sinks", r * heads, 0, heads, None),))]
         out.append(whole(hf + "input_layernorm.weight", (h,), mg + norms["input_layernorm"]))
         if spec.qk_norm:
             out.append(whole(hf + "self_attn.q_norm.weight", (hd,), mg + "self_attention.q_layernorm.weight"))
@@ -157,6 +163,8 @@ def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp
     ``TEGroupedMLP`` ``linear_fc1.weight{j}``) and the shared expert (split over TP)."""
     per_rank = spec.num_experts // mesh.ep
     out = [whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), mg + "router.weight")]
+    if FAMILIES[spec.family].gpt_oss:
+        return out + _gpt_oss_experts(spec, layer, mg, range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
     first = ep_rank * per_rank
     if use_te:
         stacks = [(f"experts.linear_fc1.weight{j}", f"experts.linear_fc2.weight{j}", range(first + j, first + j + 1))
@@ -172,6 +180,21 @@ def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp
     if spec.shared_expert_ffn_hidden_size:
         out.extend(shared_expert(f"model.layers.{layer}.", mg + "shared_experts.", spec, mesh.tp, tp_rank,
                                   ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")))
+    return out
+
+
+def _gpt_oss_experts(spec: ModelSpec, layer: int, mg: str, experts: range) -> list[LocalTensor]:
+    """gpt-oss's router bias and this EP rank's ``experts`` in ``SequentialMLP``, whole (expert TP = 1): local
+    expert ``j``'s ``linear_fc1`` weight and bias are the canonical ``gate_up_proj`` (gate and up rows interleaved:
+    :mod:`megarl.models.gpt_oss_layers` reorders the output), ``linear_fc2`` ``down_proj``."""
+    f, h = spec.moe_ffn_hidden_size, spec.hidden_size
+    out = [whole(spec.router_name(layer).removesuffix("weight") + "bias", (spec.num_experts,), mg + "router.bias")]
+    for j, e in enumerate(experts):
+        p = f"{mg}experts.local_experts.{j}."
+        for (name, shape), local in zip(zip(gpt_oss.expert_tensors(spec, layer, e), ((2 * f, h), (h, f))),
+                                        ("linear_fc1.", "linear_fc2.")):
+            out += [whole(name, shape, p + local + "weight"),
+                    whole(name.removesuffix("weight") + "bias", shape[:1], p + local + "bias")]
     return out
 
 

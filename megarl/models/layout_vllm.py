@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from megarl.config import QUANTIZATIONS
-from megarl.models import fp8
-from megarl.models.layout import (Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up, gate_up,
+from megarl.models import fp8, gpt_oss
+from megarl.models.layout import (Block, Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up, gate_up,
                                   row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 
@@ -75,9 +75,23 @@ def check_vllm_tp(spec: ModelSpec, tp: int) -> None:
     if spec.shared_expert_ffn_hidden_size % tp:
         raise SpecError(f"vLLM tp={tp} does not divide the shared expert's shared_expert_intermediate_size="
                         f"{spec.shared_expert_ffn_hidden_size}")
+    if FAMILIES[spec.family].gpt_oss:
+        _check_vllm_gpt_oss(spec, tp)
     if vllm_padded_vocab(spec.vocab_size) % tp:
         raise SpecError(f"vLLM tp={tp} does not divide the padded vocab {vllm_padded_vocab(spec.vocab_size)} "
                         "of embed_tokens")
+
+
+def _check_vllm_gpt_oss(spec: ModelSpec, tp: int) -> None:
+    """What vLLM 0.24's gpt_oss.py needs beyond the common checks (:func:`_vllm_gpt_oss`'s notes)."""
+    if spec.num_kv_heads % tp:
+        raise SpecError(f"vLLM tp={tp} must divide gpt-oss's num_kv_heads={spec.num_kv_heads} (its attention splits "
+                        "the KV heads without replicating them)")
+    alternating = tuple(int(i % 2 == 0) for i in range(spec.num_layers))
+    if spec.sliding_window_pattern not in (None, alternating) or (spec.sliding_window_pattern is None) != (
+            spec.sliding_window is None):
+        raise SpecError(f"sliding_window_pattern={spec.sliding_window_pattern}: vLLM's gpt-oss puts the window on the "
+                        "even layers, whatever layer_types say; the model's pattern differs")
 
 
 FP8_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -147,6 +161,8 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None
     if quantization == "fp8":
         check_vllm_fp8(spec, tp)
     check_vllm_tp(spec, tp)
+    if FAMILIES[spec.family].gpt_oss:
+        return {lt.name: lt for lt in _vllm_gpt_oss(spec, tp, r)}
     h, hd = spec.hidden_size, spec.head_dim
     vp = vllm_padded_vocab(spec.vocab_size)
     q_heads = spec.num_attention_heads // tp
@@ -221,6 +237,58 @@ def _vllm_moe(spec: ModelSpec, layer: int, tp: int, r: int) -> list[LocalTensor]
                                   ("shared_expert.gate_up_proj.weight", "shared_expert.down_proj.weight",
                                    "shared_expert_gate.weight")))
     return out
+
+
+# gpt-oss, read in vLLM 0.24.0's models/gpt_oss.py (2026-12-06): GptOssForCausalLM holds model.embedding
+# (VocabParallelEmbedding) and an untied lm_head; TransformerBlock holds `attn` (OAIAttention: QKVParallelLinear
+# `qkv_proj` and RowParallelLinear `o_proj`, both with bias, and `sinks` [heads / tp], loaded as
+# weight.narrow(0, tp_rank * heads / tp, heads / tp); the Attention layer gets the same Parameter, listed once,
+# and v1/attention/backends/flash_attn.py keeps a reference to it as the kernel's s_aux, so writes in place reach it;
+# num_local_key_value_heads = kv // tp: no KV replication; the window on layer_idx % 2 == 0 whatever layer_types
+# say), `mlp` (MLPBlock: ReplicatedLinear `router` with bias, FusedMoE `experts` with has_bias, activation
+# "swigluoai"), input_layernorm, post_attention_layernorm. RowParallelLinear's bias is whole on every rank (added on
+# rank 0 only). _load_weights_other (bf16 checkpoints) copies, with I = intermediate_size and rank r's columns
+# [r I/tp, (r+1) I/tp): w13_weight[e] = gate_up_proj[e, :, 2 r I/tp : 2 (r+1) I/tp].T (gate and up still
+# interleaved: row 2j is gate j, row 2j + 1 up j, as swigluoai reads them), w13_bias[e] = gate_up_proj_bias[e] over
+# the same columns, w2_weight[e] = down_proj[e, r I/tp : (r+1) I/tp, :].T, and w2_bias = down_proj_bias on rank 0
+# and zeros elsewhere (the bias added once after the all-reduce). FusedMoE's parameters sit under its
+# `routed_experts` (model_loader/weight_utils.py maybe_remap_moe_expert_param_name). After loading,
+# unquantized_fused_moe_method.py's process_weights_after_loading keeps this layout on CUDA (padding only on ROCm).
+# The reshard writes no block into w2_bias on ranks r > 0: vLLM's own load left them zero.
+def _vllm_gpt_oss(spec: ModelSpec, tp: int, r: int) -> list[LocalTensor]:
+    """vLLM's ``GptOssForCausalLM`` TP rank ``r`` of ``tp`` (the notes above)."""
+    h, f = spec.hidden_size, spec.moe_ffn_hidden_size // tp
+    vp, q, kv = vllm_padded_vocab(spec.vocab_size), spec.q_size // tp, spec.kv_size // tp
+    heads = spec.num_attention_heads // tp
+    out = [vocab_shard("model.embed_tokens.weight", "model.embedding.weight", spec.vocab_size, vp, tp, r, h)]
+    for i in range(spec.num_layers):
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.attn.", f"model.layers.{i}.mlp."
+        for suffix, cols in (("weight", h), ("bias", None)):
+            (qn, _), (kn, _), (vn, _) = spec.qkv_sources(i, suffix)
+            out.append(LocalTensor(a + f"qkv_proj.{suffix}", (q + 2 * kv, h) if cols else (q + 2 * kv,),
+                                   (rows(qn, r * q, 0, q, cols), rows(kn, r * kv, q, kv, cols),
+                                    rows(vn, r * kv, q + kv, kv, cols))))
+        out += [row_parallel(p + "self_attn.o_proj.weight", a + "o_proj.weight", h, spec.q_size, tp, r),
+                whole(p + "self_attn.o_proj.bias", (h,), a + "o_proj.bias"),
+                LocalTensor(a + "sinks", (heads,), (rows(p + "self_attn.sinks", r * heads, 0, heads, None),)),
+                whole(spec.router_name(i), (spec.num_experts, h), m + "router.weight"),
+                whole(spec.router_name(i).removesuffix("weight") + "bias", (spec.num_experts,), m + "router.bias")]
+        w13, b13, w2, b2 = [], [], [], []
+        for e in range(spec.num_experts):  # gate_up_proj: gate and up rows interleaved, as w13 holds them
+            gate_up, down = gpt_oss.expert_tensors(spec, i, e)
+            w13.append(rows(gate_up, 2 * r * f, 2 * f * e, 2 * f, h))
+            b13.append(rows(gate_up.removesuffix("weight") + "bias", 2 * r * f, 2 * f * e, 2 * f, None))
+            w2.append(Block(down, (0, r * f), (h * e, 0), (h, f)))
+            if r == 0:
+                b2.append(rows(down.removesuffix("weight") + "bias", 0, h * e, h, None))
+        x = m + "experts.routed_experts."
+        out += [LocalTensor(x + "w13_weight", (spec.num_experts * 2 * f, h), tuple(w13)),
+                LocalTensor(x + "w13_bias", (spec.num_experts * 2 * f,), tuple(b13)),
+                LocalTensor(x + "w2_weight", (spec.num_experts * h, f), tuple(w2)),
+                LocalTensor(x + "w2_bias", (spec.num_experts * h,), tuple(b2)),
+                whole(p + "input_layernorm.weight", (h,)), whole(p + "post_attention_layernorm.weight", (h,))]
+    return out + [whole("model.norm.weight", (h,)),
+                  vocab_shard("lm_head.weight", "lm_head.weight", spec.vocab_size, vp, tp, r, h)]
 
 
 def vllm_layout(spec: ModelSpec, tp: int, ranks: Iterable[int], quantization: str | None = None) -> Layout:

@@ -119,6 +119,10 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         from megarl.models import gemma3
 
         kwargs.update(gemma3.config_kwargs(spec))
+    if FAMILIES[spec.family].gpt_oss:
+        from megarl.models import gpt_oss_layers
+
+        kwargs.update(gpt_oss_layers.config_kwargs(spec))
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe="tensorwise")
     if layout.vpp > 1:
@@ -138,7 +142,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         activation_func=kwargs.pop("activation_func", F.silu),
         normalization="RMSNorm",
         layernorm_epsilon=spec.rms_norm_eps,
-        add_bias_linear=False,
+        add_bias_linear=kwargs.pop("add_bias_linear", False),
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_norm,
         expert_model_parallel_size=layout.ep,
@@ -219,6 +223,12 @@ def moe_config_kwargs(spec: ModelSpec, ep: int = 1, grouped_gemm: bool = False, 
     return kwargs
 
 
+def conversion_moe_experts(spec: ModelSpec) -> str:
+    """The routed experts a conversion or an export builds (their checkpoints are alike): "grouped", or
+    "sequential" for gpt-oss, whose biased experts the grouped ones lack (:func:`layer_spec`)."""
+    return "sequential" if FAMILIES[spec.family].gpt_oss else "grouped"
+
+
 def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec | None = None,
                lora: LoRASpec | None = None, moe_experts: str = "grouped"):
     """megatron-core's GPT layer spec: the local one, or Transformer Engine's (``use_te``), with LoRA adapters on
@@ -257,6 +267,8 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
     if use_te and gemma:
         raise SpecError("Gemma 3 runs on the local layer spec (its (1 + weight) and post-attention/post-MLP norms are "
                         "megarl modules, not Transformer Engine's); set actor.kernels.transformer_engine=false")
+    if spec is not None and FAMILIES[spec.family].gpt_oss:
+        _check_gpt_oss_kernels(use_te, attention, moe_experts)
     if use_te:
         layer = get_gpt_layer_with_transformer_engine_spec(**moe, moe_grouped_gemm=bool(moe.get("num_experts")))
     else:
@@ -269,6 +281,10 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
             from megarl.models import gemma3
 
             gemma3.adapt_layer_spec(layer, spec)
+        if spec is not None and FAMILIES[spec.family].gpt_oss:
+            from megarl.models import gpt_oss_layers
+
+            gpt_oss_layers.adapt_layer_spec(layer)
     if moe.get("num_experts"):
         from megarl.models.moe_router import GlobalBatchRouter
 
@@ -285,6 +301,27 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
     if lora is not None:
         adapt_layer_spec(layer, lora, use_te=use_te)
     return layer
+
+
+def _check_gpt_oss_kernels(use_te: bool, attention: str, moe_experts: str) -> None:
+    """Refuse the kernels a gpt-oss model cannot run on (:mod:`megarl.models.gpt_oss`): its attention sinks are
+    megatron's local ``DotProductAttention``'s (``softmax_offset``; torch's SDPA has no sink, so neither have
+    :class:`~megarl.kernels.attention.SDPAttention`, packed sequences nor CP), its biased experts
+    ``SequentialMLP``'s (the grouped experts have no bias); Transformer Engine's layout of them is not described.
+
+    Raises:
+        SpecError: naming the setting and the value to use.
+    """
+    if use_te:
+        raise SpecError("gpt-oss runs on the local layer spec (its expert biases and sinks are laid out for megatron's "
+                        "SequentialMLP and DotProductAttention); set actor.kernels.transformer_engine=false")
+    if attention != "local":
+        raise SpecError(f"attention={attention!r}: gpt-oss's attention sinks run in megatron's local attention only "
+                        "(torch's scaled_dot_product_attention has no sink; so no packing and no CP); set "
+                        "actor.kernels.attention=local")
+    if moe_experts != "sequential":
+        raise SpecError(f"moe_experts={moe_experts!r}: gpt-oss's experts have biases, which the grouped experts lack; "
+                        "set actor.kernels.moe_experts=sequential")
 
 
 class ValueHead(torch.nn.Module):
@@ -396,6 +433,10 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     _cast_parameters(model, params_dtype)
     if FAMILIES[spec.family].gemma:
         gemma3.scale_embeddings(model, spec.hidden_size)
+    if FAMILIES[spec.family].gpt_oss:
+        from megarl.models import gpt_oss_layers
+
+        gpt_oss_layers.reorder_expert_outputs(model)
     model.megarl_spec = spec
     model.megarl_role = role
     model.megarl_use_te = use_te
@@ -471,7 +512,7 @@ def _set_rope_frequencies(rotary, spec: ModelSpec) -> None:
         scale = 1.0
     else:
         inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-    if scale != 1.0:
+    if scale != 1.0 and not FAMILIES[spec.family].gpt_oss:  # gpt-oss: in the softmax scale (models/gpt_oss.py)
         raise SpecError(f"rope_type={rope_type!r} scales attention by {scale}; megarl supports only RoPE "
                         "variants that change the frequencies alone")
     rotary.inv_freq = inv_freq.to(device=rotary.inv_freq.device, dtype=rotary.inv_freq.dtype)

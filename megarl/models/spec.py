@@ -22,6 +22,9 @@ them in memory into ``experts.gate_up_proj`` ``[experts, 2 * ffn, hidden]`` and 
 
 Gemma 3 (text, ``gemma3_text``: :data:`GEMMA3`) adds (1 + weight) norms, post-attention and post-MLP norms, GeGLU,
 scaled embeddings and local (sliding-window, own RoPE base) and global layers (:mod:`megarl.models.gemma3`).
+
+gpt-oss (``gpt_oss``) adds attention sinks, biases, alternating window / full layers, YaRN and clamped SwiGLU
+experts, whose fused checkpoint tensors are split into per-expert canonical ones (:mod:`megarl.models.gpt_oss`).
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ class MoENames(NamedTuple):
         block: the layer's submodule holding router and experts (``mlp``; Mixtral: ``block_sparse_moe``).
         gate / up / down: an expert's projections (``gate_proj``, ``up_proj``, ``down_proj``; Mixtral: ``w1``,
             ``w3``, ``w2``).
+        router: the router's submodule (``gate``; gpt-oss: ``router``).
     """
 
     block: str
     gate: str
     up: str
     down: str
+    router: str = "gate"
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,8 @@ class Family:
         sliding_window: the family's attention may have one window on every layer (Mistral, Mixtral, Phi-3).
         fused_qkv_mlp: the checkpoint holds q/k/v as one ``self_attn.qkv_proj`` (rows ``[q; k; v]``) and gate/up as
             one ``mlp.gate_up_proj`` (rows ``[gate; up]``), which are then the canonical tensors (Phi-3).
+        gpt_oss: gpt-oss's decoder: a learned sink logit per attention head (``self_attn.sinks``), biases on
+            o_proj, the router and the experts, clamped SwiGLU experts (:mod:`megarl.models.gpt_oss`).
     """
 
     hf_architecture: str
@@ -77,6 +84,7 @@ class Family:
     moe: MoENames | None = None
     sliding_window: bool = False
     fused_qkv_mlp: bool = False
+    gpt_oss: bool = False
 
 
 _QWEN_MOE = MoENames("mlp", "gate_proj", "up_proj", "down_proj")
@@ -98,6 +106,11 @@ GEMMA3 = "gemma3"
 FAMILIES[GEMMA3] = Family("Gemma3ForCausalLM", "gemma3_text", qkv_bias=False, qk_norm=True, sliding_window=True,
                           gemma=True)
 
+# gpt-oss (GptOssForCausalLM; OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", arXiv 2508.10925)
+GPT_OSS = "gpt_oss"
+FAMILIES[GPT_OSS] = Family("GptOssForCausalLM", "gpt_oss", qkv_bias=True, sliding_window=True, gpt_oss=True,
+                           moe=MoENames("mlp", "gate_proj", "up_proj", "down_proj", router="router"))
+
 # rope_type values whose effect is a change of the inverse frequencies alone (no attention scaling);
 # the Megatron builder sets its RotaryEmbedding.inv_freq from transformers' own ROPE_INIT_FUNCTIONS.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -109,7 +122,7 @@ class ModelSpec:
 
     Attributes:
         family: key of :data:`FAMILIES` ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "qwen2_moe",
-            "mixtral").
+            "mixtral", "gemma3", "gpt_oss").
         vocab_size: rows of the (unpadded) embedding table.
         hidden_size: model width.
         num_layers: decoder layers.
@@ -134,9 +147,9 @@ class ModelSpec:
         moe_norm_topk_prob: the top-k scores are renormalised to sum to 1 (Mixtral: always).
         moe_aux_loss_coef: the load-balancing loss coefficient (``router_aux_loss_coef``).
         moe_z_loss_coef: the router z-loss coefficient (``router_z_loss_coef``; 0: none).
-        sliding_window_pattern: Gemma 3: per layer, 1 where it has the sliding window (a local layer), 0 where it
-            attends to every earlier token (a global layer); megatron's ``window_attn_skip_freq`` list. None: the
-            window (if any) is on every layer.
+        sliding_window_pattern: Gemma 3, gpt-oss: per layer, 1 where it has the sliding window (a local layer), 0
+            where it attends to every earlier token (a global layer); megatron's ``window_attn_skip_freq`` list.
+            None: the window (if any) is on every layer.
         local_rope_theta: Gemma 3: the RoPE base of the local layers (``rope_local_base_freq``; the global layers'
             is ``rope_theta``, with ``rope_scaling``). None: every layer uses ``rope_theta``.
         query_pre_attn_scalar: Gemma 3: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (None:
@@ -200,12 +213,13 @@ class ModelSpec:
             raise SpecError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                             f"num_kv_heads={self.num_kv_heads}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
+        if rope_type not in SUPPORTED_ROPE_TYPES and not (fam.gpt_oss and rope_type == "yarn"):
             raise SpecError(f"rope_scaling.rope_type={rope_type!r} is not supported; "
                             f"supported: {SUPPORTED_ROPE_TYPES}")
-        if not fam.gemma and (self.sliding_window_pattern, self.local_rope_theta, self.query_pre_attn_scalar) != (
-                None, None, None):
-            raise SpecError("sliding_window_pattern, local_rope_theta and query_pre_attn_scalar are Gemma 3 fields")
+        if not fam.gemma and (self.sliding_window_pattern if not fam.gpt_oss else None, self.local_rope_theta,
+                              self.query_pre_attn_scalar) != (None, None, None):
+            raise SpecError("sliding_window_pattern (Gemma 3, gpt-oss), local_rope_theta and query_pre_attn_scalar "
+                            "are Gemma 3 fields")
         if self.sliding_window_pattern is not None and (self.sliding_window is None or len(
                 self.sliding_window_pattern) != self.num_layers or set(self.sliding_window_pattern) - {0, 1}):
             raise SpecError(f"sliding_window_pattern={self.sliding_window_pattern} must hold a 0 or 1 for each of the "
@@ -248,12 +262,15 @@ class ModelSpec:
         """Parameters one token computes with: :meth:`num_params` less the experts it is not routed to
         (``num_experts - moe_top_k`` of every MoE layer's experts); the same as :meth:`num_params` for a dense
         model."""
-        idle = self.num_layers * (self.num_experts - self.moe_top_k) * 3 * self.hidden_size * self.moe_ffn_hidden_size
+        h, m = self.hidden_size, self.moe_ffn_hidden_size
+        idle = self.num_layers * (self.num_experts - self.moe_top_k) * (
+            3 * h * m + (2 * m + h) * FAMILIES[self.family].gpt_oss)  # gpt-oss: the experts' biases
         return self.num_params() - idle
 
     def expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
         """Canonical names of expert ``expert``'s gate, up and down projections on layer ``layer``
-        (shapes ``[moe_ffn, hidden]``, ``[moe_ffn, hidden]``, ``[hidden, moe_ffn]``).
+        (shapes ``[moe_ffn, hidden]``, ``[moe_ffn, hidden]``, ``[hidden, moe_ffn]``); gpt-oss's gate and up are one
+        tensor instead (:func:`megarl.models.gpt_oss.expert_tensors`), the prefix of these names.
 
         Raises:
             SpecError: a dense model.
@@ -266,7 +283,8 @@ class ModelSpec:
 
     def router_name(self, layer: int) -> str:
         """Canonical name of layer ``layer``'s router weight ``[num_experts, hidden]``."""
-        return f"model.layers.{layer}.{FAMILIES[self.family].moe.block}.gate.weight"
+        names = FAMILIES[self.family].moe
+        return f"model.layers.{layer}.{names.block}.{names.router}.weight"
 
     # ------------------------------------------------------------------ where q/k/v and gate/up rows live
     def qkv_sources(self, layer: int, suffix: str = "weight") -> tuple[tuple[str, int], ...]:
@@ -306,6 +324,8 @@ class ModelSpec:
                 shapes[p + "self_attn.k_proj.bias"] = (self.kv_size,)
                 shapes[p + "self_attn.v_proj.bias"] = (self.kv_size,)
             shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
+            if FAMILIES[self.family].gpt_oss:
+                shapes.update({p + "self_attn.o_proj.bias": (h,), p + "self_attn.sinks": (self.num_attention_heads,)})
             if self.qk_norm:
                 shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
@@ -331,9 +351,17 @@ class ModelSpec:
     def _moe_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
         h, m = self.hidden_size, self.moe_ffn_hidden_size
         shapes: dict[str, tuple[int, ...]] = {self.router_name(i): (self.num_experts, h)}
+        biased = FAMILIES[self.family].gpt_oss  # gpt-oss: a bias on the router and on each expert's projections
+        if biased:
+            shapes[self.router_name(i).removesuffix("weight") + "bias"] = (self.num_experts,)
         for e in range(self.num_experts):
             gate, up, down = self.expert_names(i, e)
-            shapes.update({gate: (m, h), up: (m, h), down: (h, m)})
+            if biased:  # gate and up rows interleaved in one tensor, as gpt-oss's checkpoint and vLLM hold them
+                p = gate.removesuffix("gate_proj.weight")
+                shapes.update({p + "gate_up_proj.weight": (2 * m, h), p + "gate_up_proj.bias": (2 * m,),
+                               down: (h, m), down.removesuffix("weight") + "bias": (h,)})
+            else:
+                shapes.update({gate: (m, h), up: (m, h), down: (h, m)})
         if self.shared_expert_ffn_hidden_size:
             s, p = self.shared_expert_ffn_hidden_size, f"model.layers.{i}.mlp."
             shapes.update({p + "shared_expert.gate_proj.weight": (s, h), p + "shared_expert.up_proj.weight": (s, h),
@@ -389,6 +417,10 @@ class ModelSpec:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         if FAMILIES[family].gemma:
             theta, rope, window, gemma = _gemma3_fields(cfg)
+        elif FAMILIES[family].gpt_oss:
+            from megarl.models import gpt_oss
+
+            window, gemma = gpt_oss.spec_fields(cfg)
         else:
             gemma = {}
         return cls(
@@ -465,6 +497,10 @@ class ModelSpec:
             kwargs.update(shared_expert_intermediate_size=self.shared_expert_ffn_hidden_size, qkv_bias=True)
         if self.family in ("qwen3", "phi3"):
             kwargs.update(_qwen3_phi3_config_kwargs(self))
+        if fam.gpt_oss:
+            from megarl.models import gpt_oss
+
+            kwargs.update(gpt_oss.hf_config_kwargs(self))
         return config_cls(**kwargs)
 
     def replace(self, **changes) -> "ModelSpec":
@@ -525,7 +561,7 @@ def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if not experts:
         raise SpecError(f"a {family} config needs num_experts (or num_local_experts)")
-    mixtral = family == "mixtral"
+    mixtral = family in ("mixtral", GPT_OSS)  # intermediate_size is the experts' width, top-k renormalised
     return dict(
         num_experts=int(experts),
         moe_top_k=int(cfg["num_experts_per_tok"]),
@@ -674,6 +710,15 @@ PRESETS.update({
                             sliding_window_pattern=tuple(int(i % 6 != 5) for i in range(62)), local_rope_theta=1e4,
                             query_pre_attn_scalar=168),
 })
+
+# openai/gpt-oss-{20b,120b}'s config.json (their bf16 copies: the release is MXFP4): sliding window on even layers
+PRESETS.update({f"gpt-oss-{size}": ModelSpec(
+    "gpt_oss", 201088, 2880, layers, 64, 8, 64, 2880, rope_theta=150000.0, rope_scaling={
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 4096}, rms_norm_eps=1e-5, max_position_embeddings=131072,
+    eos_token_ids=(200002,), pad_token_id=199999, sliding_window=128, sliding_window_pattern=(1, 0) * (layers // 2),
+    num_experts=experts, moe_top_k=4, moe_ffn_hidden_size=2880, moe_aux_loss_coef=0.9)
+    for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))})
 
 
 def preset(name: str) -> ModelSpec:

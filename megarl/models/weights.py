@@ -12,9 +12,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from megarl.models import fp8
+from megarl.models import fp8, gpt_oss
 from megarl.models.layout import VALUE_HEAD, LocalTensor, canonical_shapes, hf_layout, local_views
-from megarl.models.spec import ModelSpec, SpecError
+from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 
 
 def fill_local_tensors(local: Mapping[str, LocalTensor], params: Mapping[str, torch.Tensor],
@@ -202,5 +202,7 @@ def transformers_canonical(spec: ModelSpec, params: Mapping[str, torch.Tensor]) 
     Raises:
         SpecError: a parameter whose size differs from the spec's (the model is not one of ``spec``).
     """
+    if FAMILIES[spec.family].gpt_oss:  # transformers holds the checkpoint's fused experts
+        return gpt_oss.checkpoint_to_canonical(spec, params)
     local = hf_layout(spec, [0], fused_experts=True).tensors(0)
     return assemble_canonical(local, local_views(params, local), spec.hf_tensor_shapes())

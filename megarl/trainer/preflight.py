@@ -211,6 +211,8 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
             raise ConfigError(f"{section}.kernels.transformer_engine: Gemma 3 runs on the local layer spec (its "
                               "(1 + weight) and post-attention/post-MLP norms are megarl modules, not Transformer "
                               f"Engine's); set {section}.kernels.transformer_engine=false")
+        if FAMILIES[spec.family].gpt_oss:
+            _check_gpt_oss(cfg, section, field_name, p, rc)
         grouped = spec.is_moe and rc.kernels.moe_experts == "grouped" and not rc.kernels.transformer_engine
         misaligned = grouped and misaligned_sizes(spec.hidden_size, spec.moe_ffn_hidden_size, DTYPES[cfg.model.dtype])
         if misaligned:
@@ -229,6 +231,26 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
         except (ValueError, AssertionError, SpecError) as e:
             raise ConfigError(f"{field_name}: megatron-core refuses the {role}'s model config on tp={p.tp}, "
                               f"pp={p.pp}, cp={p.cp}, vpp={p.vpp}, ep={ep}: {e}") from None
+
+
+def _check_gpt_oss(cfg: Config, section: str, field_name: str, p, rc) -> None:
+    """Refuse what a gpt-oss model cannot run with (:func:`megarl.models.megatron.layer_spec`'s kernels): its
+    attention sinks are in megatron's local attention only (no sdpa, hence no packed sequences, and no CP), its biased
+    experts in ``SequentialMLP`` only, on the local layer spec; the transformers rollout engine cannot take its
+    experts from the reshard (:func:`megarl.models.layout.hf_layout`).
+
+    Raises:
+        ConfigError: naming the field and the value to use.
+    """
+    why = "gpt-oss's attention sinks run in megatron's local attention only (torch's SDPA has no sink)"
+    require(not rc.kernels.transformer_engine, f"{section}.kernels.transformer_engine", "gpt-oss runs on the local "
+            "layer spec (its sinks and expert biases are laid out for megatron's local modules); set it to false")
+    require(rc.kernels.attention == "local", f"{section}.kernels.attention", f"{why}; set it to local")
+    require(rc.kernels.moe_experts == "sequential", f"{section}.kernels.moe_experts",
+            "gpt-oss's experts have biases, which the grouped experts lack; set it to sequential")
+    require(p.cp == 1, f"{field_name}.cp", f"{why}, which has no context parallelism; set cp=1")
+    require(cfg.rollout.engine != "hf", "rollout.engine", "gpt-oss's transformers model holds its experts "
+            "transposed and interleaved, which the reshard does not write; use rollout.engine=vllm")
 
 
 def preparable(name: str | None, path: str | Path) -> bool:
