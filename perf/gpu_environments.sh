@@ -67,7 +67,8 @@ for name in ("verifiers", "textarena"):
     rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
     train = [r for r in rows if "reward/mean" in r]
     keys = [k for k in sorted({k for r in train for k in r})
-            if (k.startswith(("reward/", "game/", "verifiers/")) and k not in ("reward/mean", "reward/std", "reward/nonfinite"))
+            if (k.startswith(("reward/", "game/", "verifiers/"))
+                and k not in ("reward/mean", "reward/std", "reward/nonfinite"))
             and not k.endswith(("/std", "/max", "/min"))][:8]
     cols = ["reward/mean", *keys, "agent/turns_mean", "agent/sampled_tokens", "time/step", "time/generate"]
     cols = [c for c in cols if any(c in r for r in train)]
