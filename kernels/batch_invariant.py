@@ -77,7 +77,8 @@ def vllm_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int
     ``log_softmax(dim=-1, dtype=float32)`` (in batch-invariant mode the Triton kernel that vLLM's ``torch.library``
     override puts behind it), then the label's entry. (The V2 runner's sampler computes the same figure with a
     Triton kernel of its own, ``vllm/v1/worker/gpu/sample/logprob.py``: one row a program, max then log-sum-exp
-    over blocks of 1024; tests/test_gpu_exact.py tells whether the two agree to the bit.)
+    over blocks of 1024; so ``rollout.exact`` runs vLLM on V1, :meth:`megarl.rollout.vllm_engine.VLLMSettings.
+    environment`.)
 
     Args:
         logits: ``[b, s, v]`` (TP = 1: the padded vocab whole), any float dtype.

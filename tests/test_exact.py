@@ -42,6 +42,8 @@ REFUSALS = [  # (overrides beside rollout.exact=true, what the one error line mu
     (["rollout.engine=vllm", "rollout.quantization=fp8", "model.dtype=bfloat16"],
      "rollout.quantization: fp8 rollouts cannot be exact"),
     (["rollout.engine=vllm", "rollout.tp=2", "model.dtype=bfloat16"], "rollout.tp: 2 cannot be exact yet"),
+    (["rollout.engine=vllm", "rollout.model_runner=v2", "model.dtype=bfloat16"],
+     "rollout.model_runner: v2 cannot be exact yet"),
     (["rollout.engine=vllm"], "model.dtype: float32 cannot be exact with rollout.engine=vllm"),
     (["actor.parallel.tp=2"], "actor.parallel.tp: 2 cannot be exact yet"),
     (["actor.parallel.pp=2"], "actor.parallel.pp: 2 cannot be exact yet"),
@@ -100,9 +102,11 @@ def test_the_vllm_engine_starts_in_batch_invariant_mode_with_exact_only():
     on = VLLMSettings.from_config(load_config(None, ["rollout.engine=vllm", "model.dtype=bfloat16",
                                                      "rollout.exact=true"]).rollout)
     assert on.exact and on.environment()["VLLM_BATCH_INVARIANT"] == "1"
+    assert on.environment()["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # V1's sampler, whatever the architecture
     assert on.environment()["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and on.as_dict()["exact"] is True
     off = VLLMSettings.from_config(load_config(None, ["rollout.engine=vllm"]).rollout)
     assert not off.exact and "VLLM_BATCH_INVARIANT" not in off.environment()
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in off.environment()  # vLLM's choice
     from megarl.rollout.vllm_engine import llm_kwargs
 
     def custom_ops(settings, eager):  # compiled exact engines keep vLLM's custom (batch-invariant) ops

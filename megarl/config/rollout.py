@@ -176,6 +176,10 @@ class RolloutConfig:
                     f"{self.tp} cannot be exact yet: vLLM's row-parallel layers all-reduce partial sums over the TP "
                     "ranks, another reduction order than the trainer's one matmul (TP-invariant reductions are not "
                     "wired); set rollout.tp=1 (more engines: rollout data parallelism) or rollout.exact=false")
+            require(self.model_runner != "v2", "rollout.model_runner",
+                    "v2 cannot be exact yet: its sampler computes the log-probs with a Triton kernel of its own, the "
+                    "trainer reproduces the V1 sampler's; set rollout.model_runner=v1 (exact's default) or "
+                    "rollout.exact=false")
         require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
         require(self.temperature > 0, "rollout.temperature",
                  "must be > 0 for RL (log-probs of a greedy policy are not defined)")

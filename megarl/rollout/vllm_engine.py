@@ -209,11 +209,13 @@ class VLLMSettings:
         return dataclasses.asdict(self)
 
     def environment(self) -> dict[str, str]:
-        """The variables vLLM must see (set before it is imported): the model runner; DeepGEMM off for FP8; the
-        batch-invariant mode (``exact``)."""
+        """The variables vLLM must see (set before it is imported): the model runner (V1 with ``exact``, whatever
+        the architecture's default: vLLM 0.24 picks V2 for Llama, Mistral and Qwen3, whose sampler is another
+        log-prob kernel); DeepGEMM off for FP8; the batch-invariant mode (``exact``)."""
         env = dict(BATCH_INVARIANT_ENV) if self.exact else {}
-        if self.model_runner is not None:
-            env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if self.model_runner == "v2" else "0"
+        runner = self.model_runner or ("v1" if self.exact else None)  # exact: V1's sampler (vllm_logprobs)
+        if runner is not None:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
         if self.quantization == "fp8":
             env["VLLM_USE_DEEP_GEMM"] = "0"
         return env
