@@ -20,7 +20,8 @@ per expert and projection, e.g. ``model.layers.0.mlp.experts.3.gate_proj.weight`
 them in memory into ``experts.gate_up_proj`` ``[experts, 2 * ffn, hidden]`` and ``experts.down_proj``
 ``[experts, hidden, ffn]`` (:mod:`megarl.models.layout` describes both).
 
-Gemma 3 (text, ``gemma3_text``: :data:`GEMMA3`) adds (1 + weight) norms, post-attention and post-MLP norms, GeGLU,
+DeepSeek-V3 (``deepseek_v3``; Moonlight, Kimi K2): multi-latent attention, shared experts, biased sigmoid routing and
+dense first layers (:mod:`megarl.models.deepseek_spec`). Gemma 3 (text, ``gemma3_text``: :data:`GEMMA3`) adds (1 + weight) norms, post-attention and post-MLP norms, GeGLU,
 scaled embeddings and local (sliding-window, own RoPE base) and global layers (:mod:`megarl.models.gemma3`).
 """
 
@@ -30,6 +31,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from megarl.models import deepseek_spec
+from megarl.models.deepseek_spec import MLA
 
 
 class SpecError(ValueError):
@@ -67,6 +71,7 @@ class Family:
         sliding_window: the family's attention may have one window on every layer (Mistral, Mixtral, Phi-3).
         fused_qkv_mlp: the checkpoint holds q/k/v as one ``self_attn.qkv_proj`` (rows ``[q; k; v]``) and gate/up as
             one ``mlp.gate_up_proj`` (rows ``[gate; up]``), which are then the canonical tensors (Phi-3).
+        mla: multi-latent attention and DeepSeek-V3's MoE (:mod:`megarl.models.deepseek_spec`).
     """
 
     hf_architecture: str
@@ -77,6 +82,7 @@ class Family:
     moe: MoENames | None = None
     sliding_window: bool = False
     fused_qkv_mlp: bool = False
+    mla: bool = False
 
 
 _QWEN_MOE = MoENames("mlp", "gate_proj", "up_proj", "down_proj")
@@ -97,6 +103,7 @@ FAMILIES: dict[str, Family] = {
 GEMMA3 = "gemma3"
 FAMILIES[GEMMA3] = Family("Gemma3ForCausalLM", "gemma3_text", qkv_bias=False, qk_norm=True, sliding_window=True,
                           gemma=True)
+FAMILIES["deepseek_v3"] = Family("DeepseekV3ForCausalLM", "deepseek_v3", qkv_bias=False, moe=_QWEN_MOE, mla=True)
 
 # rope_type values whose effect is a change of the inverse frequencies alone (no attention scaling);
 # the Megatron builder sets its RotaryEmbedding.inv_freq from transformers' own ROPE_INIT_FUNCTIONS.
@@ -141,6 +148,8 @@ class ModelSpec:
             is ``rope_theta``, with ``rope_scaling``). None: every layer uses ``rope_theta``.
         query_pre_attn_scalar: Gemma 3: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (None:
             ``head_dim ** -0.5``).
+        mla: DeepSeek-V3: its attention and routing fields (:class:`~megarl.models.deepseek_spec.MLA`); its
+            ``head_dim`` is a query/key head's ``qk_nope + qk_rope`` channels, ``num_kv_heads`` its heads.
     """
 
     family: str
@@ -170,6 +179,7 @@ class ModelSpec:
     sliding_window_pattern: tuple[int, ...] | None = None
     local_rope_theta: float | None = None
     query_pre_attn_scalar: int | None = None
+    mla: MLA | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -194,13 +204,16 @@ class ModelSpec:
         if self.family == "mixtral" and self.ffn_hidden_size != self.moe_ffn_hidden_size:
             raise SpecError(f"a mixtral model's intermediate_size is its experts' width: ffn_hidden_size="
                             f"{self.ffn_hidden_size} must equal moe_ffn_hidden_size={self.moe_ffn_hidden_size}")
-        if self.shared_expert_ffn_hidden_size and self.family != "qwen2_moe":
-            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe models only")
+        if self.shared_expert_ffn_hidden_size and self.family not in ("qwen2_moe", "deepseek_v3"):
+            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe and deepseek_v3 "
+                            "models only")
+        if fam.mla or self.mla is not None:
+            deepseek_spec.check(self)
         if self.num_attention_heads % self.num_kv_heads:
             raise SpecError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                             f"num_kv_heads={self.num_kv_heads}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
+        if rope_type not in SUPPORTED_ROPE_TYPES and not fam.mla:
             raise SpecError(f"rope_scaling.rope_type={rope_type!r} is not supported; "
                             f"supported: {SUPPORTED_ROPE_TYPES}")
         if not fam.gemma and (self.sliding_window_pattern, self.local_rope_theta, self.query_pre_attn_scalar) != (
@@ -248,7 +261,8 @@ class ModelSpec:
         """Parameters one token computes with: :meth:`num_params` less the experts it is not routed to
         (``num_experts - moe_top_k`` of every MoE layer's experts); the same as :meth:`num_params` for a dense
         model."""
-        idle = self.num_layers * (self.num_experts - self.moe_top_k) * 3 * self.hidden_size * self.moe_ffn_hidden_size
+        moe_layers = sum(deepseek_spec.is_moe_layer(self, i) for i in range(self.num_layers))
+        idle = moe_layers * (self.num_experts - self.moe_top_k) * 3 * self.hidden_size * self.moe_ffn_hidden_size
         return self.num_params() - idle
 
     def expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
@@ -295,7 +309,9 @@ class ModelSpec:
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            if self.fused_qkv_mlp:
+            if self.mla is not None:
+                shapes.update(deepseek_spec.attention_shapes(self, i))
+            elif self.fused_qkv_mlp:
                 shapes[p + "self_attn.qkv_proj.weight"] = (self.q_size + 2 * self.kv_size, h)
             else:
                 shapes[p + "self_attn.q_proj.weight"] = (self.q_size, h)
@@ -305,11 +321,12 @@ class ModelSpec:
                 shapes[p + "self_attn.q_proj.bias"] = (self.q_size,)
                 shapes[p + "self_attn.k_proj.bias"] = (self.kv_size,)
                 shapes[p + "self_attn.v_proj.bias"] = (self.kv_size,)
-            shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
+            if self.mla is None:
+                shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
             if self.qk_norm:
                 shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
-            if self.is_moe:
+            if deepseek_spec.is_moe_layer(self, i):
                 shapes.update(self._moe_shapes(i))
             elif self.fused_qkv_mlp:
                 shapes[p + "mlp.gate_up_proj.weight"] = (2 * f, h)
@@ -334,7 +351,9 @@ class ModelSpec:
         for e in range(self.num_experts):
             gate, up, down = self.expert_names(i, e)
             shapes.update({gate: (m, h), up: (m, h), down: (h, m)})
-        if self.shared_expert_ffn_hidden_size:
+        if self.mla is not None:
+            shapes.update(deepseek_spec.moe_extra_shapes(self, i))
+        elif self.shared_expert_ffn_hidden_size:
             s, p = self.shared_expert_ffn_hidden_size, f"model.layers.{i}.mlp."
             shapes.update({p + "shared_expert.gate_proj.weight": (s, h), p + "shared_expert.up_proj.weight": (s, h),
                            p + "shared_expert.down_proj.weight": (h, s), p + "shared_expert_gate.weight": (1, h)})
@@ -391,7 +410,7 @@ class ModelSpec:
             theta, rope, window, gemma = _gemma3_fields(cfg)
         else:
             gemma = {}
-        return cls(
+        return cls(**{**dict(  # a family's own fields (_moe_fields, Gemma 3's) replace the common ones
             family=family,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
@@ -409,9 +428,7 @@ class ModelSpec:
             eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"),
             sliding_window=window,
-            **_moe_fields(family, cfg),
-            **gemma,
-        )
+        ), **_moe_fields(family, cfg), **gemma})
 
     def to_hf_config(self):
         """The transformers ``PretrainedConfig`` of this spec's family (LlamaConfig, Qwen3Config, Phi3Config, ...)."""
@@ -465,6 +482,8 @@ class ModelSpec:
             kwargs.update(shared_expert_intermediate_size=self.shared_expert_ffn_hidden_size, qkv_bias=True)
         if self.family in ("qwen3", "phi3"):
             kwargs.update(_qwen3_phi3_config_kwargs(self))
+        if self.mla is not None:
+            kwargs.update(deepseek_spec.hf_config_kwargs(self))
         return config_cls(**kwargs)
 
     def replace(self, **changes) -> "ModelSpec":
@@ -510,7 +529,8 @@ def _qwen3_phi3_config_kwargs(spec: "ModelSpec") -> dict[str, Any]:
 
 
 def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The MoE fields of a :class:`ModelSpec` from a Hugging Face config (none for a dense family).
+    """The MoE fields of a :class:`ModelSpec` from a Hugging Face config (none for a dense family; DeepSeek-V3's,
+    its attention's too: :func:`~megarl.models.deepseek_spec.fields_from_hf`).
 
     Raises:
         SpecError: dense MLPs on some layers (``mlp_only_layers``, ``decoder_sparse_step > 1``), a Qwen2-MoE
@@ -518,6 +538,8 @@ def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """
     if FAMILIES[family].moe is None:
         return {}
+    if FAMILIES[family].mla:
+        return deepseek_spec.fields_from_hf(cfg)
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
         raise SpecError(f"a {family} model with dense MLPs on some layers (mlp_only_layers="
                         f"{cfg.get('mlp_only_layers')}, decoder_sparse_step={cfg.get('decoder_sparse_step')}) is not "

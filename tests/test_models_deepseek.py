@@ -1,0 +1,153 @@
+"""DeepSeek-V3 (multi-latent attention MoE) on megatron-core against transformers' ``DeepseekV3ForCausalLM``, on one
+world of 2 gloo ranks.
+
+Two small random-weight models (fp32, norms and the router's score-correction bias randomised), 3 layers, the first
+dense: one with a query latent (``q_lora_rank`` set, DeepSeek-V3 / Kimi K2) and group-limited routing (4 groups,
+top 2, as DeepSeek-V3 scores groups by their 2 best experts) and YaRN RoPE with DeepSeek-V3's mscale; one without
+(Moonlight's shape, plain RoPE). Logits over 24 tokens at TP=1, TP=2 and EP=2, the gradients of a cross-entropy step
+at TP=1, and the HF -> megarl (TP=2) -> HF tensors bit-identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.models.spec import ModelSpec, SpecError
+from tests.distributed import run_world
+
+SEQ = 24
+
+
+def _config(q_lora: int | None, **extra):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=1000, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                            n_shared_experts=2, num_experts_per_tok=4, first_k_dense_replace=1, q_lora_rank=q_lora,
+                            kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+                            routed_scaling_factor=2.5, max_position_embeddings=256, tie_word_embeddings=False,
+                            num_nextn_predict_layers=1, **extra)
+
+
+V3 = ModelSpec.from_hf_config(_config(24, n_group=4, topk_group=2, rope_parameters={
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}))
+MOONLIGHT = ModelSpec.from_hf_config(_config(None, n_group=1, topk_group=1, rope_parameters={
+    "rope_type": "default", "rope_theta": 50000.0}))
+SPECS = {"v3": V3, "moonlight": MOONLIGHT}
+MESHES = [(1, 1), (2, 1), (1, 2)]  # (tp, ep) in a world of 2
+
+
+def hf_model(spec: ModelSpec, seed: int = 1):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32).eval()
+    with torch.no_grad():  # norms start at 1, the bias at 0 and the experts empty: randomise them all
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif ".experts." in name:
+                p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand_like(b) * 0.1)
+    return model
+
+
+def canonical(spec: ModelSpec, model) -> dict:
+    """The checkpoint-form tensors of a transformers model (its experts split per expert, the bias buffer too)."""
+    from megarl.models.weights import transformers_canonical
+
+    return transformers_canonical(spec, model if isinstance(model, dict) else dict(model.state_dict()))
+
+
+def _world(rank, world, tmp):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megarl.models.layout import hf_layout
+    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
+    from megarl.models.megatron import build_model
+    from megarl.models.pipeline import run_microbatches
+    from megarl.models.weights import fill_local_tensors, state_dict_reader
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+    from megarl.reshard.executor import execute_plan
+    from megarl.reshard.planner import plan_reshard
+
+    out = {"logits": {}, "grads": {}, "export_bad": {}}
+    for key, spec in SPECS.items():
+        v = spec.vocab_size
+        gen = torch.Generator().manual_seed(7)
+        tokens = torch.randint(0, v, (2, SEQ), generator=gen)
+        targets = torch.randint(0, v, (2, SEQ), generator=gen)
+        ref = hf_model(spec)
+        sd = canonical(spec, ref)
+        ref.zero_grad()
+        ref_logits = ref(tokens).logits
+        F.cross_entropy(ref_logits.reshape(-1, v), targets.reshape(-1)).backward()
+        grads = {**{n: torch.zeros_like(b) for n, b in ref.named_buffers() if n.endswith("correction_bias")},
+                 **{n: p.grad for n, p in ref.named_parameters()}}
+        hf_grads = canonical(spec, grads)
+        ref_logits = ref_logits.detach()
+
+        def output_fn(train):
+            def fn(mb, logits):
+                full = gather_from_tensor_model_parallel_region(logits)[..., :v]
+                loss = F.cross_entropy(full.reshape(-1, v), targets.reshape(-1))
+                return (loss if train else loss * 0), {"logits": full.detach()}
+            return fn
+
+        for tp, ep in MESHES:
+            mesh = ParallelLayout(tp=tp, pp=1, dp=world // tp, ep=ep)
+            initialize_model_parallel(mesh)
+            model = build_model(spec, mesh, moe_experts="sequential")
+            local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0,
+                                          ep_rank=mesh.ep_rank(rank), moe_experts="sequential")
+            params = dict(model.named_parameters())
+            assert sorted(params) == sorted(local), (sorted(set(params) ^ set(local)))
+            fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
+            res = run_microbatches(model.eval(), [{"input_ids": tokens}], output_fn(False), forward_only=True)
+            out["logits"][(key, tp, ep)] = (res[0]["logits"] - ref_logits).abs().max().item()
+            if (tp, ep) == (1, 1):
+                model.train()
+                run_microbatches(model, [{"input_ids": tokens}], output_fn(True), forward_only=False)
+                worst = 0.0
+                for name, lt in local.items():
+                    for b in lt.blocks:
+                        if params[name].requires_grad:
+                            got = params[name].grad[b.dst_box]
+                            worst = max(worst, (got - hf_grads[b.name][b.src_box]).abs().max().item())
+                out["grads"][key] = worst
+            if (tp, ep) == (2, 1):  # megarl's tensors back to whole HF tensors
+                back = {n: torch.zeros(t.shape) for n, t in sd.items()}
+                execute_plan(plan_reshard(megatron_layout(spec, mesh, moe_experts="sequential"), hf_layout(spec, range(world))), params, back)
+                out["export_bad"][key] = [n for n in sd if not torch.equal(back[n], sd[n])]
+            ps.destroy_model_parallel()
+            dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return run_world(_world, 2, str(tmp_path_factory.mktemp("deepseek")), timeout_s=600)
+
+
+@pytest.mark.parametrize("key", sorted(SPECS))
+@pytest.mark.parametrize("tp,ep", MESHES)
+def test_logits_equal_transformers(world, key, tp, ep):
+    diffs = [r["logits"][(key, tp, ep)] for r in world]
+    assert max(diffs) <= 1e-4, diffs
+
+
+@pytest.mark.parametrize("key", sorted(SPECS))
+def test_training_step_gradients_equal_transformers(world, key):
+    assert max(r["grads"][key] for r in world) <= 1e-5, [r["grads"] for r in world]
+
+
+@pytest.mark.parametrize("key", sorted(SPECS))
+def test_megatron_tensors_back_to_hf_are_bit_identical(world, key):
+    assert all(r["export_bad"][key] == [] for r in world), [r["export_bad"] for r in world]
