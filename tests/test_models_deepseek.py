@@ -10,6 +10,8 @@ at TP=1, and the HF -> megarl (TP=2) -> HF tensors bit-identical.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,12 +24,13 @@ SEQ = 24
 def _config(q_lora: int | None, **extra):
     from transformers import DeepseekV3Config
 
-    return DeepseekV3Config(vocab_size=1000, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-                            n_shared_experts=2, num_experts_per_tok=4, first_k_dense_replace=1, q_lora_rank=q_lora,
+    return DeepseekV3Config(**{"num_key_value_heads": 4, **extra}, vocab_size=1000, hidden_size=64,
+                            intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                            num_attention_heads=4, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=4,
+                            first_k_dense_replace=1, q_lora_rank=q_lora,
                             kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
                             routed_scaling_factor=2.5, max_position_embeddings=256, tie_word_embeddings=False,
-                            num_nextn_predict_layers=1, **extra)
+                            num_nextn_predict_layers=1)
 
 
 V3 = ModelSpec.from_hf_config(_config(24, n_group=4, topk_group=2, rope_parameters={
@@ -93,6 +96,15 @@ def _world(rank, world, tmp):
                  **{n: p.grad for n, p in ref.named_parameters()}}
         hf_grads = canonical(spec, grads)
         ref_logits = ref_logits.detach()
+        with torch.no_grad():  # what the parity rests on changes transformers' logits: the routing bias, YaRN
+            other = hf_model(spec)
+            for name, b in other.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.zero_()
+            out[f"bias_matters_{key}"] = (other(tokens).logits - ref_logits).abs().max().item()
+            if spec.rope_scaling:
+                plain = hf_model(spec.replace(rope_scaling=None))(tokens).logits
+                out["yarn_matters"] = (plain - ref_logits).abs().max().item()
 
         def output_fn(train):
             def fn(mb, logits):
@@ -124,7 +136,8 @@ def _world(rank, world, tmp):
                 out["grads"][key] = worst
             if (tp, ep) == (2, 1):  # megarl's tensors back to whole HF tensors
                 back = {n: torch.zeros(t.shape) for n, t in sd.items()}
-                execute_plan(plan_reshard(megatron_layout(spec, mesh, moe_experts="sequential"), hf_layout(spec, range(world))), params, back)
+                src = megatron_layout(spec, mesh, moe_experts="sequential")
+                execute_plan(plan_reshard(src, hf_layout(spec, range(world))), params, back)
                 out["export_bad"][key] = [n for n in sd if not torch.equal(back[n], sd[n])]
             ps.destroy_model_parallel()
             dist.barrier()
@@ -134,6 +147,11 @@ def _world(rank, world, tmp):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     return run_world(_world, 2, str(tmp_path_factory.mktemp("deepseek")), timeout_s=600)
+
+
+def test_routing_bias_and_yarn_change_the_reference(world):
+    r = world[0]
+    assert min(r["bias_matters_v3"], r["bias_matters_moonlight"], r["yarn_matters"]) > 1e-3, r
 
 
 @pytest.mark.parametrize("key", sorted(SPECS))
@@ -151,3 +169,54 @@ def test_training_step_gradients_equal_transformers(world, key):
 @pytest.mark.parametrize("key", sorted(SPECS))
 def test_megatron_tensors_back_to_hf_are_bit_identical(world, key):
     assert all(r["export_bad"][key] == [] for r in world), [r["export_bad"] for r in world]
+
+
+def test_config_round_trip_drops_the_mtp_layer():
+    for spec in SPECS.values():
+        assert spec.mla.mtp_layers == 1 and ModelSpec.from_hf_config(spec.to_hf_config()) == spec
+        assert not any(n.startswith("model.layers.3.") for n in spec.hf_tensor_shapes())
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(rope_interleave=False), "rope_interleave=False"),
+    (dict(norm_topk_prob=False), "norm_topk_prob=False"),
+    (dict(n_group=2, topk_group=1), "top 2"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "'linear'"),
+    (dict(num_key_value_heads=2), "num_key_value_heads=2"),
+])
+def test_what_megatron_would_compute_otherwise_is_refused(change, words):
+    with pytest.raises(SpecError, match=words):
+        ModelSpec.from_hf_config(_config(24, **{"n_group": 1, "topk_group": 1, **change}))
+
+
+def test_layouts_refuse_what_is_not_built():
+    from megarl.models.layout_vllm import check_vllm_tp
+    from megarl.models.megatron import check_layout, layer_spec
+    from megarl.models.lora import LoRASpec
+    from megarl.parallel.mesh import ParallelLayout
+
+    with pytest.raises(SpecError, match="process_weights_after_loading"):
+        check_vllm_tp(V3, 1)
+    with pytest.raises(SpecError, match="cp=2"):
+        check_layout(V3, ParallelLayout(cp=2))
+    with pytest.raises(SpecError, match="q_lora_rank=25"):
+        check_layout(V3.replace(mla=dataclasses.replace(V3.mla, q_lora_rank=25)), ParallelLayout(tp=2))
+    with pytest.raises(SpecError, match="lora.enabled=false"):
+        layer_spec(spec=V3, lora=LoRASpec(rank=4, alpha=8.0))
+
+
+def test_presets_and_flops_count_mla():
+    from megarl.measure.flops import forward_flops
+    from megarl.models.spec import preset
+
+    v3, moon = preset("deepseek-v3"), preset("moonlight-16b-a3b")
+    assert round(v3.num_params() / 1e9) == 671 and round(v3.num_active_params() / 1e9) == 38  # "671B, 37B active"
+    assert round(moon.num_params() / 1e9) == 16 and round(moon.num_active_params() / 1e9) == 3  # "16B-A3B"
+    assert preset("deepseek-v3?layers=2").mla.first_k_dense == 1
+    s, m, h, heads = 10, MOONLIGHT.mla, MOONLIGHT.hidden_size, MOONLIGHT.num_attention_heads
+    attn = h * heads * m.qk_head_dim + h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * heads * (
+        m.qk_nope_head_dim + m.v_head_dim) + heads * m.v_head_dim * h
+    dense, moe = 3 * h * 96, 8 * h + 4 * 3 * h * 32 + 3 * h * 64  # router, 4 experts, shared experts (2 x 32)
+    weights = 2 * s * (3 * attn + dense + 2 * moe + 1000 * h)
+    scores = 3 * heads * (m.qk_head_dim + m.v_head_dim) * s * (s + 1) / 2 * 2  # QK^T and AV, causal
+    assert forward_flops(MOONLIGHT, [s]) == pytest.approx(weights + scores, rel=1e-12)

@@ -57,8 +57,14 @@ def check_vllm_tp(spec: ModelSpec, tp: int) -> None:
     """Check that vLLM can shard ``spec`` at TP=``tp``.
 
     Raises:
-        SpecError: naming the tensor and the sizes that do not divide.
+        SpecError: naming the tensor and the sizes that do not divide, or a DeepSeek-V3 model (not laid out yet).
     """
+    if spec.mla is not None:
+        raise SpecError("the reshard into vLLM's DeepseekV2/V3 layout is not written yet (fused_qkv_a_proj = "
+                        "[q_a_proj; kv_a_proj_with_mqa] replicated, q_b_proj/kv_b_proj split by heads, w13/w2 "
+                        "experts, the router's e_score_correction_bias; after a kv_b_proj write vLLM's MLA must re-run "
+                        "process_weights_after_loading for its absorbed W_UK/W_UV); megarl converts, trains and "
+                        "exports DeepSeek-V3 models but does not roll them out with vLLM yet")
     if spec.num_attention_heads % tp:
         raise SpecError(f"vLLM tp={tp} does not divide the query heads of qkv_proj: "
                         f"num_attention_heads={spec.num_attention_heads}")

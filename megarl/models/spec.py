@@ -21,7 +21,9 @@ them in memory into ``experts.gate_up_proj`` ``[experts, 2 * ffn, hidden]`` and 
 ``[experts, hidden, ffn]`` (:mod:`megarl.models.layout` describes both).
 
 DeepSeek-V3 (``deepseek_v3``; Moonlight, Kimi K2): multi-latent attention, shared experts, biased sigmoid routing and
-dense first layers (:mod:`megarl.models.deepseek_spec`). Gemma 3 (text, ``gemma3_text``: :data:`GEMMA3`) adds (1 + weight) norms, post-attention and post-MLP norms, GeGLU,
+dense first layers (:mod:`megarl.models.deepseek_spec`).
+
+Gemma 3 (text, ``gemma3_text``: :data:`GEMMA3`) adds (1 + weight) norms, post-attention and post-MLP norms, GeGLU,
 scaled embeddings and local (sliding-window, own RoPE base) and global layers (:mod:`megarl.models.gemma3`).
 """
 
@@ -32,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from megarl.models import deepseek_spec
+from megarl.models import deepseek_spec, gemma3_spec
 from megarl.models.deepseek_spec import MLA
 
 
@@ -371,7 +373,7 @@ class ModelSpec:
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         model_type = cfg.get("model_type")
         archs = cfg.get("architectures") or []
-        _refuse_gemma3_multimodal(model_type, archs)
+        gemma3_spec.refuse_multimodal(model_type, archs)
         family = next((k for k, f in FAMILIES.items() if f.model_type == model_type), None)
         if family is None:
             family = next((k for k, f in FAMILIES.items() if f.hf_architecture in archs), None)
@@ -407,7 +409,7 @@ class ModelSpec:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         if FAMILIES[family].gemma:
-            theta, rope, window, gemma = _gemma3_fields(cfg)
+            theta, rope, window, gemma = gemma3_spec.fields_from_hf(cfg)
         else:
             gemma = {}
         return cls(**{**dict(  # a family's own fields (_moe_fields, Gemma 3's) replace the common ones
@@ -464,7 +466,7 @@ class ModelSpec:
         if self.family in ("mistral", "mixtral"):
             kwargs.update(sliding_window=self.sliding_window)
         if FAMILIES[self.family].gemma:
-            kwargs.update(_gemma3_hf_kwargs(self))
+            kwargs.update(gemma3_spec.hf_config_kwargs(self))
             del kwargs["hidden_act"]
         if self.is_moe:
             kwargs.update(num_experts_per_tok=self.moe_top_k, router_aux_loss_coef=self.moe_aux_loss_coef)
@@ -559,80 +561,6 @@ def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-# ------------------------------------------------------------------ Gemma 3
-def _refuse_gemma3_multimodal(model_type: str | None, archs: list[str]) -> None:
-    """Refuse a Gemma 3 vision-language checkpoint (``Gemma3ForConditionalGeneration``, model_type ``gemma3``):
-    its text weights are named ``model.language_model.*`` (``language_model.model.*`` before transformers 5) beside
-    the vision tower, and its config nests the text model's."""
-    if model_type == "gemma3" or "Gemma3ForConditionalGeneration" in archs:
-        raise SpecError("a Gemma 3 vision-language checkpoint (Gemma3ForConditionalGeneration, model_type 'gemma3') is "
-                        "not supported; megarl trains the text model (Gemma3ForCausalLM, model_type 'gemma3_text'): "
-                        "use a text-only checkpoint (google/gemma-3-1b-*), or save the language model with "
-                        "transformers as a Gemma3ForCausalLM checkpoint")
-
-
-def _gemma3_fields(cfg: dict[str, Any]) -> tuple[float, dict | None, int | None, dict[str, Any]]:
-    """The global RoPE base and scaling, the sliding window (kept when as long as the context: the local layers
-    still have their own RoPE base; None without local layers) and the Gemma 3 fields of a :class:`ModelSpec`, from
-    a ``gemma3_text`` config: ``layer_types`` (or the older ``sliding_window_pattern``, default 6: every 6th layer
-    global), ``rope_parameters`` per layer type (transformers 5) or ``rope_theta`` / ``rope_scaling`` /
-    ``rope_local_base_freq`` (older config.json files), ``query_pre_attn_scalar``.
-
-    Raises:
-        SpecError: what megarl does not run: logit soft-capping (Gemma 2's; Gemma 3 has none), bidirectional
-            attention, biases, another activation than GELU-tanh, scaled RoPE on the local layers, local layers
-            without a ``sliding_window``.
-    """
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise SpecError(f"{key}={cfg[key]} on a gemma3_text model is not supported (Gemma 3 checkpoints set "
-                            f"none); set {key}=null in config.json")
-    if cfg.get("use_bidirectional_attention") or cfg.get("attention_bias"):
-        raise SpecError("use_bidirectional_attention or attention_bias on a gemma3_text model is not supported; "
-                        "megarl trains causal Gemma 3 decoders without biases")
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise SpecError(f"hidden_activation={act!r} on a gemma3_text model is not supported; Gemma 3's MLP is "
-                        "GeGLU with 'gelu_pytorch_tanh'")
-    layers = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % int(cfg.get("sliding_window_pattern") or 6) == 0
-                                       else "sliding_attention" for i in range(layers)]
-    rope = cfg.get("rope_parameters") or {}
-    if "full_attention" in rope:
-        glob, local = dict(rope["full_attention"] or {}), dict(rope.get("sliding_attention") or {})
-    else:
-        glob = dict(cfg.get("rope_scaling") or {}, rope_theta=cfg.get("rope_theta", 1e6))
-        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}
-    if local.get("rope_type", "default") != "default":
-        raise SpecError(f"a scaled RoPE on Gemma 3's local layers ({local}) is not supported; megarl scales the "
-                        "global layers' RoPE only")
-    theta = float(glob.pop("rope_theta", 1e6))
-    glob.pop("type", None)
-    if glob.get("rope_type", "default") == "default":
-        glob = {}
-    pattern = tuple(int(t == "sliding_attention") for t in types)
-    window = cfg.get("sliding_window") if any(pattern) else None
-    if any(pattern) and not window:
-        raise SpecError(f"a gemma3_text config with local layers (layer_types {types}) needs a sliding_window")
-    return theta, glob or None, window, dict(
-        sliding_window_pattern=pattern if any(pattern) else None,
-        local_rope_theta=float(local.get("rope_theta", 1e4)),
-        query_pre_attn_scalar=int(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]))
-
-
-def _gemma3_hf_kwargs(spec: ModelSpec) -> dict[str, Any]:
-    """The ``Gemma3TextConfig`` arguments of a Gemma 3 spec beyond the common ones."""
-    pattern = spec.sliding_window_pattern or (1 if spec.sliding_window else 0,) * spec.num_layers
-    glob = {"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope_scaling or {})}
-    return dict(hidden_activation="gelu_pytorch_tanh",
-                query_pre_attn_scalar=spec.query_pre_attn_scalar or spec.head_dim,
-                sliding_window=spec.sliding_window or spec.max_position_embeddings,
-                layer_types=["sliding_attention" if w else "full_attention" for w in pattern],
-                rope_parameters={"full_attention": glob, "sliding_attention": {
-                    "rope_type": "default", "rope_theta": spec.local_rope_theta or spec.rope_theta}},
-                final_logit_softcapping=None, attn_logit_softcapping=None, attention_bias=False)
-
-
 # Named shapes for benchmarks, GPU configs and tests (weights are random or loaded separately).
 PRESETS: dict[str, ModelSpec] = {
     # a tiny Llama with SmolLM2's vocabulary (use its tokenizer: model.tokenizer=default), for CPU sweeps
@@ -697,10 +625,13 @@ PRESETS.update({
                             query_pre_attn_scalar=168),
 })
 
+PRESETS.update(deepseek_spec.presets(ModelSpec))  # deepseek-v3, moonlight-16b-a3b
+
 
 def preset(name: str) -> ModelSpec:
     """Look up a named shape in :data:`PRESETS`; ``NAME?layers=N`` keeps its first ``N`` layers (one-GPU
-    benchmarks of a large model's shape, e.g. ``qwen3-30b-a3b?layers=4``).
+    benchmarks of a large model's shape, e.g. ``qwen3-30b-a3b?layers=4``; a DeepSeek-V3 shape keeps at most
+    ``N - 1`` dense first layers).
 
     Raises:
         SpecError: unknown name (the message lists the known ones), or a bad ``?layers=`` option.
@@ -717,4 +648,6 @@ def preset(name: str) -> ModelSpec:
         raise SpecError(f"preset {name!r}: the only option is ?layers=N with 1 <= N <= {spec.num_layers} "
                         f"(the layers of {base}), e.g. preset:{base}?layers=4")
     pattern = spec.sliding_window_pattern  # Gemma 3: the first N layers' local/global pattern
-    return spec.replace(num_layers=int(value), sliding_window_pattern=pattern and pattern[:int(value)])
+    mla = spec.mla and dataclasses.replace(  # DeepSeek-V3: at least one MoE layer (the last) among the N
+        spec.mla, first_k_dense=min(spec.mla.first_k_dense, int(value) - 1))
+    return spec.replace(num_layers=int(value), sliding_window_pattern=pattern and pattern[:int(value)], mla=mla)
