@@ -205,7 +205,8 @@ def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
                 n_shared_experts=spec.shared_expert_ffn_hidden_size // spec.moe_ffn_hidden_size,
                 first_k_dense_replace=m.first_k_dense, n_group=m.n_group, topk_group=m.topk_group,
                 routed_scaling_factor=m.routed_scaling_factor, norm_topk_prob=True, rope_interleave=True,
-                attention_bias=False, num_nextn_predict_layers=0, rope_parameters=rope)
+                attention_bias=False, num_nextn_predict_layers=0, rope_parameters=rope,
+                scoring_func="sigmoid", topk_method="noaux_tc")  # what vLLM's DeepseekV2MoE reads for this routing
 
 
 def presets(model_spec: type[ModelSpec]) -> dict[str, ModelSpec]:
