@@ -290,3 +290,21 @@ def test_presets_and_flops_count_mla():
     weights = 2 * s * (3 * attn + dense + 2 * moe + 1000 * h)
     scores = 3 * heads * (m.qk_head_dim + m.v_head_dim) * s * (s + 1) / 2 * 2  # QK^T and AV, causal
     assert forward_flops(MOONLIGHT, [s]) == pytest.approx(weights + scores, rel=1e-12)
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["actor.sequence_packing=true", "actor.max_tokens_per_micro_batch=4096", "actor.kernels.attention=sdpa"],
+     "actor.sequence_packing"),
+    (["actor.lora.rank=8"], "actor.lora.rank"),
+    (["actor.parallel.cp=2", "actor.kernels.attention=sdpa"], "actor.parallel.cp"),
+    (["rollout.engine=vllm", "rollout.quantization=fp8"], "rollout.quantization"),
+])
+def test_preflight_refuses_what_deepseek_v3_cannot_run(overrides, field):
+    from megarl.config import ConfigError, load_config
+    from megarl.models.spec import preset
+    from megarl.trainer.preflight import validate_for_model
+
+    spec = preset("moonlight-16b-a3b?layers=2")
+    validate_for_model(load_config(None, ["rollout.engine=vllm"]), spec)
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        validate_for_model(load_config(None, overrides), spec)
