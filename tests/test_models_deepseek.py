@@ -1,13 +1,14 @@
-"""DeepSeek-V3 (multi-latent attention MoE) on megatron-core against transformers' ``DeepseekV3ForCausalLM``, on one
-world of 2 gloo ranks.
+"""DeepSeek-V3 (multi-latent attention MoE) on megatron-core against transformers' ``DeepseekV3ForCausalLM``, on
+worlds of 2 gloo ranks.
 
-Two small random-weight models (fp32, norms and the router's score-correction bias randomised), 3 layers, the first
-dense: one with a query latent (``q_lora_rank`` set, DeepSeek-V3 / Kimi K2) and group-limited routing (4 groups,
-top 2, as DeepSeek-V3 scores groups by their 2 best experts) and YaRN RoPE with DeepSeek-V3's mscale; one without
-(Moonlight's shape, plain RoPE). Logits over 24 tokens at TP=1, TP=2 and EP=2, the gradients of a cross-entropy step
-at TP=1, and the HF -> megarl (TP=2) -> HF tensors bit-identical.
+Two small random-weight models (fp32; norms, experts and the router's score-correction bias randomised), 3 layers,
+the first dense: one with a query latent (``q_lora_rank`` set: DeepSeek-V3, Kimi K2), group-limited routing (4
+groups, the best 2, scored by their 2 best experts as both megatron and transformers then do) and YaRN RoPE with
+DeepSeek-V3's mscale; one without (Moonlight's shape, plain RoPE). Default tier: the V3 shape at TP=2 (logits over
+24 tokens within 1e-4, the bias and YaRN shown to change them, megarl's tensors back to HF bit-identical, vLLM's
+TP=2 tensors equal to an independent slicing); spec, refusal, preset, FLOPs and preflight checks. Slow: both shapes
+at TP=1, TP=2 and EP=2, the gradients of a cross-entropy step at TP=1, and HF -> dist checkpoint -> HF export.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -117,6 +118,8 @@ def _world(rank, world, tmp, keys, meshes):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from megarl.models import checkpoint as ck
+    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
     from megarl.models.layout import hf_layout
     from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
     from megarl.models.layout_vllm import vllm_layout
@@ -127,7 +130,7 @@ def _world(rank, world, tmp, keys, meshes):
     from megarl.reshard.executor import execute_plan
     from megarl.reshard.planner import plan_reshard
 
-    out = {"logits": {}, "grads": {}, "export_bad": {}, "vllm_bad": {}}
+    out = {"logits": {}, "grads": {}, "export_bad": {}, "vllm_bad": {}, "tmp": tmp}
     for key in keys:
         spec = SPECS[key]
         v = spec.vocab_size
@@ -192,6 +195,12 @@ def _world(rank, world, tmp, keys, meshes):
                 execute_plan(plan_reshard(src, dst), params, got)
                 out["vllm_bad"][key] = sorted(set(got) ^ set(want)) + [
                     n for n in want if n in got and not torch.equal(got[n].reshape(want[n].shape), want[n])]
+                if rank == 0:  # HF safetensors -> megarl dist checkpoint at TP=2 (exported in the test)
+                    save_hf_checkpoint(f"{tmp}/hf_in_{key}", spec, sd)
+                dist.barrier()
+                fresh = build_model(spec, mesh, moe_experts="sequential", init_weights=False)
+                ck.load_hf_weights(fresh, open_hf_checkpoint(f"{tmp}/hf_in_{key}"))
+                ck.save_model(f"{tmp}/mg_{key}", fresh)
             ps.destroy_model_parallel()
             dist.barrier()
     return out
@@ -213,6 +222,24 @@ def test_v3_shape_at_tp2_equals_transformers_and_lays_out_for_hf_and_vllm(quick)
     assert max(r["logits"][("v3", 2, 1)] for r in quick) <= 1e-4, [r["logits"] for r in quick]
     assert min(r["bias_matters_v3"] for r in quick) > 1e-3 and quick[0]["yarn_matters"] > 1e-3, quick[0]
     assert all(r["export_bad"]["v3"] == [] and r["vllm_bad"]["v3"] == [] for r in quick), quick
+
+
+@pytest.mark.slow
+def test_convert_export_roundtrip_is_bit_identical(quick):
+    """HF safetensors -> megarl dist checkpoint (TP=2; the router bias a frozen float32 parameter) -> HF export:
+    every tensor bit-identical, and the exported config.json the same model with vLLM's routing keys."""
+    from megarl.launch.convert import export_to_hf
+    from megarl.models.hf_io import open_hf_checkpoint, read_hf_config
+
+    tmp = quick[0]["tmp"]
+    export_to_hf(f"{tmp}/mg_v3", f"{tmp}/hf_out")
+    source, back = open_hf_checkpoint(f"{tmp}/hf_in_v3"), open_hf_checkpoint(f"{tmp}/hf_out")
+    assert sorted(back.tensor_names) == sorted(V3.hf_tensor_shapes())
+    assert [n for n in V3.hf_tensor_shapes() if not torch.equal(back.read(n), source.read(n))] == []
+    config = read_hf_config(f"{tmp}/hf_out")
+    assert ModelSpec.from_hf_config(config) == V3
+    assert (config["scoring_func"], config["topk_method"], config["num_nextn_predict_layers"]) == (
+        "sigmoid", "noaux_tc", 0)
 
 
 @pytest.mark.slow
