@@ -9,6 +9,7 @@ DeepSeek-V3's mscale; one without (Moonlight's shape, plain RoPE). Default tier:
 TP=2 tensors equal to an independent slicing); spec, refusal, preset, FLOPs and preflight checks. Slow: both shapes
 at TP=1, TP=2 and EP=2, the gradients of a cross-entropy step at TP=1, and HF -> dist checkpoint -> HF export.
 """
+
 from __future__ import annotations
 
 import dataclasses
