@@ -324,6 +324,7 @@ def test_presets_and_flops_count_mla():
     (["actor.sequence_packing=true", "actor.max_tokens_per_micro_batch=4096", "actor.kernels.attention=sdpa"],
      "actor.sequence_packing"),
     (["actor.lora.rank=8"], "actor.lora.rank"),
+    (["actor.moe.router_replay=true"], "actor.moe.router_replay"),
     (["actor.parallel.cp=2", "actor.kernels.attention=sdpa"], "actor.parallel.cp"),
     (["rollout.engine=vllm", "rollout.quantization=fp8"], "rollout.quantization"),
 ])
@@ -336,3 +337,15 @@ def test_preflight_refuses_what_deepseek_v3_cannot_run(overrides, field):
     validate_for_model(load_config(None, ["rollout.engine=vllm"]), spec)
     with pytest.raises(ConfigError, match=f"^{field}: "):
         validate_for_model(load_config(None, overrides), spec)
+
+
+def test_transformers_engine_takes_the_router_bias_as_a_weight():
+    """The transformers rollout engine holds ``e_score_correction_bias`` as a buffer: its weights are the canonical
+    tensors all the same, the bias written in place."""
+    from megarl.rollout.hf_engine import HFRolloutEngine
+
+    engine = HFRolloutEngine(V3)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    views = engine.update_weights(lambda views: views)
+    views[name].fill_(0.25)
+    assert dict(engine.model.named_buffers())[name].eq(0.25).all()
