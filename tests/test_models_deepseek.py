@@ -113,7 +113,7 @@ def _ref_vllm(spec: ModelSpec, sd: dict, r: int) -> dict:
     return out
 
 
-def _world(rank, world, tmp, keys, meshes):
+def _world(rank, world, tmp, keys, meshes, checkpoint):
     import torch.distributed as dist
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
@@ -196,7 +196,8 @@ def _world(rank, world, tmp, keys, meshes):
                 execute_plan(plan_reshard(src, dst), params, got)
                 out["vllm_bad"][key] = sorted(set(got) ^ set(want)) + [
                     n for n in want if n in got and not torch.equal(got[n].reshape(want[n].shape), want[n])]
-                if rank == 0:  # HF safetensors -> megarl dist checkpoint at TP=2 (exported in the test)
+            if (tp, ep) == (2, 1) and checkpoint:  # HF safetensors -> megarl dist checkpoint (exported in the test)
+                if rank == 0:
                     save_hf_checkpoint(f"{tmp}/hf_in_{key}", spec, sd)
                 dist.barrier()
                 fresh = build_model(spec, mesh, moe_experts="sequential", init_weights=False)
@@ -210,13 +211,13 @@ def _world(rank, world, tmp, keys, meshes):
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     """The default tier's world: DeepSeek-V3's shape at TP=2 (logits, HF and vLLM layouts)."""
-    return run_world(_world, 2, str(tmp_path_factory.mktemp("deepseek")), ("v3",), [(2, 1)], timeout_s=600)
+    return run_world(_world, 2, str(tmp_path_factory.mktemp("deepseek")), ("v3",), [(2, 1)], False, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """Both shapes at TP=1, TP=2 and EP=2, and the gradients at TP=1."""
-    return run_world(_world, 2, str(tmp_path_factory.mktemp("deepseek")), tuple(SPECS), MESHES, timeout_s=900)
+    """Both shapes at TP=1, TP=2 and EP=2, the gradients at TP=1, the dist checkpoints at TP=2."""
+    return run_world(_world, 2, str(tmp_path_factory.mktemp("deepseek")), tuple(SPECS), MESHES, True, timeout_s=900)
 
 
 def test_v3_shape_at_tp2_equals_transformers_and_lays_out_for_hf_and_vllm(quick):
@@ -226,13 +227,13 @@ def test_v3_shape_at_tp2_equals_transformers_and_lays_out_for_hf_and_vllm(quick)
 
 
 @pytest.mark.slow
-def test_convert_export_roundtrip_is_bit_identical(quick):
+def test_convert_export_roundtrip_is_bit_identical(world):
     """HF safetensors -> megarl dist checkpoint (TP=2; the router bias a frozen float32 parameter) -> HF export:
     every tensor bit-identical, and the exported config.json the same model with vLLM's routing keys."""
     from megarl.launch.convert import export_to_hf
     from megarl.models.hf_io import open_hf_checkpoint, read_hf_config
 
-    tmp = quick[0]["tmp"]
+    tmp = world[0]["tmp"]
     export_to_hf(f"{tmp}/mg_v3", f"{tmp}/hf_out")
     source, back = open_hf_checkpoint(f"{tmp}/hf_in_v3"), open_hf_checkpoint(f"{tmp}/hf_out")
     assert sorted(back.tensor_names) == sorted(V3.hf_tensor_shapes())
