@@ -38,8 +38,9 @@ from megarl.kernels.context_parallel import context_parallel_attention
 class SDPAttention(DotProductAttention):
     """Drop-in for megatron-core's ``DotProductAttention`` (same constructor, state and checkpoint keys).
 
-    Shapes (``np``/``ng``: query heads / query groups on this TP rank, ``hn``: head dim):
-        query: ``[sq, b, np, hn]``; key, value: ``[sk, b, ng, hn]``; output: ``[sq, b, np * hn]``.
+    Shapes (``np``/``ng``: query heads / query groups on this TP rank, ``hn``: head dim; ``hv``: a value head's,
+    ``hn`` but for multi-latent attention, whose ``k_channels`` / ``v_channels`` the constructor takes):
+        query: ``[sq, b, np, hn]``; key: ``[sk, b, ng, hn]``; value: ``[sk, b, ng, hv]``; output: ``[sq, b, np * hv]``.
 
     Packed sequences (``packed_seq_params`` with ``cu_seqlens_q``): ``b = 1`` and ``sq = sk = t``, in the
     ``sbhd`` layout above (``qkv_format="sbhd"``) or megatron's ``thd`` (query ``[t, np, hn]``, key and value
@@ -53,7 +54,7 @@ class SDPAttention(DotProductAttention):
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
         if config.softmax_type != "vanilla":
             raise ValueError(f"SDPAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
         # megatron's DotProductAttention asserts context_parallel_size == 1 (CP there is TE's); its state does
@@ -83,7 +84,7 @@ class SDPAttention(DotProductAttention):
             if query.shape[1] != 1:
                 raise ValueError(f"packed sequences come in one row, got a batch of {query.shape[1]}")
             return self._forward_packed(query[:, 0], key[:, 0], value[:, 0], cu_seqlens).unsqueeze(1)
-        sq, b, heads, hn = query.shape
+        sq, b, heads, _ = query.shape
         sk = key.shape[0]
         mask_type = attn_mask_type or self.attn_mask_type
         causal = mask_type == AttnMaskType.causal
@@ -94,7 +95,7 @@ class SDPAttention(DotProductAttention):
                                  "attention_mask)")
             out = context_parallel_attention(query, key, value, self.cp_group, scale=self.softmax_scale,
                                              window=self.window_size, dropout_p=dropout)
-            return out.reshape(sq, b, heads * hn)
+            return out.reshape(sq, b, heads * value.shape[-1])
         mask = None
         if self.window_size is not None:
             mask = sliding_window_mask(sq, sk, self.window_size, query.device)
@@ -105,11 +106,11 @@ class SDPAttention(DotProductAttention):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal and mask is None and sq > 1,
             scale=self.softmax_scale, enable_gqa=heads != k.shape[1])
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * value.shape[-1])
 
     def _forward_packed(self, query, key, value, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Causal attention within each packed sequence: ``[t, n, hn]`` -> ``[t, np * hn]``."""
-        t, heads, hn = query.shape
+        t, heads, _ = query.shape
         dropout = self.attention_dropout.p if self.training else 0.0
         if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0:
             from torch.nn.attention.varlen import varlen_attn
@@ -118,7 +119,7 @@ class SDPAttention(DotProductAttention):
             cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
             # t bounds every sequence's length: the kernel's grid covers it, blocks past a sequence's end exit
             out = varlen_attn(query, key, value, cu, cu, t, t, scale=self.softmax_scale, window_size=(left, 0))
-            return out.reshape(t, heads * hn)
+            return out.reshape(t, heads * value.shape[-1])
         # [t, n, d] -> [1, n, t, d]
         q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
         mask = document_causal_mask(cu_seqlens.to(query.device), t)
@@ -126,7 +127,7 @@ class SDPAttention(DotProductAttention):
             mask &= sliding_window_mask(t, t, self.window_size, query.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                              scale=self.softmax_scale, enable_gqa=heads != k.shape[1])
-        return out.squeeze(0).permute(1, 0, 2).reshape(t, heads * hn)
+        return out.squeeze(0).permute(1, 0, 2).reshape(t, heads * value.shape[-1])
 
 
 def document_ids(cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:

@@ -169,10 +169,17 @@ def stage_params(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 
     h, f, kv = spec.hidden_size, spec.ffn_hidden_size, spec.kv_size
     if spec.is_moe:  # router and local experts whole, the shared expert and its gate split like a dense MLP
         m, shared = spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size
-        ffn = spec.num_experts * h + spec.num_experts // ep * 3 * h * m + 3 * h * shared // tp + (h if shared else 0)
+        gate = h if shared and spec.mla is None else 0  # Qwen2-MoE's shared-expert gate
+        ffn = spec.num_experts * h + spec.num_experts // ep * 3 * h * m + 3 * h * shared // tp + gate
     else:
         ffn = 3 * h * f // tp
-    layer = (h * (spec.q_size + 2 * kv) + spec.q_size * h) // tp + ffn + 2 * h
+    if spec.mla is not None:  # DeepSeek-V3 (every layer counted as an MoE one, the larger): MLA's projections, all
+        # split over TP on megatron's local spec (its a-norms too here, a few kB)
+        from megarl.models.deepseek_spec import attention_shapes
+
+        layer = sum(math.prod(s) for s in attention_shapes(spec, 0).values()) // tp + ffn + 2 * h
+    else:
+        layer = (h * (spec.q_size + 2 * kv) + spec.q_size * h) // tp + ffn + 2 * h
     layer += 2 * spec.head_dim if spec.qk_norm else 0
     layer += 2 * h if FAMILIES[spec.family].gemma else 0  # Gemma 3's post-attention and post-MLP norms
     layer += (spec.q_size + 2 * kv) // tp if spec.qkv_bias else 0

@@ -21,6 +21,12 @@ recomputation, no padding). A decoder-only transformer with ``L`` layers, width 
   With a sliding window of ``w`` tokens on every layer (Mistral, Phi-3-mini) token ``t`` attends to
   ``min(t + 1, w)`` positions: ``sum_t min(t + 1, w) = m (m + 1) / 2 + (s - m) w`` with ``m = min(s, w)``.
   Gemma 3 has the window on its local layers only (``sliding_window_pattern``); its global layers count in full.
+- Multi-latent attention (DeepSeek-V3, :mod:`megarl.models.deepseek_spec`): the attention weights are its down,
+  up and output projections (``q_proj`` or ``q_a_proj`` + ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``,
+  ``o_proj``; the latent is expanded per token as megatron's training path does, not absorbed), and ``Q K^T`` costs
+  ``heads * (qk_nope + qk_rope)``, ``A V`` ``heads * v_head_dim`` multiply-adds per position: ``q`` above is their
+  mean. Its first ``first_k_dense`` layers count a dense SwiGLU of width ``f``, the others the MoE block (the
+  shared experts without a gate).
 - Training = 3 x forward: the backward pass costs twice the forward (gradients of the inputs and of the
   weights); Narayanan et al. 2021 (Megatron-LM, arXiv:2104.04473, section 5.1: ``72 B s l h^2 (1 + s/(6h) +
   V/(12 l h))``, which is this count for ``f = 4h``, ``k = q = h``, full attention and no recomputation).
@@ -32,10 +38,12 @@ data reached on our machines (GPU.md), the ceiling that issue targets are stated
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
 
+from megarl.models import deepseek_spec
 from megarl.models.spec import ModelSpec
 
 # Dense bf16 tensor-core peaks, TFLOP/s (vendor datasheets, without sparsity), matched as substrings of
@@ -56,16 +64,31 @@ def matmul_params(spec: ModelSpec, output_rows: int | None = None) -> int:
     """
     h, q, k = spec.hidden_size, spec.q_size, spec.kv_size
     out = spec.vocab_size if output_rows is None else output_rows
-    return spec.num_layers * (2 * h * q + 2 * h * k + ffn_matmul_params(spec)) + out * h
+    if spec.mla is not None:  # the projections' matrices (the norms are 1-D)
+        attention = sum(math.prod(s) for s in deepseek_spec.attention_shapes(spec, 0).values() if len(s) == 2)
+    else:
+        attention = 2 * h * q + 2 * h * k
+    return sum(attention + ffn_matmul_params(spec, not deepseek_spec.is_moe_layer(spec, i))
+               for i in range(spec.num_layers)) + out * h
 
 
-def ffn_matmul_params(spec: ModelSpec) -> int:
-    """The FFN weights one token computes with in one layer: ``3*h*f`` (SwiGLU), or for an MoE layer its active
-    weights ``E*h + top_k*3*h*m + 3*h*f_s + h`` (router, routed experts, shared expert and its gate)."""
+def attention_width(spec: ModelSpec) -> float:
+    """``q`` of the attention term: the multiply-adds per layer, query and key position of ``Q K^T`` and ``A V``,
+    halved (``heads * head_dim``; multi-latent attention: ``heads * (qk_head_dim + v_head_dim) / 2``)."""
+    if spec.mla is None:
+        return spec.q_size
+    return spec.num_attention_heads * (spec.mla.qk_head_dim + spec.mla.v_head_dim) / 2
+
+
+def ffn_matmul_params(spec: ModelSpec, dense: bool = False) -> int:
+    """The FFN weights one token computes with in one layer: ``3*h*f`` (SwiGLU; ``dense``: DeepSeek-V3's first
+    layers), or for an MoE layer its active weights ``E*h + top_k*3*h*m + 3*h*f_s + h`` (router, routed experts,
+    shared expert and Qwen2-MoE's gate)."""
     h = spec.hidden_size
-    if not spec.is_moe:
+    if not spec.is_moe or dense:
         return 3 * h * spec.ffn_hidden_size
-    shared = 3 * h * spec.shared_expert_ffn_hidden_size + h if spec.shared_expert_ffn_hidden_size else 0
+    gate = h if spec.mla is None else 0
+    shared = 3 * h * spec.shared_expert_ffn_hidden_size + gate if spec.shared_expert_ffn_hidden_size else 0
     return spec.num_experts * h + spec.moe_top_k * 3 * h * spec.moe_ffn_hidden_size + shared
 
 
@@ -92,7 +115,7 @@ def forward_flops(spec: ModelSpec, seq_lens: Iterable[int] | torch.Tensor, outpu
     dense = 2.0 * matmul_params(spec, output_rows) * lens.sum()
     seen = lens.clamp(max=spec.sliding_window) if spec.sliding_window is not None else lens
     pairs = seen * (seen + 1) + 2 * (lens - seen) * (spec.sliding_window or 0)  # 2 x sum_t min(t + 1, w)
-    attention = 2.0 * spec.num_layers * spec.q_size * pairs.sum()
+    attention = 2.0 * spec.num_layers * attention_width(spec) * pairs.sum()
     if spec.sliding_window_pattern is not None:  # Gemma 3: the window on the local layers only
         local = sum(spec.sliding_window_pattern)
         full = (lens * (lens + 1)).sum()

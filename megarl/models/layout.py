@@ -39,6 +39,7 @@ from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
+from megarl.models.deepseek_spec import is_moe_layer
 from megarl.models.lora import Merge
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 
@@ -151,7 +152,7 @@ def shape_key(spec: ModelSpec) -> tuple:
     the model (hashable even where ``spec.rope_scaling`` is a dict, which makes ``hash(spec)`` fail)."""
     return (spec.family, spec.vocab_size, spec.hidden_size, spec.num_layers, spec.num_attention_heads,
             spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size, spec.tie_word_embeddings, spec.num_experts,
-            spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size)
+            spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size, spec.mla)
 
 
 def local_views(params: Mapping[str, torch.Tensor], tensors: Mapping[str, LocalTensor]) -> dict[str, torch.Tensor]:
@@ -195,17 +196,18 @@ def experts_down(spec: ModelSpec, layer: int, local: str, experts: range, tp: in
     return LocalTensor(local, (len(experts) * h, per), blocks)
 
 
-def shared_expert(prefix: str, local_prefix: str, spec: ModelSpec, tp: int, r: int, names: tuple[str, str, str]
-                  ) -> list[LocalTensor]:
-    """Qwen2-MoE's shared expert split over TP like a dense MLP (``gate_up`` rows, ``down`` columns), and its
-    gate ``[1, hidden]`` whole; ``names`` = the local names of (gate_up, down, gate)."""
+def shared_expert(prefix: str, local_prefix: str, spec: ModelSpec, tp: int, r: int, names: tuple[str, ...],
+                  block: str = "mlp.shared_expert.") -> list[LocalTensor]:
+    """Qwen2-MoE's shared expert (DeepSeek-V3's: ``block="mlp.shared_experts."``) split over TP like a dense MLP
+    (``gate_up`` rows, ``down`` columns), and Qwen2-MoE's gate ``[1, hidden]`` whole; ``names`` = the local names of
+    (gate_up, down[, gate])."""
     s, h = spec.shared_expert_ffn_hidden_size, spec.hidden_size
     per = s // tp
-    src = prefix + "mlp.shared_expert."
-    return [LocalTensor(local_prefix + names[0], (2 * per, h), (rows(src + "gate_proj.weight", r * per, 0, per, h),
-                                                                rows(src + "up_proj.weight", r * per, per, per, h))),
-            row_parallel(src + "down_proj.weight", local_prefix + names[1], h, s, tp, r),
-            whole(prefix + "mlp.shared_expert_gate.weight", (1, h), local_prefix + names[2])]
+    src = prefix + block
+    out = [LocalTensor(local_prefix + names[0], (2 * per, h), (rows(src + "gate_proj.weight", r * per, 0, per, h),
+                                                               rows(src + "up_proj.weight", r * per, per, per, h))),
+           row_parallel(src + "down_proj.weight", local_prefix + names[1], h, s, tp, r)]
+    return out + [whole(prefix + "mlp.shared_expert_gate.weight", (1, h), local_prefix + n) for n in names[2:]]
 
 
 def whole(name: str, shape: tuple[int, ...], local: str | None = None) -> LocalTensor:
@@ -262,7 +264,7 @@ def hf_layout(spec: ModelSpec, ranks: Iterable[int], role: str = "actor", *, fus
                         "its canonical tensors describes: the transformers engine (rollout.engine=hf) cannot take its "
                         "weights from the reshard; use rollout.engine=vllm")
     if fused_experts and spec.is_moe:
-        for i in range(spec.num_layers):
+        for i in (i for i in range(spec.num_layers) if is_moe_layer(spec, i)):  # DeepSeek-V3: dense first layers
             moe = {n for n in shapes if n.startswith(f"model.layers.{i}.{FAMILIES[spec.family].moe.block}.")
                    and ".experts." in n or n == spec.router_name(i)}
             for n in moe:

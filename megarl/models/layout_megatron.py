@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from megarl.models.deepseek_spec import is_moe_layer
 from megarl.models.layout import (VALUE_HEAD, Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up,
                                   gate_up, row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
 from megarl.models.layout_lora import adapter_tensors, lora_canonical_shapes, lora_targets
@@ -92,6 +93,9 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
     for local_i, i in enumerate(layers):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{local_i}."
         for suffix, cols in (("weight", h), ("bias", None)):
+            if spec.mla is not None:
+                out.extend(_megatron_mla(spec, hf + "self_attn.", mg + "self_attention.", t, r))
+                break
             if suffix == "bias" and not spec.qkv_bias:
                 continue
             blocks = []
@@ -104,8 +108,9 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
                 blocks.append(rows(v, v0 + g * hd, base + (npg + 1) * hd, hd, cols))
             shape = (groups * per_group, h) if cols else (groups * per_group,)
             out.append(LocalTensor(mg + f"self_attention.linear_qkv.{suffix}", shape, tuple(blocks)))
+        o_cols = spec.num_attention_heads * spec.mla.v_head_dim if spec.mla is not None else spec.q_size
         out.append(row_parallel(hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight",
-                                 h, spec.q_size, t, r))
+                                 h, o_cols, t, r))
         if FAMILIES[spec.family].gpt_oss:  # o_proj's bias (whole: added after the reduce), the heads' sinks
             heads = spec.num_attention_heads // t
             out += [whole(hf + "self_attn.o_proj.bias", (h,), mg + "self_attention.linear_proj.bias"),
@@ -115,7 +120,7 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
         if spec.qk_norm:
             out.append(whole(hf + "self_attn.q_norm.weight", (hd,), mg + "self_attention.q_layernorm.weight"))
             out.append(whole(hf + "self_attn.k_norm.weight", (hd,), mg + "self_attention.k_layernorm.weight"))
-        if spec.is_moe:
+        if is_moe_layer(spec, i):
             out.append(whole(hf + "post_attention_layernorm.weight", (h,), mg + "pre_mlp_layernorm.weight"))
             out.extend(_megatron_moe(spec, mesh, i, mg + "mlp.", r, ep_rank, use_te, moe_experts))
             continue
@@ -135,6 +140,31 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
             out.append(vocab_shard("model.embed_tokens.weight", "output_layer.weight",
                                     spec.vocab_size, vp, t, r, h))
     return out
+
+
+def _megatron_mla(spec: ModelSpec, hf: str, mg: str, t: int, r: int) -> list[LocalTensor]:
+    """One layer's multi-latent attention tensors (DeepSeek-V3; megatron's ``MLASelfAttention``, local spec) on TP
+    rank ``r`` of ``t``, but its output projection: the down projections' output rows split over TP (megatron's
+    column-parallel, gathered), the a-projection norms whole, the up projections' rows split by heads (HF's rows are
+    head-major: ``[q_nope; q_rope]`` / ``[k_nope; v]`` per head, as megatron's)."""
+    m, h, heads = spec.mla, spec.hidden_size, spec.num_attention_heads // t
+
+    def split(name: str, local: str, n_rows: int, cols: int) -> LocalTensor:
+        per = n_rows // t
+        return LocalTensor(mg + local, (per, cols), (rows(hf + name, r * per, 0, per, cols),))
+
+    out = []
+    if m.q_lora_rank is None:
+        out.append(split("q_proj.weight", "linear_q_proj.weight", t * heads * m.qk_head_dim, h))
+    else:
+        out += [split("q_a_proj.weight", "linear_q_down_proj.weight", m.q_lora_rank, h),
+                whole(hf + "q_a_layernorm.weight", (m.q_lora_rank,), mg + "q_layernorm.weight"),
+                split("q_b_proj.weight", "linear_q_up_proj.weight", t * heads * m.qk_head_dim, m.q_lora_rank)]
+    return out + [split("kv_a_proj_with_mqa.weight", "linear_kv_down_proj.weight", m.kv_lora_rank + m.qk_rope_head_dim,
+                        h),
+                  whole(hf + "kv_a_layernorm.weight", (m.kv_lora_rank,), mg + "kv_layernorm.weight"),
+                  split("kv_b_proj.weight", "linear_kv_up_proj.weight", t * heads * (m.qk_nope_head_dim + m.v_head_dim),
+                        m.kv_lora_rank)]
 
 
 def _gemma3_norms(out: list[LocalTensor], h: int) -> list[LocalTensor]:
@@ -177,7 +207,13 @@ def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp
     for fc1, fc2, experts in stacks:
         out.append(experts_gate_up(spec, layer, mg + fc1, experts, 1, 0))
         out.append(experts_down(spec, layer, mg + fc2, experts, 1, 0))
-    if spec.shared_expert_ffn_hidden_size:
+    if spec.mla is not None:  # DeepSeek-V3: the router's score-correction bias, shared experts without a gate
+        out.append(whole(f"model.layers.{layer}.mlp.gate.e_score_correction_bias", (spec.num_experts,),
+                         mg + "router.expert_bias"))
+        if spec.shared_expert_ffn_hidden_size:
+            out.extend(shared_expert(f"model.layers.{layer}.", mg + "shared_experts.", spec, mesh.tp, tp_rank,
+                                     ("linear_fc1.weight", "linear_fc2.weight"), "mlp.shared_experts."))
+    elif spec.shared_expert_ffn_hidden_size:
         out.extend(shared_expert(f"model.layers.{layer}.", mg + "shared_experts.", spec, mesh.tp, tp_rank,
                                   ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")))
     return out

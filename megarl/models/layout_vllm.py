@@ -14,6 +14,7 @@ from typing import Iterable
 
 from megarl.config import QUANTIZATIONS
 from megarl.models import fp8, gpt_oss
+from megarl.models.deepseek_spec import is_moe_layer
 from megarl.models.layout import (Block, Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up, gate_up,
                                   row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
@@ -175,6 +176,9 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         for suffix, cols in (("weight", h), ("bias", None)):
+            if spec.mla is not None:
+                out.extend(_vllm_mla(spec, p + "self_attn.", tp, r))
+                break
             if suffix == "bias" and not spec.qkv_bias:
                 continue
             q, kv = q_heads * hd, kv_heads * hd
@@ -183,11 +187,11 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None
                       rows(vn, v0 + kv_first * hd, q + kv, kv, cols))
             shape = (q + 2 * kv, h) if cols else (q + 2 * kv,)
             out.append(LocalTensor(p + f"self_attn.qkv_proj.{suffix}", shape, blocks))
-        out.append(row_parallel(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight",
-                                 h, spec.q_size, tp, r))
+        o_cols = spec.num_attention_heads * spec.mla.v_head_dim if spec.mla is not None else spec.q_size
+        out.append(row_parallel(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", h, o_cols, tp, r))
         if spec.qk_norm:
             out += [whole(p + "self_attn.q_norm.weight", (hd,)), whole(p + "self_attn.k_norm.weight", (hd,))]
-        if spec.is_moe:
+        if is_moe_layer(spec, i):
             out.extend(_vllm_moe(spec, i, tp, r))
         else:
             out.append(gate_up(spec, i, p + "mlp.gate_up_proj.weight", tp, r))
@@ -232,7 +236,12 @@ def _vllm_moe(spec: ModelSpec, layer: int, tp: int, r: int) -> list[LocalTensor]
     out = [whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), block + "gate.weight"),
            experts_gate_up(spec, layer, block + "experts.routed_experts.w13_weight", experts, tp, r),
            experts_down(spec, layer, block + "experts.routed_experts.w2_weight", experts, tp, r)]
-    if spec.shared_expert_ffn_hidden_size:
+    if spec.mla is not None:  # DeepSeek-V3: the router's bias (float32), shared experts without a gate
+        out.append(whole(block + "gate.e_score_correction_bias", (spec.num_experts,)))
+        if spec.shared_expert_ffn_hidden_size:
+            out.extend(shared_expert(f"model.layers.{layer}.", block + "shared_experts.", spec, tp, r,
+                                     ("gate_up_proj.weight", "down_proj.weight"), "mlp.shared_experts."))
+    elif spec.shared_expert_ffn_hidden_size:
         out.extend(shared_expert(f"model.layers.{layer}.", block, spec, tp, r,
                                   ("shared_expert.gate_up_proj.weight", "shared_expert.down_proj.weight",
                                    "shared_expert_gate.weight")))
@@ -289,6 +298,49 @@ def _vllm_gpt_oss(spec: ModelSpec, tp: int, r: int) -> list[LocalTensor]:
                 whole(p + "input_layernorm.weight", (h,)), whole(p + "post_attention_layernorm.weight", (h,))]
     return out + [whole("model.norm.weight", (h,)),
                   vocab_shard("lm_head.weight", "lm_head.weight", spec.vocab_size, vp, tp, r, h)]
+
+
+# DeepSeek-V3's multi-latent attention, read in vLLM 0.24.0's source (2026-12-06):
+# - models/deepseek_v2.py DeepseekV2MLAAttention.__init__ registers, in this order: with a query latent
+#   `fused_qkv_a_proj` (DeepSeekV2FusedQkvAProjLinear: a MergedColumnParallelLinear with disable_tp, output_sizes
+#   [q_lora_rank, kv_lora_rank + qk_rope_head_dim], whole on every rank; load_weights' mla_params_mapping loads
+#   q_a_proj as shard 0 and kv_a_proj_with_mqa as shard 1), else `kv_a_proj_with_mqa` (ReplicatedLinear); then
+#   `q_a_layernorm` and `q_b_proj` (ColumnParallelLinear: heads split over TP), or `q_proj` (ColumnParallelLinear);
+#   `kv_a_layernorm`, `kv_b_proj` (ColumnParallelLinear [heads/tp * (qk_nope + v), kv_lora_rank]), `o_proj`
+#   (RowParallelLinear). The MLA wrapper and layer hold the same modules (named_parameters lists them once).
+# - DeepseekV2MoE: `gate` (GateLinear [experts, hidden]) with `gate.e_score_correction_bias` (float32 [experts];
+#   created only when config.topk_method == "noaux_tc", and the routing is sigmoid only with config.scoring_func
+#   == "sigmoid": megarl's exported config.json sets both), `shared_experts` (DeepseekV2MLP: gate_up_proj,
+#   down_proj, split as a dense MLP), `experts` (FusedMoE: routed_experts.w13_weight / w2_weight as Qwen's); the
+#   first first_k_dense_replace layers' `mlp` is a DeepseekV2MLP. MTP layers (num_nextn_predict_layers) are built
+#   only for speculative decoding (load_weights skips their names otherwise).
+# - layers/attention/mla_attention.py MLAAttention.process_weights_after_loading (after load) sets W_UV [heads,
+#   kv_lora_rank, v] and W_UK_T [heads, qk_nope, kv_lora_rank] from kv_b_proj's weight, through
+#   quantization/utils/quant_utils.py get_and_maybe_dequant_weights, which for an unquantized layer returns
+#   weight.to(act_dtype): the same tensor when the weights are in the activation dtype (bf16), so both are views
+#   of kv_b_proj.weight, transposed and split (no copy), and the reshard's in-place write of kv_b_proj.weight is
+#   what vLLM's own load then post-processing would hold. A quantized kv_b_proj (FP8: dequantised copies) would
+#   need process_weights_after_loading again after each write; megarl refuses FP8 rollouts of MoE models.
+def _vllm_mla(spec: ModelSpec, p: str, tp: int, r: int) -> list[LocalTensor]:
+    """One layer's multi-latent attention tensors on vLLM TP rank ``r`` of ``tp`` (``p``: ``model.layers.{i}.
+    self_attn.``), its ``o_proj`` aside: the fused or lone a-projection and its norms whole, the b-projections'
+    rows (head-major) split over TP."""
+    m, h, heads = spec.mla, spec.hidden_size, spec.num_attention_heads // tp
+    kv_a = m.kv_lora_rank + m.qk_rope_head_dim
+    q_rows, kv_rows = heads * m.qk_head_dim, heads * (m.qk_nope_head_dim + m.v_head_dim)
+    if m.q_lora_rank is None:
+        out = [whole(p + "kv_a_proj_with_mqa.weight", (kv_a, h)),
+               LocalTensor(p + "q_proj.weight", (q_rows, h), (rows(p + "q_proj.weight", r * q_rows, 0, q_rows, h),))]
+    else:
+        ql = m.q_lora_rank
+        out = [LocalTensor(p + "fused_qkv_a_proj.weight", (ql + kv_a, h), (
+                   rows(p + "q_a_proj.weight", 0, 0, ql, h), rows(p + "kv_a_proj_with_mqa.weight", 0, ql, kv_a, h))),
+               whole(p + "q_a_layernorm.weight", (ql,)),
+               LocalTensor(p + "q_b_proj.weight", (q_rows, ql), (rows(p + "q_b_proj.weight", r * q_rows, 0, q_rows,
+                                                                     ql),))]
+    return out + [whole(p + "kv_a_layernorm.weight", (m.kv_lora_rank,)),
+                  LocalTensor(p + "kv_b_proj.weight", (kv_rows, m.kv_lora_rank),
+                              (rows(p + "kv_b_proj.weight", r * kv_rows, 0, kv_rows, m.kv_lora_rank),))]
 
 
 def vllm_layout(spec: ModelSpec, tp: int, ranks: Iterable[int], quantization: str | None = None) -> Layout:

@@ -51,7 +51,7 @@ def check_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
     if spec.num_kv_heads % layout.tp:
         raise SpecError(f"tp={layout.tp} does not divide the query groups num_kv_heads={spec.num_kv_heads} "
                         f"(megatron-core shards whole KV heads); TP sizes that fit this model: {fitting_tp}")
-    if not spec.is_moe and spec.ffn_hidden_size % layout.tp:
+    if not spec.is_moe and spec.ffn_hidden_size % layout.tp:  # DeepSeek-V3's dense layers: deepseek.check_layout
         raise SpecError(f"tp={layout.tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
     if spec.shared_expert_ffn_hidden_size % layout.tp:
         raise SpecError(f"tp={layout.tp} does not divide the shared expert's shared_expert_intermediate_size="
@@ -62,6 +62,10 @@ def check_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
     if spec.is_moe and spec.num_experts % layout.ep:
         raise SpecError(f"ep={layout.ep} does not divide num_experts={spec.num_experts}; EP sizes that fit: "
                         f"{[e for e in range(1, spec.num_experts + 1) if spec.num_experts % e == 0]}")
+    if spec.mla is not None:
+        from megarl.models import deepseek
+
+        deepseek.check_layout(spec, layout.tp, layout.cp)
     if layout.cp > 1 and spec.is_moe:
         raise SpecError(f"cp={layout.cp}: context parallelism runs dense models only; a {spec.family} "
                         "mixture-of-experts model needs cp=1")
@@ -104,7 +108,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
     Raises:
         SpecError: from :func:`check_layout`, or an unknown ``moe_dispatcher``.
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_layout(spec, layout)
     on_gpu = torch.cuda.is_available()
@@ -123,6 +127,10 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         from megarl.models import gpt_oss_layers
 
         kwargs.update(gpt_oss_layers.config_kwargs(spec))
+    if spec.mla is not None:
+        from megarl.models import deepseek
+
+        kwargs.update(deepseek.config_kwargs(spec))
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe="tensorwise")
     if layout.vpp > 1:
@@ -131,7 +139,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         # activation and the backward gradient that both ranks of PP=2 exchange in one step have one peer and one
         # shape and may be swapped (measured on gloo: wrong activations in the 1F1B steady state).
         kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
-    return TransformerConfig(
+    return (MLATransformerConfig if spec.mla is not None else TransformerConfig)(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -144,7 +152,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         layernorm_epsilon=spec.rms_norm_eps,
         add_bias_linear=kwargs.pop("add_bias_linear", False),
         add_qkv_bias=spec.qkv_bias,
-        qk_layernorm=spec.qk_norm,
+        qk_layernorm=kwargs.pop("qk_layernorm", spec.qk_norm),
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=1,
         hidden_dropout=0.0,
@@ -263,6 +271,12 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
                         "and a GPU (perf/gpu_te.sh builds it); set actor.kernels.transformer_engine=false for the "
                         "local spec")
     moe = dict(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm) if spec is not None else {}
+    if spec is not None and spec.mla is not None:  # the a-projection norms are megatron's q/kv_layernorm
+        moe.update(qk_layernorm=True, multi_latent_attention=True)
+        if use_te or lora is not None:
+            raise SpecError("DeepSeek-V3 runs on the local layer spec without LoRA (megarl does not yet lay out TE's "
+                            "fused MLA norms or adapters on MLA's projections); set actor.kernels.transformer_engine="
+                            "false and actor.lora.enabled=false")
     gemma = spec is not None and FAMILIES[spec.family].gemma
     if use_te and gemma:
         raise SpecError("Gemma 3 runs on the local layer spec (its (1 + weight) and post-attention/post-MLP norms are "
@@ -285,6 +299,10 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
             from megarl.models import gpt_oss_layers
 
             gpt_oss_layers.adapt_layer_spec(layer)
+        if moe.get("multi_latent_attention"):
+            from megarl.models import deepseek
+
+            deepseek.adapt_layer_spec(layer, spec)
     if moe.get("num_experts"):
         from megarl.models.moe_router import GlobalBatchRouter
 
@@ -412,6 +430,10 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         from megarl.models import gemma3
 
         layers = gemma3.block_spec(layers, config, vp_stage)
+    if spec.mla is not None:
+        from megarl.models import deepseek
+
+        layers = deepseek.block_spec(layers, config, vp_stage, spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layers,
@@ -437,6 +459,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         from megarl.models import gpt_oss_layers
 
         gpt_oss_layers.reorder_expert_outputs(model)
+    if spec.mla is not None:
+        deepseek.freeze_expert_bias(model)
     model.megarl_spec = spec
     model.megarl_role = role
     model.megarl_use_te = use_te

@@ -40,6 +40,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from megarl.models.deepseek_spec import is_moe_layer
 from megarl.models.spec import FAMILIES, ModelSpec
 
 ROUTES_DTYPE = torch.int16  # expert ids (< 32768 experts)
@@ -60,7 +61,8 @@ class EngineRouteRecorder:
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec):
         block = FAMILIES[spec.family].moe.block
-        self.gates = [getattr(layer, block).gate for layer in model.model.layers]
+        self.gates = [getattr(layer, block).gate for i, layer in enumerate(model.model.layers)
+                      if is_moe_layer(spec, i)]  # DeepSeek-V3's first layers are dense
         self._current: list[torch.Tensor | None] = [None] * len(self.gates)
 
     @contextlib.contextmanager

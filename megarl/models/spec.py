@@ -20,6 +20,9 @@ per expert and projection, e.g. ``model.layers.0.mlp.experts.3.gate_proj.weight`
 them in memory into ``experts.gate_up_proj`` ``[experts, 2 * ffn, hidden]`` and ``experts.down_proj``
 ``[experts, hidden, ffn]`` (:mod:`megarl.models.layout` describes both).
 
+DeepSeek-V3 (``deepseek_v3``; Moonlight, Kimi K2): multi-latent attention, shared experts, biased sigmoid routing and
+dense first layers (:mod:`megarl.models.deepseek_spec`).
+
 Gemma 3 (text, ``gemma3_text``: :data:`GEMMA3`) adds (1 + weight) norms, post-attention and post-MLP norms, GeGLU,
 scaled embeddings and local (sliding-window, own RoPE base) and global layers (:mod:`megarl.models.gemma3`).
 
@@ -33,6 +36,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from megarl.models import deepseek_spec, gemma3_spec
+from megarl.models.deepseek_spec import MLA
 
 
 class SpecError(ValueError):
@@ -74,6 +80,7 @@ class Family:
             one ``mlp.gate_up_proj`` (rows ``[gate; up]``), which are then the canonical tensors (Phi-3).
         gpt_oss: gpt-oss's decoder: a learned sink logit per attention head (``self_attn.sinks``), biases on
             o_proj, the router and the experts, clamped SwiGLU experts (:mod:`megarl.models.gpt_oss`).
+        mla: multi-latent attention and DeepSeek-V3's MoE (:mod:`megarl.models.deepseek_spec`).
     """
 
     hf_architecture: str
@@ -85,6 +92,7 @@ class Family:
     sliding_window: bool = False
     fused_qkv_mlp: bool = False
     gpt_oss: bool = False
+    mla: bool = False
 
 
 _QWEN_MOE = MoENames("mlp", "gate_proj", "up_proj", "down_proj")
@@ -105,6 +113,7 @@ FAMILIES: dict[str, Family] = {
 GEMMA3 = "gemma3"
 FAMILIES[GEMMA3] = Family("Gemma3ForCausalLM", "gemma3_text", qkv_bias=False, qk_norm=True, sliding_window=True,
                           gemma=True)
+FAMILIES["deepseek_v3"] = Family("DeepseekV3ForCausalLM", "deepseek_v3", qkv_bias=False, moe=_QWEN_MOE, mla=True)
 
 # gpt-oss (GptOssForCausalLM; OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", arXiv 2508.10925)
 GPT_OSS = "gpt_oss"
@@ -154,6 +163,8 @@ class ModelSpec:
             is ``rope_theta``, with ``rope_scaling``). None: every layer uses ``rope_theta``.
         query_pre_attn_scalar: Gemma 3: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (None:
             ``head_dim ** -0.5``).
+        mla: DeepSeek-V3: its attention and routing fields (:class:`~megarl.models.deepseek_spec.MLA`); its
+            ``head_dim`` is a query/key head's ``qk_nope + qk_rope`` channels, ``num_kv_heads`` its heads.
     """
 
     family: str
@@ -183,6 +194,7 @@ class ModelSpec:
     sliding_window_pattern: tuple[int, ...] | None = None
     local_rope_theta: float | None = None
     query_pre_attn_scalar: int | None = None
+    mla: MLA | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -207,13 +219,16 @@ class ModelSpec:
         if self.family == "mixtral" and self.ffn_hidden_size != self.moe_ffn_hidden_size:
             raise SpecError(f"a mixtral model's intermediate_size is its experts' width: ffn_hidden_size="
                             f"{self.ffn_hidden_size} must equal moe_ffn_hidden_size={self.moe_ffn_hidden_size}")
-        if self.shared_expert_ffn_hidden_size and self.family != "qwen2_moe":
-            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe models only")
+        if self.shared_expert_ffn_hidden_size and self.family not in ("qwen2_moe", "deepseek_v3"):
+            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe and deepseek_v3 "
+                            "models only")
+        if fam.mla or self.mla is not None:
+            deepseek_spec.check(self)
         if self.num_attention_heads % self.num_kv_heads:
             raise SpecError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                             f"num_kv_heads={self.num_kv_heads}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES and not (fam.gpt_oss and rope_type == "yarn"):
+        if rope_type not in SUPPORTED_ROPE_TYPES and not (fam.gpt_oss and rope_type == "yarn") and not fam.mla:
             raise SpecError(f"rope_scaling.rope_type={rope_type!r} is not supported; "
                             f"supported: {SUPPORTED_ROPE_TYPES}")
         if not fam.gemma and (self.sliding_window_pattern if not fam.gpt_oss else None, self.local_rope_theta,
@@ -263,7 +278,8 @@ class ModelSpec:
         (``num_experts - moe_top_k`` of every MoE layer's experts); the same as :meth:`num_params` for a dense
         model."""
         h, m = self.hidden_size, self.moe_ffn_hidden_size
-        idle = self.num_layers * (self.num_experts - self.moe_top_k) * (
+        moe_layers = sum(deepseek_spec.is_moe_layer(self, i) for i in range(self.num_layers))
+        idle = moe_layers * (self.num_experts - self.moe_top_k) * (
             3 * h * m + (2 * m + h) * FAMILIES[self.family].gpt_oss)  # gpt-oss: the experts' biases
         return self.num_params() - idle
 
@@ -313,7 +329,9 @@ class ModelSpec:
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            if self.fused_qkv_mlp:
+            if self.mla is not None:
+                shapes.update(deepseek_spec.attention_shapes(self, i))
+            elif self.fused_qkv_mlp:
                 shapes[p + "self_attn.qkv_proj.weight"] = (self.q_size + 2 * self.kv_size, h)
             else:
                 shapes[p + "self_attn.q_proj.weight"] = (self.q_size, h)
@@ -323,13 +341,14 @@ class ModelSpec:
                 shapes[p + "self_attn.q_proj.bias"] = (self.q_size,)
                 shapes[p + "self_attn.k_proj.bias"] = (self.kv_size,)
                 shapes[p + "self_attn.v_proj.bias"] = (self.kv_size,)
-            shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
+            if self.mla is None:
+                shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
             if FAMILIES[self.family].gpt_oss:
                 shapes.update({p + "self_attn.o_proj.bias": (h,), p + "self_attn.sinks": (self.num_attention_heads,)})
             if self.qk_norm:
                 shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
-            if self.is_moe:
+            if deepseek_spec.is_moe_layer(self, i):
                 shapes.update(self._moe_shapes(i))
             elif self.fused_qkv_mlp:
                 shapes[p + "mlp.gate_up_proj.weight"] = (2 * f, h)
@@ -362,7 +381,9 @@ class ModelSpec:
                                down: (h, m), down.removesuffix("weight") + "bias": (h,)})
             else:
                 shapes.update({gate: (m, h), up: (m, h), down: (h, m)})
-        if self.shared_expert_ffn_hidden_size:
+        if self.mla is not None:
+            shapes.update(deepseek_spec.moe_extra_shapes(self, i))
+        elif self.shared_expert_ffn_hidden_size:
             s, p = self.shared_expert_ffn_hidden_size, f"model.layers.{i}.mlp."
             shapes.update({p + "shared_expert.gate_proj.weight": (s, h), p + "shared_expert.up_proj.weight": (s, h),
                            p + "shared_expert.down_proj.weight": (h, s), p + "shared_expert_gate.weight": (1, h)})
@@ -380,7 +401,7 @@ class ModelSpec:
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         model_type = cfg.get("model_type")
         archs = cfg.get("architectures") or []
-        _refuse_gemma3_multimodal(model_type, archs)
+        gemma3_spec.refuse_multimodal(model_type, archs)
         family = next((k for k, f in FAMILIES.items() if f.model_type == model_type), None)
         if family is None:
             family = next((k for k, f in FAMILIES.items() if f.hf_architecture in archs), None)
@@ -416,14 +437,14 @@ class ModelSpec:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         if FAMILIES[family].gemma:
-            theta, rope, window, gemma = _gemma3_fields(cfg)
+            theta, rope, window, gemma = gemma3_spec.fields_from_hf(cfg)
         elif FAMILIES[family].gpt_oss:
             from megarl.models import gpt_oss
 
             window, gemma = gpt_oss.spec_fields(cfg)
         else:
             gemma = {}
-        return cls(
+        return cls(**{**dict(  # a family's own fields (_moe_fields, Gemma 3's) replace the common ones
             family=family,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
@@ -441,9 +462,7 @@ class ModelSpec:
             eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"),
             sliding_window=window,
-            **_moe_fields(family, cfg),
-            **gemma,
-        )
+        ), **_moe_fields(family, cfg), **gemma})
 
     def to_hf_config(self):
         """The transformers ``PretrainedConfig`` of this spec's family (LlamaConfig, Qwen3Config, Phi3Config, ...)."""
@@ -479,7 +498,7 @@ class ModelSpec:
         if self.family in ("mistral", "mixtral"):
             kwargs.update(sliding_window=self.sliding_window)
         if FAMILIES[self.family].gemma:
-            kwargs.update(_gemma3_hf_kwargs(self))
+            kwargs.update(gemma3_spec.hf_config_kwargs(self))
             del kwargs["hidden_act"]
         if self.is_moe:
             kwargs.update(num_experts_per_tok=self.moe_top_k, router_aux_loss_coef=self.moe_aux_loss_coef)
@@ -501,6 +520,8 @@ class ModelSpec:
             from megarl.models import gpt_oss
 
             kwargs.update(gpt_oss.hf_config_kwargs(self))
+        if self.mla is not None:
+            kwargs.update(deepseek_spec.hf_config_kwargs(self))
         return config_cls(**kwargs)
 
     def replace(self, **changes) -> "ModelSpec":
@@ -546,7 +567,8 @@ def _qwen3_phi3_config_kwargs(spec: "ModelSpec") -> dict[str, Any]:
 
 
 def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The MoE fields of a :class:`ModelSpec` from a Hugging Face config (none for a dense family).
+    """The MoE fields of a :class:`ModelSpec` from a Hugging Face config (none for a dense family; DeepSeek-V3's,
+    its attention's too: :func:`~megarl.models.deepseek_spec.fields_from_hf`).
 
     Raises:
         SpecError: dense MLPs on some layers (``mlp_only_layers``, ``decoder_sparse_step > 1``), a Qwen2-MoE
@@ -554,6 +576,8 @@ def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """
     if FAMILIES[family].moe is None:
         return {}
+    if FAMILIES[family].mla:
+        return deepseek_spec.fields_from_hf(cfg)
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
         raise SpecError(f"a {family} model with dense MLPs on some layers (mlp_only_layers="
                         f"{cfg.get('mlp_only_layers')}, decoder_sparse_step={cfg.get('decoder_sparse_step')}) is not "
@@ -571,80 +595,6 @@ def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
         moe_aux_loss_coef=float(cfg.get("router_aux_loss_coef") or 0.0),
         moe_z_loss_coef=float(cfg.get("router_z_loss_coef") or 0.0),
     )
-
-
-# ------------------------------------------------------------------ Gemma 3
-def _refuse_gemma3_multimodal(model_type: str | None, archs: list[str]) -> None:
-    """Refuse a Gemma 3 vision-language checkpoint (``Gemma3ForConditionalGeneration``, model_type ``gemma3``):
-    its text weights are named ``model.language_model.*`` (``language_model.model.*`` before transformers 5) beside
-    the vision tower, and its config nests the text model's."""
-    if model_type == "gemma3" or "Gemma3ForConditionalGeneration" in archs:
-        raise SpecError("a Gemma 3 vision-language checkpoint (Gemma3ForConditionalGeneration, model_type 'gemma3') is "
-                        "not supported; megarl trains the text model (Gemma3ForCausalLM, model_type 'gemma3_text'): "
-                        "use a text-only checkpoint (google/gemma-3-1b-*), or save the language model with "
-                        "transformers as a Gemma3ForCausalLM checkpoint")
-
-
-def _gemma3_fields(cfg: dict[str, Any]) -> tuple[float, dict | None, int | None, dict[str, Any]]:
-    """The global RoPE base and scaling, the sliding window (kept when as long as the context: the local layers
-    still have their own RoPE base; None without local layers) and the Gemma 3 fields of a :class:`ModelSpec`, from
-    a ``gemma3_text`` config: ``layer_types`` (or the older ``sliding_window_pattern``, default 6: every 6th layer
-    global), ``rope_parameters`` per layer type (transformers 5) or ``rope_theta`` / ``rope_scaling`` /
-    ``rope_local_base_freq`` (older config.json files), ``query_pre_attn_scalar``.
-
-    Raises:
-        SpecError: what megarl does not run: logit soft-capping (Gemma 2's; Gemma 3 has none), bidirectional
-            attention, biases, another activation than GELU-tanh, scaled RoPE on the local layers, local layers
-            without a ``sliding_window``.
-    """
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise SpecError(f"{key}={cfg[key]} on a gemma3_text model is not supported (Gemma 3 checkpoints set "
-                            f"none); set {key}=null in config.json")
-    if cfg.get("use_bidirectional_attention") or cfg.get("attention_bias"):
-        raise SpecError("use_bidirectional_attention or attention_bias on a gemma3_text model is not supported; "
-                        "megarl trains causal Gemma 3 decoders without biases")
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise SpecError(f"hidden_activation={act!r} on a gemma3_text model is not supported; Gemma 3's MLP is "
-                        "GeGLU with 'gelu_pytorch_tanh'")
-    layers = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % int(cfg.get("sliding_window_pattern") or 6) == 0
-                                       else "sliding_attention" for i in range(layers)]
-    rope = cfg.get("rope_parameters") or {}
-    if "full_attention" in rope:
-        glob, local = dict(rope["full_attention"] or {}), dict(rope.get("sliding_attention") or {})
-    else:
-        glob = dict(cfg.get("rope_scaling") or {}, rope_theta=cfg.get("rope_theta", 1e6))
-        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}
-    if local.get("rope_type", "default") != "default":
-        raise SpecError(f"a scaled RoPE on Gemma 3's local layers ({local}) is not supported; megarl scales the "
-                        "global layers' RoPE only")
-    theta = float(glob.pop("rope_theta", 1e6))
-    glob.pop("type", None)
-    if glob.get("rope_type", "default") == "default":
-        glob = {}
-    pattern = tuple(int(t == "sliding_attention") for t in types)
-    window = cfg.get("sliding_window") if any(pattern) else None
-    if any(pattern) and not window:
-        raise SpecError(f"a gemma3_text config with local layers (layer_types {types}) needs a sliding_window")
-    return theta, glob or None, window, dict(
-        sliding_window_pattern=pattern if any(pattern) else None,
-        local_rope_theta=float(local.get("rope_theta", 1e4)),
-        query_pre_attn_scalar=int(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]))
-
-
-def _gemma3_hf_kwargs(spec: ModelSpec) -> dict[str, Any]:
-    """The ``Gemma3TextConfig`` arguments of a Gemma 3 spec beyond the common ones."""
-    pattern = spec.sliding_window_pattern or (1 if spec.sliding_window else 0,) * spec.num_layers
-    glob = {"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope_scaling or {})}
-    return dict(hidden_activation="gelu_pytorch_tanh",
-                query_pre_attn_scalar=spec.query_pre_attn_scalar or spec.head_dim,
-                sliding_window=spec.sliding_window or spec.max_position_embeddings,
-                layer_types=["sliding_attention" if w else "full_attention" for w in pattern],
-                rope_parameters={"full_attention": glob, "sliding_attention": {
-                    "rope_type": "default", "rope_theta": spec.local_rope_theta or spec.rope_theta}},
-                final_logit_softcapping=None, attn_logit_softcapping=None, attention_bias=False)
 
 
 # Named shapes for benchmarks, GPU configs and tests (weights are random or loaded separately).
@@ -720,10 +670,13 @@ PRESETS.update({f"gpt-oss-{size}": ModelSpec(
     num_experts=experts, moe_top_k=4, moe_ffn_hidden_size=2880, moe_aux_loss_coef=0.9)
     for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))})
 
+PRESETS.update(deepseek_spec.presets(ModelSpec))  # deepseek-v3, moonlight-16b-a3b
+
 
 def preset(name: str) -> ModelSpec:
     """Look up a named shape in :data:`PRESETS`; ``NAME?layers=N`` keeps its first ``N`` layers (one-GPU
-    benchmarks of a large model's shape, e.g. ``qwen3-30b-a3b?layers=4``).
+    benchmarks of a large model's shape, e.g. ``qwen3-30b-a3b?layers=4``; a DeepSeek-V3 shape keeps at most
+    ``N - 1`` dense first layers).
 
     Raises:
         SpecError: unknown name (the message lists the known ones), or a bad ``?layers=`` option.
@@ -740,4 +693,6 @@ def preset(name: str) -> ModelSpec:
         raise SpecError(f"preset {name!r}: the only option is ?layers=N with 1 <= N <= {spec.num_layers} "
                         f"(the layers of {base}), e.g. preset:{base}?layers=4")
     pattern = spec.sliding_window_pattern  # Gemma 3: the first N layers' local/global pattern
-    return spec.replace(num_layers=int(value), sliding_window_pattern=pattern and pattern[:int(value)])
+    mla = spec.mla and dataclasses.replace(  # DeepSeek-V3: at least one MoE layer (the last) among the N
+        spec.mla, first_k_dense=min(spec.mla.first_k_dense, int(value) - 1))
+    return spec.replace(num_layers=int(value), sliding_window_pattern=pattern and pattern[:int(value)], mla=mla)

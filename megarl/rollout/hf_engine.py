@@ -79,7 +79,7 @@ class HFRolloutEngine:
         self.model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32).eval()
         self.model.requires_grad_(False)
         layout = hf_layout(spec, [0], fused_experts=True).tensors(0)  # fused experts: their 2-D views
-        params = {n: tuple(p.shape) for n, p in local_views(dict(self.model.named_parameters()), layout).items()}
+        params = {n: tuple(p.shape) for n, p in local_views(self._weights(), layout).items()}
         layout = {n: t.shape for n, t in layout.items()}
         if params != layout:
             diff = sorted(set(params.items()) ^ set(layout.items()))
@@ -95,6 +95,13 @@ class HFRolloutEngine:
         self._queued: list[tuple[str, list[int], SamplingConfig, int]] = []  # add_request's, for step
 
     # ------------------------------------------------------------------ weights and memory
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and the buffers that are canonical tensors too (DeepSeek-V3's router
+        ``e_score_correction_bias``, a buffer in transformers)."""
+        canonical = self.spec.hf_tensor_shapes()
+        return {**dict(self.model.named_parameters()),
+                **{n: b for n, b in self.model.named_buffers() if n in canonical}}
+
     def weight_layout(self, ranks: Iterable[int]) -> Layout:
         """Whole canonical tensors under their HF names on every rank (:func:`~megarl.models.layout.hf_layout`);
         with tied embeddings there is no ``lm_head.weight``; MoE experts as transformers fuses them in memory."""
@@ -111,7 +118,7 @@ class HFRolloutEngine:
         """
         if self._asleep:
             raise RolloutError("update_weights on a sleeping engine: call wake_up() first")
-        params = {n: p.detach() for n, p in self.model.named_parameters()}
+        params = {n: p.detach() for n, p in self._weights().items()}
         result = write(local_views(params, self.weight_layout([0]).tensors(0)))
         self._has_weights = True
         return result

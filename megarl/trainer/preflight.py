@@ -90,7 +90,7 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
         ConfigError: naming the field (``actor.parallel.tp``, ``actor.parallel.pp``, ``actor.parallel.vpp``,
             ``actor.parallel.ep``, ``actor.moe.router_replay``, ``critic.parallel.tp``,
             ``placement.reference_parallel.tp``, ``rollout.tp``, ``rollout.quantization``, ``rollout.max_model_len``,
-            ``rollout.max_new_tokens``, ``rollout.exact``), what does not divide or
+            ``rollout.max_new_tokens``, ``rollout.exact``, ``actor.sequence_packing`` with MLA), what does not divide or
             fit, and the sizes that would; what megatron-core refuses to build or train
             (:func:`check_megatron_build`).
     """
@@ -120,6 +120,15 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
     require(not (cfg.rollout.exact and cfg.rollout.engine == "vllm" and spec.sliding_window is not None),
             "rollout.exact", f"a sliding window of {spec.sliding_window} tokens is not wired into the exact pass's "
             "attention (vLLM's FlashAttention over whole sequences); use a model without one or rollout.exact=false")
+    for role in ("actor", "critic"):
+        require(spec.mla is None or not getattr(cfg, role).sequence_packing, f"{role}.sequence_packing",
+                "DeepSeek-V3's multi-latent attention on packed sequences is not compared with transformers yet (its "
+                "value heads are narrower than its query/key heads); set sequence_packing=false")
+    require(spec.mla is None or not cfg.actor.lora.enabled, "actor.lora.rank", "LoRA adapters on DeepSeek-V3's "
+            "multi-latent attention projections are not laid out yet; set actor.lora.rank=0")
+    require(spec.mla is None or not cfg.actor.moe.router_replay, "actor.moe.router_replay", "router replay is not "
+            "compared yet on DeepSeek-V3 (dense first layers, biased sigmoid routing); set "
+            "actor.moe.router_replay=false")
     check_megatron_build(cfg, spec)
     r = cfg.rollout
     if r.engine == "vllm":
