@@ -29,6 +29,7 @@ plot and job script): :func:`claim_outputs` refuses, before any work, the ones t
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -142,7 +143,8 @@ class OutputFolder:
         staging = staging_path(target, command)
         folder = cls(target, command, staging, frozenset(ours), frozenset(kept), manifest)
         folder._refuse_clashes(set(writes))
-        shutil.rmtree(staging, ignore_errors=True)  # a staging folder left by a command that died
+        shutil.rmtree(staging, ignore_errors=True)  # a staging folder of this pid, left by a command that died
+        remove_stale_stagings(target, command)
         return folder
 
     def __enter__(self) -> "OutputFolder":
@@ -194,10 +196,32 @@ class OutputFolder:
         return written
 
 
-def staging_path(target: Path, command: str) -> Path:
-    """Where ``command`` writes its output ``target`` (a file or folder) before renaming it there: a hidden
-    sibling, on the same file system (so that the rename is one step)."""
-    return target.with_name(f".{target.name}.megarl-{command.replace(' ', '-')}")
+def staging_path(target: Path, command: str, pid: int | None = None) -> Path:
+    """Where ``command`` in process ``pid`` (default: this one) writes its output ``target`` (a file or folder)
+    before renaming it there: a hidden sibling, on the same file system (so that the rename is one step), of
+    this process's own (two runs that prepare the same data at once each stage their own copy)."""
+    pid = os.getpid() if pid is None else pid
+    return target.with_name(f".{target.name}.megarl-{command.replace(' ', '-')}-{pid}")
+
+
+def remove_stale_stagings(target: Path, command: str) -> None:
+    """Remove the staging copies of ``target`` (:func:`staging_path`) left by processes that died before their
+    rename; another live process's copy stays."""
+    prefix = staging_path(target, command, 0).name[:-1]
+    for path in target.parent.glob(glob.escape(prefix) + "*"):
+        pid = path.name[len(prefix):]
+        if pid.isdigit() and not _alive(int(pid)):
+            _remove(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _remove(path: Path) -> None:
@@ -210,7 +234,7 @@ def _rename_over(new: Path, dest: Path) -> None:
     if not (dest.exists() or dest.is_symlink()) or (new.is_file() and dest.is_file() and not dest.is_symlink()):
         os.replace(new, dest)
         return
-    aside = dest.with_name(f".{dest.name}.megarl-replaced")
+    aside = dest.with_name(f".{dest.name}.megarl-replaced-{os.getpid()}")
     _remove(aside)  # left by a command that died between the renames
     os.rename(dest, aside)
     os.rename(new, dest)
@@ -245,6 +269,7 @@ def write_beside(path: str | os.PathLike, write: Callable[[Path], object], comma
     path = Path(path)
     tmp = staging_path(path, command)
     _remove(tmp)
+    remove_stale_stagings(path, command)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
         write(tmp)

@@ -322,3 +322,32 @@ def test_a_real_conversion_into_its_earlier_output_needs_overwrite_and_ends_with
     replaced = convert("--overwrite")
     assert replaced.returncode == 0 and "Traceback" not in replaced.stderr, replaced.stderr[-3000:]
     assert set(files()) == set(written)
+
+
+def test_two_processes_stage_apart_and_a_dead_ones_staging_is_removed(tmp_path):
+    """Two runs preparing the same data at once each write their own staging copy (the name carries the pid):
+    the second's claim used to delete the first's copy mid-write (seen with two CPU runs of one data.prepare).
+    A copy whose process is gone is removed; a live process's copy stays."""
+    import subprocess
+    import sys
+
+    from megarl.output_folder import OutputFolder, staging_path
+
+    target = tmp_path / "arithmetic"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        live_copy, dead_copy = staging_path(target, "data", other.pid), staging_path(target, "data", dead.pid)
+        for path in (live_copy, dead_copy):
+            path.mkdir()
+            (path / "train.parquet").write_text("half written")
+        assert staging_path(target, "data") not in (live_copy, dead_copy)
+        with OutputFolder.claim(target, "data") as folder:
+            folder.staging.mkdir()
+            (folder.staging / "train.parquet").write_text("ours")
+        assert (target / "train.parquet").read_text() == "ours"
+        assert (live_copy / "train.parquet").read_text() == "half written" and not dead_copy.exists()
+    finally:
+        other.kill()
+        other.wait()
