@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import Config, ConfigError, DPORunConfig, SFTRunConfig, load_config
 from megarl.parallel.placement import validate_for_world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,7 +16,11 @@ CONFIGS = sorted((ROOT / "parallel_configs").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_validate(path):
-    cfg = load_config(path)
+    import yaml
+
+    sections = yaml.safe_load(path.read_text())
+    schema = SFTRunConfig if "sft" in sections else DPORunConfig if "dpo" in sections else Config
+    cfg = load_config(path, schema=schema)
     validate_for_world(cfg, cfg.world_size)
 
 

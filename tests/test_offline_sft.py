@@ -261,3 +261,31 @@ def test_a_datasets_name_is_guarded(monkeypatch):
         load_dataset=lambda name, split: [{"prompt": "a", "completion": "x"}]))
     assert read_source([], "org/chat", "train", "sft.train_files") == [
         ("org/chat[train] row 0", {"prompt": "a", "completion": "x"})]
+
+
+def test_the_format_tasks_demonstrations_are_the_rl_runs_prompts_answered_in_the_scored_format():
+    """SFT then RL (perf/RESULTS.md, issue 45): each demonstration of ``perf/sft_format_demos.py`` is the user
+    message that ``parallel_configs/cpu_smollm2_rl_after_sft.yaml`` renders for the same training row, and its
+    completion scores 1 under that config's reward, which gives the bare number the base model writes 0."""
+    import importlib.util
+
+    from megarl.config import load_config
+    from megarl.data.arithmetic import arithmetic_rows
+    from megarl.data.template import PromptTemplate
+    from megarl.rewards.registry import load_reward_fn
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("sft_format_demos", root / "perf" / "sft_format_demos.py")
+    demos_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demos_module)
+    cfg = load_config(root / "parallel_configs" / "cpu_smollm2_rl_after_sft.yaml")
+    template = PromptTemplate(system_prompt=cfg.data.system_prompt, instruction=cfg.data.instruction)
+    demos = demos_module.demonstrations(4, 2)
+    rows = arithmetic_rows()["train"][:6]
+    assert [len(demos["train"]), len(demos["val"])] == [4, 2]
+    reward = load_reward_fn(cfg.reward.fn, cfg.reward.kwargs)
+    for demo, row in zip(demos["train"] + demos["val"], rows):
+        assert template.messages(row["question"]) == [{"role": "user", "content": demo["prompt"]}]
+        truth = row["ground_truth"]
+        assert list(reward([demo["prompt"]] * 3, [demo["completion"], truth, f"#### {int(truth) + 1}"],
+                           [truth] * 3)) == pytest.approx([1.0, 0.0, 0.1])
