@@ -1,5 +1,6 @@
 """The import structure of ``megarl``: imports run one way (DESIGN.md's order), lazy imports inside functions
-included, so no two modules and no two packages import each other."""
+included (those under ``if TYPE_CHECKING:`` name types for annotations and never run), so no two modules and no
+two packages import each other."""
 
 from __future__ import annotations
 
@@ -17,13 +18,23 @@ def _imports() -> dict[str, set[str]]:
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:  # `if TYPE_CHECKING:` imports: names for annotations, not run
+                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megarl"):
                 deps |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name.startswith("megarl")}
         found[name] = deps
     return {m: {d for d in deps if d in found and d != m} for m, deps in found.items()}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def test_no_import_circles():

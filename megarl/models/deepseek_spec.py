@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megarl.models.errors import SpecError
+
 if TYPE_CHECKING:
     from megarl.models.spec import ModelSpec
 
@@ -70,9 +72,7 @@ class MLA:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
-def _error(message: str):
-    from megarl.models.spec import SpecError
-
+def _error(message: str) -> SpecError:
     return SpecError(message)
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from megarl.models.errors import SpecError
+
 if TYPE_CHECKING:
     from megarl.models.spec import ModelSpec
 
 
-def _error(message: str):
-    from megarl.models.spec import SpecError
-
+def _error(message: str) -> SpecError:
     return SpecError(message)
 
 

@@ -36,11 +36,14 @@ The megatron-core configuration and layer spec are :mod:`megarl.models.gpt_oss_l
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from megarl.models.spec import ModelSpec, SpecError
+from megarl.models.errors import SpecError
+
+if TYPE_CHECKING:
+    from megarl.models.spec import ModelSpec
 
 SWIGLU_ALPHA = 1.702  # transformers' GptOssExperts.alpha: the sigmoid's slope (megatron's quick_gelu)
 SWIGLU_LIMIT = 7.0  # transformers' GptOssExperts.limit (config.json's swiglu_limit)

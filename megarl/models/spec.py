@@ -39,10 +39,7 @@ from typing import Any, NamedTuple
 
 from megarl.models import deepseek_spec, gemma3_spec
 from megarl.models.deepseek_spec import MLA
-
-
-class SpecError(ValueError):
-    """A model config that megarl cannot build, or a layout that does not fit the model."""
+from megarl.models.errors import SpecError
 
 
 class MoENames(NamedTuple):
