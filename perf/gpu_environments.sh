@@ -40,8 +40,9 @@ install_envs() {  # vLLM, then the environment libraries (into the machine's Pyt
 train_env() {  # train_env NAME [RESERVE_S]: the config's run, stopped with SIGINT RESERVE_S (default 40) before
   local name=$1 left=$(( DEADLINE - $(date +%s) - ${2:-40} ))  # the budget ends (the copy and the summary)
   rm -rf "$RUNS/$name"
-  timeout --signal=INT "$left" python3 -m megarl.cli train "parallel_configs/gpu_1xh200_smollm2_$name.yaml" \
-    run.output_dir="$RUNS" run.name="$name" trainer.progress=false trainer.steps="$STEPS"
+  timeout --signal=INT "$left" bash -c 'python3 -m megarl.cli train "$@"' train \
+    "parallel_configs/gpu_1xh200_smollm2_$name.yaml" run.output_dir="$RUNS" run.name="$name" trainer.progress=false \
+    trainer.steps="$STEPS"
   local rc=$?
   mkdir -p "$OUT/$name"
   cp "$RUNS/$name"/{metrics.jsonl,summary.json,report.md,samples.jsonl,val_samples.jsonl,config.json} "$OUT/$name/" \

@@ -4,7 +4,8 @@ megarl (5-10 s a call on the 2-core CI machine, two or three calls a script).
 
 A call is a folder ``REQ`` holding ``argv`` (what follows ``python3``, NUL-separated), ``cwd``, ``env``
 (``KEY=VALUE``, NUL-separated) and, for ``python3 -``, ``stdin``; the caller writes its path as one line into
-the server's FIFO. The server runs it in this process with that folder, environment and ``sys.argv``:
+the server's FIFO. The server runs it in this process with that folder, environment (``PYTHONPATH``'s entries put before
+``sys.path`` for the call, as a new interpreter would) and ``sys.argv``:
 ``-m megarl.cli ARGS`` through :func:`megarl.cli.main` (not ``entry``, which ends the process), ``-c CODE
 ARGS`` and ``- ARGS`` through ``exec``; its stdout and stderr (file descriptors 1 and 2, so what libraries
 write goes there too) into ``REQ/out``, then the exit status into ``REQ/rc``, last (written whole, renamed).
@@ -26,6 +27,7 @@ def _call(req: Path) -> int:
     os.environ.clear()
     os.environ.update(dict(e.split("=", 1) for e in env if "=" in e))
     os.chdir((req / "cwd").read_text().strip())
+    sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # as a new interpreter
     if argv[:2] == ["-m", "megarl.cli"]:
         from megarl.cli import main
 
@@ -44,7 +46,7 @@ def _call(req: Path) -> int:
 def run_call(req: Path) -> int:
     """Run the call in ``req`` (see the module docstring), with this process's folder and environment put back
     afterwards; returns its exit status (1 for an exception, whose traceback goes to ``REQ/out``)."""
-    cwd, env, argv = os.getcwd(), dict(os.environ), sys.argv
+    cwd, env, argv, path = os.getcwd(), dict(os.environ), sys.argv, list(sys.path)
     sys.stdout.flush(), sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
     out = os.open(req / "out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -62,7 +64,7 @@ def run_call(req: Path) -> int:
         for fd in (out, *saved):
             os.close(fd)
         os.chdir(cwd), os.environ.clear(), os.environ.update(env)
-        sys.argv = argv
+        sys.argv, sys.path[:] = argv, path
     return status
 
 
