@@ -40,3 +40,17 @@ def actor_teacher_forced(model, spec: ModelSpec, prompt: list[int], response) ->
         labels = torch.tensor([ids[1:] + [0]], device=logits.device)
         logp, _ = vocab_parallel_logprobs(logits, labels, vocab_size=spec.vocab_size)
     return logp[0, len(prompt) - 1:len(ids) - 1].float().cpu()
+
+
+def gathered_logits_and_loss(targets: torch.Tensor, vocab_size: int, train: bool):
+    """An output function of :func:`megarl.models.pipeline.run_microbatches` for the parity tests of a TP-split
+    actor: ``{"logits": [b, s, vocab_size]}`` gathered over the TP ranks (vocab padding cut), and as the loss the
+    cross-entropy of ``targets`` ``[b, s]`` (int64) when ``train``, zero (the same graph, times 0) otherwise."""
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    def fn(mb, logits):
+        full = gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
+        loss = F.cross_entropy(full.reshape(-1, vocab_size), targets.reshape(-1))
+        return (loss if train else loss * 0), {"logits": full.detach()}
+    return fn

@@ -13,11 +13,13 @@ at TP=1, TP=2 and EP=2, the gradients of a cross-entropy step at TP=1, and HF ->
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
 from megarl.models.spec import ModelSpec, SpecError
+from tests.actor_decoding import gathered_logits_and_loss
 from tests.distributed import run_world
 
 SEQ = 24
@@ -117,7 +119,6 @@ def _world(rank, world, tmp, keys, meshes, checkpoint):
     import torch.distributed as dist
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megarl.models import checkpoint as ck
     from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
@@ -157,12 +158,7 @@ def _world(rank, world, tmp, keys, meshes, checkpoint):
                 plain = hf_model(spec.replace(rope_scaling=None))(tokens).logits
                 out["yarn_matters"] = (plain - ref_logits).abs().max().item()
 
-        def output_fn(train):
-            def fn(mb, logits):
-                full = gather_from_tensor_model_parallel_region(logits)[..., :v]
-                loss = F.cross_entropy(full.reshape(-1, v), targets.reshape(-1))
-                return (loss if train else loss * 0), {"logits": full.detach()}
-            return fn
+        output_fn = functools.partial(gathered_logits_and_loss, targets, v)
 
         for tp, ep in meshes:
             mesh = ParallelLayout(tp=tp, pp=1, dp=world // tp, ep=ep)

@@ -10,10 +10,13 @@ slicing of the HF tensors.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from megarl.models.spec import ModelSpec, SpecError
+from tests.actor_decoding import gathered_logits_and_loss
 from tests.distributed import run_world
 
 GEMMA3 = ModelSpec("gemma3", vocab_size=1000, hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2,
@@ -50,7 +53,6 @@ def _world(rank, world, tmp):
     import torch.distributed as dist
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megarl.kernels.context_parallel import split_for_cp_rank
     from megarl.models import checkpoint as ck
@@ -84,12 +86,7 @@ def _world(rank, world, tmp):
         out["local_rope_matters"] = (hf_model(spec.replace(local_rope_theta=spec.rope_theta))(tokens).logits
                                      - ref_logits).abs().max().item()
 
-    def output_fn(train):
-        def fn(mb, logits):
-            full = gather_from_tensor_model_parallel_region(logits)[..., :v]
-            loss = F.cross_entropy(full.reshape(-1, v), targets.reshape(-1))
-            return (loss if train else loss * 0), {"logits": full.detach()}
-        return fn
+    output_fn = functools.partial(gathered_logits_and_loss, targets, v)
 
     for tp, pp in MESHES:
         mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp))

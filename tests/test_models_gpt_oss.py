@@ -10,12 +10,14 @@ refusals.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import pytest
 import torch
 
 from megarl.models.spec import ModelSpec, SpecError
+from tests.actor_decoding import gathered_logits_and_loss
 from tests.distributed import run_world
 
 GPT_OSS = ModelSpec("gpt_oss", vocab_size=1000, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
@@ -48,7 +50,6 @@ def hf_model(spec: ModelSpec, seed: int = 1):
 def _world(rank, world):
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megarl.models.gpt_oss import canonical_to_checkpoint
     from megarl.models.layout import hf_layout
@@ -86,12 +87,7 @@ def _world(rank, world):
         gate_up = x @ ref.model.layers[0].mlp.experts.gate_up_proj[0]
         out["clamped"] = (gate_up.abs() > 7).float().mean().item()
 
-    def output_fn(train):
-        def fn(mb, logits):
-            full = gather_from_tensor_model_parallel_region(logits)[..., :v]
-            loss = F.cross_entropy(full.reshape(-1, v), targets.reshape(-1))
-            return (loss if train else loss * 0), {"logits": full.detach()}
-        return fn
+    output_fn = functools.partial(gathered_logits_and_loss, targets, v)
 
     for tp, ep, pp in MESHES:
         mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
