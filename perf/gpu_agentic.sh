@@ -29,22 +29,13 @@
 # line is "gpu_agentic: PASS" or "gpu_agentic: FAIL" (exit status 0 or 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source perf/gpu_lib.sh  # begin, stage, finish
+source perf/gpu_lib.sh  # begin, stage, finish, copy_run
 begin gpu_agentic 585
 
 source perf/gpu_smollm2_gsm8k.sh  # SMOL_GGUF, GSM8K_DIR
 export CONFIG=parallel_configs/gpu_1xh200_smollm2_gsm8k_tools.yaml RUNS=/tmp/runs DATA=/tmp/data/gsm8k
 export STEPS=${STEPS:-100}
 export DEADLINE=$(( $(date +%s) + BUDGET_S ))
-
-copy_run() {  # copy_run NAME: the run's records into $OUT/NAME
-  mkdir -p "$OUT/$1"
-  for f in metrics.jsonl summary.json report.md samples.jsonl val_samples.jsonl config.json; do
-    [ -f "$RUNS/$1/$f" ] && cp "$RUNS/$1/$f" "$OUT/$1/"
-  done
-  cp "$RUNS/$1"/*.png "$OUT/$1/" 2>/dev/null
-  return 0
-}
 
 agentic() {  # stopped with SIGINT 150 s before the budget ends (room for stage 3), then the copy
   local left=$(( DEADLINE - $(date +%s) - 150 ))

@@ -21,7 +21,7 @@
 # The last line is "gpu_environments: PASS" or "gpu_environments: FAIL" (exit status 0 or 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, smol_gguf
+source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, smol_gguf, copy_run
 begin gpu_environments 590
 smol_gguf
 export PYTHONPATH=$PYTHONPATH:$PWD/tests  # the verifiers taskset vf_guess (tests/vf_guess.py), found by its id
@@ -44,10 +44,7 @@ train_env() {  # train_env NAME [RESERVE_S]: the config's run, stopped with SIGI
     "parallel_configs/gpu_1xh200_smollm2_$name.yaml" run.output_dir="$RUNS" run.name="$name" trainer.progress=false \
     trainer.steps="$STEPS"
   local rc=$?
-  mkdir -p "$OUT/$name"
-  cp "$RUNS/$name"/{metrics.jsonl,summary.json,report.md,samples.jsonl,val_samples.jsonl,config.json} "$OUT/$name/" \
-    2>/dev/null
-  cp "$RUNS/$name"/*.png "$OUT/$name/" 2>/dev/null
+  copy_run "$name"
   [ $rc -eq 124 ] && echo "$name: stopped at the stage's limit (the summary counts the steps)" && rc=0
   return $rc
 }
@@ -91,7 +88,7 @@ print(text)
 PY
 }
 
-export -f install_envs train_env install_wheels summary
+export -f install_envs train_env install_wheels summary copy_run
 stage install 300 install_envs
 if [ $failed -eq 0 ]; then
   stage verifiers 590 "train_env verifiers"

@@ -40,6 +40,16 @@ build_extension() {  # megarl._C in place (perf/build_C.sh; skipped when built f
   bash perf/build_C.sh
 }
 
+copy_run() {  # copy_run NAME: the records of the run $RUNS/NAME (metrics, summary, report and its plots,
+  # samples, config) into $OUT/NAME
+  mkdir -p "$OUT/$1"
+  for f in metrics.jsonl summary.json report.md samples.jsonl val_samples.jsonl config.json; do
+    [ -f "$RUNS/$1/$f" ] && cp "$RUNS/$1/$f" "$OUT/$1/"
+  done
+  cp "$RUNS/$1"/*.png "$OUT/$1/" 2>/dev/null
+  return 0
+}
+
 smol_gguf() {  # export SMOL_GGUF (default /tmp/smol.gguf), joined from its two uploaded halves where needed
   # (/tmp/smol.gguf.part-aa and -ab: .gpu/smol/p1 and p2, perf/gpu_smollm2_gsm8k.sh)
   export SMOL_GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
