@@ -36,7 +36,7 @@ def make_tiny_model(path: Path, *, layers: int = 2, seed: int = 0, tied: bool = 
                      num_kv_heads=2, head_dim=16, ffn_hidden_size=128, rope_theta=10000.0, rms_norm_eps=1e-5,
                      tie_word_embeddings=tied, max_position_embeddings=64, bos_token_id=None,
                      eos_token_ids=(WORDS.index("<eos>"),), pad_token_id=WORDS.index("<pad>"))
-    return _save_random(path, spec, seed, embedding_scale)
+    return save_random_model(path, spec, seed, embedding_scale)
 
 
 def make_tiny_moe_model(path: Path, *, family: str = "qwen3_moe", layers: int = 2, seed: int = 0) -> Path:
@@ -50,12 +50,13 @@ def make_tiny_moe_model(path: Path, *, family: str = "qwen3_moe", layers: int = 
                      eos_token_ids=(WORDS.index("<eos>"),), pad_token_id=WORDS.index("<pad>"), num_experts=8,
                      moe_top_k=2, moe_ffn_hidden_size=32, moe_aux_loss_coef=0.001,
                      shared_expert_ffn_hidden_size=48 if family == "qwen2_moe" else 0)
-    return _save_random(path, spec, seed)
+    return save_random_model(path, spec, seed)
 
 
-def _save_random(path: Path, spec, seed: int, embedding_scale: float = 1.0) -> Path:
-    """A random transformers model of ``spec`` in its checkpoint form (experts one tensor each), with the
-    word-level tokenizer."""
+def save_random_model(path: Path, spec, seed: int, embedding_scale: float = 1.0) -> Path:
+    """A random transformers model of ``spec`` in its checkpoint form (experts one tensor each, buffers that are
+    checkpoint tensors such as DeepSeek-V3's ``e_score_correction_bias`` included), with the word-level
+    tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -66,7 +67,9 @@ def _save_random(path: Path, spec, seed: int, embedding_scale: float = 1.0) -> P
     model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(embedding_scale)
-    save_hf_checkpoint(path, spec, transformers_canonical(spec, dict(model.named_parameters())))
+    saved = spec.hf_tensor_shapes()
+    tensors = {**{n: b for n, b in model.named_buffers() if n in saved}, **dict(model.named_parameters())}
+    save_hf_checkpoint(path, spec, transformers_canonical(spec, tensors))
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
