@@ -69,11 +69,9 @@ def _check(rank, world, runner, enforce_eager):
                                                   seed=sample_seed(sampling.seed, engine.calls, k, j)))
                   for k, j in rows]
         engine._reset_prefix_cache()
-        capture = engine._sampled_logprobs
-        capture.start()
-        outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
-                                      use_tqdm=False)
-        got = capture.collect(outputs, [len(prompts[k]) for k, _ in rows])
+        outputs, got = engine._sampled_logprobs.run(
+            lambda: engine.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
+                                        use_tqdm=False), [len(prompts[k]) for k, _ in rows])
         want = [np.array([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
                          dtype=np.float32) for o in outputs]
         r[f"{name}_total"] = len(want)

@@ -653,13 +653,11 @@ class VLLMRolloutEngine:
                                                   if seeded else None, logprobs=capture is None))
                   for k, j in rows]
         request, version = self._lora_request, self.adapter_version  # one version for the whole call
-        outputs, values = [], [None] * len(rows)
-        if rows:
-            if capture is not None:
-                capture.start()
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
-                                        use_tqdm=False, lora_request=request)
-            values = values if capture is None else capture.collect(outputs, [len(prompts[k]) for k, _ in rows])
+        def run() -> list:
+            return self.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
+                                     use_tqdm=False, lora_request=request) if rows else []
+        outputs, values = ((run(), [None] * len(rows)) if capture is None else
+                           capture.run(run, [len(prompts[k]) for k, _ in rows]))
         samples = [completion_to_sample(out.outputs[0], prompt_offset + k, j, version,
                                         completion_routes(out.outputs[0], len(prompts[k]), self.spec)
                                         if self.record_routes else None, self.policy_version, logprobs)

@@ -1,4 +1,4 @@
-"""The sampled tokens' log-probs taken on the GPU inside vLLM 0.24.0's sampler (``rollout.logprobs: gpu``).
+"""The sampled tokens' log-probs taken on the GPU inside vLLM 0.24.0's sampler (``rollout.logprobs: sampler``).
 
 Why. Asking vLLM for the sampled token's log-prob (``SamplingParams(logprobs=0)``) costs ~6 ms of host time per
 decode step of 512 sequences on an H100 (13.9 ms against 8.0 ms without; issue 47): the model runner copies the
@@ -52,7 +52,7 @@ request-by-request path of multi-turn episodes (``add_request`` / ``step``), whi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -64,7 +64,7 @@ LOGPROBS_MODE = "processed_logprobs"  # megarl's (megarl.rollout.vllm_engine.llm
 
 @dataclass
 class Step:
-    """One sampler call's rows, as recorded (GPU tensors are kept by reference until :meth:`SampledLogprobs.collect`).
+    """One sampler call's rows, as recorded (GPU tensors kept by reference until :meth:`SampledLogprobs.run` ends).
 
     Attributes:
         req_ids: row -> vLLM's internal request id (``rows`` of them).
@@ -140,7 +140,7 @@ def assemble(steps: Sequence[Step], requests: dict[str, tuple[int, Sequence[int]
         request = np.searchsorted(offset, missing, side="right") - 1
         raise RolloutError(f"log-prob capture: {len(want) - len(unique)} of {len(want)} output tokens have no sampler "
                            f"row (e.g. request {names[request[0]]!r} token {int(missing[0] - offset[request[0]])}); "
-                           "vLLM's model runner differs from 0.24.0's; use rollout.logprobs=vllm")
+                           "vLLM's model runner differs from 0.24.0's; use rollout.logprobs=output")
     wrong = np.nonzero(tokens[last] != want[unique])[0]
     if len(wrong):
         k = int(unique[wrong[0]])
@@ -148,7 +148,7 @@ def assemble(steps: Sequence[Step], requests: dict[str, tuple[int, Sequence[int]
         raise RolloutError(f"log-prob capture: {len(wrong)} output tokens differ from their sampler rows' (request "
                            f"{names[request]!r} token {k - offset[request]}: output {want[k]}, row "
                            f"{tokens[last[wrong[0]]]}); vLLM's model runner differs from 0.24.0's; use "
-                           "rollout.logprobs=vllm")
+                           "rollout.logprobs=output")
     flat = np.empty(len(want), dtype=np.float32)
     flat[unique] = values[last]
     return {n: flat[offset[i]:offset[i + 1]] for i, n in enumerate(names)}
@@ -156,7 +156,7 @@ def assemble(steps: Sequence[Step], requests: dict[str, tuple[int, Sequence[int]
 
 class SampledLogprobs:
     """The sampled tokens' log-probs of one in-process vLLM engine, captured in its model runner's sampler
-    (module docstring). Install once per engine; :meth:`start` before ``LLM.generate``, :meth:`collect` after.
+    (module docstring). Install once per engine; :meth:`run` runs ``LLM.generate`` recording.
 
     Args:
         runner: the engine's model runner (``llm.llm_engine.model_executor.driver_worker.worker.model_runner``).
@@ -171,17 +171,17 @@ class SampledLogprobs:
         sampler = getattr(runner, "sampler", None)
         mode = getattr(sampler, "logprobs_mode", None)
         if mode != LOGPROBS_MODE:
-            raise RolloutError(f"rollout.logprobs=gpu: the sampler's logprobs_mode is {mode!r}, megarl's engines "
+            raise RolloutError(f"rollout.logprobs=sampler: the sampler's logprobs_mode is {mode!r}, megarl's engines "
                                f"run {LOGPROBS_MODE!r}")
         needed = ("sample",) if v2 else ("_sample", "input_batch", "optimistic_seq_lens_cpu", "discard_request_mask")
         missing = [name for name in needed if not hasattr(runner, name)] + (
             [] if hasattr(sampler, "sample") else ["sampler.sample"])
         if missing:
-            raise RolloutError(f"rollout.logprobs=gpu: vLLM's {'V2' if v2 else 'V1'} model runner has no {missing} "
-                               "(not vLLM 0.24.0?); use rollout.logprobs=vllm")
+            raise RolloutError(f"rollout.logprobs=sampler: vLLM's {'V2' if v2 else 'V1'} model runner has no {missing} "
+                               "(not vLLM 0.24.0?); use rollout.logprobs=output")
         if v2 and getattr(sampler, "use_flashinfer", False):
-            raise RolloutError("rollout.logprobs=gpu: vLLM's V2 sampler may sample with FlashInfer (whose processed "
-                               "logits differ); unset VLLM_USE_FLASHINFER_SAMPLER")
+            raise RolloutError("rollout.logprobs=sampler: vLLM's V2 sampler may sample with FlashInfer (whose "
+                               "processed logits differ); unset VLLM_USE_FLASHINFER_SAMPLER")
         self._steps: list[Step] | None = None  # None: not recording
         self._pending: tuple | None = None  # the sampler's log-probs (and V2 positions) of the call in progress
         (self._wrap_v2 if v2 else self._wrap_v1)(runner, sampler)
@@ -202,8 +202,8 @@ class SampledLogprobs:
             out = run_sample(logits, spec_decode_metadata, *args, **kwargs)
             if self._steps is not None:
                 if spec_decode_metadata is not None or self._pending is None:
-                    raise RolloutError("rollout.logprobs=gpu: a sampler step without the sampled log-probs "
-                                       "(speculative decoding?); use rollout.logprobs=vllm")
+                    raise RolloutError("rollout.logprobs=sampler: a sampler step without the sampled log-probs "
+                                       "(speculative decoding?); use rollout.logprobs=output")
                 rows = runner.input_batch.num_reqs
                 self._steps.append(Step(list(runner.input_batch.req_ids[:rows]),
                                         runner.optimistic_seq_lens_cpu[:rows].numpy().copy(),
@@ -229,8 +229,8 @@ class SampledLogprobs:
             out = run_sample(hidden_states, input_batch, grammar_output, *args, **kwargs)
             if self._steps is not None:
                 if input_batch.num_draft_tokens or self._pending is None:
-                    raise RolloutError("rollout.logprobs=gpu: a sampler step without the sampled log-probs "
-                                       "(speculative decoding?); use rollout.logprobs=vllm")
+                    raise RolloutError("rollout.logprobs=sampler: a sampler step without the sampled log-probs "
+                                       "(speculative decoding?); use rollout.logprobs=output")
                 sampler_output, num_sampled = out[0], out[1]
                 logprobs, pos = self._pending
                 self._steps.append(Step(input_batch.req_ids, pos + 1, num_sampled > 0,
@@ -240,24 +240,28 @@ class SampledLogprobs:
         sampler.sample, runner.sample = sample_hook, run_sample_hook
 
     # ------------------------------------------------------------------ a generate call
-    def start(self) -> None:
-        """Record the sampler's rows from now on (dropping any earlier record)."""
-        self._steps, self._pending = [], None
-
-    def collect(self, outputs: Sequence[Any], prompt_lengths: Sequence[int]) -> list[np.ndarray]:
-        """Stop recording; the log-probs of ``outputs`` (vLLM ``RequestOutput``s of ``n=1`` requests, finished
-        while recording, their external ``request_id``) with their prompts' lengths.
+    def run(self, generate: Callable[[], list], prompt_lengths: Sequence[int]) -> tuple[list, list[np.ndarray]]:
+        """Call ``generate()`` (``LLM.generate`` of ``n=1`` requests) while recording the sampler's rows, and
+        return its outputs (vLLM ``RequestOutput``s, their external ``request_id``) with their log-probs; the
+        requests' prompts are ``prompt_lengths`` tokens long, in the outputs' order.
 
         Returns:
-            One ``[len(outputs[i].outputs[0].token_ids)]`` float32 numpy array per output.
+            ``(outputs, logprobs)``: one ``[len(outputs[i].outputs[0].token_ids)]`` float32 numpy array per output.
 
         Raises:
-            RolloutError: not recording, a request without rows, or rows that do not match its tokens
-                (:func:`assemble`).
+            RolloutError: a request without rows, or rows that do not match its tokens (:func:`assemble`).
         """
-        steps, self._steps, self._pending = self._steps, None, None
-        if steps is None:
-            raise RolloutError("log-prob capture: collect() without start()")
+        self._steps, self._pending = [], None
+        try:
+            outputs = generate()
+            steps = self._steps
+        finally:
+            self._steps, self._pending = None, None
+        return outputs, self._logprobs(steps, outputs, prompt_lengths)
+
+    @staticmethod
+    def _logprobs(steps: list[Step], outputs: Sequence[Any], prompt_lengths: Sequence[int]) -> list[np.ndarray]:
+        """:func:`assemble` of ``steps`` for ``outputs``, from vLLM's internal request ids to the external ones."""
         external = {out.request_id: (length, out.outputs[0].token_ids) for out, length in zip(outputs, prompt_lengths)}
         internal, seen, last = {}, set(), None
         for step in steps:  # vLLM's internal id is the external one, '-' and 8 random characters
@@ -273,7 +277,7 @@ class SampledLogprobs:
         lost = [o.request_id for o in outputs if o.request_id not in found]
         if lost:
             raise RolloutError(f"log-prob capture: no sampler rows of the requests {lost[:5]}; use "
-                               "rollout.logprobs=vllm")
+                               "rollout.logprobs=output")
         by_internal = assemble(steps, {r: external[e] for r, e in internal.items()})
         by_external = {}
         for r, e in internal.items():
