@@ -29,8 +29,9 @@
 #      logprobs=0 output) then =sampler (megarl.rollout.vllm_logprobs: gathered in vLLM's sampler on the GPU), back
 #      to back -> $OUT/gen_lp_output.json, gen_lp_sampler.json; gen_logprobs_v1: the same on the V1 model runner
 #      (gen_lp_v1_output.json, gen_lp_v1_sampler.json); logprobs_test: tests/test_gpu_logprobs.py (the sampler's
-#      log-probs = vLLM's logprobs=0 output bit for bit, V1 and V2, eager and CUDA graphs; ~4 minutes). One call:
-#      OUT=/tmp/gen STAGES="gen_logprobs gen_logprobs_v1 logprobs_test" bash perf/gpu_generation.sh
+#      log-probs = vLLM's logprobs=0 output bit for bit, V1 and V2, eager and CUDA graphs; ~4 minutes). Two calls:
+#      OUT=/tmp/gen STAGES="logprobs_test" bash perf/gpu_generation.sh
+#      OUT=/tmp/gen STAGES="gen_logprobs gen_logprobs_v1" bash perf/gpu_generation.sh
 # With EXTRA=1, five more (~6 minutes): gen_hf (an HF config.json of the same shape: max_position_embeddings
 # 131072, eos and generation_config.json of Qwen2.5-1.5B, the "HF directory" of the peers' comparison),
 # gen_sync (AFTER with async scheduling off), step_before (the step with main's settings) and gen_7b, gen_7b_fp8
