@@ -653,6 +653,7 @@ class VLLMRolloutEngine:
                                                   if seeded else None, logprobs=capture is None))
                   for k, j in rows]
         request, version = self._lora_request, self.adapter_version  # one version for the whole call
+
         def run() -> list:
             return self.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
                                      use_tqdm=False, lora_request=request) if rows else []
