@@ -25,6 +25,13 @@
 #   6. gen_fp8: gen_after with rollout.quantization=fp8 (block-FP8 weights): tokens/s FP8 vs bf16;
 #   7. step_fp8: step_after with FP8 rollouts (token TIS by default): rollout-vs-actor log-prob difference and
 #      TIS truncation, FP8 against stage 4's bf16.
+#   8. gen_logprobs: the RL generate call (variant megarl) with AFTER and rollout.logprobs=output (vLLM's
+#      logprobs=0 output) then =sampler (megarl.rollout.vllm_logprobs: gathered in vLLM's sampler on the GPU), back
+#      to back -> $OUT/gen_lp_output.json, gen_lp_sampler.json; gen_logprobs_v1: the same on the V1 model runner
+#      (gen_lp_v1_output.json, gen_lp_v1_sampler.json); logprobs_test: tests/test_gpu_logprobs.py (the sampler's
+#      log-probs = vLLM's logprobs=0 output bit for bit, V1 and V2, eager and CUDA graphs; ~4 minutes). Two calls:
+#      OUT=/tmp/gen STAGES="logprobs_test" bash perf/gpu_generation.sh
+#      OUT=/tmp/gen STAGES="gen_logprobs gen_logprobs_v1" bash perf/gpu_generation.sh
 # With EXTRA=1, five more (~6 minutes): gen_hf (an HF config.json of the same shape: max_position_embeddings
 # 131072, eos and generation_config.json of Qwen2.5-1.5B, the "HF directory" of the peers' comparison),
 # gen_sync (AFTER with async scheduling off), step_before (the step with main's settings) and gen_7b, gen_7b_fp8
@@ -96,6 +103,15 @@ gen_hf() { hf_config && generation hf megarl model.path="$OUT/hf15"; }
 gen_sync() { generation sync megarl $AFTER rollout.async_scheduling=false; }
 gen_7b() { generation 7b megarl $AFTER model.path=preset:qwen2.5-7b; }
 gen_7b_fp8() { generation 7b_fp8 megarl $AFTER model.path=preset:qwen2.5-7b rollout.quantization=fp8; }
+gen_logprobs() {
+  generation lp_output megarl $AFTER rollout.logprobs=output &&
+    generation lp_sampler megarl $AFTER rollout.logprobs=sampler
+}
+gen_logprobs_v1() {
+  generation lp_v1_output megarl rollout.model_runner=v1 rollout.logprobs=output &&
+    generation lp_v1_sampler megarl rollout.model_runner=v1 rollout.logprobs=sampler
+}
+logprobs_test() { python3 -m pytest -q -s -rfE --tb=short -p no:cacheprovider -m gpu tests/test_gpu_logprobs.py; }
 step_after() {
   step after $AFTER algorithm.rollout_correction.preset=token_tis --steps 3 --warmup 1 --standalone-vllm \
     --standalone-repeats 3
@@ -105,7 +121,7 @@ step_before() { step before --steps 3 --warmup 1; }
 fp8_kernel() { python3 -m pytest -q -s -rfE --tb=short -p no:cacheprovider -m gpu tests/test_gpu_fp8.py; }
 
 export -f install_wheels build_extension generation step hf_config gen_before gen_after gen_fp8 gen_hf gen_sync \
-  gen_7b gen_7b_fp8 step_after step_fp8 step_before fp8_kernel
+  gen_7b gen_7b_fp8 step_after step_fp8 step_before fp8_kernel gen_logprobs gen_logprobs_v1 logprobs_test
 
 stage install 200 install_wheels
 [ $failed -eq 0 ] && stage build 200 build_extension
@@ -116,6 +132,9 @@ if [ $failed -eq 0 ]; then  # the rest runs whatever one of them does, so that o
   stage step_after 260 step_after
   stage gen_fp8 200 gen_fp8
   stage step_fp8 150 step_fp8
+  stage gen_logprobs 200 gen_logprobs
+  stage gen_logprobs_v1 200 gen_logprobs_v1
+  stage logprobs_test 400 logprobs_test
   if [ "${EXTRA:-0}" = 1 ]; then
     stage gen_hf 110 gen_hf
     stage gen_sync 90 gen_sync

@@ -337,7 +337,8 @@ def summary_table(folder: str | os.PathLike) -> str:
     before/after with the issue's goal (1.8x), the per-step breakdowns and profiles, FP8 against bf16, the RL step
     against 7.0 s, the standalone baseline's spread against 5%, the HF-directory config against the preset."""
     folder = Path(folder)
-    gens = {label: r for label in ("before", "after", "fp8", "hf", "sync", "7b", "7b_fp8")
+    gens = {label: r for label in ("before", "after", "fp8", "hf", "sync", "7b", "7b_fp8", "lp_output", "lp_sampler",
+                                   "lp_v1_output", "lp_v1_sampler")
             if (r := _load(folder, f"gen_{label}.json")) is not None}
     steps = {label: r for label in ("before", "after", "fp8") if (r := _load(folder, f"step_{label}.json")) is not None}
     out = ["## Generation, one engine per row (megarl bench generation)", "",
@@ -357,6 +358,12 @@ def summary_table(folder: str | os.PathLike) -> str:
         speedup = a["tokens_per_s"] / b["tokens_per_s"]
         out += ["", f"RL generate call (variant megarl): {b['seconds']:.2f} s before, {a['seconds']:.2f} s after: "
                     f"{speedup:.2f}x (goal >= 1.8x: {'met' if speedup >= 1.8 else 'missed'})"]
+    for runner in ("", "v1_"):  # rollout.logprobs: output against sampler (gen_logprobs, gen_logprobs_v1)
+        if f"lp_{runner}output" in gens and f"lp_{runner}sampler" in gens:
+            o, s = (gens[f"lp_{runner}{k}"]["variants"]["megarl"] for k in ("output", "sampler"))
+            out.append(f"rollout.logprobs ({runner[:-1] or 'AFTER'}): output {o['seconds']:.2f} s "
+                       f"({o['per_step_ms']['wall']:.2f} ms/step), sampler {s['seconds']:.2f} s "
+                       f"({s['per_step_ms']['wall']:.2f} ms/step): {o['seconds'] / s['seconds']:.2f}x")
     if "before" in gens:
         v = gens["before"]["variants"]
         base = v["megarl"]["tokens_per_s"]

@@ -28,7 +28,8 @@ process groups and takes the minimum free memory over the world).
 Generation: one vLLM request per (prompt, sample), ``n=1``, seeded by
 :func:`~megarl.rollout.base.sample_seed` (``rollout.request_seeds``, the default; else vLLM's own generator),
 asking for the sampled token's log-prob only (``logprobs=0``; the sampler puts the sampled token first,
-``vllm/v1/engine/logprobs.py``).
+``vllm/v1/engine/logprobs.py``), or, with ``rollout.logprobs: sampler``, for none, the same values then taken
+in the model runner's sampler on the GPU (:mod:`megarl.rollout.vllm_logprobs`).
 
 What these cost per decode step (vLLM 0.24.0's source; measured by ``perf/gpu_generation.sh``): a seeded
 request gets a ``torch.Generator`` of its own, and the V1 model runner's sampler
@@ -131,6 +132,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import QUANTIZATIONS
+from megarl.config.rollout import LOGPROBS_SOURCES
 from megarl.kernels.batch_invariant import BATCH_INVARIANT_ENV
 from megarl.models.fp8 import BLOCK
 from megarl.models.layout import Layout, local_views
@@ -149,6 +151,7 @@ from megarl.rollout.base import (
     sample_rows,
     sample_seed,
 )
+from megarl.rollout.vllm_logprobs import SampledLogprobs
 
 # Set before vllm is imported (vllm.envs reads them): in-process engine core (the model is reachable here and
 # external_launcher needs deterministic in-process scheduling), no FlashInfer sampler JIT (nothing to download
@@ -181,6 +184,8 @@ class VLLMSettings:
         request_seeds: seed every request (:func:`~megarl.rollout.base.sample_seed`: samples independent of
             batching); False: vLLM's generator, seeded once by ``run.seed`` (samples then depend on the batch).
         quantization: None (the model dtype) or "fp8" (block-FP8 weights, module docstring).
+        logprobs: "output" (vLLM's ``logprobs=0`` output) or "sampler" (the same values from vLLM's sampler on the
+            GPU, :mod:`megarl.rollout.vllm_logprobs`), for :meth:`VLLMRolloutEngine.generate`.
         exact: vLLM's batch-invariant mode (``rollout.exact``: :data:`~megarl.kernels.batch_invariant.
             BATCH_INVARIANT_ENV`; vLLM then picks a batch-invariant attention backend, one KV split, no cascade
             attention, no custom all-reduce).
@@ -194,6 +199,7 @@ class VLLMSettings:
     max_cudagraph_capture_size: int | None = None
     request_seeds: bool = True
     quantization: str | None = None
+    logprobs: str = "output"
     exact: bool = False
 
     @classmethod
@@ -299,24 +305,28 @@ def join_engine_construction(tp: int) -> None:
 
 
 def request_params(prompt: Sequence[int], sampling: SamplingConfig, *, context: int, stop_token_ids: list[int],
-                   seed: int | None) -> dict[str, Any]:
+                   seed: int | None, logprobs: bool = True) -> dict[str, Any]:
     """The ``vllm.SamplingParams`` keyword arguments of one sample of ``prompt`` (``seed`` None: vLLM's generator).
 
     ``n=1``; temperature 0 is greedy in vLLM too; top-k -1 (off) becomes vLLM's 0 (off); ``max_tokens`` is
     ``min(sampling.max_new_tokens, context - len(prompt))`` tokens; ``logprobs=0`` returns the sampled token's
-    log-prob alone; no detokenisation (there is no tokenizer).
+    log-prob alone (``logprobs=False``: None, vLLM returns none: :mod:`megarl.rollout.vllm_logprobs` takes them);
+    no detokenisation (there is no tokenizer).
     """
     return dict(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=0 if sampling.top_k == -1 else sampling.top_k,
                 max_tokens=min(sampling.max_new_tokens, context - len(prompt)), stop_token_ids=stop_token_ids,
-                seed=seed, logprobs=0, detokenize=False)
+                seed=seed, logprobs=0 if logprobs else None, detokenize=False)
 
 
 def completion_to_sample(completion, prompt_index: int, sample_index: int, adapter_version: int | None = None,
-                         routes: torch.Tensor | None = None, policy_version: int | None = None) -> Sample:
+                         routes: torch.Tensor | None = None, policy_version: int | None = None,
+                         logprobs=None) -> Sample:
     """A :class:`~megarl.rollout.base.Sample` from a vLLM ``CompletionOutput`` (``token_ids``, ``logprobs``:
     one ``{token id: Logprob}`` per token, ``finish_reason``), sampled with LoRA adapters ``adapter_version``
-    by the weights of ``policy_version``, with its ``routes`` (:func:`completion_routes`; None: none recorded).
+    by the weights of ``policy_version``, with its ``routes`` (:func:`completion_routes`; None: none recorded);
+    ``logprobs`` (a float32 numpy array, one per token: :class:`~megarl.rollout.vllm_logprobs.SampledLogprobs`)
+    replaces the output's.
 
     Raises:
         RolloutError: a finish reason other than "stop" / "length" (an aborted or failed request), or
@@ -327,11 +337,13 @@ def completion_to_sample(completion, prompt_index: int, sample_index: int, adapt
     if reason not in FINISH_REASONS:
         raise RolloutError(f"vLLM request for prompt {prompt_index} sample {sample_index} ended with "
                            f"finish_reason={reason!r}, expected one of {FINISH_REASONS}")
-    logprobs = completion.logprobs or []
+    given = logprobs is not None
+    logprobs = logprobs if given else completion.logprobs or []
     if len(logprobs) != len(tokens):
         raise RolloutError(f"vLLM returned {len(logprobs)} log-probs for {len(tokens)} tokens (prompt "
                            f"{prompt_index} sample {sample_index})")
-    values = torch.tensor([position[t].logprob for position, t in zip(logprobs, tokens)], dtype=torch.float32)
+    values = (torch.from_numpy(logprobs).to(torch.float32) if given else
+              torch.tensor([position[t].logprob for position, t in zip(logprobs, tokens)], dtype=torch.float32))
     return Sample(prompt_index, sample_index, tokens, values, reason, adapter_version, routes, policy_version)
 
 
@@ -422,6 +434,8 @@ class VLLMRolloutEngine:
             raise RolloutError(f"max_model_len must be in [2, {spec.max_position_embeddings}] (the model's "
                                f"max_position_embeddings), got {max_model_len}")
         self.settings = settings = settings or VLLMSettings()
+        if settings.logprobs not in LOGPROBS_SOURCES:
+            raise RolloutError(f"logprobs must be one of {LOGPROBS_SOURCES}, got {settings.logprobs!r}")
         if settings.quantization is not None and settings.quantization not in QUANTIZATIONS:
             raise RolloutError(f"quantization must be null or one of {QUANTIZATIONS}, got {settings.quantization!r}")
         if settings.quantization == "fp8":
@@ -462,6 +476,8 @@ class VLLMRolloutEngine:
                                f"[{first}, {first + tp}) (consecutive blocks of tp={tp})")
         self._runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         self.model = self._runner.get_model()
+        v2 = bool(self.llm.llm_engine.vllm_config.use_v2_model_runner)
+        self._sampled_logprobs = SampledLogprobs(self._runner, v2=v2) if settings.logprobs == "sampler" else None
         self._params = {n.replace(".base_layer.", "."): p.detach()  # LoRA layers wrap the base (module docstring)
                         for n, p in self.model.named_parameters()}  # fused experts viewed 2-D:
         self._params = local_views(self._params, self._rank_tensors())
@@ -631,18 +647,22 @@ class VLLMRolloutEngine:
         start = time.perf_counter()
         stop = sorted(set(self.spec.eos_token_ids) | set(sampling.stop_token_ids))
         rows = sample_rows(len(prompts), sampling.n)
-        seeded = self.settings.request_seeds
+        seeded, capture = self.settings.request_seeds, self._sampled_logprobs
         params = [SamplingParams(**request_params(prompts[k], sampling, context=context, stop_token_ids=stop,
                                                   seed=sample_seed(sampling.seed, call, prompt_offset + k, j)
-                                                  if seeded else None))
+                                                  if seeded else None, logprobs=capture is None))
                   for k, j in rows]
         request, version = self._lora_request, self.adapter_version  # one version for the whole call
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
-                                    use_tqdm=False, lora_request=request) if rows else []
+
+        def run() -> list:
+            return self.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
+                                     use_tqdm=False, lora_request=request) if rows else []
+        outputs, values = ((run(), [None] * len(rows)) if capture is None else
+                           capture.run(run, [len(prompts[k]) for k, _ in rows]))
         samples = [completion_to_sample(out.outputs[0], prompt_offset + k, j, version,
                                         completion_routes(out.outputs[0], len(prompts[k]), self.spec)
-                                        if self.record_routes else None, self.policy_version)
-                   for (k, j), out in zip(rows, outputs)]
+                                        if self.record_routes else None, self.policy_version, logprobs)
+                   for (k, j), out, logprobs in zip(rows, outputs, values)]
         return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingConfig,

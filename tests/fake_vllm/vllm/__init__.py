@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -149,7 +151,8 @@ def fake_routes(model, prompt: list[int], tokens: list[int], num_experts: int, t
 
 class _Model:
     """This rank's parameters, reachable as ``llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    .get_model()`` like vLLM's model object."""
+    .get_model()`` like vLLM's model object (``driver_worker`` and ``worker`` are itself; ``model_runner`` is set
+    by :class:`_LLMEngine`)."""
 
     def __init__(self, params: dict[str, torch.Tensor]):
         self._params = params
@@ -160,7 +163,7 @@ class _Model:
     def get_model(self):
         return self
 
-    def __getattr__(self, name):  # llm_engine.model_executor.driver_worker.worker.model_runner -> self
+    def __getattr__(self, name):  # llm_engine.model_executor.driver_worker.worker -> self
         if name.startswith("_"):
             raise AttributeError(name)
         return self
@@ -168,11 +171,17 @@ class _Model:
 
 class _LLMEngine:
     """``llm.llm_engine``: the model object behind ``model_executor...`` and the request-level API (module
-    docstring)."""
+    docstring); ``model_executor.driver_worker.worker.model_runner`` is a fake V1 or V2 model runner
+    (``VLLM_USE_V2_MODEL_RUNNER``, :mod:`vllm.runners`), ``vllm_config.use_v2_model_runner`` says which."""
 
     def __init__(self, llm: "LLM"):
+        from vllm.runners import RunnerV1, RunnerV2
+
         self._llm = llm
         self.model_executor = _Model(llm.params)
+        v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
+        self.model_executor.model_runner = (RunnerV2 if v2 else RunnerV1)(self.model_executor)
+        self.vllm_config = SimpleNamespace(use_v2_model_runner=v2)
         self._running: dict[str, list] = {}  # request id -> [prompt, completion, tokens produced so far]
         self._cached_blocks: set[tuple[int, ...]] = set()
         self.added: list[tuple[str, list[int]]] = []  # every request's id and prompt, in order
@@ -277,6 +286,7 @@ class LLM:
                                              requires_grad=False)
                        for n, lt in self.layout.items()}
         self.llm_engine = _LLMEngine(self)
+        self._counter = itertools.count()  # request ids of generate, as vLLM's LLM.request_counter
         self.generated: list[list[list[int]]] = []
         self.seen_weights: list[int] = []
         self.asleep = False
@@ -317,7 +327,12 @@ class LLM:
         weights = fingerprint(canonical)
         self.generated.append(ids)
         self.seen_weights.append(weights)
-        outputs = [RequestOutput(p, [fake_completion(weights, p, s, self.spec.vocab_size)]) for p, s in zip(ids, params)]
+        outputs = [RequestOutput(p, [fake_completion(weights, p, s, self.spec.vocab_size)], str(next(self._counter)))
+                   for p, s in zip(ids, params)]
+        asked = {s.logprobs is not None for s in params}
+        assert len(asked) <= 1, "fake vLLM: requests of one call ask for log-probs alike"
+        if asked == {False}:
+            self._run_sampler(outputs, params)
         if self.kwargs.get("enable_return_routed_experts"):
             model = self._transformers_model(canonical)
             for out in outputs:
@@ -325,6 +340,24 @@ class LLM:
                 c.routed_experts = fake_routes(model, out.prompt_token_ids, c.token_ids, self.spec.num_experts,
                                                self.spec.moe_top_k)
         return outputs
+
+    def _run_sampler(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> None:
+        """Requests without log-probs: vLLM returns none (``logprobs`` None); its model runner's sampler produced
+        the tokens step by step (:func:`vllm.runners.sampler_rows` under internal ids: the external id, '-' and 8
+        characters), which the runner's hooks (megarl.rollout.vllm_logprobs) see."""
+        from vllm.runners import sampler_rows
+
+        runner = self.llm_engine.model_executor.model_runner
+        requests = []
+        for out in outputs:
+            c = out.outputs[0]
+            requests.append((f"{out.request_id}-{hashlib.sha256(out.request_id.encode()).hexdigest()[:8]}",
+                             len(out.prompt_token_ids), list(c.token_ids), [lp[t].logprob for lp, t in
+                                                                             zip(c.logprobs, c.token_ids)]))
+            c.logprobs = None
+        greedy = all(s.temperature == 0 for s in params)
+        for rows in sampler_rows(requests, seed=len(self.generated)):
+            runner.run_step(rows, self.spec.vocab_size, greedy)
 
     def _transformers_model(self, canonical: dict[str, torch.Tensor]):
         """The transformers model (float32) of the assembled weights, for :func:`fake_routes`."""

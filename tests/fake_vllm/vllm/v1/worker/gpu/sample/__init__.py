@@ -1,0 +1,1 @@
+"""The fake of ``vllm.v1.worker.gpu.sample``."""
