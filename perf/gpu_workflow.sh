@@ -74,18 +74,31 @@ print(f"judge model: {out}")
 PY
 }
 
+stop_judge() {  # the judge server's process group (the API server and its engine process), TERM, then KILL after 30 s
+  [ -n "${JUDGE_PID:-}" ] || return 0
+  kill -- -"$JUDGE_PID" 2>/dev/null
+  local waited=0
+  while kill -0 "$JUDGE_PID" 2>/dev/null && [ $waited -lt 30 ]; do sleep 1; waited=$(( waited + 1 )); done
+  kill -9 -- -"$JUDGE_PID" 2>/dev/null
+  wait "$JUDGE_PID" 2>/dev/null
+  JUDGE_PID=
+}
+
 judge() {  # the judge server, then the run scored by it; the server is stopped when the stage ends
-  local started; started=$(date +%s)
+  local started rc; started=$(date +%s)
   judge_model || return 1
+  set -m  # the server in a process group of its own, stopped whole (stop_judge)
   python3 -m vllm.entrypoints.openai.api_server --model "$JUDGE_DIR" --served-model-name judge \
     --host 127.0.0.1 --port "$JUDGE_PORT" --dtype bfloat16 --gpu-memory-utilization "$JUDGE_GPU_MEM" \
     --max-model-len 2048 --enforce-eager > "$OUT/judge_server.log" 2>&1 &
-  local server=$!
-  trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
+  JUDGE_PID=$!
+  set +m
+  trap stop_judge EXIT  # also when the stage's limit ends it
   local url=http://127.0.0.1:$JUDGE_PORT/v1
   until python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" "$url/models" \
       2>/dev/null; do
-    kill -0 $server 2>/dev/null || { echo "the judge server exited:"; tail -n 30 "$OUT/judge_server.log"; return 1; }
+    kill -0 "$JUDGE_PID" 2>/dev/null || { echo "the judge server exited:"; tail -n 30 "$OUT/judge_server.log"
+                                          return 1; }
     sleep 2
   done
   echo "judge server up at $url after $(( $(date +%s) - started )) s"
@@ -96,10 +109,13 @@ judge() {  # the judge server, then the run scored by it; the server is stopped 
           data.prompts_per_step=16 actor.ppo_mini_batch_size=128)
   fi
   echo "judge run: $config"
-  train_run judge "$(seconds_left "$started" "$1" 20)" "$config" "${data[@]}" trainer.steps="$JUDGE_STEPS" \
+  train_run judge "$(seconds_left "$started" "$1" 40)" "$config" "${data[@]}" trainer.steps="$JUDGE_STEPS" \
     trainer.save_every=0 validation.enabled=false rollout.enforce_eager=true rollout.gpu_memory_utilization=0.25 \
     reward.judge.enabled=true reward.judge.url="$url" reward.judge.model=judge reward.judge.weight=0.5 \
     reward.judge.rule_weight=1.0 reward.judge.max_tokens=128 reward.judge.max_concurrency=128
+  rc=$?
+  stop_judge
+  return $rc
 }
 
 teacher() {
@@ -186,7 +202,7 @@ print(text)
 PY
 }
 
-export -f install_wheels seconds_left train_run copy_run judge_model judge teacher opd summary
+export -f install_wheels seconds_left train_run copy_run judge_model stop_judge judge teacher opd summary
 stage install 200 install_wheels
 if [ $failed -eq 0 ]; then  # all run, so that one GPU session reports on each
   stage judge 200 "judge 200"
