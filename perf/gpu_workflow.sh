@@ -20,8 +20,9 @@
 #      requests and unreadable verdicts; OPD's reverse KL by step and its validation accuracy against the
 #      teacher's. Each run's records (metrics, report, plots) are copied into $OUT/<run>/.
 # A run stopped at its stage's limit (SIGINT) keeps its metrics and the summary counts its steps. Stages share a
-# budget of 450 s of wall time (BUDGET_S); with ~60-90 s of start-up a run, on a fresh machine run
-# STAGES=judge first, then STAGES="teacher opd summary" with the same OUT on the kept machine.
+# budget of 450 s of wall time (BUDGET_S), each within its limit (JUDGE_S 240, TEACHER_S 180, OPD_S 200); with
+# ~60-90 s of start-up a run, on a fresh machine run STAGES=judge first (with the install), then
+# STAGES="teacher opd summary" with the same OUT on the kept machine.
 # The last line is "gpu_workflow: PASS" or "gpu_workflow: FAIL" (exit status 0 or 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,7 @@ GSM8K_DIR=${GSM8K_DIR:-/tmp/gsm8k}
 export GSM8K_DIR RUNS=${RUNS:-/tmp/runs/workflow} JUDGE_DIR=${JUDGE_DIR:-/tmp/smol_judge_hf} \
   JUDGE_PORT=${JUDGE_PORT:-8011} JUDGE_GPU_MEM=${JUDGE_GPU_MEM:-0.15} JUDGE_STEPS=${JUDGE_STEPS:-10} \
   DEADLINE=$(( $(date +%s) + BUDGET_S ))
+JUDGE_S=${JUDGE_S:-240} TEACHER_S=${TEACHER_S:-180} OPD_S=${OPD_S:-200}  # each stage's limit, seconds
 
 seconds_left() {  # seconds_left STARTED LIMIT RESERVE: until the stage that began at STARTED (date +%s) with
   # LIMIT s reaches its end (or the budget's), less RESERVE (the copy of the run's records)
@@ -87,10 +89,10 @@ stop_judge() {  # the judge server's process group (the API server and its engin
 judge() {  # the judge server, then the run scored by it; the server is stopped when the stage ends
   local started rc; started=$(date +%s)
   judge_model || return 1
-  set -m  # the server in a process group of its own, stopped whole (stop_judge)
-  python3 -m vllm.entrypoints.openai.api_server --model "$JUDGE_DIR" --served-model-name judge \
-    --host 127.0.0.1 --port "$JUDGE_PORT" --dtype bfloat16 --gpu-memory-utilization "$JUDGE_GPU_MEM" \
-    --max-model-len 2048 --enforce-eager > "$OUT/judge_server.log" 2>&1 &
+  set -m  # the server and its engine process in a group of their own, stopped whole (stop_judge)
+  VLLM_ENABLE_V1_MULTIPROCESSING=1 python3 -m vllm.entrypoints.openai.api_server --model "$JUDGE_DIR" \
+    --served-model-name judge --host 127.0.0.1 --port "$JUDGE_PORT" --dtype bfloat16 \
+    --gpu-memory-utilization "$JUDGE_GPU_MEM" --max-model-len 2048 --enforce-eager > "$OUT/judge_server.log" 2>&1 &
   JUDGE_PID=$!
   set +m
   trap stop_judge EXIT  # also when the stage's limit ends it
@@ -205,9 +207,9 @@ PY
 export -f install_wheels seconds_left train_run copy_run judge_model stop_judge judge teacher opd summary
 stage install 200 install_wheels
 if [ $failed -eq 0 ]; then  # all run, so that one GPU session reports on each
-  stage judge 200 "judge 200"
-  stage teacher 130 "teacher 130"
-  stage opd 160 "opd 160"
+  stage judge "$JUDGE_S" "judge $JUDGE_S"
+  stage teacher "$TEACHER_S" "teacher $TEACHER_S"
+  stage opd "$OPD_S" "opd $OPD_S"
 fi
 stage summary 30 summary
 finish gpu_workflow
