@@ -47,6 +47,7 @@ seconds_left() {  # seconds_left STARTED LIMIT RESERVE: until the stage that beg
 train_run() {  # train_run NAME STOP_S CONFIG OVERRIDES...: the run $RUNS/NAME, stopped with SIGINT after STOP_S
   local name=$1 stop=$2 config=$3
   shift 3
+  [ "$stop" -gt 0 ] || { echo "$name: no time left in the stage for the run"; return 1; }
   rm -rf "${RUNS:?}/$name"
   # bash -c execs python3 itself, so the SIGINT reaches it (and tests/test_perf_scripts.py's python3 stub applies)
   timeout --signal=INT "$stop" bash -c 'python3 -m megarl.cli train "$@"' train "$config" run.output_dir="$RUNS" \
@@ -148,12 +149,12 @@ def rows(name):
 
 
 def val(rows_):
-    """step -> the validation's accuracy (val/reward/mean, else the first val/ figure)."""
+    """step -> the validation's accuracy (val/accuracy, else the first val/ figure)."""
     got = {}
     for r in rows_:
         keys = sorted(k for k, v in r.items() if k.startswith("val/") and isinstance(v, (int, float)))
         if keys:
-            key = "val/reward/mean" if "val/reward/mean" in keys else keys[0]
+            key = "val/accuracy" if "val/accuracy" in keys else keys[0]
             got[r.get("step", 0)] = (key, r[key])
     return got
 
