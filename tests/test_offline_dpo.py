@@ -119,3 +119,18 @@ def test_a_short_run_raises_the_margin(prefs):
     assert history[1]["dpo/margin"] == pytest.approx(0.0, abs=1e-6)  # step 1's batch: the reference's weights
     assert after["val/margin"] > 0.5 and after["val/accuracy"] == 1.0 and after["val/loss"] < math.log(2) - 0.2
     assert (prefs[0] / "runs" / "dpo" / "dpo_reference.pt").is_file()
+
+
+def test_the_progress_bar_of_a_dpo_run_shows_its_loss_preference_accuracy_and_lr(tmp_path, capsys):
+    """The bar that ``fit`` opens for a DPO trainer (its ``section``) is named "DPO steps" and shows the step's loss,
+    preference accuracy and learning rate, not a reward."""
+    from megarl.offline.dpo import DPOTrainer
+    from megarl.trainer.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path / "metrics.jsonl", 2, 0, enabled=True, loggers=["console", "jsonl"],
+                           kind=DPOTrainer.section)
+    logger.log(1, {"dpo/loss": 0.6931, "dpo/accuracy": 0.5, "actor/lr": 1e-6, "time/step": 0.1})
+    logger.close()
+    err = capsys.readouterr().err
+    assert "DPO steps" in err and "reward" not in err, err
+    assert "loss=0.6931" in err and "pref acc=0.50" in err and "lr=1.00e-06" in err, err

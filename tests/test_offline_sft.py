@@ -289,3 +289,33 @@ def test_the_format_tasks_demonstrations_are_the_rl_runs_prompts_answered_in_the
         truth = row["ground_truth"]
         assert list(reward([demo["prompt"]] * 3, [demo["completion"], truth, f"#### {int(truth) + 1}"],
                            [truth] * 3)) == pytest.approx([1.0, 0.0, 0.1])
+
+
+def _progress_on_rank(rank, world, overrides):
+    """An SFT run with its progress bar on, stderr captured: (the bar's text, the metrics by step)."""
+    import contextlib
+    import io
+
+    from megarl.config import SFTRunConfig, load_config
+    from megarl.offline.sft import SFTTrainer
+    from megarl.offline.trainer import run
+    from megarl.trainer.metrics import read_metrics
+
+    cfg = load_config(None, overrides, schema=SFTRunConfig)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        run(SFTTrainer, cfg)
+    return err.getvalue(), read_metrics(cfg.run.run_dir / "metrics.jsonl")
+
+
+def test_the_progress_bar_shows_sfts_loss_tokens_per_second_and_lr(task):
+    """The bar of ``megarl sft`` is named "SFT steps" and shows the last step's loss, tokens/s and learning rate
+    (it said "RL steps" with reward 0.000); ``sft/tokens_per_s`` is the step's tokens over its seconds."""
+    _, overrides = _sft(task, "progress", "sft.batch_size=4", "sft.steps=2")
+    text, metrics = run_world(_progress_on_rank, 1, [o for o in overrides if o != "trainer.progress=false"])[0]
+    last = metrics[-1]
+    assert "SFT steps" in text and "RL steps" not in text and "reward" not in text, text
+    assert f"loss={last['sft/loss']:.4f}" in text and f"lr={last['actor/lr']:.2e}" in text, text
+    assert f"tok/s={last['sft/tokens_per_s']:.0f}" in text, text
+    for m in metrics:
+        assert m["sft/tokens_per_s"] == pytest.approx(m["sft/tokens"] / m["time/step"], rel=1e-3)

@@ -103,7 +103,8 @@ def _run_script(checkout, name: str, *args: str) -> tuple[subprocess.CompletedPr
 
     env = {**os.environ, "OUT": str(out), "MEGARL_CHECK_LOG": str(log), "MEGARL_CHECK_SERVER": str(server),
            "SMOL_GGUF": str(default_model_path()),
-           "GSM8K_DIR": str(gsm8k)}
+           "GSM8K_DIR": str(gsm8k),
+           "OPD_TEACHER": str(default_model_path())}  # gpu_workflow.sh's teacher (its teacher run is checked only)
     command = f"{_STUBS}\ncommand bash perf/{name} " + " ".join(args)
     r = subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     return r, (log.read_text().splitlines() if log.exists() else [])

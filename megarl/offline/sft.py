@@ -2,7 +2,8 @@
 tokens alone (:mod:`megarl.offline.data`), on the actor's engine at any layout (:mod:`megarl.offline.policy`).
 
 Metrics by step: ``sft/loss`` (mean negative log-likelihood of the batch's assistant tokens, nats per token),
-``sft/tokens``, ``actor/grad_norm``, ``actor/lr``, ``data/epoch``, ``time/step``; with validation rows,
+``sft/tokens`` (the assistant tokens trained on), ``sft/tokens_per_s`` (those over the step's seconds),
+``actor/grad_norm``, ``actor/lr``, ``data/epoch``, ``time/step``; with validation rows,
 ``val/loss`` (the same mean over every validation row) before the first step, every ``sft.val_every`` steps and
 after the last.
 """
@@ -32,8 +33,10 @@ class SFTTrainer(OfflineTrainer):
         start = time.perf_counter()
         batch = to_batch(examples, pad_token_id=self.pad_id, seq_multiple=self.seq_multiple)
         m = self.actor.sft_update(batch, seed=self.step_seed(), step=self.state.step + 1)
-        return {"sft/loss": m["loss"], "sft/tokens": m["tokens"], "actor/grad_norm": m["grad_norm"],
-                "actor/lr": m["lr"], "data/epoch": self.loader.epoch, "time/step": time.perf_counter() - start}
+        seconds = time.perf_counter() - start
+        return {"sft/loss": m["loss"], "sft/tokens": m["tokens"], "sft/tokens_per_s": m["tokens"] / seconds,
+                "actor/grad_norm": m["grad_norm"], "actor/lr": m["lr"], "data/epoch": self.loader.epoch,
+                "time/step": seconds}
 
     def validate(self) -> dict[str, Any]:
         nll = tokens = 0.0

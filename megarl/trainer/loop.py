@@ -51,7 +51,7 @@ def fit(trainer) -> dict[str, Any]:
             cut_record_back(trainer.run_dir, state.step)
     logger = MetricsLogger(trainer.run_dir / "metrics.jsonl", cfg.trainer.steps, state.step,
                            enabled=trainer.rank == 0, progress=cfg.trainer.progress, loggers=cfg.trainer.loggers,
-                           config=to_dict(cfg))
+                           config=to_dict(cfg), kind=getattr(trainer, "section", "") or "rl")  # offline: sft, dpo
     if trainer.rank == 0:
         (trainer.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
     batches = iter(trainer.loader)

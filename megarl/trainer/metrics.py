@@ -21,7 +21,8 @@ DIGEST = [
     ("reward/mean", "reward", "{:.3f}"), ("reward/std", "±", "{:.3f}"), ("reward/accuracy", "acc", "{:.2f}"),
     ("response/length_mean", "len", "{:.0f}"), ("actor/kl", "kl", "{:.4f}"), ("actor/entropy", "ent", "{:.3f}"),
     ("actor/clipfrac", "clip", "{:.3f}"), ("actor/pg_loss", "pg", "{:+.4f}"), ("critic/vf_loss", "vf", "{:.4f}"),
-    ("sft/loss", "loss", "{:.4f}"), ("dpo/loss", "dpo loss", "{:.4f}"), ("dpo/margin", "margin", "{:+.3f}"),
+    ("sft/loss", "loss", "{:.4f}"), ("sft/tokens_per_s", "tok/s", "{:.0f}"), ("dpo/loss", "dpo loss", "{:.4f}"),
+    ("dpo/margin", "margin", "{:+.3f}"),
     ("dpo/accuracy", "pref acc", "{:.2f}"), ("actor/grad_norm", "gnorm", "{:.3f}"), ("actor/lr", "lr", "{:.2e}"),
     ("throughput/generate_tokens_per_s", "gen tok/s", "{:.0f}"), ("perf/tokens_per_s_per_gpu", "tok/s/GPU", "{:.0f}"),
     ("perf/mfu", "MFU", "{:.1%}"), ("time/step", "step s", "{:.1f}"),
@@ -29,6 +30,14 @@ DIGEST = [
     ("val/accuracy", "val acc", "{:.3f}"), ("val/reward_mean", "val reward", "{:.3f}"),
     ("val/seconds", "val s", "{:.1f}"), ("val/loss", "val loss", "{:.4f}"),
 ]
+# the progress bar of each kind of run: its name and the (metric key, label, format) shown beside it
+PROGRESS = {
+    "rl": ("RL steps", [("reward/mean", "reward", "{:.3f}")]),
+    "sft": ("SFT steps", [("sft/loss", "loss", "{:.4f}"), ("sft/tokens_per_s", "tok/s", "{:.0f}"),
+                          ("actor/lr", "lr", "{:.2e}")]),
+    "dpo": ("DPO steps", [("dpo/loss", "loss", "{:.4f}"), ("dpo/accuracy", "pref acc", "{:.2f}"),
+                          ("actor/lr", "lr", "{:.2e}")]),
+}
 
 
 def digest(step: int, total: int, m: dict[str, Any]) -> str:
@@ -160,13 +169,16 @@ class MetricsLogger:
         total_steps / start_step: for the progress bar.
         enabled: False on every rank but the one that reports.
         progress: show a tqdm bar (with "console").
+        kind: the run's kind, a key of :data:`PROGRESS` ("rl", "sft", "dpo"): the bar's name and figures.
         loggers: names of ``trainer.loggers`` (console, jsonl, tensorboard, wandb).
         config: the run's config, for W&B.
     """
 
     def __init__(self, path: Path, total_steps: int, start_step: int, *, enabled: bool, progress: bool = True,
-                 loggers: Sequence[str] = ("console", "jsonl"), config: dict[str, Any] | None = None):
+                 loggers: Sequence[str] = ("console", "jsonl"), config: dict[str, Any] | None = None,
+                 kind: str = "rl"):
         self.path, self.total, self.enabled = Path(path), total_steps, enabled
+        desc, self.postfix = PROGRESS[kind]
         self.console = "console" in loggers
         self.bar = None
         self.writers: list[TensorBoardWriter | WandbWriter] = []
@@ -179,7 +191,7 @@ class MetricsLogger:
             if progress and self.console:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step",
+                self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step",
                                 dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -195,7 +207,8 @@ class MetricsLogger:
             self.bar.write(line)
             if step > self.bar.n:
                 self.bar.update(step - self.bar.n)
-                self.bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
+                self.bar.set_postfix({label: fmt.format(metrics[key]) for key, label, fmt in self.postfix
+                                      if metrics.get(key) is not None})
         else:
             print(line, flush=True)
 
