@@ -15,6 +15,7 @@
 #   4. summary: $OUT/environments_summary.md, a table by 10 steps for each run (reward, each reward function /
 #      game outcome rate, turns, sampled tokens per episode, step and generate seconds) and the validation before
 #      and after (verifiers); each run's report.md and plots (`megarl report`) are copied into $OUT/<run>/.
+# OVERRIDES (space-separated megarl overrides, e.g. "data.prompts_per_step=12") go to each run's command line.
 # A run stopped at its stage's limit (SIGINT) keeps its metrics and the summary says how many steps ran. With
 # ~90 s of start-up and ~2-3 s a step a run needs ~6 minutes: one call of the GPU machine each
 # (STAGES=verifiers, then STAGES="textarena summary" with the same OUT on the kept machine).
@@ -42,7 +43,7 @@ train_env() {  # train_env NAME [RESERVE_S]: the config's run, stopped with SIGI
   rm -rf "$RUNS/$name"
   timeout --signal=INT "$left" bash -c 'python3 -m megarl.cli train "$@"' train \
     "parallel_configs/gpu_1xh200_smollm2_$name.yaml" run.output_dir="$RUNS" run.name="$name" trainer.progress=false \
-    trainer.steps="$STEPS"
+    trainer.steps="$STEPS" ${OVERRIDES:-}
   local rc=$?
   copy_run "$name"
   [ $rc -eq 124 ] && echo "$name: stopped at the stage's limit (the summary counts the steps)" && rc=0
