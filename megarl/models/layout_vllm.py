@@ -14,7 +14,7 @@ from typing import Iterable
 
 from megarl.config import QUANTIZATIONS
 from megarl.models import fp8, gpt_oss
-from megarl.models.deepseek_spec import is_moe_layer
+from megarl.models.deepseek_moe import is_moe_layer
 from megarl.models.layout import (Block, Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up, gate_up,
                                   row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
@@ -236,7 +236,7 @@ def _vllm_moe(spec: ModelSpec, layer: int, tp: int, r: int) -> list[LocalTensor]
     out = [whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), block + "gate.weight"),
            experts_gate_up(spec, layer, block + "experts.routed_experts.w13_weight", experts, tp, r),
            experts_down(spec, layer, block + "experts.routed_experts.w2_weight", experts, tp, r)]
-    if spec.mla is not None:  # DeepSeek-V3: the router's bias (float32), shared experts without a gate
+    if spec.deepseek_moe is not None:  # DeepSeek-V3, GLM-4.5: the router's bias (float32), gateless shared experts
         out.append(whole(block + "gate.e_score_correction_bias", (spec.num_experts,)))
         if spec.shared_expert_ffn_hidden_size:
             out.extend(shared_expert(f"model.layers.{layer}.", block + "shared_experts.", spec, tp, r,
