@@ -283,8 +283,8 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
                             "fused MLA norms or adapters on MLA's projections); set actor.kernels.transformer_engine="
                             "false and actor.lora.enabled=false")
     if spec is not None and spec.glm is not None and (use_te or lora is not None):
-        raise SpecError("GLM-4.5 runs on the local layer spec without LoRA (megarl does not yet lay out TE's fused norms "
-                        "or adapters beside its dense first layers and shared_experts); set "
+        raise SpecError("GLM-4.5 runs on the local layer spec without LoRA (megarl does not yet lay out TE's fused "
+                        "norms or adapters beside its dense first layers and shared_experts); set "
                         "actor.kernels.transformer_engine=false and actor.lora.enabled=false")
     gemma = spec is not None and FAMILIES[spec.family].gemma
     if use_te and gemma:
