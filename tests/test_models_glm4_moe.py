@@ -5,10 +5,10 @@ A small random-weight model (fp32; norms, q/k/v biases, experts and the router's
 4 layers, the first dense; 4 query and 2 KV heads of 16 channels, half of them rotated; 8 experts in 4 groups (the
 best 2 groups, scored by their 2 best experts as both megatron and transformers then do), top 4, one shared expert,
 routed_scaling_factor 2.5; one MTP layer in the config (dropped). Default tier: logits over 24 tokens within 1e-4 at
-TP=2 and EP=2, the routing bias and the partial RoPE shown to change them, megarl's TP=2 tensors back to HF
-bit-identical and into vLLM's TP=2 layout equal to an independent slicing; spec, refusal, preset, FLOPs and preflight
-checks. Slow: logits at TP=1 and PP=2 too (a dense and an MoE layer on the first stage), a cross-entropy step's
-gradients at TP=1, and HF safetensors -> megarl dist checkpoint (PP=2) -> HF export, bit-identical.
+TP=2 and EP=2 and with the sdpa attention on padded and packed rows, the routing bias and the partial RoPE shown to
+change them, megarl's TP=2 tensors back to HF bit-identical and into vLLM's TP=2 layout equal to an independent
+slicing; spec, refusal, preset, FLOPs, preflight and transformers-engine checks. Slow: logits at TP=1 and PP=2 too
+(a dense and an MoE layer on the first stage), a cross-entropy step's gradients at TP=1, and HF safetensors -> megarl dist checkpoint (PP=2) -> HF export, bit-identical.
 """
 
 from __future__ import annotations
@@ -176,6 +176,17 @@ def _world(rank, world, tmp, meshes, checkpoint):
             ck.save_model(f"{tmp}/mg", fresh)
         ps.destroy_model_parallel()
         dist.barrier()
+    if not checkpoint:  # the trainer's attention (sdpa), on padded rows and on the two sequences packed in one row
+        initialize_model_parallel(ParallelLayout(tp=1, pp=1, dp=world))
+        model = build_model(spec, ParallelLayout(tp=1, pp=1, dp=world), attention="sdpa").eval()
+        fill_local_tensors(megatron_rank_tensors(spec, ParallelLayout(tp=1, pp=1, dp=world), 0, 0),
+                           dict(model.named_parameters()), state_dict_reader(sd, spec.hf_tensor_shapes()))
+        packed = {"input_ids": tokens.reshape(1, -1), "position_ids": torch.arange(SEQ).repeat(2).unsqueeze(0),
+                  "cu_seqlens": torch.tensor([0, SEQ, 2 * SEQ], dtype=torch.int32)}
+        for key, mb in (("sdpa", {"input_ids": tokens}), ("packed", packed)):
+            logits = run_microbatches(model, [mb], output_fn(False), forward_only=True)[0]["logits"]
+            out["logits"][key] = (logits.reshape(ref_logits.shape) - ref_logits).abs().max().item()
+        ps.destroy_model_parallel()
     return out
 
 
@@ -202,6 +213,13 @@ def test_at_tp2_and_ep2_equals_transformers_and_lays_out_for_hf_and_vllm(quick):
 def test_logits_equal_transformers(world, tp, pp, ep):
     diffs = [r["logits"][(tp, pp, ep)] for r in world if (tp, pp, ep) in r["logits"]]
     assert len(diffs) == 2 // pp and max(diffs) <= 1e-4, diffs
+
+
+@pytest.mark.parametrize("key", ["sdpa", "packed"])
+def test_sdpa_and_packed_logits_equal_transformers(quick, key):
+    """The trainer's sdpa attention, on padded rows and on both rows packed in one (positions restarting, as
+    :func:`megarl.workers.packing.pack_rows` packs them): the partial RoPE of each sequence from its own start."""
+    assert max(r["logits"][key] for r in quick) <= 1e-4, [r["logits"][key] for r in quick]
 
 
 @pytest.mark.slow
@@ -264,8 +282,6 @@ def test_presets_count_parameters_and_flops():
 
 
 @pytest.mark.parametrize("overrides,field", [
-    (["actor.sequence_packing=true", "actor.max_tokens_per_micro_batch=4096", "actor.kernels.attention=sdpa"],
-     "actor.sequence_packing"),
     (["actor.lora.rank=8"], "actor.lora.rank"),
     (["actor.moe.router_replay=true"], "actor.moe.router_replay"),
     (["actor.parallel.cp=2", "actor.kernels.attention=sdpa"], "actor.parallel.cp"),
@@ -277,6 +293,19 @@ def test_preflight_refuses_what_glm_cannot_run(overrides, field):
     from megarl.trainer.preflight import validate_for_model
 
     spec = preset("glm-4.5-air?layers=2")
-    validate_for_model(load_config(None, ["rollout.engine=vllm"]), spec)
+    packing = ["actor.sequence_packing=true", "actor.max_tokens_per_micro_batch=4096", "actor.kernels.attention=sdpa"]
+    validate_for_model(load_config(None, ["rollout.engine=vllm", *packing]), spec)
     with pytest.raises(ConfigError, match=f"^{field}: "):
         validate_for_model(load_config(None, overrides), spec)
+
+
+def test_transformers_engine_takes_the_router_bias_as_a_weight():
+    """The transformers rollout engine holds ``e_score_correction_bias`` as a buffer: its weights are the canonical
+    tensors all the same, the bias written in place."""
+    from megarl.rollout.hf_engine import HFRolloutEngine
+
+    engine = HFRolloutEngine(GLM)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    views = engine.update_weights(lambda views: views)
+    views[name].fill_(0.25)
+    assert dict(engine.model.named_buffers())[name].eq(0.25).all()

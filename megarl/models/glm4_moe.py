@@ -15,7 +15,7 @@ Read in transformers 5's ``models/glm4_moe/modeling_glm4_moe.py`` and vLLM 0.24.
   ``mlp.shared_experts``) and built on megatron-core by :mod:`megarl.models.deepseek_moe_layers`.
 
 LoRA is refused as on DeepSeek-V3 (megarl's adapters do not yet follow the dense first layers and the ``shared_experts``
-names); so are packed sequences and router replay until they are compared with transformers on this family.
+names); so is router replay until it is compared with transformers on this family.
 """
 
 from __future__ import annotations

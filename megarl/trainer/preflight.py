@@ -124,9 +124,6 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
         require(spec.mla is None or not getattr(cfg, role).sequence_packing, f"{role}.sequence_packing",
                 "DeepSeek-V3's multi-latent attention on packed sequences is not compared with transformers yet (its "
                 "value heads are narrower than its query/key heads); set sequence_packing=false")
-        require(spec.glm is None or not getattr(cfg, role).sequence_packing, f"{role}.sequence_packing",
-                "GLM-4.5's partial RoPE on packed sequences is not compared with transformers yet; set "
-                "sequence_packing=false")
     require(spec.deepseek_moe is None or not cfg.actor.lora.enabled, "actor.lora.rank", f"LoRA adapters on a "
             f"{spec.family} model (multi-latent attention, dense first layers, shared_experts) are not laid out yet; "
             "set actor.lora.rank=0")
