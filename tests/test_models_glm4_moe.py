@@ -8,7 +8,8 @@ routed_scaling_factor 2.5; one MTP layer in the config (dropped). Default tier: 
 TP=2 and EP=2 and with the sdpa attention on padded and packed rows, the routing bias and the partial RoPE shown to
 change them, megarl's TP=2 tensors back to HF bit-identical and into vLLM's TP=2 layout equal to an independent
 slicing; spec, refusal, preset, FLOPs, preflight and transformers-engine checks. Slow: logits at TP=1 and PP=2 too
-(a dense and an MoE layer on the first stage), a cross-entropy step's gradients at TP=1, and HF safetensors -> megarl dist checkpoint (PP=2) -> HF export, bit-identical.
+(a dense and an MoE layer on the first stage), a cross-entropy step's gradients at TP=1, and HF safetensors ->
+megarl dist checkpoint (PP=2) -> HF export, bit-identical.
 """
 
 from __future__ import annotations
