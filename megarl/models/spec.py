@@ -41,8 +41,8 @@ from typing import Any, NamedTuple
 from megarl.models import deepseek_moe, deepseek_spec, gemma3_spec, glm4_moe, qwen3_phi3_spec
 from megarl.models.deepseek_moe import DeepSeekMoE
 from megarl.models.deepseek_spec import MLA
-from megarl.models.glm4_moe import GLMAttention
 from megarl.models.errors import SpecError
+from megarl.models.glm4_moe import GLMAttention
 
 
 class MoENames(NamedTuple):
@@ -169,7 +169,7 @@ class ModelSpec:
             is ``rope_theta``, with ``rope_scaling``). None: every layer uses ``rope_theta``.
         query_pre_attn_scalar: Gemma 3: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (None:
             ``head_dim ** -0.5``).
-        mla: DeepSeek-V3: its attention and routing fields (:class:`~megarl.models.deepseek_spec.MLA`); its
+        mla: DeepSeek-V3: its attention's fields (:class:`~megarl.models.deepseek_spec.MLA`); its
             ``head_dim`` is a query/key head's ``qk_nope + qk_rope`` channels, ``num_kv_heads`` its heads.
         deepseek_moe: DeepSeek-V3, GLM-4.5: their MoE's routing and dense first layers
             (:class:`~megarl.models.deepseek_moe.DeepSeekMoE`).
