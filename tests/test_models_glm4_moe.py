@@ -7,8 +7,8 @@ best 2 groups, scored by their 2 best experts as both megatron and transformers 
 routed_scaling_factor 2.5; one MTP layer in the config (dropped). Default tier: logits over 24 tokens within 1e-4 at
 TP=2 and EP=2 and with the sdpa attention on padded and packed rows, the routing bias and the partial RoPE shown to
 change them, megarl's TP=2 tensors back to HF bit-identical and into vLLM's TP=2 layout equal to an independent
-slicing; spec, refusal, preset, FLOPs, preflight and transformers-engine checks. Slow: logits at TP=1 and PP=2 too
-(a dense and an MoE layer on the first stage), a cross-entropy step's gradients at TP=1, and HF safetensors ->
+slicing; spec, refusal, preset, FLOPs, preflight and transformers-engine checks. Slow: logits at TP=1, PP=2 (a dense and
+an MoE layer on the first stage) and PP=2 x VPP=2 too, a cross-entropy step's gradients at TP=1, and HF safetensors ->
 megarl dist checkpoint (PP=2) -> HF export, bit-identical.
 """
 
@@ -110,7 +110,8 @@ def _world(rank, world, tmp, meshes, checkpoint):
     from megarl.models.layout import hf_layout
     from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
     from megarl.models.layout_vllm import vllm_layout
-    from megarl.models.megatron import build_model
+    from megarl.models.checkpoint import chunk_parameters
+    from megarl.models.megatron import build_model, build_model_chunks
     from megarl.models.pipeline import run_microbatches
     from megarl.models.weights import fill_local_tensors, state_dict_reader, transformers_canonical
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
@@ -177,6 +178,18 @@ def _world(rank, world, tmp, meshes, checkpoint):
             ck.save_model(f"{tmp}/mg", fresh)
         ps.destroy_model_parallel()
         dist.barrier()
+    if checkpoint:  # PP=2 x VPP=2: the dense layer alone in rank 0's first chunk, one layer a chunk
+        mesh = ParallelLayout(pp=2, vpp=2)
+        initialize_model_parallel(mesh)
+        chunks = build_model_chunks(spec, mesh)
+        params = chunk_parameters(chunks)
+        fill_local_tensors(megatron_rank_tensors(spec, mesh, 0, ps.get_pipeline_model_parallel_rank()), params,
+                           state_dict_reader(sd, spec.hf_tensor_shapes()))
+        res = run_microbatches(chunks, [{"input_ids": tokens[i:i + 1]} for i in range(2)],
+                               lambda mb, o: (o.sum() * 0, {"logits": o[..., :v]}), forward_only=True)
+        if res:
+            out["logits"]["vpp"] = (torch.cat([r["logits"] for r in res]) - ref_logits).abs().max().item()
+        ps.destroy_model_parallel()
     if not checkpoint:  # the trainer's attention (sdpa), on padded rows and on the two sequences packed in one row
         initialize_model_parallel(ParallelLayout(tp=1, pp=1, dp=world))
         model = build_model(spec, ParallelLayout(tp=1, pp=1, dp=world), attention="sdpa").eval()
@@ -221,6 +234,12 @@ def test_sdpa_and_packed_logits_equal_transformers(quick, key):
     """The trainer's sdpa attention, on padded rows and on both rows packed in one (positions restarting, as
     :func:`megarl.workers.packing.pack_rows` packs them): the partial RoPE of each sequence from its own start."""
     assert max(r["logits"][key] for r in quick) <= 1e-4, [r["logits"][key] for r in quick]
+
+
+@pytest.mark.slow
+def test_pp2_vpp2_logits_equal_transformers(world):
+    diffs = [r["logits"]["vpp"] for r in world if "vpp" in r["logits"]]
+    assert len(diffs) == 1 and diffs[0] <= 1e-4, diffs
 
 
 @pytest.mark.slow
