@@ -110,6 +110,7 @@ def _world(rank, world, tmp, meshes, checkpoint):
     from megarl.models.layout import hf_layout
     from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
     from megarl.models.layout_vllm import vllm_layout
+    from megarl.models.lora import LoRASpec
     from megarl.models.checkpoint import chunk_parameters
     from megarl.models.megatron import build_model, build_model_chunks
     from megarl.models.pipeline import run_microbatches
@@ -169,6 +170,15 @@ def _world(rank, world, tmp, meshes, checkpoint):
             execute_plan(plan_reshard(src, dst), params, got)
             out["vllm_bad"] = sorted(set(got) ^ set(want)) + [
                 n for n in want if n in got and not torch.equal(got[n].reshape(want[n].shape), want[n])]
+            lora = LoRASpec(rank=4, alpha=8.0)  # on every target: the layout's names, zero adapters change nothing
+            adapted = build_model(spec, mesh, lora=lora).eval()
+            lora_local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0, lora=lora)
+            names = {n: tuple(p.shape) for n, p in adapted.named_parameters()}
+            out["lora_names"] = (names == {n: lt.shape for n, lt in lora_local.items()},
+                                 sorted(n.split(".", 2)[-1] for n in names if "lora_" in n))
+            fill_local_tensors(local, dict(adapted.named_parameters()), state_dict_reader(sd, spec.hf_tensor_shapes()))
+            res = run_microbatches(adapted, [{"input_ids": tokens}], output_fn(False), forward_only=True)
+            out["logits"]["lora"] = (res[0]["logits"] - ref_logits).abs().max().item()
         if pp == 2 and checkpoint:  # HF safetensors -> megarl dist checkpoint at PP=2 (exported in the test)
             if rank == 0:
                 save_hf_checkpoint(f"{tmp}/hf_in", spec, sd)
@@ -217,9 +227,21 @@ def world(tmp_path_factory):
 
 
 def test_at_tp2_and_ep2_equals_transformers_and_lays_out_for_hf_and_vllm(quick):
-    assert max(r["logits"][mesh] for r in quick for mesh in QUICK) <= 1e-4, [r["logits"] for r in quick]
+    assert max(r["logits"][mesh] for r in quick for mesh in (*QUICK, "lora")) <= 1e-4, [r["logits"] for r in quick]
     assert min(r["bias_matters"] for r in quick) > 1e-3 and quick[0]["partial_rope_matters"] > 1e-3, quick[0]
     assert all(r["export_bad"] == [] and r["vllm_bad"] == [] for r in quick), quick
+
+
+def test_lora_adapts_attention_the_dense_layer_and_the_shared_experts(quick):
+    """LoRA on every target at TP=2: the model's parameters are the layout's, with adapters on q/k/v, o, the dense
+    first layer's MLP and the MoE layers' shared experts (not the routed experts: ``lora.experts`` is off)."""
+    same, adapted = quick[0]["lora_names"]
+    assert same and adapted == sorted(
+        [f"{i}.self_attention.{m}.{f}" for i in range(4) for m in ("linear_qkv", "linear_proj") for f in ("lora_a",
+                                                                                                        "lora_b")]
+        + [f"0.mlp.{m}.{f}" for m in ("linear_fc1", "linear_fc2") for f in ("lora_a", "lora_b")]
+        + [f"{i}.mlp.shared_experts.{m}.{f}" for i in (1, 2, 3) for m in ("linear_fc1", "linear_fc2")
+           for f in ("lora_a", "lora_b")]), adapted
 
 
 @pytest.mark.slow
@@ -302,7 +324,6 @@ def test_presets_count_parameters_and_flops():
 
 
 @pytest.mark.parametrize("overrides,field", [
-    (["actor.lora.rank=8"], "actor.lora.rank"),
     (["actor.moe.router_replay=true"], "actor.moe.router_replay"),
     (["actor.parallel.cp=2", "actor.kernels.attention=sdpa"], "actor.parallel.cp"),
     (["rollout.engine=vllm", "rollout.quantization=fp8"], "rollout.quantization"),
@@ -314,7 +335,7 @@ def test_preflight_refuses_what_glm_cannot_run(overrides, field):
 
     spec = preset("glm-4.5-air?layers=2")
     packing = ["actor.sequence_packing=true", "actor.max_tokens_per_micro_batch=4096", "actor.kernels.attention=sdpa"]
-    validate_for_model(load_config(None, ["rollout.engine=vllm", *packing]), spec)
+    validate_for_model(load_config(None, ["rollout.engine=vllm", "actor.lora.rank=8", *packing]), spec)
     with pytest.raises(ConfigError, match=f"^{field}: "):
         validate_for_model(load_config(None, overrides), spec)
 

@@ -17,6 +17,7 @@ import copy
 import torch
 
 from megarl.models.deepseek_moe import is_moe_layer
+from megarl.models.lora import LoRASpec, adapt_layer_spec
 from megarl.models.spec import ModelSpec
 
 
@@ -37,16 +38,19 @@ def config_kwargs(spec: ModelSpec) -> dict:
     return kwargs
 
 
-def block_spec(moe_layer, config, vp_stage: int | None, spec: ModelSpec):
+def block_spec(moe_layer, config, vp_stage: int | None, spec: ModelSpec, lora: LoRASpec | None = None):
     """The transformer block of this rank's stage (chunk ``vp_stage``): ``moe_layer`` (the MoE layer's spec,
     :func:`megarl.models.megatron.layer_spec`) on MoE layers, a copy with a dense MLP (megatron's own, from the
-    local spec) on the first ``first_k_dense`` layers."""
+    local spec, with ``lora``'s adapters if any: :func:`megarl.models.lora.adapt_layer_spec`) on the first
+    ``first_k_dense`` layers."""
     from megatron.core.models.gpt.gpt_layer_specs import LNImpl, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     dense = copy.deepcopy(moe_layer)
     dense.submodules.mlp = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp
+    if lora is not None:
+        adapt_layer_spec(dense, lora, use_te=False)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     layers = [moe_layer if is_moe_layer(spec, offset + j) else dense
               for j in range(get_num_layers_to_build(config, vp_stage=vp_stage))]

@@ -14,8 +14,8 @@ Read in transformers 5's ``models/glm4_moe/modeling_glm4_moe.py`` and vLLM 0.24.
   prediction layers dropped on import), in the checkpoint's names (``mlp.gate``, ``mlp.experts.{e}.gate_proj``,
   ``mlp.shared_experts``) and built on megatron-core by :mod:`megarl.models.deepseek_moe_layers`.
 
-LoRA is refused as on DeepSeek-V3 (megarl's adapters do not yet follow the dense first layers and the ``shared_experts``
-names); so is router replay until it is compared with transformers on this family.
+LoRA adapts Llama's targets: q/k/v, o, the dense first layers' MLP and the MoE layers' ``shared_experts`` (the routed
+experts with ``lora.experts``). Router replay is refused until it is compared with transformers on this family.
 """
 
 from __future__ import annotations

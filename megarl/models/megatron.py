@@ -282,10 +282,9 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
             raise SpecError("DeepSeek-V3 runs on the local layer spec without LoRA (megarl does not yet lay out TE's "
                             "fused MLA norms or adapters on MLA's projections); set actor.kernels.transformer_engine="
                             "false and actor.lora.enabled=false")
-    if spec is not None and spec.glm is not None and (use_te or lora is not None):
-        raise SpecError("GLM-4.5 runs on the local layer spec without LoRA (megarl does not yet lay out TE's fused "
-                        "norms or adapters beside its dense first layers and shared_experts); set "
-                        "actor.kernels.transformer_engine=false and actor.lora.enabled=false")
+    if spec is not None and spec.glm is not None and use_te:
+        raise SpecError("GLM-4.5 runs on the local layer spec (megarl does not yet lay out TE's fused norms beside its "
+                        "dense first layers); set actor.kernels.transformer_engine=false")
     gemma = spec is not None and FAMILIES[spec.family].gemma
     if use_te and gemma:
         raise SpecError("Gemma 3 runs on the local layer spec (its (1 + weight) and post-attention/post-MLP norms are "
@@ -442,7 +441,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
     if spec.deepseek_moe is not None:
         from megarl.models import deepseek_moe_layers
 
-        layers = deepseek_moe_layers.block_spec(layers, config, vp_stage, spec)
+        layers = deepseek_moe_layers.block_spec(layers, config, vp_stage, spec, lora)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layers,

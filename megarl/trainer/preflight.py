@@ -124,9 +124,8 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
         require(spec.mla is None or not getattr(cfg, role).sequence_packing, f"{role}.sequence_packing",
                 "DeepSeek-V3's multi-latent attention on packed sequences is not compared with transformers yet (its "
                 "value heads are narrower than its query/key heads); set sequence_packing=false")
-    require(spec.deepseek_moe is None or not cfg.actor.lora.enabled, "actor.lora.rank", f"LoRA adapters on a "
-            f"{spec.family} model (multi-latent attention, dense first layers, shared_experts) are not laid out yet; "
-            "set actor.lora.rank=0")
+    require(spec.mla is None or not cfg.actor.lora.enabled, "actor.lora.rank", "LoRA adapters on DeepSeek-V3's "
+            "multi-latent attention projections are not laid out yet; set actor.lora.rank=0")
     require(spec.deepseek_moe is None or not cfg.actor.moe.router_replay, "actor.moe.router_replay", "router replay "
             f"is not compared yet on {spec.family} (dense first layers, biased sigmoid routing); set "
             "actor.moe.router_replay=false")
