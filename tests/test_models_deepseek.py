@@ -268,7 +268,7 @@ def test_megatron_tensors_back_to_hf_and_vllm_equal_an_independent_slicing(world
 
 def test_config_round_trip_drops_the_mtp_layer():
     for spec in SPECS.values():
-        assert spec.mla.mtp_layers == 1 and ModelSpec.from_hf_config(spec.to_hf_config()) == spec
+        assert spec.deepseek_moe.mtp_layers == 1 and ModelSpec.from_hf_config(spec.to_hf_config()) == spec
         assert not any(n.startswith("model.layers.3.") for n in spec.hf_tensor_shapes())
 
 
@@ -307,7 +307,7 @@ def test_presets_and_flops_count_mla():
     v3, moon = preset("deepseek-v3"), preset("moonlight-16b-a3b")
     assert round(v3.num_params() / 1e9) == 671 and round(v3.num_active_params() / 1e9) == 38  # "671B, 37B active"
     assert round(moon.num_params() / 1e9) == 16 and round(moon.num_active_params() / 1e9) == 3  # "16B-A3B"
-    assert preset("deepseek-v3?layers=2").mla.first_k_dense == 1
+    assert preset("deepseek-v3?layers=2").deepseek_moe.first_k_dense == 1
     s, m, h, heads = 10, MOONLIGHT.mla, MOONLIGHT.hidden_size, MOONLIGHT.num_attention_heads
     attn = h * heads * m.qk_head_dim + h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * heads * (
         m.qk_nope_head_dim + m.v_head_dim) + heads * m.v_head_dim * h

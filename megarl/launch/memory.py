@@ -169,7 +169,7 @@ def stage_params(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 
     h, f, kv = spec.hidden_size, spec.ffn_hidden_size, spec.kv_size
     if spec.is_moe:  # router and local experts whole, the shared expert and its gate split like a dense MLP
         m, shared = spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size
-        gate = h if shared and spec.mla is None else 0  # Qwen2-MoE's shared-expert gate
+        gate = h if shared and spec.deepseek_moe is None else 0  # Qwen2-MoE's shared-expert gate
         ffn = spec.num_experts * h + spec.num_experts // ep * 3 * h * m + 3 * h * shared // tp + gate
     else:
         ffn = 3 * h * f // tp

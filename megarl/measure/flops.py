@@ -44,6 +44,7 @@ from typing import Iterable
 import torch
 
 from megarl.models import deepseek_spec
+from megarl.models.deepseek_moe import is_moe_layer
 from megarl.models.spec import ModelSpec
 
 # Dense bf16 tensor-core peaks, TFLOP/s (vendor datasheets, without sparsity), matched as substrings of
@@ -68,7 +69,7 @@ def matmul_params(spec: ModelSpec, output_rows: int | None = None) -> int:
         attention = sum(math.prod(s) for s in deepseek_spec.attention_shapes(spec, 0).values() if len(s) == 2)
     else:
         attention = 2 * h * q + 2 * h * k
-    return sum(attention + ffn_matmul_params(spec, not deepseek_spec.is_moe_layer(spec, i))
+    return sum(attention + ffn_matmul_params(spec, not is_moe_layer(spec, i))
                for i in range(spec.num_layers)) + out * h
 
 
@@ -87,7 +88,7 @@ def ffn_matmul_params(spec: ModelSpec, dense: bool = False) -> int:
     h = spec.hidden_size
     if not spec.is_moe or dense:
         return 3 * h * spec.ffn_hidden_size
-    gate = h if spec.mla is None else 0
+    gate = h if spec.deepseek_moe is None else 0
     shared = 3 * h * spec.shared_expert_ffn_hidden_size + gate if spec.shared_expert_ffn_hidden_size else 0
     return spec.num_experts * h + spec.moe_top_k * 3 * h * spec.moe_ffn_hidden_size + shared
 

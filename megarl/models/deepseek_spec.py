@@ -12,24 +12,17 @@ qk_rope), q_lora_rank]``: DeepSeek-V3, Kimi K2); per head ``[q_nope; q_rope]``. 
 in interleaved pairs (``rope_interleave``), as megatron-core's MLA does; YaRN scaling (DeepSeek-V3's factor 40) also
 scales the softmax by ``mscale(factor, mscale_all_dim) ** 2``.
 
-The MoE block (DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv 2412.19437, section 2.1.2, eqs. 12-16): the
-router's sigmoid scores ``s``, the top ``topk_group`` of ``n_group`` groups by the sum of their two best ``s + b``
-(``b``: the expert score-correction bias ``gate.e_score_correction_bias``), the top ``num_experts_per_tok`` experts
-of those by ``s + b``, weighted by their ``s`` renormalised (``norm_topk_prob``) times ``routed_scaling_factor``;
-plus ``n_shared_experts`` shared experts as one SwiGLU MLP of width ``n_shared_experts * moe_intermediate_size``.
-The first ``first_k_dense_replace`` layers have a dense MLP of width ``intermediate_size`` instead.
-
-Multi-token prediction layers (``num_nextn_predict_layers``: DeepSeek-V3's layer 61) are dropped on import: the
-causal LM (transformers' model, what RL trains) never runs them, and vLLM uses them only as a speculative-decoding
-draft; :attr:`MLA.mtp_layers` records how many the checkpoint had. The score-correction bias is not trained (RL keeps
-the routing vLLM serves; megatron's aux-loss-free bias update is off).
+The MoE block (shared experts, biased sigmoid routing, dense first layers, multi-token prediction layers dropped)
+is :mod:`megarl.models.deepseek_moe`'s, which GLM-4.5 shares.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from megarl.models import deepseek_moe
+from megarl.models.deepseek_moe import DeepSeekMoE
 from megarl.models.errors import SpecError
 
 if TYPE_CHECKING:
@@ -49,10 +42,6 @@ class MLA:
         kv_lora_rank: the key/value latent's width.
         qk_nope_head_dim / qk_rope_head_dim: a query/key head's channels without / with RoPE.
         v_head_dim: a value head's channels.
-        first_k_dense: the first layers with a dense MLP (``first_k_dense_replace``).
-        n_group / topk_group: the router picks experts from the ``topk_group`` best of ``n_group`` groups.
-        routed_scaling_factor: the routed experts' weights are multiplied by it.
-        mtp_layers: multi-token prediction layers the checkpoint had (``num_nextn_predict_layers``; dropped).
     """
 
     q_lora_rank: int | None
@@ -60,11 +49,6 @@ class MLA:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    first_k_dense: int = 0
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    mtp_layers: int = field(default=0, compare=False)
 
     @property
     def qk_head_dim(self) -> int:
@@ -78,31 +62,23 @@ def _error(message: str) -> SpecError:
 
 def fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     """The :class:`~megarl.models.spec.ModelSpec` fields of a ``deepseek_v3`` config that differ from the common ones
-    (head sizes, MoE fields, RoPE and :class:`MLA`).
+    (head sizes, MoE fields: :func:`megarl.models.deepseek_moe.fields_from_hf`, RoPE and :class:`MLA`).
 
     Raises:
         SpecError: what megarl's megatron-core model would compute differently from transformers' and vLLM's:
-            attention biases, non-interleaved RoPE, a RoPE scaling other than YaRN, grouped KV heads, an activation
-            other than SiLU, routing without renormalised top-k weights, group scores megatron sums differently.
+            attention biases, non-interleaved RoPE, a RoPE scaling other than YaRN, grouped KV heads, and the MoE's
+            (:func:`megarl.models.deepseek_moe.fields_from_hf`).
     """
     for key, bad, why in (("attention_bias", True, "the released checkpoints have none"),
-                          ("rope_interleave", False, "megatron-core's MLA rotates interleaved channel pairs"),
-                          ("norm_topk_prob", False, "megatron-core renormalises sigmoid top-k weights always")):
+                          ("rope_interleave", False, "megatron-core's MLA rotates interleaved channel pairs")):
         if bool(cfg.get(key, not bad)) == bad:
             raise _error(f"{key}={bad} on a deepseek_v3 model is not supported ({why}); use a checkpoint with "
                          f"{key}={not bad}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise _error(f"hidden_act={cfg['hidden_act']!r} on a deepseek_v3 model is not supported; its MLPs are SwiGLU")
+    moe = deepseek_moe.fields_from_hf("deepseek_v3", cfg)
     heads = int(cfg["num_attention_heads"])
     if int(cfg.get("num_key_value_heads") or heads) != heads:
         raise _error(f"num_key_value_heads={cfg['num_key_value_heads']} != num_attention_heads={heads}: multi-latent "
                      "attention makes every head's key and value from the latent; set them equal")
-    experts, top_k = int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"])
-    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
-    if n_group > 1 and (experts % n_group or top_k // topk_group != 2):
-        raise _error(f"n_group={n_group}, topk_group={topk_group}, num_experts_per_tok={top_k}: megatron-core scores "
-                     "a group by its top num_experts_per_tok // topk_group experts and transformers by its top 2, "
-                     "which agree when that is 2 (DeepSeek-V3: 8 // 4); use n_group=1 or such a config")
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
@@ -120,17 +96,10 @@ def fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
         num_kv_heads=heads,
         rope_theta=theta,
         rope_scaling=scaling,
-        num_experts=experts,
-        moe_top_k=top_k,
-        moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
-        shared_expert_ffn_hidden_size=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
-        moe_norm_topk_prob=True,
         mla=MLA(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(cfg["kv_lora_rank"]),
                 qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-                v_head_dim=int(cfg["v_head_dim"]), first_k_dense=int(cfg.get("first_k_dense_replace") or 0),
-                n_group=n_group, topk_group=topk_group,
-                routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-                mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0)),
+                v_head_dim=int(cfg["v_head_dim"])),
+        **moe,
     )
 
 
@@ -152,20 +121,9 @@ def check(spec: ModelSpec) -> None:
     if spec.head_dim != m.qk_head_dim or spec.num_kv_heads != spec.num_attention_heads:
         raise _error(f"a deepseek_v3 spec's head_dim is qk_nope_head_dim + qk_rope_head_dim = {m.qk_head_dim} and its "
                      f"num_kv_heads its num_attention_heads; got {spec.head_dim}, {spec.num_kv_heads}")
-    if not 0 <= m.first_k_dense < spec.num_layers:
-        raise _error(f"mla.first_k_dense={m.first_k_dense} must be in [0, num_layers={spec.num_layers})")
-    if spec.num_experts % m.n_group or not 1 <= m.topk_group <= m.n_group:
-        raise _error(f"mla.n_group={m.n_group} must divide num_experts={spec.num_experts} and topk_group="
-                     f"{m.topk_group} be in [1, n_group]")
     rope_type = (spec.rope_scaling or {}).get("rope_type", "default")
     if rope_type not in MLA_ROPE_TYPES:
         raise _error(f"rope_scaling.rope_type={rope_type!r}: a deepseek_v3 model runs {MLA_ROPE_TYPES}")
-
-
-def is_moe_layer(spec: ModelSpec, layer: int) -> bool:
-    """Whether decoder layer ``layer`` has the MoE block (any MoE model's, but a DeepSeek-V3 model's first
-    ``first_k_dense`` layers)."""
-    return spec.is_moe and layer >= (spec.mla.first_k_dense if spec.mla is not None else 0)
 
 
 def attention_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
@@ -184,28 +142,15 @@ def attention_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def moe_extra_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
-    """Layer ``layer``'s router score-correction bias ``[experts]`` and shared experts (one SwiGLU MLP)."""
-    h, s, p = spec.hidden_size, spec.shared_expert_ffn_hidden_size, f"model.layers.{layer}.mlp."
-    shapes: dict[str, tuple[int, ...]] = {p + "gate.e_score_correction_bias": (spec.num_experts,)}
-    if s:
-        shapes.update({p + "shared_experts.gate_proj.weight": (s, h), p + "shared_experts.up_proj.weight": (s, h),
-                       p + "shared_experts.down_proj.weight": (h, s)})
-    return shapes
-
-
 def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
-    """The ``DeepseekV3Config`` arguments of a spec beyond the common ones (no multi-token prediction layer)."""
+    """The ``DeepseekV3Config`` arguments of a spec beyond the common ones (its MoE's:
+    :func:`megarl.models.deepseek_moe.hf_config_kwargs`)."""
     m = spec.mla
     rope = {"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope_scaling or {})}
     return dict(head_dim=m.qk_rope_head_dim, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                 qk_nope_head_dim=m.qk_nope_head_dim,
-                qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, n_routed_experts=spec.num_experts,
-                moe_intermediate_size=spec.moe_ffn_hidden_size,
-                n_shared_experts=spec.shared_expert_ffn_hidden_size // spec.moe_ffn_hidden_size,
-                first_k_dense_replace=m.first_k_dense, n_group=m.n_group, topk_group=m.topk_group,
-                routed_scaling_factor=m.routed_scaling_factor, norm_topk_prob=True, rope_interleave=True,
-                attention_bias=False, num_nextn_predict_layers=0, rope_parameters=rope,
+                qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=True,
+                attention_bias=False, rope_parameters=rope, **deepseek_moe.hf_config_kwargs(spec),
                 scoring_func="sigmoid", topk_method="noaux_tc")  # what vLLM's DeepseekV2MoE reads for this routing
 
 
@@ -213,22 +158,24 @@ def presets(model_spec: type[ModelSpec]) -> dict[str, ModelSpec]:
     """Named DeepSeek-V3 shapes (:data:`megarl.models.spec.PRESETS`), from the config.json files of
     deepseek-ai/DeepSeek-V3 (671B, 37B active: a query latent, 8 groups, YaRN factor 40, one MTP layer dropped) and
     moonshotai/Moonlight-16B-A3B (no query latent, one group, plain RoPE)."""
-    def spec(vocab, hidden, layers, heads, ffn, *, mla: MLA, experts, top_k, moe_ffn, shared, rope_theta, rope,
-             max_pos, bos, eos) -> ModelSpec:
+    def spec(vocab, hidden, layers, heads, ffn, *, mla: MLA, moe: DeepSeekMoE, experts, top_k, moe_ffn, shared,
+             rope_theta, rope, max_pos, bos, eos) -> ModelSpec:
         return model_spec("deepseek_v3", vocab, hidden, layers, heads, heads, mla.qk_head_dim, ffn,
                           rope_theta=rope_theta, rope_scaling=rope, rms_norm_eps=1e-6, tie_word_embeddings=False,
                           max_position_embeddings=max_pos, bos_token_id=bos, eos_token_ids=(eos,),
                           num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=moe_ffn,
-                          shared_expert_ffn_hidden_size=shared * moe_ffn, mla=mla)
+                          shared_expert_ffn_hidden_size=shared * moe_ffn, mla=mla, deepseek_moe=moe)
 
     yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
     return {
         "deepseek-v3": spec(129280, 7168, 61, 128, 18432, experts=256, top_k=8, moe_ffn=2048, shared=1,
                             rope_theta=10000.0, rope=yarn, max_pos=163840, bos=0, eos=1,
-                            mla=MLA(1536, 512, 128, 64, 128, first_k_dense=3, n_group=8, topk_group=4,
-                                    routed_scaling_factor=2.5, mtp_layers=1)),
+                            mla=MLA(1536, 512, 128, 64, 128),
+                            moe=DeepSeekMoE(first_k_dense=3, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                                            mtp_layers=1)),
         "moonlight-16b-a3b": spec(163840, 2048, 27, 16, 11264, experts=64, top_k=6, moe_ffn=1408, shared=2,
                                   rope_theta=50000.0, rope=None, max_pos=8192, bos=163584, eos=163585,
-                                  mla=MLA(None, 512, 128, 64, 128, first_k_dense=1, routed_scaling_factor=2.446)),
+                                  mla=MLA(None, 512, 128, 64, 128),
+                                  moe=DeepSeekMoE(first_k_dense=1, routed_scaling_factor=2.446)),
     }

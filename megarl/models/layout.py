@@ -39,7 +39,7 @@ from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
-from megarl.models.deepseek_spec import is_moe_layer
+from megarl.models.deepseek_moe import is_moe_layer
 from megarl.models.lora import Merge
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 
@@ -152,7 +152,7 @@ def shape_key(spec: ModelSpec) -> tuple:
     the model (hashable even where ``spec.rope_scaling`` is a dict, which makes ``hash(spec)`` fail)."""
     return (spec.family, spec.vocab_size, spec.hidden_size, spec.num_layers, spec.num_attention_heads,
             spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size, spec.tie_word_embeddings, spec.num_experts,
-            spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size, spec.mla)
+            spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size, spec.mla, spec.deepseek_moe, spec.glm)
 
 
 def local_views(params: Mapping[str, torch.Tensor], tensors: Mapping[str, LocalTensor]) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ import math
 from typing import Iterable, Mapping
 
 from megarl.models import gpt_oss
+from megarl.models.deepseek_moe import is_moe_layer
 from megarl.models.layout import Block, Layout, LocalTensor, shape_key, whole
 from megarl.models.lora import LoRASpec, Merge
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
@@ -65,11 +66,11 @@ def lora_targets(spec: ModelSpec, lora: LoRASpec) -> dict[str, tuple[str, str]]:
             shared(tuple(p + f"{x}_proj.weight" for x in "qkv"), p + "qkv_proj.lora_A.weight")
         if "linear_proj" in want:
             own(p + "o_proj.weight")
-        if not spec.is_moe:
+        if not is_moe_layer(spec, i):  # a dense model's, or GLM-4.5's dense first layers
             mlp(m, m + "gate_proj.weight", m + "up_proj.weight", m + "down_proj.weight")
             continue
-        if spec.shared_expert_ffn_hidden_size:
-            s = m + "shared_expert."
+        if spec.shared_expert_ffn_hidden_size:  # Qwen2-MoE's shared_expert, GLM-4.5's shared_experts
+            s = m + ("shared_experts." if spec.deepseek_moe is not None else "shared_expert.")
             mlp(s, s + "gate_proj.weight", s + "up_proj.weight", s + "down_proj.weight")
         if lora.experts and FAMILIES[spec.family].gpt_oss:  # gate and up in one canonical tensor: adapted whole
             for e in range(spec.num_experts):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from megarl.models.deepseek_spec import is_moe_layer
+from megarl.models.deepseek_moe import is_moe_layer
 from megarl.models.layout import (VALUE_HEAD, Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up,
                                   gate_up, row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
 from megarl.models.layout_lora import adapter_tensors, lora_canonical_shapes, lora_targets
@@ -207,7 +207,7 @@ def _megatron_moe(spec: ModelSpec, mesh: ParallelLayout, layer: int, mg: str, tp
     for fc1, fc2, experts in stacks:
         out.append(experts_gate_up(spec, layer, mg + fc1, experts, 1, 0))
         out.append(experts_down(spec, layer, mg + fc2, experts, 1, 0))
-    if spec.mla is not None:  # DeepSeek-V3: the router's score-correction bias, shared experts without a gate
+    if spec.deepseek_moe is not None:  # DeepSeek-V3, GLM-4.5: the router's score-correction bias, shared experts
         out.append(whole(f"model.layers.{layer}.mlp.gate.e_score_correction_bias", (spec.num_experts,),
                          mg + "router.expert_bias"))
         if spec.shared_expert_ffn_hidden_size:

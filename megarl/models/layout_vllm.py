@@ -14,7 +14,7 @@ from typing import Iterable
 
 from megarl.config import QUANTIZATIONS
 from megarl.models import fp8, gpt_oss
-from megarl.models.deepseek_spec import is_moe_layer
+from megarl.models.deepseek_moe import is_moe_layer
 from megarl.models.layout import (Block, Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up, gate_up,
                                   row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
@@ -229,6 +229,11 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None
 # - layers/fused_moe/oracle/unquantized.py: on SM90 (H200) the Triton backend comes first and keeps that layout;
 #   FlashInfer CUTLASS would swap to [w3; w1] after loading (convert_to_unquantized_kernel_format), so the GPU
 #   check (perf/gpu_moe.sh) compares vLLM's own load_weights result with the reshard's.
+# - models/glm4_moe.py (read 2026-12-06): Glm4MoeForCausalLM is Llama's layout (qkv_proj with bias when
+#   attention_bias, q_norm/k_norm [head_dim] when use_qk_norm, an untied lm_head) whose MoE layers hold Glm4MoE:
+#   `gate` (an nn.Linear [experts, hidden] kept in float32) with `gate.e_score_correction_bias` (float32),
+#   `shared_experts` (gate_up_proj, down_proj), `experts` (FusedMoE, as DeepSeek-V2's); the first
+#   first_k_dense_replace layers' `mlp` is a dense Glm4MoeMLP; MTP layers' names are skipped by load_weights.
 # vLLM's expert parallelism (enable_expert_parallel) is not described here: every engine rank holds all experts.
 def _vllm_moe(spec: ModelSpec, layer: int, tp: int, r: int) -> list[LocalTensor]:
     block = f"model.layers.{layer}.{FAMILIES[spec.family].moe.block}."
@@ -236,7 +241,7 @@ def _vllm_moe(spec: ModelSpec, layer: int, tp: int, r: int) -> list[LocalTensor]
     out = [whole(spec.router_name(layer), (spec.num_experts, spec.hidden_size), block + "gate.weight"),
            experts_gate_up(spec, layer, block + "experts.routed_experts.w13_weight", experts, tp, r),
            experts_down(spec, layer, block + "experts.routed_experts.w2_weight", experts, tp, r)]
-    if spec.mla is not None:  # DeepSeek-V3: the router's bias (float32), shared experts without a gate
+    if spec.deepseek_moe is not None:  # DeepSeek-V3, GLM-4.5: the router's bias (float32), gateless shared experts
         out.append(whole(block + "gate.e_score_correction_bias", (spec.num_experts,)))
         if spec.shared_expert_ffn_hidden_size:
             out.extend(shared_expert(f"model.layers.{layer}.", block + "shared_experts.", spec, tp, r,

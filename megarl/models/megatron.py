@@ -51,8 +51,9 @@ def check_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
     if spec.num_kv_heads % layout.tp:
         raise SpecError(f"tp={layout.tp} does not divide the query groups num_kv_heads={spec.num_kv_heads} "
                         f"(megatron-core shards whole KV heads); TP sizes that fit this model: {fitting_tp}")
-    if not spec.is_moe and spec.ffn_hidden_size % layout.tp:  # DeepSeek-V3's dense layers: deepseek.check_layout
-        raise SpecError(f"tp={layout.tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
+    dense = not spec.is_moe or (spec.deepseek_moe is not None and spec.deepseek_moe.first_k_dense > 0)
+    if dense and spec.ffn_hidden_size % layout.tp:  # DeepSeek-V3 and GLM-4.5: their dense first layers
+        raise SpecError(f"tp={layout.tp} does not divide ffn_hidden_size={spec.ffn_hidden_size} (intermediate_size)")
     if spec.shared_expert_ffn_hidden_size % layout.tp:
         raise SpecError(f"tp={layout.tp} does not divide the shared expert's shared_expert_intermediate_size="
                         f"{spec.shared_expert_ffn_hidden_size}")
@@ -131,6 +132,10 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         from megarl.models import deepseek
 
         kwargs.update(deepseek.config_kwargs(spec))
+    if spec.deepseek_moe is not None:
+        from megarl.models import deepseek_moe_layers
+
+        kwargs.update(deepseek_moe_layers.config_kwargs(spec))
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe="tensorwise")
     if layout.vpp > 1:
@@ -277,6 +282,9 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
             raise SpecError("DeepSeek-V3 runs on the local layer spec without LoRA (megarl does not yet lay out TE's "
                             "fused MLA norms or adapters on MLA's projections); set actor.kernels.transformer_engine="
                             "false and actor.lora.enabled=false")
+    if spec is not None and spec.glm is not None and use_te:
+        raise SpecError("GLM-4.5 runs on the local layer spec (megarl does not yet lay out TE's fused norms beside its "
+                        "dense first layers); set actor.kernels.transformer_engine=false")
     gemma = spec is not None and FAMILIES[spec.family].gemma
     if use_te and gemma:
         raise SpecError("Gemma 3 runs on the local layer spec (its (1 + weight) and post-attention/post-MLP norms are "
@@ -430,10 +438,10 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         from megarl.models import gemma3
 
         layers = gemma3.block_spec(layers, config, vp_stage)
-    if spec.mla is not None:
-        from megarl.models import deepseek
+    if spec.deepseek_moe is not None:
+        from megarl.models import deepseek_moe_layers
 
-        layers = deepseek.block_spec(layers, config, vp_stage, spec)
+        layers = deepseek_moe_layers.block_spec(layers, config, vp_stage, spec, lora)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layers,
@@ -444,6 +452,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         parallel_output=True,
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
+        rotary_percent=spec.glm.partial_rotary_factor if spec.glm is not None else 1.0,  # GLM-4.5: partial RoPE
         rotary_base=spec.rope_theta,
         vp_stage=vp_stage,
     )
@@ -459,8 +468,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         from megarl.models import gpt_oss_layers
 
         gpt_oss_layers.reorder_expert_outputs(model)
-    if spec.mla is not None:
-        deepseek.freeze_expert_bias(model)
+    if spec.deepseek_moe is not None:
+        deepseek_moe_layers.freeze_expert_bias(model)
     model.megarl_spec = spec
     model.megarl_role = role
     model.megarl_use_te = use_te
@@ -530,9 +539,9 @@ def _set_rope_frequencies(rotary, spec: ModelSpec) -> None:
         from megarl.models import gemma3
 
         inv_freq, scale = gemma3.rope_inv_freqs(spec)[0], 1.0
-    elif rope_type == "default":
-        base = spec.rope_theta
-        inv_freq = 1.0 / (base ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim))
+    elif rope_type == "default":  # on the rotated channels (GLM-4.5: the first head_dim * partial_rotary_factor)
+        base, dim = spec.rope_theta, spec.glm.rotary_dim(spec.head_dim) if spec.glm is not None else spec.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         scale = 1.0
     else:
         inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")

@@ -40,7 +40,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.models.deepseek_spec import is_moe_layer
+from megarl.models.deepseek_moe import is_moe_layer
 from megarl.models.spec import FAMILIES, ModelSpec
 
 ROUTES_DTYPE = torch.int16  # expert ids (< 32768 experts)

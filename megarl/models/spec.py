@@ -21,7 +21,8 @@ them in memory into ``experts.gate_up_proj`` ``[experts, 2 * ffn, hidden]`` and 
 ``[experts, hidden, ffn]`` (:mod:`megarl.models.layout` describes both).
 
 DeepSeek-V3 (``deepseek_v3``; Moonlight, Kimi K2): multi-latent attention, shared experts, biased sigmoid routing and
-dense first layers (:mod:`megarl.models.deepseek_spec`).
+dense first layers (:mod:`megarl.models.deepseek_spec`). GLM-4.5 (``glm4_moe``): GQA with partial RoPE, q/k/v bias and
+optional QK-norm, and DeepSeek-V3's MoE (:mod:`megarl.models.glm4_moe`, :mod:`megarl.models.deepseek_moe`).
 
 Gemma 3 (text, ``gemma3_text``: :data:`GEMMA3`) adds (1 + weight) norms, post-attention and post-MLP norms, GeGLU,
 scaled embeddings and local (sliding-window, own RoPE base) and global layers (:mod:`megarl.models.gemma3`).
@@ -37,9 +38,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from megarl.models import deepseek_spec, gemma3_spec
+from megarl.models import deepseek_moe, deepseek_spec, gemma3_spec, glm4_moe, qwen3_phi3_spec
+from megarl.models.deepseek_moe import DeepSeekMoE
 from megarl.models.deepseek_spec import MLA
 from megarl.models.errors import SpecError
+from megarl.models.glm4_moe import GLMAttention
 
 
 class MoENames(NamedTuple):
@@ -77,7 +80,9 @@ class Family:
             one ``mlp.gate_up_proj`` (rows ``[gate; up]``), which are then the canonical tensors (Phi-3).
         gpt_oss: gpt-oss's decoder: a learned sink logit per attention head (``self_attn.sinks``), biases on
             o_proj, the router and the experts, clamped SwiGLU experts (:mod:`megarl.models.gpt_oss`).
-        mla: multi-latent attention and DeepSeek-V3's MoE (:mod:`megarl.models.deepseek_spec`).
+        mla: multi-latent attention (:mod:`megarl.models.deepseek_spec`).
+        deepseek_moe: DeepSeek-V3's MoE: biased sigmoid routing, shared experts, dense first layers
+            (:mod:`megarl.models.deepseek_moe`; DeepSeek-V3, GLM-4.5).
     """
 
     hf_architecture: str
@@ -90,6 +95,7 @@ class Family:
     fused_qkv_mlp: bool = False
     gpt_oss: bool = False
     mla: bool = False
+    deepseek_moe: bool = False
 
 
 _QWEN_MOE = MoENames("mlp", "gate_proj", "up_proj", "down_proj")
@@ -110,7 +116,10 @@ FAMILIES: dict[str, Family] = {
 GEMMA3 = "gemma3"
 FAMILIES[GEMMA3] = Family("Gemma3ForCausalLM", "gemma3_text", qkv_bias=False, qk_norm=True, sliding_window=True,
                           gemma=True)
-FAMILIES["deepseek_v3"] = Family("DeepseekV3ForCausalLM", "deepseek_v3", qkv_bias=False, moe=_QWEN_MOE, mla=True)
+FAMILIES["deepseek_v3"] = Family("DeepseekV3ForCausalLM", "deepseek_v3", qkv_bias=False, moe=_QWEN_MOE, mla=True,
+                                  deepseek_moe=True)
+# GLM-4.5 (q/k/v bias and QK-norm as its config says: ModelSpec.glm)
+FAMILIES[glm4_moe.FAMILY] = Family("Glm4MoeForCausalLM", "glm4_moe", qkv_bias=True, moe=_QWEN_MOE, deepseek_moe=True)
 
 # gpt-oss (GptOssForCausalLM; OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", arXiv 2508.10925)
 GPT_OSS = "gpt_oss"
@@ -128,7 +137,7 @@ class ModelSpec:
 
     Attributes:
         family: key of :data:`FAMILIES` ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "qwen2_moe",
-            "mixtral", "gemma3", "gpt_oss").
+            "mixtral", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe").
         vocab_size: rows of the (unpadded) embedding table.
         hidden_size: model width.
         num_layers: decoder layers.
@@ -160,8 +169,11 @@ class ModelSpec:
             is ``rope_theta``, with ``rope_scaling``). None: every layer uses ``rope_theta``.
         query_pre_attn_scalar: Gemma 3: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (None:
             ``head_dim ** -0.5``).
-        mla: DeepSeek-V3: its attention and routing fields (:class:`~megarl.models.deepseek_spec.MLA`); its
+        mla: DeepSeek-V3: its attention's fields (:class:`~megarl.models.deepseek_spec.MLA`); its
             ``head_dim`` is a query/key head's ``qk_nope + qk_rope`` channels, ``num_kv_heads`` its heads.
+        deepseek_moe: DeepSeek-V3, GLM-4.5: their MoE's routing and dense first layers
+            (:class:`~megarl.models.deepseek_moe.DeepSeekMoE`).
+        glm: GLM-4.5: its attention's bias, QK-norm and partial RoPE (:class:`~megarl.models.glm4_moe.GLMAttention`).
     """
 
     family: str
@@ -192,6 +204,8 @@ class ModelSpec:
     local_rope_theta: float | None = None
     query_pre_attn_scalar: int | None = None
     mla: MLA | None = None
+    deepseek_moe: DeepSeekMoE | None = None
+    glm: GLMAttention | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -216,11 +230,16 @@ class ModelSpec:
         if self.family == "mixtral" and self.ffn_hidden_size != self.moe_ffn_hidden_size:
             raise SpecError(f"a mixtral model's intermediate_size is its experts' width: ffn_hidden_size="
                             f"{self.ffn_hidden_size} must equal moe_ffn_hidden_size={self.moe_ffn_hidden_size}")
-        if self.shared_expert_ffn_hidden_size and self.family not in ("qwen2_moe", "deepseek_v3"):
-            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe and deepseek_v3 "
-                            "models only")
+        if self.shared_expert_ffn_hidden_size and self.family != "qwen2_moe" and not fam.deepseek_moe:
+            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe, deepseek_v3 and "
+                            "glm4_moe models only")
         if fam.mla or self.mla is not None:
             deepseek_spec.check(self)
+        if fam.deepseek_moe or self.deepseek_moe is not None:
+            if not fam.deepseek_moe:
+                raise SpecError(f"deepseek_moe: a {self.family} model does not route as DeepSeek-V3")
+            deepseek_moe.check(self)
+        glm4_moe.check(self)
         if self.num_attention_heads % self.num_kv_heads:
             raise SpecError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                             f"num_kv_heads={self.num_kv_heads}")
@@ -240,11 +259,11 @@ class ModelSpec:
     # ------------------------------------------------------------------ derived sizes
     @property
     def qkv_bias(self) -> bool:
-        return FAMILIES[self.family].qkv_bias
+        return self.glm.attention_bias if self.glm is not None else FAMILIES[self.family].qkv_bias
 
     @property
     def qk_norm(self) -> bool:
-        return FAMILIES[self.family].qk_norm
+        return self.glm.qk_norm if self.glm is not None else FAMILIES[self.family].qk_norm
 
     @property
     def fused_qkv_mlp(self) -> bool:
@@ -275,7 +294,7 @@ class ModelSpec:
         (``num_experts - moe_top_k`` of every MoE layer's experts); the same as :meth:`num_params` for a dense
         model."""
         h, m = self.hidden_size, self.moe_ffn_hidden_size
-        moe_layers = sum(deepseek_spec.is_moe_layer(self, i) for i in range(self.num_layers))
+        moe_layers = sum(deepseek_moe.is_moe_layer(self, i) for i in range(self.num_layers))
         idle = moe_layers * (self.num_experts - self.moe_top_k) * (
             3 * h * m + (2 * m + h) * FAMILIES[self.family].gpt_oss)  # gpt-oss: the experts' biases
         return self.num_params() - idle
@@ -345,7 +364,7 @@ class ModelSpec:
             if self.qk_norm:
                 shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
-            if deepseek_spec.is_moe_layer(self, i):
+            if deepseek_moe.is_moe_layer(self, i):
                 shapes.update(self._moe_shapes(i))
             elif self.fused_qkv_mlp:
                 shapes[p + "mlp.gate_up_proj.weight"] = (2 * f, h)
@@ -378,8 +397,8 @@ class ModelSpec:
                                down: (h, m), down.removesuffix("weight") + "bias": (h,)})
             else:
                 shapes.update({gate: (m, h), up: (m, h), down: (h, m)})
-        if self.mla is not None:
-            shapes.update(deepseek_spec.moe_extra_shapes(self, i))
+        if self.deepseek_moe is not None:
+            shapes.update(deepseek_moe.moe_extra_shapes(self, i))
         elif self.shared_expert_ffn_hidden_size:
             s, p = self.shared_expert_ffn_hidden_size, f"model.layers.{i}.mlp."
             shapes.update({p + "shared_expert.gate_proj.weight": (s, h), p + "shared_expert.up_proj.weight": (s, h),
@@ -414,7 +433,7 @@ class ModelSpec:
         if family == "qwen2_moe" and not cfg.get("qkv_bias", True):
             raise SpecError("qkv_bias=False on a qwen2_moe model is not supported")
         if family in ("qwen3", "phi3"):
-            _check_qwen3_phi3(family, cfg)
+            qwen3_phi3_spec.check(family, cfg)
         windowed = FAMILIES[family].sliding_window
         if not windowed and cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
             raise SpecError(f"sliding-window attention on some layers of a {family} model (use_sliding_window="
@@ -512,55 +531,20 @@ class ModelSpec:
         if self.family == "qwen2_moe":
             kwargs.update(shared_expert_intermediate_size=self.shared_expert_ffn_hidden_size, qkv_bias=True)
         if self.family in ("qwen3", "phi3"):
-            kwargs.update(_qwen3_phi3_config_kwargs(self))
+            kwargs.update(qwen3_phi3_spec.hf_config_kwargs(self))
         if fam.gpt_oss:
             from megarl.models import gpt_oss
 
             kwargs.update(gpt_oss.hf_config_kwargs(self))
         if self.mla is not None:
             kwargs.update(deepseek_spec.hf_config_kwargs(self))
+        if self.glm is not None:
+            kwargs.update(glm4_moe.hf_config_kwargs(self))
         return config_cls(**kwargs)
 
     def replace(self, **changes) -> "ModelSpec":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
-
-
-# ---------------------------------------------------------------------- Qwen3 and Phi-3/Phi-4 (issue 43)
-_LONGROPE = ("longrope", "su", "yarn")  # Phi3Config names LongRoPE "longrope" (and maps "su"/"yarn" to it)
-
-
-def _check_qwen3_phi3(family: str, cfg: dict[str, Any]) -> None:
-    """Refuse the Qwen3 / Phi-3 configs megarl cannot build: Q/K/V biases (``attention_bias``), Phi-3's LongRoPE
-    (Phi-3-mini-128k, Phi-3.5, Phi-4-mini: short and long factors picked by the sequence's length and an attention
-    scale, which megatron-core's one-frequency-table ``RotaryEmbedding`` cannot express) and partial rotary
-    embeddings (``partial_rotary_factor`` < 1).
-
-    Raises:
-        SpecError: naming the field, what is wrong and the fix.
-    """
-    if cfg.get("attention_bias"):
-        raise SpecError(f"attention_bias=True on a {family} model is not supported (its q/k/v projections have no "
-                        "bias in the released checkpoints)")
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if family == "phi3" and rope_type in _LONGROPE:
-        raise SpecError(f"rope_scaling.rope_type={rope_type!r}: Phi-3's LongRoPE (Phi-3-mini-128k, Phi-3.5, "
-                        "Phi-4-mini) switches between short and long frequency factors by the sequence's length and "
-                        "scales attention, which megatron-core's RotaryEmbedding cannot express; use a checkpoint "
-                        "with plain RoPE (Phi-3-mini-4k, Phi-3-medium-4k, Phi-4)")
-    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
-    if partial != 1.0:
-        raise SpecError(f"partial_rotary_factor={partial}: megarl rotates every channel of a head (a {family} "
-                        "model with partial_rotary_factor=1.0)")
-
-
-def _qwen3_phi3_config_kwargs(spec: "ModelSpec") -> dict[str, Any]:
-    """The family-specific ``Qwen3Config`` / ``Phi3Config`` arguments of a spec (:meth:`ModelSpec.to_hf_config`)."""
-    if spec.family == "qwen3":
-        return dict(attention_bias=False, use_sliding_window=False, sliding_window=None)
-    return dict(sliding_window=spec.sliding_window, original_max_position_embeddings=spec.max_position_embeddings,
-                resid_pdrop=0.0, embd_pdrop=0.0)
 
 
 def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -575,6 +559,8 @@ def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {}
     if FAMILIES[family].mla:
         return deepseek_spec.fields_from_hf(cfg)
+    if family == glm4_moe.FAMILY:
+        return glm4_moe.fields_from_hf(cfg)
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
         raise SpecError(f"a {family} model with dense MLPs on some layers (mlp_only_layers="
                         f"{cfg.get('mlp_only_layers')}, decoder_sparse_step={cfg.get('decoder_sparse_step')}) is not "
@@ -668,6 +654,7 @@ PRESETS.update({f"gpt-oss-{size}": ModelSpec(
     for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))})
 
 PRESETS.update(deepseek_spec.presets(ModelSpec))  # deepseek-v3, moonlight-16b-a3b
+PRESETS.update(glm4_moe.presets(ModelSpec))  # glm-4.5, glm-4.5-air
 
 
 def preset(name: str) -> ModelSpec:
@@ -690,6 +677,7 @@ def preset(name: str) -> ModelSpec:
         raise SpecError(f"preset {name!r}: the only option is ?layers=N with 1 <= N <= {spec.num_layers} "
                         f"(the layers of {base}), e.g. preset:{base}?layers=4")
     pattern = spec.sliding_window_pattern  # Gemma 3: the first N layers' local/global pattern
-    mla = spec.mla and dataclasses.replace(  # DeepSeek-V3: at least one MoE layer (the last) among the N
-        spec.mla, first_k_dense=min(spec.mla.first_k_dense, int(value) - 1))
-    return spec.replace(num_layers=int(value), sliding_window_pattern=pattern and pattern[:int(value)], mla=mla)
+    moe = spec.deepseek_moe and dataclasses.replace(  # DeepSeek-V3, GLM-4.5: at least one MoE layer (the last)
+        spec.deepseek_moe, first_k_dense=min(spec.deepseek_moe.first_k_dense, int(value) - 1))
+    return spec.replace(num_layers=int(value), sliding_window_pattern=pattern and pattern[:int(value)],
+                        deepseek_moe=moe)

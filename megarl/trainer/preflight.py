@@ -126,8 +126,8 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
                 "value heads are narrower than its query/key heads); set sequence_packing=false")
     require(spec.mla is None or not cfg.actor.lora.enabled, "actor.lora.rank", "LoRA adapters on DeepSeek-V3's "
             "multi-latent attention projections are not laid out yet; set actor.lora.rank=0")
-    require(spec.mla is None or not cfg.actor.moe.router_replay, "actor.moe.router_replay", "router replay is not "
-            "compared yet on DeepSeek-V3 (dense first layers, biased sigmoid routing); set "
+    require(spec.deepseek_moe is None or not cfg.actor.moe.router_replay, "actor.moe.router_replay", "router replay "
+            f"is not compared yet on {spec.family} (dense first layers, biased sigmoid routing); set "
             "actor.moe.router_replay=false")
     check_megatron_build(cfg, spec)
     r = cfg.rollout
