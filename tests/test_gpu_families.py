@@ -43,6 +43,17 @@ def _deepseek_v3() -> ModelSpec:
         tie_word_embeddings=False, eos_token_id=3999, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
 
 
+def _glm4_moe() -> ModelSpec:
+    from transformers import Glm4MoeConfig
+
+    return ModelSpec.from_hf_config(Glm4MoeConfig(
+        vocab_size=4000, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.5, use_qk_norm=True,
+        attention_bias=True, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=1024, tie_word_embeddings=False,
+        eos_token_id=3999, num_nextn_predict_layers=0))
+
+
 # family -> (spec factory, build_model keyword arguments, megarl train overrides the family needs)
 FAMILIES = {
     "qwen3": (lambda: ModelSpec("qwen3", rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, **COMMON),
@@ -53,6 +64,7 @@ FAMILIES = {
                                  sliding_window=16, sliding_window_pattern=(1, 0), local_rope_theta=1e4,
                                  query_pre_attn_scalar=64, **COMMON), {}, []),
     "deepseek_v3": (_deepseek_v3, {"moe_experts": "sequential"}, ["actor.kernels.moe_experts=sequential"]),
+    "glm4_moe": (_glm4_moe, {"moe_experts": "sequential"}, ["actor.kernels.moe_experts=sequential"]),
     "gpt_oss": (lambda: ModelSpec("gpt_oss", rope_theta=150000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                                   sliding_window=16, sliding_window_pattern=(1, 0), num_experts=4, moe_top_k=2,
                                   moe_ffn_hidden_size=256, **{**COMMON, "ffn_hidden_size": 256}),
