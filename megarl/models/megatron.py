@@ -66,6 +66,10 @@ def check_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
         from megarl.models import deepseek
 
         deepseek.check_layout(spec, layout.tp, layout.cp)
+    if spec.gdn is not None:
+        from megarl.models import qwen3_5
+
+        qwen3_5.check_layout(spec, layout)
     if layout.cp > 1 and spec.is_moe:
         raise SpecError(f"cp={layout.cp}: context parallelism runs dense models only; a {spec.family} "
                         "mixture-of-experts model needs cp=1")
@@ -131,6 +135,10 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         from megarl.models import deepseek
 
         kwargs.update(deepseek.config_kwargs(spec))
+    if spec.gdn is not None:
+        from megarl.models import qwen3_5
+
+        kwargs.update(qwen3_5.config_kwargs(spec))
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe="tensorwise")
     if layout.vpp > 1:
@@ -278,6 +286,11 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
                             "fused MLA norms or adapters on MLA's projections); set actor.kernels.transformer_engine="
                             "false and actor.lora.enabled=false")
     gemma = spec is not None and FAMILIES[spec.family].gemma
+    if (use_te or lora is not None or attention != "local") and spec is not None and spec.gdn is not None:
+        raise SpecError("Qwen3.5 runs on the local layer spec with megatron's attention and without LoRA (megarl "
+                        "does not lay out TE's fused norms, adapters on the gated DeltaNet's fused in_proj, or the "
+                        "gated attention on SDPA); set actor.kernels.transformer_engine=false, actor.kernels."
+                        "attention=local and actor.lora.enabled=false")
     if use_te and gemma:
         raise SpecError("Gemma 3 runs on the local layer spec (its (1 + weight) and post-attention/post-MLP norms are "
                         "megarl modules, not Transformer Engine's); set actor.kernels.transformer_engine=false")
@@ -303,6 +316,10 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
             from megarl.models import deepseek
 
             deepseek.adapt_layer_spec(layer, spec)
+        if spec is not None and spec.gdn is not None:
+            from megarl.models import qwen3_5
+
+            qwen3_5.adapt_layer_spec(layer)
     if moe.get("num_experts"):
         from megarl.models.moe_router import GlobalBatchRouter
 
@@ -434,6 +451,10 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         from megarl.models import deepseek
 
         layers = deepseek.block_spec(layers, config, vp_stage, spec)
+    if spec.gdn is not None:
+        from megarl.models import qwen3_5
+
+        layers = qwen3_5.block_spec(layers, config, vp_stage, spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layers,
@@ -445,6 +466,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         rotary_base=spec.rope_theta,
+        rotary_percent=spec.gdn.partial_rotary_factor if spec.gdn is not None else 1.0,
         vp_stage=vp_stage,
     )
     if hasattr(model, "rotary_pos_emb"):
@@ -531,8 +553,8 @@ def _set_rope_frequencies(rotary, spec: ModelSpec) -> None:
 
         inv_freq, scale = gemma3.rope_inv_freqs(spec)[0], 1.0
     elif rope_type == "default":
-        base = spec.rope_theta
-        inv_freq = 1.0 / (base ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim))
+        base, dim = spec.rope_theta, 2 * rotary.inv_freq.numel()  # the rotated channels (Qwen3.5: a share)
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         scale = 1.0
     else:
         inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")

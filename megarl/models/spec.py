@@ -37,7 +37,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from megarl.models import deepseek_spec, gemma3_spec
+from megarl.models import deepseek_spec, gemma3_spec, qwen3_5_spec, qwen3_phi3_spec
+from megarl.models.qwen3_5_spec import GatedDeltaNetShape
 from megarl.models.deepseek_spec import MLA
 from megarl.models.errors import SpecError
 
@@ -78,6 +79,7 @@ class Family:
         gpt_oss: gpt-oss's decoder: a learned sink logit per attention head (``self_attn.sinks``), biases on
             o_proj, the router and the experts, clamped SwiGLU experts (:mod:`megarl.models.gpt_oss`).
         mla: multi-latent attention and DeepSeek-V3's MoE (:mod:`megarl.models.deepseek_spec`).
+        gdn: Qwen3.5's hybrid stack of gated DeltaNet and gated attention layers (:mod:`megarl.models.qwen3_5_spec`).
     """
 
     hf_architecture: str
@@ -90,6 +92,7 @@ class Family:
     fused_qkv_mlp: bool = False
     gpt_oss: bool = False
     mla: bool = False
+    gdn: bool = False
 
 
 _QWEN_MOE = MoENames("mlp", "gate_proj", "up_proj", "down_proj")
@@ -110,6 +113,7 @@ FAMILIES: dict[str, Family] = {
 GEMMA3 = "gemma3"
 FAMILIES[GEMMA3] = Family("Gemma3ForCausalLM", "gemma3_text", qkv_bias=False, qk_norm=True, sliding_window=True,
                           gemma=True)
+FAMILIES["qwen3_5"] = Family("Qwen3_5ForCausalLM", "qwen3_5_text", qkv_bias=False, qk_norm=True, gdn=True)
 FAMILIES["deepseek_v3"] = Family("DeepseekV3ForCausalLM", "deepseek_v3", qkv_bias=False, moe=_QWEN_MOE, mla=True)
 
 # gpt-oss (GptOssForCausalLM; OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", arXiv 2508.10925)
@@ -162,6 +166,7 @@ class ModelSpec:
             ``head_dim ** -0.5``).
         mla: DeepSeek-V3: its attention and routing fields (:class:`~megarl.models.deepseek_spec.MLA`); its
             ``head_dim`` is a query/key head's ``qk_nope + qk_rope`` channels, ``num_kv_heads`` its heads.
+        gdn: Qwen3.5: its gated DeltaNet layers' shape and the layer pattern (:class:`GatedDeltaNetShape`).
     """
 
     family: str
@@ -192,6 +197,7 @@ class ModelSpec:
     local_rope_theta: float | None = None
     query_pre_attn_scalar: int | None = None
     mla: MLA | None = None
+    gdn: GatedDeltaNetShape | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -221,6 +227,8 @@ class ModelSpec:
                             "models only")
         if fam.mla or self.mla is not None:
             deepseek_spec.check(self)
+        if fam.gdn or self.gdn is not None:
+            qwen3_5_spec.check(self)
         if self.num_attention_heads % self.num_kv_heads:
             raise SpecError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                             f"num_kv_heads={self.num_kv_heads}")
@@ -326,8 +334,8 @@ class ModelSpec:
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            if self.mla is not None:
-                shapes.update(deepseek_spec.attention_shapes(self, i))
+            if self.mla is not None or self.gdn is not None:
+                shapes.update((deepseek_spec if self.mla else qwen3_5_spec).attention_shapes(self, i))
             elif self.fused_qkv_mlp:
                 shapes[p + "self_attn.qkv_proj.weight"] = (self.q_size + 2 * self.kv_size, h)
             else:
@@ -338,11 +346,11 @@ class ModelSpec:
                 shapes[p + "self_attn.q_proj.bias"] = (self.q_size,)
                 shapes[p + "self_attn.k_proj.bias"] = (self.kv_size,)
                 shapes[p + "self_attn.v_proj.bias"] = (self.kv_size,)
-            if self.mla is None:
+            if self.mla is None and self.gdn is None:
                 shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
             if FAMILIES[self.family].gpt_oss:
                 shapes.update({p + "self_attn.o_proj.bias": (h,), p + "self_attn.sinks": (self.num_attention_heads,)})
-            if self.qk_norm:
+            if self.qk_norm and self.gdn is None:
                 shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
             if deepseek_spec.is_moe_layer(self, i):
@@ -399,6 +407,7 @@ class ModelSpec:
         model_type = cfg.get("model_type")
         archs = cfg.get("architectures") or []
         gemma3_spec.refuse_multimodal(model_type, archs)
+        qwen3_5_spec.refuse_multimodal(model_type, archs)
         family = next((k for k, f in FAMILIES.items() if f.model_type == model_type), None)
         if family is None:
             family = next((k for k, f in FAMILIES.items() if f.hf_architecture in archs), None)
@@ -414,7 +423,7 @@ class ModelSpec:
         if family == "qwen2_moe" and not cfg.get("qkv_bias", True):
             raise SpecError("qkv_bias=False on a qwen2_moe model is not supported")
         if family in ("qwen3", "phi3"):
-            _check_qwen3_phi3(family, cfg)
+            qwen3_phi3_spec.check(family, cfg)
         windowed = FAMILIES[family].sliding_window
         if not windowed and cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
             raise SpecError(f"sliding-window attention on some layers of a {family} model (use_sliding_window="
@@ -439,6 +448,8 @@ class ModelSpec:
             from megarl.models import gpt_oss
 
             window, gemma = gpt_oss.spec_fields(cfg)
+        elif FAMILIES[family].gdn:
+            gemma, rope = qwen3_5_spec.fields_from_hf(cfg), {}
         else:
             gemma = {}
         return cls(**{**dict(  # a family's own fields (_moe_fields, Gemma 3's) replace the common ones
@@ -512,55 +523,20 @@ class ModelSpec:
         if self.family == "qwen2_moe":
             kwargs.update(shared_expert_intermediate_size=self.shared_expert_ffn_hidden_size, qkv_bias=True)
         if self.family in ("qwen3", "phi3"):
-            kwargs.update(_qwen3_phi3_config_kwargs(self))
+            kwargs.update(qwen3_phi3_spec.config_kwargs(self))
         if fam.gpt_oss:
             from megarl.models import gpt_oss
 
             kwargs.update(gpt_oss.hf_config_kwargs(self))
         if self.mla is not None:
             kwargs.update(deepseek_spec.hf_config_kwargs(self))
+        if self.gdn is not None:
+            kwargs.update(qwen3_5_spec.hf_config_kwargs(self))
         return config_cls(**kwargs)
 
     def replace(self, **changes) -> "ModelSpec":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
-
-
-# ---------------------------------------------------------------------- Qwen3 and Phi-3/Phi-4 (issue 43)
-_LONGROPE = ("longrope", "su", "yarn")  # Phi3Config names LongRoPE "longrope" (and maps "su"/"yarn" to it)
-
-
-def _check_qwen3_phi3(family: str, cfg: dict[str, Any]) -> None:
-    """Refuse the Qwen3 / Phi-3 configs megarl cannot build: Q/K/V biases (``attention_bias``), Phi-3's LongRoPE
-    (Phi-3-mini-128k, Phi-3.5, Phi-4-mini: short and long factors picked by the sequence's length and an attention
-    scale, which megatron-core's one-frequency-table ``RotaryEmbedding`` cannot express) and partial rotary
-    embeddings (``partial_rotary_factor`` < 1).
-
-    Raises:
-        SpecError: naming the field, what is wrong and the fix.
-    """
-    if cfg.get("attention_bias"):
-        raise SpecError(f"attention_bias=True on a {family} model is not supported (its q/k/v projections have no "
-                        "bias in the released checkpoints)")
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if family == "phi3" and rope_type in _LONGROPE:
-        raise SpecError(f"rope_scaling.rope_type={rope_type!r}: Phi-3's LongRoPE (Phi-3-mini-128k, Phi-3.5, "
-                        "Phi-4-mini) switches between short and long frequency factors by the sequence's length and "
-                        "scales attention, which megatron-core's RotaryEmbedding cannot express; use a checkpoint "
-                        "with plain RoPE (Phi-3-mini-4k, Phi-3-medium-4k, Phi-4)")
-    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
-    if partial != 1.0:
-        raise SpecError(f"partial_rotary_factor={partial}: megarl rotates every channel of a head (a {family} "
-                        "model with partial_rotary_factor=1.0)")
-
-
-def _qwen3_phi3_config_kwargs(spec: "ModelSpec") -> dict[str, Any]:
-    """The family-specific ``Qwen3Config`` / ``Phi3Config`` arguments of a spec (:meth:`ModelSpec.to_hf_config`)."""
-    if spec.family == "qwen3":
-        return dict(attention_bias=False, use_sliding_window=False, sliding_window=None)
-    return dict(sliding_window=spec.sliding_window, original_max_position_embeddings=spec.max_position_embeddings,
-                resid_pdrop=0.0, embd_pdrop=0.0)
 
 
 def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -667,7 +643,8 @@ PRESETS.update({f"gpt-oss-{size}": ModelSpec(
     num_experts=experts, moe_top_k=4, moe_ffn_hidden_size=2880, moe_aux_loss_coef=0.9)
     for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))})
 
-PRESETS.update(deepseek_spec.presets(ModelSpec))  # deepseek-v3, moonlight-16b-a3b
+PRESETS.update(deepseek_spec.presets(ModelSpec))
+PRESETS.update(qwen3_5_spec.presets(ModelSpec))  # deepseek-v3, moonlight-16b-a3b
 
 
 def preset(name: str) -> ModelSpec:
@@ -692,4 +669,6 @@ def preset(name: str) -> ModelSpec:
     pattern = spec.sliding_window_pattern  # Gemma 3: the first N layers' local/global pattern
     mla = spec.mla and dataclasses.replace(  # DeepSeek-V3: at least one MoE layer (the last) among the N
         spec.mla, first_k_dense=min(spec.mla.first_k_dense, int(value) - 1))
-    return spec.replace(num_layers=int(value), sliding_window_pattern=pattern and pattern[:int(value)], mla=mla)
+    gdn = spec.gdn and dataclasses.replace(spec.gdn, linear_pattern=spec.gdn.linear_pattern[:int(value)])
+    return spec.replace(num_layers=int(value), sliding_window_pattern=pattern and pattern[:int(value)], mla=mla,
+                        gdn=gdn)
