@@ -121,3 +121,54 @@ def test_logits_match_transformers(world, tp, pp):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_gradients_match_transformers(world, tp):
     assert max(out["grads"][tp] for out in world) < 1e-4, [out["grads"][tp] for out in world]
+
+
+@pytest.mark.slow  # about 20 s on top of the world's 40 s
+def test_convert_export_roundtrip_is_bit_identical(world):
+    """HF safetensors -> megarl dist checkpoint (PP=2) -> HF export: every tensor bit-identical, and the exported
+    config.json is the same Qwen3.5 text model."""
+    from megarl.launch.convert import export_to_hf
+    from megarl.models.hf_io import open_hf_checkpoint, read_hf_config
+
+    tmp = world[0]["tmp"]
+    export_to_hf(f"{tmp}/mg", f"{tmp}/hf_out")
+    source, back = open_hf_checkpoint(f"{tmp}/hf_in"), open_hf_checkpoint(f"{tmp}/hf_out")
+    assert sorted(back.tensor_names) == sorted(QWEN35.hf_tensor_shapes())
+    assert [n for n in QWEN35.hf_tensor_shapes() if not torch.equal(back.read(n), source.read(n))] == []
+    config = read_hf_config(f"{tmp}/hf_out")
+    assert config["model_type"] == "qwen3_5_text" and ModelSpec.from_hf_config(config) == QWEN35
+
+
+def test_preset_shape_round_trips_through_its_hf_config():
+    from megarl.models.spec import preset
+
+    spec = preset("qwen3.5-27b?layers=8")
+    assert spec.gdn.linear_pattern == (1, 1, 1, 0, 1, 1, 1, 0)
+    assert ModelSpec.from_hf_config(spec.to_hf_config()) == spec
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]}, "vision-language"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"layer_types": ["linear_attention", "sliding_attention"] * 2}, "layer_types"),
+    ({"linear_num_value_heads": 3}, "multiple of"),
+])
+def test_what_megarl_does_not_run_is_refused(change, message):
+    cfg = {**QWEN35.to_hf_config().to_dict(), **change}
+    with pytest.raises(SpecError, match=message):
+        ModelSpec.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("layout,kwargs,message", [
+    (dict(tp=4), {}, "linear_num_key_heads=2"),
+    (dict(tp=1, cp=2), {}, "context parallelism with Qwen3.5's linear attention"),
+    (dict(tp=1), dict(attention="sdpa"), "local layer spec"),
+])
+def test_layouts_and_kernels_it_cannot_run_are_refused(layout, kwargs, message):
+    from megarl.models.megatron import build_model, check_layout
+    from megarl.parallel.mesh import ParallelLayout
+
+    mesh = ParallelLayout(**layout)
+    spec = QWEN35.replace(num_kv_heads=4) if layout.get("tp") == 4 else QWEN35
+    with pytest.raises(SpecError, match=message):
+        check_layout(spec, mesh) if not kwargs else build_model(spec, mesh, **kwargs)

@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Iterable
 
 from megarl.models.deepseek_spec import is_moe_layer
-from megarl.models.layout import (VALUE_HEAD, Block, Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up,
-                                  gate_up, row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
+from megarl.models.layout import (VALUE_HEAD, Block, Layout, LocalTensor, canonical_shapes, experts_down,
+                                  experts_gate_up, gate_up, row_parallel, rows, shape_key, shared_expert, vocab_shard,
+                                  whole)
 from megarl.models.layout_lora import adapter_tensors, lora_canonical_shapes, lora_targets
 from megarl.models.lora import LoRASpec
 from megarl.models import gpt_oss

@@ -162,6 +162,9 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None
     if quantization == "fp8":
         check_vllm_fp8(spec, tp)
     check_vllm_tp(spec, tp)
+    if spec.gdn is not None:
+        raise SpecError("the reshard into vLLM's Qwen3.5 layout (its gated DeltaNet's fused in_proj_qkvz / in_proj_ba "
+                        "and conv1d) is not written yet; use rollout.engine=hf for a Qwen3.5 model")
     if FAMILIES[spec.family].gpt_oss:
         return {lt.name: lt for lt in _vllm_gpt_oss(spec, tp, r)}
     h, hd = spec.hidden_size, spec.head_dim
