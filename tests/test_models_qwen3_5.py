@@ -49,7 +49,11 @@ def _world(rank, world, tmp):
     from megarl.models import checkpoint as ck
     from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
     from megarl.models.megatron import build_model
-    from megarl.models.layout_megatron import megatron_rank_tensors
+    from megarl.models.layout import hf_layout
+    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
+    from megarl.models.layout_vllm import vllm_layout
+    from megarl.reshard.executor import execute_plan
+    from megarl.reshard.planner import plan_reshard
     from megarl.models.pipeline import run_microbatches
     from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
@@ -91,6 +95,16 @@ def _world(rank, world, tmp):
                 for b in lt.blocks:
                     worst = max(worst, (params[name].grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max().item())
             out["grads"][tp] = worst
+        if (tp, pp) == (2, 1):  # the reshard into vLLM's TP=2 layout, and back to whole HF tensors
+            layout = megatron_layout(spec, mesh)
+            want = _ref_vllm(sd, rank)
+            got = {n: torch.zeros(t.shape) for n, t in want.items()}
+            execute_plan(plan_reshard(layout, vllm_layout(spec, 2, range(world))), params, got)
+            out["vllm_names"] = sorted(vllm_layout(spec, 2, range(world)).tensors(rank)) == sorted(want)
+            out["vllm_bad"] = [n for n in want if not torch.equal(got[n], want[n])]
+            back = {n: torch.zeros(t.shape) for n, t in sd.items()}
+            execute_plan(plan_reshard(layout, hf_layout(spec, range(world))), params, back)
+            out["hf_bad"] = [n for n in sd if not torch.equal(back[n], sd[n])]
 
     # HF safetensors -> megarl dist checkpoint at PP=2 -> HF export (compared in the test)
     if rank == 0:
@@ -102,6 +116,49 @@ def _world(rank, world, tmp):
     ck.load_hf_weights(model, open_hf_checkpoint(f"{tmp}/hf_in"))
     ck.save_model(f"{tmp}/mg", model)
     ps.destroy_model_parallel()
+    return out
+
+
+def _ref_vllm(sd: dict, r: int) -> dict:
+    """vLLM 0.24 Qwen3_5ForCausalLM's TP rank ``r`` of 2, sliced here from the HF tensors. DeltaNet layers (0, 2):
+    ``in_proj_qkvz`` = [q_r; k_r; v_r; z_r] (16 rows each: in_proj_qkv holds q, k, v as rows 0-31, 32-63, 64-95),
+    ``in_proj_ba`` = [b_r; a_r] (2 heads each), ``conv1d`` the same q/k/v channels, ``A_log``/``dt_bias`` 2 heads,
+    ``norm`` whole, ``out_proj`` columns halved. Attention layers (1, 3): ``qkv_proj`` = [q_proj rows of heads 2r,
+    2r + 1 (query and gate, 64 rows); k_r; v_r]. ``gate_up_proj`` = [gate_r; up_r], the vocab padded to 1024 and
+    halved, untied ``lm_head`` the same way."""
+    def half(t, n, start=0):
+        return t[start + n * r:start + n * (r + 1)]
+
+    out = {}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        padded = torch.zeros(1024, 64)
+        padded[:1000] = sd[name]
+        out[name] = half(padded, 512)
+    for i in range(4):
+        p = f"model.layers.{i}."
+        if i % 2 == 0:
+            a = p + "linear_attn."
+            qkv, conv = sd[a + "in_proj_qkv.weight"], sd[a + "conv1d.weight"]
+            out[a + "in_proj_qkvz.weight"] = torch.cat([half(qkv, 16), half(qkv, 16, 32), half(qkv, 16, 64),
+                                                        half(sd[a + "in_proj_z.weight"], 16)])
+            out[a + "in_proj_ba.weight"] = torch.cat([half(sd[a + "in_proj_b.weight"], 2),
+                                                      half(sd[a + "in_proj_a.weight"], 2)])
+            out[a + "conv1d.weight"] = torch.cat([half(conv, 16), half(conv, 16, 32), half(conv, 16, 64)])
+            out[a + "A_log"], out[a + "dt_bias"] = half(sd[a + "A_log"], 2), half(sd[a + "dt_bias"], 2)
+            out[a + "norm.weight"] = sd[a + "norm.weight"]
+            out[a + "out_proj.weight"] = sd[a + "out_proj.weight"][:, 16 * r:16 * (r + 1)]
+        else:
+            a = p + "self_attn."
+            out[a + "qkv_proj.weight"] = torch.cat([half(sd[a + "q_proj.weight"], 64), half(sd[a + "k_proj.weight"], 16),
+                                                    half(sd[a + "v_proj.weight"], 16)])
+            out[a + "o_proj.weight"] = sd[a + "o_proj.weight"][:, 32 * r:32 * (r + 1)]
+            out[a + "q_norm.weight"], out[a + "k_norm.weight"] = sd[a + "q_norm.weight"], sd[a + "k_norm.weight"]
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([half(sd[p + "mlp.gate_proj.weight"], 48),
+                                                       half(sd[p + "mlp.up_proj.weight"], 48)])
+        out[p + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"][:, 48 * r:48 * (r + 1)]
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out[p + n + ".weight"] = sd[p + n + ".weight"]
+    out["model.norm.weight"] = sd["model.norm.weight"]
     return out
 
 
@@ -121,6 +178,11 @@ def test_logits_match_transformers(world, tp, pp):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_gradients_match_transformers(world, tp):
     assert max(out["grads"][tp] for out in world) < 1e-4, [out["grads"][tp] for out in world]
+
+
+def test_vllm_layout_is_an_independent_slicing_of_the_hf_tensors(world):
+    for out in world:
+        assert out["vllm_names"] and out["vllm_bad"] == [] and out["hf_bad"] == [], out
 
 
 @pytest.mark.slow  # about 20 s on top of the world's 40 s
