@@ -106,6 +106,19 @@ def _world(rank, world, tmp):
             execute_plan(plan_reshard(layout, hf_layout(spec, range(world))), params, back)
             out["hf_bad"] = [n for n in sd if not torch.equal(back[n], sd[n])]
 
+    # the trainer's default attention (sdpa), on padded rows and on the two sequences packed in one row (the
+    # DeltaNet's convolution and state restart at the second sequence: cu_seqlens)
+    mesh = ParallelLayout(tp=1, pp=1, dp=world)
+    initialize_model_parallel(mesh)
+    model = build_model(spec, mesh, attention="sdpa").eval()
+    fill_local_tensors(megatron_rank_tensors(spec, mesh, 0, 0), dict(model.named_parameters()),
+                       state_dict_reader(sd, spec.hf_tensor_shapes()))
+    packed = {"input_ids": tokens.reshape(1, -1), "position_ids": torch.arange(2 * SEQ).unsqueeze(0),
+              "cu_seqlens": torch.tensor([0, SEQ, 2 * SEQ], dtype=torch.int32)}
+    for key, mb in (("sdpa", {"input_ids": tokens}), ("packed", packed)):
+        logits = run_microbatches(model, [mb], output_fn(False), forward_only=True)[0]["logits"]
+        out["logits"][key] = (logits.reshape(ref_logits.shape) - ref_logits).abs().max().item()
+
     # HF safetensors -> megarl dist checkpoint at PP=2 -> HF export (compared in the test)
     if rank == 0:
         save_hf_checkpoint(f"{tmp}/hf_in", spec, sd)
@@ -175,6 +188,11 @@ def test_logits_match_transformers(world, tp, pp):
     assert diffs and max(diffs) < 1e-4, diffs
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "packed"])
+def test_sdpa_attention_and_packed_sequences_match_transformers(world, attention):
+    assert max(out["logits"][attention] for out in world) < 1e-4, [out["logits"][attention] for out in world]
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_gradients_match_transformers(world, tp):
     assert max(out["grads"][tp] for out in world) < 1e-4, [out["grads"][tp] for out in world]
@@ -224,7 +242,7 @@ def test_what_megarl_does_not_run_is_refused(change, message):
 @pytest.mark.parametrize("layout,kwargs,message", [
     (dict(tp=4), {}, "linear_num_key_heads=2"),
     (dict(tp=1, cp=2), {}, "context parallelism with Qwen3.5's linear attention"),
-    (dict(tp=1), dict(attention="sdpa"), "local layer spec"),
+    (dict(tp=1), dict(use_te=True), "transformer_engine|Transformer Engine"),
 ])
 def test_layouts_and_kernels_it_cannot_run_are_refused(layout, kwargs, message):
     from megarl.models.megatron import build_model, check_layout

@@ -17,6 +17,7 @@ and final norms); the DeltaNet's output norm is a plain RMSNorm (:class:`GatedOu
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
@@ -55,11 +56,20 @@ def _uncompiled(fn):
 
 class HybridGatedDeltaNet(GatedDeltaNet):
     """megatron-core's ``GatedDeltaNet`` as a ``TransformerLayer``'s self-attention: it accepts (and ignores) the
-    attention-only ``pp_layer_offset`` argument, and off the GPU runs its ``torch.compile``-d helpers as plain
+    attention-only ``pp_layer_offset`` argument, keeps packed sequences apart (:meth:`forward`), and off the GPU runs its ``torch.compile``-d helpers as plain
     functions (no C++ compiler needed)."""
 
     def __init__(self, config, submodules, layer_number=None, pp_layer_offset=None, **kwargs):
         super().__init__(config, submodules, layer_number=layer_number, **kwargs)
+
+    def forward(self, hidden_states, attention_mask=None, *args, packed_seq_params=None, **kwargs):
+        """megatron's forward; packed sequences given in megarl's ``sbhd`` form (one row, ``cu_seqlens`` for the
+        attention's document mask: :func:`megarl.models.pipeline.packed_seq_params`) go to megatron's ``thd`` path,
+        the one where the convolution and the state restart at each sequence's start."""
+        if packed_seq_params is not None and packed_seq_params.qkv_format != "thd" and \
+                packed_seq_params.cu_seqlens_q is not None:
+            packed_seq_params = dataclasses.replace(packed_seq_params, qkv_format="thd")
+        return super().forward(hidden_states, attention_mask, *args, packed_seq_params=packed_seq_params, **kwargs)
 
     if not torch.cuda.is_available():
         _apply_gated_norm = _uncompiled(GatedDeltaNet._apply_gated_norm)
