@@ -26,7 +26,7 @@ QWEN35 = ModelSpec("qwen3_5", vocab_size=1000, hidden_size=64, num_layers=4, num
                                           value_head_dim=8, conv_kernel=4, partial_rotary_factor=0.25))
 MESHES = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) in a world of 2
 SEQ = 24
-TP_SUMMED = ("q_layernorm", "k_layernorm", "out_norm")  # norms of TP-split heads: their gradients summed over TP
+TP_SUMMED = ("q_layernorm", "k_layernorm")  # summed over TP by megatron's finalize_model_grads (out_norm: in backward)
 
 
 def hf_model(spec: ModelSpec, seed: int = 1):

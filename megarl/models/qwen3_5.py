@@ -21,7 +21,8 @@ import dataclasses
 
 import torch
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                           copy_to_tensor_model_parallel_region)
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megarl.models.gemma3 import GemmaRMSNorm
@@ -79,7 +80,8 @@ class HybridGatedDeltaNet(GatedDeltaNet):
 
 class GatedOutputNorm(torch.nn.Module):
     """The DeltaNet's output RMSNorm (transformers' ``Qwen3_5RMSNormGated`` before its gate): ``y = w * (x /
-    sqrt(mean(x^2) + eps))``, normalised in float32, the product in the input's dtype; the weight starts at 1.
+    sqrt(mean(x^2) + eps))``, normalised in float32, the product in the input's dtype; the weight starts at 1 and its
+    gradient is summed over TP in the backward (the ranks' heads share it).
 
     Shapes: input and output ``[..., value_head_dim]``.
     """
@@ -90,8 +92,11 @@ class GatedOutputNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # each TP rank normalises its own heads with the one weight: its gradient is the sum over TP (megatron's
+        # copy_to_tensor_model_parallel_region: the identity forward, an all-reduce of the gradient backward)
+        weight = copy_to_tensor_model_parallel_region(self.weight)
         xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def config_kwargs(spec: ModelSpec) -> dict:
