@@ -252,3 +252,18 @@ def test_layouts_and_kernels_it_cannot_run_are_refused(layout, kwargs, message):
     spec = QWEN35.replace(num_kv_heads=4) if layout.get("tp") == 4 else QWEN35
     with pytest.raises(SpecError, match=message):
         check_layout(spec, mesh) if not kwargs else build_model(spec, mesh, **kwargs)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("actor.kernels.transformer_engine=true", r"actor\.kernels\.transformer_engine: Qwen3\.5 runs on the local"),
+    ("actor.lora.rank=8", r"actor\.lora\.rank: LoRA adapters on Qwen3\.5"),
+    ("actor.parallel.cp=2", r"context parallelism with Qwen3\.5's linear attention"),
+])
+def test_what_it_cannot_train_is_refused_before_the_run(override, message):
+    spec = QWEN35.replace(max_position_embeddings=4096)  # the default config's prompt + response fit
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer.preflight import validate_for_model
+
+    with pytest.raises(ConfigError, match=message):
+        validate_for_model(load_config(None, [override]), spec)
+    validate_for_model(load_config(None), spec)
