@@ -267,3 +267,18 @@ def test_what_it_cannot_train_is_refused_before_the_run(override, message):
     with pytest.raises(ConfigError, match=message):
         validate_for_model(load_config(None, [override]), spec)
     validate_for_model(load_config(None), spec)
+
+
+def test_flops_count_full_attention_on_full_layers_and_the_state_on_the_others():
+    from megarl.measure.flops import forward_flops, matmul_params
+    from megarl.models.spec import preset
+
+    spec = preset("qwen3.5-27b")  # 48 DeltaNet layers (48 value heads of 128 x 128), 16 full-attention layers
+    h, q, kv, s = spec.hidden_size, spec.q_size, spec.kv_size, 3000
+    g = spec.gdn
+    per_linear = h * (2 * g.key_dim + g.value_dim) + 2 * h * g.value_dim + 2 * h * g.num_value_heads
+    per_full = h * 2 * q + 2 * h * kv + h * q
+    assert matmul_params(spec) == 48 * per_linear + 16 * per_full + 64 * 3 * h * spec.ffn_hidden_size \
+        + spec.vocab_size * h
+    attention = 2 * 16 * q * s * (s + 1) + 6 * 48 * 48 * 128 * 128 * s
+    assert forward_flops(spec, [s]) == pytest.approx(2 * matmul_params(spec) * s + attention, rel=1e-12)
