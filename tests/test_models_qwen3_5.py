@@ -9,6 +9,7 @@ logits at TP=1, TP=2 and PP=2, the gradients of a cross-entropy step at TP=1 and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -282,3 +283,18 @@ def test_flops_count_full_attention_on_full_layers_and_the_state_on_the_others()
         + spec.vocab_size * h
     attention = 2 * 16 * q * s * (s + 1) + 6 * 48 * 48 * 128 * 128 * s
     assert forward_flops(spec, [s]) == pytest.approx(2 * matmul_params(spec) * s + attention, rel=1e-12)
+
+
+def test_memory_estimate_counts_every_parameter_of_each_stage():
+    import math
+
+    from megarl.launch.memory import stage_params
+    from megarl.models.layout_megatron import megatron_rank_tensors
+    from megarl.models.spec import preset
+    from megarl.parallel.mesh import ParallelLayout
+
+    assert stage_params(preset("qwen3.5-27b"), 1, 1) == preset("qwen3.5-27b").num_params()
+    spec = QWEN35.replace(vocab_size=1024, gdn=dataclasses.replace(QWEN35.gdn, linear_pattern=(1, 1, 1, 0)))
+    held = [sum(math.prod(t.shape) for t in megatron_rank_tensors(spec, ParallelLayout(pp=2), 0, r).values())
+            for r in range(2)]  # 3 DeltaNet layers and an attention one: the stages differ
+    assert held[0] != held[1] and stage_params(spec, 1, 2) == max(held)
