@@ -20,6 +20,7 @@ from megarl.models.layout import (VALUE_HEAD, Block, Layout, LocalTensor, canoni
                                   whole)
 from megarl.models.layout_lora import adapter_tensors, lora_canonical_shapes, lora_targets
 from megarl.models.lora import LoRASpec
+from megarl.models.qwen3_5_spec import QWEN3_NEXT
 from megarl.models import gpt_oss
 from megarl.models.megatron import check_layout, padded_vocab_size
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
@@ -182,12 +183,36 @@ def _qwen3_5_mixer(spec: ModelSpec, i: int, hf: str, mg: str, t: int, r: int) ->
         if name.endswith("qkv.weight"):
             conv.append(Block(p + "conv1d.weight", (start, 0, 0), (dst, 0, 0), (n, 1, g.conv_kernel)))
         dst += n
+    if spec.family == QWEN3_NEXT:
+        in_proj = _qwen3_next_in_proj(spec, p, t, r)
     return [LocalTensor(a + "in_proj.weight", (dst, h), tuple(in_proj)),
             LocalTensor(a + "conv1d.weight", (2 * kd + vd, 1, g.conv_kernel), tuple(conv)),
             LocalTensor(a + "dt_bias", (hv,), (rows(p + "dt_bias", r * hv, 0, hv, None),)),
             LocalTensor(a + "A_log", (hv,), (rows(p + "A_log", r * hv, 0, hv, None),)),
             whole(p + "norm.weight", (g.value_head_dim,), a + "out_norm.weight"),
             row_parallel(p + "out_proj.weight", a + "out_proj.weight", h, g.value_dim, t, r)]
+
+
+def _qwen3_next_in_proj(spec: ModelSpec, p: str, t: int, r: int) -> list[Block]:
+    """Megatron's ``in_proj`` rows ``[q_r; k_r; v_r; z_r; beta_r; alpha_r]`` of TP rank ``r`` cut from Qwen3-Next's
+    checkpoint, which fuses them by key-head group (:mod:`megarl.models.qwen3_5_spec`): key head ``g``'s ``[q_g; k_g;
+    v_g; z_g]`` in ``in_proj_qkvz`` and ``[b_g; a_g]`` in ``in_proj_ba``, its value heads the ``hv / hk`` after
+    ``g * hv / hk``."""
+    g, h = spec.gdn, spec.hidden_size
+    groups, dk, vg = g.num_key_heads // t, g.key_head_dim, g.num_value_heads // g.num_key_heads * g.value_head_dim
+    heads = g.num_value_heads // g.num_key_heads
+    kd, vd, hv = groups * dk, groups * vg, groups * heads
+    out = []
+    for j in range(groups):
+        grp = r * groups + j
+        base, ba = grp * (2 * dk + 2 * vg), grp * 2 * heads
+        out += [rows(p + "in_proj_qkvz.weight", base, j * dk, dk, h),
+                rows(p + "in_proj_qkvz.weight", base + dk, kd + j * dk, dk, h),
+                rows(p + "in_proj_qkvz.weight", base + 2 * dk, 2 * kd + j * vg, vg, h),
+                rows(p + "in_proj_qkvz.weight", base + 2 * dk + vg, 2 * kd + vd + j * vg, vg, h),
+                rows(p + "in_proj_ba.weight", ba, 2 * kd + 2 * vd + j * heads, heads, h),
+                rows(p + "in_proj_ba.weight", ba + heads, 2 * kd + 2 * vd + hv + j * heads, heads, h)]
+    return out
 
 
 def _megatron_mla(spec: ModelSpec, hf: str, mg: str, t: int, r: int) -> list[LocalTensor]:

@@ -17,6 +17,7 @@ from megarl.models import fp8, gpt_oss
 from megarl.models.deepseek_spec import is_moe_layer
 from megarl.models.layout import (Block, Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up, gate_up,
                                   row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
+from megarl.models.qwen3_5_spec import QWEN3_NEXT
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 
 VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
@@ -226,7 +227,9 @@ def _vllm_qwen3_5_mixer(spec: ModelSpec, i: int, tp: int, r: int, kv0: int, kv: 
     ``norm`` whole; ``out_proj`` split on its input. ``Qwen3NextAttention``: ``qkv_proj`` a ``QKVParallelLinear`` of
     ``2 * heads`` query heads (HF's ``q_proj`` rows ``[q_h; gate_h]`` per head, kept) and the KV heads (``kv`` rows of
     each from row ``kv0``), ``o_proj`` split on its input, ``q_norm`` / ``k_norm`` whole (vLLM's ``GemmaRMSNorm``
-    adds the 1 in its forward: raw weights)."""
+    adds the 1 in its forward: raw weights). Qwen3-Next (``gqa_interleaved_layout=True``): ``in_proj_qkvz`` and
+    ``in_proj_ba`` one output shard each, loaded from the checkpoint's fused tensors: rank ``r``'s contiguous rows
+    (whole key-head groups)."""
     g, h, hd = spec.gdn, spec.hidden_size, spec.head_dim
     if g.num_key_heads % tp or g.num_value_heads % tp:
         raise SpecError(f"vLLM TP={tp} does not divide the gated DeltaNet's linear_num_key_heads={g.num_key_heads} "
@@ -244,10 +247,14 @@ def _vllm_qwen3_5_mixer(spec: ModelSpec, i: int, tp: int, r: int, kv0: int, kv: 
     in_proj = tuple(rows(p + "in_proj_qkv.weight", s, d, n, h) for (s, n), d in zip(qkv, (0, kd, 2 * kd)))
     conv = tuple(Block(p + "conv1d.weight", (s, 0, 0), (d, 0, 0), (n, 1, g.conv_kernel))
                  for (s, n), d in zip(qkv, (0, kd, 2 * kd)))
-    z = rows(p + "in_proj_z.weight", r * vd, 2 * kd + vd, vd, h)
-    return [LocalTensor(p + "in_proj_qkvz.weight", (2 * kd + 2 * vd, h), in_proj + (z,)),
-            LocalTensor(p + "in_proj_ba.weight", (2 * hv, h), (rows(p + "in_proj_b.weight", r * hv, 0, hv, h),
-                                                                rows(p + "in_proj_a.weight", r * hv, hv, hv, h))),
+    if spec.family == QWEN3_NEXT:  # the checkpoint's fused tensors, grouped by key head: a rank's rows are contiguous
+        qkvz = (rows(p + "in_proj_qkvz.weight", r * (2 * kd + 2 * vd), 0, 2 * kd + 2 * vd, h),)
+        ba = (rows(p + "in_proj_ba.weight", r * 2 * hv, 0, 2 * hv, h),)
+    else:
+        qkvz = in_proj + (rows(p + "in_proj_z.weight", r * vd, 2 * kd + vd, vd, h),)
+        ba = (rows(p + "in_proj_b.weight", r * hv, 0, hv, h), rows(p + "in_proj_a.weight", r * hv, hv, hv, h))
+    return [LocalTensor(p + "in_proj_qkvz.weight", (2 * kd + 2 * vd, h), qkvz),
+            LocalTensor(p + "in_proj_ba.weight", (2 * hv, h), ba),
             LocalTensor(p + "conv1d.weight", (2 * kd + vd, 1, g.conv_kernel), conv),
             LocalTensor(p + "dt_bias", (hv,), (rows(p + "dt_bias", r * hv, 0, hv, None),)),
             LocalTensor(p + "A_log", (hv,), (rows(p + "A_log", r * hv, 0, hv, None),)),

@@ -11,6 +11,11 @@ DeltaNet's gated output norm. The DeltaNet layer's checkpoint tensors (``linear_
 ``[q; k; v]``, ``2 * hk * dk + hv * dv``), ``in_proj_z`` (the output gate, ``hv * dv``), ``in_proj_b`` (beta) and
 ``in_proj_a`` (the decay's input), ``hv`` each; ``conv1d.weight`` ``[2 * hk * dk + hv * dv, 1, w]``; ``A_log`` and
 ``dt_bias`` ``[hv]``; ``norm.weight`` ``[dv]``; ``out_proj`` ``[hidden, hv * dv]``.
+
+Qwen3-Next (``qwen3_next``: ``Qwen3NextForCausalLM``) is the same stack with a Qwen2-MoE-like block on every layer
+(softmax top-k router, a shared expert with a sigmoid gate); its checkpoint fuses the DeltaNet's input projections
+by key-head group: ``in_proj_qkvz`` holds, for each key head ``g``, ``[q_g; k_g; v_g; z_g]`` (``dk``, ``dk``,
+``hv / hk * dv`` and ``hv / hk * dv`` rows), ``in_proj_ba`` ``[b_g; a_g]`` (``hv / hk`` rows each).
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class GatedDeltaNetShape:
     @property
     def value_dim(self) -> int:
         return self.num_value_heads * self.value_head_dim
+
+
+QWEN3_NEXT = "qwen3_next"
 
 
 def refuse_multimodal(model_type: str | None, archs: list[str]) -> None:
@@ -115,11 +123,14 @@ def attention_shapes(spec: "ModelSpec", layer: int) -> dict[str, tuple[int, ...]
     g, h = spec.gdn, spec.hidden_size
     if g.linear_pattern[layer]:
         p, conv = f"model.layers.{layer}.linear_attn.", 2 * g.key_dim + g.value_dim
-        return {p + "dt_bias": (g.num_value_heads,), p + "A_log": (g.num_value_heads,),
-                p + "conv1d.weight": (conv, 1, g.conv_kernel), p + "norm.weight": (g.value_head_dim,),
-                p + "out_proj.weight": (h, g.value_dim), p + "in_proj_qkv.weight": (conv, h),
-                p + "in_proj_z.weight": (g.value_dim, h), p + "in_proj_b.weight": (g.num_value_heads, h),
-                p + "in_proj_a.weight": (g.num_value_heads, h)}
+        shapes = {p + "dt_bias": (g.num_value_heads,), p + "A_log": (g.num_value_heads,),
+                  p + "conv1d.weight": (conv, 1, g.conv_kernel), p + "norm.weight": (g.value_head_dim,),
+                  p + "out_proj.weight": (h, g.value_dim)}
+        if spec.family == QWEN3_NEXT:  # fused by key-head group
+            return {**shapes, p + "in_proj_qkvz.weight": (conv + g.value_dim, h),
+                    p + "in_proj_ba.weight": (2 * g.num_value_heads, h)}
+        return {**shapes, p + "in_proj_qkv.weight": (conv, h), p + "in_proj_z.weight": (g.value_dim, h),
+                p + "in_proj_b.weight": (g.num_value_heads, h), p + "in_proj_a.weight": (g.num_value_heads, h)}
     p, hd = f"model.layers.{layer}.self_attn.", spec.head_dim
     return {p + "q_proj.weight": (2 * spec.q_size, h), p + "k_proj.weight": (spec.kv_size, h),
             p + "v_proj.weight": (spec.kv_size, h), p + "o_proj.weight": (h, spec.q_size),
@@ -129,8 +140,17 @@ def attention_shapes(spec: "ModelSpec", layer: int) -> dict[str, tuple[int, ...]
 def presets(spec_cls) -> dict[str, "ModelSpec"]:
     """Named Qwen3.5 shapes (dense text models), FROM MEMORY of Qwen/Qwen3.5-27B's config.json (not checked
     against the file): 64 layers, every 4th gated full attention (24 query heads, 4 KV heads of 256 channels, a
-    quarter of them rotated), the DeltaNet layers 16 key heads and 48 value heads of 128 channels."""
-    return {"qwen3.5-27b": spec_cls(
+    quarter of them rotated), the DeltaNet layers 16 key heads and 48 value heads of 128 channels; and Qwen3-Next
+    80B-A3B's, also from memory: 48 layers of 512 experts (top 10, width 512) and a shared expert of 512, 16 query
+    heads and 2 KV heads of 256 channels, DeltaNet 16 key and 32 value heads of 128."""
+    next_pattern = tuple(int(i % 4 != 3) for i in range(48))
+    return {"qwen3-next-80b-a3b": spec_cls(  # FROM MEMORY of Qwen/Qwen3-Next-80B-A3B-Instruct's config.json
+        QWEN3_NEXT, 151936, 2048, 48, 16, 2, 256, 5120, rope_theta=1e7, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=262144, bos_token_id=151643, eos_token_ids=(151645,),
+        pad_token_id=151643, num_experts=512, moe_top_k=10, moe_ffn_hidden_size=512,
+        shared_expert_ffn_hidden_size=512, moe_norm_topk_prob=True, moe_aux_loss_coef=0.001,
+        gdn=GatedDeltaNetShape(next_pattern, 16, 32, 128, 128)),
+        "qwen3.5-27b": spec_cls(
         "qwen3_5", 248320, 5120, 64, 24, 4, 256, 17408, rope_theta=1e7, rms_norm_eps=1e-6,
         tie_word_embeddings=False, max_position_embeddings=262144, eos_token_ids=(248044,), pad_token_id=248044,
         gdn=GatedDeltaNetShape(tuple(int(i % 4 != 3) for i in range(64)), 16, 48, 128, 128))}
@@ -139,7 +159,10 @@ def presets(spec_cls) -> dict[str, "ModelSpec"]:
 def hf_config_kwargs(spec: "ModelSpec") -> dict[str, Any]:
     """The ``Qwen3_5TextConfig`` arguments of a Qwen3.5 spec beyond the common ones."""
     g = spec.gdn
-    return dict(layer_types=["linear_attention" if x else "full_attention" for x in g.linear_pattern],
+    moe = dict(num_experts=spec.num_experts, moe_intermediate_size=spec.moe_ffn_hidden_size, decoder_sparse_step=1,
+               shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size, mlp_only_layers=[],
+               norm_topk_prob=spec.moe_norm_topk_prob) if spec.family == QWEN3_NEXT else {}
+    return dict(**moe, layer_types=["linear_attention" if x else "full_attention" for x in g.linear_pattern],
                 linear_num_key_heads=g.num_key_heads, linear_num_value_heads=g.num_value_heads,
                 linear_key_head_dim=g.key_head_dim, linear_value_head_dim=g.value_head_dim,
                 linear_conv_kernel_dim=g.conv_kernel, attention_bias=False,

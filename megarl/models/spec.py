@@ -114,6 +114,8 @@ GEMMA3 = "gemma3"
 FAMILIES[GEMMA3] = Family("Gemma3ForCausalLM", "gemma3_text", qkv_bias=False, qk_norm=True, sliding_window=True,
                           gemma=True)
 FAMILIES["qwen3_5"] = Family("Qwen3_5ForCausalLM", "qwen3_5_text", qkv_bias=False, qk_norm=True, gdn=True)
+FAMILIES["qwen3_next"] = Family("Qwen3NextForCausalLM", "qwen3_next", qkv_bias=False, qk_norm=True, gdn=True,
+                                moe=_QWEN_MOE)
 FAMILIES["deepseek_v3"] = Family("DeepseekV3ForCausalLM", "deepseek_v3", qkv_bias=False, moe=_QWEN_MOE, mla=True)
 
 # gpt-oss (GptOssForCausalLM; OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", arXiv 2508.10925)
@@ -222,9 +224,9 @@ class ModelSpec:
         if self.family == "mixtral" and self.ffn_hidden_size != self.moe_ffn_hidden_size:
             raise SpecError(f"a mixtral model's intermediate_size is its experts' width: ffn_hidden_size="
                             f"{self.ffn_hidden_size} must equal moe_ffn_hidden_size={self.moe_ffn_hidden_size}")
-        if self.shared_expert_ffn_hidden_size and self.family not in ("qwen2_moe", "deepseek_v3"):
-            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe and deepseek_v3 "
-                            "models only")
+        if self.shared_expert_ffn_hidden_size and self.family not in ("qwen2_moe", "deepseek_v3", "qwen3_next"):
+            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe, qwen3_next and "
+                            "deepseek_v3 models only")
         if fam.mla or self.mla is not None:
             deepseek_spec.check(self)
         if fam.gdn or self.gdn is not None:
