@@ -1,5 +1,6 @@
-"""Qwen3-Next (hybrid gated DeltaNet + gated attention, an MoE block with a gated shared expert on every layer) on
-megatron-core against transformers' ``Qwen3NextForCausalLM``, on one world of 2 gloo ranks.
+"""Qwen3-Next and Qwen3.5-MoE (hybrid gated DeltaNet + gated attention, an MoE block with a gated shared expert on
+every layer) on megatron-core against transformers' ``Qwen3NextForCausalLM`` / ``Qwen3_5MoeForCausalLM``, on one
+world of 2 gloo ranks.
 
 A small random-weight model (fp32; norms randomised; layers 0 and 2 gated DeltaNet, 1 and 3 gated attention; 4
 experts, top 2, a shared expert) over 16 tokens: logits at TP=1, TP=2 (with sequence parallelism) and EP=2, its
@@ -20,11 +21,23 @@ from tests.test_models_qwen3_5 import QWEN35
 
 NEXT = dataclasses.replace(QWEN35, family="qwen3_next", num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32,
                            shared_expert_ffn_hidden_size=48, moe_norm_topk_prob=True)
+Q35_MOE = dataclasses.replace(NEXT, family="qwen3_5_moe", ffn_hidden_size=32)  # Qwen3.5's projections, the same MoE
+SPECS = {"qwen3_next": NEXT, "qwen3_5_moe": Q35_MOE}
 MESHES = [(1, 1), (2, 1), (1, 2)]  # (tp, ep) in a world of 2
 SEQ = 16
 
 
 def _world(rank, world, tmp):
+    from megatron.core import parallel_state as ps
+
+    out = {"logits": {}, "names": {}, "vllm_names": {}, "vllm_bad": {}}
+    for spec in SPECS.values():
+        _family_checks(spec, rank, world, out)
+    ps.destroy_model_parallel()
+    return out
+
+
+def _family_checks(spec, rank, world, out):
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
@@ -37,7 +50,6 @@ def _world(rank, world, tmp):
     from megarl.reshard.planner import plan_reshard
     from tests.test_models_megatron import megatron_logits
 
-    spec = NEXT
     torch.manual_seed(3)
     ref = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -48,7 +60,7 @@ def _world(rank, world, tmp):
     tokens = torch.randint(0, spec.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         ref_logits = ref(tokens).logits
-    out = {"logits": {}, "names": {}}
+    f = spec.family
     for tp, ep in MESHES:
         mesh = ParallelLayout(tp=tp, pp=1, dp=world // tp, ep=ep)
         initialize_model_parallel(mesh)
@@ -57,28 +69,27 @@ def _world(rank, world, tmp):
         local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0,
                                       ep_rank=mesh.ep_rank(rank), moe_experts="sequential")
         params = dict(model.named_parameters())
-        out["names"][(tp, ep)] = sorted(params) == sorted(local)
+        out["names"][(f, tp, ep)] = sorted(params) == sorted(local)
         fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
         logits = megatron_logits(model, tokens)
-        out["logits"][(tp, ep)] = (logits[..., :spec.vocab_size] - ref_logits).abs().max().item()
+        out["logits"][(f, tp, ep)] = (logits[..., :spec.vocab_size] - ref_logits).abs().max().item()
         if (tp, ep) == (2, 1):
-            want, engine = _ref_vllm(sd, rank), vllm_layout(spec, 2, range(world))
+            want, engine = _ref_vllm(sd, rank, fused=f == "qwen3_next"), vllm_layout(spec, 2, range(world))
             got = {n: torch.zeros(lt.shape) for n, lt in engine.tensors(rank).items()}
             execute_plan(plan_reshard(megatron_layout(spec, mesh, moe_experts="sequential"), engine), params, got)
-            out["vllm_names"] = set(want) <= set(got)  # the rest as Qwen3.5's (tests/test_models_qwen3_5.py)
-            out["vllm_bad"] = [n for n in want if n in got and not torch.equal(got[n], want[n])]
-    ps.destroy_model_parallel()
-    return out
+            out["vllm_names"][f] = set(want) <= set(got)  # the rest as Qwen3.5's (tests/test_models_qwen3_5.py)
+            out["vllm_bad"][f] = [n for n in want if n in got and not torch.equal(got[n], want[n])]
 
 
-def _ref_vllm(sd: dict, r: int) -> dict:
+def _ref_vllm(sd: dict, r: int, fused: bool) -> dict:
     """vLLM 0.24 Qwen3NextForCausalLM's DeltaNet and MoE tensors on TP rank ``r`` of 2, sliced here from the HF
     ones: ``in_proj_qkvz`` the rank's half of the fused rows (key-head group ``r``: 16 + 16 + 16 + 16 rows),
     ``in_proj_ba`` its half (4 rows), ``conv1d`` ``[q_r; k_r; v_r]`` of the non-fused channels; the router whole, the
     experts' w13 ``[gate_r; up_r]`` per expert (16 rows each), w2 on its input dim, the shared expert as a dense MLP
-    of width 48 (24 a rank) and its gate whole."""
+    of width 48 (24 a rank) and its gate whole. Qwen3.5-MoE (not ``fused``): the MoE tensors only (its DeltaNet's are
+    Qwen3.5's)."""
     out = {}
-    for i in (0, 2):
+    for i in (0, 2) if fused else ():
         a = f"model.layers.{i}.linear_attn."
         out[a + "in_proj_qkvz.weight"] = sd[a + "in_proj_qkvz.weight"][64 * r:64 * (r + 1)]
         out[a + "in_proj_ba.weight"] = sd[a + "in_proj_ba.weight"][4 * r:4 * (r + 1)]
@@ -107,22 +118,25 @@ def world(tmp_path_factory):
 
 
 @pytest.mark.slow  # the world takes about 50 s on 2 cores (Qwen3.5's dense file keeps the default tier's checks)
+@pytest.mark.parametrize("family", SPECS)
 @pytest.mark.parametrize("tp,ep", MESHES)
-def test_logits_match_transformers(world, tp, ep):
-    assert all(out["names"][(tp, ep)] for out in world)
-    diffs = [out["logits"][(tp, ep)] for out in world]
+def test_logits_match_transformers(world, family, tp, ep):
+    assert all(out["names"][(family, tp, ep)] for out in world)
+    diffs = [out["logits"][(family, tp, ep)] for out in world]
     assert max(diffs) < 1e-4, diffs
 
 
 @pytest.mark.slow
-def test_vllm_layout_is_an_independent_slicing_of_the_hf_tensors(world):
+@pytest.mark.parametrize("family", SPECS)
+def test_vllm_layout_is_an_independent_slicing_of_the_hf_tensors(world, family):
     for out in world:
-        assert out["vllm_names"] and out["vllm_bad"] == [], out
+        assert out["vllm_names"][family] and out["vllm_bad"][family] == [], out
 
 
 def test_config_round_trip_and_preset():
     from megarl.models.spec import preset
 
     assert ModelSpec.from_hf_config(NEXT.to_hf_config()) == NEXT
+    assert ModelSpec.from_hf_config(Q35_MOE.to_hf_config()) == Q35_MOE
     spec = preset("qwen3-next-80b-a3b?layers=4")
     assert ModelSpec.from_hf_config(spec.to_hf_config()) == spec

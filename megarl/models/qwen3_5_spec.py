@@ -12,7 +12,9 @@ DeltaNet's gated output norm. The DeltaNet layer's checkpoint tensors (``linear_
 ``in_proj_a`` (the decay's input), ``hv`` each; ``conv1d.weight`` ``[2 * hk * dk + hv * dv, 1, w]``; ``A_log`` and
 ``dt_bias`` ``[hv]``; ``norm.weight`` ``[dv]``; ``out_proj`` ``[hidden, hv * dv]``.
 
-Qwen3-Next (``qwen3_next``: ``Qwen3NextForCausalLM``) is the same stack with a Qwen2-MoE-like block on every layer
+Qwen3.5-MoE (``qwen3_5_moe_text``: ``Qwen3_5MoeForCausalLM``) has Qwen3.5's layers and, in place of the dense MLP,
+Qwen3-Next's MoE block (its top-k weights always renormalised). Qwen3-Next (``qwen3_next``: ``Qwen3NextForCausalLM``)
+is the same stack with a Qwen2-MoE-like block on every layer
 (softmax top-k router, a shared expert with a sigmoid gate); its checkpoint fuses the DeltaNet's input projections
 by key-head group: ``in_proj_qkvz`` holds, for each key head ``g``, ``[q_g; k_g; v_g; z_g]`` (``dk``, ``dk``,
 ``hv / hk * dv`` and ``hv / hk * dv`` rows), ``in_proj_ba`` ``[b_g; a_g]`` (``hv / hk`` rows each).
@@ -87,11 +89,13 @@ def fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     if set(types) - {"linear_attention", "full_attention"}:
         raise SpecError(f"layer_types {sorted(set(types))}: megarl builds 'linear_attention' (gated DeltaNet) and "
                         "'full_attention' layers only")
-    rope = dict(cfg.get("rope_parameters") or {})
+    rope, moe = dict(cfg.get("rope_parameters") or {}), {}
+    if cfg.get("model_type") == "qwen3_5_moe_text":  # its router always renormalises the top-k weights
+        moe = dict(moe_norm_topk_prob=True)
     if rope.get("rope_type", "default") != "default":
         raise SpecError(f"rope_parameters.rope_type={rope['rope_type']!r} on a qwen3_5_text model is not supported; "
                         "megarl runs Qwen3.5's plain (partial) RoPE")
-    return dict(gdn=GatedDeltaNetShape(
+    return dict(**moe, gdn=GatedDeltaNetShape(
         linear_pattern=tuple(int(t == "linear_attention") for t in types),
         num_key_heads=int(cfg["linear_num_key_heads"]), num_value_heads=int(cfg["linear_num_value_heads"]),
         key_head_dim=int(cfg["linear_key_head_dim"]), value_head_dim=int(cfg["linear_value_head_dim"]),
@@ -112,6 +116,8 @@ def check(spec: "ModelSpec") -> None:
             g.num_value_heads % g.num_key_heads:
         raise SpecError(f"gdn: linear_num_value_heads={g.num_value_heads} must be a multiple of "
                         f"linear_num_key_heads={g.num_key_heads} (all sizes >= 1)")
+    if spec.family == "qwen3_5_moe" and not spec.moe_norm_topk_prob:
+        raise SpecError("a qwen3_5_moe model's router renormalises its top-k weights: moe_norm_topk_prob must be True")
     rot = spec.head_dim * g.partial_rotary_factor
     if rot != int(rot) or int(rot) % 2 or rot < 2:
         raise SpecError(f"partial_rotary_factor={g.partial_rotary_factor} of head_dim={spec.head_dim} must rotate a "
@@ -162,6 +168,9 @@ def hf_config_kwargs(spec: "ModelSpec") -> dict[str, Any]:
     moe = dict(num_experts=spec.num_experts, moe_intermediate_size=spec.moe_ffn_hidden_size, decoder_sparse_step=1,
                shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size, mlp_only_layers=[],
                norm_topk_prob=spec.moe_norm_topk_prob) if spec.family == QWEN3_NEXT else {}
+    if spec.family == "qwen3_5_moe":
+        moe = dict(num_experts=spec.num_experts, moe_intermediate_size=spec.moe_ffn_hidden_size,
+                   shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size)
     return dict(**moe, layer_types=["linear_attention" if x else "full_attention" for x in g.linear_pattern],
                 linear_num_key_heads=g.num_key_heads, linear_num_value_heads=g.num_value_heads,
                 linear_key_head_dim=g.key_head_dim, linear_value_head_dim=g.value_head_dim,

@@ -114,6 +114,8 @@ GEMMA3 = "gemma3"
 FAMILIES[GEMMA3] = Family("Gemma3ForCausalLM", "gemma3_text", qkv_bias=False, qk_norm=True, sliding_window=True,
                           gemma=True)
 FAMILIES["qwen3_5"] = Family("Qwen3_5ForCausalLM", "qwen3_5_text", qkv_bias=False, qk_norm=True, gdn=True)
+FAMILIES["qwen3_5_moe"] = Family("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", qkv_bias=False, qk_norm=True, gdn=True,
+                                 moe=_QWEN_MOE)
 FAMILIES["qwen3_next"] = Family("Qwen3NextForCausalLM", "qwen3_next", qkv_bias=False, qk_norm=True, gdn=True,
                                 moe=_QWEN_MOE)
 FAMILIES["deepseek_v3"] = Family("DeepseekV3ForCausalLM", "deepseek_v3", qkv_bias=False, moe=_QWEN_MOE, mla=True)
@@ -224,9 +226,10 @@ class ModelSpec:
         if self.family == "mixtral" and self.ffn_hidden_size != self.moe_ffn_hidden_size:
             raise SpecError(f"a mixtral model's intermediate_size is its experts' width: ffn_hidden_size="
                             f"{self.ffn_hidden_size} must equal moe_ffn_hidden_size={self.moe_ffn_hidden_size}")
-        if self.shared_expert_ffn_hidden_size and self.family not in ("qwen2_moe", "deepseek_v3", "qwen3_next"):
-            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe, qwen3_next and "
-                            "deepseek_v3 models only")
+        if self.shared_expert_ffn_hidden_size and self.family not in ("qwen2_moe", "deepseek_v3", "qwen3_next",
+                                                                      "qwen3_5_moe"):
+            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe, qwen3_next, "
+                            "qwen3_5_moe and deepseek_v3 models only")
         if fam.mla or self.mla is not None:
             deepseek_spec.check(self)
         if fam.gdn or self.gdn is not None:
@@ -462,7 +465,7 @@ class ModelSpec:
             num_attention_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
-            ffn_hidden_size=cfg["intermediate_size"],
+            ffn_hidden_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],  # Qwen3.5-MoE: none
             rope_theta=theta,
             rope_scaling=rope or None,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
