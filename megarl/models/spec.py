@@ -136,7 +136,7 @@ class ModelSpec:
 
     Attributes:
         family: key of :data:`FAMILIES` ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "qwen2_moe",
-            "mixtral", "gemma3", "gpt_oss").
+            "mixtral", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_5", "qwen3_5_moe", "qwen3_next").
         vocab_size: rows of the (unpadded) embedding table.
         hidden_size: model width.
         num_layers: decoder layers.
