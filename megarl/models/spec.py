@@ -26,6 +26,9 @@ dense first layers (:mod:`megarl.models.deepseek_spec`).
 Gemma 3 (text, ``gemma3_text``: :data:`GEMMA3`) adds (1 + weight) norms, post-attention and post-MLP norms, GeGLU,
 scaled embeddings and local (sliding-window, own RoPE base) and global layers (:mod:`megarl.models.gemma3`).
 
+Qwen3.5 (``qwen3_5_text``), Qwen3.5-MoE (``qwen3_5_moe_text``) and Qwen3-Next (``qwen3_next``) mix gated DeltaNet
+(linear attention) layers with gated full-attention ones (:mod:`megarl.models.qwen3_5_spec`, ``gdn``).
+
 gpt-oss (``gpt_oss``) adds attention sinks, biases, alternating window / full layers, YaRN and clamped SwiGLU
 experts, whose fused checkpoint tensors are split into per-expert canonical ones (:mod:`megarl.models.gpt_oss`).
 """
