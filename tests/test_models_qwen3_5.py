@@ -163,8 +163,8 @@ def _ref_vllm(sd: dict, r: int) -> dict:
             out[a + "out_proj.weight"] = sd[a + "out_proj.weight"][:, 16 * r:16 * (r + 1)]
         else:
             a = p + "self_attn."
-            out[a + "qkv_proj.weight"] = torch.cat([half(sd[a + "q_proj.weight"], 64), half(sd[a + "k_proj.weight"], 16),
-                                                    half(sd[a + "v_proj.weight"], 16)])
+            out[a + "qkv_proj.weight"] = torch.cat([half(sd[a + "q_proj.weight"], 64),
+                                                    half(sd[a + "k_proj.weight"], 16), half(sd[a + "v_proj.weight"], 16)])
             out[a + "o_proj.weight"] = sd[a + "o_proj.weight"][:, 32 * r:32 * (r + 1)]
             out[a + "q_norm.weight"], out[a + "k_norm.weight"] = sd[a + "q_norm.weight"], sd[a + "k_norm.weight"]
         out[p + "mlp.gate_up_proj.weight"] = torch.cat([half(sd[p + "mlp.gate_proj.weight"], 48),

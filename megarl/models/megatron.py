@@ -288,8 +288,8 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
     gemma = spec is not None and FAMILIES[spec.family].gemma
     if (use_te or lora is not None) and spec is not None and spec.gdn is not None:
         raise SpecError("Qwen3.5 runs on the local layer spec without LoRA (megarl does not lay out TE's fused norms "
-                        "or adapters on the gated DeltaNet's fused in_proj); set actor.kernels.transformer_engine=false "
-                        "and actor.lora.enabled=false")
+                        "or adapters on the gated DeltaNet's fused in_proj); set "
+                        "actor.kernels.transformer_engine=false and actor.lora.enabled=false")
     if use_te and gemma:
         raise SpecError("Gemma 3 runs on the local layer spec (its (1 + weight) and post-attention/post-MLP norms are "
                         "megarl modules, not Transformer Engine's); set actor.kernels.transformer_engine=false")

@@ -57,8 +57,8 @@ def _uncompiled(fn):
 
 class HybridGatedDeltaNet(GatedDeltaNet):
     """megatron-core's ``GatedDeltaNet`` as a ``TransformerLayer``'s self-attention: it accepts (and ignores) the
-    attention-only ``pp_layer_offset`` argument, keeps packed sequences apart (:meth:`forward`), and off the GPU runs its ``torch.compile``-d helpers as plain
-    functions (no C++ compiler needed)."""
+    attention-only ``pp_layer_offset`` argument, keeps packed sequences apart (:meth:`forward`), and off the GPU
+    runs its ``torch.compile``-d helpers as plain functions (no C++ compiler needed)."""
 
     def __init__(self, config, submodules, layer_number=None, pp_layer_offset=None, **kwargs):
         super().__init__(config, submodules, layer_number=layer_number, **kwargs)
