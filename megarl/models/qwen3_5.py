@@ -4,7 +4,7 @@
 megatron's ``TransformerLayer`` with the local spec's dense MLP.
 
 megatron-core's ``GatedDeltaNet`` calls flash-linear-attention's (``fla``) Triton kernels, and refuses to build
-without them; where ``fla`` does not import (the CPU), :func:`install_torch_kernels` hands it megarl's torch kernels
+without them; where ``fla`` does not import or there is no GPU, :func:`install_torch_kernels` hands it megarl's torch kernels
 (:mod:`megarl.kernels.gated_delta_rule`, same signatures) instead, and :class:`HybridGatedDeltaNet` runs its fused
 helpers uncompiled. The parameters are megatron's either way: ``in_proj`` (rows ``[q; k; v; z; beta; alpha]`` of this
 TP rank's heads), ``conv1d`` (depthwise over ``[q; k; v]``), ``dt_bias``, ``A_log``, ``out_norm`` and ``out_proj``.
@@ -29,21 +29,15 @@ from megarl.models.gemma3 import GemmaRMSNorm
 from megarl.models.spec import ModelSpec
 
 
-def have_fla() -> bool:
-    """Whether flash-linear-attention's kernels import (megatron-core's GPU path)."""
-    from megatron.core.ssm.gated_delta_net import common
-
-    return common.HAVE_FLA and common.chunk_gated_delta_rule is not None
-
-
 def install_torch_kernels() -> None:
-    """Where ``fla`` is absent, give megatron-core's gated DeltaNet megarl's torch kernels (its ``l2norm``,
-    ``causal_conv1d`` and ``chunk_gated_delta_rule``); a no-op where ``fla`` imports."""
+    """Where ``fla`` is absent or there is no GPU (its kernels are Triton's), give megatron-core's gated DeltaNet
+    megarl's torch kernels (its ``l2norm``, ``causal_conv1d`` and ``chunk_gated_delta_rule``); a no-op on a GPU
+    where ``fla`` imports."""
     from megatron.core.ssm.gated_delta_net import common, gdn
 
     from megarl.kernels import gated_delta_rule as torch_kernels
 
-    if common.HAVE_FLA and not getattr(common, "megarl_torch_kernels", False):
+    if common.HAVE_FLA and torch.cuda.is_available() and not getattr(common, "megarl_torch_kernels", False):
         return
     common.HAVE_FLA, common.megarl_torch_kernels = True, True
     common.l2norm = torch_kernels.l2norm
