@@ -1,5 +1,6 @@
 """Qwen3-Next and Qwen3.5-MoE (hybrid gated DeltaNet + gated attention, an MoE block with a gated shared expert on
-every layer) on megatron-core against transformers' ``Qwen3NextForCausalLM`` / ``Qwen3_5MoeForCausalLM``, on one
+every layer) on megatron-core against transformers' ``Qwen3NextForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (logits,
+TP=1 gradients, the vLLM tensors), on one
 world of 2 gloo ranks.
 
 A small random-weight model (fp32; norms randomised; layers 0 and 2 gated DeltaNet, 1 and 3 gated attention; 4
@@ -48,6 +49,10 @@ def _family_checks(spec, rank, world, out):
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.reshard.executor import execute_plan
     from megarl.reshard.planner import plan_reshard
+    import torch.nn.functional as F
+
+    from megarl.models.pipeline import run_microbatches
+    from tests.actor_decoding import gathered_logits_and_loss
     from tests.test_models_megatron import megatron_logits
 
     torch.manual_seed(3)
@@ -57,9 +62,13 @@ def _family_checks(spec, rank, world, out):
             if p.dim() == 1 and "A_log" not in n and "dt_bias" not in n:
                 p.add_(torch.randn_like(p) * 0.3)
     sd = transformers_canonical(spec, dict(ref.named_parameters()))
-    tokens = torch.randint(0, spec.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        ref_logits = ref(tokens).logits
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, spec.vocab_size, (2, SEQ), generator=gen)
+    targets = torch.randint(0, spec.vocab_size, (2, SEQ), generator=gen)
+    ref_logits = ref(tokens).logits
+    F.cross_entropy(ref_logits.reshape(-1, spec.vocab_size), targets.reshape(-1)).backward()
+    hf_grads = transformers_canonical(spec, {n: p.grad for n, p in ref.named_parameters()})
+    ref_logits = ref_logits.detach()
     f = spec.family
     for tp, ep in MESHES:
         mesh = ParallelLayout(tp=tp, pp=1, dp=world // tp, ep=ep)
@@ -73,6 +82,12 @@ def _family_checks(spec, rank, world, out):
         fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
         logits = megatron_logits(model, tokens)
         out["logits"][(f, tp, ep)] = (logits[..., :spec.vocab_size] - ref_logits).abs().max().item()
+        if (tp, ep) == (1, 1):  # a training step's gradients (no aux loss: moe_aux_loss_coef 0)
+            model.train()
+            run_microbatches(model, [{"input_ids": tokens}], gathered_logits_and_loss(targets, spec.vocab_size, True),
+                             forward_only=False)
+            out.setdefault("grads", {})[f] = max((params[n].grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max()
+                                                 .item() for n, lt in local.items() for b in lt.blocks)
         if (tp, ep) == (2, 1):
             want, engine = _ref_vllm(sd, rank, fused=f == "qwen3_next"), vllm_layout(spec, 2, range(world))
             got = {n: torch.zeros(lt.shape) for n, lt in engine.tensors(rank).items()}
@@ -124,6 +139,12 @@ def test_logits_match_transformers(world, family, tp, ep):
     assert all(out["names"][(family, tp, ep)] for out in world)
     diffs = [out["logits"][(family, tp, ep)] for out in world]
     assert max(diffs) < 1e-4, diffs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SPECS)
+def test_training_step_gradients_match_transformers(world, family):
+    assert max(out["grads"][family] for out in world) < 1e-4, [out["grads"][family] for out in world]
 
 
 @pytest.mark.slow
