@@ -1,7 +1,6 @@
 """Qwen3-Next and Qwen3.5-MoE (hybrid gated DeltaNet + gated attention, an MoE block with a gated shared expert on
 every layer) on megatron-core against transformers' ``Qwen3NextForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (logits,
-TP=1 gradients, the vLLM tensors), on one
-world of 2 gloo ranks.
+TP=1 gradients, the vLLM tensors), on one world of 2 gloo ranks.
 
 A small random-weight model (fp32; norms randomised; layers 0 and 2 gated DeltaNet, 1 and 3 gated attention; 4
 experts, top 2, a shared expert) over 16 tokens: logits at TP=1, TP=2 (with sequence parallelism) and EP=2, its
