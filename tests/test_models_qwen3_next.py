@@ -3,7 +3,7 @@ every layer) on megatron-core against transformers' ``Qwen3NextForCausalLM`` / `
 TP=1 gradients, the vLLM tensors), on one world of 2 gloo ranks.
 
 A small random-weight model (fp32; norms randomised; layers 0 and 2 gated DeltaNet, 1 and 3 gated attention; 4
-experts, top 2, a shared expert) over 16 tokens: logits at TP=1, TP=2 (with sequence parallelism) and EP=2, its
+experts, top 2, a shared expert) over 16 tokens: logits at TP=1, TP=2 (with sequence parallelism), EP=2 and PP=2, its
 checkpoint's DeltaNet projections fused by key-head group (``in_proj_qkvz``, ``in_proj_ba``) cut into megatron's
 ``in_proj``; the vLLM TP=2 tensors against an independent slicing of the HF tensors.
 """
@@ -23,7 +23,7 @@ NEXT = dataclasses.replace(QWEN35, family="qwen3_next", num_experts=4, moe_top_k
                            shared_expert_ffn_hidden_size=48, moe_norm_topk_prob=True)
 Q35_MOE = dataclasses.replace(NEXT, family="qwen3_5_moe", ffn_hidden_size=32)  # Qwen3.5's projections, the same MoE
 SPECS = {"qwen3_next": NEXT, "qwen3_5_moe": Q35_MOE}
-MESHES = [(1, 1), (2, 1), (1, 2)]  # (tp, ep) in a world of 2
+MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (tp, ep, pp) in a world of 2
 SEQ = 16
 
 
@@ -69,25 +69,27 @@ def _family_checks(spec, rank, world, out):
     hf_grads = transformers_canonical(spec, {n: p.grad for n, p in ref.named_parameters()})
     ref_logits = ref_logits.detach()
     f = spec.family
-    for tp, ep in MESHES:
-        mesh = ParallelLayout(tp=tp, pp=1, dp=world // tp, ep=ep)
+    for tp, ep, pp in MESHES:
+        mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
         initialize_model_parallel(mesh)
         model = build_model(spec, mesh, init_weights=False, moe_experts="sequential",
                             sequence_parallel=tp > 1).eval()
-        local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0,
+        local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(),
+                                      ps.get_pipeline_model_parallel_rank(),
                                       ep_rank=mesh.ep_rank(rank), moe_experts="sequential")
         params = dict(model.named_parameters())
-        out["names"][(f, tp, ep)] = sorted(params) == sorted(local)
+        out["names"][(f, tp, ep, pp)] = sorted(params) == sorted(local)
         fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
         logits = megatron_logits(model, tokens)
-        out["logits"][(f, tp, ep)] = (logits[..., :spec.vocab_size] - ref_logits).abs().max().item()
-        if (tp, ep) == (1, 1):  # a training step's gradients (no aux loss: moe_aux_loss_coef 0)
+        if logits is not None:  # the last stage
+            out["logits"][(f, tp, ep, pp)] = (logits[..., :spec.vocab_size] - ref_logits).abs().max().item()
+        if (tp, ep, pp) == (1, 1, 1):  # a training step's gradients (no aux loss: moe_aux_loss_coef 0)
             model.train()
             run_microbatches(model, [{"input_ids": tokens}], gathered_logits_and_loss(targets, spec.vocab_size, True),
                              forward_only=False)
             out.setdefault("grads", {})[f] = max((params[n].grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max()
                                                  .item() for n, lt in local.items() for b in lt.blocks)
-        if (tp, ep) == (2, 1):
+        if (tp, ep, pp) == (2, 1, 1):
             want, engine = _ref_vllm(sd, rank, fused=f == "qwen3_next"), vllm_layout(spec, 2, range(world))
             got = {n: torch.zeros(lt.shape) for n, lt in engine.tensors(rank).items()}
             execute_plan(plan_reshard(megatron_layout(spec, mesh, moe_experts="sequential"), engine), params, got)
@@ -133,11 +135,11 @@ def world(tmp_path_factory):
 
 @pytest.mark.slow  # the world takes about 50 s on 2 cores (Qwen3.5's dense file keeps the default tier's checks)
 @pytest.mark.parametrize("family", SPECS)
-@pytest.mark.parametrize("tp,ep", MESHES)
-def test_logits_match_transformers(world, family, tp, ep):
-    assert all(out["names"][(family, tp, ep)] for out in world)
-    diffs = [out["logits"][(family, tp, ep)] for out in world]
-    assert max(diffs) < 1e-4, diffs
+@pytest.mark.parametrize("tp,ep,pp", MESHES)
+def test_logits_match_transformers(world, family, tp, ep, pp):
+    assert all(out["names"][(family, tp, ep, pp)] for out in world)
+    diffs = [out["logits"][(family, tp, ep, pp)] for out in world if (family, tp, ep, pp) in out["logits"]]
+    assert diffs and max(diffs) < 1e-4, diffs
 
 
 @pytest.mark.slow
