@@ -3,9 +3,10 @@ every layer) on megatron-core against transformers' ``Qwen3NextForCausalLM`` / `
 TP=1 gradients, the vLLM tensors), on one world of 2 gloo ranks.
 
 A small random-weight model (fp32; norms randomised; layers 0 and 2 gated DeltaNet, 1 and 3 gated attention; 4
-experts, top 2, a shared expert) over 16 tokens: logits at TP=1, TP=2 (with sequence parallelism), EP=2 and PP=2, its
-checkpoint's DeltaNet projections fused by key-head group (``in_proj_qkvz``, ``in_proj_ba``) cut into megatron's
-``in_proj``; the vLLM TP=2 tensors against an independent slicing of the HF tensors.
+experts, top 2, a shared expert) over 16 tokens: logits at TP=1, TP=2 (with sequence parallelism), EP=2 and PP=2,
+a training step's gradients at TP=1, HF -> megarl checkpoint (PP=2) -> HF export bit-identical, Qwen3-Next's
+DeltaNet projections fused by key-head group (``in_proj_qkvz``, ``in_proj_ba``) cut into megatron's ``in_proj``, and
+the vLLM TP=2 tensors against an independent slicing of the HF tensors.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ SEQ = 16
 def _world(rank, world, tmp):
     from megatron.core import parallel_state as ps
 
-    out = {"logits": {}, "names": {}, "vllm_names": {}, "vllm_bad": {}}
+    out = {"logits": {}, "names": {}, "vllm_names": {}, "vllm_bad": {}, "tmp": tmp}
     for spec in SPECS.values():
-        _family_checks(spec, rank, world, out)
+        _family_checks(spec, rank, world, out, tmp)
     ps.destroy_model_parallel()
     return out
 
 
-def _family_checks(spec, rank, world, out):
+def _family_checks(spec, rank, world, out, tmp):
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
@@ -48,7 +49,11 @@ def _family_checks(spec, rank, world, out):
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.reshard.executor import execute_plan
     from megarl.reshard.planner import plan_reshard
+    import torch.distributed as dist
     import torch.nn.functional as F
+
+    from megarl.models import checkpoint as ck
+    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
 
     from megarl.models.pipeline import run_microbatches
     from tests.actor_decoding import gathered_logits_and_loss
@@ -79,7 +84,14 @@ def _family_checks(spec, rank, world, out):
                                       ep_rank=mesh.ep_rank(rank), moe_experts="sequential")
         params = dict(model.named_parameters())
         out["names"][(f, tp, ep, pp)] = sorted(params) == sorted(local)
-        fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
+        if pp == 2:  # HF safetensors -> megarl dist checkpoint at PP=2 (exported in the test)
+            if rank == 0:
+                save_hf_checkpoint(f"{tmp}/{f}_hf_in", spec, sd)
+            dist.barrier()
+            ck.load_hf_weights(model, open_hf_checkpoint(f"{tmp}/{f}_hf_in"))
+            ck.save_model(f"{tmp}/{f}_mg", model)
+        else:
+            fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
         logits = megatron_logits(model, tokens)
         if logits is not None:  # the last stage
             out["logits"][(f, tp, ep, pp)] = (logits[..., :spec.vocab_size] - ref_logits).abs().max().item()
@@ -153,6 +165,20 @@ def test_training_step_gradients_match_transformers(world, family):
 def test_vllm_layout_is_an_independent_slicing_of_the_hf_tensors(world, family):
     for out in world:
         assert out["vllm_names"][family] and out["vllm_bad"][family] == [], out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SPECS)
+def test_convert_export_roundtrip_is_bit_identical(world, family):
+    from megarl.launch.convert import export_to_hf
+    from megarl.models.hf_io import open_hf_checkpoint, read_hf_config
+
+    tmp, spec = world[0]["tmp"], SPECS[family]
+    export_to_hf(f"{tmp}/{family}_mg", f"{tmp}/{family}_hf_out")
+    source, back = open_hf_checkpoint(f"{tmp}/{family}_hf_in"), open_hf_checkpoint(f"{tmp}/{family}_hf_out")
+    assert sorted(back.tensor_names) == sorted(spec.hf_tensor_shapes())
+    assert [n for n in spec.hf_tensor_shapes() if not torch.equal(back.read(n), source.read(n))] == []
+    assert ModelSpec.from_hf_config(read_hf_config(f"{tmp}/{family}_hf_out")) == spec
 
 
 def test_config_round_trip_and_preset():
