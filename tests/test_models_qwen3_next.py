@@ -181,10 +181,14 @@ def test_convert_export_roundtrip_is_bit_identical(world, family):
     assert ModelSpec.from_hf_config(read_hf_config(f"{tmp}/{family}_hf_out")) == spec
 
 
-def test_config_round_trip_and_preset():
+def test_config_round_trip_preset_and_memory_estimate():
     from megarl.models.spec import preset
 
     assert ModelSpec.from_hf_config(NEXT.to_hf_config()) == NEXT
     assert ModelSpec.from_hf_config(Q35_MOE.to_hf_config()) == Q35_MOE
     spec = preset("qwen3-next-80b-a3b?layers=4")
     assert ModelSpec.from_hf_config(spec.to_hf_config()) == spec
+    from megarl.launch.memory import stage_params
+
+    full = preset("qwen3-next-80b-a3b")
+    assert stage_params(full, 1, 1) == full.num_params() and 79e9 < full.num_params() < 81e9
