@@ -8,6 +8,9 @@ tests/test_gpu_kernels.py) and selected by ``actor.kernels`` / ``critic.kernels`
   path: megatron-core's ``DotProductAttention``.
 - :mod:`megarl.kernels.grouped_experts`: an MoE layer's routed experts as two grouped GEMMs (``actor.kernels.moe_experts
   =grouped``); plain path: megatron-core's ``SequentialMLP`` (tests/test_models_moe.py).
+- :mod:`megarl.kernels.gated_delta_rule`: not a fast path but the CPU's: the gated delta rule and causal convolution
+  megatron-core's ``GatedDeltaNet`` (Qwen3.5) calls, in torch, where flash-linear-attention's Triton kernels are
+  absent (tests/test_kernels_gated_delta.py against transformers' references).
 - :mod:`megarl.kernels.batch_invariant`: not a fast path but ``rollout.exact``'s: vLLM's batch-invariant mode for the
   process and its kernels in megatron's layers during the old-log-prob pass (tests/test_exact.py,
   tests/test_gpu_exact.py).

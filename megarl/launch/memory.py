@@ -180,7 +180,7 @@ def stage_params(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 
         layer = sum(math.prod(s) for s in attention_shapes(spec, 0).values()) // tp + ffn + 2 * h
     else:
         layer = (h * (spec.q_size + 2 * kv) + spec.q_size * h) // tp + ffn + 2 * h
-    layer += 2 * spec.head_dim if spec.qk_norm else 0
+    layer += 2 * spec.head_dim if spec.qk_norm and spec.gdn is None else 0
     layer += 2 * h if FAMILIES[spec.family].gemma else 0  # Gemma 3's post-attention and post-MLP norms
     layer += (spec.q_size + 2 * kv) // tp if spec.qkv_bias else 0
     if FAMILIES[spec.family].gpt_oss:  # o_proj's bias, the sinks, the router's and the local experts' biases
@@ -189,6 +189,12 @@ def stage_params(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 
     embed = padded_vocab_size(spec.vocab_size, tp) * h // tp
     output = h if value_head else embed  # tied embeddings: the last stage holds a copy for the output layer
     layers = spec.num_layers // pp * layer
+    if spec.gdn is not None:  # Qwen3.5: each layer's own mixer (DeltaNet or gated attention), split over TP
+        from megarl.models.qwen3_5_spec import attention_shapes
+
+        per = spec.num_layers // pp
+        mixers = [sum(math.prod(s) for s in attention_shapes(spec, i).values()) // tp for i in range(spec.num_layers)]
+        layers = max(sum(mixers[k * per:(k + 1) * per]) for k in range(pp)) + per * (ffn + 2 * h)
     if pp == 1:
         return layers + embed + h + (output if value_head or not spec.tie_word_embeddings else 0)
     return max(layers + embed, layers + output + h)

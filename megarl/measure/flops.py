@@ -27,6 +27,12 @@ recomputation, no padding). A decoder-only transformer with ``L`` layers, width 
   ``heads * (qk_nope + qk_rope)``, ``A V`` ``heads * v_head_dim`` multiply-adds per position: ``q`` above is their
   mean. Its first ``first_k_dense`` layers count a dense SwiGLU of width ``f``, the others the MoE block (the
   shared experts without a gate).
+- Qwen3.5 (:mod:`megarl.models.qwen3_5_spec`): the weights are each layer's projections (the full-attention
+  layers' ``q_proj`` yields query and gate, ``2 q`` rows; the DeltaNet's ``in_proj_qkv``, ``in_proj_z``,
+  ``in_proj_b``, ``in_proj_a``, ``out_proj``; its depthwise ``conv1d`` is not a matmul: not counted); causal
+  attention on the full-attention layers only; a DeltaNet layer's recurrence costs, per token and value head,
+  ``S^T k``, the rank-1 update of ``S`` and ``S^T q``: ``3 * d_k * d_v`` multiply-adds (the recurrent form,
+  Yang et al. 2024, arXiv:2412.06464, eq. 10; the chunked kernel does more, which MFU does not count).
 - Training = 3 x forward: the backward pass costs twice the forward (gradients of the inputs and of the
   weights); Narayanan et al. 2021 (Megatron-LM, arXiv:2104.04473, section 5.1: ``72 B s l h^2 (1 + s/(6h) +
   V/(12 l h))``, which is this count for ``f = 4h``, ``k = q = h``, full attention and no recomputation).
@@ -43,7 +49,7 @@ from typing import Iterable
 
 import torch
 
-from megarl.models import deepseek_spec
+from megarl.models import deepseek_spec, qwen3_5_spec
 from megarl.models.deepseek_moe import is_moe_layer
 from megarl.models.spec import ModelSpec
 
@@ -65,11 +71,14 @@ def matmul_params(spec: ModelSpec, output_rows: int | None = None) -> int:
     """
     h, q, k = spec.hidden_size, spec.q_size, spec.kv_size
     out = spec.vocab_size if output_rows is None else output_rows
-    if spec.mla is not None:  # the projections' matrices (the norms are 1-D)
-        attention = sum(math.prod(s) for s in deepseek_spec.attention_shapes(spec, 0).values() if len(s) == 2)
-    else:
-        attention = 2 * h * q + 2 * h * k
-    return sum(attention + ffn_matmul_params(spec, not is_moe_layer(spec, i))
+
+    def attention(i: int) -> int:  # MLA, Qwen3.5: the projections' matrices (norms 1-D, the conv1d 3-D)
+        if spec.mla is None and spec.gdn is None:
+            return 2 * h * q + 2 * h * k
+        shapes = (deepseek_spec if spec.mla else qwen3_5_spec).attention_shapes(spec, i)
+        return sum(math.prod(s) for s in shapes.values() if len(s) == 2)
+
+    return sum(attention(i) + ffn_matmul_params(spec, not is_moe_layer(spec, i))
                for i in range(spec.num_layers)) + out * h
 
 
@@ -121,6 +130,10 @@ def forward_flops(spec: ModelSpec, seq_lens: Iterable[int] | torch.Tensor, outpu
         local = sum(spec.sliding_window_pattern)
         full = (lens * (lens + 1)).sum()
         attention = 2.0 * spec.q_size * (local * pairs.sum() + (spec.num_layers - local) * full)
+    if spec.gdn is not None:  # Qwen3.5: causal attention on the full layers, the delta rule's state on the others
+        g, linear = spec.gdn, sum(spec.gdn.linear_pattern)
+        attention = (2.0 * (spec.num_layers - linear) * spec.q_size * (lens * (lens + 1)).sum()
+                     + 6.0 * linear * g.num_value_heads * g.key_head_dim * g.value_head_dim * lens.sum())
     return float(dense + attention)
 
 

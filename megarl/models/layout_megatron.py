@@ -15,10 +15,12 @@ from __future__ import annotations
 from typing import Iterable
 
 from megarl.models.deepseek_moe import is_moe_layer
-from megarl.models.layout import (VALUE_HEAD, Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up,
-                                  gate_up, row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
+from megarl.models.layout import (VALUE_HEAD, Block, Layout, LocalTensor, canonical_shapes, experts_down,
+                                  experts_gate_up, gate_up, row_parallel, rows, shape_key, shared_expert, vocab_shard,
+                                  whole)
 from megarl.models.layout_lora import adapter_tensors, lora_canonical_shapes, lora_targets
 from megarl.models.lora import LoRASpec
+from megarl.models.qwen3_5_spec import QWEN3_NEXT
 from megarl.models import gpt_oss
 from megarl.models.megatron import check_layout, padded_vocab_size
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
@@ -92,9 +94,13 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
     per_group = (npg + 2) * hd
     for local_i, i in enumerate(layers):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{local_i}."
+        if spec.gdn is not None:
+            out.extend(_qwen3_5_mixer(spec, i, hf, mg, t, r))
         for suffix, cols in (("weight", h), ("bias", None)):
             if spec.mla is not None:
                 out.extend(_megatron_mla(spec, hf + "self_attn.", mg + "self_attention.", t, r))
+                break
+            if spec.gdn is not None:
                 break
             if suffix == "bias" and not spec.qkv_bias:
                 continue
@@ -109,15 +115,16 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
             shape = (groups * per_group, h) if cols else (groups * per_group,)
             out.append(LocalTensor(mg + f"self_attention.linear_qkv.{suffix}", shape, tuple(blocks)))
         o_cols = spec.num_attention_heads * spec.mla.v_head_dim if spec.mla is not None else spec.q_size
-        out.append(row_parallel(hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight",
-                                 h, o_cols, t, r))
+        if spec.gdn is None:
+            out.append(row_parallel(hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight",
+                                    h, o_cols, t, r))
         if FAMILIES[spec.family].gpt_oss:  # o_proj's bias (whole: added after the reduce), the heads' sinks
             heads = spec.num_attention_heads // t
             out += [whole(hf + "self_attn.o_proj.bias", (h,), mg + "self_attention.linear_proj.bias"),
                     LocalTensor(mg + "self_attention.core_attention.softmax_offset", (heads,),
                                 (rows(hf + "self_attn.sinks", r * heads, 0, heads, None),))]
         out.append(whole(hf + "input_layernorm.weight", (h,), mg + norms["input_layernorm"]))
-        if spec.qk_norm:
+        if spec.qk_norm and spec.gdn is None:
             out.append(whole(hf + "self_attn.q_norm.weight", (hd,), mg + "self_attention.q_layernorm.weight"))
             out.append(whole(hf + "self_attn.k_norm.weight", (hd,), mg + "self_attention.k_layernorm.weight"))
         if is_moe_layer(spec, i):
@@ -139,6 +146,72 @@ def _megatron_chunk_tensors(spec: ModelSpec, mesh: ParallelLayout, tp_rank: int,
         elif not first:  # tied, PP > 1: the last stage keeps its own copy of the word embeddings
             out.append(vocab_shard("model.embed_tokens.weight", "output_layer.weight",
                                     spec.vocab_size, vp, t, r, h))
+    return out
+
+
+def _qwen3_5_mixer(spec: ModelSpec, i: int, hf: str, mg: str, t: int, r: int) -> list[LocalTensor]:
+    """Qwen3.5 layer ``i``'s token mixer on TP rank ``r`` of ``t`` (:mod:`megarl.models.qwen3_5`). A gated DeltaNet:
+    ``in_proj`` ``[q_r; k_r; v_r; z_r; beta_r; alpha_r]`` (this rank's heads of ``in_proj_qkv``'s three parts, then of
+    ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), ``conv1d`` ``[q_r; k_r; v_r]`` channels, ``dt_bias`` / ``A_log``
+    its value heads, the output norm whole, ``out_proj`` split on its input. A gated attention: ``linear_qkv`` per
+    query group ``[q heads; gate heads; k; v]`` (HF's ``q_proj`` holds ``[q_h; gate_h]`` per head), QK-norms whole."""
+    g, h, hd = spec.gdn, spec.hidden_size, spec.head_dim
+    if not g.linear_pattern[i]:
+        p, a = hf + "self_attn.", mg + "self_attention."
+        groups, npg = spec.num_kv_heads // t, spec.heads_per_group
+        per_group, blocks = (2 * npg + 2) * hd, []
+        for j in range(groups):
+            base, grp = j * per_group, r * groups + j
+            for n in range(npg):
+                head = grp * npg + n
+                blocks += [rows(p + "q_proj.weight", 2 * head * hd, base + n * hd, hd, h),
+                           rows(p + "q_proj.weight", (2 * head + 1) * hd, base + (npg + n) * hd, hd, h)]
+            blocks += [rows(p + "k_proj.weight", grp * hd, base + 2 * npg * hd, hd, h),
+                       rows(p + "v_proj.weight", grp * hd, base + (2 * npg + 1) * hd, hd, h)]
+        return [LocalTensor(a + "linear_qkv.weight", (groups * per_group, h), tuple(blocks)),
+                row_parallel(p + "o_proj.weight", a + "linear_proj.weight", h, spec.q_size, t, r),
+                whole(p + "q_norm.weight", (hd,), a + "q_layernorm.weight"),
+                whole(p + "k_norm.weight", (hd,), a + "k_layernorm.weight")]
+    p, a = hf + "linear_attn.", mg + "self_attention."
+    kd, vd, hv = g.key_dim // t, g.value_dim // t, g.num_value_heads // t
+    parts = ((p + "in_proj_qkv.weight", r * kd, kd), (p + "in_proj_qkv.weight", g.key_dim + r * kd, kd),
+             (p + "in_proj_qkv.weight", 2 * g.key_dim + r * vd, vd))
+    in_proj, conv, dst = [], [], 0
+    for name, start, n in parts + ((p + "in_proj_z.weight", r * vd, vd), (p + "in_proj_b.weight", r * hv, hv),
+                                   (p + "in_proj_a.weight", r * hv, hv)):
+        in_proj.append(rows(name, start, dst, n, h))
+        if name.endswith("qkv.weight"):
+            conv.append(Block(p + "conv1d.weight", (start, 0, 0), (dst, 0, 0), (n, 1, g.conv_kernel)))
+        dst += n
+    if spec.family == QWEN3_NEXT:
+        in_proj = _qwen3_next_in_proj(spec, p, t, r)
+    return [LocalTensor(a + "in_proj.weight", (dst, h), tuple(in_proj)),
+            LocalTensor(a + "conv1d.weight", (2 * kd + vd, 1, g.conv_kernel), tuple(conv)),
+            LocalTensor(a + "dt_bias", (hv,), (rows(p + "dt_bias", r * hv, 0, hv, None),)),
+            LocalTensor(a + "A_log", (hv,), (rows(p + "A_log", r * hv, 0, hv, None),)),
+            whole(p + "norm.weight", (g.value_head_dim,), a + "out_norm.weight"),
+            row_parallel(p + "out_proj.weight", a + "out_proj.weight", h, g.value_dim, t, r)]
+
+
+def _qwen3_next_in_proj(spec: ModelSpec, p: str, t: int, r: int) -> list[Block]:
+    """Megatron's ``in_proj`` rows ``[q_r; k_r; v_r; z_r; beta_r; alpha_r]`` of TP rank ``r`` cut from Qwen3-Next's
+    checkpoint, which fuses them by key-head group (:mod:`megarl.models.qwen3_5_spec`): key head ``g``'s ``[q_g; k_g;
+    v_g; z_g]`` in ``in_proj_qkvz`` and ``[b_g; a_g]`` in ``in_proj_ba``, its value heads the ``hv / hk`` after
+    ``g * hv / hk``."""
+    g, h = spec.gdn, spec.hidden_size
+    groups, dk, vg = g.num_key_heads // t, g.key_head_dim, g.num_value_heads // g.num_key_heads * g.value_head_dim
+    heads = g.num_value_heads // g.num_key_heads
+    kd, vd, hv = groups * dk, groups * vg, groups * heads
+    out = []
+    for j in range(groups):
+        grp = r * groups + j
+        base, ba = grp * (2 * dk + 2 * vg), grp * 2 * heads
+        out += [rows(p + "in_proj_qkvz.weight", base, j * dk, dk, h),
+                rows(p + "in_proj_qkvz.weight", base + dk, kd + j * dk, dk, h),
+                rows(p + "in_proj_qkvz.weight", base + 2 * dk, 2 * kd + j * vg, vg, h),
+                rows(p + "in_proj_qkvz.weight", base + 2 * dk + vg, 2 * kd + vd + j * vg, vg, h),
+                rows(p + "in_proj_ba.weight", ba, 2 * kd + 2 * vd + j * heads, heads, h),
+                rows(p + "in_proj_ba.weight", ba + heads, 2 * kd + 2 * vd + hv + j * heads, heads, h)]
     return out
 
 

@@ -17,6 +17,7 @@ from megarl.models import fp8, gpt_oss
 from megarl.models.deepseek_moe import is_moe_layer
 from megarl.models.layout import (Block, Layout, LocalTensor, canonical_shapes, experts_down, experts_gate_up, gate_up,
                                   row_parallel, rows, shape_key, shared_expert, vocab_shard, whole)
+from megarl.models.qwen3_5_spec import QWEN3_NEXT
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 
 VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
@@ -175,9 +176,13 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None
     out = [vocab_shard("model.embed_tokens.weight", "model.embed_tokens.weight", spec.vocab_size, vp, tp, r, h)]
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
+        if spec.gdn is not None:
+            out.extend(_vllm_qwen3_5_mixer(spec, i, tp, r, kv_first * hd, kv_heads * hd))
         for suffix, cols in (("weight", h), ("bias", None)):
             if spec.mla is not None:
                 out.extend(_vllm_mla(spec, p + "self_attn.", tp, r))
+                break
+            if spec.gdn is not None:
                 break
             if suffix == "bias" and not spec.qkv_bias:
                 continue
@@ -188,8 +193,9 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None
             shape = (q + 2 * kv, h) if cols else (q + 2 * kv,)
             out.append(LocalTensor(p + f"self_attn.qkv_proj.{suffix}", shape, blocks))
         o_cols = spec.num_attention_heads * spec.mla.v_head_dim if spec.mla is not None else spec.q_size
-        out.append(row_parallel(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", h, o_cols, tp, r))
-        if spec.qk_norm:
+        if spec.gdn is None:
+            out.append(row_parallel(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", h, o_cols, tp, r))
+        if spec.qk_norm and spec.gdn is None:
             out += [whole(p + "self_attn.q_norm.weight", (hd,)), whole(p + "self_attn.k_norm.weight", (hd,))]
         if is_moe_layer(spec, i):
             out.extend(_vllm_moe(spec, i, tp, r))
@@ -208,6 +214,52 @@ def vllm_rank_tensors(spec: ModelSpec, tp: int, r: int, quantization: str | None
     if quantization == "fp8":
         out = _block_fp8(out)
     return {lt.name: lt for lt in out}
+
+
+def _vllm_qwen3_5_mixer(spec: ModelSpec, i: int, tp: int, r: int, kv0: int, kv: int) -> list[LocalTensor]:
+    """Qwen3.5 layer ``i``'s token mixer on vLLM TP rank ``r`` (vLLM 0.24.0's models/qwen3_5.py, qwen3_next.py and
+    layers/mamba/gdn/qwen_gdn_linear_attn.py, read from the wheel). ``QwenGatedDeltaNetAttention`` (Qwen3.5's
+    ``gqa_interleaved_layout=False``): ``in_proj_qkvz`` a ``MergedColumnParallelLinear`` of output sizes ``[key_dim,
+    key_dim, value_dim, value_dim]`` loaded from ``in_proj_qkv`` (shards 0, 1, 2) and ``in_proj_z`` (shard 3):
+    ``[q_r; k_r; v_r; z_r]``; ``in_proj_ba`` ``[b_r; a_r]``; ``conv1d`` (a ``ColumnParallelLinear`` of the
+    ``[q; k; v]`` channels, weight unsqueezed to ``[channels / tp, 1, w]``, loaded per part by
+    ``mamba_v2_sharded_weight_loader``): ``[q_r; k_r; v_r]``; ``dt_bias`` and ``A_log`` split over the value heads;
+    ``norm`` whole; ``out_proj`` split on its input. ``Qwen3NextAttention``: ``qkv_proj`` a ``QKVParallelLinear`` of
+    ``2 * heads`` query heads (HF's ``q_proj`` rows ``[q_h; gate_h]`` per head, kept) and the KV heads (``kv`` rows of
+    each from row ``kv0``), ``o_proj`` split on its input, ``q_norm`` / ``k_norm`` whole (vLLM's ``GemmaRMSNorm``
+    adds the 1 in its forward: raw weights). Qwen3-Next (``gqa_interleaved_layout=True``): ``in_proj_qkvz`` and
+    ``in_proj_ba`` one output shard each, loaded from the checkpoint's fused tensors: rank ``r``'s contiguous rows
+    (whole key-head groups)."""
+    g, h, hd = spec.gdn, spec.hidden_size, spec.head_dim
+    if g.num_key_heads % tp or g.num_value_heads % tp:
+        raise SpecError(f"vLLM TP={tp} does not divide the gated DeltaNet's linear_num_key_heads={g.num_key_heads} "
+                        f"and linear_num_value_heads={g.num_value_heads}")
+    if not g.linear_pattern[i]:
+        p, q = f"model.layers.{i}.self_attn.", 2 * spec.q_size // tp
+        blocks = (rows(p + "q_proj.weight", r * q, 0, q, h), rows(p + "k_proj.weight", kv0, q, kv, h),
+                  rows(p + "v_proj.weight", kv0, q + kv, kv, h))
+        return [LocalTensor(p + "qkv_proj.weight", (q + 2 * kv, h), blocks),
+                row_parallel(p + "o_proj.weight", p + "o_proj.weight", h, spec.q_size, tp, r),
+                whole(p + "q_norm.weight", (hd,)), whole(p + "k_norm.weight", (hd,))]
+    p = f"model.layers.{i}.linear_attn."
+    kd, vd, hv = g.key_dim // tp, g.value_dim // tp, g.num_value_heads // tp
+    qkv = ((r * kd, kd), (g.key_dim + r * kd, kd), (2 * g.key_dim + r * vd, vd))
+    in_proj = tuple(rows(p + "in_proj_qkv.weight", s, d, n, h) for (s, n), d in zip(qkv, (0, kd, 2 * kd)))
+    conv = tuple(Block(p + "conv1d.weight", (s, 0, 0), (d, 0, 0), (n, 1, g.conv_kernel))
+                 for (s, n), d in zip(qkv, (0, kd, 2 * kd)))
+    if spec.family == QWEN3_NEXT:  # the checkpoint's fused tensors, grouped by key head: a rank's rows are contiguous
+        qkvz = (rows(p + "in_proj_qkvz.weight", r * (2 * kd + 2 * vd), 0, 2 * kd + 2 * vd, h),)
+        ba = (rows(p + "in_proj_ba.weight", r * 2 * hv, 0, 2 * hv, h),)
+    else:
+        qkvz = in_proj + (rows(p + "in_proj_z.weight", r * vd, 2 * kd + vd, vd, h),)
+        ba = (rows(p + "in_proj_b.weight", r * hv, 0, hv, h), rows(p + "in_proj_a.weight", r * hv, hv, hv, h))
+    return [LocalTensor(p + "in_proj_qkvz.weight", (2 * kd + 2 * vd, h), qkvz),
+            LocalTensor(p + "in_proj_ba.weight", (2 * hv, h), ba),
+            LocalTensor(p + "conv1d.weight", (2 * kd + vd, 1, g.conv_kernel), conv),
+            LocalTensor(p + "dt_bias", (hv,), (rows(p + "dt_bias", r * hv, 0, hv, None),)),
+            LocalTensor(p + "A_log", (hv,), (rows(p + "A_log", r * hv, 0, hv, None),)),
+            whole(p + "norm.weight", (g.value_head_dim,)),
+            row_parallel(p + "out_proj.weight", p + "out_proj.weight", h, g.value_dim, tp, r)]
 
 
 # MoE, read in vLLM 0.24.0's source (the wheel of GPU.md's list, 2026-12-01):

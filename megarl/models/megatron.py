@@ -67,6 +67,10 @@ def check_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
         from megarl.models import deepseek
 
         deepseek.check_layout(spec, layout.tp, layout.cp)
+    if spec.gdn is not None:
+        from megarl.models import qwen3_5
+
+        qwen3_5.check_layout(spec, layout)
     if layout.cp > 1 and spec.is_moe:
         raise SpecError(f"cp={layout.cp}: context parallelism runs dense models only; a {spec.family} "
                         "mixture-of-experts model needs cp=1")
@@ -136,6 +140,10 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, params_dtype:
         from megarl.models import deepseek_moe_layers
 
         kwargs.update(deepseek_moe_layers.config_kwargs(spec))
+    if spec.gdn is not None:
+        from megarl.models import qwen3_5
+
+        kwargs.update(qwen3_5.config_kwargs(spec))
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe="tensorwise")
     if layout.vpp > 1:
@@ -286,6 +294,10 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
         raise SpecError("GLM-4.5 runs on the local layer spec (megarl does not yet lay out TE's fused norms beside its "
                         "dense first layers); set actor.kernels.transformer_engine=false")
     gemma = spec is not None and FAMILIES[spec.family].gemma
+    if (use_te or lora is not None) and spec is not None and spec.gdn is not None:
+        raise SpecError("Qwen3.5 runs on the local layer spec without LoRA (megarl does not lay out TE's fused norms "
+                        "or adapters on the gated DeltaNet's fused in_proj); set "
+                        "actor.kernels.transformer_engine=false and actor.lora.enabled=false")
     if use_te and gemma:
         raise SpecError("Gemma 3 runs on the local layer spec (its (1 + weight) and post-attention/post-MLP norms are "
                         "megarl modules, not Transformer Engine's); set actor.kernels.transformer_engine=false")
@@ -311,6 +323,10 @@ def layer_spec(use_te: bool = False, attention: str = "local", spec: ModelSpec |
             from megarl.models import deepseek
 
             deepseek.adapt_layer_spec(layer, spec)
+        if spec is not None and spec.gdn is not None:
+            from megarl.models import qwen3_5
+
+            qwen3_5.adapt_layer_spec(layer)
     if moe.get("num_experts"):
         from megarl.models.moe_router import GlobalBatchRouter
 
@@ -442,6 +458,10 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         from megarl.models import deepseek_moe_layers
 
         layers = deepseek_moe_layers.block_spec(layers, config, vp_stage, spec, lora)
+    if spec.gdn is not None:
+        from megarl.models import qwen3_5
+
+        layers = qwen3_5.block_spec(layers, config, vp_stage, spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layers,
@@ -452,7 +472,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, role: Literal["actor", 
         parallel_output=True,
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
-        rotary_percent=spec.glm.partial_rotary_factor if spec.glm is not None else 1.0,  # GLM-4.5: partial RoPE
+        rotary_percent=(spec.glm.partial_rotary_factor if spec.glm is not None  # GLM-4.5, Qwen3.5: partial RoPE
+                        else spec.gdn.partial_rotary_factor if spec.gdn is not None else 1.0),
         rotary_base=spec.rope_theta,
         vp_stage=vp_stage,
     )
@@ -539,8 +560,8 @@ def _set_rope_frequencies(rotary, spec: ModelSpec) -> None:
         from megarl.models import gemma3
 
         inv_freq, scale = gemma3.rope_inv_freqs(spec)[0], 1.0
-    elif rope_type == "default":  # on the rotated channels (GLM-4.5: the first head_dim * partial_rotary_factor)
-        base, dim = spec.rope_theta, spec.glm.rotary_dim(spec.head_dim) if spec.glm is not None else spec.head_dim
+    elif rope_type == "default":  # on the rotated channels (GLM-4.5, Qwen3.5: a share of head_dim)
+        base, dim = spec.rope_theta, 2 * rotary.inv_freq.numel()
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         scale = 1.0
     else:

@@ -22,12 +22,12 @@ them in memory into ``experts.gate_up_proj`` ``[experts, 2 * ffn, hidden]`` and 
 
 DeepSeek-V3 (``deepseek_v3``; Moonlight, Kimi K2): multi-latent attention, shared experts, biased sigmoid routing and
 dense first layers (:mod:`megarl.models.deepseek_spec`). GLM-4.5 (``glm4_moe``): GQA with partial RoPE, q/k/v bias and
-optional QK-norm, and DeepSeek-V3's MoE (:mod:`megarl.models.glm4_moe`, :mod:`megarl.models.deepseek_moe`).
-
-Gemma 3 (text, ``gemma3_text``: :data:`GEMMA3`) adds (1 + weight) norms, post-attention and post-MLP norms, GeGLU,
-scaled embeddings and local (sliding-window, own RoPE base) and global layers (:mod:`megarl.models.gemma3`).
-
-gpt-oss (``gpt_oss``) adds attention sinks, biases, alternating window / full layers, YaRN and clamped SwiGLU
+optional QK-norm, and DeepSeek-V3's MoE (:mod:`megarl.models.glm4_moe`, :mod:`megarl.models.deepseek_moe`). Gemma 3
+(text, ``gemma3_text``) adds (1 + weight) norms, post-attention and post-MLP norms, GeGLU, scaled embeddings and
+local (sliding-window, own RoPE base) and global layers (:mod:`megarl.models.gemma3`). Qwen3.5 (``qwen3_5_text``),
+Qwen3.5-MoE (``qwen3_5_moe_text``) and Qwen3-Next (``qwen3_next``) mix gated DeltaNet (linear attention) layers
+with gated full-attention ones (:mod:`megarl.models.qwen3_5_spec`, ``gdn``). gpt-oss (``gpt_oss``) adds attention
+sinks, biases, alternating window / full layers, YaRN and clamped SwiGLU
 experts, whose fused checkpoint tensors are split into per-expert canonical ones (:mod:`megarl.models.gpt_oss`).
 """
 
@@ -38,8 +38,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from megarl.models import deepseek_moe, deepseek_spec, gemma3_spec, glm4_moe, qwen3_phi3_spec
+from megarl.models import deepseek_moe, deepseek_spec, gemma3_spec, glm4_moe, qwen3_5_spec, qwen3_phi3_spec
 from megarl.models.deepseek_moe import DeepSeekMoE
+from megarl.models.qwen3_5_spec import GatedDeltaNetShape
 from megarl.models.deepseek_spec import MLA
 from megarl.models.errors import SpecError
 from megarl.models.glm4_moe import GLMAttention
@@ -83,6 +84,7 @@ class Family:
         mla: multi-latent attention (:mod:`megarl.models.deepseek_spec`).
         deepseek_moe: DeepSeek-V3's MoE: biased sigmoid routing, shared experts, dense first layers
             (:mod:`megarl.models.deepseek_moe`; DeepSeek-V3, GLM-4.5).
+        gdn: Qwen3.5's hybrid stack of gated DeltaNet and gated attention layers (:mod:`megarl.models.qwen3_5_spec`).
     """
 
     hf_architecture: str
@@ -96,6 +98,7 @@ class Family:
     gpt_oss: bool = False
     mla: bool = False
     deepseek_moe: bool = False
+    gdn: bool = False
 
 
 _QWEN_MOE = MoENames("mlp", "gate_proj", "up_proj", "down_proj")
@@ -110,21 +113,22 @@ FAMILIES: dict[str, Family] = {
     # issue 43: Qwen3 dense (QK-norm) and Phi-3/Phi-4 (fused qkv_proj and gate_up_proj)
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True),
     "phi3": Family("Phi3ForCausalLM", "phi3", qkv_bias=False, sliding_window=True, fused_qkv_mlp=True),
+    # Gemma 3 text (Gemma3ForCausalLM; arXiv 2503.19786): QK-norm, sandwich norms, local and global layers
+    "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", qkv_bias=False, qk_norm=True, sliding_window=True, gemma=True),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", "deepseek_v3", qkv_bias=False, moe=_QWEN_MOE, mla=True,
+                          deepseek_moe=True),
+    # GLM-4.5 (q/k/v bias and QK-norm as its config says: ModelSpec.glm)
+    glm4_moe.FAMILY: Family("Glm4MoeForCausalLM", "glm4_moe", qkv_bias=True, moe=_QWEN_MOE, deepseek_moe=True),
+    # Qwen3.5 and Qwen3-Next: gated DeltaNet layers between gated attention layers
+    "qwen3_5": Family("Qwen3_5ForCausalLM", "qwen3_5_text", qkv_bias=False, qk_norm=True, gdn=True),
+    "qwen3_5_moe": Family("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", qkv_bias=False, qk_norm=True, gdn=True,
+                          moe=_QWEN_MOE),
+    "qwen3_next": Family("Qwen3NextForCausalLM", "qwen3_next", qkv_bias=False, qk_norm=True, gdn=True, moe=_QWEN_MOE),
+    # gpt-oss (GptOssForCausalLM; OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", arXiv 2508.10925)
+    "gpt_oss": Family("GptOssForCausalLM", "gpt_oss", qkv_bias=True, sliding_window=True, gpt_oss=True,
+                      moe=MoENames("mlp", "gate_proj", "up_proj", "down_proj", router="router")),
 }
-
-# Gemma 3 text (Gemma3ForCausalLM; arXiv 2503.19786): QK-norm, sandwich norms, local and global layers.
-GEMMA3 = "gemma3"
-FAMILIES[GEMMA3] = Family("Gemma3ForCausalLM", "gemma3_text", qkv_bias=False, qk_norm=True, sliding_window=True,
-                          gemma=True)
-FAMILIES["deepseek_v3"] = Family("DeepseekV3ForCausalLM", "deepseek_v3", qkv_bias=False, moe=_QWEN_MOE, mla=True,
-                                  deepseek_moe=True)
-# GLM-4.5 (q/k/v bias and QK-norm as its config says: ModelSpec.glm)
-FAMILIES[glm4_moe.FAMILY] = Family("Glm4MoeForCausalLM", "glm4_moe", qkv_bias=True, moe=_QWEN_MOE, deepseek_moe=True)
-
-# gpt-oss (GptOssForCausalLM; OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", arXiv 2508.10925)
-GPT_OSS = "gpt_oss"
-FAMILIES[GPT_OSS] = Family("GptOssForCausalLM", "gpt_oss", qkv_bias=True, sliding_window=True, gpt_oss=True,
-                           moe=MoENames("mlp", "gate_proj", "up_proj", "down_proj", router="router"))
+GEMMA3, GPT_OSS = "gemma3", "gpt_oss"
 
 # rope_type values whose effect is a change of the inverse frequencies alone (no attention scaling);
 # the Megatron builder sets its RotaryEmbedding.inv_freq from transformers' own ROPE_INIT_FUNCTIONS.
@@ -137,7 +141,7 @@ class ModelSpec:
 
     Attributes:
         family: key of :data:`FAMILIES` ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "qwen2_moe",
-            "mixtral", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe").
+            "mixtral", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next").
         vocab_size: rows of the (unpadded) embedding table.
         hidden_size: model width.
         num_layers: decoder layers.
@@ -174,6 +178,7 @@ class ModelSpec:
         deepseek_moe: DeepSeek-V3, GLM-4.5: their MoE's routing and dense first layers
             (:class:`~megarl.models.deepseek_moe.DeepSeekMoE`).
         glm: GLM-4.5: its attention's bias, QK-norm and partial RoPE (:class:`~megarl.models.glm4_moe.GLMAttention`).
+        gdn: Qwen3.5: its gated DeltaNet layers' shape and the layer pattern (:class:`GatedDeltaNetShape`).
     """
 
     family: str
@@ -206,6 +211,7 @@ class ModelSpec:
     mla: MLA | None = None
     deepseek_moe: DeepSeekMoE | None = None
     glm: GLMAttention | None = None
+    gdn: GatedDeltaNetShape | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -230,9 +236,10 @@ class ModelSpec:
         if self.family == "mixtral" and self.ffn_hidden_size != self.moe_ffn_hidden_size:
             raise SpecError(f"a mixtral model's intermediate_size is its experts' width: ffn_hidden_size="
                             f"{self.ffn_hidden_size} must equal moe_ffn_hidden_size={self.moe_ffn_hidden_size}")
-        if self.shared_expert_ffn_hidden_size and self.family != "qwen2_moe" and not fam.deepseek_moe:
-            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe, deepseek_v3 and "
-                            "glm4_moe models only")
+        if (self.shared_expert_ffn_hidden_size and self.family not in ("qwen2_moe", "qwen3_next", "qwen3_5_moe")
+                and not fam.deepseek_moe):
+            raise SpecError("a shared expert (shared_expert_ffn_hidden_size > 0) exists on qwen2_moe, qwen3_next, "
+                            "qwen3_5_moe, deepseek_v3 and glm4_moe models only")
         if fam.mla or self.mla is not None:
             deepseek_spec.check(self)
         if fam.deepseek_moe or self.deepseek_moe is not None:
@@ -240,6 +247,8 @@ class ModelSpec:
                 raise SpecError(f"deepseek_moe: a {self.family} model does not route as DeepSeek-V3")
             deepseek_moe.check(self)
         glm4_moe.check(self)
+        if fam.gdn or self.gdn is not None:
+            qwen3_5_spec.check(self)
         if self.num_attention_heads % self.num_kv_heads:
             raise SpecError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                             f"num_kv_heads={self.num_kv_heads}")
@@ -345,8 +354,8 @@ class ModelSpec:
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            if self.mla is not None:
-                shapes.update(deepseek_spec.attention_shapes(self, i))
+            if self.mla is not None or self.gdn is not None:
+                shapes.update((deepseek_spec if self.mla else qwen3_5_spec).attention_shapes(self, i))
             elif self.fused_qkv_mlp:
                 shapes[p + "self_attn.qkv_proj.weight"] = (self.q_size + 2 * self.kv_size, h)
             else:
@@ -357,11 +366,11 @@ class ModelSpec:
                 shapes[p + "self_attn.q_proj.bias"] = (self.q_size,)
                 shapes[p + "self_attn.k_proj.bias"] = (self.kv_size,)
                 shapes[p + "self_attn.v_proj.bias"] = (self.kv_size,)
-            if self.mla is None:
+            if self.mla is None and self.gdn is None:
                 shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
             if FAMILIES[self.family].gpt_oss:
                 shapes.update({p + "self_attn.o_proj.bias": (h,), p + "self_attn.sinks": (self.num_attention_heads,)})
-            if self.qk_norm:
+            if self.qk_norm and self.gdn is None:
                 shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
             if deepseek_moe.is_moe_layer(self, i):
@@ -418,6 +427,7 @@ class ModelSpec:
         model_type = cfg.get("model_type")
         archs = cfg.get("architectures") or []
         gemma3_spec.refuse_multimodal(model_type, archs)
+        qwen3_5_spec.refuse_multimodal(model_type, archs)
         family = next((k for k, f in FAMILIES.items() if f.model_type == model_type), None)
         if family is None:
             family = next((k for k, f in FAMILIES.items() if f.hf_architecture in archs), None)
@@ -458,6 +468,8 @@ class ModelSpec:
             from megarl.models import gpt_oss
 
             window, gemma = gpt_oss.spec_fields(cfg)
+        elif FAMILIES[family].gdn:
+            gemma, rope = qwen3_5_spec.fields_from_hf(cfg), {}
         else:
             gemma = {}
         return cls(**{**dict(  # a family's own fields (_moe_fields, Gemma 3's) replace the common ones
@@ -468,7 +480,7 @@ class ModelSpec:
             num_attention_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
-            ffn_hidden_size=cfg["intermediate_size"],
+            ffn_hidden_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],  # Qwen3.5-MoE: none
             rope_theta=theta,
             rope_scaling=rope or None,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -540,6 +552,8 @@ class ModelSpec:
             kwargs.update(deepseek_spec.hf_config_kwargs(self))
         if self.glm is not None:
             kwargs.update(glm4_moe.hf_config_kwargs(self))
+        if self.gdn is not None:
+            kwargs.update(qwen3_5_spec.hf_config_kwargs(self))
         return config_cls(**kwargs)
 
     def replace(self, **changes) -> "ModelSpec":
@@ -655,6 +669,7 @@ PRESETS.update({f"gpt-oss-{size}": ModelSpec(
 
 PRESETS.update(deepseek_spec.presets(ModelSpec))  # deepseek-v3, moonlight-16b-a3b
 PRESETS.update(glm4_moe.presets(ModelSpec))  # glm-4.5, glm-4.5-air
+PRESETS.update(qwen3_5_spec.presets(ModelSpec))  # qwen3.5-27b, qwen3-next-80b-a3b
 
 
 def preset(name: str) -> ModelSpec:
@@ -679,5 +694,6 @@ def preset(name: str) -> ModelSpec:
     pattern = spec.sliding_window_pattern  # Gemma 3: the first N layers' local/global pattern
     moe = spec.deepseek_moe and dataclasses.replace(  # DeepSeek-V3, GLM-4.5: at least one MoE layer (the last)
         spec.deepseek_moe, first_k_dense=min(spec.deepseek_moe.first_k_dense, int(value) - 1))
+    gdn = spec.gdn and dataclasses.replace(spec.gdn, linear_pattern=spec.gdn.linear_pattern[:int(value)])
     return spec.replace(num_layers=int(value), sliding_window_pattern=pattern and pattern[:int(value)],
-                        deepseek_moe=moe)
+                        deepseek_moe=moe, gdn=gdn)

@@ -15,6 +15,7 @@ Pairs whose dtypes differ (a cast, e.g. fp32 master weights into a bf16 engine) 
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from typing import Hashable, Mapping, NamedTuple, Sequence
 
@@ -56,7 +57,8 @@ class Box(NamedTuple):
         key: names the tensor (e.g. ``("src", "decoder.layers.0.mlp.linear_fc1.weight")``).
         start: start of the box in the tensor (1-D or 2-D tensor, last dim contiguous); for a packed box,
             ``(offset,)`` in a contiguous 1-D buffer.
-        size: extent of the box, one int per dim (1-D or 2-D).
+        size: extent of the box, one int per dim (1-D or 2-D; or n-D covering every dim after the first whole,
+            e.g. a depthwise convolution's ``[channels, 1, width]`` rows, copied as its ``[rows, prod(rest)]`` view).
         packed: the box's ``prod(size)`` elements lie contiguously at ``start[0]`` of a 1-D buffer (a
             staging buffer), row after row.
     """
@@ -122,10 +124,12 @@ class BoxBatch:
 
     @staticmethod
     def _rows_cols(b: Box) -> tuple[int, int]:
-        return (1, b.size[0]) if len(b.size) == 1 else (b.size[0], b.size[1])
+        return (1, b.size[0]) if len(b.size) == 1 else (b.size[0], math.prod(b.size[1:]))
 
     @staticmethod
     def _row_col(b: Box) -> tuple[int, int]:
+        if len(b.start) > 2 and not b.packed and any(b.start[1:]):
+            raise ValueError(f"a box of {len(b.start)} dims must cover every dim after the first, got start {b.start}")
         return (0, b.start[0]) if b.packed or len(b.start) == 1 else (b.start[0], b.start[1])
 
     def dst_keys(self) -> list[Hashable]:
@@ -156,7 +160,7 @@ class BoxBatch:
         """
         if not len(self):
             return 0
-        bound = [tensors[k] for k in self.keys]
+        bound = [t.flatten(1) if t.dim() > 2 else t for t in (tensors[k] for k in self.keys)]  # views
         use_extension = choose_extension(use_extension, bound[0].device, len(self))
         booked = 0
         if use_extension:

@@ -129,6 +129,10 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
     require(spec.deepseek_moe is None or not cfg.actor.moe.router_replay, "actor.moe.router_replay", "router replay "
             f"is not compared yet on {spec.family} (dense first layers, biased sigmoid routing); set "
             "actor.moe.router_replay=false")
+    require(spec.gdn is None or not cfg.actor.lora.enabled, "actor.lora.rank", "LoRA adapters on Qwen3.5's gated "
+            "DeltaNet projections (its fused in_proj) are not laid out yet; set actor.lora.rank=0")
+    require(spec.gdn is None or not cfg.rollout.exact, "rollout.exact", "Qwen3.5's gated DeltaNet runs other "
+            "kernels in vLLM (fla's) than in the trainer's exact pass; set rollout.exact=false")
     check_megatron_build(cfg, spec)
     r = cfg.rollout
     if r.engine == "vllm":
@@ -176,7 +180,8 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
     * a top-1 router whose weights are renormalised over the top-k (``norm_topk_prob``, Mixtral) has no
       megatron form (``TransformerConfig`` asks for ``moe_router_pre_softmax`` with top-1, which weighs the expert
       by its softmax probability instead of 1: another model);
-    * Gemma 3 runs on the local layer spec (:mod:`megarl.models.gemma3`), not Transformer Engine's;
+    * Gemma 3 and Qwen3.5 run on the local layer spec (:mod:`megarl.models.gemma3`, :mod:`megarl.models.qwen3_5`),
+      not Transformer Engine's;
     * LoRA on an MoE model runs on the local layer spec (:func:`megarl.models.lora.adapt_layer_spec`), and
       adapters on its experts (``actor.lora.experts``; a dense model has none) on the sequential experts;
     * the grouped experts (``kernels.moe_experts="grouped"`` on the local spec) need a hidden size and
@@ -222,6 +227,9 @@ def check_megatron_build(cfg: Config, spec: ModelSpec) -> None:
                               f"Engine's); set {section}.kernels.transformer_engine=false")
         if FAMILIES[spec.family].gpt_oss:
             _check_gpt_oss(cfg, section, field_name, p, rc)
+        if spec.gdn is not None and rc.kernels.transformer_engine:
+            raise ConfigError(f"{section}.kernels.transformer_engine: Qwen3.5 runs on the local layer spec (megarl "
+                              f"does not lay out TE's fused norms); set {section}.kernels.transformer_engine=false")
         grouped = spec.is_moe and rc.kernels.moe_experts == "grouped" and not rc.kernels.transformer_engine
         misaligned = grouped and misaligned_sizes(spec.hidden_size, spec.moe_ffn_hidden_size, DTYPES[cfg.model.dtype])
         if misaligned:

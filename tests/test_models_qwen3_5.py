@@ -1,0 +1,300 @@
+"""Qwen3.5 (text, hybrid gated DeltaNet + gated attention) on megatron-core against transformers'
+``Qwen3_5ForCausalLM``, on one world of 2 gloo ranks (megatron's ``GatedDeltaNet`` on megarl's torch kernels).
+
+A small random-weight model (fp32; norms randomised; layers 0 and 2 gated DeltaNet with 2 key heads and 4 value heads
+of 16 / 8 channels, layers 1 and 3 gated attention with a quarter of each 16-channel head rotated) over 24 tokens:
+logits at TP=1, TP=2 and PP=2, the gradients of a cross-entropy step at TP=1 and TP=2, HF -> megarl checkpoint
+(PP=2) -> HF export bit-identical, and the refusals (CP, TP not dividing the DeltaNet heads, LoRA/TE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from megarl.models.qwen3_5_spec import GatedDeltaNetShape
+from megarl.models.spec import ModelSpec, SpecError
+from tests.actor_decoding import gathered_logits_and_loss
+from tests.distributed import run_world
+
+QWEN35 = ModelSpec("qwen3_5", vocab_size=1000, hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2,
+                   head_dim=16, ffn_hidden_size=96, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                   max_position_embeddings=256,
+                   gdn=GatedDeltaNetShape((1, 0, 1, 0), num_key_heads=2, num_value_heads=4, key_head_dim=16,
+                                          value_head_dim=8, conv_kernel=4, partial_rotary_factor=0.25))
+MESHES = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) in a world of 2
+SEQ = 24
+TP_SUMMED = ("q_layernorm", "k_layernorm")  # summed over TP by megatron's finalize_model_grads (out_norm: in backward)
+
+
+def hf_model(spec: ModelSpec, seed: int = 1):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32).eval()
+    with torch.no_grad():  # the (1 + w) norms start at 0 and the gated norm at 1: randomise them so they are checked
+        for n, p in model.named_parameters():
+            if p.dim() == 1 and "A_log" not in n and "dt_bias" not in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def _world(rank, world, tmp):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+
+    from megarl.models import checkpoint as ck
+    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
+    from megarl.models.megatron import build_model
+    from megarl.models.layout import hf_layout
+    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
+    from megarl.models.layout_vllm import vllm_layout
+    from megarl.reshard.executor import execute_plan
+    from megarl.reshard.planner import plan_reshard
+    from megarl.models.pipeline import run_microbatches
+    from megarl.models.weights import fill_local_tensors, state_dict_reader
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+
+    spec, v = QWEN35, QWEN35.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, v, (2, SEQ), generator=gen)
+    targets = torch.randint(0, v, (2, SEQ), generator=gen)
+    ref = hf_model(spec)
+    sd = {n: t for n, t in ref.state_dict().items() if n in spec.hf_tensor_shapes()}
+    ref.zero_grad()
+    ref_logits = ref(tokens).logits
+    F.cross_entropy(ref_logits.reshape(-1, v), targets.reshape(-1)).backward()
+    hf_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref_logits = ref_logits.detach()
+    out = {"logits": {}, "grads": {}, "tmp": tmp, "names": {}}
+    output_fn = functools.partial(gathered_logits_and_loss, targets, v)
+    for tp, pp in MESHES:
+        mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp))
+        initialize_model_parallel(mesh)
+        model = build_model(spec, mesh)
+        local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(),
+                                      ps.get_pipeline_model_parallel_rank())
+        params = dict(model.named_parameters())
+        out["names"][(tp, pp)] = {n: tuple(p.shape) for n, p in params.items()} == {n: lt.shape for n, lt in
+                                                                                     local.items()}
+        fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
+        res = run_microbatches(model.eval(), [{"input_ids": tokens}], output_fn(False), forward_only=True)
+        if res:
+            out["logits"][(tp, pp)] = (res[0]["logits"] - ref_logits).abs().max().item()
+        if pp == 1:
+            model.train()
+            run_microbatches(model, [{"input_ids": tokens}], output_fn(True), forward_only=False)
+            for n, p in params.items():
+                if any(s in n for s in TP_SUMMED):
+                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+            worst = 0.0
+            for name, lt in local.items():
+                for b in lt.blocks:
+                    worst = max(worst, (params[name].grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max().item())
+            out["grads"][tp] = worst
+        if (tp, pp) == (2, 1):  # the reshard into vLLM's TP=2 layout, and back to whole HF tensors
+            layout = megatron_layout(spec, mesh)
+            want = _ref_vllm(sd, rank)
+            got = {n: torch.zeros(t.shape) for n, t in want.items()}
+            execute_plan(plan_reshard(layout, vllm_layout(spec, 2, range(world))), params, got)
+            out["vllm_names"] = sorted(vllm_layout(spec, 2, range(world)).tensors(rank)) == sorted(want)
+            out["vllm_bad"] = [n for n in want if not torch.equal(got[n], want[n])]
+            back = {n: torch.zeros(t.shape) for n, t in sd.items()}
+            execute_plan(plan_reshard(layout, hf_layout(spec, range(world))), params, back)
+            out["hf_bad"] = [n for n in sd if not torch.equal(back[n], sd[n])]
+
+    # the trainer's default attention (sdpa), on padded rows and on the two sequences packed in one row (the
+    # DeltaNet's convolution and state restart at the second sequence: cu_seqlens)
+    mesh = ParallelLayout(tp=1, pp=1, dp=world)
+    initialize_model_parallel(mesh)
+    model = build_model(spec, mesh, attention="sdpa").eval()
+    fill_local_tensors(megatron_rank_tensors(spec, mesh, 0, 0), dict(model.named_parameters()),
+                       state_dict_reader(sd, spec.hf_tensor_shapes()))
+    packed = {"input_ids": tokens.reshape(1, -1), "position_ids": torch.arange(2 * SEQ).unsqueeze(0),
+              "cu_seqlens": torch.tensor([0, SEQ, 2 * SEQ], dtype=torch.int32)}
+    for key, mb in (("sdpa", {"input_ids": tokens}), ("packed", packed)):
+        logits = run_microbatches(model, [mb], output_fn(False), forward_only=True)[0]["logits"]
+        out["logits"][key] = (logits.reshape(ref_logits.shape) - ref_logits).abs().max().item()
+
+    # HF safetensors -> megarl dist checkpoint at PP=2 -> HF export (compared in the test)
+    if rank == 0:
+        save_hf_checkpoint(f"{tmp}/hf_in", spec, sd)
+    dist.barrier()
+    mesh = ParallelLayout(tp=1, pp=2, dp=1)
+    initialize_model_parallel(mesh)
+    model = build_model(spec, mesh)
+    ck.load_hf_weights(model, open_hf_checkpoint(f"{tmp}/hf_in"))
+    ck.save_model(f"{tmp}/mg", model)
+    ps.destroy_model_parallel()
+    return out
+
+
+def _ref_vllm(sd: dict, r: int) -> dict:
+    """vLLM 0.24 Qwen3_5ForCausalLM's TP rank ``r`` of 2, sliced here from the HF tensors. DeltaNet layers (0, 2):
+    ``in_proj_qkvz`` = [q_r; k_r; v_r; z_r] (16 rows each: in_proj_qkv holds q, k, v as rows 0-31, 32-63, 64-95),
+    ``in_proj_ba`` = [b_r; a_r] (2 heads each), ``conv1d`` the same q/k/v channels, ``A_log``/``dt_bias`` 2 heads,
+    ``norm`` whole, ``out_proj`` columns halved. Attention layers (1, 3): ``qkv_proj`` = [q_proj rows of heads 2r,
+    2r + 1 (query and gate, 64 rows); k_r; v_r]. ``gate_up_proj`` = [gate_r; up_r], the vocab padded to 1024 and
+    halved, untied ``lm_head`` the same way."""
+    def half(t, n, start=0):
+        return t[start + n * r:start + n * (r + 1)]
+
+    out = {}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        padded = torch.zeros(1024, 64)
+        padded[:1000] = sd[name]
+        out[name] = half(padded, 512)
+    for i in range(4):
+        p = f"model.layers.{i}."
+        if i % 2 == 0:
+            a = p + "linear_attn."
+            qkv, conv = sd[a + "in_proj_qkv.weight"], sd[a + "conv1d.weight"]
+            out[a + "in_proj_qkvz.weight"] = torch.cat([half(qkv, 16), half(qkv, 16, 32), half(qkv, 16, 64),
+                                                        half(sd[a + "in_proj_z.weight"], 16)])
+            out[a + "in_proj_ba.weight"] = torch.cat([half(sd[a + "in_proj_b.weight"], 2),
+                                                      half(sd[a + "in_proj_a.weight"], 2)])
+            out[a + "conv1d.weight"] = torch.cat([half(conv, 16), half(conv, 16, 32), half(conv, 16, 64)])
+            out[a + "A_log"], out[a + "dt_bias"] = half(sd[a + "A_log"], 2), half(sd[a + "dt_bias"], 2)
+            out[a + "norm.weight"] = sd[a + "norm.weight"]
+            out[a + "out_proj.weight"] = sd[a + "out_proj.weight"][:, 16 * r:16 * (r + 1)]
+        else:
+            a = p + "self_attn."
+            out[a + "qkv_proj.weight"] = torch.cat([half(sd[a + "q_proj.weight"], 64),
+                                                    half(sd[a + "k_proj.weight"], 16), half(sd[a + "v_proj.weight"], 16)])
+            out[a + "o_proj.weight"] = sd[a + "o_proj.weight"][:, 32 * r:32 * (r + 1)]
+            out[a + "q_norm.weight"], out[a + "k_norm.weight"] = sd[a + "q_norm.weight"], sd[a + "k_norm.weight"]
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([half(sd[p + "mlp.gate_proj.weight"], 48),
+                                                       half(sd[p + "mlp.up_proj.weight"], 48)])
+        out[p + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"][:, 48 * r:48 * (r + 1)]
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out[p + n + ".weight"] = sd[p + n + ".weight"]
+    out["model.norm.weight"] = sd["model.norm.weight"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return run_world(_world, 2, str(tmp_path_factory.mktemp("qwen3_5")), timeout_s=600)
+
+
+@pytest.mark.parametrize("tp,pp", MESHES)
+def test_logits_match_transformers(world, tp, pp):
+    for out in world:
+        assert out["names"][(tp, pp)], "the layout's local tensors are not the model's parameters"
+    diffs = [out["logits"][(tp, pp)] for out in world if (tp, pp) in out["logits"]]
+    assert diffs and max(diffs) < 1e-4, diffs
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "packed"])
+def test_sdpa_attention_and_packed_sequences_match_transformers(world, attention):
+    assert max(out["logits"][attention] for out in world) < 1e-4, [out["logits"][attention] for out in world]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gradients_match_transformers(world, tp):
+    assert max(out["grads"][tp] for out in world) < 1e-4, [out["grads"][tp] for out in world]
+
+
+def test_vllm_layout_is_an_independent_slicing_of_the_hf_tensors(world):
+    for out in world:
+        assert out["vllm_names"] and out["vllm_bad"] == [] and out["hf_bad"] == [], out
+
+
+@pytest.mark.slow  # about 20 s on top of the world's 40 s
+def test_convert_export_roundtrip_is_bit_identical(world):
+    """HF safetensors -> megarl dist checkpoint (PP=2) -> HF export: every tensor bit-identical, and the exported
+    config.json is the same Qwen3.5 text model."""
+    from megarl.launch.convert import export_to_hf
+    from megarl.models.hf_io import open_hf_checkpoint, read_hf_config
+
+    tmp = world[0]["tmp"]
+    export_to_hf(f"{tmp}/mg", f"{tmp}/hf_out")
+    source, back = open_hf_checkpoint(f"{tmp}/hf_in"), open_hf_checkpoint(f"{tmp}/hf_out")
+    assert sorted(back.tensor_names) == sorted(QWEN35.hf_tensor_shapes())
+    assert [n for n in QWEN35.hf_tensor_shapes() if not torch.equal(back.read(n), source.read(n))] == []
+    config = read_hf_config(f"{tmp}/hf_out")
+    assert config["model_type"] == "qwen3_5_text" and ModelSpec.from_hf_config(config) == QWEN35
+
+
+def test_preset_shape_round_trips_through_its_hf_config():
+    from megarl.models.spec import preset
+
+    spec = preset("qwen3.5-27b?layers=8")
+    assert spec.gdn.linear_pattern == (1, 1, 1, 0, 1, 1, 1, 0)
+    assert ModelSpec.from_hf_config(spec.to_hf_config()) == spec
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]}, "vision-language"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"layer_types": ["linear_attention", "sliding_attention"] * 2}, "layer_types"),
+    ({"linear_num_value_heads": 3}, "multiple of"),
+])
+def test_what_megarl_does_not_run_is_refused(change, message):
+    cfg = {**QWEN35.to_hf_config().to_dict(), **change}
+    with pytest.raises(SpecError, match=message):
+        ModelSpec.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("layout,kwargs,message", [
+    (dict(tp=4), {}, "linear_num_key_heads=2"),
+    (dict(tp=1, cp=2), {}, "context parallelism with Qwen3.5's linear attention"),
+    (dict(tp=1), dict(use_te=True), "transformer_engine|Transformer Engine"),
+])
+def test_layouts_and_kernels_it_cannot_run_are_refused(layout, kwargs, message):
+    from megarl.models.megatron import build_model, check_layout
+    from megarl.parallel.mesh import ParallelLayout
+
+    mesh = ParallelLayout(**layout)
+    spec = QWEN35.replace(num_kv_heads=4) if layout.get("tp") == 4 else QWEN35
+    with pytest.raises(SpecError, match=message):
+        check_layout(spec, mesh) if not kwargs else build_model(spec, mesh, **kwargs)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("actor.kernels.transformer_engine=true", r"actor\.kernels\.transformer_engine: Qwen3\.5 runs on the local"),
+    ("actor.lora.rank=8", r"actor\.lora\.rank: LoRA adapters on Qwen3\.5"),
+    ("actor.parallel.cp=2", r"context parallelism with Qwen3\.5's linear attention"),
+])
+def test_what_it_cannot_train_is_refused_before_the_run(override, message):
+    spec = QWEN35.replace(max_position_embeddings=4096)  # the default config's prompt + response fit
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer.preflight import validate_for_model
+
+    with pytest.raises(ConfigError, match=message):
+        validate_for_model(load_config(None, [override]), spec)
+    validate_for_model(load_config(None), spec)
+
+
+def test_flops_count_full_attention_on_full_layers_and_the_state_on_the_others():
+    from megarl.measure.flops import forward_flops, matmul_params
+    from megarl.models.spec import preset
+
+    spec = preset("qwen3.5-27b")  # 48 DeltaNet layers (48 value heads of 128 x 128), 16 full-attention layers
+    h, q, kv, s = spec.hidden_size, spec.q_size, spec.kv_size, 3000
+    g = spec.gdn
+    per_linear = h * (2 * g.key_dim + g.value_dim) + 2 * h * g.value_dim + 2 * h * g.num_value_heads
+    per_full = h * 2 * q + 2 * h * kv + h * q
+    assert matmul_params(spec) == 48 * per_linear + 16 * per_full + 64 * 3 * h * spec.ffn_hidden_size \
+        + spec.vocab_size * h
+    attention = 2 * 16 * q * s * (s + 1) + 6 * 48 * 48 * 128 * 128 * s
+    assert forward_flops(spec, [s]) == pytest.approx(2 * matmul_params(spec) * s + attention, rel=1e-12)
+
+
+def test_memory_estimate_counts_every_parameter_of_each_stage():
+    import math
+
+    from megarl.launch.memory import stage_params
+    from megarl.models.layout_megatron import megatron_rank_tensors
+    from megarl.models.spec import preset
+    from megarl.parallel.mesh import ParallelLayout
+
+    assert stage_params(preset("qwen3.5-27b"), 1, 1) == preset("qwen3.5-27b").num_params()
+    spec = QWEN35.replace(vocab_size=1024, gdn=dataclasses.replace(QWEN35.gdn, linear_pattern=(1, 1, 1, 0)))
+    held = [sum(math.prod(t.shape) for t in megatron_rank_tensors(spec, ParallelLayout(pp=2), 0, r).values())
+            for r in range(2)]  # 3 DeltaNet layers and an attention one: the stages differ
+    assert held[0] != held[1] and stage_params(spec, 1, 2) == max(held)

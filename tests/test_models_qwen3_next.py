@@ -1,0 +1,194 @@
+"""Qwen3-Next and Qwen3.5-MoE (hybrid gated DeltaNet + gated attention, an MoE block with a gated shared expert on
+every layer) on megatron-core against transformers' ``Qwen3NextForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (logits,
+TP=1 gradients, the vLLM tensors), on one world of 2 gloo ranks.
+
+A small random-weight model (fp32; norms randomised; layers 0 and 2 gated DeltaNet, 1 and 3 gated attention; 4
+experts, top 2, a shared expert) over 16 tokens: logits at TP=1, TP=2 (with sequence parallelism), EP=2 and PP=2,
+a training step's gradients at TP=1, HF -> megarl checkpoint (PP=2) -> HF export bit-identical, Qwen3-Next's
+DeltaNet projections fused by key-head group (``in_proj_qkvz``, ``in_proj_ba``) cut into megatron's ``in_proj``, and
+the vLLM TP=2 tensors against an independent slicing of the HF tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megarl.models.spec import ModelSpec
+from tests.distributed import run_world
+from tests.test_models_qwen3_5 import QWEN35
+
+NEXT = dataclasses.replace(QWEN35, family="qwen3_next", num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32,
+                           shared_expert_ffn_hidden_size=48, moe_norm_topk_prob=True)
+Q35_MOE = dataclasses.replace(NEXT, family="qwen3_5_moe", ffn_hidden_size=32)  # Qwen3.5's projections, the same MoE
+SPECS = {"qwen3_next": NEXT, "qwen3_5_moe": Q35_MOE}
+MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (tp, ep, pp) in a world of 2
+SEQ = 16
+
+
+def _world(rank, world, tmp):
+    from megatron.core import parallel_state as ps
+
+    out = {"logits": {}, "names": {}, "vllm_names": {}, "vllm_bad": {}, "tmp": tmp}
+    for spec in SPECS.values():
+        _family_checks(spec, rank, world, out, tmp)
+    ps.destroy_model_parallel()
+    return out
+
+
+def _family_checks(spec, rank, world, out, tmp):
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
+    from megarl.models.layout_vllm import vllm_layout
+    from megarl.models.megatron import build_model
+    from megarl.models.weights import fill_local_tensors, state_dict_reader, transformers_canonical
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+    from megarl.reshard.executor import execute_plan
+    from megarl.reshard.planner import plan_reshard
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from megarl.models import checkpoint as ck
+    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
+
+    from megarl.models.pipeline import run_microbatches
+    from tests.actor_decoding import gathered_logits_and_loss
+    from tests.test_models_megatron import megatron_logits
+
+    torch.manual_seed(3)
+    ref = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if p.dim() == 1 and "A_log" not in n and "dt_bias" not in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    sd = transformers_canonical(spec, dict(ref.named_parameters()))
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, spec.vocab_size, (2, SEQ), generator=gen)
+    targets = torch.randint(0, spec.vocab_size, (2, SEQ), generator=gen)
+    ref_logits = ref(tokens).logits
+    F.cross_entropy(ref_logits.reshape(-1, spec.vocab_size), targets.reshape(-1)).backward()
+    hf_grads = transformers_canonical(spec, {n: p.grad for n, p in ref.named_parameters()})
+    ref_logits = ref_logits.detach()
+    f = spec.family
+    for tp, ep, pp in MESHES:
+        mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
+        initialize_model_parallel(mesh)
+        model = build_model(spec, mesh, init_weights=False, moe_experts="sequential",
+                            sequence_parallel=tp > 1).eval()
+        local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(),
+                                      ps.get_pipeline_model_parallel_rank(),
+                                      ep_rank=mesh.ep_rank(rank), moe_experts="sequential")
+        params = dict(model.named_parameters())
+        out["names"][(f, tp, ep, pp)] = sorted(params) == sorted(local)
+        if pp == 2:  # HF safetensors -> megarl dist checkpoint at PP=2 (exported in the test)
+            if rank == 0:
+                save_hf_checkpoint(f"{tmp}/{f}_hf_in", spec, sd)
+            dist.barrier()
+            ck.load_hf_weights(model, open_hf_checkpoint(f"{tmp}/{f}_hf_in"))
+            ck.save_model(f"{tmp}/{f}_mg", model)
+        else:
+            fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
+        logits = megatron_logits(model, tokens)
+        if logits is not None:  # the last stage
+            out["logits"][(f, tp, ep, pp)] = (logits[..., :spec.vocab_size] - ref_logits).abs().max().item()
+        if (tp, ep, pp) == (1, 1, 1):  # a training step's gradients (no aux loss: moe_aux_loss_coef 0)
+            model.train()
+            run_microbatches(model, [{"input_ids": tokens}], gathered_logits_and_loss(targets, spec.vocab_size, True),
+                             forward_only=False)
+            out.setdefault("grads", {})[f] = max((params[n].grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max()
+                                                 .item() for n, lt in local.items() for b in lt.blocks)
+        if (tp, ep, pp) == (2, 1, 1):
+            want, engine = _ref_vllm(sd, rank, fused=f == "qwen3_next"), vllm_layout(spec, 2, range(world))
+            got = {n: torch.zeros(lt.shape) for n, lt in engine.tensors(rank).items()}
+            execute_plan(plan_reshard(megatron_layout(spec, mesh, moe_experts="sequential"), engine), params, got)
+            out["vllm_names"][f] = set(want) <= set(got)  # the rest as Qwen3.5's (tests/test_models_qwen3_5.py)
+            out["vllm_bad"][f] = [n for n in want if n in got and not torch.equal(got[n], want[n])]
+
+
+def _ref_vllm(sd: dict, r: int, fused: bool) -> dict:
+    """vLLM 0.24 Qwen3NextForCausalLM's DeltaNet and MoE tensors on TP rank ``r`` of 2, sliced here from the HF
+    ones: ``in_proj_qkvz`` the rank's half of the fused rows (key-head group ``r``: 16 + 16 + 16 + 16 rows),
+    ``in_proj_ba`` its half (4 rows), ``conv1d`` ``[q_r; k_r; v_r]`` of the non-fused channels; the router whole, the
+    experts' w13 ``[gate_r; up_r]`` per expert (16 rows each), w2 on its input dim, the shared expert as a dense MLP
+    of width 48 (24 a rank) and its gate whole. Qwen3.5-MoE (not ``fused``): the MoE tensors only (its DeltaNet's are
+    Qwen3.5's)."""
+    out = {}
+    for i in (0, 2) if fused else ():
+        a = f"model.layers.{i}.linear_attn."
+        out[a + "in_proj_qkvz.weight"] = sd[a + "in_proj_qkvz.weight"][64 * r:64 * (r + 1)]
+        out[a + "in_proj_ba.weight"] = sd[a + "in_proj_ba.weight"][4 * r:4 * (r + 1)]
+        conv = sd[a + "conv1d.weight"]
+        out[a + "conv1d.weight"] = torch.cat([conv[16 * r:16 * (r + 1)], conv[32 + 16 * r:32 + 16 * (r + 1)],
+                                              conv[64 + 16 * r:64 + 16 * (r + 1)]])
+    for i in range(4):
+        p = f"model.layers.{i}.mlp."
+        out[p + "gate.weight"] = sd[p + "gate.weight"]
+        out[p + "experts.routed_experts.w13_weight"] = torch.cat([torch.cat([
+            sd[p + f"experts.{e}.gate_proj.weight"][16 * r:16 * (r + 1)],
+            sd[p + f"experts.{e}.up_proj.weight"][16 * r:16 * (r + 1)]]) for e in range(4)])
+        out[p + "experts.routed_experts.w2_weight"] = torch.cat([
+            sd[p + f"experts.{e}.down_proj.weight"][:, 16 * r:16 * (r + 1)] for e in range(4)])
+        out[p + "shared_expert.gate_up_proj.weight"] = torch.cat([
+            sd[p + "shared_expert.gate_proj.weight"][24 * r:24 * (r + 1)],
+            sd[p + "shared_expert.up_proj.weight"][24 * r:24 * (r + 1)]])
+        out[p + "shared_expert.down_proj.weight"] = sd[p + "shared_expert.down_proj.weight"][:, 24 * r:24 * (r + 1)]
+        out[p + "shared_expert_gate.weight"] = sd[p + "shared_expert_gate.weight"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return run_world(_world, 2, str(tmp_path_factory.mktemp("qwen3_next")), timeout_s=600)
+
+
+@pytest.mark.slow  # the world takes about 50 s on 2 cores (Qwen3.5's dense file keeps the default tier's checks)
+@pytest.mark.parametrize("family", SPECS)
+@pytest.mark.parametrize("tp,ep,pp", MESHES)
+def test_logits_match_transformers(world, family, tp, ep, pp):
+    assert all(out["names"][(family, tp, ep, pp)] for out in world)
+    diffs = [out["logits"][(family, tp, ep, pp)] for out in world if (family, tp, ep, pp) in out["logits"]]
+    assert diffs and max(diffs) < 1e-4, diffs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SPECS)
+def test_training_step_gradients_match_transformers(world, family):
+    assert max(out["grads"][family] for out in world) < 1e-4, [out["grads"][family] for out in world]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SPECS)
+def test_vllm_layout_is_an_independent_slicing_of_the_hf_tensors(world, family):
+    for out in world:
+        assert out["vllm_names"][family] and out["vllm_bad"][family] == [], out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SPECS)
+def test_convert_export_roundtrip_is_bit_identical(world, family):
+    from megarl.launch.convert import export_to_hf
+    from megarl.models.hf_io import open_hf_checkpoint, read_hf_config
+
+    tmp, spec = world[0]["tmp"], SPECS[family]
+    export_to_hf(f"{tmp}/{family}_mg", f"{tmp}/{family}_hf_out")
+    source, back = open_hf_checkpoint(f"{tmp}/{family}_hf_in"), open_hf_checkpoint(f"{tmp}/{family}_hf_out")
+    assert sorted(back.tensor_names) == sorted(spec.hf_tensor_shapes())
+    assert [n for n in spec.hf_tensor_shapes() if not torch.equal(back.read(n), source.read(n))] == []
+    assert ModelSpec.from_hf_config(read_hf_config(f"{tmp}/{family}_hf_out")) == spec
+
+
+def test_config_round_trip_preset_and_memory_estimate():
+    from megarl.models.spec import preset
+
+    assert ModelSpec.from_hf_config(NEXT.to_hf_config()) == NEXT
+    assert ModelSpec.from_hf_config(Q35_MOE.to_hf_config()) == Q35_MOE
+    spec = preset("qwen3-next-80b-a3b?layers=4")
+    assert ModelSpec.from_hf_config(spec.to_hf_config()) == spec
+    from megarl.launch.memory import stage_params
+
+    full = preset("qwen3-next-80b-a3b")
+    assert stage_params(full, 1, 1) == full.num_params() and 79e9 < full.num_params() < 81e9
