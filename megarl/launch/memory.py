@@ -320,8 +320,8 @@ def check_rollout_weights(cfg: Config, spec, device_bytes: int) -> None:
                           f"({n / 1e9:.1f}B parameters{', fp8' if r.quantization else ''}), over the "
                           f"{reserved / GIB:.1f} GiB it reserves (rollout.gpu_memory_utilization="
                           f"{r.gpu_memory_utilization} of {device_bytes / GIB:.1f} GiB), which must hold them and "
-                          "the KV cache; raise rollout.tp, rollout.gpu_memory_utilization, or set "
-                          "rollout.quantization=fp8")
+                          f"the KV cache; raise rollout.tp or rollout.gpu_memory_utilization"
+                          f"{'' if spec.is_moe or r.quantization else ', or set rollout.quantization=fp8'}")
 
 
 def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_bytes: int = 0) -> MemoryEstimate:
