@@ -28,12 +28,12 @@ the routing vLLM serves; megatron's aux-loss-free bias update is off).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, TypeVar
 
 from megarl.models.errors import SpecError
+from megarl.models.spec_protocol import SpecLike
 
-if TYPE_CHECKING:
-    from megarl.models.spec import ModelSpec
+S = TypeVar("S", bound=SpecLike)
 
 # rope_type values the MLA builder runs: plain RoPE and DeepSeek's YaRN (megatron's YarnRotaryEmbedding)
 MLA_ROPE_TYPES = ("default", "yarn")
@@ -134,7 +134,7 @@ def fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def check(spec: ModelSpec) -> None:
+def check(spec: SpecLike) -> None:
     """Validate a DeepSeek-V3 spec's own fields (:meth:`ModelSpec.__post_init__`).
 
     Raises:
@@ -162,13 +162,13 @@ def check(spec: ModelSpec) -> None:
         raise _error(f"rope_scaling.rope_type={rope_type!r}: a deepseek_v3 model runs {MLA_ROPE_TYPES}")
 
 
-def is_moe_layer(spec: ModelSpec, layer: int) -> bool:
+def is_moe_layer(spec: SpecLike, layer: int) -> bool:
     """Whether decoder layer ``layer`` has the MoE block (any MoE model's, but a DeepSeek-V3 model's first
     ``first_k_dense`` layers)."""
     return spec.is_moe and layer >= (spec.mla.first_k_dense if spec.mla is not None else 0)
 
 
-def attention_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+def attention_shapes(spec: SpecLike, layer: int) -> dict[str, tuple[int, ...]]:
     """Name -> shape of layer ``layer``'s multi-latent attention tensors, in transformers' order."""
     m, h, heads = spec.mla, spec.hidden_size, spec.num_attention_heads
     p = f"model.layers.{layer}.self_attn."
@@ -184,7 +184,7 @@ def attention_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def moe_extra_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+def moe_extra_shapes(spec: SpecLike, layer: int) -> dict[str, tuple[int, ...]]:
     """Layer ``layer``'s router score-correction bias ``[experts]`` and shared experts (one SwiGLU MLP)."""
     h, s, p = spec.hidden_size, spec.shared_expert_ffn_hidden_size, f"model.layers.{layer}.mlp."
     shapes: dict[str, tuple[int, ...]] = {p + "gate.e_score_correction_bias": (spec.num_experts,)}
@@ -194,7 +194,7 @@ def moe_extra_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
+def hf_config_kwargs(spec: SpecLike) -> dict[str, Any]:
     """The ``DeepseekV3Config`` arguments of a spec beyond the common ones (no multi-token prediction layer)."""
     m = spec.mla
     rope = {"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope_scaling or {})}
@@ -209,12 +209,12 @@ def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
                 scoring_func="sigmoid", topk_method="noaux_tc")  # what vLLM's DeepseekV2MoE reads for this routing
 
 
-def presets(model_spec: type[ModelSpec]) -> dict[str, ModelSpec]:
+def presets(model_spec: Callable[..., S]) -> dict[str, S]:
     """Named DeepSeek-V3 shapes (:data:`megarl.models.spec.PRESETS`), from the config.json files of
     deepseek-ai/DeepSeek-V3 (671B, 37B active: a query latent, 8 groups, YaRN factor 40, one MTP layer dropped) and
     moonshotai/Moonlight-16B-A3B (no query latent, one group, plain RoPE)."""
     def spec(vocab, hidden, layers, heads, ffn, *, mla: MLA, experts, top_k, moe_ffn, shared, rope_theta, rope,
-             max_pos, bos, eos) -> ModelSpec:
+             max_pos, bos, eos) -> S:
         return model_spec("deepseek_v3", vocab, hidden, layers, heads, heads, mla.qk_head_dim, ffn,
                           rope_theta=rope_theta, rope_scaling=rope, rms_norm_eps=1e-6, tie_word_embeddings=False,
                           max_position_embeddings=max_pos, bos_token_id=bos, eos_token_ids=(eos,),
