@@ -10,9 +10,10 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "megarl"
 
 
-def _imports() -> dict[str, set[str]]:
+def _imports(type_only: bool = False) -> dict[str, set[str]]:
     """Module -> the megarl modules it imports anywhere in its source (``from megarl.x import y`` counts
-    ``megarl.x`` and, when it is a module, ``megarl.x.y``)."""
+    ``megarl.x`` and, when it is a module, ``megarl.x.y``); with ``type_only``, those under ``if TYPE_CHECKING:``
+    too."""
     found: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -22,7 +23,7 @@ def _imports() -> dict[str, set[str]]:
         typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
                        for stmt in block.body for n in ast.walk(stmt)}
         for node in ast.walk(tree):
-            if id(node) in typing_only:  # `if TYPE_CHECKING:` imports: names for annotations, not run
+            if id(node) in typing_only and not type_only:  # `if TYPE_CHECKING:`: names for annotations, not run
                 continue
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megarl"):
                 deps |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
@@ -30,6 +31,14 @@ def _imports() -> dict[str, set[str]]:
                 deps |= {a.name for a in node.names if a.name.startswith("megarl")}
         found[name] = deps
     return {m: {d for d in deps if d in found and d != m} for m, deps in found.items()}
+
+
+def test_no_module_circles_through_type_only_imports():
+    """Annotations do not tie modules in a loop either: megarl.models.spec imports the family modules (its methods
+    call their hooks), which annotated their ``spec`` arguments with ``ModelSpec`` under ``if TYPE_CHECKING:``; they
+    take :class:`megarl.models.spec_protocol.SpecLike` now."""
+    edges = _imports(type_only=True)
+    assert sorted({tuple(sorted((a, b))) for a, deps in edges.items() for b in deps if a in edges[b]}) == []
 
 
 def _is_type_checking(test: ast.expr) -> bool:

@@ -143,3 +143,22 @@ def test_sweep_of_a_tiny_model_as_a_job_array(slurm_cluster, tmp_path):
     again = _sweep(str(path), "--slurm", "--overwrite")
     assert again.returncode == 0, again.stderr
     assert "4 points already have results, 0 to run" in again.stdout and "submitted" not in again.stdout
+
+
+def test_a_vllm_engine_whose_weights_overflow_its_reservation_is_dropped():
+    """Qwen3-32B's bf16 weights (32.76B x 2 bytes = 61.0 GiB) on one vLLM GPU do not fit the 0.4 x 140 = 56 GiB it
+    reserves, whatever the actor's layout (the planner kept such points); at rollout.tp=2 (30.5 GiB) they do."""
+    from megarl.launch.memory import GIB
+    from megarl.launch.submit import JobShape
+    from megarl.launch.sweep import Point, SweepSpec, check_point
+
+    spec = SweepSpec(base=str(ROOT / "parallel_configs/gpu_64xh200_qwen2.5-7b.yaml"),
+                     overrides=["model.path=preset:qwen3-32b", "actor.parallel.dp=0", "actor.parallel.tp=8",
+                                "actor.parallel.pp=2"])
+    shape, memory = JobShape(8, 8), 140 * GIB
+    weights = 32_762_123_264 * 2 / GIB  # Qwen3-32B's parameters (test_stage_params_count_every_weight_once)
+    one, two = Point("tp1", {}, ["rollout.tp=1"]), Point("tp2", {}, ["rollout.tp=2"])
+    assert check_point(spec, one, shape, memory) is None
+    assert one.reason.startswith(f"rollout.tp: vLLM's weights are {weights:.1f} GiB per GPU at rollout.tp=1")
+    assert "56.0 GiB it reserves" in one.reason and one.estimate.total < memory  # the training part fits
+    assert check_point(spec, two, shape, memory) is not None and two.reason is None

@@ -4,7 +4,8 @@ points whose estimate exceeds the device's memory before anything starts).
 For the busiest rank (the pipeline stage holding the most parameters), in bytes:
 
 - **params**: the actor's share: ``layers/pp`` decoder layers with attention and FFN split over TP (an MoE
-  layer: the router whole, ``num_experts/ep`` experts whole (expert TP = 1), the shared expert over TP), the
+  layer: the router whole, ``num_experts/ep`` experts whole (expert TP = 1), the shared expert over TP; a
+  DeepSeek-V3 model's first ``first_k_dense`` layers are dense, so its first stage is the lighter), the
   embedding (vocab padded to ``lcm(128, tp)``, split over TP) on the first stage, the output layer (or the tied
   embedding's copy) on the last stage; norms replicated. Element size of ``model.dtype``.
 - **grads**: megatron-core's DDP keeps one fp32 gradient buffer of the rank's parameters
@@ -155,49 +156,70 @@ def _moe_routed_width(spec, e: int) -> float:
     return k * spec.hidden_size + k * spec.moe_ffn_hidden_size + 2 * spec.num_experts * 4 / e
 
 
+def layer_params(spec, layer: int, tp: int, ep: int = 1) -> tuple[int, int]:
+    """Parameters of decoder layer ``layer`` on one rank of a TP x EP actor, and how many of them are routed
+    experts' (sharded for the optimizer over their own DP group): attention and a dense MLP split over TP; an MoE
+    layer's router whole, ``num_experts / ep`` experts whole (expert TP = 1), the shared expert over TP; a
+    DeepSeek-V3 or GLM-4.5 model's first ``first_k_dense`` layers have a dense MLP of width ``ffn_hidden_size``; a
+    Qwen3.5 layer's mixer is its own (gated DeltaNet or gated attention)."""
+    from megarl.models import deepseek_spec, qwen3_5_spec
+    from megarl.models.deepseek_moe import is_moe_layer
+    from megarl.models.spec import FAMILIES
+
+    h, kv, fam = spec.hidden_size, spec.kv_size, FAMILIES[spec.family]
+    experts = 0
+    if is_moe_layer(spec, layer):  # router and local experts whole, the shared expert and its gate like a dense MLP
+        m, shared = spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size
+        gate = h if shared and spec.deepseek_moe is None else 0  # Qwen2-MoE's, Qwen3-Next's shared-expert gate
+        experts = spec.num_experts // ep * (3 * h * m + (2 * m + h) * fam.gpt_oss)  # gpt-oss: the experts' biases
+        ffn = spec.num_experts * h + experts + 3 * h * shared // tp + gate
+        ffn += spec.num_experts if fam.gpt_oss or fam.deepseek_moe else 0  # the router's bias (DeepSeek's: frozen)
+    else:
+        ffn = 3 * h * spec.ffn_hidden_size // tp
+    if spec.mla is not None or spec.gdn is not None:  # DeepSeek-V3's MLA (its a-norms too, a few kB), Qwen3.5's
+        # mixer: all split over TP on megatron's local spec
+        shapes = (deepseek_spec if spec.mla is not None else qwen3_5_spec).attention_shapes(spec, layer)
+        attention = sum(math.prod(s) for s in shapes.values()) // tp
+    else:
+        attention = (h * (spec.q_size + 2 * kv) + spec.q_size * h) // tp
+    n = attention + ffn + 2 * h
+    n += 2 * spec.head_dim if spec.qk_norm and spec.gdn is None else 0  # (Qwen3.5's: in its mixer's shapes)
+    n += 2 * h if fam.gemma else 0  # Gemma 3's post-attention and post-MLP norms
+    n += (spec.q_size + 2 * kv) // tp if spec.qkv_bias else 0
+    n += h + spec.num_attention_heads // tp if fam.gpt_oss else 0  # o_proj's bias, the sinks
+    return n, experts
+
+
+def stage_split(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 1) -> tuple[int, int]:
+    """The busiest pipeline stage of a TP x PP (x EP) actor: its parameters on one rank and how many of them are
+    routed experts' (:func:`layer_params`). Stage ``i`` holds layers ``[i * L / pp, (i + 1) * L / pp)``, the
+    first stage the embedding (vocab padded to ``lcm(128, tp)``, split over TP), the last the final norm and the
+    output layer (``value_head``: a critic's, one column; tied embeddings: a copy of the embedding when pp > 1).
+    """
+    from megarl.models.megatron import padded_vocab_size
+
+    h, per_stage = spec.hidden_size, spec.num_layers // pp
+    layers = [layer_params(spec, i, tp, ep) for i in range(spec.num_layers)]
+    embed = padded_vocab_size(spec.vocab_size, tp) * h // tp
+    output = h if value_head else (0 if pp == 1 and spec.tie_word_embeddings else embed)
+    stages = []
+    for s in range(pp):
+        params = sum(n for n, _ in layers[s * per_stage:(s + 1) * per_stage])
+        experts = sum(x for _, x in layers[s * per_stage:(s + 1) * per_stage])
+        params += (embed if s == 0 else 0) + (output + h if s == pp - 1 else 0)
+        stages.append((params, experts))
+    return max(stages)
+
+
 def stage_params(spec, tp: int, pp: int, *, value_head: bool = False, ep: int = 1) -> int:
     """Parameters held by the busiest pipeline stage of a TP x PP (x EP) actor (``value_head``: a critic, whose
-    output layer is one column).
+    output layer is one column; :func:`stage_split`).
 
     Raises:
         megarl.models.spec.SpecError: TP or PP does not fit the model
             (:func:`megarl.models.megatron.check_layout`).
     """
-    from megarl.models.megatron import padded_vocab_size
-    from megarl.models.spec import FAMILIES
-
-    h, f, kv = spec.hidden_size, spec.ffn_hidden_size, spec.kv_size
-    if spec.is_moe:  # router and local experts whole, the shared expert and its gate split like a dense MLP
-        m, shared = spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size
-        gate = h if shared and spec.deepseek_moe is None else 0  # Qwen2-MoE's shared-expert gate
-        ffn = spec.num_experts * h + spec.num_experts // ep * 3 * h * m + 3 * h * shared // tp + gate
-    else:
-        ffn = 3 * h * f // tp
-    if spec.mla is not None:  # DeepSeek-V3 (every layer counted as an MoE one, the larger): MLA's projections, all
-        # split over TP on megatron's local spec (its a-norms too here, a few kB)
-        from megarl.models.deepseek_spec import attention_shapes
-
-        layer = sum(math.prod(s) for s in attention_shapes(spec, 0).values()) // tp + ffn + 2 * h
-    else:
-        layer = (h * (spec.q_size + 2 * kv) + spec.q_size * h) // tp + ffn + 2 * h
-    layer += 2 * spec.head_dim if spec.qk_norm and spec.gdn is None else 0
-    layer += 2 * h if FAMILIES[spec.family].gemma else 0  # Gemma 3's post-attention and post-MLP norms
-    layer += (spec.q_size + 2 * kv) // tp if spec.qkv_bias else 0
-    if FAMILIES[spec.family].gpt_oss:  # o_proj's bias, the sinks, the router's and the local experts' biases
-        layer += h + spec.num_attention_heads // tp + spec.num_experts + spec.num_experts // ep * (
-            2 * spec.moe_ffn_hidden_size + h)
-    embed = padded_vocab_size(spec.vocab_size, tp) * h // tp
-    output = h if value_head else embed  # tied embeddings: the last stage holds a copy for the output layer
-    layers = spec.num_layers // pp * layer
-    if spec.gdn is not None:  # Qwen3.5: each layer's own mixer (DeltaNet or gated attention), split over TP
-        from megarl.models.qwen3_5_spec import attention_shapes
-
-        per = spec.num_layers // pp
-        mixers = [sum(math.prod(s) for s in attention_shapes(spec, i).values()) // tp for i in range(spec.num_layers)]
-        layers = max(sum(mixers[k * per:(k + 1) * per]) for k in range(pp)) + per * (ffn + 2 * h)
-    if pp == 1:
-        return layers + embed + h + (output if value_head or not spec.tie_word_embeddings else 0)
-    return max(layers + embed, layers + output + h)
+    return stage_split(spec, tp, pp, value_head=value_head, ep=ep)[0]
 
 
 def stage_adapter_params(spec, lora, tp: int, pp: int, ep: int = 1) -> int:
@@ -277,6 +299,34 @@ def rollout_bytes(cfg: Config, spec, ranks: int, device_bytes: int, gpu: bool) -
     return weights + kv_cache + logits
 
 
+def check_rollout_weights(cfg: Config, spec, device_bytes: int) -> None:
+    """Refuse a vLLM rollout whose weights alone overflow the memory vLLM reserves on a GPU: every rank of an
+    engine holds ``1 / rollout.tp`` of every weight (vLLM shards the experts over TP too), in ``model.dtype`` or,
+    with ``rollout.quantization=fp8``, one byte per weight of the decoder layers (embedding and output layer kept);
+    the reservation (``rollout.gpu_memory_utilization`` of the GPU) must hold them and the KV cache.
+
+    Raises:
+        ConfigError: naming ``rollout.tp``, the two sizes and the fixes.
+    """
+    from megarl.config import ConfigError
+
+    r = cfg.rollout
+    if r.engine != "vllm":
+        return
+    e = DTYPE_TABLE[cfg.model.dtype].itemsize
+    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    n = spec.num_params()
+    weights = (n * e if r.quantization is None else (n - embeddings) + embeddings * e) // r.tp
+    reserved = r.gpu_memory_utilization * device_bytes
+    if weights >= reserved:
+        raise ConfigError(f"rollout.tp: vLLM's weights are {weights / GIB:.1f} GiB per GPU at rollout.tp={r.tp} "
+                          f"({n / 1e9:.1f}B parameters{', fp8' if r.quantization else ''}), over the "
+                          f"{reserved / GIB:.1f} GiB it reserves (rollout.gpu_memory_utilization="
+                          f"{r.gpu_memory_utilization} of {device_bytes / GIB:.1f} GiB), which must hold them and "
+                          f"the KV cache; raise rollout.tp or rollout.gpu_memory_utilization"
+                          f"{'' if spec.is_moe or r.quantization else ', or set rollout.quantization=fp8'}")
+
+
 def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_bytes: int = 0) -> MemoryEstimate:
     """The per-rank peak memory of ``cfg`` with model ``spec`` on ``world_size`` ranks.
 
@@ -299,9 +349,8 @@ def estimate_memory(cfg: Config, spec, world_size: int, *, gpu: bool, device_byt
         check_layout(spec, ParallelLayout(p.tp, p.pp, dp, ep=p.ep, cp=p.cp, vpp=p.vpp))
     except LayoutError as e:
         raise SpecError(f"actor.parallel.ep: {e}") from None
-    n = stage_params(spec, p.tp, p.pp, ep=p.ep)
     # experts' optimizer state is sharded over their own DP group, the tp * dp / ep ranks holding the same experts
-    experts = spec.num_layers // p.pp * spec.num_experts // p.ep * 3 * spec.hidden_size * spec.moe_ffn_hidden_size
+    n, experts = stage_split(spec, p.tp, p.pp, ep=p.ep)
     e = DTYPE_TABLE[cfg.model.dtype].itemsize
     opt_per_param = 8 + (4 if e < 4 else 0)
 

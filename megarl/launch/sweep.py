@@ -17,8 +17,9 @@ A sweep file (``parallel_configs/sweeps/``)::
 Before anything starts, every point is checked and the ones that cannot run are dropped, each with its
 reason: a bad value (the config's own validation), TP/PP that does not divide the model's heads, KV heads or
 layers (PP x VPP with ``actor.parallel.vpp`` in the grid), a mesh that does not match the job's world, batch
-sizes that the DP size does not divide (or, with VPP, micro-batch counts that are not a multiple of PP), and an
-estimated per-rank memory (:mod:`megarl.launch.memory`) above the device's. Points whose result file exists
+sizes that the DP size does not divide (or, with VPP, micro-batch counts that are not a multiple of PP), a vLLM
+engine whose weights (``1 / rollout.tp`` of the model) overflow its reservation, and an estimated per-rank memory
+(:mod:`megarl.launch.memory`) above the device's. Points whose result file exists
 are skipped (``--retry-failed`` re-runs the failed ones). The rest run as one SLURM job array (``--slurm``;
 the command waits for it) or one after another on this machine (``--local``). Each point's ``megarl bench
 step`` writes ``results/<point>.json``; a point that ends without one (an error, OOM, the time limit) is
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megarl.config import Config, ConfigError, load_config
-from megarl.launch.memory import GIB, MemoryEstimate, estimate_memory, host_memory_bytes
+from megarl.launch.memory import GIB, MemoryEstimate, check_rollout_weights, estimate_memory, host_memory_bytes
 from megarl.launch.submit import (JobShape, SbatchOptions, add_sbatch_arguments, batch_script, check_job_shape,
                                   sbatch, sbatch_options_from_args, srun_prefix)
 from megarl.output_folder import claim_outputs, write_beside
@@ -215,7 +216,8 @@ def check_point(spec: SweepSpec, point: Point, shape: JobShape, memory: int | No
     The checks, in order: the config itself; TP/PP against the model's heads, KV heads and layers; the mesh
     against the job's world and the batch sizes against DP; with ``full``, the rest of a run's preflight
     (tokenizer, files, reward function; :func:`~megarl.trainer.preflight.preflight`, less this machine's
-    checks); the memory estimate against ``memory`` (None: not estimated).
+    checks); the memory estimate against ``memory`` (None: not estimated), and on GPUs vLLM's weights against
+    its reservation (:func:`~megarl.launch.memory.check_rollout_weights`).
     """
     from megarl.models.spec import SpecError
     from megarl.trainer.preflight import model_spec, preflight, validate_for_model
@@ -234,11 +236,13 @@ def check_point(spec: SweepSpec, point: Point, shape: JobShape, memory: int | No
             preflight(cfg, shape.world_size, this_machine=False)
         if memory is None:
             return cfg
-        est = estimate_memory(cfg, model, shape.world_size, gpu=shape.gpus_per_node > 0, device_bytes=memory)
+        point.estimate = est = estimate_memory(cfg, model, shape.world_size, gpu=shape.gpus_per_node > 0,
+                                               device_bytes=memory)
+        if shape.gpus_per_node:
+            check_rollout_weights(cfg, model, memory)
     except (ConfigError, SpecError) as e:
         point.reason = str(e)
         return None
-    point.estimate = est
     if est.total > memory:
         point.reason = (f"estimated memory {est.describe()} per rank is over the device's "
                         f"{memory / GIB:.1f} GiB")

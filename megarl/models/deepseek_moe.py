@@ -19,12 +19,11 @@ keeps the routing vLLM serves; megatron's aux-loss-free bias update is off). The
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megarl.models.errors import SpecError
+from megarl.models.spec_protocol import SpecLike
 
-if TYPE_CHECKING:
-    from megarl.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ def fields_from_hf(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def check(spec: ModelSpec) -> None:
+def check(spec: SpecLike) -> None:
     """Validate a DeepSeek-V3-style MoE spec's own fields (:meth:`ModelSpec.__post_init__`).
 
     Raises:
@@ -93,13 +92,13 @@ def check(spec: ModelSpec) -> None:
                         f"topk_group={m.topk_group} be in [1, n_group]")
 
 
-def is_moe_layer(spec: ModelSpec, layer: int) -> bool:
+def is_moe_layer(spec: SpecLike, layer: int) -> bool:
     """Whether decoder layer ``layer`` has the MoE block (any MoE model's, but the first ``first_k_dense`` layers of
     a DeepSeek-V3-style one)."""
     return spec.is_moe and layer >= (spec.deepseek_moe.first_k_dense if spec.deepseek_moe is not None else 0)
 
 
-def moe_extra_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+def moe_extra_shapes(spec: SpecLike, layer: int) -> dict[str, tuple[int, ...]]:
     """Layer ``layer``'s router score-correction bias ``[experts]`` and shared experts (one SwiGLU MLP)."""
     h, s, p = spec.hidden_size, spec.shared_expert_ffn_hidden_size, f"model.layers.{layer}.mlp."
     shapes: dict[str, tuple[int, ...]] = {p + "gate.e_score_correction_bias": (spec.num_experts,)}
@@ -109,7 +108,7 @@ def moe_extra_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
+def hf_config_kwargs(spec: SpecLike) -> dict[str, Any]:
     """The config arguments of a spec's MoE (``DeepseekV3Config``, ``Glm4MoeConfig``; no multi-token prediction
     layer)."""
     m = spec.deepseek_moe

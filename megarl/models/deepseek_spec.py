@@ -19,14 +19,14 @@ is :mod:`megarl.models.deepseek_moe`'s, which GLM-4.5 shares.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, TypeVar
 
 from megarl.models import deepseek_moe
 from megarl.models.deepseek_moe import DeepSeekMoE
 from megarl.models.errors import SpecError
+from megarl.models.spec_protocol import SpecLike
 
-if TYPE_CHECKING:
-    from megarl.models.spec import ModelSpec
+S = TypeVar("S", bound=SpecLike)
 
 # rope_type values the MLA builder runs: plain RoPE and DeepSeek's YaRN (megatron's YarnRotaryEmbedding)
 MLA_ROPE_TYPES = ("default", "yarn")
@@ -103,7 +103,7 @@ def fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def check(spec: ModelSpec) -> None:
+def check(spec: SpecLike) -> None:
     """Validate a DeepSeek-V3 spec's own fields (:meth:`ModelSpec.__post_init__`).
 
     Raises:
@@ -126,7 +126,7 @@ def check(spec: ModelSpec) -> None:
         raise _error(f"rope_scaling.rope_type={rope_type!r}: a deepseek_v3 model runs {MLA_ROPE_TYPES}")
 
 
-def attention_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+def attention_shapes(spec: SpecLike, layer: int) -> dict[str, tuple[int, ...]]:
     """Name -> shape of layer ``layer``'s multi-latent attention tensors, in transformers' order."""
     m, h, heads = spec.mla, spec.hidden_size, spec.num_attention_heads
     p = f"model.layers.{layer}.self_attn."
@@ -142,7 +142,7 @@ def attention_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
+def hf_config_kwargs(spec: SpecLike) -> dict[str, Any]:
     """The ``DeepseekV3Config`` arguments of a spec beyond the common ones (its MoE's:
     :func:`megarl.models.deepseek_moe.hf_config_kwargs`)."""
     m = spec.mla
@@ -154,12 +154,12 @@ def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
                 scoring_func="sigmoid", topk_method="noaux_tc")  # what vLLM's DeepseekV2MoE reads for this routing
 
 
-def presets(model_spec: type[ModelSpec]) -> dict[str, ModelSpec]:
+def presets(model_spec: Callable[..., S]) -> dict[str, S]:
     """Named DeepSeek-V3 shapes (:data:`megarl.models.spec.PRESETS`), from the config.json files of
     deepseek-ai/DeepSeek-V3 (671B, 37B active: a query latent, 8 groups, YaRN factor 40, one MTP layer dropped) and
     moonshotai/Moonlight-16B-A3B (no query latent, one group, plain RoPE)."""
     def spec(vocab, hidden, layers, heads, ffn, *, mla: MLA, moe: DeepSeekMoE, experts, top_k, moe_ffn, shared,
-             rope_theta, rope, max_pos, bos, eos) -> ModelSpec:
+             rope_theta, rope, max_pos, bos, eos) -> S:
         return model_spec("deepseek_v3", vocab, hidden, layers, heads, heads, mla.qk_head_dim, ffn,
                           rope_theta=rope_theta, rope_scaling=rope, rms_norm_eps=1e-6, tie_word_embeddings=False,
                           max_position_embeddings=max_pos, bos_token_id=bos, eos_token_ids=(eos,),

@@ -3,12 +3,10 @@ Hugging Face config; the Megatron pieces are :mod:`megarl.models.gemma3`'s."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megarl.models.errors import SpecError
-
-if TYPE_CHECKING:
-    from megarl.models.spec import ModelSpec
+from megarl.models.spec_protocol import SpecLike
 
 
 def _error(message: str) -> SpecError:
@@ -75,7 +73,7 @@ def fields_from_hf(cfg: dict[str, Any]) -> tuple[float, dict | None, int | None,
         query_pre_attn_scalar=int(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]))
 
 
-def hf_config_kwargs(spec: "ModelSpec") -> dict[str, Any]:
+def hf_config_kwargs(spec: SpecLike) -> dict[str, Any]:
     """The ``Gemma3TextConfig`` arguments of a Gemma 3 spec beyond the common ones."""
     pattern = spec.sliding_window_pattern or (1 if spec.sliding_window else 0,) * spec.num_layers
     glob = {"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope_scaling or {})}

@@ -21,14 +21,14 @@ experts with ``lora.experts``). Router replay is refused until it is compared wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, TypeVar
 
 from megarl.models import deepseek_moe
 from megarl.models.deepseek_moe import DeepSeekMoE
 from megarl.models.errors import SpecError
+from megarl.models.spec_protocol import SpecLike
 
-if TYPE_CHECKING:
-    from megarl.models.spec import ModelSpec
+S = TypeVar("S", bound=SpecLike)
 
 FAMILY = "glm4_moe"
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5  # Glm4MoeConfig.__post_init__'s and vLLM's Glm4MoeAttention's default
@@ -74,7 +74,7 @@ def fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
                 **deepseek_moe.fields_from_hf(FAMILY, cfg))
 
 
-def check(spec: ModelSpec) -> None:
+def check(spec: SpecLike) -> None:
     """Validate a GLM-4.5 spec's own fields (:meth:`ModelSpec.__post_init__`).
 
     Raises:
@@ -95,7 +95,7 @@ def check(spec: ModelSpec) -> None:
         raise SpecError(f"rope_scaling={spec.rope_scaling}: a glm4_moe model runs plain RoPE")
 
 
-def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
+def hf_config_kwargs(spec: SpecLike) -> dict[str, Any]:
     """The ``Glm4MoeConfig`` arguments of a spec beyond the common ones (no multi-token prediction layer)."""
     g = spec.glm
     return dict(attention_bias=g.attention_bias, use_qk_norm=g.qk_norm, partial_rotary_factor=g.partial_rotary_factor,
@@ -104,13 +104,13 @@ def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
                 **deepseek_moe.hf_config_kwargs(spec))
 
 
-def presets(model_spec: type[ModelSpec]) -> dict[str, ModelSpec]:
+def presets(model_spec: Callable[..., S]) -> dict[str, S]:
     """Named GLM-4.5 shapes (:data:`megarl.models.spec.PRESETS`), written from memory of the config.json files of
     zai-org/GLM-4.5 (355B, 32B active: 92 layers, the first 3 dense, 160 experts, QK-norm) and zai-org/GLM-4.5-Air
     (106B, 12B active: 46 layers, the first dense, 128 experts, no QK-norm); both have 96 query and 8 KV heads of
     128 channels, half of them rotated, q/k/v biases, one shared expert, top-8 routing in one group and one MTP layer
     (dropped). Check them against the checkpoint's config.json before quoting a number."""
-    def spec(hidden, layers, ffn, *, experts, moe_ffn, first_dense, scaling, qk_norm) -> ModelSpec:
+    def spec(hidden, layers, ffn, *, experts, moe_ffn, first_dense, scaling, qk_norm) -> S:
         return model_spec(FAMILY, 151552, hidden, layers, 96, 8, 128, ffn, rope_theta=1e6, rms_norm_eps=1e-5,
                           tie_word_embeddings=False, max_position_embeddings=131072,
                           eos_token_ids=(151329, 151336, 151338), pad_token_id=151329, num_experts=experts,

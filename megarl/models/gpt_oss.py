@@ -36,14 +36,12 @@ The megatron-core configuration and layer spec are :mod:`megarl.models.gpt_oss_l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from megarl.models.errors import SpecError
-
-if TYPE_CHECKING:
-    from megarl.models.spec import ModelSpec
+from megarl.models.spec_protocol import SpecLike
 
 SWIGLU_ALPHA = 1.702  # transformers' GptOssExperts.alpha: the sigmoid's slope (megatron's quick_gelu)
 SWIGLU_LIMIT = 7.0  # transformers' GptOssExperts.limit (config.json's swiglu_limit)
@@ -85,7 +83,7 @@ def spec_fields(cfg: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
     return window, {"sliding_window_pattern": pattern if any(pattern) else None}
 
 
-def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
+def hf_config_kwargs(spec: SpecLike) -> dict[str, Any]:
     """The ``GptOssConfig`` arguments of a gpt-oss spec beyond the common ones."""
     pattern = spec.sliding_window_pattern or (0,) * spec.num_layers
     return dict(num_local_experts=spec.num_experts, intermediate_size=spec.moe_ffn_hidden_size, attention_bias=True,
@@ -93,7 +91,7 @@ def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
                 layer_types=["sliding_attention" if w else "full_attention" for w in pattern])
 
 
-def rope_attention_factor(spec: ModelSpec) -> float:
+def rope_attention_factor(spec: SpecLike) -> float:
     """YaRN's attention factor ``m`` (transformers' ``_compute_yarn_parameters``), 1.0 without YaRN."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -103,14 +101,14 @@ def rope_attention_factor(spec: ModelSpec) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
-def expert_tensors(spec: ModelSpec, layer: int, e: int) -> tuple[str, str]:
+def expert_tensors(spec: SpecLike, layer: int, e: int) -> tuple[str, str]:
     """Canonical names of expert ``e``'s ``gate_up_proj.weight`` ``[2F, hidden]`` (gate row ``j`` at ``2j``, up row
     ``j`` at ``2j + 1``) and ``down_proj.weight`` ``[hidden, F]`` on ``layer``; their biases end in ``bias``."""
     p = f"model.layers.{layer}.mlp.experts.{e}."
     return p + "gate_up_proj.weight", p + "down_proj.weight"
 
 
-def checkpoint_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+def checkpoint_shapes(spec: SpecLike) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of a bf16 gpt-oss checkpoint: the canonical ones, each layer's experts fused
     (``mlp.experts.gate_up_proj`` ``[E, hidden, 2F]``, ``gate_up_proj_bias`` ``[E, 2F]``, ``down_proj`` ``[E, F,
     hidden]``, ``down_proj_bias`` ``[E, hidden]``) in place of the per-expert tensors."""
@@ -126,7 +124,7 @@ def checkpoint_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def read_canonical(spec: ModelSpec, read: Callable[[str, tuple[slice, ...]], torch.Tensor], name: str,
+def read_canonical(spec: SpecLike, read: Callable[[str, tuple[slice, ...]], torch.Tensor], name: str,
                    box: tuple[slice, ...] | None) -> torch.Tensor:
     """A box of canonical tensor ``name`` (``None``: all of it) read from a checkpoint through ``read(checkpoint
     name, box of it)``: an expert's weight as the transposed box of the fused tensor (``gate_up_proj.weight`` of
@@ -143,14 +141,14 @@ def read_canonical(spec: ModelSpec, read: Callable[[str, tuple[slice, ...]], tor
     return read(fused, (expert, box[1], box[0]))[0].t()
 
 
-def checkpoint_to_canonical(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def checkpoint_to_canonical(spec: SpecLike, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The canonical tensors of whole checkpoint (or transformers ``named_parameters()``) tensors ``tensors``
     (:func:`checkpoint_shapes`); copies, contiguous, in ``tensors``' dtypes."""
     return {n: read_canonical(spec, lambda fused, box: tensors[fused][box], n, None).contiguous().clone()
             for n in spec.hf_tensor_shapes()}
 
 
-def canonical_to_checkpoint(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def canonical_to_checkpoint(spec: SpecLike, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint tensors (:func:`checkpoint_shapes`) of whole canonical tensors ``tensors``: each layer's
     experts stacked (weights transposed) as transformers' ``GptOssExperts`` holds them."""
     out = {}

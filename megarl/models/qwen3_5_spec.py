@@ -23,12 +23,11 @@ by key-head group: ``in_proj_qkvz`` holds, for each key head ``g``, ``[q_g; k_g;
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megarl.models.errors import SpecError
+from megarl.models.spec_protocol import SpecLike
 
-if TYPE_CHECKING:
-    from megarl.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ def fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
         partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))))
 
 
-def check(spec: "ModelSpec") -> None:
+def check(spec: SpecLike) -> None:
     """Refuse an inconsistent Qwen3.5 spec (no ``gdn`` shape, a pattern not one entry per layer, value heads not a
     multiple of key heads, a rotary share that is not a whole even number of channels)."""
     g = spec.gdn
@@ -124,7 +123,7 @@ def check(spec: "ModelSpec") -> None:
                         "whole, even number of channels")
 
 
-def attention_shapes(spec: "ModelSpec", layer: int) -> dict[str, tuple[int, ...]]:
+def attention_shapes(spec: SpecLike, layer: int) -> dict[str, tuple[int, ...]]:
     """Layer ``layer``'s token mixer's canonical tensors: the gated DeltaNet's or the gated attention's."""
     g, h = spec.gdn, spec.hidden_size
     if g.linear_pattern[layer]:
@@ -143,7 +142,7 @@ def attention_shapes(spec: "ModelSpec", layer: int) -> dict[str, tuple[int, ...]
             p + "q_norm.weight": (hd,), p + "k_norm.weight": (hd,)}
 
 
-def presets(spec_cls) -> dict[str, "ModelSpec"]:
+def presets(spec_cls) -> dict[str, SpecLike]:
     """Named Qwen3.5 shapes (dense text models), FROM MEMORY of Qwen/Qwen3.5-27B's config.json (not checked
     against the file): 64 layers, every 4th gated full attention (24 query heads, 4 KV heads of 256 channels, a
     quarter of them rotated), the DeltaNet layers 16 key heads and 48 value heads of 128 channels; and Qwen3-Next
@@ -162,7 +161,7 @@ def presets(spec_cls) -> dict[str, "ModelSpec"]:
         gdn=GatedDeltaNetShape(tuple(int(i % 4 != 3) for i in range(64)), 16, 48, 128, 128))}
 
 
-def hf_config_kwargs(spec: "ModelSpec") -> dict[str, Any]:
+def hf_config_kwargs(spec: SpecLike) -> dict[str, Any]:
     """The ``Qwen3_5TextConfig`` arguments of a Qwen3.5 spec beyond the common ones."""
     g = spec.gdn
     moe = dict(num_experts=spec.num_experts, moe_intermediate_size=spec.moe_ffn_hidden_size, decoder_sparse_step=1,

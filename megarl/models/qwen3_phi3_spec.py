@@ -3,12 +3,11 @@ arguments (the families: :data:`megarl.models.spec.FAMILIES`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megarl.models.errors import SpecError
+from megarl.models.spec_protocol import SpecLike
 
-if TYPE_CHECKING:
-    from megarl.models.spec import ModelSpec
 
 _LONGROPE = ("longrope", "su", "yarn")  # Phi3Config names LongRoPE "longrope" (and maps "su"/"yarn" to it)
 
@@ -38,7 +37,7 @@ def check(family: str, cfg: dict[str, Any]) -> None:
                         "model with partial_rotary_factor=1.0)")
 
 
-def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
+def hf_config_kwargs(spec: SpecLike) -> dict[str, Any]:
     """The family-specific ``Qwen3Config`` / ``Phi3Config`` arguments of a spec (:meth:`ModelSpec.to_hf_config`)."""
     if spec.family == "qwen3":
         return dict(attention_bias=False, use_sliding_window=False, sliding_window=None)
