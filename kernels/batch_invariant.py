@@ -95,17 +95,40 @@ def vllm_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int
     return torch.log_softmax(z, dim=-1, dtype=torch.float32).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
+EXACT_KV_BLOCK_SIZE = 16  # the KV cache's page, in tokens, of an exact engine (vLLM's default; llm_kwargs pins it)
+
+
+def paged_kv(k: torch.Tensor, v: torch.Tensor, block_size: int = EXACT_KV_BLOCK_SIZE
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence's keys and values ``[s, kv_heads, d]`` laid out as vLLM's FLASH_ATTN backend holds its KV
+    cache: pages ``[ceil(s / block_size), block_size, kv_heads, d]`` (the last one zero-padded), with the block
+    table ``[1, pages]`` int32 (page ``i`` is block ``i``) and the sequence's length ``[1]`` int32
+    (``seqused_k``)."""
+    s, pages = k.shape[0], -(-k.shape[0] // block_size)
+
+    def cache(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(pages * block_size, *x.shape[1:])
+        out[:s] = x
+        return out.view(pages, block_size, *x.shape[1:])
+
+    table = torch.arange(pages, dtype=torch.int32, device=k.device).unsqueeze(0)
+    return cache(k), cache(v), table, torch.tensor([s], dtype=torch.int32, device=k.device)
+
+
 def _vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     """One sequence's causal attention ``[s, heads, d]`` (keys and values ``[s, kv_heads, d]``) on the kernel of
-    vLLM's FLASH_ATTN backend with one KV split, as its batch-invariant mode runs it
-    (``vllm/v1/attention/backends/flash_attn.py``: ``num_splits=1``), the FlashAttention version vLLM picks."""
+    vLLM's FLASH_ATTN backend as its batch-invariant mode calls it (``vllm/v1/attention/backends/flash_attn.py``,
+    ``FlashAttentionImpl.forward``): the keys and values read from a paged cache of ``EXACT_KV_BLOCK_SIZE``-token
+    pages through a block table (:func:`paged_kv`; FlashAttention 3 picks its tiles and packs GQA heads by whether
+    the KV is paged), one KV split, the FlashAttention version vLLM picks."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
     s = q.shape[0]
+    k_cache, v_cache, table, used = paged_kv(k, v)
     cu = torch.tensor([0, s], dtype=torch.int32, device=q.device)
-    return flash_attn_varlen_func(q.contiguous(), k.contiguous(), v.contiguous(), max_seqlen_q=s, cu_seqlens_q=cu,
-                                  max_seqlen_k=s, cu_seqlens_k=cu, softmax_scale=scale, causal=True, num_splits=1,
-                                  fa_version=get_flash_attn_version(head_size=q.shape[-1]))
+    return flash_attn_varlen_func(q.contiguous(), k_cache, v_cache, max_seqlen_q=s, cu_seqlens_q=cu,
+                                  max_seqlen_k=s, seqused_k=used, block_table=table, softmax_scale=scale,
+                                  causal=True, num_splits=1, fa_version=get_flash_attn_version(head_size=q.shape[-1]))
 
 
 def _vllm_functions() -> tuple[LinearFn, NormFn, AttentionFn]:

@@ -113,6 +113,26 @@ def test_the_vllm_engine_starts_in_batch_invariant_mode_with_exact_only():
         return llm_kwargs(settings, model_dir="m", context=64, seed=0, enforce_eager=eager,
                           gpu_memory_utilization=0.3).get("compilation_config", {}).get("custom_ops")
     assert custom_ops(on, False) == ["all"] and custom_ops(on, True) is None and custom_ops(off, False) is None
+    from megarl.kernels.batch_invariant import EXACT_KV_BLOCK_SIZE
+
+    def block_size(settings):  # the exact engine's KV page is the one the trainer's exact attention reads through
+        return llm_kwargs(settings, model_dir="m", context=64, seed=0, enforce_eager=True,
+                          gpu_memory_utilization=0.3).get("block_size")
+    assert block_size(on) == EXACT_KV_BLOCK_SIZE and block_size(off) is None
+
+
+def test_paged_kv_holds_a_sequence_as_vllms_cache_does():
+    """The exact attention's keys and values in vLLM's paged layout: reading the pages through the block table
+    gives the sequence back, the padding of the last page is zero and ``seqused_k`` is the length."""
+    from megarl.kernels.batch_invariant import paged_kv
+
+    k, v = torch.randn(37, 2, 8), torch.randn(37, 2, 6)
+    k_cache, v_cache, table, used = paged_kv(k, v, block_size=16)
+    assert k_cache.shape == (3, 16, 2, 8) and v_cache.shape == (3, 16, 2, 6) and table.dtype == torch.int32
+    assert used.tolist() == [37] and table.tolist() == [[0, 1, 2]]
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        read = cache[table[0].long()].reshape(-1, *x.shape[1:])
+        assert torch.equal(read[:37], x) and not read[37:].any()
 
 
 def test_vllm_logprobs_cut_the_padded_vocab_and_divide_by_the_temperature():

@@ -133,7 +133,7 @@ import torch.distributed as dist
 
 from megarl.config import QUANTIZATIONS
 from megarl.config.rollout import LOGPROBS_SOURCES
-from megarl.kernels.batch_invariant import BATCH_INVARIANT_ENV
+from megarl.kernels.batch_invariant import BATCH_INVARIANT_ENV, EXACT_KV_BLOCK_SIZE
 from megarl.models.fp8 import BLOCK
 from megarl.models.layout import Layout, local_views
 from megarl.models.layout_vllm import check_vllm_fp8, check_vllm_tp, vllm_layout, vllm_rank_tensors
@@ -239,7 +239,8 @@ def llm_kwargs(settings: VLLMSettings, *, model_dir: str, context: int, seed: in
     kwargs: dict[str, Any] = dict(model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
                                   enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
                                   seed=seed, max_model_len=context, logprobs_mode="processed_logprobs",
-                                  enable_prefix_caching=True)
+                                  enable_prefix_caching=True)  # exact: the KV page the trainer's attention reads
+    kwargs.update({"block_size": EXACT_KV_BLOCK_SIZE} if settings.exact else {})  # (kernels.batch_invariant)
     for name in ("async_scheduling", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(settings, name) is not None:
             kwargs[name] = getattr(settings, name)
