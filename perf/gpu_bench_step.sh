@@ -15,8 +15,9 @@
 #   qwen3-8b      Qwen3-8B shape cut to its first 4 of 36 layers (preset:qwen3-8b?layers=4), random weights, the
 #                 grpo-1.5b-fast step with micro-batches of 8 (issue 43). Cut because megarl's memory estimate
 #                 (megarl/launch/memory.py, bf16, 80 GiB GPU) of this GRPO step with a colocated vLLM (0.35) is
-#                 208 GiB for all 36 layers (Adam's fp32 state alone 92 GiB) and still 79-84 GiB for 5-6 layers
-#                 (the 151936-word embedding and output layer are 1.2B parameters); 4 layers: 72 GiB
+#                 208 GiB for all 36 layers (Adam's fp32 state alone 92 GiB; 189 GiB with micro-batches of 4);
+#                 the 151936-word embedding and output layer (1.2B parameters) stay: 6 layers 79.4 GiB, 5 layers
+#                 75.5 GiB (too near an H100's ~79 GiB), 4 layers 71.7 GiB
 #   smollm2       parallel_configs/gpu_1xh200_smollm2_gsm8k.yaml: GRPO on GSM8K with the SmolLM2-135M GGUF
 #                 (SMOL_GGUF, default /tmp/smol.gguf, else joined from /tmp/smol.gguf.part-aa and -ab: the two
 #                 uploads of .gpu/smol/p1 and p2), GSM8K from GSM8K_DIR (default /tmp/gsm8k, else the carried
