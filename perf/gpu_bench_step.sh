@@ -12,6 +12,12 @@
 #                 settings and the plain training paths (no kernels/): the "before" of the 18.3 s step
 #   grpo-1.5b-fast  the same step with CUDA graphs, kernels/ (defaults) and larger micro-batches (target
 #                 <= 12.2 s, 1.5x faster), and standalone vLLM on the same batches (target ratio >= 0.95)
+#   qwen3-8b      Qwen3-8B shape cut to its first 4 of 36 layers (preset:qwen3-8b?layers=4), random weights, the
+#                 grpo-1.5b-fast step with micro-batches of 8 (issue 43). Cut because megarl's memory estimate
+#                 (megarl/launch/memory.py, bf16, 80 GiB GPU) of this GRPO step with a colocated vLLM (0.35) is
+#                 208 GiB for all 36 layers (Adam's fp32 state alone 92 GiB; 189 GiB with micro-batches of 4);
+#                 the 151936-word embedding and output layer (1.2B parameters) stay: 6 layers 79.4 GiB, 5 layers
+#                 75.5 GiB (too near an H100's ~79 GiB), 4 layers 71.7 GiB
 #   smollm2       parallel_configs/gpu_1xh200_smollm2_gsm8k.yaml: GRPO on GSM8K with the SmolLM2-135M GGUF
 #                 (SMOL_GGUF, default /tmp/smol.gguf, else joined from /tmp/smol.gguf.part-aa and -ab: the two
 #                 uploads of .gpu/smol/p1 and p2), GSM8K from GSM8K_DIR (default /tmp/gsm8k, else the carried
@@ -26,7 +32,8 @@
 # Prints the bench table; the last line is "gpu_bench_step CASE: PASS|FAIL (N s)".
 set -uo pipefail
 cd "$(dirname "$0")/.."
-CASE=${1:?usage: bash perf/gpu_bench_step.sh CASE [key=value ...] (CASE: mfu-1.5b mem-0.5b grpo-1.5b grpo-1.5b-fast smollm2)}
+CASES="mfu-1.5b mem-0.5b grpo-1.5b grpo-1.5b-fast qwen3-8b smollm2"
+CASE=${1:?usage: bash perf/gpu_bench_step.sh CASE [key=value ...] (CASE: $CASES)}
 shift
 EXTRA="$*"  # the case's extra overrides: part of its name in the speed gate's history
 OUT=${OUT:-runs/gpu_bench_step}
@@ -54,7 +61,7 @@ LONG="data.max_prompt_length=8 rollout.max_new_tokens=2040 rollout.max_model_len
 GRPO="data.prompts_per_step=64 rollout.n=8 rollout.max_new_tokens=256 actor.micro_batch_size=16
       actor.ppo_mini_batch_size=256 actor.logprob_micro_batch_size=32 rollout.gpu_memory_utilization=0.35"
 case $CASE in
-  mfu-1.5b|mem-0.5b|grpo-1.5b|grpo-1.5b-fast) synthetic ;;
+  mfu-1.5b|mem-0.5b|grpo-1.5b|grpo-1.5b-fast|qwen3-8b) synthetic ;;
 esac
 case $CASE in
   mfu-1.5b) set -- model.path=preset:qwen2.5-1.5b "${SYN[@]}" $LONG actor.micro_batch_size=4 \
@@ -66,11 +73,13 @@ case $CASE in
   grpo-1.5b-fast) set -- model.path=preset:qwen2.5-1.5b "${SYN[@]}" $GRPO rollout.enforce_eager=false \
               actor.micro_batch_size=32 actor.logprob_micro_batch_size=64 "$@" --steps 3 --warmup 1 \
               --standalone-vllm ;;
+  qwen3-8b) set -- "model.path=preset:qwen3-8b?layers=4" "${SYN[@]}" $GRPO rollout.enforce_eager=false \
+              actor.micro_batch_size=8 actor.logprob_micro_batch_size=16 "$@" --steps 3 --warmup 1 ;;
   smollm2) source perf/gpu_smollm2_gsm8k.sh  # SMOL_GGUF, GSM8K_DIR
            set -- parallel_configs/gpu_1xh200_smollm2_gsm8k.yaml data.gsm8k_source="$GSM8K_DIR" \
               "data.train_files=[$OUT/gsm8k/train.parquet]" trainer.progress=false run.output_dir="$OUT" \
               run.name="$CASE" "$@" --steps 3 --warmup 1 --standalone-vllm ;;
-  *) echo "unknown case $CASE (mfu-1.5b mem-0.5b grpo-1.5b grpo-1.5b-fast smollm2)"; exit 2 ;;
+  *) echo "unknown case $CASE ($CASES)"; exit 2 ;;
 esac
 python3 -m megarl.cli bench step "$@" --json "$OUT/$CASE.json" --overwrite 2>&1 | tee "$OUT/$CASE.log" \
   | grep -v -i -E "warn|^\s*warnings\.warn|INFO"

@@ -8,7 +8,8 @@ Each family is its own case: (a) is one 1-rank world with one vLLM start (~30-60
 of 2 steps. The actor's output layer is scaled so that its logits are peaked (a standard deviation of ~4): with
 flat random logits bf16 rounding flips near-ties and a greedy comparison says nothing (tests/test_gpu_vllm.py).
 The shapes are small but each keeps what its family's vLLM kernels need (head sizes FlashAttention takes,
-DeepSeek's MLA with the 512 / 64 latent and rotary widths of vLLM's MLA backends).
+DeepSeek's MLA with the 512 / 64 latent and rotary widths of vLLM's MLA backends, Qwen3.5's and Qwen3-Next's
+DeltaNet head dims of 64).
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ def _glm4_moe() -> ModelSpec:
         eos_token_id=3999, num_nextn_predict_layers=0))
 
 
+def _qwen3_5(**moe) -> ModelSpec:
+    """Qwen3.5 (dense) or, with ``moe``, Qwen3-Next: a gated DeltaNet layer then a gated full-attention one;
+    DeltaNet head dims of 64 (vLLM's FLA kernels), attention heads of 64 with a quarter rotated."""
+    from megarl.models.qwen3_5_spec import GatedDeltaNetShape
+
+    gdn = GatedDeltaNetShape((1, 0), num_key_heads=2, num_value_heads=4, key_head_dim=64, value_head_dim=64,
+                             conv_kernel=4, partial_rotary_factor=0.25)
+    return ModelSpec("qwen3_next" if moe else "qwen3_5", rope_theta=1e7, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     gdn=gdn, **COMMON, **moe)
+
+
 # family -> (spec factory, build_model keyword arguments, megarl train overrides the family needs)
 FAMILIES = {
     "qwen3": (lambda: ModelSpec("qwen3", rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, **COMMON),
@@ -70,6 +82,10 @@ FAMILIES = {
                                   moe_ffn_hidden_size=256, **{**COMMON, "ffn_hidden_size": 256}),
                 {"attention": "local", "moe_experts": "sequential"},
                 ["actor.kernels.attention=local", "actor.kernels.moe_experts=sequential"]),
+    "qwen3_5": (_qwen3_5, {}, []),
+    "qwen3_next": (lambda: _qwen3_5(num_experts=8, moe_top_k=2, moe_ffn_hidden_size=128,
+                                    shared_expert_ffn_hidden_size=256, moe_norm_topk_prob=True),
+                   {"moe_experts": "sequential"}, ["actor.kernels.moe_experts=sequential"]),
 }
 PROMPT_LENGTHS = (5, 17, 40)
 GREEDY_TOKENS = 24

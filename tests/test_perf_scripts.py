@@ -25,7 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (REPO / "perf").glob("gpu_*.sh") if "megarl.cli" in p.read_text())
 # the scripts that take a case as their first argument, with the cases that run megarl
-CASES = {"gpu_bench_step.sh": ["mfu-1.5b", "mem-0.5b", "grpo-1.5b", "grpo-1.5b-fast", "smollm2"],
+CASES = {"gpu_bench_step.sh": ["mfu-1.5b", "mem-0.5b", "grpo-1.5b", "grpo-1.5b-fast", "qwen3-8b", "smollm2"],
          "gpu_async.sh": ["colocated", "split-sync", "split-async"]}
 BY_NAME = [("gpu_lora.sh", "7b-full")]  # cases a script runs by name only, besides its default list
 

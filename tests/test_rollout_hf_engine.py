@@ -248,3 +248,27 @@ def test_bad_prompts_and_states(engine, weights):
     with pytest.raises(SpecError, match="no tensor"):
         HFRolloutEngine(TINY).update_weights(state_dict_writer(
             {n: t for n, t in weights.items() if "norm" not in n}, engine.weight_layout([0]), 0))
+
+
+def test_a_gated_deltanet_hybrid_samples_what_its_transformers_model_scores():
+    """Qwen3.5 (gated DeltaNet layers beside attention ones: its cache holds convolution and recurrent states):
+    n samples of left-padded prompts sharing their prompt's prefill, rows leaving the batch on a stop token, and
+    each sample's reported log-probs equal to the transformers model's own, teacher-forced over the sample's
+    unpadded tokens without a cache."""
+    from tests.test_models_qwen3_5 import QWEN35
+
+    weights = random_state_dict(QWEN35, seed=0)
+    prompts = PROMPTS[:4]
+    first = loaded_engine(QWEN35, weights).generate(prompts, SamplingConfig(n=2, temperature=1.0, max_new_tokens=8,
+                                                                            seed=1))
+    engine = loaded_engine(QWEN35, weights, max_batch_size=4)  # a fresh one: the same seeds as the first call
+    out = engine.generate(prompts, SamplingConfig(n=2, temperature=1.0, max_new_tokens=8, seed=1,
+                                                  stop_token_ids=(pick_stop_token([first]),)))
+    assert {s.finish_reason for s in out.samples} == {"stop", "length"}
+    for s in out.samples:
+        prompt = prompts[s.prompt_index]
+        ids = torch.tensor([prompt + list(s.token_ids)])
+        with torch.no_grad():
+            logits = engine.model(input_ids=ids).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(s.logprobs, want, atol=1e-4, rtol=0)

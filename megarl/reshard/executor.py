@@ -26,13 +26,16 @@ Extra memory of a rank: two staging buffers (one with a single round) of at most
 the descriptor tables of the copies (bookkeeping), with merges the auxiliary adapter tensors (adapter-sized)
 and one merge chunk, and with gathered FP8 tiles their gather buffer (``Plan.gather_rows[rank] x 128``
 elements), accounted in :class:`ReshardStats`. Bytes travel in the
-wire dtype (the source tensors' dtype unless given); a destination of another dtype (e.g. fp32 master weights
-into a bf16 engine) is cast on unpack, by torch, and then no end is direct (all ranks agree on that).
+wire dtype (the source tensors' dtype unless given; sources of several dtypes, like a bf16 model's float32 router
+bias, travel in one set of rounds per dtype, each tensor in its own: :func:`_wire_groups`); a destination of
+another dtype (e.g. fp32 master weights into a bf16 engine) is cast on unpack, by torch, and then no end is direct
+(all ranks agree on that).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -165,26 +168,47 @@ def _check_fp8(dst_tensors: Mapping[str, torch.Tensor], tiles, rank: int) -> Non
                                  f"expected {want}")
 
 
-def _agree_wire_dtype(dtypes: set[torch.dtype], group, device: torch.device, rank: int) -> torch.dtype:
-    """The dtype every sending rank sends in: its source tensors' dtype, checked equal on all ranks of the
-    group (one all-reduce of two int64)."""
-    if len(dtypes) > 1:
-        raise ValueError(f"rank {rank}: the source tensors to send have several dtypes {sorted(map(str, dtypes))}; "
-                         "pass wire_dtype")
-    unknown = [d for d in dtypes if d not in _WIRE_DTYPES]
-    if unknown:
-        raise ValueError(f"rank {rank}: source dtype {unknown[0]} is not a known wire dtype; pass wire_dtype")
-    code = _WIRE_DTYPES.index(next(iter(dtypes))) + 1 if dtypes else 0
-    codes = torch.tensor([code, -code if code else -len(_WIRE_DTYPES) - 1], dtype=torch.int64, device=device)
+def _wire_groups(plan: Plan, rank: int, src_tensors: Mapping[str, torch.Tensor], group,
+                 device: torch.device) -> list[tuple[Plan, torch.dtype]]:
+    """The plan's transfers by the dtype they travel in, each a sub-plan with its wire dtype, the group of the
+    most elements sent first (it takes the same-rank copies): one group, the whole plan, where every rank sends
+    source tensors of one dtype; where the sources mix dtypes (a bf16 model's float32 router bias,
+    :func:`megarl.models.deepseek_moe_layers.freeze_expert_bias`), one group per dtype, each transfer in its
+    source tensor's dtype: nothing rounded, nothing widened. One all-reduce of the elements sent per dtype over
+    ``group``; with mixed dtypes one all-gather of each rank's sent tensors outside the first group (a few
+    names); the sub-plans are cached with the plan.
+
+    Raises:
+        ValueError: a source tensor to send of a dtype not in :data:`_WIRE_DTYPES`.
+    """
+    mine = plan.for_rank(rank)
+    counts = [0] * len(_WIRE_DTYPES)
+    for t in mine.sends:
+        dtype = src_tensors[t.src_name].dtype
+        if dtype not in _WIRE_DTYPES:
+            raise ValueError(f"rank {rank}: source dtype {dtype} is not a known wire dtype; pass wire_dtype")
+        counts[_WIRE_DTYPES.index(dtype)] += t.numel
+    summed = torch.tensor(counts, dtype=torch.int64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group)
-    high, low = int(codes[0]), -int(codes[1])
-    if high == 0:
-        return torch.float32  # no rank sends anything
-    if high != low:
-        raise ValueError(f"the ranks send source tensors of different dtypes ({_WIRE_DTYPES[low - 1]} and "
-                         f"{_WIRE_DTYPES[high - 1]}); convert them or pass one wire_dtype")
-    return _WIRE_DTYPES[high - 1]
+        dist.all_reduce(summed, group=group)
+    counts = summed.tolist()
+    sent = sorted((i for i, n in enumerate(counts) if n), key=lambda i: (-counts[i], i))
+    if len(sent) <= 1:
+        return [(plan, _WIRE_DTYPES[sent[0]] if sent else torch.float32)]
+    main = sent[0]
+    others = sorted({(t.src_name, _WIRE_DTYPES.index(src_tensors[t.src_name].dtype)) for t in mine.sends} -
+                    {(t.src_name, main) for t in mine.sends})
+    reports = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, (rank, tuple(others)), group=group)
+    key = ("wire groups", main, tuple(sorted(reports)))
+    if key not in plan._by_rank:
+        code = {(r, name): i for r, names in reports for name, i in names}
+        by: dict[int, list] = {i: [] for i in sent}
+        for t in plan.transfers:
+            by[main if t.src_rank == t.dst_rank else code.get((t.src_rank, t.src_name), main)].append(t)
+        plan._by_rank[key] = [(dataclasses.replace(plan, transfers=tuple(by[i]), tiles=()), _WIRE_DTYPES[i])
+                              for i in sent]
+    return plan._by_rank[key]
 
 
 def _agree_direct(ok: bool, group, device: torch.device) -> bool:
@@ -212,115 +236,43 @@ def _streams(device: torch.device) -> tuple:
     return tuple(torch.cuda.Stream(device) for _ in range(3))
 
 
-def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensors: Mapping[str, torch.Tensor], *,
-                 rank: int | None = None, group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 wire_dtype: torch.dtype | None = None, use_extension: bool | None = None,
-                 direct_min_bytes: int | None = DIRECT_MIN_BYTES, profile: bool = False) -> ReshardStats:
-    """Run this rank's part of ``plan``: write every destination block of this rank, in place.
+def _phase_end(stats: ReshardStats, name: str, t0: float, sync: bool, device: torch.device) -> None:
+    if sync:
+        torch.cuda.synchronize(device)
+    stats.times_s[name] += time.perf_counter() - t0
 
-    Call it on every rank of ``group`` (SPMD; ranks in neither layout return at once when ``wire_dtype`` is
-    given and ``direct_min_bytes`` is None). With NCCL, the group must have run one collective before (a
-    ``batch_isend_irecv`` rule); the agreements on the wire dtype and on direct ends are such collectives.
 
-    Args:
-        plan: from :func:`~megarl.reshard.planner.plan_reshard`.
-        src_tensors: this rank's source tensors by local name, e.g. ``dict(model.named_parameters())`` of the
-            unwrapped megatron ``GPTModel`` (``decoder.layers.0.self_attention.linear_qkv.weight`` ...); 1-D or
-            2-D, last dim contiguous, shapes as in ``plan.src``.
-        dst_tensors: this rank's destination tensors by local name (the rollout engine's own parameters),
-            written in place; shapes as in ``plan.dst``, any dtype (cast where it differs from the source).
-        rank: this process's global rank (default ``dist.get_rank()``).
-        group: process group of the transfers (default: the world); ranks in the plan are global ranks.
-        bucket_bytes: bound on the bytes a rank stages (packs for sending plus unpacks after receiving) in one
-            round, hence on each of its two staging buffers; at least 64.
-        wire_dtype: dtype of the bytes on the wire; None: the source tensors' dtype, agreed by one all-reduce
-            over ``group``.
-        use_extension: None: ``megarl._C`` where built; False: the pure-torch copies (tests).
-        direct_min_bytes: pieces of at least this many bytes whose box is contiguous in a tensor are sent from
-            it or received into it without staging (when every rank's such tensors are contiguous and of the
-            wire dtype: one all-reduce decides); None: everything is staged.
-        profile: run the phases one after the other, synchronising after each on CUDA, so that ``times_s``
-            per phase is exact (no overlap: slower).
-
-    Returns:
-        This rank's :class:`ReshardStats`.
-
-    Raises:
-        ValueError: a tensor of the plan missing or of the wrong shape or layout, tensors on several devices,
-            source dtypes that differ between ranks, ``bucket_bytes`` below 64.
-    """
-    global _logged_cast
-    t_total = time.perf_counter()
-    if bucket_bytes < MIN_BUCKET_BYTES:
-        raise ValueError(f"bucket_bytes must be >= {MIN_BUCKET_BYTES}, got {bucket_bytes}")
-    if rank is None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-    stats = ReshardStats(rank)
-    mine, tiles = plan.for_rank(rank), plan.tiles_for(rank)
-    merges = plan.dst.merges.get(rank, ())
-    aux = {n for m in merges for n in (m.a_aux, m.b_aux)}
-    src_names = {t.src_name for t in mine.local + mine.sends} | \
-        {p.src_name for t in tiles.local + tiles.sends for p in t.parts if p.src_name != GATHER}
-    dst_names = {t.dst_name for t in mine.local + mine.recvs if t.dst_name != GATHER} | {m.tensor for m in merges} | \
-        {n for t in tiles.local + tiles.recvs for n in (t.dst_name, t.scale_name)}
-    _check_tensors(src_tensors, plan.src.tensors(rank), src_names, "source", rank)
-    _check_tensors(dst_tensors, plan.dst.tensors(rank), dst_names - aux, "destination", rank)
-    _check_fp8(dst_tensors, tiles.local + tiles.recvs, rank)
-    device = _device_of([src_tensors[n] for n in src_names] + [dst_tensors[n] for n in dst_names - aux], group)
-    if wire_dtype is None:
-        wire_dtype = _agree_wire_dtype({src_tensors[t.src_name].dtype for t in mine.sends}, group, device, rank)
+def _run_rounds(plan: Plan, rank: int, wire_dtype: torch.dtype, bound: dict, with_local: bool, *, group,
+                device: torch.device, bucket_bytes: int, direct_min_bytes: int | None,
+                use_extension: bool | None, profile: bool, stats: ReshardStats) -> None:
+    """Run the transfers of ``plan`` (one wire dtype's, :func:`_wire_groups`) in rounds, with its same-rank
+    copies spread over them when ``with_local``; adds to ``stats``. ``bound``: the source and destination
+    tensors by ``("src" | "dst", name)``."""
     elem = torch.empty((), dtype=wire_dtype).element_size()
-    if aux:  # the merges' adapter rows and columns, in the wire dtype (what the sources hold)
-        layout = plan.dst.tensors(rank)
-        dst_tensors = {**dst_tensors, **{n: torch.empty(layout[n].shape, dtype=wire_dtype, device=device)
-                                         for n in sorted(aux)}}
-        stats.merge_bytes = sum(dst_tensors[n].numel() for n in aux) * elem + MERGE_CHUNK_BYTES
-    gathered = {}
-    if plan.gather_rows.get(rank):  # pieces of block-FP8 tiles that no source rank holds whole, then quantised
-        local = [src_tensors[t.src_name].dtype for t in mine.local if t.dst_name == GATHER]
-        dtype = wire_dtype if any(t.dst_name == GATHER for t in mine.recvs) or not local else local[0]
-        gathered[GATHER] = torch.empty(plan.dst_shape(rank, GATHER), dtype=dtype, device=device)
-        dst_names.add(GATHER)
-    dst_tensors = {**dst_tensors, **gathered}
     if direct_min_bytes is not None:
         rounds = rank_rounds(plan, rank, elem, bucket_bytes, direct_min_bytes)
-        given = {**{("src", n): t for n, t in src_tensors.items()}, **{("dst", n): t for n, t in dst_tensors.items()}}
-        ends = {given[m.key] for rd in rounds for m in rd.messages if m.key != STAGING}
+        ends = {bound[m.key] for rd in rounds for m in rd.messages if m.key != STAGING}
         if not _agree_direct(all(t.is_contiguous() and t.dtype == wire_dtype for t in ends), group, device):
             direct_min_bytes = None
     rounds = rank_rounds(plan, rank, elem, bucket_bytes, direct_min_bytes)
-    stats.direct = direct_min_bytes is not None
+    stats.direct = stats.direct and direct_min_bytes is not None
     cuda = device.type == "cuda"
     overlap = cuda and not profile and bool(rounds)
 
     def phase_end(name: str, t0: float) -> None:
-        if cuda and profile:
-            torch.cuda.synchronize(device)
-        stats.times_s[name] += time.perf_counter() - t0
+        _phase_end(stats, name, t0, cuda and profile, device)
 
-    casts = {(src_tensors[t.src_name].dtype, dst_tensors[t.dst_name].dtype) for t in mine.local} | \
-            {(wire_dtype, dst_tensors[t.dst_name].dtype) for t in mine.recvs}
-    casts = {c for c in casts if c[1] != FP8_DTYPE}
-    if any(a != b for a, b in casts) and not _logged_cast:
-        log.info("reshard casts on copy/unpack (%s) with torch copy_",
-                 sorted({f"{a}->{b}" for a, b in casts if a != b}))
-        _logged_cast = True
-
-    bound: dict = {("src", n): src_tensors[n] for n in src_names}
-    bound.update({("dst", n): dst_tensors[n] for n in dst_names})
     flat = {key: bound[key].detach().view(-1).view(torch.uint8) for key in {m.key for rd in rounds for m in rd.messages}
             if key != STAGING}
     size = max((r.staging for r in rounds), default=0)
     buffers = [torch.empty(size, dtype=wire_dtype, device=device) for _ in range(min(2, len(rounds)))]
-    stats.peak_staging_bytes = size * elem * len(buffers)
+    stats.peak_staging_bytes = max(stats.peak_staging_bytes, size * elem * len(buffers))
     wires = [b.view(torch.uint8) for b in buffers]
-    parts = local_parts(plan, rank, max(1, min(LOCAL_PARTS, len(rounds))))
-    stats.bytes_copied_local = sum(t.numel * dst_tensors[t.dst_name].element_size() for t in mine.local)
-    if not rounds:
+    parts = local_parts(plan, rank, max(1, min(LOCAL_PARTS, len(rounds)))) if with_local else ()
+    if not rounds and parts:
         t0 = time.perf_counter()
-        stats.bookkeeping_bytes = parts[0].run(bound, use_extension)
+        stats.bookkeeping_bytes = max(stats.bookkeeping_bytes, parts[0].run(bound, use_extension))
         phase_end("local", t0)
-
     if overlap:
         pack_s, comm_s, unpack_s = _streams(device)
         current = torch.cuda.current_stream(device)
@@ -380,24 +332,114 @@ def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensor
             next_part += 1
         phase_end("local", t0)
         stats.bookkeeping_bytes = max(stats.bookkeeping_bytes, booked)
-    stats.rounds = len(rounds)
+    stats.rounds += len(rounds)
     if overlap:
         for s in (pack_s, comm_s, unpack_s):
             current.wait_stream(s)
+    if STAGING in bound:
+        del bound[STAGING]
+
+
+def execute_plan(plan: Plan, src_tensors: Mapping[str, torch.Tensor], dst_tensors: Mapping[str, torch.Tensor], *,
+                 rank: int | None = None, group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 wire_dtype: torch.dtype | None = None, use_extension: bool | None = None,
+                 direct_min_bytes: int | None = DIRECT_MIN_BYTES, profile: bool = False) -> ReshardStats:
+    """Run this rank's part of ``plan``: write every destination block of this rank, in place.
+
+    Call it on every rank of ``group`` (SPMD; ranks in neither layout return at once when ``wire_dtype`` is
+    given and ``direct_min_bytes`` is None). With NCCL, the group must have run one collective before (a
+    ``batch_isend_irecv`` rule); the agreements on the wire dtype and on direct ends are such collectives.
+
+    Args:
+        plan: from :func:`~megarl.reshard.planner.plan_reshard`.
+        src_tensors: this rank's source tensors by local name, e.g. ``dict(model.named_parameters())`` of the
+            unwrapped megatron ``GPTModel`` (``decoder.layers.0.self_attention.linear_qkv.weight`` ...); 1-D or
+            2-D, last dim contiguous, shapes as in ``plan.src``.
+        dst_tensors: this rank's destination tensors by local name (the rollout engine's own parameters),
+            written in place; shapes as in ``plan.dst``, any dtype (cast where it differs from the source).
+        rank: this process's global rank (default ``dist.get_rank()``).
+        group: process group of the transfers (default: the world); ranks in the plan are global ranks.
+        bucket_bytes: bound on the bytes a rank stages (packs for sending plus unpacks after receiving) in one
+            round, hence on each of its two staging buffers; at least 64.
+        wire_dtype: dtype of the bytes on the wire (every source tensor cast to it); None: each source tensor's
+            own dtype, agreed over ``group`` (:func:`_wire_groups`: one all-reduce, one all-gather more where
+            the sources mix dtypes, whose transfers then run in one set of rounds per dtype).
+        use_extension: None: ``megarl._C`` where built; False: the pure-torch copies (tests).
+        direct_min_bytes: pieces of at least this many bytes whose box is contiguous in a tensor are sent from
+            it or received into it without staging (when every rank's such tensors are contiguous and of the
+            wire dtype: one all-reduce decides); None: everything is staged.
+        profile: run the phases one after the other, synchronising after each on CUDA, so that ``times_s``
+            per phase is exact (no overlap: slower).
+
+    Returns:
+        This rank's :class:`ReshardStats`.
+
+    Raises:
+        ValueError: a tensor of the plan missing or of the wrong shape or layout, tensors on several devices,
+            a source dtype to send that is no known wire dtype, ``bucket_bytes`` below 64.
+    """
+    global _logged_cast
+    t_total = time.perf_counter()
+    if bucket_bytes < MIN_BUCKET_BYTES:
+        raise ValueError(f"bucket_bytes must be >= {MIN_BUCKET_BYTES}, got {bucket_bytes}")
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    stats = ReshardStats(rank)
+    mine, tiles = plan.for_rank(rank), plan.tiles_for(rank)
+    merges = plan.dst.merges.get(rank, ())
+    aux = {n for m in merges for n in (m.a_aux, m.b_aux)}
+    src_names = {t.src_name for t in mine.local + mine.sends} | \
+        {p.src_name for t in tiles.local + tiles.sends for p in t.parts if p.src_name != GATHER}
+    dst_names = {t.dst_name for t in mine.local + mine.recvs if t.dst_name != GATHER} | {m.tensor for m in merges} | \
+        {n for t in tiles.local + tiles.recvs for n in (t.dst_name, t.scale_name)}
+    _check_tensors(src_tensors, plan.src.tensors(rank), src_names, "source", rank)
+    _check_tensors(dst_tensors, plan.dst.tensors(rank), dst_names - aux, "destination", rank)
+    _check_fp8(dst_tensors, tiles.local + tiles.recvs, rank)
+    device = _device_of([src_tensors[n] for n in src_names] + [dst_tensors[n] for n in dst_names - aux], group)
+    groups = [(plan, wire_dtype)] if wire_dtype is not None else _wire_groups(plan, rank, src_tensors, group, device)
+    wire_dtype = groups[0][1]  # the most elements' (and the sources') dtype: the merges' adapters, the FP8 gather
+    elem = torch.empty((), dtype=wire_dtype).element_size()
+    if aux:  # the merges' adapter rows and columns, in the wire dtype (what the sources hold)
+        layout = plan.dst.tensors(rank)
+        dst_tensors = {**dst_tensors, **{n: torch.empty(layout[n].shape, dtype=wire_dtype, device=device)
+                                         for n in sorted(aux)}}
+        stats.merge_bytes = sum(dst_tensors[n].numel() for n in aux) * elem + MERGE_CHUNK_BYTES
+    gathered = {}
+    if plan.gather_rows.get(rank):  # pieces of block-FP8 tiles that no source rank holds whole, then quantised
+        local = [src_tensors[t.src_name].dtype for t in mine.local if t.dst_name == GATHER]
+        dtype = wire_dtype if any(t.dst_name == GATHER for t in mine.recvs) or not local else local[0]
+        gathered[GATHER] = torch.empty(plan.dst_shape(rank, GATHER), dtype=dtype, device=device)
+        dst_names.add(GATHER)
+    dst_tensors = {**dst_tensors, **gathered}
+    casts = {(src_tensors[t.src_name].dtype, dst_tensors[t.dst_name].dtype) for t in mine.local} | \
+            {(wire, dst_tensors[t.dst_name].dtype) for sub, wire in groups for t in sub.for_rank(rank).recvs}
+    casts = {c for c in casts if c[1] != FP8_DTYPE}
+    if any(a != b for a, b in casts) and not _logged_cast:
+        log.info("reshard casts on copy/unpack (%s) with torch copy_",
+                 sorted({f"{a}->{b}" for a, b in casts if a != b}))
+        _logged_cast = True
+
+    bound: dict = {("src", n): src_tensors[n] for n in src_names}
+    bound.update({("dst", n): dst_tensors[n] for n in dst_names})
+    stats.bytes_copied_local = sum(t.numel * dst_tensors[t.dst_name].element_size() for t in mine.local)
+    stats.direct = direct_min_bytes is not None
+    for k, (sub, wire) in enumerate(groups):  # the same-rank copies with the first
+        _run_rounds(sub, rank, wire, bound, k == 0, group=group, device=device, bucket_bytes=bucket_bytes,
+                    direct_min_bytes=direct_min_bytes, use_extension=use_extension, profile=profile, stats=stats)
+    cuda = device.type == "cuda"
     if merges:
         t0 = time.perf_counter()
         apply_merges(merges, dst_tensors)
-        phase_end("merge", t0)
-    del buffers, wires
+        _phase_end(stats, "merge", t0, cuda and profile, device)
     if plan.tiles:
         t0 = time.perf_counter()
         bound.update({("src", n): src_tensors[n] for n in src_names})
         bound.update({("dst", n): dst_tensors[n] for n in dst_names})
         bound.update({("dst8", t.dst_name): dst_tensors[t.dst_name].view(torch.uint8) for t in tiles.recvs})
         _run_tiles(plan, rank, bound, group, device, bucket_bytes, use_extension, stats)
-        phase_end("quantize", t0)
+        _phase_end(stats, "quantize", t0, cuda and profile, device)
     if cuda:
         torch.cuda.synchronize(device)
-    del bound, flat, gathered
+    del bound, gathered
     stats.times_s["total"] = time.perf_counter() - t_total
     return stats

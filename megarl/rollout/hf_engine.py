@@ -269,7 +269,7 @@ class HFRolloutEngine:
         logits = self.model(input_ids=input_ids[pick], attention_mask=mask[pick], position_ids=positions[pick],
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         if len(pick) < rows:
-            cache.batch_select_indices(first)
+            _keep_rows(cache, first)
             logits = logits[first]
         routes = None
         if self._routes is not None:  # per row, a list of [tokens, layers, top_k]: the prompt's, then each fed token's
@@ -293,7 +293,7 @@ class HFRolloutEngine:
                         for i in range(rows)]
             if len(keep) < len(active):
                 index = torch.tensor(keep)
-                cache.batch_select_indices(index)
+                _keep_rows(cache, index)
                 mask, next_pos, picked = mask[index], next_pos[index], picked[index]
                 active = [active[b] for b in keep]
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
@@ -305,3 +305,17 @@ class HFRolloutEngine:
                 for b, a in enumerate(active):
                     routes[a].append(fed[b])
             next_pos = next_pos + 1
+
+
+def _keep_rows(cache, index: torch.Tensor) -> None:
+    """Keep the batch rows ``index`` (int64 ``[rows]``, repeats allowed) of every layer of a transformers cache:
+    the keys and values of an attention layer (``batch_select_indices``), the convolution and recurrent states
+    of a linear-attention one (Qwen3.5's gated DeltaNet: ``reorder_cache``, which selects both kinds where a
+    layer has both; its ``batch_select_indices`` would keep the keys and values alone, or is missing)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.reorder_cache(index)
+        else:
+            layer.batch_select_indices(index)
