@@ -368,8 +368,8 @@ def check_data(cfg: Config, tokenizer, *, prepare: bool = True) -> None:
     (:func:`check_data_files`; made now), then every row is read, templated and tokenised as the ranks will
     (:func:`read_prompts`), and the reward function is called on the first training rows with empty responses (a ground truth it
     cannot read fails here). Without ``prepare`` (a config checked on another machine than the one it runs on),
-    files that ``data.prepare`` would make are left to the run, and a field whose files are not all here is
-    not read.
+    files that ``data.prepare`` would make are left to the run (a verifiers taskset is loaded and its rows
+    counted, writing nothing), and a field whose files are not all here is not read.
 
     Raises:
         ConfigError: naming the field (:func:`check_files`, :func:`read_prompts`, ``reward.fn``).
@@ -381,6 +381,10 @@ def check_data(cfg: Config, tokenizer, *, prepare: bool = True) -> None:
         fields.append(("validation.files", cfg.validation.files))
     if prepare:
         prepare_files(cfg, [f for _, files in fields for f in files])
+    elif cfg.data.prepare == "verifiers" and any(not Path(f).is_file() for _, files in fields for f in files):
+        from megarl.environments.verifiers import verifiers_rows
+
+        verifiers_rows(cfg.data.prepare_kwargs)  # the taskset loads and has the rows asked for; nothing written
     datasets = {field: read_prompts(cfg, tokenizer, files, field) for field, files in fields
                 if all(Path(f).is_file() for f in files)}
     train = datasets.get("data.train_files")
