@@ -208,6 +208,10 @@ CASES = [
     (["TINY", "data.prompts_per_step=6", "validation.enabled=true", "validation.files=[DATA:prompts.jsonl]",
       "validation.num_prompts=4", "actor.ppo_mini_batch_size=48", "--check"],
      "holds 4 training prompts (4 of its 8 are validation prompts, held out)"),
+    (["TINY", "validation.enabled=true", "validation.files=[DATA:prompts.jsonl]", "validation.num_prompts=8",
+      "--check"], "holds 0 training prompts (8 of its 8 are validation prompts, held out) that fit "
+                  "data.max_prompt_length=16, fewer than one step's batch of 4; give validation.files of other "
+                  "prompts, or validation.enabled=false"),
     (["TINY", "actor.parallel.ep=2", "--check"], "actor.parallel.ep: 2 does not divide the actor's tp=1 x dp=1"),
     # the data's content (read in the launching process, before any rank), and paths that data.prepare never writes
     (["TINY", "data.train_files=[DATA:null_prompt.jsonl]"],

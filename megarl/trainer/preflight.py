@@ -416,12 +416,14 @@ def check_one_batch(cfg: Config, train: PromptDataset, validation: PromptDataset
         held = set(select_prompts(validation, cfg.validation.num_prompts, shuffle=cfg.validation.shuffle,
                                   seed=cfg.run.seed).raw_prompt)
     left = sum(p not in held for p in train.raw_prompts)
+    fix = ("give validation.files of other prompts, or validation.enabled=false" if left == 0 < len(train)
+           else "lower data.prompts_per_step or add data")
     if left < cfg.data.prompts_per_step:
         why = (f" ({len(train) - left} of its {len(train)} are validation prompts, held out)" if left < len(train)
                else "")
         raise ConfigError(f"data.prompts_per_step: data.train_files {train.source} holds {left} training prompts"
                           f"{why} that fit data.max_prompt_length={cfg.data.max_prompt_length}, fewer than one "
-                          f"step's batch of {cfg.data.prompts_per_step}; lower data.prompts_per_step or add data")
+                          f"step's batch of {cfg.data.prompts_per_step}; " + fix)
 
 
 def check_reward(cfg: Config) -> None:
