@@ -184,6 +184,10 @@ CASES = [
     (["TINY", "placement.reference_parallel.tp=0"], "placement.reference_parallel.tp: must be >= 1"),
     (["TINY", "rollout.max_new_tokens=60"], "rollout.max_new_tokens"),
     (["train", "model.path=no/such/model"], "model.path: model path"),
+    (["train", "model.path=runs/no-such-sft/checkpoints/step_000008"],
+     "model.path: model path 'runs/no-such-sft/checkpoints/step_000008' does not exist (expected a Hugging Face "
+     "directory with config.json and *.safetensors, a .gguf file, or a megarl checkpoint); it is a checkpoint of the "
+     "run runs/no-such-sft, which has not written it: run that first, or give model.path=..."),
     # the data, the reward function and this machine
     (["TINY", "data.train_files=[no/such.jsonl]"], "data.train_files: ['"),
     (["TINY", "validation.enabled=true"], "validation.files: ['data/arithmetic/test.parquet'] do not exist"),

@@ -19,6 +19,7 @@ import importlib.util
 import inspect
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -61,11 +62,15 @@ def _model_source(cfg: Config) -> tuple[ModelSpec, str | None]:
     try:
         spec, _, tokenizer = source_spec(None if cfg.model.path == "default" else cfg.model.path)
     except (FileNotFoundError, SpecError, FileFormatError) as e:
-        hint = ""
-        if isinstance(e, FileNotFoundError) and "MODEL_PATH" not in os.environ \
-                and not os.path.exists(os.path.expanduser(str(cfg.model.path))):  # the GPU configs' default
+        hint, path = "", str(cfg.model.path)
+        missing = isinstance(e, FileNotFoundError) and not os.path.exists(os.path.expanduser(path))
+        run = re.match(r"(.*)/checkpoints/step_\d+/?$", path)
+        if missing and "MODEL_PATH" not in os.environ and path.startswith("/models/"):  # a GPU config's default
             hint = ("; the GPU configs read model.path from $MODEL_PATH, which is not set: export MODEL_PATH=DIR "
                     "(a local Hugging Face directory) or give model.path=...")
+        elif missing and run:  # a checkpoint that an earlier run of the workflow writes (SFT then RL, OPD's teacher)
+            hint = (f"; it is a checkpoint of the run {run.group(1)}, which has not written it: run that first, or "
+                    "give model.path=...")
         raise ConfigError(f"model.path: {e}{hint}") from None
     return spec, tokenizer
 
