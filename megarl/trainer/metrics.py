@@ -285,7 +285,8 @@ def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Pa
         throughput = [f"  throughput         {mean('perf/tokens_per_s_per_gpu', '{:.0f}')} tokens/s/GPU (prompt + "
                       f"response), MFU {mean('perf/mfu', '{:.1%}')} on average"]
     elif any("sft/tokens_per_s" in h for h in history):
-        throughput = [f"  throughput         {mean('sft/tokens_per_s', '{:.0f}')} tokens/s (sft/tokens_per_s) on average"]
+        throughput = [f"  throughput         {mean('sft/tokens_per_s', '{:.0f}')} tokens/s (sft/tokens_per_s) on "
+                      "average"]
     else:
         throughput = []
     lines += [
