@@ -280,6 +280,8 @@ def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Pa
             f"{fmt('actor/kl', '{:.5f}')}, entropy {fmt('actor/entropy')}",
             f"  generation         {sum(gen) / len(gen):.1f} tokens/s on average" if gen else "  generation    n/a",
         ]
+        if any("distill/reverse_kl" in h for h in history):  # on-policy distillation: KL to the teacher, not a ref
+            lines.append(f"  reverse KL to the teacher by step {by_step('distill/reverse_kl', '{:.5f}')}")
     samples = run_dir / "samples.jsonl"  # an RL run's; megarl sft and dpo write none
     if not losses:
         throughput = [f"  throughput         {mean('perf/tokens_per_s_per_gpu', '{:.0f}')} tokens/s/GPU (prompt + "
