@@ -184,6 +184,10 @@ CASES = [
     (["TINY", "placement.reference_parallel.tp=0"], "placement.reference_parallel.tp: must be >= 1"),
     (["TINY", "rollout.max_new_tokens=60"], "rollout.max_new_tokens"),
     (["train", "model.path=no/such/model"], "model.path: model path"),
+    (["train", "model.path=runs/no-such-sft/checkpoints/step_000008"],
+     "model.path: model path 'runs/no-such-sft/checkpoints/step_000008' does not exist (expected a Hugging Face "
+     "directory with config.json and *.safetensors, a .gguf file, or a megarl checkpoint); it is a checkpoint of the "
+     "run runs/no-such-sft, which has not written it: run that first, or give model.path=..."),
     # the data, the reward function and this machine
     (["TINY", "data.train_files=[no/such.jsonl]"], "data.train_files: ['"),
     (["TINY", "validation.enabled=true"], "validation.files: ['data/arithmetic/test.parquet'] do not exist"),
@@ -208,6 +212,10 @@ CASES = [
     (["TINY", "data.prompts_per_step=6", "validation.enabled=true", "validation.files=[DATA:prompts.jsonl]",
       "validation.num_prompts=4", "actor.ppo_mini_batch_size=48", "--check"],
      "holds 4 training prompts (4 of its 8 are validation prompts, held out)"),
+    (["TINY", "validation.enabled=true", "validation.files=[DATA:prompts.jsonl]", "validation.num_prompts=8",
+      "--check"], "holds 0 training prompts (8 of its 8 are validation prompts, held out) that fit "
+                  "data.max_prompt_length=16, fewer than one step's batch of 4; give validation.files of other "
+                  "prompts, or validation.enabled=false"),
     (["TINY", "actor.parallel.ep=2", "--check"], "actor.parallel.ep: 2 does not divide the actor's tp=1 x dp=1"),
     # the data's content (read in the launching process, before any rank), and paths that data.prepare never writes
     (["TINY", "data.train_files=[DATA:null_prompt.jsonl]"],

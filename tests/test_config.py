@@ -148,3 +148,12 @@ def test_the_8_gpu_config_fits_qwen2_5_7b_and_its_reshard_stays_on_each_gpu():
                         vllm_layout(spec, cfg.rollout.tp, range(8)), 8)
     # actor TP=2 and rollout TP=2 hold the same heads, FFN rows and vocab rows on each GPU
     assert all(plan.elements(r)["received"] == 0 and plan.elements(r)["local"] > 0 for r in range(8))
+
+
+def test_a_bare_yes_no_key_is_named_as_yamls_boolean():
+    """``reward.judge.choices={yes: 1, no: 0}`` (YAML reads yes/no as booleans) names the mapping and the quoting
+    that keeps the labels strings; quoted, the labels load."""
+    with pytest.raises(ConfigError, match=r"^reward.judge.choices: Key True \(bool\) is incompatible .*YAML reads "
+                                          r"a bare yes/no/on/off as a boolean; quote the keys"):
+        load_config(None, ["reward.judge.choices={yes: 1, no: 0}"])
+    assert load_config(None, ['reward.judge.choices={"yes": 1, "no": 0}']).reward.judge.choices == {"yes": 1, "no": 0}

@@ -91,3 +91,10 @@ def test_a_server_that_does_not_answer_is_an_error_before_the_run():
     with pytest.raises(EnvError, match=rf"rollout.multi_turn.env_kwargs.url: no OpenEnv server answers at "
                                        rf"http://127.0.0.1:{port}/health"):
         load_environment("openenv", {"url": f"http://127.0.0.1:{port}", "timeout_s": 5})
+
+
+def test_a_misspelt_keyword_is_named_with_the_ones_it_takes():
+    with pytest.raises(EnvError, match=r"rollout.multi_turn.env_kwargs: cannot build environment 'openenv' with "
+                                       r"\['acton_key', 'url'\]: .*'acton_key'; 'openenv' takes \['url', "
+                                       r"'action_key', 'action', 'observation_key'"):
+        load_environment("openenv", {"url": "http://127.0.0.1:1", "acton_key": "message"})

@@ -120,3 +120,14 @@ def test_unknown_task_is_one_error_line_before_anything_starts(tmp_path, monkeyp
     assert lines[0].startswith("megarl: error: data.prepare_kwargs.tasks: reasoning-gym has no task "
                                "'leter_counting'; did you mean one of ['letter_counting'"), lines[0]
     assert list(work.iterdir()) == []
+
+
+def test_a_misspelt_config_field_is_named_with_the_tasks_fields():
+    """``max_digit`` for ``max_digits``: the error lists the task's config fields (reasoning-gym's dataclass), the
+    fix a TypeError alone did not give."""
+    from megarl.environments.reasoning_gym import normalise_kwargs
+
+    with pytest.raises(ConfigError, match=r"data.prepare_kwargs.tasks.basic_arithmetic.config: reasoning-gym refuses "
+                                          r"\{'max_digit': 1\}: TypeError: .*'max_digit'; basic_arithmetic's config "
+                                          r"fields: \['min_terms', 'max_terms', 'min_digits', 'max_digits'"):
+        normalise_kwargs({"tasks": {"basic_arithmetic": {"config": {"max_digit": 1}}}})

@@ -122,3 +122,22 @@ def test_bad_ids_and_a_missing_package_are_clear_errors():
     with pytest.raises(EnvError, match=r"x.y: needs the Python package 'nopkg', .*pip install nopkg==1.0"):
         import_package("nopkg_megarl_test", "nopkg==1.0", "x.y", EnvError)
     assert isinstance(load_environment("verifiers", {"taskset": "vf_guess"}), EnvironmentFactory)
+
+
+def test_check_loads_the_taskset_of_data_prepare_and_writes_nothing(tmp_path):
+    """``--check`` (``check_data(prepare=False)``) refuses a ``data.prepare=verifiers`` taskset that has fewer
+    tasks than ``size + test_size`` (vf_guess has 9), as the run would, and writes no file either way."""
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer.preflight import check_data
+
+    folder = tmp_path / "verifiers"
+
+    def cfg(size):
+        return load_config(None, [f"data.train_files=[{folder / 'train.parquet'}]", "data.prepare=verifiers",
+                                  f"data.prepare_kwargs={{taskset: vf_guess, size: {size}, test_size: 2}}",
+                                  "validation.enabled=false"])
+    with pytest.raises(ConfigError, match=r"data.prepare_kwargs.size: taskset 'vf_guess' has 9 tasks, fewer than "
+                                          r"test_size \+ size = 12"):
+        check_data(cfg(10), None, prepare=False)
+    check_data(cfg(7), None, prepare=False)
+    assert not folder.exists()

@@ -263,6 +263,21 @@ def test_a_datasets_name_is_guarded(monkeypatch):
         ("org/chat[train] row 0", {"prompt": "a", "completion": "x"})]
 
 
+def test_a_missing_file_is_named_with_its_field(tmp_path):
+    """A data file that does not exist is one DataError naming the field (``sft.val_files``) and the path,
+    not the prompt reader's GSM8K hint."""
+    from megarl.offline.data import read_source
+
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"prompt": "a", "completion": "x"}) + "\n")
+    missing = str(tmp_path / "chat_val.jsonl")
+    with pytest.raises(DataError, match=r"^sft.val_files: \[.*chat_val.jsonl'\] do not exist; check the paths") as e:
+        read_source([str(good), missing], None, "train", "sft.val_files")
+    assert "GSM8K" not in str(e.value)
+    assert read_source([str(good)], None, "train", "sft.train_files") == [(f"{good} row 0", {"prompt": "a",
+                                                                                          "completion": "x"})]
+
+
 def test_the_format_tasks_demonstrations_are_the_rl_runs_prompts_answered_in_the_scored_format():
     """SFT then RL (perf/RESULTS.md, issue 45): each demonstration of ``perf/sft_format_demos.py`` is the user
     message that ``parallel_configs/cpu_smollm2_rl_after_sft.yaml`` renders for the same training row, and its

@@ -67,6 +67,21 @@ def test_a_mistyped_grid_key_or_a_sweep_that_drops_every_point_fails(tmp_path):
     assert not (tmp_path / "sweeps" / "typo" / "results.md").exists()
 
 
+def test_check_alone_checks_every_point_and_a_missing_mode_is_named(tmp_path):
+    """README's ``megarl sweep FILE --check`` needs no mode (argparse refused it without one): it lists the
+    dropped points and exits 1, running nothing; no mode and no ``--check`` is one error line naming the flags."""
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump({"name": "one", "output": str(tmp_path / "sweeps"), "job": {"ntasks_per_node": 1},
+                                    "grid": {"actor.parallel.tp": [2, 4]}}))
+    r = _sweep(str(path), "--check")
+    assert r.returncode == 1 and "check failed; nothing was run" in r.stdout, r.stderr
+    assert "dropped tp2" in r.stdout and not (tmp_path / "sweeps").exists()
+    r = _sweep(str(path))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "megarl: error: sweep: give one of --slurm, --local or --plan (or --check alone to check every point and "
+        "run nothing); see megarl sweep --help"], r.stderr
+
+
 def test_slurm_without_sbatch_says_where_the_script_is(tmp_path, monkeypatch):
     """Issue 24: the error suggested a --dry-run that sweep does not have and did not say where sweep.sbatch
     went."""

@@ -290,3 +290,26 @@ def test_eval_default_folders_of_two_runs_checkpoints_differ():
     assert _eval_name("runs/a/checkpoints/step_000004") == "a-step_000004"
     assert _eval_name("runs/b/checkpoints/step_000004/") == "b-step_000004"
     assert _eval_name("models/Qwen2.5-1.5B/") == "Qwen2.5-1.5B" and _eval_name("default") == "default"
+
+
+def test_the_summary_names_only_files_the_run_wrote_and_its_own_figures(tmp_path):
+    """``megarl sft``'s summary named a samples.jsonl that SFT never writes, and an RL throughput of "n/a
+    tokens/s/GPU (prompt + response)"; an RL run's summary names its samples file where it exists, and an
+    on-policy distillation's its reverse KL to the teacher by step."""
+    from megarl.trainer.metrics import summary_text
+
+    def text(history):
+        return summary_text(history, run_dir=tmp_path, checkpoint=None, hf_export=None, wall_s=1.0,
+                            steps_this_session=2)
+    sft = text([{"step": 1, "sft/loss": 2.5, "sft/tokens_per_s": 10.0}, {"step": 2, "sft/loss": 2.0,
+                                                                        "sft/tokens_per_s": 20.0}])
+    assert "samples" not in sft and "prompt + response" not in sft, sft
+    assert "throughput         15 tokens/s (sft/tokens_per_s) on average" in sft, sft
+    dpo = text([{"step": 1, "dpo/loss": 0.7}])
+    assert "samples" not in dpo and "throughput" not in dpo, dpo
+    (tmp_path / "samples.jsonl").write_text("")
+    rl = text([{"step": 1, "reward/mean": 0.5, "perf/tokens_per_s_per_gpu": 30.0}])
+    assert f"(samples: {tmp_path / 'samples.jsonl'})" in rl and "30 tokens/s/GPU (prompt + response)" in rl, rl
+    assert "teacher" not in rl
+    opd = text([{"step": 1, "reward/mean": 0.1, "distill/reverse_kl": 0.25}, {"step": 2, "distill/reverse_kl": 0.125}])
+    assert "  reverse KL to the teacher by step 0.25000 0.12500   (mean 0.188)" in opd, opd

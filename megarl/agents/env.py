@@ -43,6 +43,7 @@ episode; the default), ``guess_number`` (:class:`GuessNumber`: no tools, "higher
 
 from __future__ import annotations
 
+import inspect
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -209,8 +210,14 @@ def load_environment(spec: str, kwargs: Mapping[str, Any] | None = None) -> Envi
     try:
         env = factory()
     except TypeError as e:
+        try:
+            takes = [n for n, p in inspect.signature(target).parameters.items()
+                     if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        except (TypeError, ValueError):  # a builtin without a signature
+            takes = None
+        fix = f"; {spec!r} takes {takes}" if takes is not None else ""
         raise EnvError(f"rollout.multi_turn.env_kwargs: cannot build environment {spec!r} with "
-                                f"{sorted(factory.kwargs)}: {e}") from e
+                       f"{sorted(factory.kwargs)}: {e}{fix}") from e
     if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
         raise EnvError(f"rollout.multi_turn.env: {spec!r} built a {type(env).__name__}, which has no "
                                 "reset(row, prompt) and step(turn); subclass megarl.agents.env.Environment")

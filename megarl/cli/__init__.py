@@ -18,7 +18,7 @@
                                                             speed gate: the report against its case's history
     megarl submit [CONFIG.yaml] [key=value ...] --nodes N --gpus-per-node G [--dry-run] [--resume]
                                                             a training run as one SLURM batch job
-    megarl sweep SWEEP.yaml (--slurm | --local | --plan) [--overwrite]
+    megarl sweep SWEEP.yaml (--slurm | --local | --plan | --check) [--overwrite]
                                                             benchmark a grid of layouts (SLURM job array)
 
 Each subcommand registers itself with :func:`~megarl.cli.args.command` (its arguments and the function that

@@ -52,8 +52,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             _name_section_error(merged)
             raise
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None)
-        raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
+        key, msg = getattr(e, "full_key", None), str(e).splitlines()[0]
+        if key and re.match(r"Key (True|False) \(bool\) is incompatible", msg):  # choices: {yes: 1, no: 0}
+            key, msg = key.rpartition(".")[0], (f"{msg}: YAML reads a bare yes/no/on/off as a boolean; quote the "
+                                                "keys, e.g. key='{\"yes\": 1, \"no\": 0}'")
+        raise ConfigError(f"{key or 'config'}: {msg}") from None
 
 
 def _name_section_error(node, prefix: str = "") -> None:

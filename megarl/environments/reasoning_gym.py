@@ -36,6 +36,7 @@ were generated from other settings.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -98,8 +99,13 @@ def normalise_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         try:
             rg.create_dataset(name, **config, **({} if "size" in config else {"size": 1}))
         except (TypeError, ValueError, AssertionError) as e:
+            fields = [f.name for f in dataclasses.fields(rg.factory.DATASETS[name][1])
+                      if f.name not in ("seed", "size")]
+            unknown = sorted(set(config) - set(fields))
+            fix = (f"; {name}'s config fields: {fields}" if unknown else "; see the task's config class for the "
+                   "values it takes")
             raise ConfigError(f"{FIELD}.tasks.{name}.config: reasoning-gym refuses {config}: "
-                              f"{type(e).__name__}: {e}") from None
+                              f"{type(e).__name__}: {e}{fix}") from None
         out[name] = {"weight": float(weight), "config": config}
     return {"tasks": out, "size": size, "test_size": test_size, "seed": seed}
 

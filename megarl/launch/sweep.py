@@ -429,7 +429,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``megarl sweep`` (registered in :mod:`megarl.cli`)."""
     p.add_argument("sweep", help="sweep file (parallel_configs/sweeps/)")
-    mode = p.add_mutually_exclusive_group(required=True)
+    mode = p.add_mutually_exclusive_group()  # one of them, or --check alone (run())
     mode.add_argument("--slurm", action="store_true", help="run the points as one SLURM job array and wait")
     mode.add_argument("--local", action="store_true", help="run the points one after another on this machine")
     mode.add_argument("--plan", action="store_true", help="list the points and the dropped ones; run nothing")
@@ -444,7 +444,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    """Expand, prune, run what has no result yet, and write the table, CSV and plot."""
+    """Expand, prune, run what has no result yet, and write the table, CSV and plot.
+
+    Raises:
+        ConfigError: no mode (``--slurm``, ``--local``, ``--plan``) and no ``--check``; a sweep file, grid key or
+            point that cannot run (named).
+    """
+    if not (a.slurm or a.local or a.plan or a.check):
+        raise ConfigError("sweep: give one of --slurm, --local or --plan (or --check alone to check every point "
+                          "and run nothing); see megarl sweep --help")
     spec = load_sweep(a.sweep)
     shape = JobShape(spec.job.nodes, spec.job.gpus_per_node, spec.job.ntasks_per_node)
     opts, python = sbatch_options_from_args(a, f"megarl-sweep-{spec.name}", shape)

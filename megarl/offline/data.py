@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -157,6 +158,10 @@ def read_source(files: Sequence[str], dataset: str | None, split: str, field: st
         return [(f"{dataset}[{split}] row {k}", dict(r)) for k, r in enumerate(rows)]
     if not files:
         raise DataError(f"{field}: no data; list jsonl or parquet files (or name a datasets dataset when online)")
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise DataError(f"{field}: {missing} do not exist; check the paths (jsonl or parquet files of the rows "
+                        "README.md's \"Offline training\" shows)")
     return [(f"{f} row {k}", r) for f in files for k, r in enumerate(read_rows(f))]
 
 

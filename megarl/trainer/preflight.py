@@ -19,6 +19,7 @@ import importlib.util
 import inspect
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -61,11 +62,15 @@ def _model_source(cfg: Config) -> tuple[ModelSpec, str | None]:
     try:
         spec, _, tokenizer = source_spec(None if cfg.model.path == "default" else cfg.model.path)
     except (FileNotFoundError, SpecError, FileFormatError) as e:
-        hint = ""
-        if isinstance(e, FileNotFoundError) and "MODEL_PATH" not in os.environ \
-                and not os.path.exists(os.path.expanduser(str(cfg.model.path))):  # the GPU configs' default
+        hint, path = "", str(cfg.model.path)
+        missing = isinstance(e, FileNotFoundError) and not os.path.exists(os.path.expanduser(path))
+        run = re.match(r"(.*)/checkpoints/step_\d+/?$", path)
+        if missing and "MODEL_PATH" not in os.environ and path.startswith("/models/"):  # a GPU config's default
             hint = ("; the GPU configs read model.path from $MODEL_PATH, which is not set: export MODEL_PATH=DIR "
                     "(a local Hugging Face directory) or give model.path=...")
+        elif missing and run:  # a checkpoint that an earlier run of the workflow writes (SFT then RL, OPD's teacher)
+            hint = (f"; it is a checkpoint of the run {run.group(1)}, which has not written it: run that first, or "
+                    "give model.path=...")
         raise ConfigError(f"model.path: {e}{hint}") from None
     return spec, tokenizer
 
@@ -368,8 +373,8 @@ def check_data(cfg: Config, tokenizer, *, prepare: bool = True) -> None:
     (:func:`check_data_files`; made now), then every row is read, templated and tokenised as the ranks will
     (:func:`read_prompts`), and the reward function is called on the first training rows with empty responses (a ground truth it
     cannot read fails here). Without ``prepare`` (a config checked on another machine than the one it runs on),
-    files that ``data.prepare`` would make are left to the run, and a field whose files are not all here is
-    not read.
+    files that ``data.prepare`` would make are left to the run (a verifiers taskset is loaded and its rows
+    counted, writing nothing), and a field whose files are not all here is not read.
 
     Raises:
         ConfigError: naming the field (:func:`check_files`, :func:`read_prompts`, ``reward.fn``).
@@ -381,6 +386,10 @@ def check_data(cfg: Config, tokenizer, *, prepare: bool = True) -> None:
         fields.append(("validation.files", cfg.validation.files))
     if prepare:
         prepare_files(cfg, [f for _, files in fields for f in files])
+    elif cfg.data.prepare == "verifiers" and any(not Path(f).is_file() for _, files in fields for f in files):
+        from megarl.environments.verifiers import verifiers_rows
+
+        verifiers_rows(cfg.data.prepare_kwargs)  # the taskset loads and has the rows asked for; nothing written
     datasets = {field: read_prompts(cfg, tokenizer, files, field) for field, files in fields
                 if all(Path(f).is_file() for f in files)}
     train = datasets.get("data.train_files")
@@ -412,12 +421,14 @@ def check_one_batch(cfg: Config, train: PromptDataset, validation: PromptDataset
         held = set(select_prompts(validation, cfg.validation.num_prompts, shuffle=cfg.validation.shuffle,
                                   seed=cfg.run.seed).raw_prompt)
     left = sum(p not in held for p in train.raw_prompts)
+    fix = ("give validation.files of other prompts, or validation.enabled=false" if left == 0 < len(train)
+           else "lower data.prompts_per_step or add data")
     if left < cfg.data.prompts_per_step:
         why = (f" ({len(train) - left} of its {len(train)} are validation prompts, held out)" if left < len(train)
                else "")
         raise ConfigError(f"data.prompts_per_step: data.train_files {train.source} holds {left} training prompts"
                           f"{why} that fit data.max_prompt_length={cfg.data.max_prompt_length}, fewer than one "
-                          f"step's batch of {cfg.data.prompts_per_step}; lower data.prompts_per_step or add data")
+                          f"step's batch of {cfg.data.prompts_per_step}; " + fix)
 
 
 def check_reward(cfg: Config) -> None:
