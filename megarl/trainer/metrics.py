@@ -283,14 +283,10 @@ def summary_text(history: list[dict[str, Any]], *, run_dir: Path, checkpoint: Pa
         if any("distill/reverse_kl" in h for h in history):  # on-policy distillation: KL to the teacher, not a ref
             lines.append(f"  reverse KL to the teacher by step {by_step('distill/reverse_kl', '{:.5f}')}")
     samples = run_dir / "samples.jsonl"  # an RL run's; megarl sft and dpo write none
-    if not losses:
-        throughput = [f"  throughput         {mean('perf/tokens_per_s_per_gpu', '{:.0f}')} tokens/s/GPU (prompt + "
-                      f"response), MFU {mean('perf/mfu', '{:.1%}')} on average"]
-    elif any("sft/tokens_per_s" in h for h in history):
-        throughput = [f"  throughput         {mean('sft/tokens_per_s', '{:.0f}')} tokens/s (sft/tokens_per_s) on "
-                      "average"]
-    else:
-        throughput = []
+    throughput = ([f"  throughput         {mean('perf/tokens_per_s_per_gpu', '{:.0f}')} tokens/s/GPU (prompt + "
+                   f"response), MFU {mean('perf/mfu', '{:.1%}')} on average"] if not losses else
+                  [f"  throughput         {mean('sft/tokens_per_s', '{:.0f}')} tokens/s (sft/tokens_per_s) on average"]
+                  if any("sft/tokens_per_s" in h for h in history) else [])  # (dpo: none)
     lines += [
         f"  step time          {sum(h.get('time/step', 0) for h in history) / len(history):.1f} s on average",
         *throughput,
