@@ -336,12 +336,14 @@ def test_preflight_refuses_what_deepseek_v3_cannot_run(overrides, field):
         validate_for_model(load_config(None, overrides), spec)
 
 
-def test_transformers_engine_takes_the_router_bias_as_a_weight():
-    """The transformers rollout engine holds ``e_score_correction_bias`` as a buffer: its weights are the canonical
-    tensors all the same, the bias written in place."""
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_transformers_engine_takes_the_router_bias_as_a_weight(family):
+    """The transformers rollout engine holds ``e_score_correction_bias`` as a buffer (DeepSeek-V3, GLM-4.5): its
+    weights are the canonical tensors all the same, the bias written in place."""
     from megarl.rollout.hf_engine import HFRolloutEngine
+    from tests.test_models_glm4_moe import GLM
 
-    engine = HFRolloutEngine(V3)
+    engine = HFRolloutEngine(V3 if family == "deepseek_v3" else GLM)
     name = "model.layers.1.mlp.gate.e_score_correction_bias"
     views = engine.update_weights(lambda views: views)
     views[name].fill_(0.25)

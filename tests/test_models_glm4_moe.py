@@ -338,15 +338,3 @@ def test_preflight_refuses_what_glm_cannot_run(overrides, field):
     validate_for_model(load_config(None, ["rollout.engine=vllm", "actor.lora.rank=8", *packing]), spec)
     with pytest.raises(ConfigError, match=f"^{field}: "):
         validate_for_model(load_config(None, overrides), spec)
-
-
-def test_transformers_engine_takes_the_router_bias_as_a_weight():
-    """The transformers rollout engine holds ``e_score_correction_bias`` as a buffer: its weights are the canonical
-    tensors all the same, the bias written in place."""
-    from megarl.rollout.hf_engine import HFRolloutEngine
-
-    engine = HFRolloutEngine(GLM)
-    name = "model.layers.1.mlp.gate.e_score_correction_bias"
-    views = engine.update_weights(lambda views: views)
-    views[name].fill_(0.25)
-    assert dict(engine.model.named_buffers())[name].eq(0.25).all()
