@@ -22,6 +22,7 @@ import torch
 from megarl.models.spec import ModelSpec, SpecError
 from tests.actor_decoding import gathered_logits_and_loss
 from tests.distributed import run_world
+from tests.test_models_deepseek import hf_model  # the same random init: norms, biases, experts and the routing bias
 
 SEQ = 24
 MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (tp, pp, ep) in a world of 2
@@ -42,23 +43,6 @@ def _config(**extra):
 
 
 GLM = ModelSpec.from_hf_config(_config())
-
-
-def hf_model(spec: ModelSpec, seed: int = 1):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32).eval()
-    with torch.no_grad():  # norms start at 1, biases and the routing bias at 0, the experts empty: randomise them
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif ".experts." in name:
-                p.normal_(0.0, 0.05)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.rand_like(b) * 0.1)
-    return model
 
 
 def _ref_vllm(sd: dict, r: int) -> dict:
