@@ -155,13 +155,13 @@ def hf_config_kwargs(spec: SpecLike) -> dict[str, Any]:
 
 
 def presets(model_spec: Callable[..., S]) -> dict[str, S]:
-    """Named DeepSeek-V3 shapes (:data:`megarl.models.spec.PRESETS`), from the config.json files of
-    deepseek-ai/DeepSeek-V3 (671B, 37B active: a query latent, 8 groups, YaRN factor 40, one MTP layer dropped) and
-    moonshotai/Moonlight-16B-A3B (no query latent, one group, plain RoPE)."""
+    """Named DeepSeek-V3 shapes (:data:`megarl.models.spec.PRESETS`): deepseek-ai/DeepSeek-V3 (671B, 37B active: a
+    query latent, 8 groups, YaRN factor 40, one MTP layer dropped) and moonshotai/Moonlight-16B-A3B-Instruct (no
+    query latent, one group, plain RoPE). Sources: tests/test_presets.py."""
     def spec(vocab, hidden, layers, heads, ffn, *, mla: MLA, moe: DeepSeekMoE, experts, top_k, moe_ffn, shared,
-             rope_theta, rope, max_pos, bos, eos) -> S:
+             rope_theta, rope, max_pos, bos, eos, eps=1e-6) -> S:
         return model_spec("deepseek_v3", vocab, hidden, layers, heads, heads, mla.qk_head_dim, ffn,
-                          rope_theta=rope_theta, rope_scaling=rope, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                          rope_theta=rope_theta, rope_scaling=rope, rms_norm_eps=eps, tie_word_embeddings=False,
                           max_position_embeddings=max_pos, bos_token_id=bos, eos_token_ids=(eos,),
                           num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=moe_ffn,
                           shared_expert_ffn_hidden_size=shared * moe_ffn, mla=mla, deepseek_moe=moe)
@@ -169,13 +169,15 @@ def presets(model_spec: Callable[..., S]) -> dict[str, S]:
     yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
     return {
+        # transformers DeepseekV3Config defaults = DeepSeek-V3; max_pos and YaRN from copies of its config.json
         "deepseek-v3": spec(129280, 7168, 61, 128, 18432, experts=256, top_k=8, moe_ffn=2048, shared=1,
                             rope_theta=10000.0, rope=yarn, max_pos=163840, bos=0, eos=1,
                             mla=MLA(1536, 512, 128, 64, 128),
                             moe=DeepSeekMoE(first_k_dense=3, n_group=8, topk_group=4, routed_scaling_factor=2.5,
                                             mtp_layers=1)),
+        # a copy of Moonlight-16B-A3B-Instruct's config.json (revision 4e735b07) in a public repository
         "moonlight-16b-a3b": spec(163840, 2048, 27, 16, 11264, experts=64, top_k=6, moe_ffn=1408, shared=2,
-                                  rope_theta=50000.0, rope=None, max_pos=8192, bos=163584, eos=163585,
+                                  rope_theta=50000.0, rope=None, max_pos=8192, bos=163584, eos=163586, eps=1e-5,
                                   mla=MLA(None, 512, 128, 64, 128),
                                   moe=DeepSeekMoE(first_k_dense=1, routed_scaling_factor=2.446)),
     }

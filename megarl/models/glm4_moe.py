@@ -105,11 +105,10 @@ def hf_config_kwargs(spec: SpecLike) -> dict[str, Any]:
 
 
 def presets(model_spec: Callable[..., S]) -> dict[str, S]:
-    """Named GLM-4.5 shapes (:data:`megarl.models.spec.PRESETS`), written from memory of the config.json files of
-    zai-org/GLM-4.5 (355B, 32B active: 92 layers, the first 3 dense, 160 experts, QK-norm) and zai-org/GLM-4.5-Air
-    (106B, 12B active: 46 layers, the first dense, 128 experts, no QK-norm); both have 96 query and 8 KV heads of
-    128 channels, half of them rotated, q/k/v biases, one shared expert, top-8 routing in one group and one MTP layer
-    (dropped). Check them against the checkpoint's config.json before quoting a number."""
+    """Named GLM-4.5 shapes (:data:`megarl.models.spec.PRESETS`): zai-org/GLM-4.5 (355B, 32B active: 92 layers, the
+    first 3 dense, 160 experts, QK-norm) and zai-org/GLM-4.5-Air (106B, 12B active: 46 layers, the first dense, 128
+    experts, no QK-norm); both have 96 query and 8 KV heads of 128 channels, half of them rotated, q/k/v biases, one
+    shared expert, top-8 routing in one group and one MTP layer (dropped). Sources: tests/test_presets.py."""
     def spec(hidden, layers, ffn, *, experts, moe_ffn, first_dense, scaling, qk_norm) -> S:
         return model_spec(FAMILY, 151552, hidden, layers, 96, 8, 128, ffn, rope_theta=1e6, rms_norm_eps=1e-5,
                           tie_word_embeddings=False, max_position_embeddings=131072,
@@ -119,6 +118,9 @@ def presets(model_spec: Callable[..., S]) -> dict[str, S]:
                                                    mtp_layers=1),
                           glm=GLMAttention(attention_bias=True, qk_norm=qk_norm, partial_rotary_factor=0.5))
 
+    # glm-4.5: THUDM slime's scripts/models/glm4.5-355B-A32B.sh (its Megatron arguments); its token ids (as the
+    # Air's) not checked offline. glm-4.5-air: transformers Glm4MoeConfig defaults = GLM-4.5-Air, and a dump of its
+    # config.json (attention_bias, head_dim, rope_theta, token ids) in a public repository
     return {"glm-4.5": spec(5120, 92, 12288, experts=160, moe_ffn=1536, first_dense=3, scaling=2.5, qk_norm=True),
             "glm-4.5-air": spec(4096, 46, 10944, experts=128, moe_ffn=1408, first_dense=1, scaling=1.0,
                                 qk_norm=False)}

@@ -143,18 +143,22 @@ def attention_shapes(spec: SpecLike, layer: int) -> dict[str, tuple[int, ...]]:
 
 
 def presets(spec_cls) -> dict[str, SpecLike]:
-    """Named Qwen3.5 shapes (dense text models), FROM MEMORY of Qwen/Qwen3.5-27B's config.json (not checked
-    against the file): 64 layers, every 4th gated full attention (24 query heads, 4 KV heads of 256 channels, a
-    quarter of them rotated), the DeltaNet layers 16 key heads and 48 value heads of 128 channels; and Qwen3-Next
-    80B-A3B's, also from memory: 48 layers of 512 experts (top 10, width 512) and a shared expert of 512, 16 query
-    heads and 2 KV heads of 256 channels, DeltaNet 16 key and 32 value heads of 128."""
+    """Named Qwen3.5 shapes: Qwen/Qwen3.5-27B's text model (64 layers, every 4th gated full attention with 24 query
+    heads and 4 KV heads of 256 channels, a quarter of them rotated; the DeltaNet layers 16 key heads and 48 value
+    heads of 128 channels) and Qwen/Qwen3-Next-80B-A3B-Instruct (48 layers of 512 experts, top 10, width 512, and a
+    shared expert of 512; 16 query heads and 2 KV heads of 256 channels; DeltaNet 16 key and 32 value heads of 128).
+    Sources: tests/test_presets.py."""
     next_pattern = tuple(int(i % 4 != 3) for i in range(48))
-    return {"qwen3-next-80b-a3b": spec_cls(  # FROM MEMORY of Qwen/Qwen3-Next-80B-A3B-Instruct's config.json
+    # transformers Qwen3NextConfig defaults = Qwen3-Next-80B-A3B but intermediate_size (5632 there; 5120, unused: no
+    # dense MLP, in copies of the Instruct config.json), rope_theta and context (those copies); token ids unchecked
+    return {"qwen3-next-80b-a3b": spec_cls(
         QWEN3_NEXT, 151936, 2048, 48, 16, 2, 256, 5120, rope_theta=1e7, rms_norm_eps=1e-6,
         tie_word_embeddings=False, max_position_embeddings=262144, bos_token_id=151643, eos_token_ids=(151645,),
         pad_token_id=151643, num_experts=512, moe_top_k=10, moe_ffn_hidden_size=512,
         shared_expert_ffn_hidden_size=512, moe_norm_topk_prob=True, moe_aux_loss_coef=0.001,
         gdn=GatedDeltaNetShape(next_pattern, 16, 32, 128, 128)),
+        # a copy of Qwen3.5-27B's text_config in a public repository (transformers' defaults are another size);
+        # eos is the text_config's 248044 (the multimodal config's top level says 248046)
         "qwen3.5-27b": spec_cls(
         "qwen3_5", 248320, 5120, 64, 24, 4, 256, 17408, rope_theta=1e7, rms_norm_eps=1e-6,
         tie_word_embeddings=False, max_position_embeddings=262144, eos_token_ids=(248044,), pad_token_id=248044,

@@ -594,12 +594,13 @@ def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-# Named shapes for benchmarks, GPU configs and tests (weights are random or loaded separately).
+# Named shapes for benchmarks, GPU configs and tests (random weights); sources and what is unchecked: test_presets.py
 PRESETS: dict[str, ModelSpec] = {
     # a tiny Llama with SmolLM2's vocabulary (use its tokenizer: model.tokenizer=default), for CPU sweeps
     "tiny-llama": ModelSpec("llama", 49152, 64, 4, 4, 2, 16, 128, rope_theta=10000.0, rms_norm_eps=1e-5,
                             tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=1,
                             eos_token_ids=(2,), pad_token_id=2),
+    # smollm2-135m, qwen2.5-*, llama-3-8b: litgpt 0.5.13 (from the config.json files); token ids, contexts unchecked
     "smollm2-135m": ModelSpec("llama", 49152, 576, 30, 9, 3, 64, 1536, rope_theta=100000.0,
                               rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=8192,
                               bos_token_id=1, eos_token_ids=(2,), pad_token_id=2),
@@ -615,7 +616,7 @@ PRESETS: dict[str, ModelSpec] = {
     "llama-3-8b": ModelSpec("llama", 128256, 4096, 32, 32, 8, 128, 14336, rope_theta=500000.0,
                             rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=8192,
                             bos_token_id=128000, eos_token_ids=(128001, 128009)),
-    # Qwen/Qwen3-*'s config.json (dense): head_dim 128 at every size, QK-norm, tied embeddings up to 4B
+    # Qwen/Qwen3-* (litgpt: head_dim 128, QK-norm, 40960 context); tied embeddings up to 4B and token ids unchecked
     **{f"qwen3-{size}": ModelSpec("qwen3", 151936, hidden, layers, heads, 8, 128, ffn, rope_theta=1e6,
                                   rms_norm_eps=1e-6, tie_word_embeddings=tied, max_position_embeddings=40960,
                                   bos_token_id=151643, eos_token_ids=(151645,), pad_token_id=151643)
@@ -625,7 +626,7 @@ PRESETS: dict[str, ModelSpec] = {
                                                       ("8b", 4096, 36, 32, 12288, False),
                                                       ("14b", 5120, 40, 40, 17408, False),
                                                       ("32b", 5120, 64, 64, 25600, False))},
-    # microsoft/Phi-3-mini-4k-instruct (MHA, a 2047-token window on every layer) and microsoft/phi-4 (plain RoPE)
+    # Phi-3-mini-4k-instruct: transformers Phi3Config defaults, window 2047 unchecked; phi-4: litgpt, ids unchecked
     "phi-3-mini": ModelSpec("phi3", 32064, 3072, 32, 32, 32, 96, 8192, rope_theta=10000.0, rms_norm_eps=1e-5,
                             tie_word_embeddings=False, max_position_embeddings=4096, bos_token_id=1,
                             eos_token_ids=(32000,), pad_token_id=32000, sliding_window=2047),
@@ -637,13 +638,13 @@ PRESETS: dict[str, ModelSpec] = {
                                 tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=1,
                                 eos_token_ids=(2,), pad_token_id=2, num_experts=8, moe_top_k=2,
                                 moe_ffn_hidden_size=32, moe_aux_loss_coef=0.001),
-    # Qwen/Qwen3-30B-A3B's config.json: 48 layers of 128 experts (top-8, width 768), 3.3B active parameters
+    # Qwen/Qwen3-30B-A3B (3.3B active): transformers Qwen3MoeConfig defaults + litgpt; token ids unchecked
     "qwen3-30b-a3b": ModelSpec("qwen3_moe", 151936, 2048, 48, 32, 4, 128, 6144, rope_theta=1e6, rms_norm_eps=1e-6,
                                tie_word_embeddings=False, max_position_embeddings=40960, bos_token_id=151643,
                                eos_token_ids=(151645,), pad_token_id=151643, num_experts=128, moe_top_k=8,
                                moe_ffn_hidden_size=768, moe_norm_topk_prob=True, moe_aux_loss_coef=0.001),
 }
-# Gemma 3 text (google/gemma-3-{1b,27b}-*'s config.json; the 27B's text model): every 6th layer global
+# Gemma 3 text (google/gemma-3-{1b,27b}-*; the 27B's text model): litgpt + Megatron-Bridge's test configs; eos unchecked
 PRESETS.update({
     "gemma3-1b": ModelSpec("gemma3", 262144, 1152, 26, 4, 1, 256, 6912, rope_theta=1e6, rms_norm_eps=1e-6,
                            tie_word_embeddings=True, max_position_embeddings=32768, bos_token_id=2,
@@ -658,7 +659,7 @@ PRESETS.update({
                             query_pre_attn_scalar=168),
 })
 
-# openai/gpt-oss-{20b,120b}'s config.json (their bf16 copies: the release is MXFP4): sliding window on even layers
+# openai/gpt-oss-{20b,120b}, bf16 (the release is MXFP4): transformers GptOssConfig defaults (120b) + config copies
 PRESETS.update({f"gpt-oss-{size}": ModelSpec(
     "gpt_oss", 201088, 2880, layers, 64, 8, 64, 2880, rope_theta=150000.0, rope_scaling={
         "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
