@@ -162,8 +162,8 @@ def layer_params(spec, layer: int, tp: int, ep: int = 1) -> tuple[int, int]:
     layer's router whole, ``num_experts / ep`` experts whole (expert TP = 1), the shared expert over TP; a
     DeepSeek-V3 or GLM-4.5 model's first ``first_k_dense`` layers have a dense MLP of width ``ffn_hidden_size``; a
     Qwen3.5 layer's mixer is its own (gated DeltaNet or gated attention)."""
-    from megarl.models import deepseek_spec, qwen3_5_spec
     from megarl.models.deepseek_moe import is_moe_layer
+    from megarl.models.mixer import attention_shapes
     from megarl.models.spec import FAMILIES
 
     h, kv, fam = spec.hidden_size, spec.kv_size, FAMILIES[spec.family]
@@ -176,12 +176,8 @@ def layer_params(spec, layer: int, tp: int, ep: int = 1) -> tuple[int, int]:
         ffn += spec.num_experts if fam.gpt_oss or fam.deepseek_moe else 0  # the router's bias (DeepSeek's: frozen)
     else:
         ffn = 3 * h * spec.ffn_hidden_size // tp
-    if spec.mla is not None or spec.gdn is not None:  # DeepSeek-V3's MLA (its a-norms too, a few kB), Qwen3.5's
-        # mixer: all split over TP on megatron's local spec
-        shapes = (deepseek_spec if spec.mla is not None else qwen3_5_spec).attention_shapes(spec, layer)
-        attention = sum(math.prod(s) for s in shapes.values()) // tp
-    else:
-        attention = (h * (spec.q_size + 2 * kv) + spec.q_size * h) // tp
+    # q/k/v/o; DeepSeek-V3's MLA (its a-norms too, a few kB), Qwen3.5's mixer: all split over TP (megatron's local spec)
+    attention = sum(math.prod(s) for s in attention_shapes(spec, layer).values()) // tp
     n = attention + ffn + 2 * h
     n += 2 * spec.head_dim if spec.qk_norm and spec.gdn is None else 0  # (Qwen3.5's: in its mixer's shapes)
     n += 2 * h if fam.gemma else 0  # Gemma 3's post-attention and post-MLP norms

@@ -49,8 +49,8 @@ from typing import Iterable
 
 import torch
 
-from megarl.models import deepseek_spec, qwen3_5_spec
 from megarl.models.deepseek_moe import is_moe_layer
+from megarl.models.mixer import attention_shapes
 from megarl.models.spec import ModelSpec
 
 # Dense bf16 tensor-core peaks, TFLOP/s (vendor datasheets, without sparsity), matched as substrings of
@@ -69,14 +69,11 @@ def matmul_params(spec: ModelSpec, output_rows: int | None = None) -> int:
     Args:
         output_rows: rows of the output layer (None = the vocab: a policy; 1 = a value head).
     """
-    h, q, k = spec.hidden_size, spec.q_size, spec.kv_size
+    h = spec.hidden_size
     out = spec.vocab_size if output_rows is None else output_rows
 
-    def attention(i: int) -> int:  # MLA, Qwen3.5: the projections' matrices (norms 1-D, the conv1d 3-D)
-        if spec.mla is None and spec.gdn is None:
-            return 2 * h * q + 2 * h * k
-        shapes = (deepseek_spec if spec.mla else qwen3_5_spec).attention_shapes(spec, i)
-        return sum(math.prod(s) for s in shapes.values() if len(s) == 2)
+    def attention(i: int) -> int:  # the projections' matrices (MLA's, Qwen3.5's norms 1-D, the conv1d 3-D)
+        return sum(math.prod(s) for s in attention_shapes(spec, i).values() if len(s) == 2)
 
     return sum(attention(i) + ffn_matmul_params(spec, not is_moe_layer(spec, i))
                for i in range(spec.num_layers)) + out * h

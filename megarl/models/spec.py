@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from megarl.models import deepseek_moe, deepseek_spec, gemma3_spec, glm4_moe, qwen3_5_spec, qwen3_phi3_spec
+from megarl.models import deepseek_moe, deepseek_spec, gemma3_spec, glm4_moe, mixer, qwen3_5_spec, qwen3_phi3_spec
 from megarl.models.deepseek_moe import DeepSeekMoE
 from megarl.models.qwen3_5_spec import GatedDeltaNetShape
 from megarl.models.deepseek_spec import MLA
@@ -355,7 +355,7 @@ class ModelSpec:
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             if self.mla is not None or self.gdn is not None:
-                shapes.update((deepseek_spec if self.mla else qwen3_5_spec).attention_shapes(self, i))
+                shapes.update(mixer.attention_shapes(self, i))
             elif self.fused_qkv_mlp:
                 shapes[p + "self_attn.qkv_proj.weight"] = (self.q_size + 2 * self.kv_size, h)
             else:

@@ -1,7 +1,8 @@
 """What a family module reads of a model description: :class:`SpecLike`, the fields and methods of
 :class:`megarl.models.spec.ModelSpec` that the family modules (:mod:`~megarl.models.deepseek_spec`,
 :mod:`~megarl.models.deepseek_moe`, :mod:`~megarl.models.glm4_moe`, :mod:`~megarl.models.gemma3_spec`,
-:mod:`~megarl.models.gpt_oss`, :mod:`~megarl.models.qwen3_5_spec`, :mod:`~megarl.models.qwen3_phi3_spec`) take, so that they annotate their ``spec`` arguments without importing
+:mod:`~megarl.models.gpt_oss`, :mod:`~megarl.models.qwen3_5_spec`, :mod:`~megarl.models.qwen3_phi3_spec`,
+:mod:`~megarl.models.mixer`) take, so that they annotate their ``spec`` arguments without importing
 :mod:`megarl.models.spec`, which imports them (its methods call their hooks; imports run one way)."""
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ class SpecLike(Protocol):
 
     @property
     def is_moe(self) -> bool: ...
+
+    @property
+    def q_size(self) -> int: ...
+
+    @property
+    def kv_size(self) -> int: ...
+
+    @property
+    def fused_qkv_mlp(self) -> bool: ...
 
     def hf_tensor_shapes(self) -> dict[str, tuple[int, ...]]: ...
 
