@@ -1,12 +1,14 @@
 """Qwen3-Next and Qwen3.5-MoE (hybrid gated DeltaNet + gated attention, an MoE block with a gated shared expert on
 every layer) on megatron-core against transformers' ``Qwen3NextForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (logits,
-TP=1 gradients, the vLLM tensors), on one world of 2 gloo ranks.
+gradients at TP=1, TP=2 and EP=2, the vLLM tensors), on worlds of 2 gloo ranks.
 
 A small random-weight model (fp32; norms randomised; layers 0 and 2 gated DeltaNet, 1 and 3 gated attention; 4
 experts, top 2, a shared expert) over 16 tokens: logits at TP=1, TP=2 (with sequence parallelism), EP=2 and PP=2,
 a training step's gradients at TP=1, HF -> megarl checkpoint (PP=2) -> HF export bit-identical, Qwen3-Next's
 DeltaNet projections fused by key-head group (``in_proj_qkvz``, ``in_proj_ba``) cut into megatron's ``in_proj``, and
-the vLLM TP=2 tensors against an independent slicing of the HF tensors.
+the vLLM TP=2 tensors against an independent slicing of the HF tensors. A second world trains each model as the
+trainer's actor does (DDP, ``finalize_model_grads``, grouped experts, all-to-all dispatch) at TP=1, TP=2 (sequence
+parallel) and EP=2: every gradient equals transformers'.
 """
 
 from __future__ import annotations
@@ -38,26 +40,13 @@ def _world(rank, world, tmp):
     return out
 
 
-def _family_checks(spec, rank, world, out, tmp):
-    from megatron.core import parallel_state as ps
+def _reference(spec):
+    """The transformers model of ``spec`` (fp32, random weights, norms randomised) on 2 x 16 random tokens: its
+    canonical tensors, the tokens, the targets, its logits and the canonical gradients of their cross-entropy."""
+    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
-    from megarl.models.layout_vllm import vllm_layout
-    from megarl.models.megatron import build_model
-    from megarl.models.weights import fill_local_tensors, state_dict_reader, transformers_canonical
-    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.reshard.executor import execute_plan
-    from megarl.reshard.planner import plan_reshard
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from megarl.models import checkpoint as ck
-    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
-
-    from megarl.models.pipeline import run_microbatches
-    from tests.actor_decoding import gathered_logits_and_loss
-    from tests.test_models_megatron import megatron_logits
+    from megarl.models.weights import transformers_canonical
 
     torch.manual_seed(3)
     ref = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32).eval()
@@ -72,7 +61,29 @@ def _family_checks(spec, rank, world, out, tmp):
     ref_logits = ref(tokens).logits
     F.cross_entropy(ref_logits.reshape(-1, spec.vocab_size), targets.reshape(-1)).backward()
     hf_grads = transformers_canonical(spec, {n: p.grad for n, p in ref.named_parameters()})
-    ref_logits = ref_logits.detach()
+    return sd, tokens, targets, ref_logits.detach(), hf_grads
+
+
+def _family_checks(spec, rank, world, out, tmp):
+    from megatron.core import parallel_state as ps
+
+    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
+    from megarl.models.layout_vllm import vllm_layout
+    from megarl.models.megatron import build_model
+    from megarl.models.weights import fill_local_tensors, state_dict_reader
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+    from megarl.reshard.executor import execute_plan
+    from megarl.reshard.planner import plan_reshard
+    import torch.distributed as dist
+
+    from megarl.models import checkpoint as ck
+    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
+
+    from megarl.models.pipeline import run_microbatches
+    from tests.actor_decoding import gathered_logits_and_loss
+    from tests.test_models_megatron import megatron_logits
+
+    sd, tokens, targets, ref_logits, hf_grads = _reference(spec)
     f = spec.family
     for tp, ep, pp in MESHES:
         mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
@@ -143,6 +154,62 @@ def _ref_vllm(sd: dict, r: int, fused: bool) -> dict:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     return run_world(_world, 2, str(tmp_path_factory.mktemp("qwen3_next")), timeout_s=600)
+
+
+TRAINER_MESHES = [(1, 1), (2, 1), (1, 2)]  # (tp, ep) in a world of 2
+
+
+def _trainer_world(rank, world, tmp):
+    """Each family's actor as the trainer builds it (:class:`megarl.workers.engine.MegatronWorker`: megatron's DDP
+    and ``finalize_model_grads``, grouped experts, the all-to-all dispatcher at EP > 1, sequence parallelism at
+    TP > 1), loaded from the HF checkpoint, one training step of the cross-entropy: per (family, tp, ep) the max abs
+    difference of this rank's gradients (``main_grad``, every block of every tensor) from transformers'."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megarl.config import ActorConfig
+    from megarl.config.roles import OptimConfig, ParallelConfig
+    from megarl.models.hf_io import save_hf_checkpoint
+    from megarl.models.layout_megatron import megatron_rank_tensors
+    from megarl.models.pipeline import run_microbatches
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+    from megarl.workers.engine import MegatronWorker
+    from tests.actor_decoding import gathered_logits_and_loss
+
+    out = {}
+    for f, spec in SPECS.items():
+        sd, tokens, targets, _, hf_grads = _reference(spec)
+        if rank == 0:
+            save_hf_checkpoint(f"{tmp}/{f}", spec, sd)
+        dist.barrier()
+        for tp, ep in TRAINER_MESHES:
+            mesh = ParallelLayout(tp=tp, pp=1, dp=world // tp, ep=ep)
+            initialize_model_parallel(mesh)
+            rc = ActorConfig(parallel=ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1),
+                             optim=OptimConfig(distributed=False))  # every DP rank's gradients whole
+            worker = MegatronWorker(spec, mesh, "actor", f"{tmp}/{f}", torch.float32, rc, trainable=True)
+            run_microbatches(worker.model, [{"input_ids": tokens}],
+                             gathered_logits_and_loss(targets, spec.vocab_size, True), forward_only=False)
+            local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0,
+                                          ep_rank=mesh.ep_rank(rank), moe_experts=rc.kernels.moe_experts)
+            params = dict(worker.bare.named_parameters())
+            out[(f, tp, ep)] = {n: max((params[n].main_grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max()
+                                       .item() for b in lt.blocks) for n, lt in local.items()}
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def trainer_world(tmp_path_factory):
+    return run_world(_trainer_world, 2, str(tmp_path_factory.mktemp("qwen3_next_trainer")), timeout_s=600)
+
+
+@pytest.mark.slow  # about 60 s on 2 cores
+@pytest.mark.parametrize("family", SPECS)
+@pytest.mark.parametrize("tp,ep", TRAINER_MESHES)
+def test_trainer_gradients_at_tp2_and_ep2_match_transformers(trainer_world, family, tp, ep):
+    bad = {n: d for out in trainer_world for n, d in out[(family, tp, ep)].items() if not d < 1e-4}
+    assert bad == {}, bad
 
 
 @pytest.mark.slow  # the world takes about 50 s on 2 cores (Qwen3.5's dense file keeps the default tier's checks)
