@@ -8,8 +8,9 @@ with the fields where the defaults differ from the checkpoint given here, each f
   config.json in public repositories; NeMo-RL's DeepSeek-V3 arguments).
 - Glm4MoeConfig() = zai-org/GLM-4.5-Air but attention_bias, head_dim, rope_theta and token ids (a dump of the
   checkpoint's config.json in a public repository: ms-swift's model listing).
-- GptOssConfig() = openai/gpt-oss-120b but router_aux_loss_coef and the token ids (copies of the config.json).
-- Phi3Config() = microsoft/Phi-3-mini-4k-instruct but sliding_window (2047: from memory, unchecked offline).
+- GptOssConfig() = openai/gpt-oss-120b but router_aux_loss_coef (0.9) and the token ids (eos 200002, pad 199999):
+  copies of the config.json in public repositories.
+- Phi3Config() = microsoft/Phi-3-mini-4k-instruct but sliding_window (2047: copies of the config.json).
 - Qwen3NextConfig() = Qwen/Qwen3-Next-80B-A3B-Instruct but intermediate_size (5632 there, 5120 in copies of the
   config.json; no layer has a dense MLP), rope_theta, context (copies) and token ids (unchecked).
 - Qwen3MoeConfig() = Qwen/Qwen3-30B-A3B's widths and experts; layers, head_dim, RoPE base and context from litgpt

@@ -616,7 +616,7 @@ PRESETS: dict[str, ModelSpec] = {
     "llama-3-8b": ModelSpec("llama", 128256, 4096, 32, 32, 8, 128, 14336, rope_theta=500000.0,
                             rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=8192,
                             bos_token_id=128000, eos_token_ids=(128001, 128009)),
-    # Qwen/Qwen3-* (litgpt: head_dim 128, QK-norm, 40960 context); tied embeddings up to 4B and token ids unchecked
+    # Qwen/Qwen3-* (litgpt: head_dim 128, QK-norm, 40960 context); tying and token ids: copies of the 4B's, 8B's
     **{f"qwen3-{size}": ModelSpec("qwen3", 151936, hidden, layers, heads, 8, 128, ffn, rope_theta=1e6,
                                   rms_norm_eps=1e-6, tie_word_embeddings=tied, max_position_embeddings=40960,
                                   bos_token_id=151643, eos_token_ids=(151645,), pad_token_id=151643)
@@ -626,7 +626,7 @@ PRESETS: dict[str, ModelSpec] = {
                                                       ("8b", 4096, 36, 32, 12288, False),
                                                       ("14b", 5120, 40, 40, 17408, False),
                                                       ("32b", 5120, 64, 64, 25600, False))},
-    # Phi-3-mini-4k-instruct: transformers Phi3Config defaults, window 2047 unchecked; phi-4: litgpt, ids unchecked
+    # Phi-3-mini-4k-instruct: transformers Phi3Config defaults, window 2047 (config copies); phi-4: litgpt
     "phi-3-mini": ModelSpec("phi3", 32064, 3072, 32, 32, 32, 96, 8192, rope_theta=10000.0, rms_norm_eps=1e-5,
                             tie_word_embeddings=False, max_position_embeddings=4096, bos_token_id=1,
                             eos_token_ids=(32000,), pad_token_id=32000, sliding_window=2047),
