@@ -69,7 +69,7 @@ def _check(rank, world, runner, enforce_eager):
                                                   seed=sample_seed(sampling.seed, engine.calls, k, j)))
                   for k, j in rows]
         engine._reset_prefix_cache()
-        outputs, got = engine._sampled_logprobs.run(
+        outputs, got = engine._logprobs.run(
             lambda: engine.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
                                         use_tqdm=False), [len(prompts[k]) for k, _ in rows])
         want = [np.array([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],

@@ -21,6 +21,10 @@ prompt and seed, produced one token per ``step`` (so requests of different lengt
 under continuous batching), returned once finished with ``RequestOutputKind.FINAL_ONLY`` (all that megarl asks
 for), with ``num_cached_tokens``: the longest run of whole 16-token blocks of its prompt that an earlier request's
 prompt and output began with (vLLM's prefix cache hashes full blocks and always computes the last prompt token).
+``add_request`` returns vLLM's internal id (the id, '-' and 8 characters). A request that asks for no log-probs
+(``rollout.logprobs: sampler``) runs instead through the continuous batching of :class:`vllm.runners.Batch`
+(joining between steps, chunked prefill, preemption, a row past the stop), whose rows go to the model runner's
+sampler step by step; it finishes the step its last token is sampled, without log-probs.
 
 With ``enable_return_routed_experts`` (an MoE model), :meth:`LLM.generate`'s completions carry vLLM's
 ``routed_experts`` (:func:`fake_routes`): the experts that the transformers model of the assembled weights routes
@@ -183,8 +187,11 @@ class _LLMEngine:
         self.model_executor.model_runner = (RunnerV2 if v2 else RunnerV1)(self.model_executor)
         self.vllm_config = SimpleNamespace(use_v2_model_runner=v2)
         self._running: dict[str, list] = {}  # request id -> [prompt, completion, tokens produced so far]
+        self._sampled: dict[str, tuple] = {}  # without log-probs: internal id -> (id, prompt, completion, params)
+        self._batch = None  # their continuous batching (vllm.runners.Batch), made at the first one
         self._cached_blocks: set[tuple[int, ...]] = set()
         self.added: list[tuple[str, list[int]]] = []  # every request's id and prompt, in order
+        self.asked: list[int | None] = []  # every request's SamplingParams.logprobs, in order
 
     def add_request(self, request_id: str, prompt: dict, params: SamplingParams, lora_request=None) -> str:
         assert isinstance(request_id, str), request_id
@@ -193,9 +200,21 @@ class _LLMEngine:
         assert request_id not in self._running, f"duplicate request id {request_id}"
         ids = list(prompt["prompt_token_ids"])
         weights = fingerprint(self._llm._assemble())
-        self._running[request_id] = [ids, fake_completion(weights, ids, params, self._llm.spec.vocab_size), 0]
+        completion = fake_completion(weights, ids, params, self._llm.spec.vocab_size)
         self.added.append((request_id, ids))
-        return request_id
+        self.asked.append(params.logprobs)
+        internal = f"{request_id}-{hashlib.sha256(repr(self.added).encode()).hexdigest()[:8]}"  # as vLLM's
+        if params.logprobs is not None:
+            self._running[request_id] = [ids, completion, 0]
+            return internal
+        from vllm.runners import Batch
+
+        self._batch = self._batch or Batch(seed=len(self.added))
+        self._sampled[internal] = (request_id, ids, completion, params)
+        self._batch.add((internal, len(ids), list(completion.token_ids),
+                         [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]))
+        completion.logprobs = None
+        return internal
 
     def _cached(self, ids: list[int]) -> int:
         blocks = 0
@@ -205,19 +224,30 @@ class _LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         finished = []
+        if self._batch is not None and self._batch.busy():  # requests without log-probs: the runner's sampler rows
+            rows, done = self._batch.step()
+            greedy = all(self._sampled[r.req_id][3].temperature == 0 for r in rows if r.req_id in self._sampled)
+            if rows:
+                self.model_executor.model_runner.run_step(rows, self._llm.spec.vocab_size, greedy)
+            for internal in done:
+                rid, ids, completion, _ = self._sampled.pop(internal)
+                finished.append(self._finish(rid, ids, completion))
         for rid, state in list(self._running.items()):
             state[2] += 1
             ids, completion, made = state
             if made >= len(completion.token_ids):
-                cached = self._cached(ids)
-                full = ids + list(completion.token_ids)
-                self._cached_blocks.update(tuple(full[:b]) for b in range(BLOCK_SIZE, len(full) + 1, BLOCK_SIZE))
-                finished.append(RequestOutput(ids, [completion], rid, True, cached))
+                finished.append(self._finish(rid, ids, completion))
                 del self._running[rid]
         return finished
 
+    def _finish(self, rid: str, ids: list[int], completion: CompletionOutput) -> RequestOutput:
+        cached = self._cached(ids)
+        full = ids + list(completion.token_ids)
+        self._cached_blocks.update(tuple(full[:b]) for b in range(BLOCK_SIZE, len(full) + 1, BLOCK_SIZE))
+        return RequestOutput(ids, [completion], rid, True, cached)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self._running)
+        return bool(self._running or self._sampled)
 
 
 class _GroupCoordinator:
