@@ -10,6 +10,7 @@ The bit-for-bit check against vLLM's own ``logprobs=0`` is tests/test_gpu_logpro
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -313,7 +314,7 @@ def test_request_path_waits_only_for_the_copies_of_finished_requests(monkeypatch
 
     events: list[Event] = []
     to_host = vllm_logprobs._to_host
-    monkeypatch.setattr(vllm_logprobs, "_to_host", lambda step: (to_host(step)[0], Event()))
+    monkeypatch.setattr(vllm_logprobs, "_to_host", lambda step: dataclasses.replace(to_host(step), copied=Event()))
     runner = RunnerV1(None)
     capture = vllm_logprobs.SampledLogprobs(runner, v2=False)
     engine = _StepEngine(runner, greedy=False)

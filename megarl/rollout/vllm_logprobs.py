@@ -45,8 +45,23 @@ output token ``t`` of a request is the last kept row at index ``prompt_len + t``
 must be the output's token: :func:`assemble` checks both (every output token covered, every token equal) and
 raises otherwise, so a vLLM whose internals differ fails loudly instead of returning wrong log-probs.
 
-Not covered (refused): speculative decoding (rows of several tokens), a vLLM out of this process, and the
-request-by-request path of multi-turn episodes (``add_request`` / ``step``), which keeps ``logprobs=0``.
+Request by request (multi-turn episodes and agent functions: :meth:`~megarl.rollout.vllm_engine.VLLMRolloutEngine.
+add_request` / ``step``, read in ``vllm/v1/engine/llm_engine.py`` and ``vllm/v1/engine/core.py``).
+``LLMEngine.add_request`` returns the internal id, which :meth:`SampledLogprobs.add` keeps with the prompt length
+and ``max_tokens``; ``LLMEngine.step`` runs the model runner (its sampler hooks) in this thread, with async
+scheduling (``EngineCore.step_with_batch_queue``) scheduling and launching batch ``n + 1`` before it waits for batch
+``n``'s output, so the step that returns a request as finished may leave a batch on the GPU. So each sampler call's
+rows start for the host in the hook (``non_blocking`` copies to pinned memory and a CUDA event, on the sampling
+stream right after the sampler, before vLLM's runner copies the sampled tokens out) and are written into an
+:class:`OutputTable` once their event has passed, in order; a request that finishes waits only for copies that it
+lacks (its tokens' rows come from batches whose sampled tokens vLLM has read back, so their copies are done: the
+wait is a safeguard). Its tokens are then checked as in :func:`assemble` (the same :class:`OutputTable`), and its
+cells freed; rows that arrive later (the async step past the stop) belong to no open request and are ignored. A
+request that vLLM ends otherwise than "stop" / "length" (aborted) is dropped unchecked (the engine then fails on its
+finish reason). A preempted request keeps its internal id and is recomputed as above; an episode's next turn is a
+new request.
+
+Not covered (refused): speculative decoding (rows of several tokens) and a vLLM out of this process.
 """
 
 from __future__ import annotations
@@ -73,6 +88,8 @@ class Step:
         kept: ``[rows]`` bool, whether the runner keeps the row's token (numpy on V1, GPU tensor on V2).
         tokens: ``[rows]`` int32/int64 GPU tensor, the sampled tokens.
         logprobs: ``[rows]`` float32 GPU tensor, their log-probs.
+        copied: on the request path, the CUDA event after the tensors' copies to the host (:func:`_to_host`;
+            None: nothing was on a GPU, or not copied yet).
     """
 
     req_ids: Sequence[str]
@@ -80,6 +97,7 @@ class Step:
     kept: Any
     tokens: torch.Tensor
     logprobs: torch.Tensor
+    copied: Any = None
 
 
 def _host(parts: list) -> np.ndarray:
@@ -298,10 +316,11 @@ class SampledLogprobs:
             raise RolloutError("rollout.logprobs=sampler: vLLM's V2 sampler may sample with FlashInfer (whose "
                                "processed logits differ); unset VLLM_USE_FLASHINFER_SAMPLER")
         self._steps: list[Step] | None = None  # None: not recording
+        self._copy = False  # whether each step's rows start for the host as recorded (the request path)
         self._pending: tuple | None = None  # the sampler's log-probs (and V2 positions) of the call in progress
         self._table = OutputTable()  # the request path's (add / step)
         self._internal: dict[str, str] = {}  # its running requests: external id -> vLLM's internal id
-        self._copies: deque[tuple[Step, Any]] = deque()  # its recorded steps on their way to the host, and events
+        self._copies: deque[Step] = deque()  # its recorded steps on their way to the host
         (self._wrap_v2 if v2 else self._wrap_v1)(runner, sampler)
 
     # ------------------------------------------------------------------ hooks
@@ -323,10 +342,10 @@ class SampledLogprobs:
                     raise RolloutError("rollout.logprobs=sampler: a sampler step without the sampled log-probs "
                                        "(speculative decoding?); use rollout.logprobs=output")
                 rows = runner.input_batch.num_reqs
-                self._steps.append(Step(list(runner.input_batch.req_ids[:rows]),
-                                        runner.optimistic_seq_lens_cpu[:rows].numpy().copy(),
-                                        ~runner.discard_request_mask.np[:rows].astype(bool),
-                                        out.sampled_token_ids.view(-1), self._pending[0]))
+                self._record(Step(list(runner.input_batch.req_ids[:rows]),
+                                  runner.optimistic_seq_lens_cpu[:rows].numpy().copy(),
+                                  ~runner.discard_request_mask.np[:rows].astype(bool),
+                                  out.sampled_token_ids.view(-1), self._pending[0]))
             return out
 
         sampler.sample, runner._sample = sample_hook, run_sample_hook
@@ -351,11 +370,16 @@ class SampledLogprobs:
                                        "(speculative decoding?); use rollout.logprobs=output")
                 sampler_output, num_sampled = out[0], out[1]
                 logprobs, pos = self._pending
-                self._steps.append(Step(input_batch.req_ids, pos + 1, num_sampled > 0,
-                                        sampler_output.sampled_token_ids.view(-1), logprobs))
+                self._record(Step(input_batch.req_ids, pos + 1, num_sampled > 0,
+                                  sampler_output.sampled_token_ids.view(-1), logprobs))
             return out
 
         sampler.sample, runner.sample = sample_hook, run_sample_hook
+
+    def _record(self, step: Step) -> None:
+        """Keep a sampler call's rows (on the request path with their copies to the host started, on the stream
+        that sampled them, before vLLM's runner copies the sampled tokens out)."""
+        self._steps.append(_to_host(step) if self._copy else step)
 
     # ------------------------------------------------------------------ a generate call
     def run(self, generate: Callable[[], list], prompt_lengths: Sequence[int]) -> tuple[list, list[np.ndarray]]:
@@ -427,22 +451,20 @@ class SampledLogprobs:
         log-probs: ``[len(outputs[0].token_ids)]`` float32 numpy arrays, None for a request that ended otherwise
         than "stop" or "length" (aborted by vLLM: its rows are dropped unchecked).
 
-        Each step's rows start for the host at once (non-blocking copies, one CUDA event) and are written into
-        the table once copied, in order (the last kept row of a token wins across steps too); a finished
-        request waits for the copies of the steps before its own rows only, so the batch that vLLM's async
-        scheduling keeps in flight stays in flight.
+        Each sampler call's rows start for the host as recorded (:meth:`_record`) and are written into the table
+        once copied, in order (the last kept row of a token wins across steps too); a finished request waits
+        only for copies it lacks, so the batch that vLLM's async scheduling keeps in flight stays in flight.
 
         Raises:
             RolloutError: a finished request that :meth:`add` did not add, or one whose rows do not match its
                 tokens (:meth:`OutputTable.close`).
         """
-        self._steps, self._pending = [], None
+        self._steps, self._pending, self._copy = [], None, True
         try:
             outputs = engine_step()
-            steps = self._steps
+            self._copies.extend(self._steps)
         finally:
-            self._steps, self._pending = None, None
-        self._copies.extend(_to_host(step) for step in steps)
+            self._steps, self._pending, self._copy = None, None, False
         self._write_copied(wait=False)
         finished, ended = [], {}
         for out in outputs:
@@ -466,25 +488,23 @@ class SampledLogprobs:
         """Write the steps whose copies arrived (``wait``: the first ``count`` steps, waiting for them)."""
         ready = []
         while self._copies and (count is None or len(ready) < count):
-            step, event = self._copies[0]
+            event = self._copies[0].copied
             if event is not None and not event.query():
                 if not wait:
                     break
                 event.synchronize()
-            ready.append(self._copies.popleft()[0])
+            ready.append(self._copies.popleft())
         if ready:
             self._table.write(ready)
 
 
-def _to_host(step: Step) -> tuple[Step, Any]:
-    """``step`` with its tensors copied to host memory without waiting (pinned, ``non_blocking``), and the CUDA
-    event after the copies (None: nothing was on a GPU)."""
-    on_gpu = any(isinstance(f, torch.Tensor) and f.is_cuda for f in (step.index, step.kept, step.tokens,
-                                                                       step.logprobs))
-    host = Step(step.req_ids, *(f.to("cpu", non_blocking=True) if isinstance(f, torch.Tensor) else f
-                                for f in (step.index, step.kept, step.tokens, step.logprobs)))
-    if not on_gpu:
-        return host, None
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
+def _to_host(step: Step) -> Step:
+    """``step`` with its tensors copied to host memory without waiting (pinned, ``non_blocking``) and, where one
+    was on a GPU, the CUDA event after the copies as ``copied``."""
+    fields = (step.index, step.kept, step.tokens, step.logprobs)
+    on_gpu = any(isinstance(f, torch.Tensor) and f.is_cuda for f in fields)
+    host = [f.to("cpu", non_blocking=True) if isinstance(f, torch.Tensor) else f for f in fields]
+    event = torch.cuda.Event() if on_gpu else None
+    if event is not None:
+        event.record()
+    return Step(step.req_ids, *host, copied=event)
