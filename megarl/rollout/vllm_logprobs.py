@@ -211,7 +211,8 @@ class OutputTable:
             raise RolloutError(f"log-prob capture: request {names[k]!r} has {length[k]} output tokens, more than its "
                                f"{self._capacity[slots[k]]} (max_tokens)")
         cells = np.repeat(base - offset[:-1], length) + np.arange(offset[-1])
-        return names, offset, cells, np.fromiter((t for n in names for t in outputs[n]), np.int64, int(offset[-1]))
+        want = np.concatenate([np.asarray(outputs[n], dtype=np.int64) for n in names]) if names else length
+        return names, offset, cells, want
 
     def filled(self, outputs: dict[str, Sequence[int]]) -> bool:
         """Whether every output token of the open requests ``outputs`` (id -> output token ids) has a row."""
