@@ -11,7 +11,12 @@ decode in waves of changing batches, with async scheduling (vLLM's default):
 - the engine's own ``generate`` (requests with ``logprobs=None``, the capture's values): the samples whose tokens
   equal the first call's have the same log-probs bit for bit (greedy on V1: the all-greedy branch, where vLLM's
   sampler computes no log-probs unless asked). Two runs of vLLM are not bitwise reproducible everywhere (a
-  near-tie may flip a token, tests/test_gpu_vllm.py), so at least half the samples must match.
+  near-tie may flip a token, tests/test_gpu_vllm.py), so at least half the samples must match;
+- the request path of multi-turn episodes (16 episodes of 3 turns, each turn joining the running batch a step or
+  two after the last ended, its prompt the last turn's prompt, tokens and an observation): requests asking for
+  ``logprobs=0`` through ``SampledLogprobs.add`` / ``step`` get captured log-probs equal to vLLM's, and the
+  engine's own ``add_request`` / ``step`` (no log-probs asked) give the turns with the same prompt and tokens
+  the same values.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ def _check(rank, world, runner, enforce_eager):
                                                   seed=sample_seed(sampling.seed, engine.calls, k, j)))
                   for k, j in rows]
         engine._reset_prefix_cache()
-        outputs, got = engine._sampled_logprobs.run(
+        outputs, got = engine._logprobs.run(
             lambda: engine.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
                                         use_tqdm=False), [len(prompts[k]) for k, _ in rows])
         want = [np.array([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
@@ -84,7 +89,78 @@ def _check(rank, world, runner, enforce_eager):
         r[f"{name}_engine_same_tokens"] = len(same)
         r[f"{name}_engine_equal"] = sum(np.array_equal(s.logprobs.numpy().view(np.int32), w.view(np.int32))
                                         for s, w in same)
+        r.update(_check_turns(engine, prompts, sampling, name))
     return r
+
+
+def _turns(prompts, add, step) -> dict:
+    """Multi-turn episodes, one per prompt, three turns each: episode ``e`` starts at step ``e``; each next turn
+    (prompt: the last turn's prompt, its tokens and 5 observation tokens) joins one or two steps after the last
+    finished, beside the other episodes' turns. ``add(request_id, prompt, seed)`` adds a turn, ``step()`` gives
+    the finished ones as ``(request_id, token ids, log-probs, reference log-probs)``; returns request id ->
+    ``(prompt, token ids, log-probs, reference log-probs)``."""
+    episodes = {e: {"prompt": list(p), "turn": 0, "at": e} for e, p in enumerate(prompts)}
+    running, out, step_number = {}, {}, 0
+    while episodes:
+        for e, ep in episodes.items():
+            if ep["at"] <= step_number and e not in running.values():
+                rid = f"megarl-{e}-{ep['turn']}"
+                running[rid] = e
+                out[rid] = (list(ep["prompt"]),)
+                add(rid, ep["prompt"], 1000 * e + ep["turn"])
+        for rid, tokens, values, reference in step():
+            e = running.pop(rid)
+            ep = episodes[e]
+            out[rid] += (list(tokens), values, reference)
+            ep["prompt"] += list(tokens) + [(7 * e + i) % 3000 for i in range(5)]
+            ep["turn"], ep["at"] = ep["turn"] + 1, step_number + 1 + e % 2
+            if ep["turn"] == 3:
+                del episodes[e]
+        step_number += 1
+    return out
+
+
+def _check_turns(engine, prompts, sampling, name) -> dict:
+    """The request path (multi-turn episodes, :func:`_turns`): requests asking vLLM for ``logprobs=0`` added
+    through the capture (``SampledLogprobs.add`` / ``step``): every turn's captured log-probs equal vLLM's
+    ``Logprob`` values bit for bit; then the engine's own ``add_request`` / ``step`` (no log-probs asked):
+    the turns with the same prompt and tokens have the same log-probs."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.inputs import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+
+    from megarl.rollout.base import SamplingConfig
+    from megarl.rollout.vllm_engine import request_params
+
+    turn = SamplingConfig(n=1, temperature=sampling.temperature, max_new_tokens=24, seed=sampling.seed)
+    capture, llm_engine, stop = engine._logprobs, engine.llm.llm_engine, list(SPEC.eos_token_ids)
+
+    def add(rid, prompt, seed):
+        params = SamplingParams(**request_params(prompt, turn, context=SPEC.max_position_embeddings,
+                                                 stop_token_ids=stop, seed=seed),
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        capture.add(rid, len(prompt), params.max_tokens,
+                    lambda: llm_engine.add_request(rid, tokens_input(prompt), params))
+
+    def step():
+        return [(o.request_id, c.token_ids, got, np.array([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                                                          dtype=np.float32))
+                for o, got in capture.step(llm_engine.step) for c in o.outputs[:1]]
+
+    def bits(a):
+        return np.asarray(a, dtype=np.float32).view(np.int32)
+
+    engine._reset_prefix_cache()
+    direct = _turns(prompts[:16], add, step)
+    engine._reset_prefix_cache()
+    own = _turns(prompts[:16], lambda rid, prompt, seed: engine.add_request(rid, prompt, turn, seed),
+                 lambda: [(c.request_id, c.token_ids, c.logprobs.numpy(), None) for c in engine.step()])
+    same = [k for k in direct if direct[k][:2] == own[k][:2]]
+    return {f"{name}_turns_total": len(direct), f"{name}_turns_tokens": sum(len(t[1]) for t in direct.values()),
+            f"{name}_turns_equal": sum(np.array_equal(bits(t[2]), bits(t[3])) for t in direct.values()),
+            f"{name}_turns_engine_same": len(same),
+            f"{name}_turns_engine_equal": sum(np.array_equal(bits(own[k][2]), bits(direct[k][3])) for k in same)}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{r}-{'eager' if e else 'cuda_graphs'}" for r, e in CASES])
@@ -108,3 +184,11 @@ def test_captured_logprobs_equal_vllms_logprobs_output_bit_for_bit(result, kind)
 def test_the_engines_sampler_path_gives_vllms_logprobs(result, kind):
     assert result[f"{kind}_engine_same_tokens"] >= result[f"{kind}_total"] // 2, result
     assert result[f"{kind}_engine_equal"] == result[f"{kind}_engine_same_tokens"], result
+
+
+@pytest.mark.parametrize("kind", ["sampled", "greedy"])
+def test_multi_turn_episodes_get_vllms_logprobs_from_the_sampler(result, kind):
+    assert result[f"{kind}_turns_total"] == 16 * 3 and result[f"{kind}_turns_tokens"] > 16 * 3, result
+    assert result[f"{kind}_turns_equal"] == result[f"{kind}_turns_total"], result
+    assert result[f"{kind}_turns_engine_same"] >= result[f"{kind}_turns_total"] // 2, result
+    assert result[f"{kind}_turns_engine_equal"] == result[f"{kind}_turns_engine_same"], result

@@ -1,7 +1,8 @@
 """Multi-turn episodes on the vLLM engine's request-level path (``LLMEngine.add_request`` / ``step``), on the CPU
 with the fake vLLM (:mod:`tests.fake_vllm.vllm`): every turn's prompt holds the earlier turns' sampled ids as
 the engine returned them, later turns hit the prefix cache, and a trainer step on episodes runs through it; the
-same for an agent function's calls (:mod:`megarl.agents.endpoint`)."""
+same for an agent function's calls (:mod:`megarl.agents.endpoint`; the trainer's with ``rollout.logprobs: sampler``,
+whose turns' log-probs come from the fake model runner's sampler rows)."""
 
 from __future__ import annotations
 
@@ -89,14 +90,15 @@ def _episodes_on_fake_vllm(rank: int, world: int, task) -> dict:
     metrics = trainer.step(next(iter(trainer.loader)))
     requests = len(trainer.engine.llm.llm_engine.added)
     trainer = Trainer(load_config(None, agent_overrides(model_dir, data, runs, "vllm-agent") + [
-        "rollout.engine=vllm", "data.prompts_per_step=4", "rollout.n=2", "actor.ppo_mini_batch_size=8",
-        "actor.micro_batch_size=4", "trainer.steps=1"]))
+        "rollout.engine=vllm", "rollout.logprobs=sampler", "data.prompts_per_step=4", "rollout.n=2",
+        "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4", "trainer.steps=1"]))
     agent_metrics = trainer.step(next(iter(trainer.loader)))
     return dict(exact=exact, turns=[e.turns for e in out.episodes], cached=out.cached_tokens,
                 prompt_tokens=out.stats.prompt_tokens, metrics=metrics, requests=requests,
                 agent_exact=agent_exact, agent_turns=[e.turns for e in agent_out.episodes],
                 agent_cached=agent_out.cached_tokens, agent_metrics=agent_metrics,
-                agent_requests=len(trainer.engine.llm.llm_engine.added))
+                agent_requests=len(trainer.engine.llm.llm_engine.added),
+                agent_asked=set(trainer.engine.llm.llm_engine.asked))
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +127,4 @@ def test_an_agent_functions_calls_are_the_engines_completions_and_train_through_
     m = result["agent_metrics"]
     assert m["agent/turns_mean"] == 2 and result["agent_requests"] == 2 * 4 * 2
     assert m["agent/observation_tokens"] > 0 and m["agent/samples_split"] == 0
+    assert result["agent_asked"] == {None}  # rollout.logprobs=sampler: no request asked vLLM for log-probs

@@ -136,9 +136,9 @@ class RolloutConfig:
             which saves the V1 runner's per-request noise loop.
         logprobs: where the vLLM engine's rollout log-probs are read: "output" (vLLM's ``logprobs=0`` output,
             one ``Logprob`` object per token built on the host) or "sampler" (the same values, bit for bit, gathered
-            on the GPU in vLLM's sampler and copied once per ``generate``: :mod:`megarl.rollout.vllm_logprobs`;
-            ~6 ms less host time per decode step of 512 sequences). Multi-turn episodes read vLLM's output
-            either way.
+            on the GPU in vLLM's sampler: :mod:`megarl.rollout.vllm_logprobs`; ~6 ms less host time per decode step
+            of 512 sequences), copied once per ``generate`` and, for multi-turn episodes and agent functions
+            (vLLM's request path), step by step without waiting for the GPU, matched to each turn's tokens.
         exact: exact on-policy (README "Exact on-policy"; docs/DESIGN.md): vLLM in its batch-invariant mode
             (``VLLM_BATCH_INVARIANT=1``) and the trainer's old-log-prob pass batch-invariant with the same kernels
             (:mod:`megarl.kernels.batch_invariant`), so that the old log-probs equal the rollout's bit for bit

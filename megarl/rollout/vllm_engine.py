@@ -29,7 +29,7 @@ Generation: one vLLM request per (prompt, sample), ``n=1``, seeded by
 :func:`~megarl.rollout.base.sample_seed` (``rollout.request_seeds``, the default; else vLLM's own generator),
 asking for the sampled token's log-prob only (``logprobs=0``; the sampler puts the sampled token first,
 ``vllm/v1/engine/logprobs.py``), or, with ``rollout.logprobs: sampler``, for none, the same values then taken
-in the model runner's sampler on the GPU (:mod:`megarl.rollout.vllm_logprobs`).
+in the model runner's sampler on the GPU (:mod:`megarl.rollout.vllm_logprobs`; request by request too).
 
 What these cost per decode step (vLLM 0.24.0's source; measured by ``perf/gpu_generation.sh``): a seeded
 request gets a ``torch.Generator`` of its own, and the V1 model runner's sampler
@@ -48,16 +48,17 @@ check_stop``) and, without a tokenizer, the output keeps all of them (``vllm/v1/
 
 Request by request (:class:`~megarl.rollout.base.RequestEngine`, multi-turn episodes), read in vLLM 0.24.0's
 ``vllm/v1/engine/llm_engine.py`` and ``vllm/entrypoints/offline_utils.py`` (what ``LLM.generate`` itself does):
-:meth:`VLLMRolloutEngine.add_request` hands one request to ``llm.llm_engine.add_request(request_id,
-tokens_input(ids), SamplingParams(..., output_kind=FINAL_ONLY))`` (a ``TokensInput`` is taken as already rendered;
-the output keeps the id given, ``RequestOutput.request_id`` is the external one), and :meth:`VLLMRolloutEngine.
-step` runs one ``llm_engine.step()`` (one scheduler iteration: a decode step of every running request, prefill
-of new ones) and returns the requests that finished in it. So an episode's next turn joins the running batch at
-the next iteration, and its prompt (the previous turn's prompt, its sampled tokens and the observation) hits the
-prefix cache (``enable_prefix_caching=True``; ``RequestOutput.num_cached_tokens`` is reported per turn). With
-``rollout.tp > 1`` the ranks of one engine would have to add the same requests at the same iterations (their
-schedulers run in lockstep under the external launcher), which episodes timed by their tools do not; multi-turn
-rollouts refuse it (:mod:`megarl.trainer.preflight`).
+:meth:`VLLMRolloutEngine.add_request` hands one request to ``llm.llm_engine.add_request(request_id, tokens_input(ids),
+SamplingParams(..., output_kind=FINAL_ONLY))`` (a ``TokensInput`` is taken as already rendered; the output keeps the id
+given, ``RequestOutput.request_id`` is the external one), and :meth:`VLLMRolloutEngine. step` runs one
+``llm_engine.step()`` (one scheduler iteration: a decode step of every running request, prefill of new ones) and returns
+the requests that finished in it (``rollout.logprobs: sampler``: log-probs from each step's sampler rows,
+:mod:`megarl.rollout.vllm_logprobs`). So an episode's next turn joins the running batch at the next iteration, and its
+prompt (the previous turn's prompt, its sampled tokens and the observation) hits the prefix cache
+(``enable_prefix_caching=True``; ``RequestOutput.num_cached_tokens`` is reported per turn). With ``rollout.tp > 1`` the
+ranks of one engine would have to add the same requests at the same iterations (their schedulers run in lockstep under
+the external launcher), which episodes timed by their tools do not; multi-turn rollouts refuse it
+(:mod:`megarl.trainer.preflight`).
 
 A rollout pool of its own (``placement.rollout`` disjoint from the training ranks,
 :mod:`megarl.trainer.pipeline`): the engines run on the pool's ranks only, ``rollout.tp`` consecutive ranks
@@ -151,7 +152,7 @@ from megarl.rollout.base import (
     sample_rows,
     sample_seed,
 )
-from megarl.rollout.vllm_logprobs import SampledLogprobs
+from megarl.rollout.vllm_logprobs import OutputLogprobs, SampledLogprobs
 
 # Set before vllm is imported (vllm.envs reads them): in-process engine core (the model is reachable here and
 # external_launcher needs deterministic in-process scheduling), no FlashInfer sampler JIT (nothing to download
@@ -185,7 +186,7 @@ class VLLMSettings:
             batching); False: vLLM's generator, seeded once by ``run.seed`` (samples then depend on the batch).
         quantization: None (the model dtype) or "fp8" (block-FP8 weights, module docstring).
         logprobs: "output" (vLLM's ``logprobs=0`` output) or "sampler" (the same values from vLLM's sampler on the
-            GPU, :mod:`megarl.rollout.vllm_logprobs`), for :meth:`VLLMRolloutEngine.generate`.
+            GPU, :mod:`megarl.rollout.vllm_logprobs`), in ``generate`` and request by request.
         exact: vLLM's batch-invariant mode (``rollout.exact``: :data:`~megarl.kernels.batch_invariant.
             BATCH_INVARIANT_ENV`; vLLM then picks a batch-invariant attention backend, one KV split, no cascade
             attention, no custom all-reduce).
@@ -366,18 +367,18 @@ def completion_routes(completion, prompt_len: int, spec: ModelSpec) -> torch.Ten
     return torch.from_numpy(routes.astype("int16"))
 
 
-def request_output_to_completion(output, policy_version: int | None = None, spec: ModelSpec | None = None
-                                 ) -> Completion:
+def request_output_to_completion(output, policy_version: int | None = None, spec: ModelSpec | None = None,
+                                 logprobs=None) -> Completion:
     """A :class:`~megarl.rollout.base.Completion` from a finished vLLM ``RequestOutput`` of one request
     (``outputs[0]``: its only sample; ``num_cached_tokens``: prompt tokens found in the prefix cache), sampled
     by the weights of ``policy_version``; with ``spec`` (an engine recording routes) its routes
-    (:func:`completion_routes` of the request's prompt).
+    (:func:`completion_routes` of the request's prompt); ``logprobs`` as for :func:`completion_to_sample`.
 
     Raises:
         RolloutError: as :func:`completion_to_sample` (an aborted request, missing log-probs) and
             :func:`completion_routes`.
     """
-    sample = completion_to_sample(output.outputs[0], -1, 0)
+    sample = completion_to_sample(output.outputs[0], -1, 0, logprobs=logprobs)
     routes = None if spec is None else completion_routes(output.outputs[0], len(output.prompt_token_ids), spec)
     return Completion(output.request_id, sample.token_ids, sample.logprobs, sample.finish_reason,
                       int(output.num_cached_tokens or 0), policy_version, routes)
@@ -478,7 +479,7 @@ class VLLMRolloutEngine:
         self._runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         self.model = self._runner.get_model()
         v2 = bool(self.llm.llm_engine.vllm_config.use_v2_model_runner)
-        self._sampled_logprobs = SampledLogprobs(self._runner, v2=v2) if settings.logprobs == "sampler" else None
+        self._logprobs = SampledLogprobs(self._runner, v2=v2) if settings.logprobs == "sampler" else OutputLogprobs()
         self._params = {n.replace(".base_layer.", "."): p.detach()  # LoRA layers wrap the base (module docstring)
                         for n, p in self.model.named_parameters()}  # fused experts viewed 2-D:
         self._params = local_views(self._params, self._rank_tensors())
@@ -642,24 +643,21 @@ class VLLMRolloutEngine:
         check_ready(self._asleep, self._has_weights)
         context = self.spec.max_position_embeddings
         prompts = check_prompts(prompt_token_ids, max_context=context, vocab_size=self.spec.vocab_size)
-        call = self.calls
-        self.calls += 1
+        call, self.calls = self.calls, self.calls + 1
         self._cache_empty = False  # this call's prompts are cached now
         start = time.perf_counter()
         stop = sorted(set(self.spec.eos_token_ids) | set(sampling.stop_token_ids))
-        rows = sample_rows(len(prompts), sampling.n)
-        seeded, capture = self.settings.request_seeds, self._sampled_logprobs
+        rows, seeded = sample_rows(len(prompts), sampling.n), self.settings.request_seeds
         params = [SamplingParams(**request_params(prompts[k], sampling, context=context, stop_token_ids=stop,
                                                   seed=sample_seed(sampling.seed, call, prompt_offset + k, j)
-                                                  if seeded else None, logprobs=capture is None))
+                                                  if seeded else None, logprobs=self._logprobs.asks_vllm))
                   for k, j in rows]
         request, version = self._lora_request, self.adapter_version  # one version for the whole call
 
         def run() -> list:
             return self.llm.generate([TokensPrompt(prompt_token_ids=prompts[k]) for k, _ in rows], params,
                                      use_tqdm=False, lora_request=request) if rows else []
-        outputs, values = ((run(), [None] * len(rows)) if capture is None else
-                           capture.run(run, [len(prompts[k]) for k, _ in rows]))
+        outputs, values = self._logprobs.run(run, [len(prompts[k]) for k, _ in rows])
         samples = [completion_to_sample(out.outputs[0], prompt_offset + k, j, version,
                                         completion_routes(out.outputs[0], len(prompts[k]), self.spec)
                                         if self.record_routes else None, self.policy_version, logprobs)
@@ -685,15 +683,17 @@ class VLLMRolloutEngine:
         prompt = check_prompts([prompt_token_ids], max_context=context, vocab_size=self.spec.vocab_size)[0]
         self._cache_empty = False
         stop = sorted(set(self.spec.eos_token_ids) | set(sampling.stop_token_ids))
-        params = SamplingParams(**request_params(prompt, sampling, context=context, stop_token_ids=stop, seed=seed),
+        params = SamplingParams(**request_params(prompt, sampling, context=context, stop_token_ids=stop, seed=seed,
+                                                 logprobs=self._logprobs.asks_vllm),
                                 output_kind=RequestOutputKind.FINAL_ONLY)
-        self.llm.llm_engine.add_request(request_id, tokens_input(prompt), params, lora_request=self._lora_request)
+        self._logprobs.add(request_id, len(prompt), params.max_tokens, lambda: self.llm.llm_engine.add_request(
+            request_id, tokens_input(prompt), params, lora_request=self._lora_request))
 
     def step(self) -> list[Completion]:
         """One iteration of vLLM's scheduler; the requests that finished in it."""
         spec = self.spec if self.record_routes else None
-        return [request_output_to_completion(out, self.policy_version, spec)
-                for out in self.llm.llm_engine.step() if out.finished]
+        return [request_output_to_completion(out, self.policy_version, spec, values)
+                for out, values in self._logprobs.step(self.llm.llm_engine.step)]
 
     def has_unfinished_requests(self) -> bool:
         """Whether vLLM holds a request that has not finished."""

@@ -17,10 +17,13 @@ parameter (names and shapes of :func:`megarl.models.layout_vllm.vllm_rank_tensor
 
 Request by request, like 0.24.0's ``LLMEngine`` (``llm.llm_engine``: ``add_request(request_id, tokens_input(ids),
 params)``, ``step()``, ``has_unfinished_requests()``): a request's completion is the same function of the weights,
-prompt and seed, produced one token per ``step`` (so requests of different lengths finish at different steps, as
-under continuous batching), returned once finished with ``RequestOutputKind.FINAL_ONLY`` (all that megarl asks
-for), with ``num_cached_tokens``: the longest run of whole 16-token blocks of its prompt that an earlier request's
-prompt and output began with (vLLM's prefix cache hashes full blocks and always computes the last prompt token).
+prompt and seed, produced by the continuous batching of :class:`vllm.runners.Batch` (requests joining between
+steps, at most 3 running, chunked prefill, a preemption, a row past the stop), whose rows go to the model runner's
+sampler step by step (what ``rollout.logprobs: sampler`` reads; the output carries log-probs only if asked), returned
+the step its last token is sampled with ``RequestOutputKind.FINAL_ONLY`` (all that megarl asks for), with
+``num_cached_tokens``: the longest run of whole 16-token blocks of its prompt that an earlier request's prompt and
+output began with (vLLM's prefix cache hashes full blocks and always computes the last prompt token).
+``add_request`` returns vLLM's internal id (the id, '-' and 8 characters).
 
 With ``enable_return_routed_experts`` (an MoE model), :meth:`LLM.generate`'s completions carry vLLM's
 ``routed_experts`` (:func:`fake_routes`): the experts that the transformers model of the assembled weights routes
@@ -175,27 +178,36 @@ class _LLMEngine:
     (``VLLM_USE_V2_MODEL_RUNNER``, :mod:`vllm.runners`), ``vllm_config.use_v2_model_runner`` says which."""
 
     def __init__(self, llm: "LLM"):
-        from vllm.runners import RunnerV1, RunnerV2
+        from vllm.runners import Batch, RunnerV1, RunnerV2
 
         self._llm = llm
         self.model_executor = _Model(llm.params)
         v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
         self.model_executor.model_runner = (RunnerV2 if v2 else RunnerV1)(self.model_executor)
         self.vllm_config = SimpleNamespace(use_v2_model_runner=v2)
-        self._running: dict[str, list] = {}  # request id -> [prompt, completion, tokens produced so far]
+        self._running: dict[str, tuple] = {}  # internal id -> (request id, prompt, completion, params)
+        self._batch = Batch(seed=0)  # their continuous batching (vllm.runners)
         self._cached_blocks: set[tuple[int, ...]] = set()
         self.added: list[tuple[str, list[int]]] = []  # every request's id and prompt, in order
+        self.asked: list[int | None] = []  # every request's SamplingParams.logprobs, in order
 
     def add_request(self, request_id: str, prompt: dict, params: SamplingParams, lora_request=None) -> str:
         assert isinstance(request_id, str), request_id
         assert prompt.get("type") == "token", prompt  # an already rendered TokensInput
         assert not self._llm.asleep, "add_request on a sleeping engine"
-        assert request_id not in self._running, f"duplicate request id {request_id}"
+        assert request_id not in {r[0] for r in self._running.values()}, f"duplicate request id {request_id}"
         ids = list(prompt["prompt_token_ids"])
         weights = fingerprint(self._llm._assemble())
-        self._running[request_id] = [ids, fake_completion(weights, ids, params, self._llm.spec.vocab_size), 0]
+        completion = fake_completion(weights, ids, params, self._llm.spec.vocab_size)
         self.added.append((request_id, ids))
-        return request_id
+        self.asked.append(params.logprobs)
+        internal = f"{request_id}-{hashlib.sha256(repr(self.added).encode()).hexdigest()[:8]}"  # as vLLM's
+        self._running[internal] = (request_id, ids, completion, params)
+        self._batch.add((internal, len(ids), list(completion.token_ids),
+                         [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]))
+        if params.logprobs is None:
+            completion.logprobs = None
+        return internal
 
     def _cached(self, ids: list[int]) -> int:
         blocks = 0
@@ -204,16 +216,19 @@ class _LLMEngine:
         return blocks * BLOCK_SIZE
 
     def step(self) -> list[RequestOutput]:
+        """One scheduler iteration: the batch's rows go to the model runner's sampler, and the requests whose last
+        token it sampled finish."""
+        rows, done = self._batch.step()
+        if rows:
+            greedy = all(self._running[r.req_id][3].temperature == 0 for r in rows if r.req_id in self._running)
+            self.model_executor.model_runner.run_step(rows, self._llm.spec.vocab_size, greedy)
         finished = []
-        for rid, state in list(self._running.items()):
-            state[2] += 1
-            ids, completion, made = state
-            if made >= len(completion.token_ids):
-                cached = self._cached(ids)
-                full = ids + list(completion.token_ids)
-                self._cached_blocks.update(tuple(full[:b]) for b in range(BLOCK_SIZE, len(full) + 1, BLOCK_SIZE))
-                finished.append(RequestOutput(ids, [completion], rid, True, cached))
-                del self._running[rid]
+        for internal in done:
+            rid, ids, completion, _ = self._running.pop(internal)
+            cached = self._cached(ids)
+            full = ids + list(completion.token_ids)
+            self._cached_blocks.update(tuple(full[:b]) for b in range(BLOCK_SIZE, len(full) + 1, BLOCK_SIZE))
+            finished.append(RequestOutput(ids, [completion], rid, True, cached))
         return finished
 
     def has_unfinished_requests(self) -> bool:

@@ -34,27 +34,34 @@ class Row:
     logprob: float
 
 
-def sampler_rows(requests: list[tuple[str, int, list[int], list[float]]], seed: int = 0) -> list[list[Row]]:
-    """The sampler rows of each engine step for ``requests`` (internal id, prompt length, output tokens, their
-    log-probs), as vLLM's runners produce them: at most :data:`MAX_RUNNING` running; a prompt longer than
-    :data:`CHUNK` prefills in two steps (the first row sampled and discarded); one decode row per step; a request
-    is preempted once (every third request with >= 3 tokens, after 2 tokens) and recomputed in two chunks (the
-    first row's index inside its output, discarded); one more kept row after a request's last token (async
-    scheduling runs a step past the stop; the scheduler drops it). Rows that are not output tokens carry
-    random tokens and log-probs."""
-    rng = random.Random(seed)
-    garbage = (lambda: (rng.randrange(1000), -rng.random() * 5))
-    waiting = list(range(len(requests)))
-    running: list[list] = []  # [request number, tokens made, phase, preempt at]
-    steps = []
-    while waiting or running:
-        while waiting and len(running) < MAX_RUNNING:
-            k = waiting.pop(0)
-            running.append([k, 0, "chunk" if requests[k][1] > CHUNK else "last", 2 if k % 3 == 1 else -1])
-        rows, done = [], []
-        for state in running:
-            k, made, phase, preempt_at = state
-            rid, plen, tokens, values = requests[k]
+class Batch:
+    """The continuous batching of :func:`sampler_rows` one engine step at a time, requests joining between steps
+    (the fake ``LLMEngine``'s request path): :meth:`add` queues one (internal id, prompt length, output tokens,
+    their log-probs), :meth:`step` returns the step's rows and the ids of the requests whose last token it
+    sampled (finished now; their row past the stop comes with the next step)."""
+
+    def __init__(self, seed: int = 0):
+        self._rng = random.Random(seed)
+        self._waiting: list[tuple[int, tuple]] = []
+        self._running: list[list] = []  # [request, tokens made, phase, preempt at]
+        self._added = 0
+
+    def add(self, request: tuple[str, int, list[int], list[float]]) -> None:
+        self._waiting.append((self._added, request))
+        self._added += 1
+
+    def busy(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def step(self) -> tuple[list[Row], list[str]]:
+        garbage = (lambda: (self._rng.randrange(1000), -self._rng.random() * 5))
+        while self._waiting and len(self._running) < MAX_RUNNING:
+            k, request = self._waiting.pop(0)
+            self._running.append([request, 0, "chunk" if request[1] > CHUNK else "last", 2 if k % 3 == 1 else -1])
+        rows, done, finished = [], [], []
+        for state in self._running:
+            request, made, phase, preempt_at = state
+            rid, plen, tokens, values = request
             if phase == "chunk":  # a first prefill chunk (of the prompt, or of prompt + output when recomputed)
                 rows.append(Row(rid, CHUNK if made == 0 else plen + made - 1, False, *garbage()))
                 state[2] = "last"
@@ -66,11 +73,29 @@ def sampler_rows(requests: list[tuple[str, int, list[int], list[float]]], seed: 
                 state[1] = made = made + 1
                 if made == len(tokens):
                     state[2] = "extra"
+                    finished.append(rid)
                 elif made == preempt_at and len(tokens) >= 3:  # preempted: recomputed in two chunks
                     state[2], state[3] = "chunk", -1
                 else:
                     state[2] = "decode"
-        running = [s for s in running if s not in done]
+        self._running = [s for s in self._running if s not in done]
+        return rows, finished
+
+
+def sampler_rows(requests: list[tuple[str, int, list[int], list[float]]], seed: int = 0) -> list[list[Row]]:
+    """The sampler rows of each engine step for ``requests`` (internal id, prompt length, output tokens, their
+    log-probs), as vLLM's runners produce them: at most :data:`MAX_RUNNING` running; a prompt longer than
+    :data:`CHUNK` prefills in two steps (the first row sampled and discarded); one decode row per step; a request
+    is preempted once (every third request with >= 3 tokens, after 2 tokens) and recomputed in two chunks (the
+    first row's index inside its output, discarded); one more kept row after a request's last token (async
+    scheduling runs a step past the stop; the scheduler drops it). Rows that are not output tokens carry
+    random tokens and log-probs."""
+    batch = Batch(seed)
+    for request in requests:
+        batch.add(request)
+    steps = []
+    while batch.busy():
+        rows, _ = batch.step()
         if rows:
             steps.append(rows)
     return steps
