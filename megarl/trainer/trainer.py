@@ -53,6 +53,7 @@ from megarl.rewards.registry import task_metrics
 from megarl.rollout.base import RolloutOutput, SamplingConfig
 from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel, map_data_parallel, map_share,
                                           rollout_dp_group)
+from megarl.rollout.overlap import OverlapScoring, unit_base, unit_groups
 from megarl.trainer.advantages import compute_advantages, drop_nonfinite, set_loss_mask, shape_rewards
 from megarl.trainer.checkpointing import Checkpointer, check_run_folder
 from megarl.trainer.builders import (load_prompts, load_validation, make_engine, model_meta, resolve_eos,
@@ -224,6 +225,7 @@ class Trainer:
         self.reshard_plan = plan_reshard(src_layout, dst_layout, ranks_per_node(self.world))
         self.adapter_plan = (plan_reshard(src_layout, adapter_layout(self.spec, lora, self.rollout_ranks),
                                           ranks_per_node(self.world)) if self.adapter_sync else None)
+        self.overlap = OverlapScoring() if cfg.rollout.overlap_scoring else None  # megarl.rollout.overlap
         self.sampling = dict(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                              top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
                              stop_token_ids=tuple(self.spec.eos_token_ids))
@@ -256,6 +258,8 @@ class Trainer:
             self.engine.sleep(level=self.sleep_level)
         self.offloads.to_device()
         train_start = time.perf_counter()
+        if self.overlap is not None:  # the finished groups' scores, computed while the others generated
+            known_scores, sampling_metrics = self.overlap.frames("scores", [len(out.samples)]), self.overlap.metrics
         metrics, batch = self.train_on(prompts, out, self.state.policy_version, known_scores)
         metrics.update(sampling_metrics)
         busy = {"train": time.perf_counter() - train_start, "rollout": out.stats.seconds}
@@ -314,14 +318,17 @@ class Trainer:
             log.info("step %d: old log-probs from %s", self.state.step + 1, source)
         self.old_logprob_source = source
         passes: dict[str, Any] = {"routing": roles["actor"].run(lambda actor: {})}
+        overlap = self.overlap if self.overlap is not None and self.overlap.computed("scores") else None
+        shape = batch["response_mask"].shape  # the overlap's passes ran on its units of finished groups
         if reason:
             with t("old_logprobs"):
-                passes["old_logprobs"] = roles["actor"].run(lambda actor: actor.compute_logprobs(
-                    batch, exact=self.cfg.rollout.exact)["logprobs"])
+                passes["old_logprobs"] = overlap.frames("old_logprobs", shape) if overlap else roles["actor"].run(
+                    lambda actor: actor.compute_logprobs(batch, exact=self.cfg.rollout.exact)["logprobs"])
                 passes["routing"] = roles["actor"].run(lambda actor: actor.routing_agreement())
         if "reference" in roles:
             with t("reference"):
-                passes["ref_logprobs"] = roles["reference"].run(lambda ref: ref.compute_logprobs(batch)["logprobs"])
+                passes["ref_logprobs"] = overlap.frames("ref_logprobs", shape) if overlap else roles["reference"].run(
+                    lambda ref: ref.compute_logprobs(batch)["logprobs"])
         if "critic" in roles:
             with t("values"):
                 passes["values"] = roles["critic"].run(lambda critic: critic.compute_values(batch))
@@ -554,9 +561,35 @@ class Trainer:
             out = generate_episodes(self.agent, self.engine, prompts, sampling, group=self.rollout_group,
                                     pause=pause, gather=gather)
             out.adapter_version = adapters
+        elif self.overlap is not None:  # rollout.overlap_scoring
+            old_pass = old_logprob_pass(self.cfg, rows=len(prompts.input_ids) * sampling.n, step=index, moe=False)
+            base = unit_base(sampling.n, [self.pools[r].mesh.dp * self.pools[r].mesh.microbatch_multiple
+                                          for r in ("actor", "reference") if r in self.pools])
+            out = self.overlap.generate(self.engine, prompts.input_ids, sampling, group=self.rollout_group,
+                                        score=functools.partial(self._score_unit, prompts, bool(old_pass)),
+                                        groups_per_unit=unit_groups(len(prompts.input_ids), base))
         else:
             out = generate_data_parallel(self.engine, prompts.input_ids, sampling, group=self.rollout_group)
         self.engine.calls = index + 1
+        return out
+
+    def _score_unit(self, prompts, old_pass: bool, samples) -> dict[str, torch.Tensor]:
+        """``rollout.overlap_scoring``: a unit of finished groups' ``scores`` ``[rows]`` and, where the step has the
+        passes, ``old_logprobs`` and ``ref_logprobs`` ``[rows, R_unit]`` on every training rank, as the sequential
+        step computes them (the overlap's thread, :mod:`megarl.rollout.overlap`)."""
+        texts = self.tokenizer.batch_decode([list(s.token_ids) for s in samples], skip_special_tokens=True)
+        out = {"scores": self._rewards([prompts.raw_prompt[s.prompt_index] for s in samples], texts,
+                                       [prompts.ground_truth[s.prompt_index] for s in samples])}
+        batch = build_batch([prompts.input_ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
+                            [s.logprobs for s in samples], [s.prompt_index for s in samples],
+                            pad_token_id=self.pad_id, seq_multiple=8 * self.mesh.tp * self.mesh.cp)
+        shape = batch["response_mask"].shape
+        if old_pass:
+            out["old_logprobs"] = self.roles["actor"].run_shared(lambda actor: actor.compute_logprobs(
+                batch, exact=self.cfg.rollout.exact)["logprobs"], shape)
+        if "reference" in self.roles:
+            out["ref_logprobs"] = self.roles["reference"].run_shared(
+                lambda ref: ref.compute_logprobs(batch)["logprobs"], shape)
         return out
 
 
