@@ -4,6 +4,8 @@ combinations it does not cover are refused with one line naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megarl.config import ConfigError, load_config
@@ -24,6 +26,7 @@ def task(tmp_path_factory):
     return root, make_tiny_model(root / "model"), write_prompts(root / "prompts.jsonl", 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["actor.parallel.tp=2"], ["actor.parallel.dp=2"]], ids=["tp2", "dp2"])
 def test_overlap_gives_the_sequential_steps_metrics_and_weights_bit_for_bit(task, layout):
     root, model, data = task
@@ -56,3 +59,53 @@ def test_what_overlap_does_not_cover_is_refused_naming_the_field(override, field
     extra = (["placement.pools={all: all, gen: [1]}"] if "placement" in override else [])
     with pytest.raises(ConfigError, match=f"^{field}: .*rollout.overlap_scoring=false"):
         load_config(None, ["rollout.overlap_scoring=true", override] + extra)
+
+
+class _Requests:
+    """The transformers engine behind its request interface alone (as :func:`~megarl.rollout.overlap.open_stream`
+    drives vLLM): no ``generate_stream``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        if name == "generate_stream":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def __setattr__(self, name, value):
+        if name == "engine":
+            super().__setattr__(name, value)
+        else:
+            setattr(self.engine, name, value)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_engine_streams_give_generates_samples_as_they_finish():
+    """The transformers engine's stream (one decode step a ``next``) and the request path vLLM's stream takes give
+    the samples of ``generate`` (same seeds from the call counter, which each advances by one), the stream's spread
+    over the steps in which they finished."""
+    from megarl.rollout.base import SamplingConfig, state_dict_writer
+    from megarl.rollout.hf_engine import HFRolloutEngine
+    from megarl.rollout.overlap import open_stream
+    from tests.test_rollout_hf_engine import PROMPTS, TINY, random_state_dict
+
+    engine = HFRolloutEngine(TINY, max_batch_size=4)
+    engine.update_weights(state_dict_writer(random_state_dict(TINY, 3), engine.weight_layout([0]), 0))
+    free = SamplingConfig(n=2, max_new_tokens=12, seed=5)
+    engine.calls = 4  # the tokens some samples say early end them: samples of many lengths
+    stops = {s.token_ids[k] for k, s in zip((1, 3, 5, 8), engine.generate(PROMPTS, free, prompt_offset=3).samples)}
+    sampling = dataclasses.replace(free, stop_token_ids=tuple(stops))
+    engine.calls = 4
+    want = engine.generate(PROMPTS, sampling, prompt_offset=3).samples
+    assert len({len(s.token_ids) for s in want}) > 3  # lengths spread: samples finish at different steps
+    for source in (engine, _Requests(engine)):
+        engine.calls = 4
+        steps = list(open_stream(source, PROMPTS, sampling, prompt_offset=3))
+        assert engine.calls == 5
+        got = sorted((s for step in steps for s in step), key=lambda s: (s.prompt_index, s.sample_index))
+        assert [(s.prompt_index, s.sample_index, s.token_ids, s.finish_reason) for s in got] == \
+               [(s.prompt_index, s.sample_index, s.token_ids, s.finish_reason) for s in want]
+        assert all(a.logprobs.equal(b.logprobs) for a, b in zip(got, want))
+        if source is engine:
+            assert sum(1 for step in steps if step) > 4  # finished over many steps, not all at the end

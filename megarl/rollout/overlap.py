@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import queue
 import threading
@@ -46,20 +47,18 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from megarl.data.batch import build_batch
 from megarl.parallel.megatron_cpu import in_thread
 from megarl.rollout.base import RolloutOutput, RolloutStats, Sample, SamplingConfig, sample_rows, sample_seed
 from megarl.rollout.data_parallel import shard_bounds
 
 POLL_STEPS = 4  # engine steps between two exchanges of the finished samples
 
-ScoreFn = Callable[[list[Sample]], dict[str, torch.Tensor]]
 
-
-def unit_base(n: int, row_multiples: Sequence[int]) -> int:
-    """The fewest groups of ``n`` samples whose rows are a multiple of every one of ``row_multiples`` (each role's
-    data-parallel size times its micro-batch multiple): what a unit's groups must be a multiple of."""
-    m = math.lcm(*row_multiples) if row_multiples else 1
-    return m // math.gcd(m, n)
+def unit_base(n: int, row_multiple: int) -> int:
+    """The fewest groups of ``n`` samples whose rows are a multiple of ``row_multiple``: what a unit's groups must
+    be a multiple of."""
+    return row_multiple // math.gcd(row_multiple, n)
 
 
 def unit_groups(num_prompts: int, base: int) -> int:
@@ -105,7 +104,7 @@ def _request_stream(engine, prompt_token_ids, sampling: SamplingConfig, prompt_o
 class _Scorer:
     """A thread that runs ``score`` on the units handed to it, in order (on a CUDA stream of its own)."""
 
-    def __init__(self, score: ScoreFn):
+    def __init__(self, score: Callable[[list[Sample]], dict[str, torch.Tensor]]):
         self.score, self.results, self.error = score, [], None
         self.busy_s = 0.0
         self.queue: queue.Queue = queue.Queue()
@@ -144,35 +143,71 @@ class OverlapScoring:
 
     Construct on every rank of the world at the same point (it creates a gloo group over the world).
 
+    Args:
+        roles: the trainer's :class:`~megarl.workers.role.Role` handles by name (``actor``, ``reference``, ...).
+        pools: the roles' pools (:class:`~megarl.parallel.placement.PoolGroups` by name): a unit's rows are a
+            multiple of each one's DP size times its micro-batch multiple, and padded as the actor's TP x CP needs.
+        rewards: ``(prompts, responses, truths) -> [B]`` float32 scores on every rank (the trainer's reward pool).
+        tokenizer: decodes the responses for ``rewards``.
+        pad_id: the batch's padding token (:func:`~megarl.data.batch.build_batch`).
+        old_pass: ``(rows=, step=)`` -> whether the step runs an old-log-prob pass of its own (the reason, or None:
+            :func:`~megarl.trainer.old_logprobs.old_logprob_pass`).
+        exact: ``rollout.exact``'s batch-invariant old-log-prob pass.
+
     Attributes:
         metrics: the last :meth:`generate`'s figures: ``overlap/units`` (units scored), ``overlap/early_units``
             (of them, handed over before the last sample finished), ``overlap/scoring_s`` (the scoring thread's
             busy seconds), ``overlap/wait_s`` (seconds between the last sample and the last unit's end).
     """
 
-    def __init__(self):
+    def __init__(self, roles: dict[str, Any], pools: dict[str, Any], rewards: Callable, tokenizer: Any, *,
+                 pad_id: int, old_pass: Callable[..., Any], exact: bool = False):
+        self.roles, self.rewards, self.tokenizer, self.old_pass = roles, rewards, tokenizer, old_pass
+        self.row_multiple = math.lcm(*(pools[r].mesh.dp * pools[r].mesh.microbatch_multiple for r in roles))
+        self.pad_id, self.seq_multiple, self.exact = pad_id, 8 * pools["actor"].mesh.tp * pools["actor"].mesh.cp, exact
         self.group = dist.new_group(backend="gloo")
         self.metrics: dict[str, float] = {}
         self._results: list[tuple[list[int], dict[str, torch.Tensor]]] = []
         self._n = 0
 
-    def generate(self, engine: Any, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
-                 group, score: ScoreFn, groups_per_unit: int) -> RolloutOutput:
-        """Generate ``sampling.n`` samples of every prompt (this rank its share among the rollout data-parallel
-        ``group``, as :func:`~megarl.rollout.data_parallel.generate_data_parallel` does) while ``score`` runs on
-        the finished groups, ``groups_per_unit`` at a time (module docstring); returns every sample, prompt-major,
-        on every rank (stats: prompt and generated tokens of all, seconds until the last sample). The scores are
-        then :meth:`frames`. Call on every rank with the same arguments.
+    def score(self, prompts: Any, old_pass: bool, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        """A unit's ``scores`` ``[rows]`` and, where the step runs those passes, ``old_logprobs`` (``old_pass``)
+        and ``ref_logprobs`` ``[rows, R_unit]`` float32 on every training rank, as the sequential step computes them
+        (:meth:`~megarl.trainer.trainer.Trainer.train_on`); ``prompts``: the step's
+        :class:`~megarl.data.loader.PromptBatch`. Collectives on the trainer's groups (the scoring thread's)."""
+        out = {"scores": self.rewards(*prompts.reward_inputs(samples, self.tokenizer))}
+        batch = build_batch([prompts.input_ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
+                            [s.logprobs for s in samples], [s.prompt_index for s in samples],
+                            pad_token_id=self.pad_id, seq_multiple=self.seq_multiple)
+        shape = batch["response_mask"].shape
+        if old_pass:
+            out["old_logprobs"] = self.roles["actor"].run_shared(
+                lambda actor: actor.compute_logprobs(batch, exact=self.exact)["logprobs"], shape)
+        if "reference" in self.roles:
+            out["ref_logprobs"] = self.roles["reference"].run_shared(
+                lambda ref: ref.compute_logprobs(batch)["logprobs"], shape)
+        return out
+
+    def generate(self, engine: Any, prompts: Any, sampling: SamplingConfig, *, group, step: int) -> RolloutOutput:
+        """Generate ``sampling.n`` samples of every prompt of ``prompts`` (a :class:`~megarl.data.loader.
+        PromptBatch`; this rank its share among the rollout data-parallel ``group``, as :func:`~megarl.rollout.
+        data_parallel.generate_data_parallel` does) while :meth:`score` runs on the finished groups
+        (:func:`unit_groups` at a time, module docstring); returns every sample, prompt-major, on every rank
+        (stats: prompt and generated tokens of all, seconds until the last sample); their scores and passes are
+        then :meth:`frames`. ``step``: the steps done before this one. Call on every rank with the same arguments.
 
         Raises:
             RolloutError: from the engine.
-            Exception: what ``score`` raised (on the rank where it did).
+            Exception: what :meth:`score` raised (on the rank where it did).
         """
         start = time.perf_counter()
-        n, num = sampling.n, len(prompt_token_ids)
+        ids, n = prompts.input_ids, sampling.n
+        num = len(ids)
+        per_unit = unit_groups(num, unit_base(n, self.row_multiple))
         lo, hi = shard_bounds(num, dist.get_rank(group), dist.get_world_size(group))
-        stream = open_stream(engine, list(prompt_token_ids[lo:hi]), sampling, prompt_offset=lo)
-        scorer = _Scorer(score)
+        stream = open_stream(engine, list(ids[lo:hi]), sampling, prompt_offset=lo)
+        old_pass = self.old_pass(rows=num * n, step=step) is not None
+        scorer = _Scorer(functools.partial(self.score, prompts, old_pass))
         finished: dict[tuple[int, int], Sample] = {}
         pending = list(range(num))  # groups not handed to the scorer yet
         local_done, units, early = False, 0, 0
@@ -190,8 +225,8 @@ class OverlapScoring:
                 finished.update(((s.prompt_index, s.sample_index), s) for samples, _ in parts for s in samples)
                 all_done = all(done for _, done in parts)
                 ready = [k for k in pending if all((k, j) in finished for j in range(n))]
-                while ready and (len(ready) >= groups_per_unit or all_done):
-                    take, ready = ready[:groups_per_unit], ready[groups_per_unit:]
+                while ready and (len(ready) >= per_unit or all_done):
+                    take, ready = ready[:per_unit], ready[per_unit:]
                     scorer.queue.put((take, [finished[(k, j)] for k in take for j in range(n)]))
                     pending = [k for k in pending if k not in set(take)]
                     units, early = units + 1, early + (not all_done)
@@ -204,16 +239,17 @@ class OverlapScoring:
         samples = [finished[(k, j)] for k in range(num) for j in range(n)]
         self.metrics = {"overlap/units": units, "overlap/early_units": early, "overlap/scoring_s": scorer.busy_s,
                         "overlap/wait_s": time.perf_counter() - waited}
-        stats = RolloutStats(prompt_tokens=n * sum(len(p) for p in prompt_token_ids),
+        stats = RolloutStats(prompt_tokens=n * sum(len(p) for p in ids),
                              generated_tokens=sum(len(s.token_ids) for s in samples), seconds=seconds)
         return RolloutOutput(samples, n, stats)
 
     def frames(self, name: str, frame: Sequence[int]) -> torch.Tensor:
-        """The units' ``name`` (``[rows]`` per unit, or ``[rows, R_unit]`` per-token frames) as the whole batch's
-        ``frame`` (``[B]`` or ``[B, R]``, rows prompt-major, columns past a unit's width 0), float32.
+        """The last :meth:`generate`'s units' ``name`` (``[rows]`` per unit, or ``[rows, R_unit]`` per-token
+        frames) as the whole batch's ``frame`` (``[B]`` or ``[B, R]``, rows prompt-major, columns past a unit's
+        width 0), float32.
 
         Raises:
-            KeyError: no unit computed ``name``.
+            KeyError: the units did not compute ``name``.
         """
         out = torch.zeros(tuple(frame), dtype=torch.float32)
         for groups, result in self._results:
@@ -224,7 +260,3 @@ class OverlapScoring:
             else:
                 out[rows, :value.shape[1]] = value.float()
         return out
-
-    def computed(self, name: str) -> bool:
-        """Whether the last :meth:`generate`'s units computed ``name``."""
-        return bool(self._results) and name in self._results[0][1]
