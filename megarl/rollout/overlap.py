@@ -49,7 +49,8 @@ import torch.distributed as dist
 
 from megarl.data.batch import build_batch
 from megarl.parallel.megatron_cpu import in_thread
-from megarl.rollout.base import RolloutOutput, RolloutStats, Sample, SamplingConfig, sample_rows, sample_seed
+from megarl.rollout.base import (RolloutOutput, RolloutStats, Sample, SamplingConfig, check_prompts, sample_rows,
+                                 sample_seed)
 from megarl.rollout.data_parallel import shard_bounds
 
 POLL_STEPS = 4  # engine steps between two exchanges of the finished samples
@@ -197,12 +198,15 @@ class OverlapScoring:
         then :meth:`frames`. ``step``: the steps done before this one. Call on every rank with the same arguments.
 
         Raises:
-            RolloutError: from the engine.
-            Exception: what :meth:`score` raised (on the rank where it did).
+            RolloutError: a bad prompt (checked on every rank before sharding, so all ranks raise), or from the
+                engine.
+            Exception: what :meth:`score` raised (on the rank where it did; the other ranks' collectives then
+                end at ``trainer.timeout_s``).
         """
         start = time.perf_counter()
         ids, n = prompts.input_ids, sampling.n
         num = len(ids)
+        check_prompts(ids, max_context=engine.spec.max_position_embeddings, vocab_size=engine.spec.vocab_size)
         per_unit = unit_groups(num, unit_base(n, self.row_multiple))
         lo, hi = shard_bounds(num, dist.get_rank(group), dist.get_world_size(group))
         stream = open_stream(engine, list(ids[lo:hi]), sampling, prompt_offset=lo)
@@ -232,13 +236,14 @@ class OverlapScoring:
                     units, early = units + 1, early + (not all_done)
                 if all_done:
                     break
-            seconds = time.perf_counter() - start
-        finally:
-            waited = time.perf_counter()
-            self._results, self._n = scorer.close(), n
+        except BaseException:
+            scorer.queue.put(None)  # its last unit may wait on the other ranks: the thread is not waited for
+            raise
+        seconds = time.perf_counter() - start
+        self._results, self._n = scorer.close(), n
         samples = [finished[(k, j)] for k in range(num) for j in range(n)]
         self.metrics = {"overlap/units": units, "overlap/early_units": early, "overlap/scoring_s": scorer.busy_s,
-                        "overlap/wait_s": time.perf_counter() - waited}
+                        "overlap/wait_s": time.perf_counter() - start - seconds}
         stats = RolloutStats(prompt_tokens=n * sum(len(p) for p in ids),
                              generated_tokens=sum(len(s.token_ids) for s in samples), seconds=seconds)
         return RolloutOutput(samples, n, stats)
