@@ -109,3 +109,12 @@ def test_the_engine_streams_give_generates_samples_as_they_finish():
         assert all(a.logprobs.equal(b.logprobs) for a, b in zip(got, want))
         if source is engine:
             assert sum(1 for step in steps if step) > 4  # finished over many steps, not all at the end
+
+
+def test_bench_step_reports_the_overlap_figures_as_means_of_the_measured_steps():
+    from megarl.bench.step import overlap_figures
+
+    history = [{"overlap/units": 8, "overlap/wait_s": 0.5, "time/step": 3.0},
+               {"overlap/units": 8, "overlap/wait_s": 0.25, "time/step": 2.0}]
+    assert overlap_figures(history) == {"units": 8.0, "wait_s": 0.375}
+    assert overlap_figures([{"time/step": 1.0}]) == {}
