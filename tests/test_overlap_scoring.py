@@ -118,3 +118,14 @@ def test_bench_step_reports_the_overlap_figures_as_means_of_the_measured_steps()
                {"overlap/units": 8, "overlap/wait_s": 0.25, "time/step": 2.0}]
     assert overlap_figures(history) == {"units": 8.0, "wait_s": 0.375}
     assert overlap_figures([{"time/step": 1.0}]) == {}
+
+
+def test_a_moe_actor_is_refused_before_any_model():
+    from megarl.models.spec import ModelSpec
+    from megarl.trainer.preflight import validate_for_model
+
+    moe = ModelSpec("qwen3_moe", vocab_size=16, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+                    head_dim=16, ffn_hidden_size=128, max_position_embeddings=512, eos_token_ids=(1,), num_experts=8,
+                    moe_top_k=2, moe_ffn_hidden_size=32)
+    with pytest.raises(ConfigError, match="^rollout.overlap_scoring: a qwen3_moe model .* cannot overlap scoring"):
+        validate_for_model(load_config(None, ["rollout.overlap_scoring=true"]), moe)
