@@ -1,5 +1,5 @@
 """``rollout.overlap_scoring`` (:mod:`megarl.rollout.overlap`): the step that scores finished groups while the
-others generate gives the sequential step's results bit for bit, on two gloo ranks (TP=2, then DP=2), and the
+others generate gives the sequential step's results bit for bit, on two gloo ranks (TP=2, DP=2, PP=2), and the
 combinations it does not cover are refused with one line naming the field."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def task(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["actor.parallel.tp=2"], ["actor.parallel.dp=2"]], ids=["tp2", "dp2"])
+@pytest.mark.parametrize("layout", [["actor.parallel.tp=2"], ["actor.parallel.dp=2"], ["actor.parallel.pp=2"]],
+                         ids=["tp2", "dp2", "pp2"])
 def test_overlap_gives_the_sequential_steps_metrics_and_weights_bit_for_bit(task, layout):
     root, model, data = task
     name = layout[0].split(".")[-1].replace("=", "")
