@@ -8,7 +8,9 @@ cache (``DynamicCache``): prompts are left-padded into micro-batches of at most 
 row per sample, rows sorted by prompt length to limit padding), each distinct prompt of a micro-batch prefilled
 once in one forward (its KV-cache rows then copied to each of its samples), then decoded one token per forward;
 a row that samples an EOS/stop token or reaches its length limit leaves the batch (its KV-cache rows are
-dropped). Token selection and log-prob semantics: :mod:`megarl.rollout.sampler`. An MoE
+dropped). :meth:`HFRolloutEngine.generate_stream` runs that loop one forward a ``next``, yielding the samples as they
+finish (what :mod:`megarl.rollout.overlap` drives; ``generate`` drains it). Token selection and log-prob semantics:
+:mod:`megarl.rollout.sampler`. An MoE
 model's samples carry the top-k experts each token was routed to (:attr:`~megarl.rollout.base.Sample.
 routed_experts`, recorded by :class:`~megarl.models.router_replay.EngineRouteRecorder` during prefill and decode).
 
