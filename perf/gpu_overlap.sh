@@ -14,7 +14,8 @@
 #   4. compare: every metric of every step but the timings (time/, throughput/, pool/, overlap/, offload/,
 #      reshard/, perf/, mfu/, memory/) equal in both runs (else the keys that differ and by how much), and the
 #      step time of both (mean of the steps after the first) with the phases it moved: generate, reward,
-#      old_logprobs, reference; overlap/early_units (units scored before the last sample) and overlap/wait_s
+#      old_logprobs, reference (with the overlap: overlap_frames, the units' results laid out); overlap/units,
+#      overlap/early_units (units scored before the last sample), overlap/scoring_s and overlap/wait_s
 #      (the wait for the last units after it). $OUT/overlap.json holds the figures, $OUT/overlap-sequential and
 #      $OUT/overlap-overlap the runs' records.
 # The last line is "gpu_overlap: PASS" (identical metrics) or "gpu_overlap: FAIL". About 5 minutes once the wheels
@@ -58,7 +59,7 @@ for a, b in zip(seq, ovl):
 def mean(rows, key):
     values = [m.get(key, 0.0) for m in rows[1:]]  # the first step warms up (graphs, allocator)
     return sum(values) / len(values)
-phases = ("step", "generate", "reward", "old_logprobs", "reference", "actor_update")
+phases = ("step", "generate", "reward", "old_logprobs", "reference", "overlap_frames", "actor_update")
 report = {name: {p: mean(rows, f"time/{p}") for p in phases} for name, rows in runs.items()}
 report["overlap"].update({k: mean(ovl, f"overlap/{k}") for k in ("units", "early_units", "scoring_s", "wait_s")})
 report["speedup"] = report["sequential"]["step"] / report["overlap"]["step"]

@@ -323,12 +323,12 @@ class Trainer:
         passes: dict[str, Any] = {"routing": roles["actor"].run(lambda actor: {})}
         overlap, shape = self.overlap, batch["response_mask"].shape  # its passes ran on units of finished groups
         if reason:
-            with t("old_logprobs"):
+            with t("old_logprobs" if overlap is None else "overlap_frames"):
                 passes["old_logprobs"] = overlap.frames("old_logprobs", shape) if overlap else roles["actor"].run(
                     lambda actor: actor.compute_logprobs(batch, exact=self.cfg.rollout.exact)["logprobs"])
                 passes["routing"] = roles["actor"].run(lambda actor: actor.routing_agreement())
         if "reference" in roles:
-            with t("reference"):
+            with t("reference" if overlap is None else "overlap_frames"):
                 passes["ref_logprobs"] = overlap.frames("ref_logprobs", shape) if overlap else roles["reference"].run(
                     lambda ref: ref.compute_logprobs(batch)["logprobs"])
         if "critic" in roles:
