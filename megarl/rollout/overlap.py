@@ -27,7 +27,8 @@ rewards are per sample; a row's log-probs do not depend on the other rows of its
 row-invariant (megarl's passes on the CPU; the batch-invariant pass of ``rollout.exact`` anywhere), which
 ``tests/test_overlap_scoring.py`` checks against the sequential step bit for bit (metrics and weights, TP=2, DP=2,
 PP=2). On a GPU the bf16 GEMMs and attention of a pass on fewer rows may round differently (``perf/gpu_overlap.sh``
-compares every metric of the SmolLM2 GSM8K step with and without the overlap).
+compares every metric of the SmolLM2 GSM8K step with and without the overlap). On several GPUs the thread's NCCL
+collectives run beside the engine's own (vLLM TP), on other streams: not yet run on GPUs.
 
 Not covered (refused by :class:`megarl.config.Config` and the trainer's preflight): multi-turn episodes, dynamic
 sampling, a rollout pool of its own (or roles on other pools), asynchronous mode, offloaded actor parameters, a
