@@ -32,7 +32,8 @@ collectives run beside the engine's own (vLLM TP), on other streams: not yet run
 
 Not covered (refused by :class:`megarl.config.Config` and the trainer's preflight): multi-turn episodes, dynamic
 sampling, a rollout pool of its own (or roles on other pools), asynchronous mode, offloaded actor parameters, a
-reward model or judge (batched scoring), MoE actors (the old-log-prob pass counts routing over the whole batch).
+reward model or judge (batched scoring), on-policy distillation's teacher, ``rollout.request_seeds=false`` and MoE
+actors (the old-log-prob pass counts routing over the whole batch).
 """
 
 from __future__ import annotations
