@@ -46,6 +46,8 @@ before the run by :mod:`megarl.cli.bench`), that ``megarl sweep`` collects. Its 
   ``kl_k3`` and ``truncated_frac`` (``rollout_corr/*``: the k3 KL of rollout vs old, the share of tokens whose
   TIS weight was cut), the quantity FP8 rollouts change, and ``token_mult_prob_error``, ``gen_kl_error``,
   ``abs_diff_max``, ``abs_diff_p99`` (``mismatch/*``: :mod:`megarl.algos.mismatch`);
+- ``overlap``: with ``rollout.overlap_scoring``, the means over the measured steps of ``units``, ``early_units``
+  (scored before the last sample), ``scoring_s`` and ``wait_s`` (:mod:`megarl.rollout.overlap`); else empty;
 - with ``--standalone-vllm`` (vLLM rollouts), ``standalone_vllm``: rank 0's generate calls of the measured
   steps run again on a one-rank rollout engine of the same settings on the same GPU, warmed up, median of
   ``--standalone-repeats`` passes (:mod:`megarl.bench.vllm_standalone`): ``status``, ``init_s``, ``tokens``,
@@ -122,6 +124,7 @@ def bench_step(cfg: Config, *, steps: int, warmup: int, json_path: str | os.Path
         report["gpu_util"] = _gather_utilization(run["utilization"])
         report["peak_memory_bytes"] = max((p["peak_memory_bytes"] for p in report["phases"].values()), default=0)
         report["rollout"] = rollout_agreement(run["history"])
+        report["overlap"] = overlap_figures(run["history"])
         report["machine"] = machine(run["world"])
         if standalone_vllm:
             report["standalone_vllm"] = _standalone_vllm(cfg, run, report, standalone_repeats)
@@ -202,6 +205,13 @@ def rollout_agreement(history: list[dict[str, Any]]) -> dict[str, float]:
         if values:
             out[name] = sum(values) / len(values)
     return out
+
+
+def overlap_figures(history: list[dict[str, Any]]) -> dict[str, float]:
+    """The report's ``overlap`` section (``rollout.overlap_scoring``, :mod:`megarl.rollout.overlap`): the mean of
+    each ``overlap/*`` metric over the measured steps, without its prefix (empty without the overlap)."""
+    names = sorted({k for h in history for k in h if k.startswith("overlap/")})
+    return {k.split("/", 1)[1]: sum(float(h[k]) for h in history) / len(history) for k in names}
 
 
 def _standalone_vllm(cfg: Config, run: dict[str, Any], report: dict[str, Any], repeats: int) -> dict[str, Any] | None:

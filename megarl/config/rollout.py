@@ -144,6 +144,11 @@ class RolloutConfig:
             (:mod:`megarl.kernels.batch_invariant`), so that the old log-probs equal the rollout's bit for bit
             (``mismatch/exact_tokens_frac`` 1.0); the combinations that cannot be exact are refused here and in
             :class:`megarl.config.Config`.
+        overlap_scoring: score the groups that have finished while the others still generate (README "Overlap of
+            generation and scoring"; :mod:`megarl.rollout.overlap`): their rewards, the actor's old log-probs (where
+            the step has that pass) and the reference's log-probs run on a thread beside the engine, which is driven
+            step by step (vLLM: request by request, its output log-probs); the results are the sequential step's.
+            Colocated single-turn synchronous steps only; the rest is refused by :class:`megarl.config.Config`.
 
     The vLLM knobs (quantization to logprobs) apply to ``engine: vllm``; ``perf/gpu_generation.sh``
     measures them side by side.
@@ -171,6 +176,7 @@ class RolloutConfig:
     request_seeds: bool = True
     logprobs: str = "output"
     exact: bool = False
+    overlap_scoring: bool = False
 
     def __post_init__(self):
         require(self.engine in ("hf", "vllm"), "rollout.engine", f"must be 'hf' or 'vllm', got {self.engine!r}")

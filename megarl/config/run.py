@@ -279,6 +279,8 @@ class Config:
                 "replays the actor's routes only; set critic.moe.router_replay=false")
         if self.rollout.exact:
             self._check_exact()
+        if self.rollout.overlap_scoring:
+            self._check_overlap()
         rc = alg.rollout_correction
         if self.rollout.quantization is not None and rc.preset is None and rc.level is None:
             rc.preset = "token_tis"  # the FP8 model's log-probs differ from the bf16 actor's (RolloutCorrectionConfig)
@@ -313,6 +315,31 @@ class Config:
                 f"actor.lora.rank=0 {off}")
         require(self.trainer.mode == "sync", "trainer.mode", "async generates with the weights of an earlier step, "
                 f"so its log-probs are not the trainer's by design; set trainer.mode=sync {off}")
+
+    def _check_overlap(self) -> None:
+        """What ``rollout.overlap_scoring`` (:mod:`megarl.rollout.overlap`) does not cover, each refused with its
+        reason and fix; an MoE actor is refused by :mod:`megarl.trainer.preflight`."""
+        off, pl = "or rollout.overlap_scoring=false", self.placement
+        require(not self.rollout.multi_turn.enabled, "rollout.multi_turn.enabled", "true cannot overlap scoring yet: "
+                f"an episode's samples are scored as rows of its turns; set rollout.multi_turn.enabled=false {off}")
+        require(not self.algorithm.dynamic_sampling.enabled, "algorithm.dynamic_sampling.enabled", "true cannot "
+                "overlap scoring: its extra rounds decide on the whole batch's scores; set "
+                f"algorithm.dynamic_sampling.enabled=false {off}")
+        require(self.trainer.mode == "sync", "trainer.mode", f"{self.trainer.mode} cannot overlap scoring: the "
+                f"rollout pool generates ahead of the step; set trainer.mode=sync {off}")
+        roles = {"reference": pl.reference, "reward": pl.reward, "rollout": pl.rollout, "critic": pl.critic}
+        for role, pool in roles.items():
+            require(pool == pl.actor, f"placement.{role}", f"{pool} is not the actor's pool ({pl.actor}): scoring "
+                    f"overlaps generation with every role colocated; set placement.{role}={pl.actor} {off}")
+        require(not self.actor.offload, "actor.offload", "true moves the actor's parameters to the host while the "
+                f"engine generates, when the overlap runs its passes; set actor.offload=false {off}")
+        require(self.reward.fn not in ("reward_model", "http") and not self.reward.judge.enabled, "reward.fn",
+                f"{self.reward.fn} (or a judge) scores in batches, whose results may depend on the batch; use a rule "
+                f"reward {off}")
+        require(self.algorithm.distill.teacher is None, "algorithm.distill.teacher", "cannot overlap scoring yet: "
+                f"the teacher's pass on units of groups is untested; set algorithm.distill.teacher=null {off}")
+        require(self.rollout.request_seeds, "rollout.request_seeds", "false samples from vLLM's generator, which "
+                f"depends on the batches the engine is driven in; set rollout.request_seeds=true {off}")
 
     @property
     def loss_norm_tokens(self) -> int:

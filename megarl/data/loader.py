@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -31,6 +31,13 @@ class PromptBatch:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    def reward_inputs(self, samples: Sequence[Any], tokenizer: Any) -> tuple[list[str], list[str], list[str | None]]:
+        """What a reward function takes for ``samples`` (rollout samples of these prompts, by ``prompt_index``):
+        their prompts' texts, their responses decoded by ``tokenizer`` (special tokens skipped), the ground truths."""
+        texts = tokenizer.batch_decode([list(s.token_ids) for s in samples], skip_special_tokens=True)
+        return ([self.raw_prompt[s.prompt_index] for s in samples], texts,
+                [self.ground_truth[s.prompt_index] for s in samples])
 
 
 class PromptLoader:

@@ -145,6 +145,14 @@ class UtilizationSampler:
             pynvml.nvmlShutdown()
 
 
+def device_bytes_in_use() -> int:
+    """Bytes of this rank's GPU in use by every process and allocator (0 without a GPU)."""
+    if not torch.cuda.is_available():
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def _nvml_handle(pynvml, device: int):
     """NVML's handle of torch's CUDA device ``device`` (by UUID, so ``CUDA_VISIBLE_DEVICES`` remapping is
     honoured; by index where torch does not expose the UUID)."""

@@ -104,6 +104,12 @@ def _patch_device_arguments() -> None:
     _mode.__enter__()  # process-wide for the main thread, for the life of the process
 
 
+def in_thread() -> contextlib.AbstractContextManager:
+    """The device rewriting of :func:`apply_cpu_patches` for a thread of its own (a torch function mode holds in
+    the thread that entered it only): enter it around the thread's work; nothing where the patches are off."""
+    return _CudaToCpuMode() if _mode is not None else contextlib.nullcontext()
+
+
 class _NullEvent:
     def wait(self, *a, **k):
         pass

@@ -8,7 +8,9 @@ cache (``DynamicCache``): prompts are left-padded into micro-batches of at most 
 row per sample, rows sorted by prompt length to limit padding), each distinct prompt of a micro-batch prefilled
 once in one forward (its KV-cache rows then copied to each of its samples), then decoded one token per forward;
 a row that samples an EOS/stop token or reaches its length limit leaves the batch (its KV-cache rows are
-dropped). Token selection and log-prob semantics: :mod:`megarl.rollout.sampler`. An MoE
+dropped). :meth:`HFRolloutEngine.generate_stream` runs that loop one forward a ``next``, yielding the samples as they
+finish (what :mod:`megarl.rollout.overlap` drives; ``generate`` drains it). Token selection and log-prob semantics:
+:mod:`megarl.rollout.sampler`. An MoE
 model's samples carry the top-k experts each token was routed to (:attr:`~megarl.rollout.base.Sample.
 routed_experts`, recorded by :class:`~megarl.models.router_replay.EngineRouteRecorder` during prefill and decode).
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -167,26 +169,37 @@ class HFRolloutEngine:
             RolloutError: a bad prompt (:func:`~megarl.rollout.base.check_prompts`), a sleeping engine, or
                 no weights loaded yet (:meth:`update_weights`).
         """
+        start = time.perf_counter()
+        samples = [s for done in self.generate_stream(prompt_token_ids, sampling, prompt_offset=prompt_offset)
+                   for s in done]
+        samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
+        prompts = [list(p) for p in prompt_token_ids]
+        return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)
+
+    def generate_stream(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                        prompt_offset: int = 0) -> Iterator[list[Sample]]:
+        """:meth:`generate` one decode step at a time: each ``next`` runs one forward of the decode loop (the
+        prefill or one token of the micro-batch in progress) and yields the samples that finished in it (often
+        ``[]``); every sample comes once, the same as :meth:`generate`'s (which drains this). What the rollout's
+        overlap with scoring (:mod:`megarl.rollout.overlap`) drives.
+
+        Raises:
+            RolloutError: as :meth:`generate`, at the first ``next``.
+        """
         check_ready(self._asleep, self._has_weights)
         prompts = check_prompts(prompt_token_ids, max_context=self.spec.max_position_embeddings,
                                 vocab_size=self.spec.vocab_size)
         call = self.calls
         self.calls += 1
-        start = time.perf_counter()
         rows = sample_rows(len(prompts), sampling.n)
         by_length = sorted(range(len(rows)), key=lambda r: len(prompts[rows[r][0]]))
-        results: list[tuple[list[int], list[float], str, torch.Tensor | None] | None] = [None] * len(rows)
-        with torch.inference_mode():
-            for lo in range(0, len(by_length), self.max_batch_size):
-                batch = by_length[lo:lo + self.max_batch_size]
-                seeds = [sample_seed(sampling.seed, call, prompt_offset + rows[r][0], rows[r][1]) for r in batch]
-                outs = self._generate_batch([prompts[rows[r][0]] for r in batch], seeds, sampling)
-                for r, out in zip(batch, outs):
-                    results[r] = out
-        samples = [Sample(prompt_offset + k, j, tuple(tokens), torch.tensor(logprobs, dtype=torch.float32), reason,
-                          self.adapter_version, routes, self.policy_version)
-                   for (k, j), (tokens, logprobs, reason, routes) in zip(rows, results)]
-        return RolloutOutput.collect(samples, sampling.n, prompts, time.perf_counter() - start)
+        for lo in range(0, len(by_length), self.max_batch_size):
+            batch = by_length[lo:lo + self.max_batch_size]
+            seeds = [sample_seed(sampling.seed, call, prompt_offset + rows[r][0], rows[r][1]) for r in batch]
+            for finished in self._decode_steps([prompts[rows[r][0]] for r in batch], seeds, sampling):
+                yield [Sample(prompt_offset + rows[batch[i]][0], rows[batch[i]][1], tuple(tokens),
+                              torch.tensor(logprobs, dtype=torch.float32), reason, self.adapter_version, routes,
+                              self.policy_version) for i, (tokens, logprobs, reason, routes) in finished]
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingConfig,
                     seed: int) -> None:
@@ -233,12 +246,21 @@ class HFRolloutEngine:
         ``[prompt + response tokens - 1, layers, top_k]`` int16 for an MoE model (every token but the last
         sampled one, which is never fed back), else None. ``limits``: each row's ``max_new_tokens`` (default
         ``sampling.max_new_tokens`` for all)."""
+        results: list[Any] = [None] * len(prompts)
+        for finished in self._decode_steps(prompts, seeds, sampling, limits):
+            for i, out in finished:
+                results[i] = out
+        return results
+
+    def _decode_steps(self, prompts, seeds, sampling, limits=None):
+        """:meth:`_generate_batch`'s decode loop, one forward per ``next`` (inside the route recorder's hooks for an
+        MoE model): yields the ``(row, (tokens, logprobs, finish reason, routes))`` of the rows that finished in it."""
         recording = self._routes.recording() if self._routes is not None else contextlib.nullcontext()
-        with recording:
-            return self._decode(prompts, seeds, sampling, limits)
+        with recording, torch.inference_mode():
+            yield from self._decode(prompts, seeds, sampling, limits)
 
     def _decode(self, prompts, seeds, sampling, limits):
-        """:meth:`_generate_batch`'s decode loop (inside the route recorder's hooks for an MoE model)."""
+        """:meth:`_decode_steps`' loop: a generator, one forward per ``next``."""
         from transformers import DynamicCache
 
         rows, width = len(prompts), max(len(p) for p in prompts)
@@ -276,6 +298,7 @@ class HFRolloutEngine:
             prefill = self._routes.take(len(pick), width)[first]
             routes = [[prefill[i, width - len(p):]] for i, p in enumerate(prompts)]
         next_pos = positions[:, -1] + 1
+        yield []  # the prefill's forward
         while True:
             picked, picked_lp = sample_tokens(logits, sampling, [generators[a] for a in active])
             keep = []
@@ -288,9 +311,11 @@ class HFRolloutEngine:
                     reasons[a] = "length"
                 else:
                     keep.append(b)
+            done = [a for b, a in enumerate(active) if b not in set(keep)]
+            yield [(i, (tokens[i], logprobs[i], reasons[i], None if routes is None else torch.cat(routes[i])))
+                   for i in done]
             if not keep:
-                return [(tokens[i], logprobs[i], reasons[i], None if routes is None else torch.cat(routes[i]))
-                        for i in range(rows)]
+                return
             if len(keep) < len(active):
                 index = torch.tensor(keep)
                 _keep_rows(cache, index)

@@ -118,6 +118,8 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
         raise ConfigError(f"actor.parallel.ep: {e}") from None
     require(spec.is_moe or not cfg.actor.moe.router_replay, "actor.moe.router_replay",
             f"a {spec.family} model has no experts to route; set actor.moe.router_replay=false")
+    require(not (cfg.rollout.overlap_scoring and spec.is_moe), "rollout.overlap_scoring", f"a {spec.family} model (an "
+            "MoE) cannot overlap scoring yet: its old-log-prob pass counts the whole batch's routing; set it to false")
     require(not (cfg.rollout.exact and spec.is_moe), "rollout.exact",
             f"a {spec.family} model (mixture of experts) cannot be exact yet: vLLM's fused experts and megatron's "
             "grouped or sequential ones sum the top-k experts in other orders; use a dense model (llama, mistral, "

@@ -34,6 +34,7 @@ from megarl.data.batch import RolloutBatch, build_batch
 from megarl.data.loader import PromptBatch, PromptLoader
 from megarl.kernels.batch_invariant import enable_batch_invariant_mode
 from megarl.measure.flops import peak_bf16_flops
+from megarl.measure.monitor import device_bytes_in_use
 from megarl.measure.throughput import step_perf_metrics
 from megarl.measure.timers import PhaseTimer
 from megarl.models import checkpoint as ck
@@ -53,6 +54,7 @@ from megarl.rewards.registry import task_metrics
 from megarl.rollout.base import RolloutOutput, SamplingConfig
 from megarl.rollout.data_parallel import (gather_shares, generate_data_parallel, map_data_parallel, map_share,
                                           rollout_dp_group)
+from megarl.rollout.overlap import OverlapScoring
 from megarl.trainer.advantages import compute_advantages, drop_nonfinite, set_loss_mask, shape_rewards
 from megarl.trainer.checkpointing import Checkpointer, check_run_folder
 from megarl.trainer.builders import (load_prompts, load_validation, make_engine, model_meta, resolve_eos,
@@ -104,6 +106,9 @@ class Trainer:
         self.roles = {name: Role(worker, self.pools[name].ranks, self.train_group)
                       for name, worker in (("actor", self.actor), ("reference", self.ref), ("critic", self.critic))
                       if name in self.pools}
+        self.overlap = (OverlapScoring(self.roles, self.pools, self._rewards, self.tokenizer, pad_id=self.pad_id,
+                                       old_pass=functools.partial(old_logprob_pass, cfg, moe=False),
+                                       exact=cfg.rollout.exact) if cfg.rollout.overlap_scoring else None)
         self.timer = PhaseTimer()
         self.peak_flops = peak_bf16_flops()  # MFU's denominator per GPU; None on the CPU
         if cfg.trainer.mode == "async" and not cfg.algorithm.rollout_correction.enabled and self.rank == 0:
@@ -252,10 +257,12 @@ class Trainer:
                     want=cfg.data.prompts_per_step, unit=group_unit(cfg, self.layouts, "critic" in self.pools),
                     max_extra_rounds=alg.dynamic_sampling.max_extra_rounds, step=self.state.step + 1,
                     verbose=self.rank == 0)
-            in_use = _device_bytes_in_use()  # the engine's weights and cache, and what training left resident
+            in_use = device_bytes_in_use()  # the engine's weights and cache, and what training left resident
             self.engine.sleep(level=self.sleep_level)
         self.offloads.to_device()
         train_start = time.perf_counter()
+        if self.overlap is not None:  # the finished groups' scores, computed while the others generated
+            known_scores, sampling_metrics = self.overlap.frames("scores", [len(out.samples)]), self.overlap.metrics
         metrics, batch = self.train_on(prompts, out, self.state.policy_version, known_scores)
         metrics.update(sampling_metrics)
         busy = {"train": time.perf_counter() - train_start, "rollout": out.stats.seconds}
@@ -314,14 +321,16 @@ class Trainer:
             log.info("step %d: old log-probs from %s", self.state.step + 1, source)
         self.old_logprob_source = source
         passes: dict[str, Any] = {"routing": roles["actor"].run(lambda actor: {})}
+        overlap, shape = self.overlap, batch["response_mask"].shape  # its passes ran on units of finished groups
         if reason:
-            with t("old_logprobs"):
-                passes["old_logprobs"] = roles["actor"].run(lambda actor: actor.compute_logprobs(
-                    batch, exact=self.cfg.rollout.exact)["logprobs"])
+            with t("old_logprobs" if overlap is None else "overlap_frames"):
+                passes["old_logprobs"] = overlap.frames("old_logprobs", shape) if overlap else roles["actor"].run(
+                    lambda actor: actor.compute_logprobs(batch, exact=self.cfg.rollout.exact)["logprobs"])
                 passes["routing"] = roles["actor"].run(lambda actor: actor.routing_agreement())
         if "reference" in roles:
-            with t("reference"):
-                passes["ref_logprobs"] = roles["reference"].run(lambda ref: ref.compute_logprobs(batch)["logprobs"])
+            with t("reference" if overlap is None else "overlap_frames"):
+                passes["ref_logprobs"] = overlap.frames("ref_logprobs", shape) if overlap else roles["reference"].run(
+                    lambda ref: ref.compute_logprobs(batch)["logprobs"])
         if "critic" in roles:
             with t("values"):
                 passes["values"] = roles["critic"].run(lambda critic: critic.compute_values(batch))
@@ -487,9 +496,7 @@ class Trainer:
         ``reward.fn`` on its last assistant message) on every rank (dynamic sampling's rounds)."""
         if self.agent is not None:
             return episode_scores(prompts, out, self._rewards)
-        texts = self.tokenizer.batch_decode([list(s.token_ids) for s in out.samples], skip_special_tokens=True)
-        return self._rewards([prompts.raw_prompt[s.prompt_index] for s in out.samples], texts,
-                             [prompts.ground_truth[s.prompt_index] for s in out.samples])
+        return self._rewards(*prompts.reward_inputs(out.samples, self.tokenizer))
 
     def _score(self, prompts, out, known: torch.Tensor | None = None) -> tuple[RolloutBatch, Any]:
         """Decode and pack the rollout into a batch, and score this rank's share of it (the reward pool's ranks
@@ -505,9 +512,7 @@ class Trainer:
             return batch, map_share(self.reward_fn, *to_score(batch, prompts, out), ranks=self.reward_ranks)
         n = out.n
         samples = out.samples
-        texts = self.tokenizer.batch_decode([list(s.token_ids) for s in samples], skip_special_tokens=True)
-        raw = [prompts.raw_prompt[s.prompt_index] for s in samples]
-        truths = [prompts.ground_truth[s.prompt_index] for s in samples]
+        raw, texts, truths = prompts.reward_inputs(samples, self.tokenizer)
         local = None if known is not None else map_share(self.reward_fn, raw, texts, truths,
                                                           ranks=self.reward_ranks)
         batch = build_batch([prompts.input_ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
@@ -554,11 +559,12 @@ class Trainer:
             out = generate_episodes(self.agent, self.engine, prompts, sampling, group=self.rollout_group,
                                     pause=pause, gather=gather)
             out.adapter_version = adapters
+        elif self.overlap is not None:  # rollout.overlap_scoring: the finished groups scored meanwhile
+            out = self.overlap.generate(self.engine, prompts, sampling, group=self.rollout_group, step=index)
         else:
             out = generate_data_parallel(self.engine, prompts.input_ids, sampling, group=self.rollout_group)
         self.engine.calls = index + 1
         return out
-
 
     def _log_samples(self, prompts, batch: RolloutBatch) -> None:
         """Append the step's first ``trainer.log_samples`` responses to ``samples.jsonl`` (rank 0): ``row`` (in the
@@ -578,14 +584,6 @@ class Trainer:
              **({"adapter_version": batch.meta["adapter_version"][i]} if adapters else {}),
              "finish_reason": batch.meta["finish_reason"][i]}
             for i, g in ((i, int(batch["group"][i])) for i in range(k))], step=self.state.step + 1)
-
-
-def _device_bytes_in_use() -> int:
-    """Bytes of this rank's GPU in use by every process and allocator (0 without a GPU)."""
-    if not torch.cuda.is_available():
-        return 0
-    free, total = torch.cuda.mem_get_info()
-    return total - free
 
 
 def train(cfg: Config) -> dict[str, Any]:

@@ -80,9 +80,7 @@ def evaluate(engine: RolloutEngine, prompts: PromptBatch, sampling: SamplingConf
     start = time.perf_counter()
     out = generate_data_parallel(engine, prompts.input_ids, sampling, group=group)
     samples = out.samples
-    texts = tokenizer.batch_decode([list(s.token_ids) for s in samples], skip_special_tokens=True)
-    raw = [prompts.raw_prompt[s.prompt_index] for s in samples]
-    truths = [prompts.ground_truth[s.prompt_index] for s in samples]
+    raw, texts, truths = prompts.reward_inputs(samples, tokenizer)
     scores = score(raw, texts, truths)
     correct = (scores >= CORRECT_SCORE).reshape(len(prompts), sampling.n)
     scored = torch.isfinite(scores)
