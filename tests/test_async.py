@@ -233,6 +233,7 @@ LEARN = ["trainer.steps=12", "trainer.save_every=0", "data.prompts_per_step=8", 
 ASYNC = ["trainer.mode=async", "trainer.max_staleness=1", "algorithm.rollout_correction.preset=token_tis"]
 
 
+@pytest.mark.slow  # CI time (45 minutes): one of the 30 slowest of the default tier
 def test_async_one_step_off_learns_the_task_with_staleness_at_most_1_recorded_per_sample(task):
     root, model, data = task
     history = run_world(train_on_rank, 4, task_overrides(model, data, root / "runs", "async") + LEARN + SPLIT

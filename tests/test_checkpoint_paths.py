@@ -47,6 +47,7 @@ def folders(tmp_path_factory):
     return a, b, c
 
 
+@pytest.mark.slow  # CI time (45 minutes): one of the 30 slowest of the default tier
 def test_convert_train_export_from_other_folders_with_no_eos_in_the_config(folders):
     """Paths resolve from any folder; the source's config and generation config come back unchanged."""
     a, b, c = folders

@@ -190,6 +190,7 @@ def _without_hashes(step: Path) -> None:
     (step / "megarl.json").write_text(json.dumps(meta))
 
 
+@pytest.mark.slow  # CI time (45 minutes): one of the 30 slowest of the default tier
 def test_bytes_overwritten_at_the_same_size_are_named_when_the_load_fails(saved):
     """64 bytes of a model tensor's item in the newest checkpoint overwritten, the file's size unchanged, in a
     checkpoint without content hashes (an older save's: the checks before the load see nothing): ``megarl eval``

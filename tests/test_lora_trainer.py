@@ -58,6 +58,7 @@ def _actor_logits(rank, world, ckpt, tokens):
     return res[0]["logits"]
 
 
+@pytest.mark.slow  # CI time (45 minutes): one of the 30 slowest of the default tier
 def test_grpo_with_lora_learns_the_task_and_exports_a_peft_adapter(task):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

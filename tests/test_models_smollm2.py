@@ -3,6 +3,7 @@ Hugging Face checkpoint, into a Megatron actor that greedy-answers a question.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.distributed import run_world
@@ -45,6 +46,7 @@ def test_smollm2_gguf_megatron_actor_answers_capital_of_france():
     assert "Paris" in answer, answer
 
 
+@pytest.mark.slow  # CI time (45 minutes): one of the 30 slowest of the default tier
 def test_a_gguf_files_config_and_tokenizer_are_read_once_then_from_the_cache(tmp_path, monkeypatch):
     """The first read of a GGUF file's config and tokenizer fills ``$MEGARL_CACHE``; later reads come from it
     and never open the file (here overwritten with zeros of the same size and modification time, which a real

@@ -292,6 +292,7 @@ def test_a_run_folder_is_known_by_what_megarl_train_writes_first():
     assert set(RUN_FOLDER_SIGNS) - {LOCK_FILE, RUN_CHECKPOINTS} <= set(RECORD)
 
 
+@pytest.mark.slow  # CI time (45 minutes): one of the 30 slowest of the default tier
 def test_a_real_conversion_into_its_earlier_output_needs_overwrite_and_ends_without_a_traceback(tmp_path):
     """Issue 48: ``megarl convert`` into a folder holding a checkpoint it converted earlier rewrote it without
     ``--overwrite`` (status 0; a ``multiprocessing.resource_tracker`` KeyError traceback at exit): now one line

@@ -240,6 +240,7 @@ def test_trainer_with_packing_at_pp2_matches_the_unpacked_run_at_step_1(tmp_path
         assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.slow  # CI time (45 minutes): one of the 30 slowest of the default tier
 def test_packing_benchmark_runs_on_the_cpu(tmp_path):
     from megarl.bench.packing import main
 
