@@ -6,9 +6,10 @@ rank builds the megatron-core model of the same spec at a layout and fills it fr
 (:func:`load`), then measures the max abs difference of its logits (:func:`logits_diff`) and of a training step's
 gradients (:func:`grads_diff`), reshards its tensors back to HF's layout and into vLLM's TP=2 one
 (:func:`reshard_checks`), runs the trainer's sdpa attention on padded and packed rows (:func:`sdpa_and_packed`),
-zero LoRA adapters (:func:`zero_lora`), and writes the dist checkpoint (:func:`save_dist_checkpoint`) that the test
-exports back to HF (:func:`export_roundtrip`). Each family's file keeps what is its own: the spec, the random init,
-the layouts, the independent vLLM slicing, the tolerances and the extra checks.
+zero LoRA adapters (:func:`zero_lora`), and writes the dist checkpoint (:func:`save_dist_checkpoint`,
+:func:`save_pp2_checkpoint`) that the test exports back to HF (:func:`export_roundtrip`). Each family's file keeps
+what is its own: the spec, the random init, the layouts, the independent slicing of the HF tensors into vLLM's (with
+the pieces all families share: :func:`vllm_vocab_shard`, :func:`vllm_mlp_shard`), the tolerances and the extra checks.
 """
 
 from __future__ import annotations
@@ -250,3 +251,35 @@ def export_roundtrip(spec: ModelSpec, folder: str) -> dict:
     config = read_hf_config(f"{folder}/hf_out")
     assert ModelSpec.from_hf_config(config) == spec
     return config
+
+
+def save_pp2_checkpoint(spec: ModelSpec, sd: dict, folder: str, rank: int) -> None:
+    """:func:`save_dist_checkpoint` of the model built at PP=2 (a world of 2; model parallelism initialised here and
+    destroyed after)."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.models.megatron import build_model
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+
+    mesh = ParallelLayout(tp=1, pp=2, dp=1)
+    initialize_model_parallel(mesh)
+    save_dist_checkpoint(build_model(spec, mesh), spec, sd, folder, rank)
+    ps.destroy_model_parallel()
+
+
+def vllm_vocab_shard(t: torch.Tensor, r: int, padded: int = 1024, tp: int = 2) -> torch.Tensor:
+    """vLLM's TP rank ``r`` of ``tp`` of a vocab-parallel tensor ``t`` ``[vocab, hidden]``: the vocab padded with zero
+    rows to ``padded`` (vLLM pads it to a multiple of 64), then split evenly."""
+    full = torch.zeros(padded, t.shape[1])
+    full[:t.shape[0]] = t
+    per = padded // tp
+    return full[per * r:per * (r + 1)]
+
+
+def vllm_mlp_shard(sd: dict, prefix: str, width: int, r: int) -> dict:
+    """vLLM's TP rank ``r`` of a dense (SwiGLU / GeGLU) MLP ``prefix`` of HF tensors ``sd``: ``gate_up_proj`` =
+    [gate_r; up_r] (``width`` rows each, rows ``[width r, width (r + 1))``), ``down_proj`` those columns."""
+    rows = slice(width * r, width * (r + 1))
+    return {prefix + "gate_up_proj.weight": torch.cat([sd[prefix + "gate_proj.weight"][rows],
+                                                       sd[prefix + "up_proj.weight"][rows]]),
+            prefix + "down_proj.weight": sd[prefix + "down_proj.weight"][:, rows]}
