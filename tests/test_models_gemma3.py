@@ -41,7 +41,6 @@ def _world(rank, world, tmp):
 
     from megarl.kernels.context_parallel import split_for_cp_rank
     from megarl.models.lora import LoRASpec
-    from megarl.models.megatron import build_model
     from megarl.models.pipeline import run_microbatches
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
 
@@ -83,11 +82,7 @@ def _world(rank, world, tmp):
     want = split_for_cp_rank(ref.logits, 1, ps.get_context_parallel_group())
     out["logits"]["cp"] = (logits - want).abs().max().item()
 
-    # HF safetensors -> megarl dist checkpoint at PP=2 -> HF export (compared in the test)
-    mesh = ParallelLayout(tp=1, pp=2, dp=1)
-    initialize_model_parallel(mesh)
-    fp.save_dist_checkpoint(build_model(spec, mesh), spec, ref.sd, tmp, rank)
-    ps.destroy_model_parallel()
+    fp.save_pp2_checkpoint(spec, ref.sd, tmp, rank)  # HF -> megarl dist checkpoint (PP=2), exported in the test
     return out
 
 
@@ -96,23 +91,18 @@ def _ref_vllm(sd: dict, r: int) -> dict:
     v_r] (2 query heads and 1 KV head a rank), ``gate_up_proj`` = [gate_r; up_r], o/down split on the input dim,
     the vocab padded to 1024 (a multiple of 64) and split in halves (the padding rows left zero), the norms whole
     (raw weights: GemmaRMSNorm adds 1 in forward), ``lm_head`` tied to ``embed_tokens``."""
-    out = {}
-    emb = torch.zeros(1024, 64)
-    emb[:1000] = sd["model.embed_tokens.weight"]
-    out["model.embed_tokens.weight"] = emb[512 * r:512 * (r + 1)]
+    out = {"model.embed_tokens.weight": fp.vllm_vocab_shard(sd["model.embed_tokens.weight"], r),
+           "model.norm.weight": sd["model.norm.weight"]}
     for i in range(4):
         p = f"model.layers.{i}."
         q, k, vv = (sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv")
         out[p + "self_attn.qkv_proj.weight"] = torch.cat([q[64 * r:64 * (r + 1)], k[32 * r:32 * (r + 1)],
                                                          vv[32 * r:32 * (r + 1)]])
         out[p + "self_attn.o_proj.weight"] = sd[p + "self_attn.o_proj.weight"][:, 64 * r:64 * (r + 1)]
-        gate, up = sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat([gate[48 * r:48 * (r + 1)], up[48 * r:48 * (r + 1)]])
-        out[p + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"][:, 48 * r:48 * (r + 1)]
+        out.update(fp.vllm_mlp_shard(sd, p + "mlp.", 48, r))
         for n in ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm",
                   "pre_feedforward_layernorm", "post_feedforward_layernorm"):
             out[p + n + ".weight"] = sd[p + n + ".weight"]
-    out["model.norm.weight"] = sd["model.norm.weight"]
     return out
 
 
