@@ -41,9 +41,6 @@ def hf_model(spec: ModelSpec, seed: int = 1):
 
 
 def _world(rank, world, tmp):
-    from megatron.core import parallel_state as ps
-
-    from megarl.models.megatron import build_model
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
 
     spec = QWEN35
@@ -66,11 +63,7 @@ def _world(rank, world, tmp):
     # DeltaNet's convolution and state restart at the second sequence: cu_seqlens)
     out["logits"].update(fp.sdpa_and_packed(spec, ref, world, restart_positions=False))
 
-    # HF safetensors -> megarl dist checkpoint at PP=2 -> HF export (compared in the test)
-    mesh = ParallelLayout(tp=1, pp=2, dp=1)
-    initialize_model_parallel(mesh)
-    fp.save_dist_checkpoint(build_model(spec, mesh), spec, ref.sd, tmp, rank)
-    ps.destroy_model_parallel()
+    fp.save_pp2_checkpoint(spec, ref.sd, tmp, rank)  # HF -> megarl dist checkpoint (PP=2), exported in the test
     return out
 
 
@@ -84,11 +77,8 @@ def _ref_vllm(sd: dict, r: int) -> dict:
     def half(t, n, start=0):
         return t[start + n * r:start + n * (r + 1)]
 
-    out = {}
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        padded = torch.zeros(1024, 64)
-        padded[:1000] = sd[name]
-        out[name] = half(padded, 512)
+    out = {name: fp.vllm_vocab_shard(sd[name], r) for name in ("model.embed_tokens.weight", "lm_head.weight")}
+    out["model.norm.weight"] = sd["model.norm.weight"]
     for i in range(4):
         p = f"model.layers.{i}."
         if i % 2 == 0:
@@ -104,16 +94,13 @@ def _ref_vllm(sd: dict, r: int) -> dict:
             out[a + "out_proj.weight"] = sd[a + "out_proj.weight"][:, 16 * r:16 * (r + 1)]
         else:
             a = p + "self_attn."
-            out[a + "qkv_proj.weight"] = torch.cat([half(sd[a + "q_proj.weight"], 64),
-                                                    half(sd[a + "k_proj.weight"], 16), half(sd[a + "v_proj.weight"], 16)])
+            q, k, vv = (sd[a + f"{x}_proj.weight"] for x in "qkv")
+            out[a + "qkv_proj.weight"] = torch.cat([half(q, 64), half(k, 16), half(vv, 16)])
             out[a + "o_proj.weight"] = sd[a + "o_proj.weight"][:, 32 * r:32 * (r + 1)]
             out[a + "q_norm.weight"], out[a + "k_norm.weight"] = sd[a + "q_norm.weight"], sd[a + "k_norm.weight"]
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat([half(sd[p + "mlp.gate_proj.weight"], 48),
-                                                       half(sd[p + "mlp.up_proj.weight"], 48)])
-        out[p + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"][:, 48 * r:48 * (r + 1)]
+        out.update(fp.vllm_mlp_shard(sd, p + "mlp.", 48, r))
         for n in ("input_layernorm", "post_attention_layernorm"):
             out[p + n + ".weight"] = sd[p + n + ".weight"]
-    out["model.norm.weight"] = sd["model.norm.weight"]
     return out
 
 
