@@ -85,11 +85,8 @@ def _ref_vllm(spec: ModelSpec, sd: dict, r: int) -> dict:
         out[a + "o_proj.weight"] = sd[a + "o_proj.weight"][:, 20 * r:20 * (r + 1)]
         for n in ("input_layernorm", "post_attention_layernorm"):
             out[p + n + ".weight"] = sd[p + n + ".weight"]
-        mlps = [(p + "mlp.", 48)] if i == 0 else [(p + "mlp.shared_experts.", 32)]
-        for m, w in mlps:
-            out[m + "gate_up_proj.weight"] = torch.cat([sd[m + "gate_proj.weight"][w * r:w * (r + 1)],
-                                                        sd[m + "up_proj.weight"][w * r:w * (r + 1)]])
-            out[m + "down_proj.weight"] = sd[m + "down_proj.weight"][:, w * r:w * (r + 1)]
+        out.update(fp.vllm_mlp_shard(sd, p + "mlp.", 48, r) if i == 0 else
+                   fp.vllm_mlp_shard(sd, p + "mlp.shared_experts.", 32, r))
         if i:
             e = p + "mlp.experts."
             out[p + "mlp.gate.weight"] = sd[p + "mlp.gate.weight"]

@@ -61,10 +61,8 @@ def _ref_vllm(sd: dict, r: int) -> dict:
         out[a + "o_proj.weight"] = sd[a + "o_proj.weight"][:, q_rows]
         for n in ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm"):
             out[p + n + ".weight"] = sd[p + n + ".weight"]
-        m, w = (p + "mlp.", 48) if i == 0 else (p + "mlp.shared_experts.", 16)
-        out[m + "gate_up_proj.weight"] = torch.cat([sd[m + "gate_proj.weight"][w * r:w * (r + 1)],
-                                                    sd[m + "up_proj.weight"][w * r:w * (r + 1)]])
-        out[m + "down_proj.weight"] = sd[m + "down_proj.weight"][:, w * r:w * (r + 1)]
+        out.update(fp.vllm_mlp_shard(sd, p + "mlp.", 48, r) if i == 0 else
+                   fp.vllm_mlp_shard(sd, p + "mlp.shared_experts.", 16, r))
         if i:
             e, own = p + "mlp.experts.", slice(16 * r, 16 * (r + 1))
             out[p + "mlp.gate.weight"] = sd[p + "mlp.gate.weight"]
