@@ -13,16 +13,13 @@ at TP=1, TP=2 and EP=2, the gradients of a cross-entropy step at TP=1, and HF ->
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 import torch
 
 from megarl.models.spec import ModelSpec, SpecError
-from tests.actor_decoding import gathered_logits_and_loss
+from tests import family_parity as fp
 from tests.distributed import run_world
-
-SEQ = 24
 
 
 def _config(q_lora: int | None, **extra):
@@ -63,13 +60,6 @@ def hf_model(spec: ModelSpec, seed: int = 1):
     return model
 
 
-def canonical(spec: ModelSpec, model) -> dict:
-    """The checkpoint-form tensors of a transformers model (its experts split per expert, the bias buffer too)."""
-    from megarl.models.weights import transformers_canonical
-
-    return transformers_canonical(spec, model if isinstance(model, dict) else dict(model.state_dict()))
-
-
 def _ref_vllm(spec: ModelSpec, sd: dict, r: int) -> dict:
     """vLLM 0.24 DeepseekV2ForCausalLM's TP rank ``r`` of 2, sliced here from the HF tensors: ``fused_qkv_a_proj`` =
     [q_a_proj; kv_a_proj_with_mqa] whole (or ``kv_a_proj_with_mqa`` whole and ``q_proj``'s 2 heads), ``q_b_proj`` /
@@ -77,11 +67,7 @@ def _ref_vllm(spec: ModelSpec, sd: dict, r: int) -> dict:
     layer's and the shared experts' gate/up rows and down columns halved, every routed expert's gate/up rows
     [16 r, 16 r + 16) as ``w13_weight`` and down columns as ``w2_weight``, the router and its bias whole, the vocab
     padded to 1024 and halved."""
-    out, half = {}, slice(512 * r, 512 * (r + 1))
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        padded = torch.zeros(1024, 64)
-        padded[:1000] = sd[name]
-        out[name] = padded[half]
+    out = {name: fp.vllm_vocab_shard(sd[name], r) for name in ("model.embed_tokens.weight", "lm_head.weight")}
     out["model.norm.weight"] = sd["model.norm.weight"]
     for i in range(3):
         p = f"model.layers.{i}."
@@ -99,11 +85,8 @@ def _ref_vllm(spec: ModelSpec, sd: dict, r: int) -> dict:
         out[a + "o_proj.weight"] = sd[a + "o_proj.weight"][:, 20 * r:20 * (r + 1)]
         for n in ("input_layernorm", "post_attention_layernorm"):
             out[p + n + ".weight"] = sd[p + n + ".weight"]
-        mlps = [(p + "mlp.", 48)] if i == 0 else [(p + "mlp.shared_experts.", 32)]
-        for m, w in mlps:
-            out[m + "gate_up_proj.weight"] = torch.cat([sd[m + "gate_proj.weight"][w * r:w * (r + 1)],
-                                                        sd[m + "up_proj.weight"][w * r:w * (r + 1)]])
-            out[m + "down_proj.weight"] = sd[m + "down_proj.weight"][:, w * r:w * (r + 1)]
+        out.update(fp.vllm_mlp_shard(sd, p + "mlp.", 48, r) if i == 0 else
+                   fp.vllm_mlp_shard(sd, p + "mlp.shared_experts.", 32, r))
         if i:
             e = p + "mlp.experts."
             out[p + "mlp.gate.weight"] = sd[p + "mlp.gate.weight"]
@@ -117,88 +100,40 @@ def _ref_vllm(spec: ModelSpec, sd: dict, r: int) -> dict:
 
 def _world(rank, world, tmp, keys, meshes, checkpoint):
     import torch.distributed as dist
-    import torch.nn.functional as F
     from megatron.core import parallel_state as ps
 
-    from megarl.models import checkpoint as ck
-    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
-    from megarl.models.layout import hf_layout
-    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
-    from megarl.models.layout_vllm import vllm_layout
     from megarl.models.megatron import build_model
-    from megarl.models.pipeline import run_microbatches
-    from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.reshard.executor import execute_plan
-    from megarl.reshard.planner import plan_reshard
 
     out = {"logits": {}, "grads": {}, "export_bad": {}, "vllm_bad": {}, "tmp": tmp}
     for key in keys:
         spec = SPECS[key]
-        v = spec.vocab_size
-        gen = torch.Generator().manual_seed(7)
-        tokens = torch.randint(0, v, (2, SEQ), generator=gen)
-        targets = torch.randint(0, v, (2, SEQ), generator=gen)
-        ref = hf_model(spec)
-        sd = canonical(spec, ref)
-        ref.zero_grad()
-        ref_logits = ref(tokens).logits
-        F.cross_entropy(ref_logits.reshape(-1, v), targets.reshape(-1)).backward()
-        grads = {**{n: torch.zeros_like(b) for n, b in ref.named_buffers() if n.endswith("correction_bias")},
-                 **{n: p.grad for n, p in ref.named_parameters()}}
-        hf_grads = canonical(spec, grads)
-        ref_logits = ref_logits.detach()
+        ref = fp.reference(spec, hf_model(spec), canonical=True)
         with torch.no_grad():  # what the parity rests on changes transformers' logits: the routing bias, YaRN
             other = hf_model(spec)
             for name, b in other.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.zero_()
-            out[f"bias_matters_{key}"] = (other(tokens).logits - ref_logits).abs().max().item()
+            out[f"bias_matters_{key}"] = ref.diff(other(ref.tokens).logits)
             if spec.rope_scaling:
-                plain = hf_model(spec.replace(rope_scaling=None))(tokens).logits
-                out["yarn_matters"] = (plain - ref_logits).abs().max().item()
-
-        output_fn = functools.partial(gathered_logits_and_loss, targets, v)
+                out["yarn_matters"] = ref.diff(hf_model(spec.replace(rope_scaling=None))(ref.tokens).logits)
 
         for tp, ep in meshes:
             mesh = ParallelLayout(tp=tp, pp=1, dp=world // tp, ep=ep)
             initialize_model_parallel(mesh)
-            model = build_model(spec, mesh, moe_experts="sequential")
-            local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0,
-                                          ep_rank=mesh.ep_rank(rank), moe_experts="sequential")
-            params = dict(model.named_parameters())
+            model, local, params = fp.load(spec, mesh, ref, rank, moe_experts="sequential")
             assert sorted(params) == sorted(local), (sorted(set(params) ^ set(local)))
-            fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
-            res = run_microbatches(model.eval(), [{"input_ids": tokens}], output_fn(False), forward_only=True)
-            out["logits"][(key, tp, ep)] = (res[0]["logits"] - ref_logits).abs().max().item()
+            out["logits"][(key, tp, ep)] = fp.logits_diff(model, ref)
             if (tp, ep) == (1, 1):
-                model.train()
-                run_microbatches(model, [{"input_ids": tokens}], output_fn(True), forward_only=False)
-                worst = 0.0
-                for name, lt in local.items():
-                    for b in lt.blocks:
-                        if params[name].requires_grad:
-                            got = params[name].grad[b.dst_box]
-                            worst = max(worst, (got - hf_grads[b.name][b.src_box]).abs().max().item())
-                out["grads"][key] = worst
-            if (tp, ep) == (2, 1):  # megarl's tensors back to whole HF tensors
-                back = {n: torch.zeros(t.shape) for n, t in sd.items()}
-                src = megatron_layout(spec, mesh, moe_experts="sequential")
-                execute_plan(plan_reshard(src, hf_layout(spec, range(world))), params, back)
-                out["export_bad"][key] = [n for n in sd if not torch.equal(back[n], sd[n])]
-                want = _ref_vllm(spec, sd, rank)
-                dst = vllm_layout(spec, 2, range(world))
-                got = {n: torch.zeros(lt.shape) for n, lt in dst.tensors(rank).items()}
-                execute_plan(plan_reshard(src, dst), params, got)
-                out["vllm_bad"][key] = sorted(set(got) ^ set(want)) + [
-                    n for n in want if n in got and not torch.equal(got[n].reshape(want[n].shape), want[n])]
+                out["grads"][key] = fp.grads_diff(model, local, params, ref, frozen_ok=True)
+            if (tp, ep) == (2, 1):  # megarl's tensors back to whole HF tensors, and into vLLM's TP=2 layout
+                r = fp.reshard_checks(spec, mesh, params, ref.sd, _ref_vllm(spec, ref.sd, rank), rank, world,
+                                      reshape=True, moe_experts="sequential")
+                out["export_bad"][key] = r["hf_bad"]
+                out["vllm_bad"][key] = r["vllm_missing"] + r["vllm_extra"] + r["vllm_bad"]
             if (tp, ep) == (2, 1) and checkpoint:  # HF safetensors -> megarl dist checkpoint (exported in the test)
-                if rank == 0:
-                    save_hf_checkpoint(f"{tmp}/hf_in_{key}", spec, sd)
-                dist.barrier()
-                fresh = build_model(spec, mesh, moe_experts="sequential", init_weights=False)
-                ck.load_hf_weights(fresh, open_hf_checkpoint(f"{tmp}/hf_in_{key}"))
-                ck.save_model(f"{tmp}/mg_{key}", fresh)
+                fp.save_dist_checkpoint(build_model(spec, mesh, moe_experts="sequential", init_weights=False), spec,
+                                        ref.sd, f"{tmp}/{key}", rank)
             ps.destroy_model_parallel()
             dist.barrier()
     return out
@@ -226,16 +161,7 @@ def test_v3_shape_at_tp2_equals_transformers_and_lays_out_for_hf_and_vllm(quick)
 def test_convert_export_roundtrip_is_bit_identical(world):
     """HF safetensors -> megarl dist checkpoint (TP=2; the router bias a frozen float32 parameter) -> HF export:
     every tensor bit-identical, and the exported config.json the same model with vLLM's routing keys."""
-    from megarl.launch.convert import export_to_hf
-    from megarl.models.hf_io import open_hf_checkpoint, read_hf_config
-
-    tmp = world[0]["tmp"]
-    export_to_hf(f"{tmp}/mg_v3", f"{tmp}/hf_out")
-    source, back = open_hf_checkpoint(f"{tmp}/hf_in_v3"), open_hf_checkpoint(f"{tmp}/hf_out")
-    assert sorted(back.tensor_names) == sorted(V3.hf_tensor_shapes())
-    assert [n for n in V3.hf_tensor_shapes() if not torch.equal(back.read(n), source.read(n))] == []
-    config = read_hf_config(f"{tmp}/hf_out")
-    assert ModelSpec.from_hf_config(config) == V3
+    config = fp.export_roundtrip(V3, f"{world[0]['tmp']}/v3")
     assert (config["scoring_func"], config["topk_method"], config["num_nextn_predict_layers"]) == (
         "sigmoid", "noaux_tc", 0)
 

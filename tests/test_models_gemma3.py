@@ -10,13 +10,11 @@ slicing of the HF tensors.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from megarl.models.spec import ModelSpec, SpecError
-from tests.actor_decoding import gathered_logits_and_loss
+from tests import family_parity as fp
 from tests.distributed import run_world
 
 GEMMA3 = ModelSpec("gemma3", vocab_size=1000, hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2,
@@ -24,7 +22,6 @@ GEMMA3 = ModelSpec("gemma3", vocab_size=1000, hidden_size=64, num_layers=4, num_
                    rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=256, sliding_window=5,
                    sliding_window_pattern=(1, 0, 1, 0), local_rope_theta=1e4, query_pre_attn_scalar=24)
 MESHES = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) in a world of 2
-SEQ = 24
 
 
 def hf_model(spec: ModelSpec, seed: int = 1):
@@ -39,127 +36,53 @@ def hf_model(spec: ModelSpec, seed: int = 1):
     return model
 
 
-def _grads_differ(local, params, hf_grads) -> float:
-    """Max abs difference between a rank's Megatron gradients and the HF gradients of the blocks it holds."""
-    worst = 0.0
-    for name, lt in local.items():
-        for b in lt.blocks:
-            got = params[name].grad[b.dst_box]
-            worst = max(worst, (got - hf_grads[b.name][b.src_box]).abs().max().item())
-    return worst
-
-
 def _world(rank, world, tmp):
-    import torch.distributed as dist
-    import torch.nn.functional as F
     from megatron.core import parallel_state as ps
 
     from megarl.kernels.context_parallel import split_for_cp_rank
-    from megarl.models import checkpoint as ck
-    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
-    from megarl.models.layout import hf_layout
-    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
-    from megarl.models.layout_vllm import vllm_layout
     from megarl.models.lora import LoRASpec
-    from megarl.models.megatron import build_model
     from megarl.models.pipeline import run_microbatches
-    from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.reshard.executor import execute_plan
-    from megarl.reshard.planner import plan_reshard
 
-    spec, v = GEMMA3, GEMMA3.vocab_size
-    gen = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, v, (2, SEQ), generator=gen)
-    targets = torch.randint(0, v, (2, SEQ), generator=gen)
-    ref = hf_model(spec)
-    sd = {n: t for n, t in ref.state_dict().items() if n in spec.hf_tensor_shapes()}
-    ref.zero_grad()
-    ref_logits = ref(tokens).logits
-    F.cross_entropy(ref_logits.reshape(-1, v), targets.reshape(-1)).backward()
-    hf_grads = {n: p.grad for n, p in ref.named_parameters()}
-    ref_logits = ref_logits.detach()
+    spec = GEMMA3
+    ref = fp.reference(spec, hf_model(spec))
     out = {"logits": {}, "grads": {}, "tmp": tmp}
     with torch.no_grad():  # the window and the local RoPE base change the logits: the test compares them
-        out["window_matters"] = (hf_model(spec.replace(sliding_window=spec.max_position_embeddings))(tokens).logits
-                                 - ref_logits).abs().max().item()
-        out["local_rope_matters"] = (hf_model(spec.replace(local_rope_theta=spec.rope_theta))(tokens).logits
-                                     - ref_logits).abs().max().item()
-
-    output_fn = functools.partial(gathered_logits_and_loss, targets, v)
+        out["window_matters"] = ref.diff(hf_model(spec.replace(sliding_window=spec.max_position_embeddings))(
+            ref.tokens).logits)
+        out["local_rope_matters"] = ref.diff(hf_model(spec.replace(local_rope_theta=spec.rope_theta))(
+            ref.tokens).logits)
 
     for tp, pp in MESHES:
         mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp))
         initialize_model_parallel(mesh)
-        model = build_model(spec, mesh)
-        local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(),
-                                      ps.get_pipeline_model_parallel_rank())
-        params = dict(model.named_parameters())
-        fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
-        res = run_microbatches(model.eval(), [{"input_ids": tokens}], output_fn(False), forward_only=True)
-        if res:
-            out["logits"][(tp, pp)] = (res[0]["logits"] - ref_logits).abs().max().item()
-        if pp == 1:
-            model.train()
-            run_microbatches(model, [{"input_ids": tokens}], output_fn(True), forward_only=False)
-            for n, p in params.items():  # megatron's finalize_model_grads sums the QK-norm gradients over TP
-                if "q_layernorm" in n or "k_layernorm" in n:
-                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-            out["grads"][tp] = _grads_differ(local, params, hf_grads)
+        model, local, params = fp.load(spec, mesh, ref, rank)
+        diff = fp.logits_diff(model, ref)
+        if diff is not None:
+            out["logits"][(tp, pp)] = diff
+        if pp == 1:  # megatron's finalize_model_grads sums the QK-norm gradients over TP
+            out["grads"][tp] = fp.grads_diff(model, local, params, ref, tp_summed=("q_layernorm", "k_layernorm"))
         if (tp, pp) == (2, 1):  # LoRA on every target: the layout's names, zero adapters change nothing
-            lora = LoRASpec(rank=4, alpha=8.0)
-            adapted = build_model(spec, mesh, lora=lora).eval()
-            lora_local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0, lora=lora)
-            names = {n: tuple(p.shape) for n, p in adapted.named_parameters()}
-            out["lora_names"] = names == {n: lt.shape for n, lt in lora_local.items()} and sum(
-                "lora_" in n for n in names) == 4 * 4 * 2
-            fill_local_tensors(local, dict(adapted.named_parameters()), state_dict_reader(sd, spec.hf_tensor_shapes()))
-            res = run_microbatches(adapted, [{"input_ids": tokens}], output_fn(False), forward_only=True)
-            out["logits"]["lora"] = (res[0]["logits"] - ref_logits).abs().max().item()
-        if (tp, pp) == (2, 1):  # the reshard into vLLM's TP=2 layout, and back to whole HF tensors
-            layout = megatron_layout(spec, mesh)
-            want = _ref_vllm(sd, rank)
-            got = {n: torch.zeros(t.shape) for n, t in want.items()}
-            execute_plan(plan_reshard(layout, vllm_layout(spec, 2, range(world))), params, got)
-            out["vllm_names"] = sorted(vllm_layout(spec, 2, range(world)).tensors(rank)) == sorted(want)
-            out["vllm_bad"] = [n for n in want if not torch.equal(got[n], want[n])]
-            back = {n: torch.zeros(t.shape) for n, t in sd.items()}
-            execute_plan(plan_reshard(layout, hf_layout(spec, range(world))), params, back)
-            out["hf_bad"] = [n for n in sd if not torch.equal(back[n], sd[n])]
+            lora = fp.zero_lora(spec, mesh, ref, local, LoRASpec(rank=4, alpha=8.0))
+            out["lora_names"], out["lora_adapters"] = lora["lora_names"], lora["lora_adapters"]
+            out["logits"]["lora"] = lora["logits"]
+            # the reshard into vLLM's TP=2 layout, and back to whole HF tensors
+            out.update(fp.reshard_checks(spec, mesh, params, ref.sd, _ref_vllm(ref.sd, rank), rank, world))
 
     # the trainer's default attention (sdpa), on padded rows and on the two sequences packed in one row
-    mesh = ParallelLayout(tp=1, pp=1, dp=world)
-    initialize_model_parallel(mesh)
-    model = build_model(spec, mesh, attention="sdpa").eval()
-    fill_local_tensors(megatron_rank_tensors(spec, mesh, 0, 0), dict(model.named_parameters()),
-                       state_dict_reader(sd, spec.hf_tensor_shapes()))
-    packed = {"input_ids": tokens.reshape(1, -1), "position_ids": torch.arange(2 * SEQ).unsqueeze(0),
-              "cu_seqlens": torch.tensor([0, SEQ, 2 * SEQ], dtype=torch.int32)}
-    for key, mb in (("sdpa", {"input_ids": tokens}), ("packed", packed)):
-        logits = run_microbatches(model, [mb], output_fn(False), forward_only=True)[0]["logits"]
-        out["logits"][key] = (logits.reshape(ref_logits.shape) - ref_logits).abs().max().item()
+    out["logits"].update(fp.sdpa_and_packed(spec, ref, world, restart_positions=False))
 
     # CP=2 (sdpa): each rank's share of the tokens (chunks r and 3 - r), its local layers' window across the cut
     mesh = ParallelLayout(tp=1, pp=1, dp=1, cp=2)
     initialize_model_parallel(mesh)
-    model = build_model(spec, mesh, attention="sdpa").eval()
-    fill_local_tensors(megatron_rank_tensors(spec, mesh, 0, 0), dict(model.named_parameters()),
-                       state_dict_reader(sd, spec.hf_tensor_shapes()))
-    logits = run_microbatches(model, [{"input_ids": tokens}], lambda mb, o: (o.sum() * 0, {"logits": o[..., :v]}),
+    model, _, _ = fp.load(spec, mesh, ref, 0, attention="sdpa")
+    logits = run_microbatches(model.eval(), [{"input_ids": ref.tokens}],
+                              lambda mb, o: (o.sum() * 0, {"logits": o[..., :spec.vocab_size]}),
                               forward_only=True)[0]["logits"]
-    want = split_for_cp_rank(ref_logits, 1, ps.get_context_parallel_group())
+    want = split_for_cp_rank(ref.logits, 1, ps.get_context_parallel_group())
     out["logits"]["cp"] = (logits - want).abs().max().item()
 
-    # HF safetensors -> megarl dist checkpoint at PP=2 -> HF export (compared in the test)
-    if rank == 0:
-        save_hf_checkpoint(f"{tmp}/hf_in", spec, sd)
-    dist.barrier()
-    mesh = ParallelLayout(tp=1, pp=2, dp=1)
-    initialize_model_parallel(mesh)
-    model = build_model(spec, mesh)
-    ck.load_hf_weights(model, open_hf_checkpoint(f"{tmp}/hf_in"))
-    ck.save_model(f"{tmp}/mg", model)
-    ps.destroy_model_parallel()
+    fp.save_pp2_checkpoint(spec, ref.sd, tmp, rank)  # HF -> megarl dist checkpoint (PP=2), exported in the test
     return out
 
 
@@ -168,23 +91,18 @@ def _ref_vllm(sd: dict, r: int) -> dict:
     v_r] (2 query heads and 1 KV head a rank), ``gate_up_proj`` = [gate_r; up_r], o/down split on the input dim,
     the vocab padded to 1024 (a multiple of 64) and split in halves (the padding rows left zero), the norms whole
     (raw weights: GemmaRMSNorm adds 1 in forward), ``lm_head`` tied to ``embed_tokens``."""
-    out = {}
-    emb = torch.zeros(1024, 64)
-    emb[:1000] = sd["model.embed_tokens.weight"]
-    out["model.embed_tokens.weight"] = emb[512 * r:512 * (r + 1)]
+    out = {"model.embed_tokens.weight": fp.vllm_vocab_shard(sd["model.embed_tokens.weight"], r),
+           "model.norm.weight": sd["model.norm.weight"]}
     for i in range(4):
         p = f"model.layers.{i}."
         q, k, vv = (sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv")
         out[p + "self_attn.qkv_proj.weight"] = torch.cat([q[64 * r:64 * (r + 1)], k[32 * r:32 * (r + 1)],
                                                          vv[32 * r:32 * (r + 1)]])
         out[p + "self_attn.o_proj.weight"] = sd[p + "self_attn.o_proj.weight"][:, 64 * r:64 * (r + 1)]
-        gate, up = sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat([gate[48 * r:48 * (r + 1)], up[48 * r:48 * (r + 1)]])
-        out[p + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"][:, 48 * r:48 * (r + 1)]
+        out.update(fp.vllm_mlp_shard(sd, p + "mlp.", 48, r))
         for n in ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm",
                   "pre_feedforward_layernorm", "post_feedforward_layernorm"):
             out[p + n + ".weight"] = sd[p + n + ".weight"]
-    out["model.norm.weight"] = sd["model.norm.weight"]
     return out
 
 
@@ -215,27 +133,18 @@ def test_training_step_gradients_equal_transformers(world, tp):
 
 
 def test_lora_adapters_sit_where_the_layout_says(world):
-    assert all(r["lora_names"] for r in world)
+    assert all(r["lora_names"] and len(r["lora_adapters"]) == 4 * 4 * 2 for r in world)
 
 
 def test_vllm_layout_is_an_independent_slicing_of_the_hf_tensors(world):
     for r in world:
-        assert r["vllm_names"] and r["vllm_bad"] == [] and r["hf_bad"] == [], r
+        assert r["vllm_missing"] == r["vllm_extra"] == r["vllm_bad"] == r["hf_bad"] == [], r
 
 
 def test_convert_export_roundtrip_is_bit_identical(world):
     """HF safetensors -> megarl dist checkpoint (PP=2) -> HF export: every tensor bit-identical, and the exported
     config.json is the same Gemma 3 text model."""
-    from megarl.launch.convert import export_to_hf
-    from megarl.models.hf_io import open_hf_checkpoint, read_hf_config
-
-    tmp = world[0]["tmp"]
-    export_to_hf(f"{tmp}/mg", f"{tmp}/hf_out")
-    source, back = open_hf_checkpoint(f"{tmp}/hf_in"), open_hf_checkpoint(f"{tmp}/hf_out")
-    assert sorted(back.tensor_names) == sorted(GEMMA3.hf_tensor_shapes())
-    assert [n for n in GEMMA3.hf_tensor_shapes() if not torch.equal(back.read(n), source.read(n))] == []
-    config = read_hf_config(f"{tmp}/hf_out")
-    assert config["model_type"] == "gemma3_text" and ModelSpec.from_hf_config(config) == GEMMA3
+    assert fp.export_roundtrip(GEMMA3, world[0]["tmp"])["model_type"] == "gemma3_text"
 
 
 def test_hub_config_json_of_gemma3_1b_gives_its_preset():

@@ -14,17 +14,14 @@ megarl dist checkpoint (PP=2) -> HF export, bit-identical.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from megarl.models.spec import ModelSpec, SpecError
-from tests.actor_decoding import gathered_logits_and_loss
+from tests import family_parity as fp
 from tests.distributed import run_world
 from tests.test_models_deepseek import hf_model  # the same random init: norms, biases, experts and the routing bias
 
-SEQ = 24
 MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (tp, pp, ep) in a world of 2
 QUICK = [(2, 1, 1), (1, 1, 2)]
 
@@ -52,11 +49,7 @@ def _ref_vllm(sd: dict, r: int) -> dict:
     and their down columns halved, every routed expert's gate/up rows [16 r, 16 r + 16) stacked as ``w13_weight`` and
     its down columns as ``w2_weight``, the router (``mlp.gate``) and its ``e_score_correction_bias`` whole, the vocab
     padded to 1024 and halved."""
-    out, half = {}, slice(512 * r, 512 * (r + 1))
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        padded = torch.zeros(1024, 64)
-        padded[:1000] = sd[name]
-        out[name] = padded[half]
+    out = {name: fp.vllm_vocab_shard(sd[name], r) for name in ("model.embed_tokens.weight", "lm_head.weight")}
     out["model.norm.weight"] = sd["model.norm.weight"]
     q_rows, kv_rows = slice(32 * r, 32 * (r + 1)), slice(16 * r, 16 * (r + 1))
     for i in range(4):
@@ -68,10 +61,8 @@ def _ref_vllm(sd: dict, r: int) -> dict:
         out[a + "o_proj.weight"] = sd[a + "o_proj.weight"][:, q_rows]
         for n in ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm"):
             out[p + n + ".weight"] = sd[p + n + ".weight"]
-        m, w = (p + "mlp.", 48) if i == 0 else (p + "mlp.shared_experts.", 16)
-        out[m + "gate_up_proj.weight"] = torch.cat([sd[m + "gate_proj.weight"][w * r:w * (r + 1)],
-                                                    sd[m + "up_proj.weight"][w * r:w * (r + 1)]])
-        out[m + "down_proj.weight"] = sd[m + "down_proj.weight"][:, w * r:w * (r + 1)]
+        out.update(fp.vllm_mlp_shard(sd, p + "mlp.", 48, r) if i == 0 else
+                   fp.vllm_mlp_shard(sd, p + "mlp.shared_experts.", 16, r))
         if i:
             e, own = p + "mlp.experts.", slice(16 * r, 16 * (r + 1))
             out[p + "mlp.gate.weight"] = sd[p + "mlp.gate.weight"]
@@ -86,90 +77,49 @@ def _world(rank, world, tmp, meshes, checkpoint):
     import dataclasses
 
     import torch.distributed as dist
-    import torch.nn.functional as F
     from megatron.core import parallel_state as ps
 
-    from megarl.models import checkpoint as ck
-    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
-    from megarl.models.layout import hf_layout
-    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
-    from megarl.models.layout_vllm import vllm_layout
-    from megarl.models.lora import LoRASpec
     from megarl.models.checkpoint import chunk_parameters
+    from megarl.models.layout_megatron import megatron_rank_tensors
+    from megarl.models.lora import LoRASpec
     from megarl.models.megatron import build_model, build_model_chunks
     from megarl.models.pipeline import run_microbatches
-    from megarl.models.weights import fill_local_tensors, state_dict_reader, transformers_canonical
+    from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.reshard.executor import execute_plan
-    from megarl.reshard.planner import plan_reshard
 
-    spec, v = GLM, GLM.vocab_size
-    gen = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, v, (2, SEQ), generator=gen)
-    targets = torch.randint(0, v, (2, SEQ), generator=gen)
-    ref = hf_model(spec)
-    sd = transformers_canonical(spec, dict(ref.state_dict()))
-    ref.zero_grad()
-    ref_logits = ref(tokens).logits
-    F.cross_entropy(ref_logits.reshape(-1, v), targets.reshape(-1)).backward()
-    hf_grads = transformers_canonical(spec, {**{n: torch.zeros_like(b) for n, b in ref.named_buffers()
-                                                if n.endswith("correction_bias")},
-                                             **{n: p.grad for n, p in ref.named_parameters()}})
-    ref_logits = ref_logits.detach()
+    spec = GLM
+    ref = fp.reference(spec, hf_model(spec), canonical=True)
     out = {"logits": {}, "tmp": tmp}
     with torch.no_grad():  # what the parity rests on changes transformers' logits: the routing bias, partial RoPE
         other = hf_model(spec)
         for name, b in other.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.zero_()
-        out["bias_matters"] = (other(tokens).logits - ref_logits).abs().max().item()
+        out["bias_matters"] = ref.diff(other(ref.tokens).logits)
         full = hf_model(spec.replace(glm=dataclasses.replace(spec.glm, partial_rotary_factor=1.0)))
-        out["partial_rope_matters"] = (full(tokens).logits - ref_logits).abs().max().item()
+        out["partial_rope_matters"] = ref.diff(full(ref.tokens).logits)
 
-    output_fn = functools.partial(gathered_logits_and_loss, targets, v)
     for tp, pp, ep in meshes:
         mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
         initialize_model_parallel(mesh)
-        model = build_model(spec, mesh)
-        local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(),
-                                      ps.get_pipeline_model_parallel_rank(), ep_rank=mesh.ep_rank(rank))
-        params = dict(model.named_parameters())
+        model, local, params = fp.load(spec, mesh, ref, rank)
         assert sorted(params) == sorted(local), sorted(set(params) ^ set(local))
-        fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
-        res = run_microbatches(model.eval(), [{"input_ids": tokens}], output_fn(False), forward_only=True)
-        if res:
-            out["logits"][(tp, pp, ep)] = (res[0]["logits"] - ref_logits).abs().max().item()
+        diff = fp.logits_diff(model, ref)
+        if diff is not None:
+            out["logits"][(tp, pp, ep)] = diff
         if (tp, pp, ep) == (1, 1, 1):
-            run_microbatches(model.train(), [{"input_ids": tokens}], output_fn(True), forward_only=False)
-            out["grads"] = max((params[n].grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max().item()
-                               for n, lt in local.items() if params[n].requires_grad for b in lt.blocks)
+            out["grads"] = fp.grads_diff(model, local, params, ref, frozen_ok=True)
             out["frozen"] = sorted(n for n, p in params.items() if not p.requires_grad)
         if (tp, pp, ep) == (2, 1, 1):  # megarl's tensors back to whole HF tensors, and into vLLM's TP=2 layout
-            src = megatron_layout(spec, mesh)
-            back = {n: torch.zeros(t.shape) for n, t in sd.items()}
-            execute_plan(plan_reshard(src, hf_layout(spec, range(world))), params, back)
-            out["export_bad"] = [n for n in sd if not torch.equal(back[n], sd[n])]
-            want, dst = _ref_vllm(sd, rank), vllm_layout(spec, 2, range(world))
-            got = {n: torch.zeros(lt.shape) for n, lt in dst.tensors(rank).items()}
-            execute_plan(plan_reshard(src, dst), params, got)
-            out["vllm_bad"] = sorted(set(got) ^ set(want)) + [
-                n for n in want if n in got and not torch.equal(got[n].reshape(want[n].shape), want[n])]
-            lora = LoRASpec(rank=4, alpha=8.0)  # on every target: the layout's names, zero adapters change nothing
-            adapted = build_model(spec, mesh, lora=lora).eval()
-            lora_local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0, lora=lora)
-            names = {n: tuple(p.shape) for n, p in adapted.named_parameters()}
-            out["lora_names"] = (names == {n: lt.shape for n, lt in lora_local.items()},
-                                 sorted(n.split(".", 2)[-1] for n in names if "lora_" in n))
-            fill_local_tensors(local, dict(adapted.named_parameters()), state_dict_reader(sd, spec.hf_tensor_shapes()))
-            res = run_microbatches(adapted, [{"input_ids": tokens}], output_fn(False), forward_only=True)
-            out["logits"]["lora"] = (res[0]["logits"] - ref_logits).abs().max().item()
+            r = fp.reshard_checks(spec, mesh, params, ref.sd, _ref_vllm(ref.sd, rank), rank, world, reshape=True)
+            out["export_bad"] = r["hf_bad"]
+            out["vllm_bad"] = r["vllm_missing"] + r["vllm_extra"] + r["vllm_bad"]
+            # on every target: the layout's names, zero adapters change nothing
+            lora = fp.zero_lora(spec, mesh, ref, local, LoRASpec(rank=4, alpha=8.0))
+            out["lora_names"] = (lora["lora_names"], sorted(n.split(".", 2)[-1] for n in lora["lora_adapters"]))
+            out["logits"]["lora"] = lora["logits"]
         if pp == 2 and checkpoint:  # HF safetensors -> megarl dist checkpoint at PP=2 (exported in the test)
-            if rank == 0:
-                save_hf_checkpoint(f"{tmp}/hf_in", spec, sd)
-            dist.barrier()
-            fresh = build_model(spec, mesh, init_weights=False)
-            ck.load_hf_weights(fresh, open_hf_checkpoint(f"{tmp}/hf_in"))
-            ck.save_model(f"{tmp}/mg", fresh)
+            fp.save_dist_checkpoint(build_model(spec, mesh, init_weights=False), spec, ref.sd, tmp, rank)
         ps.destroy_model_parallel()
         dist.barrier()
     if checkpoint:  # PP=2 x VPP=2: the dense layer alone in rank 0's first chunk, one layer a chunk
@@ -178,22 +128,14 @@ def _world(rank, world, tmp, meshes, checkpoint):
         chunks = build_model_chunks(spec, mesh)
         params = chunk_parameters(chunks)
         fill_local_tensors(megatron_rank_tensors(spec, mesh, 0, ps.get_pipeline_model_parallel_rank()), params,
-                           state_dict_reader(sd, spec.hf_tensor_shapes()))
-        res = run_microbatches(chunks, [{"input_ids": tokens[i:i + 1]} for i in range(2)],
-                               lambda mb, o: (o.sum() * 0, {"logits": o[..., :v]}), forward_only=True)
+                           state_dict_reader(ref.sd, spec.hf_tensor_shapes()))
+        res = run_microbatches(chunks, [{"input_ids": ref.tokens[i:i + 1]} for i in range(2)],
+                               lambda mb, o: (o.sum() * 0, {"logits": o[..., :spec.vocab_size]}), forward_only=True)
         if res:
-            out["logits"]["vpp"] = (torch.cat([r["logits"] for r in res]) - ref_logits).abs().max().item()
+            out["logits"]["vpp"] = ref.diff(torch.cat([r["logits"] for r in res]))
         ps.destroy_model_parallel()
     if not checkpoint:  # the trainer's attention (sdpa), on padded rows and on the two sequences packed in one row
-        initialize_model_parallel(ParallelLayout(tp=1, pp=1, dp=world))
-        model = build_model(spec, ParallelLayout(tp=1, pp=1, dp=world), attention="sdpa").eval()
-        fill_local_tensors(megatron_rank_tensors(spec, ParallelLayout(tp=1, pp=1, dp=world), 0, 0),
-                           dict(model.named_parameters()), state_dict_reader(sd, spec.hf_tensor_shapes()))
-        packed = {"input_ids": tokens.reshape(1, -1), "position_ids": torch.arange(SEQ).repeat(2).unsqueeze(0),
-                  "cu_seqlens": torch.tensor([0, SEQ, 2 * SEQ], dtype=torch.int32)}
-        for key, mb in (("sdpa", {"input_ids": tokens}), ("packed", packed)):
-            logits = run_microbatches(model, [mb], output_fn(False), forward_only=True)[0]["logits"]
-            out["logits"][key] = (logits.reshape(ref_logits.shape) - ref_logits).abs().max().item()
+        out["logits"].update(fp.sdpa_and_packed(spec, ref, world, restart_positions=True))
         ps.destroy_model_parallel()
     return out
 
@@ -260,16 +202,8 @@ def test_training_step_gradients_equal_transformers(world):
 def test_convert_export_roundtrip_is_bit_identical(world):
     """HF safetensors -> megarl dist checkpoint (PP=2) -> HF export: every tensor bit-identical, and the exported
     config.json the same model (no MTP layer)."""
-    from megarl.launch.convert import export_to_hf
-    from megarl.models.hf_io import open_hf_checkpoint, read_hf_config
-
-    tmp = world[0]["tmp"]
-    export_to_hf(f"{tmp}/mg", f"{tmp}/hf_out")
-    source, back = open_hf_checkpoint(f"{tmp}/hf_in"), open_hf_checkpoint(f"{tmp}/hf_out")
-    assert sorted(back.tensor_names) == sorted(GLM.hf_tensor_shapes())
-    assert [n for n in GLM.hf_tensor_shapes() if not torch.equal(back.read(n), source.read(n))] == []
-    config = read_hf_config(f"{tmp}/hf_out")
-    assert ModelSpec.from_hf_config(config) == GLM and config["num_nextn_predict_layers"] == 0
+    config = fp.export_roundtrip(GLM, world[0]["tmp"])
+    assert config["num_nextn_predict_layers"] == 0
 
 
 def test_config_round_trip_drops_the_mtp_layer():

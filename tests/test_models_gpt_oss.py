@@ -10,14 +10,13 @@ refusals.
 
 from __future__ import annotations
 
-import functools
 import zlib
 
 import pytest
 import torch
 
 from megarl.models.spec import ModelSpec, SpecError
-from tests.actor_decoding import gathered_logits_and_loss
+from tests import family_parity as fp
 from tests.distributed import run_world
 
 GPT_OSS = ModelSpec("gpt_oss", vocab_size=1000, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
@@ -28,7 +27,6 @@ GPT_OSS = ModelSpec("gpt_oss", vocab_size=1000, hidden_size=64, num_layers=2, nu
                     num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32, eos_token_ids=(2,), pad_token_id=0)
 MESHES = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 2, 1)]  # (tp, ep, pp) in a world of 2: PP=2 puts layer 0 (sliding) and
 # layer 1 (full) on stages of their own
-SEQ = 24
 
 
 def hf_model(spec: ModelSpec, seed: int = 1):
@@ -48,130 +46,81 @@ def hf_model(spec: ModelSpec, seed: int = 1):
 
 
 def _world(rank, world):
-    import torch.nn.functional as F
     from megatron.core import parallel_state as ps
 
     from megarl.models.gpt_oss import canonical_to_checkpoint
-    from megarl.models.layout import hf_layout
     from megarl.models.layout_lora import adapter_layout, lora_targets, with_lora_merge
-    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
+    from megarl.models.layout_megatron import megatron_layout
     from megarl.models.layout_vllm import vllm_layout
     from megarl.models.lora import LoRASpec
-    from megarl.models.megatron import build_model
-    from megarl.models.pipeline import run_microbatches
-    from megarl.models.weights import fill_local_tensors, state_dict_reader, transformers_canonical
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.reshard.executor import execute_plan
-    from megarl.reshard.planner import plan_reshard
 
-    spec, v = GPT_OSS, GPT_OSS.vocab_size
-    gen = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, v, (2, SEQ), generator=gen)
-    targets = torch.randint(0, v, (2, SEQ), generator=gen)
-    ref = hf_model(spec)
-    sd = transformers_canonical(spec, {n: p.detach() for n, p in ref.named_parameters()})
-    ref.zero_grad()
-    ref_logits = ref(tokens).logits
-    F.cross_entropy(ref_logits.reshape(-1, v), targets.reshape(-1)).backward()
-    hf_grads = transformers_canonical(spec, {n: p.grad for n, p in ref.named_parameters()})
-    ref_logits = ref_logits.detach()
+    spec = GPT_OSS
+    ref_model = hf_model(spec)
+    ref = fp.reference(spec, ref_model, canonical=True)
+    hf = {n: p.detach() for n, p in ref_model.named_parameters()}
     out = {"logits": {}, "grads": {}}
     with torch.no_grad():  # the window, the sinks and the clamp change the logits: the test compares them
-        other = hf_model(spec.replace(sliding_window_pattern=(0, 0)))
-        out["window_matters"] = (other(tokens).logits - ref_logits).abs().max().item()
+        out["window_matters"] = ref.diff(hf_model(spec.replace(sliding_window_pattern=(0, 0)))(ref.tokens).logits)
         sinkless = hf_model(spec)
         for layer in sinkless.model.layers:
             layer.self_attn.sinks.fill_(-1e4)
-        out["sinks_matter"] = (sinkless(tokens).logits - ref_logits).abs().max().item()
-        x = ref.model.layers[0].post_attention_layernorm(ref.model.embed_tokens(tokens))  # roughly layer 0's input
-        gate_up = x @ ref.model.layers[0].mlp.experts.gate_up_proj[0]
+        out["sinks_matter"] = ref.diff(sinkless(ref.tokens).logits)
+        layer0 = ref_model.model.layers[0]
+        x = layer0.post_attention_layernorm(ref_model.model.embed_tokens(ref.tokens))  # roughly layer 0's input
+        gate_up = x @ layer0.mlp.experts.gate_up_proj[0]
         out["clamped"] = (gate_up.abs() > 7).float().mean().item()
-
-    output_fn = functools.partial(gathered_logits_and_loss, targets, v)
 
     for tp, ep, pp in MESHES:
         mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
         initialize_model_parallel(mesh)
-        model = build_model(spec, mesh, attention="local", moe_experts="sequential")
-        local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(),
-                                      ps.get_pipeline_model_parallel_rank(), ep_rank=mesh.ep_rank(rank),
-                                      moe_experts="sequential")
-        params = dict(model.named_parameters())
+        model, local, params = fp.load(spec, mesh, ref, rank, attention="local", moe_experts="sequential")
         out.setdefault("names", {})[(tp, ep, pp)] = sorted(params) == sorted(local)
-        fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
-        res = run_microbatches(model.eval(), [{"input_ids": tokens}], output_fn(False), forward_only=True)
-        if res:  # the last stage
-            out["logits"][(tp, ep, pp)] = (res[0]["logits"] - ref_logits).abs().max().item()
+        diff = fp.logits_diff(model, ref)
+        if diff is not None:  # the last stage
+            out["logits"][(tp, ep, pp)] = diff
         if (tp, ep, pp) == (2, 1, 1):  # the reshard into vLLM's TP=2 layout, and back to whole HF tensors
-            want = _ref_vllm({n: p.detach() for n, p in ref.named_parameters()}, rank)
-            got = {n: torch.zeros(t.shape) for n, t in want.items()}
-            execute_plan(plan_reshard(megatron_layout(spec, mesh, moe_experts="sequential"),
-                                      vllm_layout(spec, 2, range(world))), params, got)
-            out["vllm_names"] = sorted(vllm_layout(spec, 2, range(world)).tensors(rank)) == sorted(want)
-            out["vllm_bad"] = [n for n in want if not torch.equal(got[n], want[n])]
-            back = {n: torch.zeros(t.shape) for n, t in sd.items()}
-            execute_plan(plan_reshard(megatron_layout(spec, mesh, moe_experts="sequential"),
-                                      hf_layout(spec, range(world))), params, back)
-            out["hf_bad"] = [n for n in sd if not torch.equal(back[n], sd[n])]
+            out.update(fp.reshard_checks(spec, mesh, params, ref.sd, _ref_vllm(hf, rank), rank, world,
+                                         moe_experts="sequential"))
             # LoRA on every target, experts too: the layout's adapter names are the model's, zero adapters change
             # nothing
             lora = LoRASpec(rank=4, alpha=8.0, experts=True)
-            adapted = build_model(spec, mesh, lora=lora, attention="local", moe_experts="sequential").eval()
-            lora_local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0, lora=lora,
-                                               moe_experts="sequential")
-            names = {n: tuple(p.shape) for n, p in adapted.named_parameters()}
-            out["lora_names"] = names == {n: lt.shape for n, lt in lora_local.items()}
-            out["lora_adapters"] = sum("lora_a" in n for n in names)
-            fill_local_tensors(local, dict(adapted.named_parameters()), state_dict_reader(sd, spec.hf_tensor_shapes()))
-            res = run_microbatches(adapted, [{"input_ids": tokens}], output_fn(False), forward_only=True)
-            out["logits"]["lora"] = (res[0]["logits"] - ref_logits).abs().max().item()
+            zero = fp.zero_lora(spec, mesh, ref, local, lora, attention="local", moe_experts="sequential")
+            out["lora_names"], out["logits"]["lora"] = zero["lora_names"], zero["logits"]
+            out["lora_adapters"] = sum("lora_a" in n for n in zero["lora_adapters"])
             # random adapters (replicas alike: seeded by name), merged by the reshard into vLLM's layout
-            aparams = dict(adapted.named_parameters())
+            aparams = dict(zero["model"].named_parameters())
             with torch.no_grad():
                 for n, t in aparams.items():
                     if "lora_" in n:
                         t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(zlib.crc32(n.encode()))))
-            lsrc, whole = megatron_layout(spec, mesh, lora=lora, moe_experts="sequential"), adapter_layout(
-                spec, lora, range(world))
-            ad = {n: torch.zeros(lt.shape) for n, lt in whole.tensors(rank).items()}
-            execute_plan(plan_reshard(lsrc, whole), aparams, ad)
-            merged = dict(sd)
+            lsrc = megatron_layout(spec, mesh, lora=lora, moe_experts="sequential")
+            ad = fp.reshard(aparams, lsrc, adapter_layout(spec, lora, range(world)), rank)
+            merged = dict(ref.sd)
             for w, (a, b) in lora_targets(spec, lora).items():
-                merged[w] = (sd[w].double() + lora.alpha / lora.rank * (ad[b].double() @ ad[a].double())).float()
+                merged[w] = (ref.sd[w].double() + lora.alpha / lora.rank * (ad[b].double() @ ad[a].double())).float()
             want = _ref_vllm(canonical_to_checkpoint(spec, merged), rank)
-            got = {n: torch.zeros(t.shape) for n, t in want.items()}
-            execute_plan(plan_reshard(lsrc, with_lora_merge(vllm_layout(spec, 2, range(world)), lora)), aparams, got)
-            out["lora_vllm_bad"] = [n for n in want if not torch.equal(got[n], want[n])]
-            out["lora_merge_changes"] = sum(not torch.equal(want[n], v) for n, v in _ref_vllm(
-                {n: p.detach() for n, p in ref.named_parameters()}, rank).items())
+            got = fp.reshard(aparams, lsrc, with_lora_merge(vllm_layout(spec, 2, range(world)), lora), rank)
+            out["lora_vllm_bad"] = [n for n in want if n not in got or not torch.equal(got[n], want[n])]
+            out["lora_merge_changes"] = sum(not torch.equal(want[n], v) for n, v in _ref_vllm(hf, rank).items())
         if (tp, ep, pp) == (1, 1, 1):
-            model.train()
-            run_microbatches(model, [{"input_ids": tokens}], output_fn(True), forward_only=False)
-            out["grads"] = max((params[n].grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max().item()
-                               for n, lt in local.items() for b in lt.blocks)
+            out["grads"] = fp.grads_diff(model, local, params, ref)
     ps.destroy_model_parallel()
     return out
 
 
 def _convert_world(rank, world, tmp):
     """HF safetensors (the checkpoint's fused experts) -> megarl dist checkpoint at EP=2."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megarl.models import checkpoint as ck
-    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
     from megarl.models.megatron import build_model
     from megarl.models.weights import transformers_canonical
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
 
-    if rank == 0:
-        ref = hf_model(GPT_OSS)
-        save_hf_checkpoint(f"{tmp}/hf_in", GPT_OSS, transformers_canonical(GPT_OSS, dict(ref.named_parameters())))
-    dist.barrier()
+    sd = transformers_canonical(GPT_OSS, dict(hf_model(GPT_OSS).named_parameters()))
     initialize_model_parallel(ParallelLayout(tp=1, pp=1, dp=2, ep=2))
     model = build_model(GPT_OSS, ParallelLayout(tp=1, pp=1, dp=2, ep=2), moe_experts="sequential")
-    ck.load_hf_weights(model, open_hf_checkpoint(f"{tmp}/hf_in"))
-    ck.save_model(f"{tmp}/mg", model)
+    fp.save_dist_checkpoint(model, GPT_OSS, sd, tmp, rank)
     ps.destroy_model_parallel()
 
 
@@ -232,7 +181,8 @@ def test_reshard_into_vllm_equals_an_independent_slicing(world):
     """megarl's vLLM TP=2 tensors (reshard from Megatron TP=2) equal vLLM's bf16 loader's slicing of transformers'
     parameters, done in the test; the reshard back to whole HF tensors gives the canonical ones."""
     for rank in (0, 1):
-        assert world[rank]["vllm_names"] and world[rank]["vllm_bad"] == [] and world[rank]["hf_bad"] == [], rank
+        w = world[rank]
+        assert w["vllm_missing"] == w["vllm_extra"] == w["vllm_bad"] == w["hf_bad"] == [], (rank, w)
 
 
 def test_lora_on_every_target_keeps_the_logits(world):

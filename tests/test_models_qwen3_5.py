@@ -10,14 +10,13 @@ logits at TP=1, TP=2 and PP=2, the gradients of a cross-entropy step at TP=1 and
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 import torch
 
 from megarl.models.qwen3_5_spec import GatedDeltaNetShape
 from megarl.models.spec import ModelSpec, SpecError
-from tests.actor_decoding import gathered_logits_and_loss
+from tests import family_parity as fp
 from tests.distributed import run_world
 
 QWEN35 = ModelSpec("qwen3_5", vocab_size=1000, hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2,
@@ -26,7 +25,6 @@ QWEN35 = ModelSpec("qwen3_5", vocab_size=1000, hidden_size=64, num_layers=4, num
                    gdn=GatedDeltaNetShape((1, 0, 1, 0), num_key_heads=2, num_value_heads=4, key_head_dim=16,
                                           value_head_dim=8, conv_kernel=4, partial_rotary_factor=0.25))
 MESHES = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) in a world of 2
-SEQ = 24
 TP_SUMMED = ("q_layernorm", "k_layernorm")  # summed over TP by megatron's finalize_model_grads (out_norm: in backward)
 
 
@@ -43,93 +41,29 @@ def hf_model(spec: ModelSpec, seed: int = 1):
 
 
 def _world(rank, world, tmp):
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from megatron.core import parallel_state as ps
-
-    from megarl.models import checkpoint as ck
-    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
-    from megarl.models.megatron import build_model
-    from megarl.models.layout import hf_layout
-    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
-    from megarl.models.layout_vllm import vllm_layout
-    from megarl.reshard.executor import execute_plan
-    from megarl.reshard.planner import plan_reshard
-    from megarl.models.pipeline import run_microbatches
-    from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
 
-    spec, v = QWEN35, QWEN35.vocab_size
-    gen = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, v, (2, SEQ), generator=gen)
-    targets = torch.randint(0, v, (2, SEQ), generator=gen)
-    ref = hf_model(spec)
-    sd = {n: t for n, t in ref.state_dict().items() if n in spec.hf_tensor_shapes()}
-    ref.zero_grad()
-    ref_logits = ref(tokens).logits
-    F.cross_entropy(ref_logits.reshape(-1, v), targets.reshape(-1)).backward()
-    hf_grads = {n: p.grad for n, p in ref.named_parameters()}
-    ref_logits = ref_logits.detach()
+    spec = QWEN35
+    ref = fp.reference(spec, hf_model(spec))
     out = {"logits": {}, "grads": {}, "tmp": tmp, "names": {}}
-    output_fn = functools.partial(gathered_logits_and_loss, targets, v)
     for tp, pp in MESHES:
         mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp))
         initialize_model_parallel(mesh)
-        model = build_model(spec, mesh)
-        local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(),
-                                      ps.get_pipeline_model_parallel_rank())
-        params = dict(model.named_parameters())
-        out["names"][(tp, pp)] = {n: tuple(p.shape) for n, p in params.items()} == {n: lt.shape for n, lt in
-                                                                                     local.items()}
-        fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
-        res = run_microbatches(model.eval(), [{"input_ids": tokens}], output_fn(False), forward_only=True)
-        if res:
-            out["logits"][(tp, pp)] = (res[0]["logits"] - ref_logits).abs().max().item()
+        model, local, params = fp.load(spec, mesh, ref, rank)
+        out["names"][(tp, pp)] = fp.names_match(params, local)
+        diff = fp.logits_diff(model, ref)
+        if diff is not None:
+            out["logits"][(tp, pp)] = diff
         if pp == 1:
-            model.train()
-            run_microbatches(model, [{"input_ids": tokens}], output_fn(True), forward_only=False)
-            for n, p in params.items():
-                if any(s in n for s in TP_SUMMED):
-                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-            worst = 0.0
-            for name, lt in local.items():
-                for b in lt.blocks:
-                    worst = max(worst, (params[name].grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max().item())
-            out["grads"][tp] = worst
+            out["grads"][tp] = fp.grads_diff(model, local, params, ref, tp_summed=TP_SUMMED)
         if (tp, pp) == (2, 1):  # the reshard into vLLM's TP=2 layout, and back to whole HF tensors
-            layout = megatron_layout(spec, mesh)
-            want = _ref_vllm(sd, rank)
-            got = {n: torch.zeros(t.shape) for n, t in want.items()}
-            execute_plan(plan_reshard(layout, vllm_layout(spec, 2, range(world))), params, got)
-            out["vllm_names"] = sorted(vllm_layout(spec, 2, range(world)).tensors(rank)) == sorted(want)
-            out["vllm_bad"] = [n for n in want if not torch.equal(got[n], want[n])]
-            back = {n: torch.zeros(t.shape) for n, t in sd.items()}
-            execute_plan(plan_reshard(layout, hf_layout(spec, range(world))), params, back)
-            out["hf_bad"] = [n for n in sd if not torch.equal(back[n], sd[n])]
+            out.update(fp.reshard_checks(spec, mesh, params, ref.sd, _ref_vllm(ref.sd, rank), rank, world))
 
     # the trainer's default attention (sdpa), on padded rows and on the two sequences packed in one row (the
     # DeltaNet's convolution and state restart at the second sequence: cu_seqlens)
-    mesh = ParallelLayout(tp=1, pp=1, dp=world)
-    initialize_model_parallel(mesh)
-    model = build_model(spec, mesh, attention="sdpa").eval()
-    fill_local_tensors(megatron_rank_tensors(spec, mesh, 0, 0), dict(model.named_parameters()),
-                       state_dict_reader(sd, spec.hf_tensor_shapes()))
-    packed = {"input_ids": tokens.reshape(1, -1), "position_ids": torch.arange(2 * SEQ).unsqueeze(0),
-              "cu_seqlens": torch.tensor([0, SEQ, 2 * SEQ], dtype=torch.int32)}
-    for key, mb in (("sdpa", {"input_ids": tokens}), ("packed", packed)):
-        logits = run_microbatches(model, [mb], output_fn(False), forward_only=True)[0]["logits"]
-        out["logits"][key] = (logits.reshape(ref_logits.shape) - ref_logits).abs().max().item()
+    out["logits"].update(fp.sdpa_and_packed(spec, ref, world, restart_positions=False))
 
-    # HF safetensors -> megarl dist checkpoint at PP=2 -> HF export (compared in the test)
-    if rank == 0:
-        save_hf_checkpoint(f"{tmp}/hf_in", spec, sd)
-    dist.barrier()
-    mesh = ParallelLayout(tp=1, pp=2, dp=1)
-    initialize_model_parallel(mesh)
-    model = build_model(spec, mesh)
-    ck.load_hf_weights(model, open_hf_checkpoint(f"{tmp}/hf_in"))
-    ck.save_model(f"{tmp}/mg", model)
-    ps.destroy_model_parallel()
+    fp.save_pp2_checkpoint(spec, ref.sd, tmp, rank)  # HF -> megarl dist checkpoint (PP=2), exported in the test
     return out
 
 
@@ -143,11 +77,8 @@ def _ref_vllm(sd: dict, r: int) -> dict:
     def half(t, n, start=0):
         return t[start + n * r:start + n * (r + 1)]
 
-    out = {}
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        padded = torch.zeros(1024, 64)
-        padded[:1000] = sd[name]
-        out[name] = half(padded, 512)
+    out = {name: fp.vllm_vocab_shard(sd[name], r) for name in ("model.embed_tokens.weight", "lm_head.weight")}
+    out["model.norm.weight"] = sd["model.norm.weight"]
     for i in range(4):
         p = f"model.layers.{i}."
         if i % 2 == 0:
@@ -163,16 +94,13 @@ def _ref_vllm(sd: dict, r: int) -> dict:
             out[a + "out_proj.weight"] = sd[a + "out_proj.weight"][:, 16 * r:16 * (r + 1)]
         else:
             a = p + "self_attn."
-            out[a + "qkv_proj.weight"] = torch.cat([half(sd[a + "q_proj.weight"], 64),
-                                                    half(sd[a + "k_proj.weight"], 16), half(sd[a + "v_proj.weight"], 16)])
+            q, k, vv = (sd[a + f"{x}_proj.weight"] for x in "qkv")
+            out[a + "qkv_proj.weight"] = torch.cat([half(q, 64), half(k, 16), half(vv, 16)])
             out[a + "o_proj.weight"] = sd[a + "o_proj.weight"][:, 32 * r:32 * (r + 1)]
             out[a + "q_norm.weight"], out[a + "k_norm.weight"] = sd[a + "q_norm.weight"], sd[a + "k_norm.weight"]
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat([half(sd[p + "mlp.gate_proj.weight"], 48),
-                                                       half(sd[p + "mlp.up_proj.weight"], 48)])
-        out[p + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"][:, 48 * r:48 * (r + 1)]
+        out.update(fp.vllm_mlp_shard(sd, p + "mlp.", 48, r))
         for n in ("input_layernorm", "post_attention_layernorm"):
             out[p + n + ".weight"] = sd[p + n + ".weight"]
-    out["model.norm.weight"] = sd["model.norm.weight"]
     return out
 
 
@@ -201,23 +129,14 @@ def test_gradients_match_transformers(world, tp):
 
 def test_vllm_layout_is_an_independent_slicing_of_the_hf_tensors(world):
     for out in world:
-        assert out["vllm_names"] and out["vllm_bad"] == [] and out["hf_bad"] == [], out
+        assert out["vllm_missing"] == out["vllm_extra"] == out["vllm_bad"] == out["hf_bad"] == [], out
 
 
 @pytest.mark.slow  # about 20 s on top of the world's 40 s
 def test_convert_export_roundtrip_is_bit_identical(world):
     """HF safetensors -> megarl dist checkpoint (PP=2) -> HF export: every tensor bit-identical, and the exported
     config.json is the same Qwen3.5 text model."""
-    from megarl.launch.convert import export_to_hf
-    from megarl.models.hf_io import open_hf_checkpoint, read_hf_config
-
-    tmp = world[0]["tmp"]
-    export_to_hf(f"{tmp}/mg", f"{tmp}/hf_out")
-    source, back = open_hf_checkpoint(f"{tmp}/hf_in"), open_hf_checkpoint(f"{tmp}/hf_out")
-    assert sorted(back.tensor_names) == sorted(QWEN35.hf_tensor_shapes())
-    assert [n for n in QWEN35.hf_tensor_shapes() if not torch.equal(back.read(n), source.read(n))] == []
-    config = read_hf_config(f"{tmp}/hf_out")
-    assert config["model_type"] == "qwen3_5_text" and ModelSpec.from_hf_config(config) == QWEN35
+    assert fp.export_roundtrip(QWEN35, world[0]["tmp"])["model_type"] == "qwen3_5_text"
 
 
 def test_preset_shape_round_trips_through_its_hf_config():

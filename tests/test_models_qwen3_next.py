@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megarl.models.spec import ModelSpec
+from tests import family_parity as fp
 from tests.distributed import run_world
 from tests.test_models_qwen3_5 import QWEN35
 
@@ -40,13 +41,9 @@ def _world(rank, world, tmp):
     return out
 
 
-def _reference(spec):
-    """The transformers model of ``spec`` (fp32, random weights, norms randomised) on 2 x 16 random tokens: its
-    canonical tensors, the tokens, the targets, its logits and the canonical gradients of their cross-entropy."""
-    import torch.nn.functional as F
+def hf_model(spec):
+    """The transformers model of ``spec`` (fp32, random weights, norms randomised)."""
     from transformers import AutoModelForCausalLM
-
-    from megarl.models.weights import transformers_canonical
 
     torch.manual_seed(3)
     ref = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32).eval()
@@ -54,70 +51,32 @@ def _reference(spec):
         for n, p in ref.named_parameters():
             if p.dim() == 1 and "A_log" not in n and "dt_bias" not in n:
                 p.add_(torch.randn_like(p) * 0.3)
-    sd = transformers_canonical(spec, dict(ref.named_parameters()))
-    gen = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, spec.vocab_size, (2, SEQ), generator=gen)
-    targets = torch.randint(0, spec.vocab_size, (2, SEQ), generator=gen)
-    ref_logits = ref(tokens).logits
-    F.cross_entropy(ref_logits.reshape(-1, spec.vocab_size), targets.reshape(-1)).backward()
-    hf_grads = transformers_canonical(spec, {n: p.grad for n, p in ref.named_parameters()})
-    return sd, tokens, targets, ref_logits.detach(), hf_grads
+    return ref
 
 
 def _family_checks(spec, rank, world, out, tmp):
-    from megatron.core import parallel_state as ps
-
-    from megarl.models.layout_megatron import megatron_layout, megatron_rank_tensors
-    from megarl.models.layout_vllm import vllm_layout
-    from megarl.models.megatron import build_model
-    from megarl.models.weights import fill_local_tensors, state_dict_reader
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
-    from megarl.reshard.executor import execute_plan
-    from megarl.reshard.planner import plan_reshard
-    import torch.distributed as dist
 
-    from megarl.models import checkpoint as ck
-    from megarl.models.hf_io import open_hf_checkpoint, save_hf_checkpoint
-
-    from megarl.models.pipeline import run_microbatches
-    from tests.actor_decoding import gathered_logits_and_loss
-    from tests.test_models_megatron import megatron_logits
-
-    sd, tokens, targets, ref_logits, hf_grads = _reference(spec)
+    ref = fp.reference(spec, hf_model(spec), seq=SEQ, canonical=True)
     f = spec.family
     for tp, ep, pp in MESHES:
         mesh = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
         initialize_model_parallel(mesh)
-        model = build_model(spec, mesh, init_weights=False, moe_experts="sequential",
-                            sequence_parallel=tp > 1).eval()
-        local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(),
-                                      ps.get_pipeline_model_parallel_rank(),
-                                      ep_rank=mesh.ep_rank(rank), moe_experts="sequential")
-        params = dict(model.named_parameters())
+        model, local, params = fp.load(spec, mesh, ref, rank, fill=pp != 2, init_weights=False,
+                                       moe_experts="sequential", sequence_parallel=tp > 1)
         out["names"][(f, tp, ep, pp)] = sorted(params) == sorted(local)
         if pp == 2:  # HF safetensors -> megarl dist checkpoint at PP=2 (exported in the test)
-            if rank == 0:
-                save_hf_checkpoint(f"{tmp}/{f}_hf_in", spec, sd)
-            dist.barrier()
-            ck.load_hf_weights(model, open_hf_checkpoint(f"{tmp}/{f}_hf_in"))
-            ck.save_model(f"{tmp}/{f}_mg", model)
-        else:
-            fill_local_tensors(local, params, state_dict_reader(sd, spec.hf_tensor_shapes()))
-        logits = megatron_logits(model, tokens)
-        if logits is not None:  # the last stage
-            out["logits"][(f, tp, ep, pp)] = (logits[..., :spec.vocab_size] - ref_logits).abs().max().item()
+            fp.save_dist_checkpoint(model, spec, ref.sd, f"{tmp}/{f}", rank)
+        diff = fp.logits_diff(model, ref)
+        if diff is not None:  # the last stage
+            out["logits"][(f, tp, ep, pp)] = diff
         if (tp, ep, pp) == (1, 1, 1):  # a training step's gradients (no aux loss: moe_aux_loss_coef 0)
-            model.train()
-            run_microbatches(model, [{"input_ids": tokens}], gathered_logits_and_loss(targets, spec.vocab_size, True),
-                             forward_only=False)
-            out.setdefault("grads", {})[f] = max((params[n].grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max()
-                                                 .item() for n, lt in local.items() for b in lt.blocks)
-        if (tp, ep, pp) == (2, 1, 1):
-            want, engine = _ref_vllm(sd, rank, fused=f == "qwen3_next"), vllm_layout(spec, 2, range(world))
-            got = {n: torch.zeros(lt.shape) for n, lt in engine.tensors(rank).items()}
-            execute_plan(plan_reshard(megatron_layout(spec, mesh, moe_experts="sequential"), engine), params, got)
-            out["vllm_names"][f] = set(want) <= set(got)  # the rest as Qwen3.5's (tests/test_models_qwen3_5.py)
-            out["vllm_bad"][f] = [n for n in want if n in got and not torch.equal(got[n], want[n])]
+            out.setdefault("grads", {})[f] = fp.grads_diff(model, local, params, ref)
+        if (tp, ep, pp) == (2, 1, 1):  # the rest as Qwen3.5's (tests/test_models_qwen3_5.py)
+            r = fp.reshard_checks(spec, mesh, params, ref.sd, _ref_vllm(ref.sd, rank, fused=f == "qwen3_next"), rank,
+                                  world, moe_experts="sequential")
+            out["vllm_names"][f], out["vllm_bad"][f] = r["vllm_missing"] == [], r["vllm_bad"]
+            out.setdefault("hf_bad", {})[f] = r["hf_bad"]
 
 
 def _ref_vllm(sd: dict, r: int, fused: bool) -> dict:
@@ -174,13 +133,12 @@ def _trainer_world(rank, world, tmp):
     from megarl.models.pipeline import run_microbatches
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.workers.engine import MegatronWorker
-    from tests.actor_decoding import gathered_logits_and_loss
 
     out = {}
     for f, spec in SPECS.items():
-        sd, tokens, targets, _, hf_grads = _reference(spec)
+        ref = fp.reference(spec, hf_model(spec), seq=SEQ, canonical=True)
         if rank == 0:
-            save_hf_checkpoint(f"{tmp}/{f}", spec, sd)
+            save_hf_checkpoint(f"{tmp}/{f}", spec, ref.sd)
         dist.barrier()
         for tp, ep in TRAINER_MESHES:
             mesh = ParallelLayout(tp=tp, pp=1, dp=world // tp, ep=ep)
@@ -188,12 +146,11 @@ def _trainer_world(rank, world, tmp):
             rc = ActorConfig(parallel=ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1),
                              optim=OptimConfig(distributed=False))  # every DP rank's gradients whole
             worker = MegatronWorker(spec, mesh, "actor", f"{tmp}/{f}", torch.float32, rc, trainable=True)
-            run_microbatches(worker.model, [{"input_ids": tokens}],
-                             gathered_logits_and_loss(targets, spec.vocab_size, True), forward_only=False)
+            run_microbatches(worker.model, [{"input_ids": ref.tokens}], ref.output_fn(True), forward_only=False)
             local = megatron_rank_tensors(spec, mesh, ps.get_tensor_model_parallel_rank(), 0,
                                           ep_rank=mesh.ep_rank(rank), moe_experts=rc.kernels.moe_experts)
             params = dict(worker.bare.named_parameters())
-            out[(f, tp, ep)] = {n: max((params[n].main_grad[b.dst_box] - hf_grads[b.name][b.src_box]).abs().max()
+            out[(f, tp, ep)] = {n: max((params[n].main_grad[b.dst_box] - ref.grads[b.name][b.src_box]).abs().max()
                                        .item() for b in lt.blocks) for n, lt in local.items()}
     ps.destroy_model_parallel()
     return out
@@ -231,21 +188,13 @@ def test_training_step_gradients_match_transformers(world, family):
 @pytest.mark.parametrize("family", SPECS)
 def test_vllm_layout_is_an_independent_slicing_of_the_hf_tensors(world, family):
     for out in world:
-        assert out["vllm_names"][family] and out["vllm_bad"][family] == [], out
+        assert out["vllm_names"][family] and out["vllm_bad"][family] == [] and out["hf_bad"][family] == [], out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", SPECS)
 def test_convert_export_roundtrip_is_bit_identical(world, family):
-    from megarl.launch.convert import export_to_hf
-    from megarl.models.hf_io import open_hf_checkpoint, read_hf_config
-
-    tmp, spec = world[0]["tmp"], SPECS[family]
-    export_to_hf(f"{tmp}/{family}_mg", f"{tmp}/{family}_hf_out")
-    source, back = open_hf_checkpoint(f"{tmp}/{family}_hf_in"), open_hf_checkpoint(f"{tmp}/{family}_hf_out")
-    assert sorted(back.tensor_names) == sorted(spec.hf_tensor_shapes())
-    assert [n for n in spec.hf_tensor_shapes() if not torch.equal(back.read(n), source.read(n))] == []
-    assert ModelSpec.from_hf_config(read_hf_config(f"{tmp}/{family}_hf_out")) == spec
+    fp.export_roundtrip(SPECS[family], f"{world[0]['tmp']}/{family}")
 
 
 def test_config_round_trip_preset_and_memory_estimate():
