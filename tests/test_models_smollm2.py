@@ -39,6 +39,7 @@ def _greedy_answer(rank, world, question, max_new_tokens):
     return spec, tok.decode(out)
 
 
+@pytest.mark.slow  # CI time (45 minutes): one of the 30 slowest of the default tier
 def test_smollm2_gguf_megatron_actor_answers_capital_of_france():
     spec, answer = run_world(_greedy_answer, 1, "What is the capital of France?", 12)[0]
     assert (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads) == (30, 576, 9, 3)

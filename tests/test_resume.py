@@ -284,7 +284,7 @@ def _records(run_dir, name):
 
 
 @pytest.mark.parametrize("case", [
-    "dynamic_sampling",
+    pytest.param("dynamic_sampling", marks=pytest.mark.slow),  # CI time (45 minutes)
     pytest.param("packing", marks=pytest.mark.slow),
     pytest.param("validation", marks=pytest.mark.slow),
     pytest.param("multi_turn", marks=pytest.mark.slow),

@@ -45,6 +45,7 @@ def test_grpo_learns_the_task(task):
     assert max(rewards[-3:]) > 0.8, rewards
 
 
+@pytest.mark.slow  # CI time (45 minutes): one of the 30 slowest of the default tier
 def test_grpo_learns_the_task_with_a_moe_actor_at_ep2(tmp_path):
     """A Qwen3-MoE actor (8 experts, top-2) on 2 ranks with its experts split over them (actor.parallel.ep=2):
     the reshard moves each rank's experts into both ranks' transformers engines, and GRPO learns; every step
