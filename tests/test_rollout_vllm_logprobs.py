@@ -121,14 +121,19 @@ def _engines_on_fake_vllm(rank: int, world: int) -> dict:
     from megarl.rollout.vllm_engine import VLLMRolloutEngine, VLLMSettings
 
     spec = ModelSpec("llama", 64, 16, 1, 2, 1, 8, 32, tie_word_embeddings=True, max_position_embeddings=64)
+
+    def _engine(runner: str, source: str) -> VLLMRolloutEngine:  # one engine of the fake vLLM, weights 0.25
+        engine = VLLMRolloutEngine(spec, settings=VLLMSettings(model_runner=runner, logprobs=source))
+        engine.update_weights(lambda params: [p.fill_(0.25) for p in params.values()])
+        return engine
+
     out = {}
     for runner in ("v1", "v2"):
         for temperature in (1.0, 0.0):
             sampling = SamplingConfig(n=1, temperature=temperature, max_new_tokens=6, seed=5, stop_token_ids=(0,))
             turns = {}
             for source in ("output", "sampler"):
-                engine = VLLMRolloutEngine(spec, settings=VLLMSettings(model_runner=runner, logprobs=source))
-                engine.update_weights(lambda params: [p.fill_(0.25) for p in params.values()])
+                engine = _engine(runner, source)
                 turns[source] = _turns(engine, sampling)
                 turns[source + "_asked"] = set(engine.llm.llm_engine.asked)
             out[("turns", runner, temperature)] = turns
@@ -136,8 +141,7 @@ def _engines_on_fake_vllm(rank: int, world: int) -> dict:
             sampling = SamplingConfig(n=3, temperature=temperature, max_new_tokens=6, seed=5, stop_token_ids=(0,))
             batches = {}
             for source in ("output", "sampler"):
-                engine = VLLMRolloutEngine(spec, settings=VLLMSettings(model_runner=runner, logprobs=source))
-                engine.update_weights(lambda params: [p.fill_(0.25) for p in params.values()])
+                engine = _engine(runner, source)
                 result = engine.generate(PROMPTS, sampling, prompt_offset=2)
                 batches[source] = [(s.prompt_index, s.sample_index, s.token_ids, s.logprobs.dtype,
                                     s.logprobs.numpy().tobytes(), s.finish_reason) for s in result.samples]

@@ -311,7 +311,8 @@ class HFRolloutEngine:
                     reasons[a] = "length"
                 else:
                     keep.append(b)
-            done = [a for b, a in enumerate(active) if b not in set(keep)]
+            kept = set(keep)
+            done = [a for b, a in enumerate(active) if b not in kept]
             yield [(i, (tokens[i], logprobs[i], reasons[i], None if routes is None else torch.cat(routes[i])))
                    for i in done]
             if not keep:

@@ -50,7 +50,7 @@ Request by request (:class:`~megarl.rollout.base.RequestEngine`, multi-turn epis
 ``vllm/v1/engine/llm_engine.py`` and ``vllm/entrypoints/offline_utils.py`` (what ``LLM.generate`` itself does):
 :meth:`VLLMRolloutEngine.add_request` hands one request to ``llm.llm_engine.add_request(request_id, tokens_input(ids),
 SamplingParams(..., output_kind=FINAL_ONLY))`` (a ``TokensInput`` is taken as already rendered; the output keeps the id
-given, ``RequestOutput.request_id`` is the external one), and :meth:`VLLMRolloutEngine. step` runs one
+given, ``RequestOutput.request_id`` is the external one), and :meth:`VLLMRolloutEngine.step` runs one
 ``llm_engine.step()`` (one scheduler iteration: a decode step of every running request, prefill of new ones) and returns
 the requests that finished in it (``rollout.logprobs: sampler``: log-probs from each step's sampler rows,
 :mod:`megarl.rollout.vllm_logprobs`). So an episode's next turn joins the running batch at the next iteration, and its
