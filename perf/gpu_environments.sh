@@ -30,6 +30,8 @@ export RUNS=/tmp/runs STEPS=${STEPS:-100} DEADLINE=$(( $(date +%s) + BUDGET_S ))
 
 install_envs() {  # vLLM, then the environment libraries (into the machine's Python, beside what it has)
   install_wheels || return 1
+  # the vLLM wheel set carries openai 3.x, verifiers 0.4.0 pins openai<3 (vLLM asks >=2.0): keep the envs' 2.54
+  rm -rf /tmp/site/openai /tmp/site/openai-3*.dist-info
   if python3 -c "import verifiers, textarena" 2>/dev/null; then
     echo "verifiers and textarena already there"; return 0
   fi
