@@ -177,3 +177,22 @@ def test_a_vllm_engine_whose_weights_overflow_its_reservation_is_dropped():
     assert one.reason.startswith(f"rollout.tp: vLLM's weights are {weights:.1f} GiB per GPU at rollout.tp=1")
     assert "56.0 GiB it reserves" in one.reason and one.estimate.total < memory  # the training part fits
     assert check_point(spec, two, shape, memory) is not None and two.reason is None
+
+
+def test_the_shipped_moe_sweep_keeps_its_tensor_parallel_points():
+    """The 8-GPU Qwen3-30B-A3B sweep dropped all 24 points: megatron-core's MoE layer refuses TP > 1 without
+    sequence parallelism, and every TP = 1 point is over the H200's memory. The sweep now sets it: its TP = 2
+    and TP = 4 points at EP = 8 with recompute fit (estimate under 140 GiB), the TP = 1 ones are still dropped."""
+    from megarl.launch.memory import GIB
+    from megarl.launch.submit import JobShape
+    from megarl.launch.sweep import check_point, expand, load_sweep
+
+    spec = load_sweep(ROOT / "parallel_configs/sweeps/gpu_8xh200_qwen3-30b-a3b.yaml")
+    spec.base = str(ROOT / spec.base)
+    shape = JobShape(spec.job.nodes, spec.job.gpus_per_node)
+    points = {p.name: p for p in expand(spec)}
+    for name in ("tp2_ep8_recomputetrue", "tp4_ep8_recomputetrue", "tp1_ep8_recomputetrue"):
+        check_point(spec, points[name], shape, int(spec.device_memory_gib * GIB))
+    assert points["tp2_ep8_recomputetrue"].reason is None and points["tp4_ep8_recomputetrue"].reason is None
+    assert points["tp2_ep8_recomputetrue"].estimate.total < 140 * GIB
+    assert "estimated memory" in points["tp1_ep8_recomputetrue"].reason
