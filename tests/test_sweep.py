@@ -130,21 +130,22 @@ def test_sweep_of_a_tiny_model_as_a_job_array(slurm_cluster, tmp_path):
     r = _sweep(str(path), "--slurm")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = tmp_path / "sweeps" / "tiny"
-    assert "submitted job array" in r.stdout and "13 points, 4 valid" in r.stdout, r.stdout
+    assert "submitted job array" in r.stdout and "13 points, 5 valid" in r.stdout, r.stdout
 
     rows = list(csv.DictReader((out / "results.csv").open()))
     by_name = {row["point"]: row for row in rows}
-    assert len(rows) == 4
+    assert len(rows) == 5
     failed = by_name["tp1_pp2_micro_batch_size1_max_prompt_length2"]
     assert failed["status"] != "ok" and "max_prompt_length" in failed["reason"], failed
+    assert by_name["tp2_pp1_micro_batch_size1"]["status"] == "ok"  # TP = 2 over the job's 2 ranks, DP = 1
     ok = [row for row in rows if row["status"] == "ok"]
-    assert len(ok) == 3 and all(float(row["tokens_per_s"]) > 0 for row in ok), rows
+    assert len(ok) == 4 and all(float(row["tokens_per_s"]) > 0 for row in ok), rows
     speeds = [float(row["tokens_per_s"]) for row in ok]
     assert speeds == sorted(speeds, reverse=True)  # best first
     assert {row["world_size"] for row in ok} == {"2"}
 
     md = (out / "results.md").read_text()
-    assert "## Dropped before running (9)" in md
+    assert "## Dropped before running (8)" in md
     assert "`tp4_pp1_micro_batch_size1`: actor.parallel.tp: tp=4 does not divide the query groups num_kv_heads=2" in md
     assert "`tp2_pp2_micro_batch_size1`: actor.parallel.tp/pp/dp" in md  # 4 ranks on a 2-rank job
     assert "`tp1_pp2_micro_batch_size3`: actor.ppo_mini_batch_size" in md  # 4 sequences, micro-batch 3
@@ -157,7 +158,7 @@ def test_sweep_of_a_tiny_model_as_a_job_array(slurm_cluster, tmp_path):
     assert again.returncode == 2 and "results.csv" in again.stderr and "--overwrite" in again.stderr, again.stderr
     again = _sweep(str(path), "--slurm", "--overwrite")
     assert again.returncode == 0, again.stderr
-    assert "4 points already have results, 0 to run" in again.stdout and "submitted" not in again.stdout
+    assert "5 points already have results, 0 to run" in again.stdout and "submitted" not in again.stdout
 
 
 def test_a_vllm_engine_whose_weights_overflow_its_reservation_is_dropped():
