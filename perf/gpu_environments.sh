@@ -14,7 +14,8 @@
 #      random opponent;
 #   4. summary: $OUT/environments_summary.md, a table by 10 steps for each run (reward, each reward function /
 #      game outcome rate, turns, sampled tokens per episode, step and generate seconds) and the validation before
-#      and after (verifiers); each run's report.md and plots (`megarl report`) are copied into $OUT/<run>/.
+#      and after (verifiers), and $OUT/environments.png (reward, its parts or the game's outcomes, and turns by
+#      step); each run's report.md and its plots (`megarl report`) are copied into $OUT/<run>/.
 # OVERRIDES (space-separated megarl overrides, e.g. "data.prompts_per_step=12") go to each run's command line.
 # A run stopped at its stage's limit (SIGINT) keeps its metrics and the summary says how many steps ran. With
 # ~90 s of start-up and ~2-3 s a step a run needs ~6 minutes: one call of the GPU machine each
@@ -88,6 +89,33 @@ for name in ("verifiers", "textarena"):
 text = "\n".join(lines)
 (out / "environments_summary.md").write_text(text)
 print(text)
+
+import matplotlib  # noqa: E402 - the figure after the table, which needs no plotting
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+panels = {"verifiers": [("reward/mean", "reward (weighted rubric)"), ("reward/correct", "correct"),
+                        ("reward/brevity", "brevity"), ("agent/turns_mean", "turns per episode / 6")],
+          "textarena": [("reward/mean", "reward (win 1, draw 0, loss -1)"), ("game/win", "win"),
+                        ("game/loss", "loss"), ("game/invalid", "invalid move"),
+                        ("agent/turns_mean", "turns per episode / 9")]}
+runs = [n for n in panels if (out / n / "metrics.jsonl").exists()]
+if runs:
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
+    for ax, name in zip(axes[0], runs):
+        rows = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        train = [r for r in rows if "reward/mean" in r]
+        for key, label in panels[name]:
+            scale = {"verifiers": 6, "textarena": 9}[name] if key == "agent/turns_mean" else 1
+            ax.plot([r["step"] for r in train], [r.get(key, float("nan")) / scale for r in train], label=label)
+        ax.set_title(f"{name}: {len(train)} GRPO steps")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "environments.png", dpi=110)
+    print(f"figure: {out / 'environments.png'}")
 PY
 }
 

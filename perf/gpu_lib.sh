@@ -47,6 +47,7 @@ copy_run() {  # copy_run NAME: the records of the run $RUNS/NAME (metrics, summa
     [ -f "$RUNS/$1/$f" ] && cp "$RUNS/$1/$f" "$OUT/$1/"
   done
   cp "$RUNS/$1"/*.png "$OUT/$1/" 2>/dev/null
+  [ -d "$RUNS/$1/report" ] && mkdir -p "$OUT/$1/report" && cp "$RUNS/$1"/report/*.png "$OUT/$1/report/" 2>/dev/null
   return 0
 }
 
