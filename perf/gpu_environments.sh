@@ -61,13 +61,14 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 lines = ["# Environments from libraries on the GPU (perf/gpu_environments.sh)", ""]
+trains = {}  # run -> its training steps' metrics (the table's, then the figure's)
 for name in ("verifiers", "textarena"):
     path = out / name / "metrics.jsonl"
     if not path.exists():
         lines += [f"## {name}: no metrics", ""]
         continue
     rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-    train = [r for r in rows if "reward/mean" in r]
+    train = trains[name] = [r for r in rows if "reward/mean" in r]
     keys = [k for k in sorted({k for r in train for k in r})
             if (k.startswith(("reward/", "game/", "verifiers/"))
                 and k not in ("reward/mean", "reward/std", "reward/nonfinite"))
@@ -96,19 +97,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 panels = {"verifiers": [("reward/mean", "reward (weighted rubric)"), ("reward/correct", "correct"),
-                        ("reward/brevity", "brevity"), ("agent/turns_mean", "turns per episode / 6")],
+                        ("reward/brevity", "brevity")],
           "textarena": [("reward/mean", "reward (win 1, draw 0, loss -1)"), ("game/win", "win"),
-                        ("game/loss", "loss"), ("game/invalid", "invalid move"),
-                        ("agent/turns_mean", "turns per episode / 9")]}
-runs = [n for n in panels if (out / n / "metrics.jsonl").exists()]
-if runs:
-    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
-    for ax, name in zip(axes[0], runs):
-        rows = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if l.strip()]
-        train = [r for r in rows if "reward/mean" in r]
+                        ("game/loss", "loss"), ("game/invalid", "invalid move")]}
+if trains:
+    fig, axes = plt.subplots(1, len(trains), figsize=(6 * len(trains), 4), squeeze=False)
+    for ax, (name, train) in zip(axes[0], trains.items()):
+        max_turns = json.loads((out / name / "config.json").read_text())["rollout"]["multi_turn"]["max_turns"]
+        steps = [r["step"] for r in train]
         for key, label in panels[name]:
-            scale = {"verifiers": 6, "textarena": 9}[name] if key == "agent/turns_mean" else 1
-            ax.plot([r["step"] for r in train], [r.get(key, float("nan")) / scale for r in train], label=label)
+            ax.plot(steps, [r.get(key, float("nan")) for r in train], label=label)
+        ax.plot(steps, [r["agent/turns_mean"] / max_turns for r in train], label=f"turns per episode / {max_turns}")
         ax.set_title(f"{name}: {len(train)} GRPO steps")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
