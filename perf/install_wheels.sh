@@ -6,15 +6,16 @@
 # .whl/ (ignored, carried) holds the wheels outside the vLLM list, fetched here with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 #     --platform any -d .whl megatron-core==0.19.2 omegaconf==2.4.0 gguf==0.19.0 compressed-tensors==0.17.0 loguru \
-#     xxhash==4.1.0
-# (xxhash: the checkpoints' content hashes, megarl.models.integrity.)
+#     xxhash==4.1.0 flash-linear-attention==0.4.2 fla-core==0.4.2 einops==0.8.2
+# (xxhash: the checkpoints' content hashes, megarl.models.integrity; flash-linear-attention, fla-core, einops: the
+# gated DeltaNet's Triton kernels, pyproject's gpu extra.)
 # (compressed-tensors, which vLLM 0.24.0 pins and imports for any `quantization`, e.g. FP8 rollouts, is missing
 # from ../shared/tools/gpu-wheels/vllm-0.24.0.txt; without it an FP8 engine fails with ModuleNotFoundError).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
 export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
-if python3 -c "import vllm, megatron.core, omegaconf, compressed_tensors, xxhash" 2>/dev/null; then
+if python3 -c "import vllm, megatron.core, omegaconf, compressed_tensors, xxhash, fla" 2>/dev/null; then
   echo "already installed in $SITE"
 else
   [ -f /tmp/whl/reassemble.sh ] || { echo "no /tmp/whl/reassemble.sh: upload the vLLM chunk folders first" \
