@@ -165,9 +165,42 @@ def test_sampler_logprobs_give_the_same_rollout_batch_as_vllms_output(engines, r
     assert batches["sampler"] == batches["output"]
 
 
+def _sources_by_default(rank: int, world: int) -> dict:
+    _fake_vllm()
+    from vllm import runners
+
+    from megarl.models.spec import ModelSpec
+    from megarl.rollout.vllm_engine import VLLMRolloutEngine, VLLMSettings
+
+    spec = ModelSpec("llama", 64, 16, 1, 2, 1, 8, 32, tie_word_embeddings=True, max_position_embeddings=64)
+
+    def source(**settings) -> str:
+        try:
+            return type(VLLMRolloutEngine(spec, settings=VLLMSettings(model_runner="v1", **settings))._logprobs).__name__
+        except RolloutError as e:
+            return f"RolloutError: {e}"
+
+    out = {"default": source(), "output": source(logprobs="output")}
+    runners._SamplerV1.logprobs_mode = "raw_logprobs"  # a runner whose sampler the capture cannot read
+    out.update(fallback=source(), asked=source(logprobs="sampler"))
+    return out
+
+
+def test_the_sampler_is_the_default_source_and_output_the_fallback():
+    """``rollout.logprobs: null`` reads the sampler; where the capture cannot (here a sampler in another log-prob
+    mode) it falls back to vLLM's output, while an explicit ``sampler`` is an error."""
+    got = run_world(_sources_by_default, 1)[0]
+    assert (got["default"], got["output"], got["fallback"]) == ("SampledLogprobs", "OutputLogprobs", "OutputLogprobs")
+    assert got["asked"].startswith("RolloutError: rollout.logprobs=sampler: the sampler's logprobs_mode is "
+                                   "'raw_logprobs'")
+
+
 def test_config_refuses_other_sources_and_the_hf_engine():
+    assert load_config(None, ["rollout.engine=vllm"]).rollout.logprobs is None  # the sampler's, where it applies
     assert load_config(None, ["rollout.engine=vllm", "rollout.logprobs=sampler"]).rollout.logprobs == "sampler"
-    with pytest.raises(ConfigError, match=r"rollout\.logprobs: must be one of \['output', 'sampler'\], got 'gpu'"):
+    assert load_config(None, ["rollout.logprobs=output"]).rollout.logprobs == "output"
+    with pytest.raises(ConfigError, match=r"rollout\.logprobs: must be null \(the sampler's where it applies\) or one "
+                                          r"of \['output', 'sampler'\], got 'gpu'"):
         load_config(None, ["rollout.engine=vllm", "rollout.logprobs=gpu"])
     with pytest.raises(ConfigError, match=r"rollout\.logprobs: sampler reads vLLM's sampler, but rollout\.engine=hf"):
         load_config(None, ["rollout.logprobs=sampler"])

@@ -551,7 +551,12 @@ def _zero_vocab_padding(model, vocab_size: int) -> None:
 
 def _set_rope_frequencies(rotary, spec: ModelSpec) -> None:
     """Set megatron's RoPE inverse frequencies from transformers' own ``ROPE_INIT_FUNCTIONS`` for the spec's
-    ``rope_type`` (default, linear, llama3), so positions match the HF model exactly."""
+    ``rope_type`` (default, linear, llama3), so positions match the HF model exactly. The default type's are
+    computed on the device of megatron's buffer, with vLLM 0.24's expression (``RotaryEmbedding._compute_inv_freq``,
+    which runs on the GPU): on the CPU they equal transformers', on a GPU vLLM's (``base ** x`` on the GPU may differ
+    from the CPU's in the last bit, and so, after the bf16 cast, may cos and sin: the first difference that
+    tests/test_gpu_exact.py's probe found between vLLM's prefill and the trainer's exact pass, at the rotated q and k
+    of layer 0)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_type = (spec.rope_scaling or {}).get("rope_type", "default")
@@ -561,8 +566,8 @@ def _set_rope_frequencies(rotary, spec: ModelSpec) -> None:
 
         inv_freq, scale = gemma3.rope_inv_freqs(spec)[0], 1.0
     elif rope_type == "default":  # on the rotated channels (GLM-4.5, Qwen3.5: a share of head_dim)
-        base, dim = spec.rope_theta, 2 * rotary.inv_freq.numel()
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        base, dim, device = spec.rope_theta, 2 * rotary.inv_freq.numel(), rotary.inv_freq.device
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
         scale = 1.0
     else:
         inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")

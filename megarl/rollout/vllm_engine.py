@@ -123,6 +123,7 @@ DeepGEMM is off (``VLLM_USE_DEEP_GEMM=0``) so that these tensors stay as created
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 import time
@@ -153,6 +154,8 @@ from megarl.rollout.base import (
     sample_seed,
 )
 from megarl.rollout.vllm_logprobs import OutputLogprobs, SampledLogprobs
+
+log = logging.getLogger(__name__)
 
 # Set before vllm is imported (vllm.envs reads them): in-process engine core (the model is reachable here and
 # external_launcher needs deterministic in-process scheduling), no FlashInfer sampler JIT (nothing to download
@@ -186,7 +189,8 @@ class VLLMSettings:
             batching); False: vLLM's generator, seeded once by ``run.seed`` (samples then depend on the batch).
         quantization: None (the model dtype) or "fp8" (block-FP8 weights, module docstring).
         logprobs: "output" (vLLM's ``logprobs=0`` output) or "sampler" (the same values from vLLM's sampler on the
-            GPU, :mod:`megarl.rollout.vllm_logprobs`), in ``generate`` and request by request.
+            GPU, :mod:`megarl.rollout.vllm_logprobs`), in ``generate`` and request by request; None: "sampler",
+            and "output" where the model runner lacks the sampler's hooks (a vLLM other than 0.24.0).
         exact: vLLM's batch-invariant mode (``rollout.exact``: :data:`~megarl.kernels.batch_invariant.
             BATCH_INVARIANT_ENV`; vLLM then picks a batch-invariant attention backend, one KV split, no cascade
             attention, no custom all-reduce).
@@ -200,7 +204,7 @@ class VLLMSettings:
     max_cudagraph_capture_size: int | None = None
     request_seeds: bool = True
     quantization: str | None = None
-    logprobs: str = "output"
+    logprobs: str | None = None
     exact: bool = False
 
     @classmethod
@@ -436,8 +440,8 @@ class VLLMRolloutEngine:
             raise RolloutError(f"max_model_len must be in [2, {spec.max_position_embeddings}] (the model's "
                                f"max_position_embeddings), got {max_model_len}")
         self.settings = settings = settings or VLLMSettings()
-        if settings.logprobs not in LOGPROBS_SOURCES:
-            raise RolloutError(f"logprobs must be one of {LOGPROBS_SOURCES}, got {settings.logprobs!r}")
+        if settings.logprobs not in (None, *LOGPROBS_SOURCES):
+            raise RolloutError(f"logprobs must be None or one of {LOGPROBS_SOURCES}, got {settings.logprobs!r}")
         if settings.quantization is not None and settings.quantization not in QUANTIZATIONS:
             raise RolloutError(f"quantization must be null or one of {QUANTIZATIONS}, got {settings.quantization!r}")
         if settings.quantization == "fp8":
@@ -479,7 +483,7 @@ class VLLMRolloutEngine:
         self._runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         self.model = self._runner.get_model()
         v2 = bool(self.llm.llm_engine.vllm_config.use_v2_model_runner)
-        self._logprobs = SampledLogprobs(self._runner, v2=v2) if settings.logprobs == "sampler" else OutputLogprobs()
+        self._logprobs = self._logprob_source(settings.logprobs, v2)
         self._params = {n.replace(".base_layer.", "."): p.detach()  # LoRA layers wrap the base (module docstring)
                         for n, p in self.model.named_parameters()}  # fused experts viewed 2-D:
         self._params = local_views(self._params, self._rank_tensors())
@@ -504,6 +508,23 @@ class VLLMRolloutEngine:
     @property
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
+
+    def _logprob_source(self, asked: str | None, v2: bool) -> SampledLogprobs | OutputLogprobs:
+        """The rollout log-probs' source (:attr:`VLLMSettings.logprobs`): the sampler's capture, or vLLM's output
+        where ``asked`` is "output", or is None and the model runner lacks the capture's hooks (logged once).
+
+        Raises:
+            RolloutError: ``asked`` is "sampler" and the model runner lacks the hooks.
+        """
+        if asked == "output":
+            return OutputLogprobs()
+        try:
+            return SampledLogprobs(self._runner, v2=v2)
+        except RolloutError as e:
+            if asked == "sampler":
+                raise
+            log.warning("rollout log-probs from vLLM's output, not its sampler (rollout.logprobs: null): %s", e)
+            return OutputLogprobs()
 
     def _rank_tensors(self):
         return vllm_rank_tensors(self.spec, self.tp, self.tp_rank, self.settings.quantization)
