@@ -203,9 +203,18 @@ def _standalone_on_fake_vllm(rank: int, world: int, request: dict) -> dict:
     from tests.test_rollout_vllm_tp import _fake_vllm
 
     _fake_vllm()
+    import vllm
+
     from megarl.bench.vllm_standalone import run_standalone
 
-    return run_standalone(request)
+    asked, generate = set(), vllm.LLM.generate
+
+    def recording(self, prompts, params, *args, **kwargs):  # what the baseline's requests ask of vLLM
+        asked.update(p.logprobs for p in params)
+        return generate(self, prompts, params, *args, **kwargs)
+
+    vllm.LLM.generate = recording
+    return {**run_standalone(request), "asked": asked}
 
 
 def test_the_standalone_baseline_is_the_median_of_its_timed_passes(tmp_path):
@@ -222,11 +231,14 @@ def test_the_standalone_baseline_is_the_median_of_its_timed_passes(tmp_path):
               "lengths": [3, 1, 7, 2], "seconds": 0.1},
              {"prompts": [[6]], "n": 3, "temperature": 0.5, "top_p": 1.0, "top_k": -1, "lengths": [4, 4, 5],
               "seconds": 0.1}]
-    settings = VLLMSettings(request_seeds=False, max_num_seqs=8).as_dict()
-    request = {"model_dir": str(tmp_path), "calls": calls, "repeats": 3,
-               "engine": {"enforce_eager": True, "gpu_memory_utilization": 0.3, "max_model_len": 32, "seed": 0,
-                          "settings": settings}}
-    r = run_world(_standalone_on_fake_vllm, 1, request, timeout_s=120)[0]
+    def request(**settings) -> dict:
+        return {"model_dir": str(tmp_path), "calls": calls, "repeats": 3,
+                "engine": {"enforce_eager": True, "gpu_memory_utilization": 0.3, "max_model_len": 32, "seed": 0,
+                           "settings": VLLMSettings(request_seeds=False, max_num_seqs=8, **settings).as_dict()}}
+
+    r = run_world(_standalone_on_fake_vllm, 1, request(), timeout_s=120)[0]
+    assert r["asked"] == {None}  # as the RL engine's requests: its sampler's log-probs (rollout.logprobs: null)
+    assert run_world(_standalone_on_fake_vllm, 1, request(logprobs="output"), timeout_s=120)[0]["asked"] == {0}
     assert r["status"] == "ok" and r["repeats"] == 3 and len(r["tokens_per_s_runs"]) == 3
     assert r["tokens"] == 26 and [c["tokens"] for c in r["per_call"]] == [13, 13]
     assert r["tokens_per_s"] == sorted(r["tokens_per_s_runs"])[1]

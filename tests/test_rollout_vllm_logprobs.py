@@ -176,7 +176,8 @@ def _sources_by_default(rank: int, world: int) -> dict:
 
     def source(**settings) -> str:
         try:
-            return type(VLLMRolloutEngine(spec, settings=VLLMSettings(model_runner="v1", **settings))._logprobs).__name__
+            engine = VLLMRolloutEngine(spec, settings=VLLMSettings(model_runner="v1", **settings))
+            return f"{type(engine._logprobs).__name__}/{engine.logprobs_source}"
         except RolloutError as e:
             return f"RolloutError: {e}"
 
@@ -190,7 +191,8 @@ def test_the_sampler_is_the_default_source_and_output_the_fallback():
     """``rollout.logprobs: null`` reads the sampler; where the capture cannot (here a sampler in another log-prob
     mode) it falls back to vLLM's output, while an explicit ``sampler`` is an error."""
     got = run_world(_sources_by_default, 1)[0]
-    assert (got["default"], got["output"], got["fallback"]) == ("SampledLogprobs", "OutputLogprobs", "OutputLogprobs")
+    assert (got["default"], got["output"], got["fallback"]) == ("SampledLogprobs/sampler", "OutputLogprobs/output",
+                                                                "OutputLogprobs/output")
     assert got["asked"].startswith("RolloutError: rollout.logprobs=sampler: the sampler's logprobs_mode is "
                                    "'raw_logprobs'")
 

@@ -12,7 +12,7 @@ llm_kwargs`, sleep mode and external launcher included, the same :class:`~megarl
 dtype, ``enforce_eager``, ``gpu_memory_utilization``, ``max_model_len`` and block-FP8 weights where the run had
 them), and generates the recorded calls again on its dummy weights, without sleeping or weight updates: one
 request per sample as the rollout engine sends them (seeded when the run seeds them, the sampled token's
-log-prob asked for), each forced to the recorded length (``max_tokens = length``, ``ignore_eos``, no stop ids;
+log-prob asked for where the engine reads vLLM's output, taken by its capture where it reads the sampler's), each forced to the recorded length (``max_tokens = length``, ``ignore_eos``, no stop ids;
 no ``min_tokens``, whose logits processor the RL requests do not pay), so that both decode the same tokens.
 The prefix cache is dropped before each call, as the rollout engine does at every wake-up.
 
@@ -102,12 +102,14 @@ def run_standalone(request: dict[str, Any]) -> dict[str, Any]:
     init_s = time.perf_counter() - start
     from vllm import SamplingParams, TokensPrompt
 
+    asked = 0 if engine.logprobs_source == "output" else None  # the sampler's: the engine's capture takes them
+
     def requests(call):
         rows = [(k, j) for k in range(len(call["prompts"])) for j in range(call["n"])]
         prompts = [TokensPrompt(prompt_token_ids=call["prompts"][k]) for k, _ in rows]
         params = [SamplingParams(n=1, temperature=call["temperature"], top_p=call["top_p"],
                                  top_k=0 if call["top_k"] == -1 else call["top_k"], max_tokens=length,
-                                 ignore_eos=True, seed=i if settings.request_seeds else None, logprobs=0,
+                                 ignore_eos=True, seed=i if settings.request_seeds else None, logprobs=asked,
                                  detokenize=False)
                   for i, length in enumerate(call["lengths"])]
         return prompts, params

@@ -502,6 +502,12 @@ class VLLMRolloutEngine:
         return self._has_weights
 
     @property
+    def logprobs_source(self) -> str:
+        """Where this engine reads the rollout log-probs: "sampler" (requests ask vLLM for none) or "output"
+        (requests ask ``logprobs=0``), :attr:`VLLMSettings.logprobs` resolved."""
+        return "output" if self._logprobs.asks_vllm else "sampler"
+
+    @property
     def dtype(self) -> torch.dtype:
         return torch.bfloat16
 
