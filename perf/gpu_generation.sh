@@ -11,8 +11,8 @@
 #   OUT=/tmp/gen STAGES="fp8_kernel gen_fp8 step_after step_fp8" bash perf/gpu_generation.sh
 # (the second call's summary has both calls' rows):
 #   1. install, build: the wheels into /tmp/site, megarl._C with the FP8 quantise kernel (skipped when done);
-#   2. gen_before: `megarl bench generation` with main's settings (53c0cd9: vLLM's defaults, which run Qwen2 on
-#      the V1 model runner, seeded requests): tokens/s of the RL generate call (variant megarl) and of the same
+#   2. gen_before: `megarl bench generation` with main's settings at 53c0cd9 (BEFORE: vLLM's defaults, which run
+#      Qwen2 on the V1 model runner, seeded requests, log-probs from vLLM's output; set explicitly now): tokens/s of the RL generate call (variant megarl) and of the same
 #      requests without per-request seeds, without the log-prob, without both (what each per-token ask costs),
 #      the per-engine-step breakdown (host time in vLLM's scheduler, forward and sampler launches, waiting on the
 #      GPU, output processing) and a torch-profiler window of 32 tokens (GPU busy vs idle per step, kernels by kind);
@@ -45,6 +45,8 @@ source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension
 begin gpu_generation 560
 
 export AFTER=${AFTER:-rollout.model_runner=v2}
+# main's settings at 53c0cd9, which are no longer the defaults (Qwen2 now runs on V2, the log-probs are the sampler's)
+export BEFORE=${BEFORE:-rollout.model_runner=v1 rollout.logprobs=output}
 export CASE="model.path=preset:qwen2.5-1.5b rollout.engine=vllm model.dtype=bfloat16 rollout.enforce_eager=false
   rollout.gpu_memory_utilization=0.35 data.prompts_per_step=64 rollout.n=8 rollout.max_new_tokens=256"
 
@@ -96,7 +98,7 @@ print("wrote", root)
 EOF
 }
 
-gen_before() { generation before megarl,no_seeds,no_logprobs,bare; }
+gen_before() { generation before megarl,no_seeds,no_logprobs,bare $BEFORE; }
 gen_after() { generation after megarl,no_logprobs,bare $AFTER; }
 gen_fp8() { generation fp8 megarl $AFTER rollout.quantization=fp8; }
 gen_hf() { hf_config && generation hf megarl model.path="$OUT/hf15"; }
@@ -117,7 +119,7 @@ step_after() {
     --standalone-repeats 3
 }
 step_fp8() { step fp8 $AFTER rollout.quantization=fp8 --steps 2 --warmup 1; }
-step_before() { step before --steps 3 --warmup 1; }
+step_before() { step before $BEFORE --steps 3 --warmup 1; }
 fp8_kernel() { python3 -m pytest -q -s -rfE --tb=short -p no:cacheprovider -m gpu tests/test_gpu_fp8.py; }
 
 export -f install_wheels build_extension generation step hf_config gen_before gen_after gen_fp8 gen_hf gen_sync \

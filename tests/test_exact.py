@@ -107,6 +107,11 @@ def test_the_vllm_engine_starts_in_batch_invariant_mode_with_exact_only():
     off = VLLMSettings.from_config(load_config(None, ["rollout.engine=vllm"]).rollout)
     assert not off.exact and "VLLM_BATCH_INVARIANT" not in off.environment()
     assert "VLLM_USE_V2_MODEL_RUNNER" not in off.environment()  # vLLM's choice
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in off.environment("LlamaForCausalLM")  # vLLM's choice: V2 already
+    assert off.environment("Qwen2ForCausalLM")["VLLM_USE_V2_MODEL_RUNNER"] == "1"  # vLLM's is V1; V2 measured faster
+    assert on.environment("Qwen2ForCausalLM")["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # exact: V1's sampler
+    v1 = VLLMSettings.from_config(load_config(None, ["rollout.engine=vllm", "rollout.model_runner=v1"]).rollout)
+    assert v1.environment("Qwen2ForCausalLM")["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # asked for
     from megarl.rollout.vllm_engine import llm_kwargs
 
     def custom_ops(settings, eager):  # compiled exact engines keep vLLM's custom (batch-invariant) ops

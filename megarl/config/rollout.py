@@ -118,9 +118,10 @@ class RolloutConfig:
             TP shards are whole 128-blocks (:func:`megarl.models.layout_vllm.check_vllm_fp8`). Its rollout log-probs
             are those of the FP8 model: ``algorithm.rollout_correction`` then defaults to token-level TIS
             (``preset: token_tis``; ``preset: none`` turns it off).
-        model_runner: vLLM's model runner: "v1", "v2" or null (vLLM's choice for the architecture: V1 for Qwen2,
-            V2 for Llama, Mistral, Qwen3). V2 samples seeded requests in one kernel; V1 draws each seeded
-            request's noise in a Python loop (see :mod:`megarl.rollout.vllm_engine`).
+        model_runner: vLLM's model runner: "v1", "v2" or null: V2 for Qwen2 (vLLM 0.24's default there is V1;
+            V2 measured faster, perf/RESULTS.md), V1 with ``exact``, else vLLM's choice for the architecture (V2
+            for Llama, Mistral, Qwen3; V1 where V2 lacks a feature the engine uses). V2 samples seeded requests
+            in one kernel; V1 draws each seeded request's noise in a Python loop (:mod:`megarl.rollout.vllm_engine`).
         async_scheduling: vLLM's async scheduler (the next step is scheduled while the GPU runs this one); null =
             vLLM's default (on for megarl's engine).
         max_num_seqs: sequences vLLM decodes at once; null = vLLM's default (1024 on an H200, 256 on GPUs under

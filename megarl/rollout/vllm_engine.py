@@ -41,8 +41,8 @@ seed and position) for free. The sampled log-prob is a ``log_softmax`` over the 
 rank count, then one ``Logprob`` object per token in the output processor (``vllm/v1/engine/logprobs.py``) on the
 CPU. Stop ids are a set lookup per request and step in the scheduler (``check_stop``). vLLM 0.24 runs
 ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen3ForCausalLM`` on the V2 runner by default and
-``Qwen2ForCausalLM`` on V1 (``vllm/config/vllm.py``: ``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES``), hence
-``rollout.model_runner``. A stop token is kept in the response:
+``Qwen2ForCausalLM`` on V1 (``vllm/config/vllm.py``: ``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES``); megarl runs
+Qwen2 on V2 too unless ``rollout.model_runner`` says otherwise (:data:`V2_RUNNER_ARCHITECTURES`). A stop token is kept in the response:
 the scheduler appends every sampled token before checking ``stop_token_ids`` (``vllm/v1/core/sched/utils.py:
 check_stop``) and, without a tokenizer, the output keeps all of them (``vllm/v1/engine/detokenizer.py``).
 
@@ -139,7 +139,7 @@ from megarl.kernels.batch_invariant import BATCH_INVARIANT_ENV, EXACT_KV_BLOCK_S
 from megarl.models.fp8 import BLOCK
 from megarl.models.layout import Layout, local_views
 from megarl.models.layout_vllm import check_vllm_fp8, check_vllm_tp, vllm_layout, vllm_rank_tensors
-from megarl.models.spec import ModelSpec, SpecError
+from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.parallel.mesh import init_distributed
 from megarl.rollout.base import (
     Completion,
@@ -163,6 +163,11 @@ log = logging.getLogger(__name__)
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "NCCL_NVLS_ENABLE": "0"}
 FINISH_REASONS = ("stop", "length")
+# Architectures vLLM 0.24 runs on its V1 model runner (not in its DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES) that megarl
+# runs on V2 when rollout.model_runner is null: measured faster there on an H100 (perf/RESULTS.md: the 1.5B case's
+# generation 3.11 s on V2 against 4.92 s on V1 with the sampler's log-probs; the step 8.91 s against 9.96 s) and
+# with the same rollout-vs-trainer log-prob difference.
+V2_RUNNER_ARCHITECTURES = frozenset({"Qwen2ForCausalLM"})
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks (0.24.0)
 
 
@@ -172,8 +177,9 @@ class VLLMSettings:
     name (validated there, :class:`megarl.config.RolloutConfig`); None leaves vLLM's own default.
 
     Attributes:
-        model_runner: "v1" or "v2" (``VLLM_USE_V2_MODEL_RUNNER``); None: vLLM's choice for the architecture
-            (V1 for Qwen2, V2 for Llama/Mistral/Qwen3).
+        model_runner: "v1" or "v2" (``VLLM_USE_V2_MODEL_RUNNER``); None: V2 for the architectures of
+            :data:`V2_RUNNER_ARCHITECTURES` (Qwen2), V1 with ``exact``, else vLLM's choice for the architecture (V2
+            for Llama, Mistral, Qwen3; V1 where V2 lacks a feature, such as routed-experts capture).
         async_scheduling: vLLM's async scheduler (schedule step n + 1 while step n runs on the GPU; two batches
             in flight); None: vLLM's default, which is on for this engine (the external launcher is a
             ``UniProcExecutor``, which supports it).
@@ -219,12 +225,14 @@ class VLLMSettings:
         """The fields as JSON-able values (for a child process, :mod:`megarl.bench.vllm_standalone`)."""
         return dataclasses.asdict(self)
 
-    def environment(self) -> dict[str, str]:
-        """The variables vLLM must see (set before it is imported): the model runner (V1 with ``exact``, whatever
-        the architecture's default: vLLM 0.24 picks V2 for Llama, Mistral and Qwen3, whose sampler is another
-        log-prob kernel); DeepGEMM off for FP8; the batch-invariant mode (``exact``)."""
+    def environment(self, architecture: str | None = None) -> dict[str, str]:
+        """The variables vLLM must see (set before it is imported) for a model of ``architecture`` (a Hugging
+        Face ``architectures[0]``; None: unknown): the model runner (V1 with ``exact``, whatever the architecture's
+        default: vLLM 0.24 picks V2 for Llama, Mistral and Qwen3, whose sampler is another log-prob kernel; V2 for
+        :data:`V2_RUNNER_ARCHITECTURES`); DeepGEMM off for FP8; the batch-invariant mode (``exact``)."""
         env = dict(BATCH_INVARIANT_ENV) if self.exact else {}
-        runner = self.model_runner or ("v1" if self.exact else None)  # exact: V1's sampler (vllm_logprobs)
+        runner = self.model_runner or ("v1" if self.exact else  # exact: V1's sampler (vllm_logprobs)
+                                       "v2" if architecture in V2_RUNNER_ARCHITECTURES else None)
         if runner is not None:
             env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
         if self.quantization == "fp8":
@@ -270,9 +278,10 @@ def write_model_dir(spec: ModelSpec, path: str | os.PathLike, quantization: str 
     config.save_pretrained(str(path))
 
 
-def prepare_environment(rank: int, local_rank: int, settings: VLLMSettings | None = None) -> None:
-    """Set :data:`VLLM_ENV`, the variables of ``settings`` (:meth:`VLLMSettings.environment`) and the ``RANK`` /
-    ``LOCAL_RANK`` that vLLM's external launcher reads.
+def prepare_environment(rank: int, local_rank: int, settings: VLLMSettings | None = None,
+                        architecture: str | None = None) -> None:
+    """Set :data:`VLLM_ENV`, the variables of ``settings`` for a model of ``architecture``
+    (:meth:`VLLMSettings.environment`) and the ``RANK`` / ``LOCAL_RANK`` that vLLM's external launcher reads.
 
     ``VLLM_ENABLE_V1_MULTIPROCESSING``, the two ranks and the settings' variables are forced (the engine cannot
     work otherwise, or would not be what was asked); the other variables keep a value the user set.
@@ -280,7 +289,7 @@ def prepare_environment(rank: int, local_rank: int, settings: VLLMSettings | Non
     for key, value in VLLM_ENV.items():
         os.environ.setdefault(key, value)
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", RANK=str(rank), LOCAL_RANK=str(local_rank),
-                      **(settings or VLLMSettings()).environment())
+                      **(settings or VLLMSettings()).environment(architecture))
 
 
 def join_engine_construction(tp: int) -> None:
@@ -463,7 +472,7 @@ class VLLMRolloutEngine:
         rank, world = dist.get_rank(), dist.get_world_size()
         if world % tp:
             raise RolloutError(f"vLLM tp={tp} does not divide the world size {world}")
-        prepare_environment(rank, torch.cuda.current_device(), settings)
+        prepare_environment(rank, torch.cuda.current_device(), settings, FAMILIES[spec.family].hf_architecture)
         import vllm
         from vllm.distributed.parallel_state import get_tp_group
 
