@@ -12,8 +12,9 @@
 # (the second call's summary has both calls' rows):
 #   1. install, build: the wheels into /tmp/site, megarl._C with the FP8 quantise kernel (skipped when done);
 #   2. gen_before: `megarl bench generation` with main's settings at 53c0cd9 (BEFORE: vLLM's defaults, which run
-#      Qwen2 on the V1 model runner, seeded requests, log-probs from vLLM's output; set explicitly now): tokens/s of the RL generate call (variant megarl) and of the same
-#      requests without per-request seeds, without the log-prob, without both (what each per-token ask costs),
+#      Qwen2 on the V1 model runner, seeded requests, log-probs from vLLM's output; set explicitly now): tokens/s
+#      of the RL generate call (variant megarl) and of the same requests without per-request seeds, without the
+#      log-prob, without both (what each per-token ask costs),
 #      the per-engine-step breakdown (host time in vLLM's scheduler, forward and sampler launches, waiting on the
 #      GPU, output processing) and a torch-profiler window of 32 tokens (GPU busy vs idle per step, kernels by kind);
 #   3. gen_after: the same with the new settings (AFTER, default rollout.model_runner=v2: one kernel samples the

@@ -12,8 +12,9 @@ llm_kwargs`, sleep mode and external launcher included, the same :class:`~megarl
 dtype, ``enforce_eager``, ``gpu_memory_utilization``, ``max_model_len`` and block-FP8 weights where the run had
 them), and generates the recorded calls again on its dummy weights, without sleeping or weight updates: one
 request per sample as the rollout engine sends them (seeded when the run seeds them, the sampled token's
-log-prob asked for where the engine reads vLLM's output, taken by its capture where it reads the sampler's), each forced to the recorded length (``max_tokens = length``, ``ignore_eos``, no stop ids;
-no ``min_tokens``, whose logits processor the RL requests do not pay), so that both decode the same tokens.
+log-prob asked for where the engine reads vLLM's output, taken by its capture where it reads the sampler's),
+each forced to the recorded length (``max_tokens = length``, ``ignore_eos``, no stop ids; no ``min_tokens``,
+whose logits processor the RL requests do not pay), so that both decode the same tokens.
 The prefix cache is dropped before each call, as the rollout engine does at every wake-up.
 
 Measurement: one untimed pass over every recorded call (warm-up: lazily built kernels and graphs; after a

@@ -42,9 +42,10 @@ rank count, then one ``Logprob`` object per token in the output processor (``vll
 CPU. Stop ids are a set lookup per request and step in the scheduler (``check_stop``). vLLM 0.24 runs
 ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen3ForCausalLM`` on the V2 runner by default and
 ``Qwen2ForCausalLM`` on V1 (``vllm/config/vllm.py``: ``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES``); megarl runs
-Qwen2 on V2 too unless ``rollout.model_runner`` says otherwise (:data:`V2_RUNNER_ARCHITECTURES`). A stop token is kept in the response:
-the scheduler appends every sampled token before checking ``stop_token_ids`` (``vllm/v1/core/sched/utils.py:
-check_stop``) and, without a tokenizer, the output keeps all of them (``vllm/v1/engine/detokenizer.py``).
+Qwen2 on V2 too unless ``rollout.model_runner`` says otherwise (:data:`V2_RUNNER_ARCHITECTURES`). A stop token is
+kept in the response: the scheduler appends every sampled token before checking ``stop_token_ids``
+(``vllm/v1/core/sched/utils.py: check_stop``) and, without a tokenizer, the output keeps all of them
+(``vllm/v1/engine/detokenizer.py``).
 
 Request by request (:class:`~megarl.rollout.base.RequestEngine`, multi-turn episodes), read in vLLM 0.24.0's
 ``vllm/v1/engine/llm_engine.py`` and ``vllm/entrypoints/offline_utils.py`` (what ``LLM.generate`` itself does):
