@@ -175,3 +175,21 @@ def test_the_exact_pass_equals_vllms_forward_tensor_by_tensor():
     first = next((p for p in r["points"] if p[2] != 0), None)
     assert first is None, f"the first tensor that differs: {first}"
     assert all(equal == r["total"] for equal, _ in r["counts"].values())
+
+
+def test_the_trainers_rope_frequencies_are_vllms_on_the_gpu():
+    """The default RoPE's inverse frequencies megarl gives megatron on the GPU equal those vLLM 0.24's
+    ``RotaryEmbedding._compute_inv_freq`` computes on the GPU (vLLM builds its model under the CUDA device), bit
+    for bit: the probe's first difference was at the rotated q and k when megarl computed them on the CPU."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from megarl.models.megatron import _set_rope_frequencies
+
+    dim = PROBE_SPEC.head_dim
+    with torch.device("cuda"):
+        vllm_inv_freq = RotaryEmbedding._compute_inv_freq(SimpleNamespace(rotary_dim=dim), PROBE_SPEC.rope_theta)
+    rotary = SimpleNamespace(inv_freq=torch.zeros(dim // 2, device="cuda"))
+    _set_rope_frequencies(rotary, PROBE_SPEC)
+    assert vllm_inv_freq.is_cuda and torch.equal(rotary.inv_freq, vllm_inv_freq)

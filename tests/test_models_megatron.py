@@ -294,3 +294,19 @@ def test_mistral_sliding_window_matches_transformers_beyond_the_window():
     for r in run_world(_sliding_window_world, 2):
         assert r["window_matters"] > 1e-2, r
         assert r[1] <= 1e-4 and r[2] <= 1e-4, r
+
+
+@pytest.mark.parametrize("theta", [10000.0, 1e6, 150000])
+def test_default_rope_frequencies_on_the_cpu_are_transformers_bit_for_bit(theta):
+    """The default RoPE's inverse frequencies megarl gives megatron (computed on the buffer's device with vLLM's
+    expression, so that a GPU gets vLLM's values) equal transformers' formula bit for bit on the CPU."""
+    from types import SimpleNamespace
+
+    from megarl.models.megatron import _set_rope_frequencies
+
+    spec = QWEN2.replace(rope_theta=theta)
+    rotary = SimpleNamespace(inv_freq=torch.zeros(spec.head_dim // 2))
+    _set_rope_frequencies(rotary, spec)
+    dim = spec.head_dim
+    hf = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))  # transformers'
+    assert rotary.inv_freq.dtype == torch.float32 and torch.equal(rotary.inv_freq, hf)
