@@ -224,7 +224,8 @@ class RolloutConfig:
         require(self.quantization is None or self.engine == "vllm", "rollout.quantization",
                 f"{self.quantization} rollouts need rollout.engine=vllm (the hf engine runs the model dtype)")
         require(self.model_runner in (None, *MODEL_RUNNERS), "rollout.model_runner",
-                f"must be null (vLLM's choice) or one of {list(MODEL_RUNNERS)}, got {self.model_runner!r}")
+                f"must be null (V2 for Qwen2, else vLLM's choice) or one of {list(MODEL_RUNNERS)}, "
+                f"got {self.model_runner!r}")
         require(self.logprobs in (None, *LOGPROBS_SOURCES), "rollout.logprobs",
                 f"must be null (the sampler's where it applies) or one of {list(LOGPROBS_SOURCES)}, "
                 f"got {self.logprobs!r}")

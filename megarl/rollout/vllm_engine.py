@@ -175,7 +175,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py 
 @dataclass(frozen=True)
 class VLLMSettings:
     """The vLLM 0.24 knobs of generation speed and weights format, one field per ``rollout.*`` field of the same
-    name (validated there, :class:`megarl.config.RolloutConfig`); None leaves vLLM's own default.
+    name (validated there, :class:`megarl.config.RolloutConfig`); None leaves vLLM's own default, except where an
+    attribute below says otherwise (``model_runner``, ``logprobs``).
 
     Attributes:
         model_runner: "v1" or "v2" (``VLLM_USE_V2_MODEL_RUNNER``); None: V2 for the architectures of
