@@ -11,17 +11,24 @@ has two halves, read in its source:
   (``CUBLAS_WORKSPACE_CONFIG=:16:8``, ``CUBLASLT_WORKSPACE_SIZE=1``), reduced-precision reductions off, TF32
   off;
 - vLLM's own layers calling its kernels directly: every unquantised linear layer ``linear_batch_invariant``
-  (the persistent Triton matmul, whatever the GPU), every ``RMSNorm`` ``rms_norm_batch_invariant`` (one program
-  per row), attention with one KV split (``num_splits=1``, no cascade attention).
+  (the persistent Triton matmul, whatever the GPU), every ``RMSNorm`` ``rms_norm_batch_invariant``: without a
+  residual (the first layer's input norm, q/k norms) a Triton kernel of one program per row, with one (every later
+  norm: Llama's decoder layer hands the residual stream to ``post_attention_layernorm``, the next layer's
+  ``input_layernorm`` and the final ``norm``) vLLM's ``fused_add_rms_norm`` CUDA op (the add rounded to bf16, a
+  block reduction of the squares, ``bf16(bf16(x / rms) * w)``); attention with one KV split (``num_splits=1``, no
+  cascade attention).
 
 The engine runs in the training process (:mod:`megarl.rollout.vllm_engine`), so the overrides of the first half
 act on the trainer's forward too once :func:`enable_batch_invariant_mode` has run (it runs them itself, before
 the trainer's first matmul, so that cuBLAS reads its workspace setting). The second half is not in torch's
-dispatcher: :func:`vllm_kernels` routes megatron's linear layers, RMSNorm modules and core attention (local layer
-spec, TP = 1) through the same functions for the duration of a forward-only pass, as TorchTitan's
-``deterministic_vllm_rl`` does with its own model. What stays different (the residual add fused into vLLM's later
-RMSNorms, RoPE, prefill against decode over a paged KV cache) is listed in docs/DESIGN.md; the GPU test
-(tests/test_gpu_exact.py) measures it.
+dispatcher: :func:`vllm_kernels` routes megatron's linear layers, RMSNorm modules (each to the kernel vLLM runs
+at its place: megatron adds the residual itself, rounded to bf16 as vLLM's fused op rounds it, so the fused op
+with a zero residual normalises the same sum) and core attention (local layer spec, TP = 1) through the same
+functions for the duration of a forward-only pass, as TorchTitan's ``deterministic_vllm_rl`` does with its own
+model. RoPE is vLLM's CUDA op (``csrc/pos_encoding_kernels.cu``), not a batch-invariant kernel, but it rounds
+otherwise than megatron's torch rotation; :func:`vllm_rotary` computes what it computes and :func:`vllm_kernels`
+puts it in megatron's attention. What stays different (prefill against decode over a paged KV cache) is listed
+in docs/DESIGN.md; the GPU test (tests/test_gpu_exact.py) measures it.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ _ENABLED = False  # enable_batch_invariant_mode ran (batch_invariant_mode)
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], torch.Tensor]
+RotaryFn = Callable[..., torch.Tensor]  # megatron's apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, ...)
 
 
 def enable_batch_invariant_mode() -> bool:
@@ -131,25 +139,90 @@ def _vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                                   causal=True, num_splits=1, fa_version=get_flash_attn_version(head_size=q.shape[-1]))
 
 
-def _vllm_functions() -> tuple[LinearFn, NormFn, AttentionFn]:
+def vllm_rotary(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: torch.Tensor | None = None,
+                mscale: float = 1.0, cp_group=None, mla_rotary_interleaved: bool = False) -> torch.Tensor:
+    """Rotary position embedding as vLLM 0.24's ``rotary_embedding`` CUDA op computes it, in the signature of
+    megatron-core's ``apply_rotary_pos_emb`` (which :func:`vllm_kernels` replaces).
+
+    vLLM (``RotaryEmbedding.forward_cuda``, ``csrc/pos_encoding_kernels.cu``, NeoX style) keeps a cos/sin cache
+    computed in float32 on the GPU and cast to the query's dtype, and per pair ``(x, y)`` of a head's halves writes
+    ``x cos - y sin`` and ``y cos + x sin`` computed in float32 and rounded once to the query's dtype. megatron's
+    unfused rotation rounds each product and the sum to bf16, so about one element in ten ends a bf16 step
+    apart. Here: ``cos(freqs)`` and ``sin(freqs)`` in float32, rounded to ``t``'s dtype, then the rotation in float32
+    (the products of two bf16 values are exact in float32, so the one rounding of the sum is the kernel's whatever
+    it fuses) and one rounding to ``t``'s dtype.
+
+    Args:
+        t: ``[s, b, heads, d]`` queries or keys, any float dtype; the first ``freqs.shape[-1]`` channels rotate.
+        freqs: ``[s, 1, 1, rot]`` float32 angles, megatron's ``RotaryEmbedding`` output (each half the same).
+        config, cp_group: megatron's; unused.
+        cu_seqlens, mscale, mla_rotary_interleaved: must be None, 1.0 and False.
+
+    Returns:
+        ``t``'s shape and dtype.
+
+    Raises:
+        ValueError: packed sequences (``cu_seqlens``), a RoPE scale (``mscale``, YaRN), interleaved (GPT-J or MLA)
+            rotation: what vLLM's NeoX kernel does not compute this way.
+    """
+    if cu_seqlens is not None or mscale != 1.0 or mla_rotary_interleaved or getattr(config, "rotary_interleaved",
+                                                                                      False):
+        raise ValueError("vllm_rotary: exact RoPE covers NeoX-style rotation of unpacked rows without a scale")
+    rot = freqs.shape[-1]
+    x, rest = t[..., :rot].float(), t[..., rot:]
+    cos, sin = (f(freqs).to(t.dtype).float() for f in (torch.cos, torch.sin))
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((rotated.to(t.dtype), rest), dim=-1)
+
+
+def _vllm_added_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` ``[..., h]`` (bf16/fp16) on vLLM's ``fused_add_rms_norm`` CUDA op, the kernel vLLM's
+    RMSNorm runs when handed a residual: ``x`` is already the residual sum (megatron added it), so the op adds a
+    zero residual (exact) and normalises. Returns a new tensor of ``x``'s shape and dtype."""
+    from vllm import _custom_ops as ops
+
+    out = x.contiguous().clone()  # the op writes the normalised rows over its input
+    ops.fused_add_rms_norm(out, torch.zeros_like(out), weight, eps)
+    return out
+
+
+def _vllm_functions() -> tuple[LinearFn, NormFn, NormFn, AttentionFn]:
     from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
 
-    return linear_batch_invariant, rms_norm_batch_invariant, _vllm_attention
+    return linear_batch_invariant, rms_norm_batch_invariant, _vllm_added_rms_norm, _vllm_attention
+
+
+# megatron's norms that vLLM's Llama/Qwen2 decoder layers call with the residual stream (vLLM's fused add + norm):
+# all but the first layer's input norm (vLLM's first layer has no residual yet) and the q/k norms
+_ADDED_NORMS = ("pre_mlp_layernorm", "input_layernorm", "final_layernorm")
+
+
+def _takes_a_residual_in_vllm(name: str) -> bool:
+    """Whether vLLM runs the norm at megatron's module ``name`` (``decoder.layers.3.input_layernorm``) as
+    ``fused_add_rms_norm`` (pipeline stage one: exact refuses PP > 1)."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf in _ADDED_NORMS and not name.endswith("layers.0.input_layernorm")
 
 
 @contextlib.contextmanager
 def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None, rms_norm: NormFn | None = None,
-                 attention: AttentionFn | None = None) -> Iterator[int]:
+                 added_rms_norm: NormFn | None = None, attention: AttentionFn | None = None,
+                 rotary: RotaryFn = vllm_rotary) -> Iterator[int]:
     """Within the block, every megatron ``ColumnParallelLinear`` / ``RowParallelLinear`` of ``modules`` computes
-    ``linear(x, weight, bias)``, every ``torch.nn.RMSNorm`` ``rms_norm(x, weight, eps)`` and every
-    :class:`~megarl.kernels.attention.SDPAttention` (causal, no window, not packed) ``attention(q, k, v, scale)``
-    one sequence at a time: vLLM's ``linear_batch_invariant``, ``rms_norm_batch_invariant`` and its FlashAttention
-    with one KV split by default (module docstring). For forward-only passes of a TP = 1 model (no gradient flows
-    through the replaced forwards).
+    ``linear(x, weight, bias)``, every ``torch.nn.RMSNorm`` ``rms_norm(x, weight, eps)`` or, where vLLM's norm
+    takes the residual stream (the norms after the first layer's input norm), ``added_rms_norm(x, weight, eps)``,
+    every :class:`~megarl.kernels.attention.SDPAttention` (causal, no window, not packed) ``attention(q, k, v,
+    scale)`` one sequence at a time, and megatron's attention rotates queries and keys with ``rotary``: vLLM's
+    ``linear_batch_invariant``, ``rms_norm_batch_invariant``, ``fused_add_rms_norm``, its FlashAttention with one
+    KV split and its RoPE (:func:`vllm_rotary`) by default (module docstring). For forward-only passes of a TP = 1
+    model (no gradient flows through the replaced forwards).
 
     Args:
         modules: the model chunks.
-        linear / rms_norm / attention: the functions (tests pass plain torch ones; None: vLLM's).
+        linear / rms_norm / added_rms_norm / attention: the functions (tests pass plain torch ones; None: vLLM's).
+        rotary: in place of ``megatron.core.transformer.attention.apply_rotary_pos_emb`` (the module's name,
+            process-wide, for the block).
 
     Yields:
         How many modules were rerouted.
@@ -161,9 +234,10 @@ def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None,
 
     from megarl.kernels.attention import SDPAttention
 
-    if linear is None or rms_norm is None or attention is None:
+    if None in (linear, rms_norm, added_rms_norm, attention):
         defaults = _vllm_functions()
-        linear, rms_norm, attention = linear or defaults[0], rms_norm or defaults[1], attention or defaults[2]
+        linear, rms_norm, added_rms_norm, attention = (given or default for given, default in zip(
+            (linear, rms_norm, added_rms_norm, attention), defaults))
     patched: list[torch.nn.Module] = []
 
     def linear_forward(layer, x, weight=None, *args, **kwargs):  # weight: the tied embedding (output layer)
@@ -174,6 +248,10 @@ def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None,
     def norm_forward(norm, x):
         eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
         return rms_norm(x, norm.weight, eps)
+
+    def added_norm_forward(norm, x):
+        eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+        return added_rms_norm(x, norm.weight, eps)
 
     def attention_forward(core, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                           packed_seq_params=None):
@@ -186,16 +264,20 @@ def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None,
         out = torch.stack([attention(query[:, i], key[:, i], value[:, i], core.softmax_scale) for i in range(b)], 1)
         return out.reshape(sq, b, heads * hn)
 
+    from megatron.core.transformer import attention as megatron_attention
+
+    megatrons_rotary = megatron_attention.apply_rotary_pos_emb
     try:
+        megatron_attention.apply_rotary_pos_emb = rotary
         for chunk in modules:
-            for m in chunk.modules():
+            for name, m in chunk.named_modules():
                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                     if m.tp_group.size() != 1:
                         raise ValueError(f"vllm_kernels: {type(m).__name__} is split over {m.tp_group.size()} "
                                          "TP ranks; exact log-probs need TP = 1")
                     m.forward = linear_forward.__get__(m)
                 elif isinstance(m, torch.nn.RMSNorm):
-                    m.forward = norm_forward.__get__(m)
+                    m.forward = (added_norm_forward if _takes_a_residual_in_vllm(name) else norm_forward).__get__(m)
                 elif isinstance(m, SDPAttention):
                     m.forward = attention_forward.__get__(m)
                 else:
@@ -203,5 +285,6 @@ def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None,
                 patched.append(m)
         yield len(patched)
     finally:
+        megatron_attention.apply_rotary_pos_emb = megatrons_rotary
         for m in patched:
             del m.forward  # back to the class's forward

@@ -207,10 +207,10 @@ def _passes(rank, world, exact):
                                                                is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)
 
-    with vllm_kernels(w.chunks, linear, norm, attention) as rerouted:
+    with vllm_kernels(w.chunks, linear, norm, norm, attention) as rerouted:
         routed = w.compute_logprobs(b)["logprobs"]
     zero = lambda x, weight, bias: torch.zeros(*x.shape[:-1], weight.shape[0])  # noqa: E731
-    with vllm_kernels(w.chunks, zero, norm, attention):
+    with vllm_kernels(w.chunks, zero, norm, norm, attention):
         zeroed = w.compute_logprobs(b)["logprobs"]
     restored = w.compute_logprobs(b)["logprobs"]
     mask = b["response_mask"].bool()
@@ -268,8 +268,8 @@ def _tied_logits(rank, world):
                                                                 is_causal=True, scale=scale,
                                                                 enable_gqa=True).transpose(0, 1)
 
-    with vllm_kernels([model], torch.nn.functional.linear,
-                      lambda x, w, eps: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps), attention):
+    norm = lambda x, w, eps: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
+    with vllm_kernels([model], torch.nn.functional.linear, norm, norm, attention):
         routed = actor_logits(model, ids)
     return (routed - plain).abs().max().item()
 
@@ -277,3 +277,73 @@ def _tied_logits(rank, world):
 def test_the_exact_pass_takes_a_tied_output_layers_weight_from_the_embedding():
     """Fails when the rerouted output layer reads its own ``weight`` (None when tied) instead of the one passed."""
     assert run_world(_tied_logits, 1)[0] < 1e-5
+
+
+def test_vllm_rotary_rounds_once_as_vllms_kernel_where_megatrons_rotation_rounds_thrice():
+    """vLLM 0.24's ``rotary_embedding`` op (bf16 cos/sin cache, ``x cos - y sin`` in float32, one rounding) against
+    a float64 formula of it, bit for bit; megatron's own rotation (each product and the sum rounded to bf16)
+    differs from it, which is what put the GPU probe's first difference at q and k after RoPE."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from megarl.kernels.batch_invariant import vllm_rotary
+
+    g = torch.Generator().manual_seed(0)
+    s, heads, d = 64, 4, 32
+    t = (torch.randn(s, 1, heads, d, generator=g) * 3).to(torch.bfloat16)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    half = torch.outer(torch.arange(s, dtype=torch.float), inv_freq)
+    freqs = torch.cat((half, half), dim=-1)[:, None, None, :]  # megatron's RotaryEmbedding output [s, 1, 1, d]
+
+    cos, sin = (f(half).to(torch.bfloat16).double()[:, None, None, :] for f in (torch.cos, torch.sin))
+    x, y = t.double().chunk(2, dim=-1)
+    want = torch.cat((x * cos - y * sin, y * cos + x * sin), dim=-1).float().to(torch.bfloat16)
+
+    got = vllm_rotary(t, freqs, config=None)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    megatrons = _apply_rotary_pos_emb_bshd(t, freqs)
+    assert (megatrons != want).sum() > 0.01 * want.numel()
+    with pytest.raises(ValueError, match="NeoX-style"):
+        vllm_rotary(t, freqs, config=None, cu_seqlens=torch.tensor([0, s]))
+
+
+def _routed_calls(rank, world):
+    """Which function megatron's attention and norms call under :func:`vllm_kernels` in one forward (torch
+    stand-ins that count), whether megatron's rotation is back afterwards, and how far the logits moved."""
+    from megatron.core.transformer import attention as megatron_attention
+
+    from megarl.kernels.batch_invariant import vllm_kernels, vllm_rotary
+    from megarl.models.megatron import build_model
+    from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
+    from tests.actor_decoding import actor_logits
+
+    initialize_model_parallel(ParallelLayout(), seed=0)
+    model = build_model(SPEC, ParallelLayout(), attention="sdpa").eval()
+    before = megatron_attention.apply_rotary_pos_emb
+    calls = {"rotary": 0, "norm": 0, "added_norm": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    norm = lambda x, w, eps: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
+    ids = list(range(2, 30))
+    plain = actor_logits(model, ids)
+    with vllm_kernels([model], torch.nn.functional.linear, counted("norm", norm), counted("added_norm", norm),
+                      lambda q, k, v, scale: torch.nn.functional.scaled_dot_product_attention(
+                          q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
+                          enable_gqa=True).transpose(0, 1), counted("rotary", vllm_rotary)):
+        routed = actor_logits(model, ids)
+    return calls, megatron_attention.apply_rotary_pos_emb is before, (routed - plain).abs().max().item()
+
+
+def test_the_exact_pass_rotates_and_normalises_where_vllm_does_with_vllms_kernels():
+    """RoPE (q and k of each layer) goes through ``rotary``; the first layer's input norm through ``rms_norm``
+    (vLLM's first norm has no residual yet) and every later norm (each layer's pre-MLP norm, the later input norms,
+    the final norm) through ``added_rms_norm`` (vLLM's fused add + norm). Fails when either is left to megatron or
+    megatron's rotation is not put back."""
+    calls, restored, diff = run_world(_routed_calls, 1)[0]
+    layers = SPEC.num_layers
+    assert calls == {"rotary": 2 * layers, "norm": 1, "added_norm": 2 * layers}
+    assert restored and diff < 1e-5

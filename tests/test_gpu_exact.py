@@ -51,24 +51,29 @@ def test_trainer_logprobs_equal_vllms_bit_for_bit_at_every_step(tmp_path, case):
 
 
 # The probe below runs vLLM in-process beside the Megatron actor (as tests/test_gpu_vllm.py) on a 2-layer
-# Qwen2 shape and compares, tensor by tensor, what each computes for one prompt's prefill: when the trainer's log-probs
-# are not vLLM's, the first differing tensor in forward order names the kernel that differs.
+# Qwen2 shape (random weights) and on SmolLM2-135M (real weights, 30 layers) and compares, tensor by tensor, what
+# each computes for one prompt's prefill: when the trainer's log-probs are not vLLM's, the first differing tensor
+# in forward order names the kernel that differs.
 PROBE_SPEC = ModelSpec("qwen2", vocab_size=4000, hidden_size=512, num_layers=2, num_attention_heads=8,
                        num_kv_heads=2, head_dim=64, ffn_hidden_size=1408, rope_theta=1e6, tie_word_embeddings=True,
                        max_position_embeddings=1024, eos_token_ids=(3999,))
-# (vLLM module, Megatron module, which tensor: "in"/"q" the first input, "k" the second, "out" the output)
-PROBE_POINTS = [("model.embed_tokens", "embedding", "out")] + [
-    pair for i in range(PROBE_SPEC.num_layers) for pair in (
-        (f"model.layers.{i}.input_layernorm", f"decoder.layers.{i}.input_layernorm", "out"),
-        (f"model.layers.{i}.self_attn.qkv_proj", f"decoder.layers.{i}.self_attention.linear_qkv", "out"),
-        (f"model.layers.{i}.self_attn.attn", f"decoder.layers.{i}.self_attention.core_attention", "q"),
-        (f"model.layers.{i}.self_attn.attn", f"decoder.layers.{i}.self_attention.core_attention", "k"),
-        (f"model.layers.{i}.self_attn.o_proj", f"decoder.layers.{i}.self_attention.linear_proj", "in"),
-        (f"model.layers.{i}.self_attn.o_proj", f"decoder.layers.{i}.self_attention.linear_proj", "out"),
-        (f"model.layers.{i}.post_attention_layernorm", f"decoder.layers.{i}.pre_mlp_layernorm", "out"),
-        (f"model.layers.{i}.mlp.down_proj", f"decoder.layers.{i}.mlp.linear_fc2", "in"),
-        (f"model.layers.{i}.mlp.down_proj", f"decoder.layers.{i}.mlp.linear_fc2", "out"))] + [
-    ("model.norm", "decoder.final_layernorm", "out")]
+
+
+def probe_points(num_layers: int) -> list[tuple[str, str, str]]:
+    """(vLLM module, Megatron module, which tensor: "in"/"q" the first input, "k" the second, "out" the output),
+    in forward order."""
+    return [("model.embed_tokens", "embedding", "out")] + [
+        pair for i in range(num_layers) for pair in (
+            (f"model.layers.{i}.input_layernorm", f"decoder.layers.{i}.input_layernorm", "out"),
+            (f"model.layers.{i}.self_attn.qkv_proj", f"decoder.layers.{i}.self_attention.linear_qkv", "out"),
+            (f"model.layers.{i}.self_attn.attn", f"decoder.layers.{i}.self_attention.core_attention", "q"),
+            (f"model.layers.{i}.self_attn.attn", f"decoder.layers.{i}.self_attention.core_attention", "k"),
+            (f"model.layers.{i}.self_attn.o_proj", f"decoder.layers.{i}.self_attention.linear_proj", "in"),
+            (f"model.layers.{i}.self_attn.o_proj", f"decoder.layers.{i}.self_attention.linear_proj", "out"),
+            (f"model.layers.{i}.post_attention_layernorm", f"decoder.layers.{i}.pre_mlp_layernorm", "out"),
+            (f"model.layers.{i}.mlp.down_proj", f"decoder.layers.{i}.mlp.linear_fc2", "in"),
+            (f"model.layers.{i}.mlp.down_proj", f"decoder.layers.{i}.mlp.linear_fc2", "out"))] + [
+        ("model.norm", "decoder.final_layernorm", "out")]
 
 
 def _capture(model, names: set[str], which: dict[str, set[str]], into: dict):
@@ -88,8 +93,9 @@ def _capture(model, names: set[str], which: dict[str, set[str]], into: dict):
     return [modules[n].register_forward_hook(hook(n), with_kwargs=True) for n in names if n in modules]
 
 
-def _probe(rank, world):
+def _probe(rank, world, case):
     from megarl.kernels.batch_invariant import enable_batch_invariant_mode, vllm_kernels, vllm_logprobs
+    from megarl.models.checkpoint import load_weights, source_spec
     from megarl.models.layout_megatron import megatron_layout
     from megarl.models.megatron import build_model
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
@@ -102,18 +108,27 @@ def _probe(rank, world):
     assert enable_batch_invariant_mode()
     mesh = ParallelLayout()
     initialize_model_parallel(mesh, seed=0)
-    actor = build_model(PROBE_SPEC, mesh, params_dtype=torch.bfloat16, attention="sdpa").cuda().eval()
-    with torch.no_grad():
-        actor.embedding.word_embeddings.weight.mul_(3)
-    engine = VLLMRolloutEngine(PROBE_SPEC, tp=1, gpu_memory_utilization=0.3, seed=0, enforce_eager=True,
+    if case == "smollm2":
+        path = os.environ.get("SMOL_GGUF", "default")
+        spec = source_spec(path)[0]
+        actor = build_model(spec, mesh, params_dtype=torch.bfloat16, attention="sdpa", init_weights=False)
+        actor = actor.cuda().eval()
+        load_weights(actor, path)
+    else:
+        spec = PROBE_SPEC
+        actor = build_model(spec, mesh, params_dtype=torch.bfloat16, attention="sdpa").cuda().eval()
+        with torch.no_grad():
+            actor.embedding.word_embeddings.weight.mul_(3)
+    engine = VLLMRolloutEngine(spec, tp=1, gpu_memory_utilization=0.3, seed=0, enforce_eager=True,
                                settings=VLLMSettings(exact=True))
-    plan = plan_reshard(megatron_layout(PROBE_SPEC, mesh, padded_vocab=actor.vocab_size), engine.weight_layout([0]))
+    plan = plan_reshard(megatron_layout(spec, mesh, padded_vocab=actor.vocab_size), engine.weight_layout([0]))
     src = {n: p.detach() for n, p in actor.named_parameters()}
     engine.update_weights(lambda dst: execute_plan(plan, src, dst))
-    prompt = torch.randint(0, PROBE_SPEC.vocab_size - 1, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(0, spec.vocab_size - 1, (40,), generator=torch.Generator().manual_seed(0)).tolist()
 
     which_v, which_m = {}, {}
-    for v, m, w in PROBE_POINTS:
+    points_wanted = probe_points(spec.num_layers)
+    for v, m, w in points_wanted:
         which_v.setdefault(v, set()).add(w)
         which_m.setdefault(m, set()).add(w)
     got_v, got_m = {}, {}
@@ -127,7 +142,7 @@ def _probe(rank, world):
     for h in handles:
         h.remove()
     points = []
-    for v, m, w in PROBE_POINTS:
+    for v, m, w in points_wanted:
         a, b = got_v.get((v, w)), got_m.get((m, w))
         if a is None or b is None or a.shape != b.shape:
             points.append((v, w, None, f"shapes {None if a is None else tuple(a.shape)} vs "
@@ -151,7 +166,7 @@ def _probe(rank, world):
         with vllm_kernels([actor]):
             logits = actor_logits(actor, ids)[None]
         labels = torch.tensor([ids[1:] + [0]], device=logits.device)
-        lp = vllm_logprobs(logits, labels, vocab_size=PROBE_SPEC.vocab_size, temperature=1.0)[0]
+        lp = vllm_logprobs(logits, labels, vocab_size=spec.vocab_size, temperature=1.0)[0]
         mine = lp[len(prompt) - 1:len(ids) - 1].cpu()
         engine.llm.reset_prefix_cache()  # computed anew, not read from the decode's cache
         out = engine.llm.generate([TokensPrompt(prompt_token_ids=ids)],
@@ -165,11 +180,15 @@ def _probe(rank, world):
     return {"points": points, "total": total, "counts": counts}
 
 
-def test_the_exact_pass_equals_vllms_forward_tensor_by_tensor():
-    r = run_world(_probe, 1, timeout_s=600)[0]
-    print("\nexact probe (vLLM prefill vs the trainer's exact pass, 2-layer Qwen2 shape, bf16):")
+@pytest.mark.parametrize("case", ["qwen2-random", "smollm2"])
+def test_the_exact_pass_equals_vllms_forward_tensor_by_tensor(case):
+    r = run_world(_probe, 1, case, timeout_s=600)[0]
+    print(f"\nexact probe (vLLM prefill vs the trainer's exact pass, {case}, bf16):")
+    shown = 0
     for name, which, ndiff, note in r["points"]:
-        print(f"  {name} [{which}]: {'EQUAL' if ndiff == 0 else f'{ndiff} elements differ'} ({note})")
+        if ndiff == 0 or shown < 12:  # the equal ones and the first 12 that differ (the rest carry the difference)
+            print(f"  {name} [{which}]: {'EQUAL' if ndiff == 0 else f'{ndiff} elements differ'} ({note})")
+        shown += ndiff != 0
     for name, (equal, worst) in r["counts"].items():
         print(f"  sampled tokens' log-probs, {name}: {equal}/{r['total']} equal, max |diff| {worst:.3g}")
     first = next((p for p in r["points"] if p[2] != 0), None)

@@ -72,6 +72,9 @@ FAMILIES = {
               {}, []),
     "phi3": (lambda: ModelSpec("phi3", rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=False,
                                sliding_window=512, **COMMON), {}, []),
+    # Phi-4: Phi3ForCausalLM with no sliding window (and Phi-3's fused q/k/v and gate/up)
+    "phi4": (lambda: ModelSpec("phi3", rope_theta=2.5e5, rms_norm_eps=1e-5, tie_word_embeddings=False, **COMMON),
+             {}, []),
     "gemma3": (lambda: ModelSpec("gemma3", rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
                                  sliding_window=16, sliding_window_pattern=(1, 0), local_rope_theta=1e4,
                                  query_pre_attn_scalar=64, **COMMON), {}, []),
