@@ -15,15 +15,15 @@ has two halves, read in its source:
   residual (the first layer's input norm, q/k norms) a Triton kernel of one program per row, with one (every later
   norm: Llama's decoder layer hands the residual stream to ``post_attention_layernorm``, the next layer's
   ``input_layernorm`` and the final ``norm``) vLLM's ``fused_add_rms_norm`` CUDA op (the add rounded to bf16, a
-  block reduction of the squares, ``bf16(bf16(x / rms) * w)``); attention with one KV split (``num_splits=1``, no
-  cascade attention).
+  block reduction of the squares, ``bf16(bf16(x / rms) * w)``); ``SiluAndMul`` the ``silu_and_mul`` CUDA op;
+  attention with one KV split (``num_splits=1``, no cascade attention).
 
 The engine runs in the training process (:mod:`megarl.rollout.vllm_engine`), so the overrides of the first half
 act on the trainer's forward too once :func:`enable_batch_invariant_mode` has run (it runs them itself, before
 the trainer's first matmul, so that cuBLAS reads its workspace setting). The second half is not in torch's
 dispatcher: :func:`vllm_kernels` routes megatron's linear layers, RMSNorm modules (each to the kernel vLLM runs
 at its place: megatron adds the residual itself, rounded to bf16 as vLLM's fused op rounds it, so the fused op
-with a zero residual normalises the same sum) and core attention (local layer spec, TP = 1) through the same
+with a zero residual normalises the same sum), SwiGLU activations and core attention (local layer spec, TP = 1) through the same
 functions for the duration of a forward-only pass, as TorchTitan's ``deterministic_vllm_rl`` does with its own
 model. RoPE is vLLM's CUDA op (``csrc/pos_encoding_kernels.cu``), not a batch-invariant kernel, but it rounds
 otherwise than megatron's torch rotation; :func:`vllm_rotary` computes what it computes and :func:`vllm_kernels`
@@ -47,6 +47,7 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.T
 NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], torch.Tensor]
 RotaryFn = Callable[..., torch.Tensor]  # megatron's apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, ...)
+ActivationFn = Callable[[torch.Tensor], torch.Tensor]  # [..., 2 f] (gate, up) -> [..., f]
 
 
 def enable_batch_invariant_mode() -> bool:
@@ -187,10 +188,21 @@ def _vllm_added_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return out
 
 
-def _vllm_functions() -> tuple[LinearFn, NormFn, NormFn, AttentionFn]:
+def _vllm_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU ``[..., 2 f]`` (gate rows first, then up) -> ``[..., f]`` on vLLM's ``silu_and_mul`` CUDA op, what
+    its ``SiluAndMul`` (Llama's and Qwen2's MLP) runs: ``bf16(silu(g)) * u`` with vLLM's own ``expf``."""
+    from vllm import _custom_ops  # noqa: F401  (loads torch.ops._C)
+
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    torch.ops._C.silu_and_mul(out, x.contiguous())
+    return out
+
+
+def _vllm_functions() -> tuple[LinearFn, NormFn, NormFn, ActivationFn, AttentionFn]:
     from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
 
-    return linear_batch_invariant, rms_norm_batch_invariant, _vllm_added_rms_norm, _vllm_attention
+    return (linear_batch_invariant, rms_norm_batch_invariant, _vllm_added_rms_norm, _vllm_silu_and_mul,
+            _vllm_attention)
 
 
 # megatron's norms that vLLM's Llama/Qwen2 decoder layers call with the residual stream (vLLM's fused add + norm):
@@ -207,20 +219,22 @@ def _takes_a_residual_in_vllm(name: str) -> bool:
 
 @contextlib.contextmanager
 def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None, rms_norm: NormFn | None = None,
-                 added_rms_norm: NormFn | None = None, attention: AttentionFn | None = None,
-                 rotary: RotaryFn = vllm_rotary) -> Iterator[int]:
+                 added_rms_norm: NormFn | None = None, silu_and_mul: ActivationFn | None = None,
+                 attention: AttentionFn | None = None, rotary: RotaryFn = vllm_rotary) -> Iterator[int]:
     """Within the block, every megatron ``ColumnParallelLinear`` / ``RowParallelLinear`` of ``modules`` computes
     ``linear(x, weight, bias)``, every ``torch.nn.RMSNorm`` ``rms_norm(x, weight, eps)`` or, where vLLM's norm
     takes the residual stream (the norms after the first layer's input norm), ``added_rms_norm(x, weight, eps)``,
-    every :class:`~megarl.kernels.attention.SDPAttention` (causal, no window, not packed) ``attention(q, k, v,
-    scale)`` one sequence at a time, and megatron's attention rotates queries and keys with ``rotary``: vLLM's
-    ``linear_batch_invariant``, ``rms_norm_batch_invariant``, ``fused_add_rms_norm``, its FlashAttention with one
-    KV split and its RoPE (:func:`vllm_rotary`) by default (module docstring). For forward-only passes of a TP = 1
-    model (no gradient flows through the replaced forwards).
+    every dense SwiGLU ``MLP`` its activation ``silu_and_mul(x)``, every
+    :class:`~megarl.kernels.attention.SDPAttention` (causal, no window, not packed) ``attention(q, k, v, scale)``
+    one sequence at a time, and megatron's attention rotates queries and keys with ``rotary``: vLLM's
+    ``linear_batch_invariant``, ``rms_norm_batch_invariant``, ``fused_add_rms_norm``, ``silu_and_mul``, its
+    FlashAttention with one KV split and its RoPE (:func:`vllm_rotary`) by default (module docstring). For
+    forward-only passes of a TP = 1 model (no gradient flows through the replaced forwards).
 
     Args:
         modules: the model chunks.
-        linear / rms_norm / added_rms_norm / attention: the functions (tests pass plain torch ones; None: vLLM's).
+        linear / rms_norm / added_rms_norm / silu_and_mul / attention: the functions (tests pass torch ones; None:
+            vLLM's).
         rotary: in place of ``megatron.core.transformer.attention.apply_rotary_pos_emb`` (the module's name,
             process-wide, for the block).
 
@@ -228,16 +242,18 @@ def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None,
         How many modules were rerouted.
 
     Raises:
-        ValueError: a linear layer split over TP ranks (``rollout.exact`` refuses ``actor.parallel.tp > 1``).
+        ValueError: a linear layer split over TP ranks (``rollout.exact`` refuses ``actor.parallel.tp > 1``); in
+            the forward, an MLP other than a bias-free SwiGLU or attention other than causal over unpacked rows.
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP
 
     from megarl.kernels.attention import SDPAttention
 
-    if None in (linear, rms_norm, added_rms_norm, attention):
+    if None in (linear, rms_norm, added_rms_norm, silu_and_mul, attention):
         defaults = _vllm_functions()
-        linear, rms_norm, added_rms_norm, attention = (given or default for given, default in zip(
-            (linear, rms_norm, added_rms_norm, attention), defaults))
+        linear, rms_norm, added_rms_norm, silu_and_mul, attention = (given or default for given, default in zip(
+            (linear, rms_norm, added_rms_norm, silu_and_mul, attention), defaults))
     patched: list[torch.nn.Module] = []
 
     def linear_forward(layer, x, weight=None, *args, **kwargs):  # weight: the tied embedding (output layer)
@@ -252,6 +268,17 @@ def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None,
     def added_norm_forward(norm, x):
         eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
         return added_rms_norm(x, norm.weight, eps)
+
+    def mlp_forward(mlp, hidden_states, per_token_scale=None, **kwargs):
+        config = mlp.config
+        swiglu = (config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
+                  and config.activation_func_clamp_value is None and config.glu_linear_offset == 0.0)
+        if not swiglu or per_token_scale is not None:
+            raise ValueError("vllm_kernels: exact MLPs are SwiGLU (silu, gated, no clamp, offset or token scale)")
+        intermediate, bias = mlp.linear_fc1(hidden_states)
+        if bias is not None:
+            raise ValueError("vllm_kernels: exact MLPs have no bias in linear_fc1")
+        return mlp.linear_fc2(silu_and_mul(intermediate))
 
     def attention_forward(core, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                           packed_seq_params=None):
@@ -278,6 +305,8 @@ def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None,
                     m.forward = linear_forward.__get__(m)
                 elif isinstance(m, torch.nn.RMSNorm):
                     m.forward = (added_norm_forward if _takes_a_residual_in_vllm(name) else norm_forward).__get__(m)
+                elif isinstance(m, MLP):
+                    m.forward = mlp_forward.__get__(m)
                 elif isinstance(m, SDPAttention):
                     m.forward = attention_forward.__get__(m)
                 else:

@@ -25,6 +25,12 @@ SPEC = ModelSpec("llama", 512, 128, 2, 8, 2, 16, 512, tie_word_embeddings=False,
                  eos_token_ids=(1,))
 
 
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """A torch stand-in for vLLM's ``silu_and_mul``: ``[..., 2 f]`` (gate, up) -> ``[..., f]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny Llama, its prompts, a tiny MoE model and the Llama as a Mistral with an 8-token window."""
@@ -207,10 +213,10 @@ def _passes(rank, world, exact):
                                                                is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)
 
-    with vllm_kernels(w.chunks, linear, norm, norm, attention) as rerouted:
+    with vllm_kernels(w.chunks, linear, norm, norm, swiglu, attention) as rerouted:
         routed = w.compute_logprobs(b)["logprobs"]
     zero = lambda x, weight, bias: torch.zeros(*x.shape[:-1], weight.shape[0])  # noqa: E731
-    with vllm_kernels(w.chunks, zero, norm, norm, attention):
+    with vllm_kernels(w.chunks, zero, norm, norm, swiglu, attention):
         zeroed = w.compute_logprobs(b)["logprobs"]
     restored = w.compute_logprobs(b)["logprobs"]
     mask = b["response_mask"].bool()
@@ -225,9 +231,9 @@ def test_the_exact_old_logprob_pass_is_batch_invariant_bit_for_bit():
     for name, lps in out.items():
         for i, (got, want) in enumerate(zip(lps, reference)):
             assert torch.equal(got, want), f"{name}: sample {i} differs by {(got - want).abs().max().item():.3g}"
-    # vllm_kernels reroutes every linear layer (4 a layer, the output layer), RMSNorm (2 a layer, the final one)
-    # and core attention (1 a layer)
-    assert routed["rerouted"] == 2 * 4 + 1 + 2 * 2 + 1 + 2
+    # vllm_kernels reroutes every linear layer (4 a layer, the output layer), RMSNorm (2 a layer, the final one),
+    # MLP and core attention (1 a layer each)
+    assert routed["rerouted"] == 2 * 4 + 1 + 2 * 2 + 1 + 2 + 2
     assert routed["routed_vs_plain"] < 1e-5 and routed["zeroed_vs_plain"] > 1e-2 and routed["restored"]
 
 
@@ -269,7 +275,7 @@ def _tied_logits(rank, world):
                                                                 enable_gqa=True).transpose(0, 1)
 
     norm = lambda x, w, eps: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
-    with vllm_kernels([model], torch.nn.functional.linear, norm, norm, attention):
+    with vllm_kernels([model], torch.nn.functional.linear, norm, norm, swiglu, attention):
         routed = actor_logits(model, ids)
     return (routed - plain).abs().max().item()
 
@@ -319,7 +325,7 @@ def _routed_calls(rank, world):
     initialize_model_parallel(ParallelLayout(), seed=0)
     model = build_model(SPEC, ParallelLayout(), attention="sdpa").eval()
     before = megatron_attention.apply_rotary_pos_emb
-    calls = {"rotary": 0, "norm": 0, "added_norm": 0}
+    calls = {"rotary": 0, "norm": 0, "added_norm": 0, "swiglu": 0}
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -331,7 +337,7 @@ def _routed_calls(rank, world):
     ids = list(range(2, 30))
     plain = actor_logits(model, ids)
     with vllm_kernels([model], torch.nn.functional.linear, counted("norm", norm), counted("added_norm", norm),
-                      lambda q, k, v, scale: torch.nn.functional.scaled_dot_product_attention(
+                      counted("swiglu", swiglu), lambda q, k, v, scale: torch.nn.functional.scaled_dot_product_attention(
                           q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
                           enable_gqa=True).transpose(0, 1), counted("rotary", vllm_rotary)):
         routed = actor_logits(model, ids)
@@ -339,11 +345,11 @@ def _routed_calls(rank, world):
 
 
 def test_the_exact_pass_rotates_and_normalises_where_vllm_does_with_vllms_kernels():
-    """RoPE (q and k of each layer) goes through ``rotary``; the first layer's input norm through ``rms_norm``
-    (vLLM's first norm has no residual yet) and every later norm (each layer's pre-MLP norm, the later input norms,
-    the final norm) through ``added_rms_norm`` (vLLM's fused add + norm). Fails when either is left to megatron or
-    megatron's rotation is not put back."""
+    """RoPE (q and k of each layer) goes through ``rotary``, each MLP's activation through ``silu_and_mul``, the
+    first layer's input norm through ``rms_norm`` (vLLM's first norm has no residual yet) and every later norm (each
+    layer's pre-MLP norm, the later input norms, the final norm) through ``added_rms_norm`` (vLLM's fused add +
+    norm). Fails when any is left to megatron or megatron's rotation is not put back."""
     calls, restored, diff = run_world(_routed_calls, 1)[0]
     layers = SPEC.num_layers
-    assert calls == {"rotary": 2 * layers, "norm": 1, "added_norm": 2 * layers}
+    assert calls == {"rotary": 2 * layers, "norm": 1, "added_norm": 2 * layers, "swiglu": layers}
     assert restored and diff < 1e-5
