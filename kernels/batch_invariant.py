@@ -11,19 +11,17 @@ has two halves, read in its source:
   (``CUBLAS_WORKSPACE_CONFIG=:16:8``, ``CUBLASLT_WORKSPACE_SIZE=1``), reduced-precision reductions off, TF32
   off;
 - vLLM's own layers calling its kernels directly: every unquantised linear layer ``linear_batch_invariant``
-  (the persistent Triton matmul, whatever the GPU), every ``RMSNorm`` ``rms_norm_batch_invariant``: without a
-  residual (the first layer's input norm, q/k norms) a Triton kernel of one program per row, with one (every later
-  norm: Llama's decoder layer hands the residual stream to ``post_attention_layernorm``, the next layer's
-  ``input_layernorm`` and the final ``norm``) vLLM's ``fused_add_rms_norm`` CUDA op (the add rounded to bf16, a
-  block reduction of the squares, ``bf16(bf16(x / rms) * w)``); ``SiluAndMul`` the ``silu_and_mul`` CUDA op;
-  attention with one KV split (``num_splits=1``, no cascade attention).
+  (the persistent Triton matmul, whatever the GPU), every ``RMSNorm`` ``rms_norm_batch_invariant`` (without a
+  residual a Triton kernel of one program per row; with one, which every norm after the first layer's input norm
+  has, the ``fused_add_rms_norm`` CUDA op, which is not batch-invariant in 0.24: see
+  :func:`enable_batch_invariant_mode`), ``SiluAndMul`` the ``silu_and_mul`` CUDA op, attention with one KV split
+  (``num_splits=1``, no cascade attention).
 
 The engine runs in the training process (:mod:`megarl.rollout.vllm_engine`), so the overrides of the first half
 act on the trainer's forward too once :func:`enable_batch_invariant_mode` has run (it runs them itself, before
 the trainer's first matmul, so that cuBLAS reads its workspace setting). The second half is not in torch's
-dispatcher: :func:`vllm_kernels` routes megatron's linear layers, RMSNorm modules (each to the kernel vLLM runs
-at its place: megatron adds the residual itself, rounded to bf16 as vLLM's fused op rounds it, so the fused op
-with a zero residual normalises the same sum), SwiGLU activations and core attention (local layer spec, TP = 1) through the same
+dispatcher: :func:`vllm_kernels` routes megatron's linear layers, RMSNorm modules, SwiGLU activations and core
+attention (local layer spec, TP = 1) through the same
 functions for the duration of a forward-only pass, as TorchTitan's ``deterministic_vllm_rl`` does with its own
 model. RoPE is vLLM's CUDA op (``csrc/pos_encoding_kernels.cu``), not a batch-invariant kernel, but it rounds
 otherwise than megatron's torch rotation; :func:`vllm_rotary` computes what it computes and :func:`vllm_kernels`
@@ -66,11 +64,34 @@ def enable_batch_invariant_mode() -> bool:
     if not torch.cuda.is_available():
         return False
     os.environ.update(BATCH_INVARIANT_ENV)
+    from vllm.model_executor.layers import layernorm
     from vllm.model_executor.layers.batch_invariant import init_batch_invariance
 
     init_batch_invariance()
+    # vLLM 0.24 (built 2026-06-29) runs a norm handed the residual on its fused_add_rms_norm CUDA op, whose block
+    # size, and so the order of its sum of squares, depends on the step's token count (1024 threads under 256
+    # tokens, 256 from there; vLLM issue #48271, fixed after 0.24 by #48391): a prompt prefilled among others and
+    # the same tokens decoded alone normalise to other bits wherever hidden_size > 256. The add, then the
+    # row-wise Triton kernel, makes every norm of the engine independent of the batch (vLLM's own path before
+    # #40413; ~2% of its latency there), and the trainer's exact pass calls the same kernel.
+    if not getattr(layernorm.rms_norm_batch_invariant, "adds_the_residual_first", False):
+        layernorm.rms_norm_batch_invariant = residual_then_norm(layernorm.rms_norm_batch_invariant)
     _ENABLED = True
     return True
+
+
+def residual_then_norm(norm: Callable[..., torch.Tensor]) -> Callable[..., "torch.Tensor | tuple"]:
+    """``norm(x, weight, eps)`` extended to vLLM's ``rms_norm_batch_invariant(x, weight, eps, residual=None)``
+    contract: with a ``residual`` (``x``'s shape and dtype) it returns ``(norm(x + residual), x + residual)``, the
+    sum rounded to ``x``'s dtype as vLLM's fused op rounds it; without, ``norm(x)``. (:func:`enable_batch_invariant_
+    mode` puts it in vLLM's RMSNorm.)"""
+    def norm_with_residual(x, weight, eps=1e-6, residual=None):
+        if residual is None:
+            return norm(x, weight, eps)
+        total = x + residual
+        return norm(total, weight, eps), total
+    norm_with_residual.adds_the_residual_first = True
+    return norm_with_residual
 
 
 def batch_invariant_mode() -> bool:
@@ -177,17 +198,6 @@ def vllm_rotary(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: torch.
     return torch.cat((rotated.to(t.dtype), rest), dim=-1)
 
 
-def _vllm_added_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of ``x`` ``[..., h]`` (bf16/fp16) on vLLM's ``fused_add_rms_norm`` CUDA op, the kernel vLLM's
-    RMSNorm runs when handed a residual: ``x`` is already the residual sum (megatron added it), so the op adds a
-    zero residual (exact) and normalises. Returns a new tensor of ``x``'s shape and dtype."""
-    from vllm import _custom_ops as ops
-
-    out = x.contiguous().clone()  # the op writes the normalised rows over its input
-    ops.fused_add_rms_norm(out, torch.zeros_like(out), weight, eps)
-    return out
-
-
 def _vllm_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU ``[..., 2 f]`` (gate rows first, then up) -> ``[..., f]`` on vLLM's ``silu_and_mul`` CUDA op, what
     its ``SiluAndMul`` (Llama's and Qwen2's MLP) runs: ``bf16(silu(g)) * u`` with vLLM's own ``expf``."""
@@ -198,43 +208,28 @@ def _vllm_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _vllm_functions() -> tuple[LinearFn, NormFn, NormFn, ActivationFn, AttentionFn]:
+def _vllm_functions() -> tuple[LinearFn, NormFn, ActivationFn, AttentionFn]:
     from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
 
-    return (linear_batch_invariant, rms_norm_batch_invariant, _vllm_added_rms_norm, _vllm_silu_and_mul,
-            _vllm_attention)
-
-
-# megatron's norms that vLLM's Llama/Qwen2 decoder layers call with the residual stream (vLLM's fused add + norm):
-# all but the first layer's input norm (vLLM's first layer has no residual yet) and the q/k norms
-_ADDED_NORMS = ("pre_mlp_layernorm", "input_layernorm", "final_layernorm")
-
-
-def _takes_a_residual_in_vllm(name: str) -> bool:
-    """Whether vLLM runs the norm at megatron's module ``name`` (``decoder.layers.3.input_layernorm``) as
-    ``fused_add_rms_norm`` (pipeline stage one: exact refuses PP > 1)."""
-    leaf = name.rsplit(".", 1)[-1]
-    return leaf in _ADDED_NORMS and not name.endswith("layers.0.input_layernorm")
+    return linear_batch_invariant, rms_norm_batch_invariant, _vllm_silu_and_mul, _vllm_attention
 
 
 @contextlib.contextmanager
 def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None, rms_norm: NormFn | None = None,
-                 added_rms_norm: NormFn | None = None, silu_and_mul: ActivationFn | None = None,
-                 attention: AttentionFn | None = None, rotary: RotaryFn = vllm_rotary) -> Iterator[int]:
+                 silu_and_mul: ActivationFn | None = None, attention: AttentionFn | None = None,
+                 rotary: RotaryFn = vllm_rotary) -> Iterator[int]:
     """Within the block, every megatron ``ColumnParallelLinear`` / ``RowParallelLinear`` of ``modules`` computes
-    ``linear(x, weight, bias)``, every ``torch.nn.RMSNorm`` ``rms_norm(x, weight, eps)`` or, where vLLM's norm
-    takes the residual stream (the norms after the first layer's input norm), ``added_rms_norm(x, weight, eps)``,
-    every dense SwiGLU ``MLP`` its activation ``silu_and_mul(x)``, every
-    :class:`~megarl.kernels.attention.SDPAttention` (causal, no window, not packed) ``attention(q, k, v, scale)``
-    one sequence at a time, and megatron's attention rotates queries and keys with ``rotary``: vLLM's
-    ``linear_batch_invariant``, ``rms_norm_batch_invariant``, ``fused_add_rms_norm``, ``silu_and_mul``, its
+    ``linear(x, weight, bias)``, every ``torch.nn.RMSNorm`` ``rms_norm(x, weight, eps)`` (megatron adds the
+    residual first, rounded to bf16 as vLLM adds it), every dense SwiGLU ``MLP`` its activation
+    ``silu_and_mul(x)``, every :class:`~megarl.kernels.attention.SDPAttention` (causal, no window, not packed)
+    ``attention(q, k, v, scale)`` one sequence at a time, and megatron's attention rotates queries and keys with
+    ``rotary``: vLLM's ``linear_batch_invariant``, ``rms_norm_batch_invariant``, ``silu_and_mul``, its
     FlashAttention with one KV split and its RoPE (:func:`vllm_rotary`) by default (module docstring). For
     forward-only passes of a TP = 1 model (no gradient flows through the replaced forwards).
 
     Args:
         modules: the model chunks.
-        linear / rms_norm / added_rms_norm / silu_and_mul / attention: the functions (tests pass torch ones; None:
-            vLLM's).
+        linear / rms_norm / silu_and_mul / attention: the functions (tests pass torch ones; None: vLLM's).
         rotary: in place of ``megatron.core.transformer.attention.apply_rotary_pos_emb`` (the module's name,
             process-wide, for the block).
 
@@ -250,10 +245,10 @@ def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None,
 
     from megarl.kernels.attention import SDPAttention
 
-    if None in (linear, rms_norm, added_rms_norm, silu_and_mul, attention):
+    if None in (linear, rms_norm, silu_and_mul, attention):
         defaults = _vllm_functions()
-        linear, rms_norm, added_rms_norm, silu_and_mul, attention = (given or default for given, default in zip(
-            (linear, rms_norm, added_rms_norm, silu_and_mul, attention), defaults))
+        linear, rms_norm, silu_and_mul, attention = (given or default for given, default in zip(
+            (linear, rms_norm, silu_and_mul, attention), defaults))
     patched: list[torch.nn.Module] = []
 
     def linear_forward(layer, x, weight=None, *args, **kwargs):  # weight: the tied embedding (output layer)
@@ -264,10 +259,6 @@ def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None,
     def norm_forward(norm, x):
         eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
         return rms_norm(x, norm.weight, eps)
-
-    def added_norm_forward(norm, x):
-        eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
-        return added_rms_norm(x, norm.weight, eps)
 
     def mlp_forward(mlp, hidden_states, per_token_scale=None, **kwargs):
         config = mlp.config
@@ -297,14 +288,14 @@ def vllm_kernels(modules: list[torch.nn.Module], linear: LinearFn | None = None,
     try:
         megatron_attention.apply_rotary_pos_emb = rotary
         for chunk in modules:
-            for name, m in chunk.named_modules():
+            for m in chunk.modules():
                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                     if m.tp_group.size() != 1:
                         raise ValueError(f"vllm_kernels: {type(m).__name__} is split over {m.tp_group.size()} "
                                          "TP ranks; exact log-probs need TP = 1")
                     m.forward = linear_forward.__get__(m)
                 elif isinstance(m, torch.nn.RMSNorm):
-                    m.forward = (added_norm_forward if _takes_a_residual_in_vllm(name) else norm_forward).__get__(m)
+                    m.forward = norm_forward.__get__(m)
                 elif isinstance(m, MLP):
                     m.forward = mlp_forward.__get__(m)
                 elif isinstance(m, SDPAttention):

@@ -213,10 +213,10 @@ def _passes(rank, world, exact):
                                                                is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)
 
-    with vllm_kernels(w.chunks, linear, norm, norm, swiglu, attention) as rerouted:
+    with vllm_kernels(w.chunks, linear, norm, swiglu, attention) as rerouted:
         routed = w.compute_logprobs(b)["logprobs"]
     zero = lambda x, weight, bias: torch.zeros(*x.shape[:-1], weight.shape[0])  # noqa: E731
-    with vllm_kernels(w.chunks, zero, norm, norm, swiglu, attention):
+    with vllm_kernels(w.chunks, zero, norm, swiglu, attention):
         zeroed = w.compute_logprobs(b)["logprobs"]
     restored = w.compute_logprobs(b)["logprobs"]
     mask = b["response_mask"].bool()
@@ -275,7 +275,7 @@ def _tied_logits(rank, world):
                                                                 enable_gqa=True).transpose(0, 1)
 
     norm = lambda x, w, eps: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
-    with vllm_kernels([model], torch.nn.functional.linear, norm, norm, swiglu, attention):
+    with vllm_kernels([model], torch.nn.functional.linear, norm, swiglu, attention):
         routed = actor_logits(model, ids)
     return (routed - plain).abs().max().item()
 
@@ -325,7 +325,7 @@ def _routed_calls(rank, world):
     initialize_model_parallel(ParallelLayout(), seed=0)
     model = build_model(SPEC, ParallelLayout(), attention="sdpa").eval()
     before = megatron_attention.apply_rotary_pos_emb
-    calls = {"rotary": 0, "norm": 0, "added_norm": 0, "swiglu": 0}
+    calls = {"rotary": 0, "norm": 0, "swiglu": 0}
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -336,20 +336,41 @@ def _routed_calls(rank, world):
     norm = lambda x, w, eps: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
     ids = list(range(2, 30))
     plain = actor_logits(model, ids)
-    with vllm_kernels([model], torch.nn.functional.linear, counted("norm", norm), counted("added_norm", norm),
-                      counted("swiglu", swiglu), lambda q, k, v, scale: torch.nn.functional.scaled_dot_product_attention(
+    with vllm_kernels([model], torch.nn.functional.linear, counted("norm", norm), counted("swiglu", swiglu),
+                      lambda q, k, v, scale: torch.nn.functional.scaled_dot_product_attention(
                           q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
                           enable_gqa=True).transpose(0, 1), counted("rotary", vllm_rotary)):
         routed = actor_logits(model, ids)
     return calls, megatron_attention.apply_rotary_pos_emb is before, (routed - plain).abs().max().item()
 
 
-def test_the_exact_pass_rotates_and_normalises_where_vllm_does_with_vllms_kernels():
-    """RoPE (q and k of each layer) goes through ``rotary``, each MLP's activation through ``silu_and_mul``, the
-    first layer's input norm through ``rms_norm`` (vLLM's first norm has no residual yet) and every later norm (each
-    layer's pre-MLP norm, the later input norms, the final norm) through ``added_rms_norm`` (vLLM's fused add +
-    norm). Fails when any is left to megatron or megatron's rotation is not put back."""
+def test_the_exact_pass_rotates_normalises_and_gates_with_the_given_kernels():
+    """RoPE (q and k of each layer) goes through ``rotary``, each MLP's activation through ``silu_and_mul`` and
+    every norm (two a layer, the final one) through ``rms_norm``. Fails when any is left to megatron or megatron's
+    rotation is not put back."""
     calls, restored, diff = run_world(_routed_calls, 1)[0]
     layers = SPEC.num_layers
-    assert calls == {"rotary": 2 * layers, "norm": 1, "added_norm": 2 * layers, "swiglu": layers}
+    assert calls == {"rotary": 2 * layers, "norm": 2 * layers + 1, "swiglu": layers}
     assert restored and diff < 1e-5
+
+
+def test_residual_then_norm_adds_in_the_inputs_dtype_then_normalises_the_sum():
+    """The norm exact mode puts in vLLM's RMSNorm (in place of the fused add + norm CUDA op, whose reduction order
+    follows the step's token count in vLLM 0.24): with a residual, ``(norm(x + residual), x + residual)`` with
+    the sum rounded to bf16 as megatron's residual add rounds it; without, ``norm(x)``; and marked, so that a
+    second :func:`enable_batch_invariant_mode` does not wrap it twice."""
+    from megarl.kernels.batch_invariant import residual_then_norm
+
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(5, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    weight = torch.rand(64, generator=g).to(torch.bfloat16)
+
+    def norm(t, w, eps):
+        return torch.nn.functional.rms_norm(t.float(), (t.shape[-1],), w.float(), eps).to(t.dtype)
+
+    wrapped = residual_then_norm(norm)
+    out, total = wrapped(x, weight, 1e-6, residual=residual)
+    assert total.dtype == torch.bfloat16 and torch.equal(total, (x.float() + residual.float()).to(torch.bfloat16))
+    assert torch.equal(out, norm(total, weight, 1e-6))
+    assert torch.equal(wrapped(x, weight, 1e-6), norm(x, weight, 1e-6))
+    assert wrapped.adds_the_residual_first
