@@ -1,6 +1,7 @@
 """GPU checks of each model family of issue 43 on vLLM 0.24.0 (marked ``gpu``; skipped without CUDA or vllm):
 for a small random-weight model of the family, (a) vLLM with the weights written by the reshard decodes greedily
-the same tokens as the Megatron actor and reports sampled-token log-probs near the actor's teacher-forced ones,
+the same tokens as the Megatron actor (parting, if at all, only where the actor's top logits tie within two bf16
+steps) and reports sampled-token log-probs near the actor's teacher-forced ones,
 and (b) a GRPO step of ``megarl train`` with vLLM rollouts runs, its rollout-vs-trainer log-prob mismatch
 logged (``mismatch/*``; ``perf/RESULTS.md`` takes the figures printed with ``-s``).
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from megarl.models.spec import ModelSpec
-from tests.actor_decoding import actor_greedy, actor_teacher_forced
+from tests.actor_decoding import actor_greedy, actor_logits, actor_teacher_forced
 from tests.distributed import run_world
 from tests.rl_tasks import WORDS, save_random_model, task_overrides, train_on_rank, write_prompts
 
@@ -129,9 +130,17 @@ def _decode(rank, world, family):
     sampled = engine.generate(prompts, SamplingConfig(n=2, temperature=1.0, max_new_tokens=32, seed=7))
     diffs = torch.cat([(actor_teacher_forced(actor, spec, prompts[s.prompt_index], s.token_ids) - s.logprobs).abs()
                        for s in sampled.samples])
-    return {"vllm": [list(s.token_ids) for s in greedy.samples],
-            "actor": [actor_greedy(actor, spec, p, GREEDY_TOKENS) for p in prompts],
-            "mean_diff": diffs.mean().item(), "max_diff": diffs.max().item(), "tokens": len(diffs)}
+    vllm_tokens = [list(s.token_ids) for s in greedy.samples]
+    actor_tokens = [actor_greedy(actor, spec, p, GREEDY_TOKENS) for p in prompts]
+    ties = []  # where the two greedy decodings part: the actor's logit gap between its pick and vLLM's, in bf16 ulps
+    for p, v, m in zip(prompts, vllm_tokens, actor_tokens):
+        i = next((i for i, (a, b) in enumerate(zip(v, m)) if a != b), None)
+        if i is not None:
+            logits = actor_logits(actor, p + v[:i])[-1, :spec.vocab_size].float()
+            top = logits.max()
+            ties.append((i, ((top - logits[v[i]]) / 2.0 ** (torch.floor(torch.log2(top.abs())) - 7)).item()))
+    return {"vllm": vllm_tokens, "actor": actor_tokens, "ties": ties, "mean_diff": diffs.mean().item(),
+            "max_diff": diffs.max().item(), "tokens": len(diffs)}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -139,9 +148,13 @@ def test_vllm_decodes_greedily_like_the_megatron_actor(family):
     r = run_world(_decode, 1, family, timeout_s=600)[0]
     agree = [next((i for i, (a, b) in enumerate(zip(v, m)) if a != b), min(len(v), len(m)))
              for v, m in zip(r["vllm"], r["actor"])]
-    print(f"\n{family} on vLLM: greedy tokens agreeing with the actor {agree} of {GREEDY_TOKENS}; sampled-token "
+    print(f"\n{family} on vLLM: greedy tokens agreeing with the actor {agree} of {GREEDY_TOKENS}; where they part, "
+          f"the actor's gap to vLLM's pick (bf16 ulps) {[round(gap, 2) for _, gap in r['ties']]}; sampled-token "
           f"log-prob |vLLM - actor| mean {r['mean_diff']:.4f} max {r['max_diff']:.4f} over {r['tokens']} tokens")
-    assert r["vllm"] == r["actor"], r
+    # the two may part only where the actor's logits tie within bf16 rounding: the logits are bf16 on both sides,
+    # and where a family's kernels round otherwise than vLLM's (Phi-3 and Phi-4 on the H100: mean |diff| 0.02, a
+    # fraction of a bf16 step of these peaked logits) a near-tie flips (Phi-3's first prompt at its second token)
+    assert all(gap <= 2.0 for _, gap in r["ties"]), r
     assert r["mean_diff"] < 0.05, r
 
 
