@@ -15,6 +15,7 @@
 #   4. (before 3) trains the tiny synthetic task with rollout.engine=vllm and rollout.exact=true twice for 20
 #      steps with the same seed and checks that every metric but the timings is identical and that
 #      mismatch/exact_tokens_frac is 1.0 at every step.
+# The 100-step learning pair (SmolLM2 on GSM8K with and without rollout.exact) is perf/gpu_exact_learning.sh.
 # Logs and run folders go to $OUT (default runs/gpu_exact). Each stage prints PASS or FAIL (with the tail of its
 # log); the last line is "gpu_exact: PASS" or "gpu_exact: FAIL", the exit status 0 or 1. Stages share a budget of
 # 570 s of wall time (BUDGET_S); on one call of the GPU machine run STAGES="test_gpu_exact seeded_pair", then
