@@ -21,9 +21,8 @@ The engine runs in the training process (:mod:`megarl.rollout.vllm_engine`), so 
 act on the trainer's forward too once :func:`enable_batch_invariant_mode` has run (it runs them itself, before
 the trainer's first matmul, so that cuBLAS reads its workspace setting). The second half is not in torch's
 dispatcher: :func:`vllm_kernels` routes megatron's linear layers, RMSNorm modules, SwiGLU activations and core
-attention (local layer spec, TP = 1) through the same
-functions for the duration of a forward-only pass, as TorchTitan's ``deterministic_vllm_rl`` does with its own
-model. RoPE is vLLM's CUDA op (``csrc/pos_encoding_kernels.cu``), not a batch-invariant kernel, but it rounds
+attention (local layer spec, TP = 1) through the same functions for the duration of a forward-only pass, as
+TorchTitan's ``deterministic_vllm_rl`` does with its own model. RoPE is vLLM's CUDA op (``csrc/pos_encoding_kernels.cu``), not a batch-invariant kernel, but it rounds
 otherwise than megatron's torch rotation; :func:`vllm_rotary` computes what it computes and :func:`vllm_kernels`
 puts it in megatron's attention. What stays different (prefill against decode over a paged KV cache) is listed
 in docs/DESIGN.md; the GPU test (tests/test_gpu_exact.py) measures it.
@@ -50,9 +49,10 @@ ActivationFn = Callable[[torch.Tensor], torch.Tensor]  # [..., 2 f] (gate, up) -
 
 def enable_batch_invariant_mode() -> bool:
     """Put this process in vLLM's batch-invariant mode (the overrides of the module docstring) where a GPU is
-    there (the trainer calls it for ``rollout.exact`` with ``rollout.engine=vllm``); a no-op on the CPU (returns
-    False), where the old-log-prob pass is made batch-invariant by
-    running each sample alone (:meth:`megarl.workers.engine.MegatronWorker.forward_response_frame`).
+    there (the trainer calls it for ``rollout.exact`` with ``rollout.engine=vllm``), with vLLM's norms that take
+    the residual pinned to the add then its row-wise Triton kernel (:func:`residual_then_norm`; the comment in
+    the body says why); a no-op on the CPU (returns False), where the old-log-prob pass is made batch-invariant
+    by running each sample alone (:meth:`megarl.workers.engine.MegatronWorker.forward_response_frame`).
 
     Returns:
         Whether the mode is on.
@@ -83,8 +83,8 @@ def enable_batch_invariant_mode() -> bool:
 def residual_then_norm(norm: Callable[..., torch.Tensor]) -> Callable[..., "torch.Tensor | tuple"]:
     """``norm(x, weight, eps)`` extended to vLLM's ``rms_norm_batch_invariant(x, weight, eps, residual=None)``
     contract: with a ``residual`` (``x``'s shape and dtype) it returns ``(norm(x + residual), x + residual)``, the
-    sum rounded to ``x``'s dtype as vLLM's fused op rounds it; without, ``norm(x)``. (:func:`enable_batch_invariant_
-    mode` puts it in vLLM's RMSNorm.)"""
+    sum rounded to ``x``'s dtype as vLLM's fused op rounds it; without, ``norm(x)``.
+    (:func:`enable_batch_invariant_mode` puts it in vLLM's RMSNorm.)"""
     def norm_with_residual(x, weight, eps=1e-6, residual=None):
         if residual is None:
             return norm(x, weight, eps)
