@@ -81,7 +81,10 @@ FAMILIES = {
                                  query_pre_attn_scalar=64, **COMMON), {}, []),
     "deepseek_v3": (_deepseek_v3, {"moe_experts": "sequential"}, ["actor.kernels.moe_experts=sequential"]),
     "glm4_moe": (_glm4_moe, {"moe_experts": "sequential"}, ["actor.kernels.moe_experts=sequential"]),
+    # gpt-oss with its YaRN (vLLM's gpt-oss builds YaRN whatever the config says; factor 4 over 256 positions)
     "gpt_oss": (lambda: ModelSpec("gpt_oss", rope_theta=150000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                  rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                "truncate": False, "original_max_position_embeddings": 256},
                                   sliding_window=16, sliding_window_pattern=(1, 0), num_experts=4, moe_top_k=2,
                                   moe_ffn_hidden_size=256, **{**COMMON, "ffn_hidden_size": 256}),
                 {"attention": "local", "moe_experts": "sequential"},

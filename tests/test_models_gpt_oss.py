@@ -280,6 +280,11 @@ def test_kernels_without_sinks_or_expert_biases_are_refused_before_the_run():
             validate_for_model(load_config(None, [*ok, override]), spec)
     with pytest.raises(SpecError, match="attention='sdpa': gpt-oss's attention sinks"):
         layer_spec(attention="sdpa", spec=spec, moe_experts="sequential")
+    # vLLM's gpt-oss builds YaRN whatever the config says (a KeyError in vLLM's loader without its fields)
+    without_beta = {k: v for k, v in spec.rope_scaling.items() if k != "beta_fast"}
+    for rope in (None, without_beta):
+        with pytest.raises(ConfigError, match=r"model\.path: rope_scaling=.*vLLM's gpt-oss always applies YaRN"):
+            validate_for_model(load_config(None, ok), spec.replace(rope_scaling=rope))
 
 
 def test_flops_count_the_windowed_layers_attention_over_their_window():

@@ -96,6 +96,27 @@ def _check_vllm_gpt_oss(spec: ModelSpec, tp: int) -> None:
                         "even layers, whatever layer_types say; the model's pattern differs")
 
 
+# vLLM 0.24's gpt_oss.py OAIAttention builds its rotary embedding as YaRN whatever the config says, reading
+# rope_parameters["factor"], ["original_max_position_embeddings"], ["beta_fast"] and ["beta_slow"] (a KeyError
+# while vLLM loads the model when one is missing).
+GPT_OSS_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+
+
+def check_vllm_rope(spec: ModelSpec) -> None:
+    """Check that vLLM 0.24 builds ``spec``'s rotary embedding as the trainer does (whatever the TP).
+
+    Raises:
+        SpecError: a gpt-oss model without YaRN ``rope_scaling`` (or without one of :data:`GPT_OSS_YARN_KEYS`).
+    """
+    rope = spec.rope_scaling or {}
+    if FAMILIES[spec.family].gpt_oss and (rope.get("rope_type") != "yarn"
+                                          or any(k not in rope for k in GPT_OSS_YARN_KEYS)):
+        raise SpecError(f"rope_scaling={spec.rope_scaling}: vLLM's gpt-oss always applies YaRN and reads its "
+                        f"{', '.join(GPT_OSS_YARN_KEYS)}; give the model gpt-oss's YaRN rope_scaling (the released "
+                        "configs have it: rope_type yarn, factor 32, beta_fast 32, beta_slow 1, "
+                        "original_max_position_embeddings 4096)")
+
+
 FP8_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 

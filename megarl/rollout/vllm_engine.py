@@ -139,7 +139,7 @@ from megarl.config.rollout import LOGPROBS_SOURCES
 from megarl.kernels.batch_invariant import BATCH_INVARIANT_ENV, EXACT_KV_BLOCK_SIZE
 from megarl.models.fp8 import BLOCK
 from megarl.models.layout import Layout, local_views
-from megarl.models.layout_vllm import check_vllm_fp8, check_vllm_tp, vllm_layout, vllm_rank_tensors
+from megarl.models.layout_vllm import check_vllm_fp8, check_vllm_rope, check_vllm_tp, vllm_layout, vllm_rank_tensors
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.parallel.mesh import init_distributed
 from megarl.rollout.base import (
@@ -434,7 +434,8 @@ class VLLMRolloutEngine:
         RolloutError: no CUDA device, bad sizes, a LoRA rank above vLLM's largest, ``record_routes`` for a dense
             model, or vLLM's TP group is not the expected block of ranks.
         SpecError: the model does not split at TP=``tp`` (:func:`~megarl.models.layout_vllm.check_vllm_tp`; with FP8
-            :func:`~megarl.models.layout_vllm.check_vllm_fp8`), or vLLM's parameter names or shapes differ from
+            :func:`~megarl.models.layout_vllm.check_vllm_fp8`), its RoPE is not what vLLM builds for its family
+            (:func:`~megarl.models.layout_vllm.check_vllm_rope`), or vLLM's parameter names or shapes differ from
             :func:`~megarl.models.layout_vllm.vllm_rank_tensors`.
         ImportError: vllm is not installed.
     """
@@ -455,6 +456,7 @@ class VLLMRolloutEngine:
             raise RolloutError(f"logprobs must be None or one of {LOGPROBS_SOURCES}, got {settings.logprobs!r}")
         if settings.quantization is not None and settings.quantization not in QUANTIZATIONS:
             raise RolloutError(f"quantization must be null or one of {QUANTIZATIONS}, got {settings.quantization!r}")
+        check_vllm_rope(spec)
         if settings.quantization == "fp8":
             check_vllm_fp8(spec, tp)
         else:

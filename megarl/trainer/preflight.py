@@ -29,7 +29,7 @@ from megarl.data.dataset import PromptDataset, read_rows
 from megarl.data.template import DataError, PromptTemplate
 from megarl.models.checkpoint import source_spec
 from megarl.models.hf_io import check_weight_files, load_tokenizer
-from megarl.models.layout_vllm import check_vllm_fp8, check_vllm_tp
+from megarl.models.layout_vllm import check_vllm_fp8, check_vllm_rope, check_vllm_tp
 from megarl.models.megatron import check_layout
 from megarl.models.spec import FAMILIES, ModelSpec, SpecError
 from megarl.parallel.mesh import ParallelLayout
@@ -143,6 +143,10 @@ def validate_for_model(cfg: Config, spec: ModelSpec) -> None:
     check_megatron_build(cfg, spec)
     r = cfg.rollout
     if r.engine == "vllm":
+        try:
+            check_vllm_rope(spec)
+        except SpecError as e:
+            raise ConfigError(f"model.path: {e}") from None
         try:
             check_vllm_tp(spec, r.tp)
         except SpecError as e:
