@@ -13,8 +13,9 @@
 #      rollout.exact=true, back to back on this GPU, and prints the step, generation and training phases of both
 #      and their ratio (the issue's goal: at most 15% on the step);
 #   4. (before 3) trains the tiny synthetic task with rollout.engine=vllm and rollout.exact=true twice for 20
-#      steps with the same seed and checks that every metric but the timings is identical and that
-#      mismatch/exact_tokens_frac is 1.0 at every step.
+#      steps with the same seed and checks that every metric but the timings is identical, that
+#      mismatch/exact_tokens_frac is 1.0 at every step, and that the two final checkpoints hold the same weights
+#      bit for bit.
 # The 100-step learning pair (SmolLM2 on GSM8K with and without rollout.exact) is perf/gpu_exact_learning.sh.
 # Logs and run folders go to $OUT (default runs/gpu_exact). Each stage prints PASS or FAIL (with the tail of its
 # log); the last line is "gpu_exact: PASS" or "gpu_exact: FAIL", the exit status 0 or 1. Stages share a budget of
@@ -49,7 +50,7 @@ EOF
   return $status
 }
 
-seeded_pair() {  # two seeded 20-step exact runs of the tiny task: identical metrics
+seeded_pair() {  # two seeded 20-step exact runs of the tiny task: identical metrics and final weights
   local task=$OUT/task
   rm -rf "$task" && mkdir -p "$task"
   python3 - "$task" > "$task/overrides.txt" <<'EOF' || return 1
@@ -66,10 +67,12 @@ EOF
   for name in exact-a exact-b; do
     mapfile -t overrides < <(sed "s/NAME/$name/" "$task/overrides.txt")
     python3 -m megarl.cli train "${overrides[@]}" rollout.engine=vllm model.dtype=bfloat16 rollout.exact=true \
-      rollout.gpu_memory_utilization=0.3 trainer.steps=20 trainer.save_every=0 data.prompts_per_step=8 \
+      rollout.gpu_memory_utilization=0.3 trainer.steps=20 trainer.save_every=20 data.prompts_per_step=8 \
       rollout.n=8 actor.ppo_mini_batch_size=32 actor.micro_batch_size=16 actor.optim.lr=3e-3 run.seed=7 || return 1
   done
-  python3 - "$task/runs" <<'EOF'
+  # python3 -c, not a script on stdin: the export's worker process (spawned) imports the main module by its path
+  local check
+  check=$(cat <<'EOF'
 import json
 import sys
 from pathlib import Path
@@ -89,7 +92,25 @@ fracs = [s["mismatch/exact_tokens_frac"] for s in a]
 print("exact_tokens_frac by step:", " ".join(f"{f:.4f}" for f in fracs))
 print("reward by step:", " ".join(f"{s['reward/mean']:.3f}" for s in a))
 assert all(f == 1.0 for f in fracs), "trainer and vLLM log-probs differ at some step"
+
+
+import torch
+from safetensors.torch import load_file
+
+from megarl.launch.convert import export_to_hf
+
+weights = []  # each run's final checkpoint as its Hugging Face tensors
+for name in ("exact-a", "exact-b"):
+    hf = export_to_hf(str(Path(sys.argv[1]) / name / "checkpoints" / "step_000020"),
+                      str(Path(sys.argv[1]) / f"{name}-hf"))
+    weights.append({k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()})
+wa, wb = weights
+differ = sorted(k for k in wa if k not in wb or not torch.equal(wa[k], wb[k]))
+assert wa.keys() == wb.keys() and not differ, f"the final weights differ in {differ[:8]}"
+print(f"final weights: {len(wa)} tensors equal bit for bit")
 EOF
+)
+  python3 -c "$check" "$task/runs"
 }
 
 export -f install_wheels build_extension bench_pair seeded_pair
