@@ -27,7 +27,7 @@
 # "gpu_dapo: PASS" or "gpu_dapo: FAIL" (exit status 0 or 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension
+source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension, train_resumable
 begin gpu_dapo 585
 
 source perf/gpu_smollm2_gsm8k.sh  # SMOL_GGUF, GSM8K_DIR
@@ -54,21 +54,9 @@ assert kl == 0.0 and dev == 0.0, "the update's log-probs differ from the old log
 EOF
 }
 
-dapo() {  # stopped with SIGINT 30 s before the budget ends (megarl's Ctrl-C: a clean stop), then the copy
-  local resume=() left=$(( DEADLINE - $(date +%s) - 30 ))
-  ls "$RUNS/dapo/checkpoints" 2>/dev/null | grep -q step_ && resume=(--resume)
-  # bash -c execs python3 itself, so the SIGINT reaches it (and tests/test_perf_scripts.py's python3 stub applies)
-  timeout --signal=INT "$left" bash -c 'python3 -m megarl.cli train "$@"' train "$CONFIG" \
-    data.gsm8k_source="$GSM8K_DIR" "data.train_files=[$DATA/train.parquet]" "validation.files=[$DATA/test.parquet]" \
-    validation.num_prompts=0 validation.max_new_tokens=256 run.output_dir="$RUNS" run.name=dapo \
-    trainer.progress=false "${resume[@]}"
-  local rc=$?
-  mkdir -p "$OUT/dapo"
-  for f in metrics.jsonl summary.json report.md samples.jsonl val_samples.jsonl config.json; do
-    [ -f "$RUNS/dapo/$f" ] && cp "$RUNS/dapo/$f" "$OUT/dapo/"
-  done
-  cp "$RUNS"/dapo/*.png "$OUT/dapo/" 2>/dev/null
-  return $rc
+dapo() {  # stopped 30 s before the budget ends and resumed by the next call (train_resumable), then the copy
+  train_resumable dapo "$CONFIG" data.gsm8k_source="$GSM8K_DIR" "data.train_files=[$DATA/train.parquet]" \
+    "validation.files=[$DATA/test.parquet]" validation.num_prompts=0 validation.max_new_tokens=256
 }
 
 summary() {
@@ -105,7 +93,7 @@ assert len(steps) == 100, f"{len(steps)} steps logged (the run did not finish: r
 EOF
 }
 
-export -f install_wheels build_extension first_step dapo summary
+export -f install_wheels build_extension copy_run train_resumable first_step dapo summary
 
 stage install 200 install_wheels
 [ $failed -eq 0 ] && stage build 200 build_extension

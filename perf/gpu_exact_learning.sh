@@ -20,28 +20,20 @@
 # checkpoints stay in /tmp/runs. The last line is "gpu_exact_learning: PASS" or "... FAIL" (exit status 0 or 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension, copy_run
+source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension, copy_run, train_resumable
 begin gpu_exact_learning 585
 
 source perf/gpu_smollm2_gsm8k.sh  # SMOL_GGUF, GSM8K_DIR
 export CONFIG=parallel_configs/gpu_1xh200_smollm2_gsm8k.yaml RUNS=/tmp/runs DATA=/tmp/data/gsm8k
 export DEADLINE=$(( $(date +%s) + BUDGET_S ))
 
-arm() {  # arm NAME [overrides...]: the 100-step run NAME, resumed when a checkpoint is there, done when finished
-  local name=$1 resume=()
+arm() {  # arm NAME [overrides...]: the 100-step run NAME (train_resumable), not repeated once it finished
+  local name=$1
   shift
   if [ -f "$RUNS/$name/summary.json" ]; then echo "$name finished in an earlier call"; copy_run "$name"; return 0; fi
-  ls "$RUNS/$name/checkpoints" 2>/dev/null | grep -q step_ && resume=(--resume)
-  local left=$(( DEADLINE - $(date +%s) - 30 ))
-  # bash -c execs python3 itself, so the SIGINT reaches it (and tests/test_perf_scripts.py's python3 stub applies)
-  timeout --signal=INT "$left" bash -c 'python3 -m megarl.cli train "$@"' train "$CONFIG" \
-    data.gsm8k_source="$GSM8K_DIR" "data.train_files=[$DATA/train.parquet]" "validation.files=[$DATA/test.parquet]" \
-    validation.num_prompts=256 validation.max_new_tokens=256 data.prompts_per_step=16 actor.ppo_mini_batch_size=64 \
-    trainer.steps=100 trainer.save_every=25 run.seed=1 run.output_dir="$RUNS" run.name="$name" \
-    trainer.progress=false "$@" "${resume[@]}"
-  local rc=$?
-  copy_run "$name"
-  return $rc
+  train_resumable "$name" "$CONFIG" data.gsm8k_source="$GSM8K_DIR" "data.train_files=[$DATA/train.parquet]" \
+    "validation.files=[$DATA/test.parquet]" validation.num_prompts=256 validation.max_new_tokens=256 \
+    data.prompts_per_step=16 actor.ppo_mini_batch_size=64 trainer.steps=100 trainer.save_every=25 run.seed=1 "$@"
 }
 
 compare() {
@@ -86,7 +78,7 @@ assert all(f == 1.0 for f in fracs), f"exact: log-probs differ at steps {[i + 1 
 EOF
 }
 
-export -f install_wheels build_extension copy_run arm compare
+export -f install_wheels build_extension copy_run train_resumable arm compare
 
 stage install 200 install_wheels
 [ $failed -eq 0 ] && stage build 200 build_extension

@@ -51,6 +51,20 @@ copy_run() {  # copy_run NAME: the records of the run $RUNS/NAME (metrics, summa
   return 0
 }
 
+train_resumable() {  # train_resumable NAME CONFIG [OVERRIDES...]: `megarl train CONFIG` as the run $RUNS/NAME,
+  # resumed from its last checkpoint when it has one, stopped with SIGINT (megarl's Ctrl-C: a clean stop) 30 s
+  # before $DEADLINE so that the next call on the same machine resumes it; then copy_run NAME. Exit status: the run's
+  local name=$1 config=$2 resume=() left=$(( DEADLINE - $(date +%s) - 30 ))
+  shift 2
+  ls "$RUNS/$name/checkpoints" 2>/dev/null | grep -q step_ && resume=(--resume)
+  # bash -c execs python3 itself, so the SIGINT reaches it (and tests/test_perf_scripts.py's python3 stub applies)
+  timeout --signal=INT "$left" bash -c 'python3 -m megarl.cli train "$@"' train "$config" run.output_dir="$RUNS" \
+    run.name="$name" trainer.progress=false "$@" "${resume[@]}"
+  local rc=$?
+  copy_run "$name"
+  return $rc
+}
+
 smol_gguf() {  # export SMOL_GGUF (default /tmp/smol.gguf), joined from its two uploaded halves where needed
   # (/tmp/smol.gguf.part-aa and -ab: .gpu/smol/p1 and p2, perf/gpu_smollm2_gsm8k.sh)
   export SMOL_GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
