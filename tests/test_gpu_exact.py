@@ -204,7 +204,8 @@ def test_the_exact_pass_equals_vllms_forward_tensor_by_tensor(case):
 def test_the_trainers_rope_frequencies_are_vllms_on_the_gpu():
     """The default RoPE's inverse frequencies megarl gives megatron on the GPU equal those vLLM 0.24's
     ``RotaryEmbedding._compute_inv_freq`` computes on the GPU (vLLM builds its model under the CUDA device), bit
-    for bit: the probe's first difference was at the rotated q and k when megarl computed them on the CPU."""
+    for bit (the exact pass's rotation starts from them; the probe's difference at the rotated q and k, with
+    these fixed, was the rotation's rounding: ``vllm_rotary``)."""
     from types import SimpleNamespace
 
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding

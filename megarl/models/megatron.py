@@ -554,9 +554,8 @@ def _set_rope_frequencies(rotary, spec: ModelSpec) -> None:
     ``rope_type`` (default, linear, llama3), so positions match the HF model exactly. The default type's are
     computed on the device of megatron's buffer, with vLLM 0.24's expression (``RotaryEmbedding._compute_inv_freq``,
     which runs on the GPU): on the CPU they equal transformers', on a GPU vLLM's (``base ** x`` on the GPU may differ
-    from the CPU's in the last bit, and so, after the bf16 cast, may cos and sin: the first difference that
-    tests/test_gpu_exact.py's probe found between vLLM's prefill and the trainer's exact pass, at the rotated q and k
-    of layer 0)."""
+    from the CPU's in the last bit). The probe of tests/test_gpu_exact.py still found q and k after RoPE apart with
+    these: the rotation's rounding was the cause (:func:`megarl.kernels.batch_invariant.vllm_rotary`)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_type = (spec.rope_scaling or {}).get("rope_type", "default")
