@@ -71,6 +71,10 @@ def _qwen3_5(**moe) -> ModelSpec:
 FAMILIES = {
     "qwen3": (lambda: ModelSpec("qwen3", rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, **COMMON),
               {}, []),
+    # Qwen3 as from 4B up: an untied output layer. The control for Phi's 0.02: with a tied output layer the
+    # peaked logits come from scaled embeddings, which then dominate the residual stream
+    "qwen3_untied": (lambda: ModelSpec("qwen3", rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                       **COMMON), {}, []),
     "phi3": (lambda: ModelSpec("phi3", rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=False,
                                sliding_window=512, **COMMON), {}, []),
     # Phi-4: Phi3ForCausalLM with no sliding window (and Phi-3's fused q/k/v and gate/up)
