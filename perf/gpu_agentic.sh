@@ -37,16 +37,9 @@ export CONFIG=parallel_configs/gpu_1xh200_smollm2_gsm8k_tools.yaml RUNS=/tmp/run
 export STEPS=${STEPS:-100}
 export DEADLINE=$(( $(date +%s) + BUDGET_S ))
 
-agentic() {  # stopped with SIGINT 150 s before the budget ends (room for stage 3), then the copy
-  local left=$(( DEADLINE - $(date +%s) - 150 ))
-  rm -rf "$RUNS/agentic"
-  timeout --signal=INT "$left" bash -c 'python3 -m megarl.cli train "$@"' train "$CONFIG" \
-    data.gsm8k_source="$GSM8K_DIR" "data.train_files=[$DATA/train.parquet]" "validation.files=[$DATA/test.parquet]" \
-    run.output_dir="$RUNS" run.name=agentic trainer.progress=false trainer.steps="$STEPS"
-  local rc=$?
-  copy_run agentic
-  [ $rc -eq 124 ] && echo "agentic: stopped at the stage's time limit (the summary counts the steps)" && rc=0
-  return $rc
+agentic() {  # stopped with SIGINT 150 s before the budget ends (room for stage 3)
+  train_fresh agentic $(( DEADLINE - $(date +%s) - 150 )) "$CONFIG" data.gsm8k_source="$GSM8K_DIR" \
+    "data.train_files=[$DATA/train.parquet]" "validation.files=[$DATA/test.parquet]" trainer.steps="$STEPS"
 }
 
 single() {
@@ -135,7 +128,7 @@ assert len(steps) >= 100, f"{len(steps)} steps logged (fewer than 100: run again
 EOF
 }
 
-export -f copy_run agentic single summary
+export -f copy_run train_until train_fresh agentic single summary
 
 stage install 200 "bash perf/install_wheels.sh"
 if [ $failed -eq 0 ]; then

@@ -93,7 +93,7 @@ assert len(steps) == 100, f"{len(steps)} steps logged (the run did not finish: r
 EOF
 }
 
-export -f install_wheels build_extension copy_run train_resumable first_step dapo summary
+export -f install_wheels build_extension copy_run train_until train_resumable first_step dapo summary
 
 stage install 200 install_wheels
 [ $failed -eq 0 ] && stage build 200 build_extension

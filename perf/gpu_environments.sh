@@ -42,15 +42,9 @@ install_envs() {  # vLLM, then the environment libraries (into the machine's Pyt
 }
 
 train_env() {  # train_env NAME [RESERVE_S]: the config's run, stopped with SIGINT RESERVE_S (default 40) before
-  local name=$1 left=$(( DEADLINE - $(date +%s) - ${2:-40} ))  # the budget ends (the copy and the summary)
-  rm -rf "$RUNS/$name"
-  timeout --signal=INT "$left" bash -c 'python3 -m megarl.cli train "$@"' train \
-    "parallel_configs/gpu_1xh200_smollm2_$name.yaml" run.output_dir="$RUNS" run.name="$name" trainer.progress=false \
+  # the budget ends (the copy and the summary)
+  train_fresh "$1" $(( DEADLINE - $(date +%s) - ${2:-40} )) "parallel_configs/gpu_1xh200_smollm2_$1.yaml" \
     trainer.steps="$STEPS" ${OVERRIDES:-}
-  local rc=$?
-  copy_run "$name"
-  [ $rc -eq 124 ] && echo "$name: stopped at the stage's limit (the summary counts the steps)" && rc=0
-  return $rc
 }
 
 summary() {
@@ -118,7 +112,7 @@ if trains:
 PY
 }
 
-export -f install_envs train_env install_wheels summary copy_run
+export -f install_envs train_until train_fresh train_env install_wheels summary copy_run
 stage install 300 install_envs
 if [ $failed -eq 0 ]; then
   stage verifiers 590 "train_env verifiers"

@@ -78,7 +78,7 @@ assert all(f == 1.0 for f in fracs), f"exact: log-probs differ at steps {[i + 1 
 EOF
 }
 
-export -f install_wheels build_extension copy_run train_resumable arm compare
+export -f install_wheels build_extension copy_run train_until train_resumable arm compare
 
 stage install 200 install_wheels
 [ $failed -eq 0 ] && stage build 200 build_extension

@@ -51,18 +51,35 @@ copy_run() {  # copy_run NAME: the records of the run $RUNS/NAME (metrics, summa
   return 0
 }
 
-train_resumable() {  # train_resumable NAME CONFIG [OVERRIDES...]: `megarl train CONFIG` as the run $RUNS/NAME,
-  # resumed from its last checkpoint when it has one, stopped with SIGINT (megarl's Ctrl-C: a clean stop) 30 s
-  # before $DEADLINE so that the next call on the same machine resumes it; then copy_run NAME. Exit status: the run's
-  local name=$1 config=$2 resume=() left=$(( DEADLINE - $(date +%s) - 30 ))
-  shift 2
-  ls "$RUNS/$name/checkpoints" 2>/dev/null | grep -q step_ && resume=(--resume)
+train_until() {  # train_until NAME STOP_S CONFIG [OVERRIDES...]: `megarl train CONFIG` as the run $RUNS/NAME,
+  # stopped with SIGINT (megarl's Ctrl-C: a clean stop that keeps the metrics and writes the summary) after STOP_S
+  # seconds; then copy_run NAME. Exit status: the run's (124 where it was stopped)
+  local name=$1 stop=$2 config=$3
+  shift 3
+  [ "$stop" -gt 0 ] || { echo "$name: no time left for the run"; return 1; }
   # bash -c execs python3 itself, so the SIGINT reaches it (and tests/test_perf_scripts.py's python3 stub applies)
-  timeout --signal=INT "$left" bash -c 'python3 -m megarl.cli train "$@"' train "$config" run.output_dir="$RUNS" \
-    run.name="$name" trainer.progress=false "$@" "${resume[@]}"
+  timeout --signal=INT "$stop" bash -c 'python3 -m megarl.cli train "$@"' train "$config" run.output_dir="$RUNS" \
+    run.name="$name" trainer.progress=false "$@"
   local rc=$?
   copy_run "$name"
   return $rc
+}
+
+train_fresh() {  # train_fresh NAME STOP_S CONFIG [OVERRIDES...]: train_until as a new run (an earlier $RUNS/NAME
+  # removed first); a run stopped at STOP_S counts as done (exit status 0; its summary counts the steps)
+  rm -rf "${RUNS:?}/$1"
+  train_until "$@"
+  local rc=$?
+  [ $rc -eq 124 ] && echo "$1: stopped at the stage's limit (the summary counts the steps)" && rc=0
+  return $rc
+}
+
+train_resumable() {  # train_resumable NAME CONFIG [OVERRIDES...]: train_until, resumed from the run's last
+  # checkpoint when it has one, stopped 30 s before $DEADLINE so that the next call on the same machine resumes it
+  local name=$1 config=$2 resume=()
+  shift 2
+  ls "$RUNS/$name/checkpoints" 2>/dev/null | grep -q step_ && resume=(--resume)
+  train_until "$name" $(( DEADLINE - $(date +%s) - 30 )) "$config" "$@" "${resume[@]}"
 }
 
 smol_gguf() {  # export SMOL_GGUF (default /tmp/smol.gguf), joined from its two uploaded halves where needed

@@ -44,20 +44,6 @@ seconds_left() {  # seconds_left STARTED LIMIT RESERVE: until the stage that beg
   echo $(( left - $3 ))
 }
 
-train_run() {  # train_run NAME STOP_S CONFIG OVERRIDES...: the run $RUNS/NAME, stopped with SIGINT after STOP_S
-  local name=$1 stop=$2 config=$3
-  shift 3
-  [ "$stop" -gt 0 ] || { echo "$name: no time left in the stage for the run"; return 1; }
-  rm -rf "${RUNS:?}/$name"
-  # bash -c execs python3 itself, so the SIGINT reaches it (and tests/test_perf_scripts.py's python3 stub applies)
-  timeout --signal=INT "$stop" bash -c 'python3 -m megarl.cli train "$@"' train "$config" run.output_dir="$RUNS" \
-    run.name="$name" trainer.progress=false "$@"
-  local rc=$?
-  copy_run "$name"
-  [ $rc -eq 124 ] && echo "$name: stopped at the stage's limit (the summary counts the steps)" && rc=0
-  return $rc
-}
-
 judge_model() {  # the GGUF as a bf16 Hugging Face folder with its tokenizer (vLLM serves a folder), once
   [ -f "$JUDGE_DIR/config.json" ] && [ -f "$JUDGE_DIR/tokenizer_config.json" ] && return 0
   python3 - "$SMOL_GGUF" "$JUDGE_DIR" <<'PY'
@@ -112,7 +98,7 @@ judge() {  # the judge server, then the run scored by it; the server is stopped 
           data.prompts_per_step=16 actor.ppo_mini_batch_size=128)
   fi
   echo "judge run: $config"
-  train_run judge "$(seconds_left "$started" "$1" 40)" "$config" "${data[@]}" trainer.steps="$JUDGE_STEPS" \
+  train_fresh judge "$(seconds_left "$started" "$1" 40)" "$config" "${data[@]}" trainer.steps="$JUDGE_STEPS" \
     trainer.save_every=0 validation.enabled=false rollout.enforce_eager=true rollout.gpu_memory_utilization=0.25 \
     reward.judge.enabled=true reward.judge.url="$url" reward.judge.model=judge reward.judge.weight=0.5 \
     reward.judge.rule_weight=1.0 reward.judge.max_tokens=128 reward.judge.max_concurrency=128
@@ -122,7 +108,7 @@ judge() {  # the judge server, then the run scored by it; the server is stopped 
 }
 
 teacher() {
-  train_run teacher "$(seconds_left "$(date +%s)" "$1" 15)" parallel_configs/gpu_1xh200_smollm2_opd_teacher.yaml
+  train_fresh teacher "$(seconds_left "$(date +%s)" "$1" 15)" parallel_configs/gpu_1xh200_smollm2_opd_teacher.yaml
 }
 
 opd() {  # distillation from the teacher stage's newest checkpoint (or OPD_TEACHER)
@@ -130,7 +116,7 @@ opd() {  # distillation from the teacher stage's newest checkpoint (or OPD_TEACH
   teacher=${OPD_TEACHER:-$(ls -d "$RUNS"/teacher/checkpoints/step_* 2>/dev/null | sort | tail -n 1)}
   [ -n "$teacher" ] || { echo "no checkpoint in $RUNS/teacher/checkpoints: run the teacher stage first"; return 1; }
   echo "teacher: $teacher"
-  train_run opd "$(seconds_left "$started" "$1" 15)" parallel_configs/gpu_1xh200_smollm2_opd.yaml \
+  train_fresh opd "$(seconds_left "$started" "$1" 15)" parallel_configs/gpu_1xh200_smollm2_opd.yaml \
     algorithm.distill.teacher="$teacher"
 }
 
@@ -205,7 +191,7 @@ print(text)
 PY
 }
 
-export -f install_wheels seconds_left train_run copy_run judge_model stop_judge judge teacher opd summary
+export -f install_wheels seconds_left train_until train_fresh copy_run judge_model stop_judge judge teacher opd summary
 stage install 200 install_wheels
 if [ $failed -eq 0 ]; then  # all run, so that one GPU session reports on each
   stage judge "$JUDGE_S" "judge $JUDGE_S"

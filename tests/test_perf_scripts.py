@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# the scripts that run megarl: themselves, or through perf/gpu_lib.sh's train_resumable (gpu_lib.sh is sourced)
+# the scripts that run megarl: themselves, or through perf/gpu_lib.sh's train_fresh / train_resumable (gpu_lib.sh
+# is sourced)
 SCRIPTS = sorted(p.name for p in (REPO / "perf").glob("gpu_*.sh") if p.name != "gpu_lib.sh"
-                 and ("megarl.cli" in (text := p.read_text()) or "train_resumable " in text))
+                 and ("megarl.cli" in (text := p.read_text()) or "train_resumable " in text or "train_fresh " in text))
 # the scripts that take a case as their first argument, with the cases that run megarl
 CASES = {"gpu_bench_step.sh": ["mfu-1.5b", "mem-0.5b", "grpo-1.5b", "grpo-1.5b-fast", "qwen3-8b", "smollm2"],
          "gpu_async.sh": ["colocated", "split-sync", "split-async"]}
