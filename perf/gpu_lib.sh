@@ -83,7 +83,7 @@ train_resumable() {  # train_resumable NAME CONFIG [OVERRIDES...]: train_until, 
 }
 
 smol_gguf() {  # export SMOL_GGUF (default /tmp/smol.gguf), joined from its two uploaded halves where needed
-  # (/tmp/smol.gguf.part-aa and -ab: .gpu/smol/p1 and p2, perf/gpu_smollm2_gsm8k.sh)
+  # (/tmp/smol.gguf.part-aa and -ab: the uploads of .gpu/smol/p1 and p2, made by perf/stage_uploads.sh)
   export SMOL_GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
   if [ ! -f "$SMOL_GGUF" ] && [ -f /tmp/smol.gguf.part-aa ] && [ -f /tmp/smol.gguf.part-ab ]; then
     cat /tmp/smol.gguf.part-aa /tmp/smol.gguf.part-ab > "$SMOL_GGUF"
