@@ -67,14 +67,17 @@ def _qwen3_5(**moe) -> ModelSpec:
                      gdn=gdn, **COMMON, **moe)
 
 
+def _qwen3(tied: bool) -> ModelSpec:
+    """Qwen3 dense, its output layer tied to the embedding (Qwen3 up to 1.7B) or not (from 4B up)."""
+    return ModelSpec("qwen3", rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied, **COMMON)
+
+
 # family -> (spec factory, build_model keyword arguments, megarl train overrides the family needs)
 FAMILIES = {
-    "qwen3": (lambda: ModelSpec("qwen3", rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, **COMMON),
-              {}, []),
-    # Qwen3 as from 4B up: an untied output layer. The control for Phi's 0.02: with a tied output layer the
-    # peaked logits come from scaled embeddings, which then dominate the residual stream
-    "qwen3_untied": (lambda: ModelSpec("qwen3", rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                                       **COMMON), {}, []),
+    "qwen3": (lambda: _qwen3(tied=True), {}, []),
+    # Qwen3 as from 4B up: an untied output layer. The control for Phi's 0.02, testing a guess: with a tied
+    # output layer the peaked logits come from scaled embeddings, which may dominate the residual stream
+    "qwen3_untied": (lambda: _qwen3(tied=False), {}, []),
     "phi3": (lambda: ModelSpec("phi3", rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=False,
                                sliding_window=512, **COMMON), {}, []),
     # Phi-4: Phi3ForCausalLM with no sliding window (and Phi-3's fused q/k/v and gate/up)
