@@ -16,14 +16,16 @@
 #      steps with the same seed and checks that every metric but the timings is identical, that
 #      mismatch/exact_tokens_frac is 1.0 at every step, and that the two final checkpoints hold the same weights
 #      bit for bit.
+#   5. trains the Qwen2.5-1.5B shape (random weights) with rollout.exact=true for 50 GRPO steps (8 prompts x 8, 64
+#      new tokens, lr 1e-4) and checks that mismatch/exact_tokens_frac is 1.0 after every refit (refits_1p5b).
 # The 100-step learning pair (SmolLM2 on GSM8K with and without rollout.exact) is perf/gpu_exact_learning.sh.
 # Logs and run folders go to $OUT (default runs/gpu_exact). Each stage prints PASS or FAIL (with the tail of its
 # log); the last line is "gpu_exact: PASS" or "gpu_exact: FAIL", the exit status 0 or 1. Stages share a budget of
 # 570 s of wall time (BUDGET_S); on one call of the GPU machine run STAGES="test_gpu_exact seeded_pair", then
-# STAGES=bench_pair on the kept machine with the same OUT.
+# STAGES=bench_pair, then STAGES=refits_1p5b, on the kept machine with the same OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension, smol_gguf
+source perf/gpu_lib.sh  # begin, stage, finish, install_wheels, build_extension, synthetic_task, smol_gguf
 begin gpu_exact 570
 
 bench_pair() {  # the 1.5B bench step without, then with rollout.exact, on this machine (megarl._C built first)
@@ -113,7 +115,32 @@ EOF
   python3 -c "$check" "$task/runs"
 }
 
-export -f install_wheels build_extension bench_pair seeded_pair
+refits_1p5b() {  # the 1.5B random-weight shape trained 50 GRPO steps with rollout.exact: bit for bit after each refit
+  local task=$OUT/refits
+  synthetic_task "$task" 512 || return 1
+  rm -rf "$task/runs"
+  # lr 1e-4: each update moves the bf16 weights (a smaller step may round to no change), so each refit is new
+  python3 -m megarl.cli train model.path=preset:qwen2.5-1.5b model.tokenizer="$task/tok" \
+    "data.train_files=[$task/prompts.jsonl]" data.prepare=null data.use_chat_template=false "data.instruction=''" \
+    reward.fn=tests.rl_tasks:says_target model.dtype=bfloat16 rollout.engine=vllm rollout.exact=true \
+    rollout.gpu_memory_utilization=0.3 rollout.max_new_tokens=64 data.prompts_per_step=8 rollout.n=8 \
+    actor.ppo_mini_batch_size=64 actor.micro_batch_size=16 actor.optim.lr=1e-4 trainer.steps=50 \
+    trainer.save_every=0 validation.enabled=false trainer.progress=false trainer.report=false \
+    run.output_dir="$task/runs" run.name=refits || return 1
+  python3 - "$task/runs/refits/metrics.jsonl" <<'EOF'
+import json
+import sys
+
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+fracs = [r["mismatch/exact_tokens_frac"] for r in rows]
+print("1.5B exact_tokens_frac by step:", " ".join(f"{f:.4f}" for f in fracs))
+print("1.5B max |diff| by step:", " ".join(f"{r['mismatch/abs_diff_max']:.3g}" for r in rows))
+assert len(rows) == 50, f"{len(rows)} steps of 50"
+assert all(f == 1.0 for f in fracs), "trainer and vLLM log-probs differ at some step"
+EOF
+}
+
+export -f install_wheels build_extension synthetic_task bench_pair seeded_pair refits_1p5b
 
 smol_gguf  # the smollm2 case of the test
 stage install 200 install_wheels
@@ -121,8 +148,9 @@ if [ $failed -eq 0 ]; then  # all run, so that one GPU session reports on each
   stage test_gpu_exact 330 "python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_exact.py"
   stage seeded_pair 300 seeded_pair
   stage bench_pair 400 bench_pair
+  stage refits_1p5b 400 refits_1p5b
 fi
 grep -h -A24 "exact on GPU\|exact probe" "$OUT/test_gpu_exact.log" 2>/dev/null | grep -v "^--$" | head -40
 grep -h "^exact overhead\|^rollout vs actor" "$OUT/bench_pair.log" 2>/dev/null
-grep -h "by step:" "$OUT/seeded_pair.log" 2>/dev/null
+grep -h "by step:" "$OUT/seeded_pair.log" "$OUT/refits_1p5b.log" 2>/dev/null
 finish gpu_exact

@@ -66,10 +66,7 @@ generation() {  # generation LABEL VARIANTS [overrides...]: one engine, its vari
 step() {  # step LABEL [overrides and flags...]: bench step of grpo-1.5b-fast
   local label=$1
   shift
-  [ -f "$OUT/prompts.jsonl" ] || python3 -c "
-from pathlib import Path
-from tests.rl_tasks import make_tiny_model, write_prompts
-make_tiny_model(Path('$OUT/tok')); write_prompts(Path('$OUT/prompts.jsonl'), 4096)" || return 1
+  synthetic_task "$OUT" || return 1
   python3 -m megarl.cli bench step $CASE model.tokenizer="$OUT/tok" "data.train_files=[$OUT/prompts.jsonl]" \
     data.prepare=null data.use_chat_template=false "data.instruction=''" reward.fn=tests.rl_tasks:says_target \
     trainer.progress=false run.output_dir="$OUT" run.name="step-$label" actor.micro_batch_size=32 \
@@ -123,7 +120,7 @@ step_fp8() { step fp8 $AFTER rollout.quantization=fp8 --steps 2 --warmup 1; }
 step_before() { step before $BEFORE --steps 3 --warmup 1; }
 fp8_kernel() { python3 -m pytest -q -s -rfE --tb=short -p no:cacheprovider -m gpu tests/test_gpu_fp8.py; }
 
-export -f install_wheels build_extension generation step hf_config gen_before gen_after gen_fp8 gen_hf gen_sync \
+export -f install_wheels build_extension synthetic_task generation step hf_config gen_before gen_after gen_fp8 gen_hf gen_sync \
   gen_7b gen_7b_fp8 step_after step_fp8 step_before fp8_kernel gen_logprobs gen_logprobs_v1 logprobs_test
 
 stage install 200 install_wheels

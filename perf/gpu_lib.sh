@@ -82,6 +82,16 @@ train_resumable() {  # train_resumable NAME CONFIG [OVERRIDES...]: train_until, 
   train_until "$name" $(( DEADLINE - $(date +%s) - 30 )) "$config" "$@" "${resume[@]}"
 }
 
+synthetic_task() {  # synthetic_task DIR [N]: the synthetic task of tests/rl_tasks.py in DIR, made once: its word-level
+  # tokenizer (DIR/tok) and N (default 4096) prompts of 3-5 words (DIR/prompts.jsonl)
+  [ -f "$1/prompts.jsonl" ] && return 0
+  mkdir -p "$1"
+  python3 -c "
+from pathlib import Path
+from tests.rl_tasks import make_tiny_model, write_prompts
+make_tiny_model(Path('$1/tok')); write_prompts(Path('$1/prompts.jsonl'), ${2:-4096})"
+}
+
 smol_gguf() {  # export SMOL_GGUF (default /tmp/smol.gguf), joined from its two uploaded halves where needed
   # (/tmp/smol.gguf.part-aa and -ab: the uploads of .gpu/smol/p1 and p2, made by perf/stage_uploads.sh)
   export SMOL_GGUF=${SMOL_GGUF:-/tmp/smol.gguf}

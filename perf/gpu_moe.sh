@@ -26,10 +26,7 @@ install_and_build() {
 }
 
 bench_step() {
-  python3 -c "
-from pathlib import Path
-from tests.rl_tasks import make_tiny_model, write_prompts
-make_tiny_model(Path('$OUT/tok')); write_prompts(Path('$OUT/prompts.jsonl'), 1024)" || return 1
+  synthetic_task "$OUT" 1024 || return 1
   python3 -m megarl.cli bench step "model.path=preset:qwen3-30b-a3b?layers=${LAYERS:-8}" model.tokenizer="$OUT/tok" \
     "data.train_files=[$OUT/prompts.jsonl]" data.prepare=null data.use_chat_template=false "data.instruction=''" \
     reward.fn=tests.rl_tasks:says_target model.dtype=bfloat16 rollout.engine=vllm trainer.progress=false \
@@ -53,7 +50,7 @@ print(f"standalone vLLM {s.get('tokens_per_s') or 0:.0f} tokens/s (spread {s.get
 PY
 }
 
-export -f install_and_build bench_step
+export -f install_and_build synthetic_task bench_step
 
 stage install 150 install_and_build
 if [ $failed -eq 0 ]; then
