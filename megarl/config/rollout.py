@@ -154,6 +154,14 @@ class RolloutConfig:
             the step has that pass) and the reference's log-probs run on a thread beside the engine, which is driven
             step by step (vLLM: request by request, its output log-probs); the results are the sequential step's.
             Colocated single-turn synchronous steps only; the rest is refused by :class:`megarl.config.Config`.
+        engines_per_gpu: rollout engines on each rank's device, each in a process of its own
+            (:mod:`megarl.rollout.engine_pool`): the prompts are split over them and each schedules on its own CPU
+            core, so the GPU waits less for the host between decode steps; each vLLM engine gets
+            ``gpu_memory_utilization / engines_per_gpu``, and the pool keeps one more copy of the rollout weights
+            on the device (the staging tensors the reshard writes). 1 (the default): the engine in the rank's
+            process.
+            Above 1: TP = 1 engines, single-turn synchronous colocated steps without overlap, exact, FP8, LoRA or
+            router replay (refused here and by :class:`megarl.config.Config`).
 
     The vLLM knobs (quantization to logprobs) apply to ``engine: vllm``; ``perf/gpu_generation.sh``
     measures them side by side.
@@ -182,10 +190,12 @@ class RolloutConfig:
     logprobs: Optional[str] = None
     exact: bool = False
     overlap_scoring: bool = False
+    engines_per_gpu: int = 1
 
     def __post_init__(self):
         require(self.engine in ("hf", "vllm"), "rollout.engine", f"must be 'hf' or 'vllm', got {self.engine!r}")
         self._check_vllm_knobs()
+        self._check_engines_per_gpu()
         if self.exact:
             require(self.quantization is None, "rollout.quantization",
                     f"{self.quantization} rollouts cannot be exact: the engine samples from the quantised model, the "
@@ -217,6 +227,27 @@ class RolloutConfig:
                  f"must be in (0, 1] (a fraction of the GPU's memory), got {self.gpu_memory_utilization}")
         require(self.max_model_len is None or self.max_model_len >= 2, "rollout.max_model_len",
                  f"must be null (the model's context) or >= 2 tokens, got {self.max_model_len}")
+
+    def _check_engines_per_gpu(self) -> None:
+        """What a pool of engines (:mod:`megarl.rollout.engine_pool`) cannot run, each refused with its fix."""
+        k = self.engines_per_gpu
+        require(k >= 1, "rollout.engines_per_gpu", f"must be >= 1, got {k}")
+        if k == 1:
+            return
+        off = "or rollout.engines_per_gpu=1"
+        require(self.tp == 1, "rollout.tp", f"{self.tp} with rollout.engines_per_gpu={k}: a pool's engines are TP = 1 "
+                f"engines in processes of their own (one device each); set rollout.tp=1 {off}")
+        require(self.quantization is None, "rollout.quantization", f"{self.quantization} with "
+                f"rollout.engines_per_gpu={k} is untested (its weights and scales differ in dtype); set "
+                f"rollout.quantization=null {off}")
+        require(not self.exact, "rollout.exact", f"true with rollout.engines_per_gpu={k}: the exact mode pins vLLM's "
+                f"kernels in the rank's process; set rollout.exact=false {off}")
+        require(not self.overlap_scoring, "rollout.overlap_scoring", "true drives the engine request by request, "
+                f"which a pool does not serve; set rollout.overlap_scoring=false {off}")
+        require(not self.multi_turn.enabled, "rollout.multi_turn.enabled", "true drives the engine request by "
+                f"request, which a pool does not serve; set rollout.multi_turn.enabled=false {off}")
+        require(self.request_seeds, "rollout.request_seeds", "false seeds each engine's generator with run.seed, so "
+                f"the pool's engines would draw the same noise; set rollout.request_seeds=true {off}")
 
     def _check_vllm_knobs(self) -> None:
         require(self.quantization in (None, *QUANTIZATIONS), "rollout.quantization",

@@ -281,6 +281,8 @@ class Config:
             self._check_exact()
         if self.rollout.overlap_scoring:
             self._check_overlap()
+        if self.rollout.engines_per_gpu > 1:
+            self._check_engine_pool()
         rc = alg.rollout_correction
         if self.rollout.quantization is not None and rc.preset is None and rc.level is None:
             rc.preset = "token_tis"  # the FP8 model's log-probs differ from the bf16 actor's (RolloutCorrectionConfig)
@@ -340,6 +342,22 @@ class Config:
                 f"the teacher's pass on units of groups is untested; set algorithm.distill.teacher=null {off}")
         require(self.rollout.request_seeds, "rollout.request_seeds", "false samples from vLLM's generator, which "
                 f"depends on the batches the engine is driven in; set rollout.request_seeds=true {off}")
+
+    def _check_engine_pool(self) -> None:
+        """What ``rollout.engines_per_gpu`` > 1 (:mod:`megarl.rollout.engine_pool`) does not cover beyond the rollout
+        section's own checks, each refused with its reason and fix."""
+        k, pl = self.rollout.engines_per_gpu, self.placement
+        off = "or rollout.engines_per_gpu=1"
+        require(not self.actor.lora.enabled, "actor.lora.rank", f"{self.actor.lora.rank} with "
+                f"rollout.engines_per_gpu={k}: the pool's engines take whole weights only (no adapters, no merges); "
+                f"set actor.lora.rank=0 {off}")
+        require(not self.actor.moe.router_replay, "actor.moe.router_replay", f"true with rollout.engines_per_gpu={k} "
+                f"is untested (the routes come back from each engine's process); set actor.moe.router_replay=false "
+                f"{off}")
+        require(self.trainer.mode == "sync" and pl.rollout == pl.actor, "placement.rollout",
+                f"{pl.rollout} with trainer.mode={self.trainer.mode} and rollout.engines_per_gpu={k}: a pool's "
+                f"engines run colocated with the actor in synchronous steps; set placement.rollout={pl.actor} and "
+                f"trainer.mode=sync {off}")
 
     @property
     def loss_norm_tokens(self) -> int:

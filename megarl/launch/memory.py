@@ -51,7 +51,8 @@ For the busiest rank (the pipeline stage holding the most parameters), in bytes:
   interleaved schedule (``actor.parallel.vpp > 1``) keeps more in flight on the first stage: the 1F1B figure
   times ``1 + (pp - 1) / (pp * vpp)`` (Korthikanti et al. 2022, Sec. 4.2.3; Megatron-LM's
   ``interleaved_schedule_memory_penalty`` in ``theoretical_memory_usage.py``).
-- **rollout**: vLLM reserves ``rollout.gpu_memory_utilization`` of the whole GPU; the transformers engine
+- **rollout**: vLLM reserves ``rollout.gpu_memory_utilization`` of the whole GPU (over ``rollout.engines_per_gpu``
+  engines, plus one copy of the weights they are staged in when there are several); the transformers engine
   (CPU) holds a full fp32 copy of the model plus the KV cache and last logits of the sequences it decodes at
   once (this rank's share of the step, at most ``rollout.max_batch_size``), and frees its weights while the
   actor trains, so the peak is ``static + max(training,
@@ -284,15 +285,18 @@ def activation_bytes(cfg: Config, spec, tp: int, pp: int, dp: int) -> int:
 def rollout_bytes(cfg: Config, spec, ranks: int, device_bytes: int, gpu: bool) -> int:
     """The rollout engine's share on one of the rollout pool's ``ranks`` (the transformers engine decodes this
     rank's share of the step's sequences, at most ``rollout.max_batch_size`` at once)."""
-    r = cfg.rollout
+    r, k = cfg.rollout, cfg.rollout.engines_per_gpu
+    # a pool of k engines (rollout.engines_per_gpu) adds the staging tensors the reshard writes, one more copy
+    itemsize = DTYPE_TABLE[cfg.model.dtype].itemsize if r.engine == "vllm" else 4
+    staging = 0 if k == 1 else spec.num_params() * itemsize
     if r.engine == "vllm":
-        return int(r.gpu_memory_utilization * device_bytes) if gpu else 0
+        return int(r.gpu_memory_utilization * device_bytes) + staging if gpu else 0
     s = cfg.data.max_prompt_length + r.max_new_tokens
-    batch = min(r.max_batch_size, math.ceil(cfg.rollout_batch_size / ranks))
+    batch = min(r.max_batch_size, math.ceil(cfg.rollout_batch_size / ranks / k))  # each engine's share
     weights = spec.num_params() * 4
     kv_cache = 2 * spec.num_layers * spec.kv_size * s * batch * 4
     logits = batch * spec.vocab_size * 4 * 2
-    return weights + kv_cache + logits
+    return k * (weights + kv_cache + logits) + staging
 
 
 def check_rollout_weights(cfg: Config, spec, device_bytes: int) -> None:
@@ -313,13 +317,15 @@ def check_rollout_weights(cfg: Config, spec, device_bytes: int) -> None:
     embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     n = spec.num_params()
     weights = (n * e if r.quantization is None else (n - embeddings) + embeddings * e) // r.tp
-    reserved = r.gpu_memory_utilization * device_bytes
+    reserved = r.gpu_memory_utilization / r.engines_per_gpu * device_bytes  # one engine's share
     if weights >= reserved:
         raise ConfigError(f"rollout.tp: vLLM's weights are {weights / GIB:.1f} GiB per GPU at rollout.tp={r.tp} "
                           f"({n / 1e9:.1f}B parameters{', fp8' if r.quantization else ''}), over the "
                           f"{reserved / GIB:.1f} GiB it reserves (rollout.gpu_memory_utilization="
-                          f"{r.gpu_memory_utilization} of {device_bytes / GIB:.1f} GiB), which must hold them and "
-                          f"the KV cache; raise rollout.tp or rollout.gpu_memory_utilization"
+                          f"{r.gpu_memory_utilization} of {device_bytes / GIB:.1f} GiB"
+                          f"{f' over {r.engines_per_gpu} engines' if r.engines_per_gpu > 1 else ''}), which must "
+                          f"hold them and the KV cache; raise rollout.tp or rollout.gpu_memory_utilization"
+                          f"{', or lower rollout.engines_per_gpu' if r.engines_per_gpu > 1 else ''}"
                           f"{'' if spec.is_moe or r.quantization else ', or set rollout.quantization=fp8'}")
 
 

@@ -96,6 +96,11 @@ class HFRolloutEngine:
         self._asleep = False
         self._queued: list[tuple[str, list[int], SamplingConfig, int]] = []  # add_request's, for step
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (what ``update_weights`` hands to ``write``): float32."""
+        return torch.float32
+
     # ------------------------------------------------------------------ weights and memory
     def _weights(self) -> dict[str, torch.Tensor]:
         """The model's parameters and the buffers that are canonical tensors too (DeepSeek-V3's router

@@ -5,6 +5,8 @@ function of the config, called by :class:`~megarl.trainer.trainer.Trainer` and :
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import random
 from pathlib import Path
@@ -103,9 +105,18 @@ def make_engine(cfg: Config, spec):
     its GPU (the trainer builds it after the Megatron roles, so its memory budget sees them on the GPU; its
     weights arrive by reshard from the actor's GPU shards). vLLM engines of ``rollout.tp`` consecutive ranks
     each, returning the samples' routed experts with ``actor.moe.router_replay``; prompts are split over the rollout data-parallel group
-    (:func:`~megarl.rollout.data_parallel.rollout_dp_group`).
+    (:func:`~megarl.rollout.data_parallel.rollout_dp_group`). With ``rollout.engines_per_gpu`` > 1, a pool of that
+    many such engines on the rank's device (:class:`~megarl.rollout.engine_pool.EnginePool`), each in a process
+    of its own with its share of ``rollout.gpu_memory_utilization``.
     """
     r = cfg.rollout
+    if r.engines_per_gpu > 1:
+        from megarl.rollout.engine_pool import EnginePool
+
+        one = dataclasses.replace(cfg, rollout=dataclasses.replace(
+            r, engines_per_gpu=1, gpu_memory_utilization=r.gpu_memory_utilization / r.engines_per_gpu))
+        device = "cpu" if r.engine == "hf" else f"cuda:{torch.cuda.current_device()}"
+        return EnginePool(functools.partial(make_engine, one, spec), r.engines_per_gpu, device)
     if r.engine == "hf":
         from megarl.rollout.hf_engine import HFRolloutEngine
 
