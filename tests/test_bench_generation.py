@@ -114,8 +114,11 @@ def test_the_summary_states_the_goals(tmp_path):
                                 "spread": 0.04, "ratio": 0.9}}
     (tmp_path / "step_after.json").write_text(json.dumps(step))
     (tmp_path / "step_fp8.json").write_text(json.dumps({"status": "error"}))  # a failed run is left out
+    two = {**step, "step_time_s": 5.0, "phases": {"generate": {"time_s": 1.45}}, "standalone_vllm": None}
+    (tmp_path / "step_engines2.json").write_text(json.dumps(two))  # rollout.engines_per_gpu=2
     text = summary_table(tmp_path)
     assert "2.00x (goal >= 1.8x: met)" in text
     assert "bare: 2.00x" in text and "V2 runner" in text and "idle 60%" in text
     assert "6.50 s (goal <= 7.0 s: met)" in text and "spread 4.0% (goal <= 5%: met)" in text
     assert "| fp8 |" not in text
+    assert "two engines on the GPU vs one: step 5.00 vs 6.50 s, generate 1.45 vs 2.90 s (2.00x)" in text

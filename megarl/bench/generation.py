@@ -340,7 +340,8 @@ def summary_table(folder: str | os.PathLike) -> str:
     gens = {label: r for label in ("before", "after", "fp8", "hf", "sync", "7b", "7b_fp8", "lp_output", "lp_sampler",
                                    "lp_v1_output", "lp_v1_sampler")
             if (r := _load(folder, f"gen_{label}.json")) is not None}
-    steps = {label: r for label in ("before", "after", "fp8") if (r := _load(folder, f"step_{label}.json")) is not None}
+    steps = {label: r for label in ("before", "after", "fp8", "engines2")
+             if (r := _load(folder, f"step_{label}.json")) is not None}
     out = ["## Generation, one engine per row (megarl bench generation)", "",
            "| engine | vLLM resolved | variant | tokens/s | s | steps | ms/step | " + " | ".join(STEP_PARTS)
            + " | other | GPU util % |", "|" + "---|" * (10 + len(STEP_PARTS))]
@@ -396,6 +397,11 @@ def summary_table(folder: str | os.PathLike) -> str:
             out.append(f"\nstep after: {r['step_time_s']:.2f} s (goal <= 7.0 s: {'met' if r['step_time_s'] <= 7.0 else 'missed'}); "
                        f"standalone spread {'-' if s is None else f'{s:.1%}'} (goal <= 5%: "
                        f"{'met' if s is not None and s <= 0.05 else 'missed'})")
+    if "engines2" in steps and "after" in steps:  # rollout.engines_per_gpu=2 against one engine
+        two, one = steps["engines2"], steps["after"]
+        out.append(f"\ntwo engines on the GPU vs one: step {two['step_time_s']:.2f} vs {one['step_time_s']:.2f} s, "
+                   f"generate {two['phases']['generate']['time_s']:.2f} vs {one['phases']['generate']['time_s']:.2f} s "
+                   f"({one['phases']['generate']['time_s'] / two['phases']['generate']['time_s']:.2f}x)")
     if "fp8" in gens and "after" in gens:
         f, b = gens["fp8"]["variants"]["megarl"], gens["after"]["variants"]["megarl"]
         out.append(f"\nFP8 vs bf16 generation (after settings): {f['tokens_per_s']:,.0f} vs {b['tokens_per_s']:,.0f} "
