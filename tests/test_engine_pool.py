@@ -1,8 +1,9 @@
 """Several rollout engines on one device (``rollout.engines_per_gpu``, :mod:`megarl.rollout.engine_pool`), on the CPU
 with the transformers engine in spawned processes: a pool samples what one engine samples, its weights arrive
 through the shared staging tensors at every update, sleep and errors cross the process boundary as
-``RolloutError``, a worker that dies is named, the config refuses what a pool cannot run, and a training run
-with a pool of two repeats the run with one engine."""
+``RolloutError``, a worker that dies is named, the config refuses what a pool cannot run, the memory estimate
+counts the staging copy, and a training run on two DP ranks with a pool of two on each repeats the run with one
+engine a rank."""
 
 from __future__ import annotations
 
@@ -125,16 +126,17 @@ def test_the_memory_estimate_adds_the_staging_copy_and_checks_each_engines_share
 
 
 def test_a_run_with_two_engines_repeats_the_run_with_one(tmp_path):
-    """Two GRPO steps of the tiny task (transformers engine, one rank): every metric but the timings equal; the
-    rollout log-probs' (the mismatch to the actor's) within float rounding between batch shapes."""
+    """Two GRPO steps of the tiny task (transformers engine) on two DP ranks, each rank's share of the prompts
+    split again over its pool: every metric but the timings equal; the rollout log-probs' (the mismatch to the
+    actor's) within float rounding between batch shapes."""
     model = make_tiny_model(tmp_path / "model")
     prompts = write_prompts(tmp_path / "prompts.jsonl", 16)
     runs = {}
     for k in (1, 2):
         overrides = [*task_overrides(model, prompts, tmp_path / "runs", f"k{k}"), "trainer.steps=2",
                      "data.prompts_per_step=4", "rollout.n=4", "actor.ppo_mini_batch_size=16",
-                     f"rollout.engines_per_gpu={k}", "validation.enabled=false"]
-        run_world(train_on_rank, 1, overrides, timeout_s=600)
+                     f"rollout.engines_per_gpu={k}", "validation.enabled=false", "actor.parallel.dp=2"]
+        run_world(train_on_rank, 2, overrides, timeout_s=600)
         lines = (tmp_path / "runs" / f"k{k}" / "metrics.jsonl").read_text().splitlines()
         runs[k] = [{m: v for m, v in json.loads(line).items()
                     if not m.startswith(("time/", "throughput/", "perf/", "memory/", "pool/"))} for line in lines]
