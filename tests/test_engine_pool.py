@@ -60,6 +60,8 @@ def test_a_pool_of_three_samples_what_one_engine_samples_and_follows_each_weight
             assert got.stats.prompt_tokens == want.stats.prompt_tokens
             assert pool.calls == one.calls == 5
         assert _as_lists(pool.generate(PROMPTS, SAMPLING))[0] != _as_lists(pool.generate(PROMPTS, SAMPLING))[0]
+        one.calls = pool.calls  # two prompts for three engines: one share is empty
+        assert _as_lists(pool.generate(PROMPTS[:2], SAMPLING))[0] == _as_lists(one.generate(PROMPTS[:2], SAMPLING))[0]
     finally:
         pool.close()
 

@@ -176,6 +176,7 @@ class EnginePool:
         return value
 
     def _exited(self, index: int) -> RolloutError:
+        """The error that worker ``index`` has exited (its exit code, once it is reaped)."""
         process = self._workers[index][0]
         process.join(timeout=5)
         return RolloutError(f"engine worker {index} (pid {process.pid}) exited with code {process.exitcode}; its "
@@ -250,8 +251,9 @@ class EnginePool:
         prompts = [list(p) for p in prompt_token_ids]
         versions = (self.policy_version, self.adapter_version)
         shares = [shard_bounds(len(prompts), k, self.size) for k in range(self.size)]
+        busy = [k for k, (lo, hi) in enumerate(shares) if hi > lo] or [0]  # fewer prompts than engines: not all
         outputs = self._ask({k: ("generate", (prompts[lo:hi], sampling, prompt_offset + lo, self.calls, versions))
-                             for k, (lo, hi) in enumerate(shares)})
+                             for k, (lo, hi) in ((k, shares[k]) for k in busy)})
         self.calls += 1
         stats = RolloutStats(prompt_tokens=sum(o.stats.prompt_tokens for o in outputs),
                              generated_tokens=sum(o.stats.generated_tokens for o in outputs),
