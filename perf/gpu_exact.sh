@@ -120,10 +120,8 @@ refits_1p5b() {  # the 1.5B random-weight shape trained 50 GRPO steps with rollo
   synthetic_task "$task" 512 || return 1
   rm -rf "$task/runs"
   # lr 1e-4: each update moves the bf16 weights (a smaller step may round to no change), so each refit is new
-  python3 -m megarl.cli train model.path=preset:qwen2.5-1.5b model.tokenizer="$task/tok" \
-    "data.train_files=[$task/prompts.jsonl]" data.prepare=null data.use_chat_template=false "data.instruction=''" \
-    reward.fn=tests.rl_tasks:says_target model.dtype=bfloat16 rollout.engine=vllm rollout.exact=true \
-    rollout.gpu_memory_utilization=0.3 rollout.max_new_tokens=64 data.prompts_per_step=8 rollout.n=8 \
+  python3 -m megarl.cli train model.path=preset:qwen2.5-1.5b "${SYN[@]}" model.dtype=bfloat16 rollout.engine=vllm \
+    rollout.exact=true rollout.gpu_memory_utilization=0.3 rollout.max_new_tokens=64 data.prompts_per_step=8 rollout.n=8 \
     actor.ppo_mini_batch_size=64 actor.micro_batch_size=16 actor.optim.lr=1e-4 trainer.steps=50 \
     trainer.save_every=0 validation.enabled=false trainer.progress=false trainer.report=false \
     run.output_dir="$task/runs" run.name=refits || return 1

@@ -70,8 +70,7 @@ step() {  # step LABEL [overrides and flags...]: bench step of grpo-1.5b-fast
   local label=$1
   shift
   synthetic_task "$OUT" || return 1
-  python3 -m megarl.cli bench step $CASE model.tokenizer="$OUT/tok" "data.train_files=[$OUT/prompts.jsonl]" \
-    data.prepare=null data.use_chat_template=false "data.instruction=''" reward.fn=tests.rl_tasks:says_target \
+  python3 -m megarl.cli bench step $CASE "${SYN[@]}" \
     trainer.progress=false run.output_dir="$OUT" run.name="step-$label" actor.micro_batch_size=32 \
     actor.logprob_micro_batch_size=64 actor.ppo_mini_batch_size=256 "$@" --json "$OUT/step_$label.json" --overwrite \
     2>&1 | grep --line-buffered -v -i -E "warn|INFO"

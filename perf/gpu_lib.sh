@@ -83,7 +83,10 @@ train_resumable() {  # train_resumable NAME CONFIG [OVERRIDES...]: train_until, 
 }
 
 synthetic_task() {  # synthetic_task DIR [N]: the synthetic task of tests/rl_tasks.py in DIR, made once: its word-level
-  # tokenizer (DIR/tok) and N (default 4096) prompts of 3-5 words (DIR/prompts.jsonl)
+  # tokenizer (DIR/tok) and N (default 4096) prompts of 3-5 words (DIR/prompts.jsonl); SYN, the overrides that
+  # train on it (that tokenizer, those prompts as they are, the says_target reward)
+  SYN=(model.tokenizer="$1/tok" "data.train_files=[$1/prompts.jsonl]" data.prepare=null data.use_chat_template=false
+       "data.instruction=''" reward.fn=tests.rl_tasks:says_target)
   [ -f "$1/prompts.jsonl" ] && return 0
   mkdir -p "$1"
   python3 -c "

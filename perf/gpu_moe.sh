@@ -27,9 +27,8 @@ install_and_build() {
 
 bench_step() {
   synthetic_task "$OUT" 1024 || return 1
-  python3 -m megarl.cli bench step "model.path=preset:qwen3-30b-a3b?layers=${LAYERS:-8}" model.tokenizer="$OUT/tok" \
-    "data.train_files=[$OUT/prompts.jsonl]" data.prepare=null data.use_chat_template=false "data.instruction=''" \
-    reward.fn=tests.rl_tasks:says_target model.dtype=bfloat16 rollout.engine=vllm trainer.progress=false \
+  python3 -m megarl.cli bench step "model.path=preset:qwen3-30b-a3b?layers=${LAYERS:-8}" "${SYN[@]}" \
+    model.dtype=bfloat16 rollout.engine=vllm trainer.progress=false \
     run.output_dir="$OUT" run.name=moe-bench validation.enabled=false data.max_prompt_length=8 \
     rollout.max_new_tokens=128 data.prompts_per_step=64 rollout.n=8 actor.ppo_mini_batch_size=512 \
     actor.micro_batch_size=64 actor.logprob_micro_batch_size=64 rollout.gpu_memory_utilization=0.12 \

@@ -125,7 +125,6 @@ class EnginePool:
         dtype: the engines' weight dtype (the staging tensors').
         calls: ``generate`` calls so far; part of every sample's seed (every worker's engine is set to it).
         policy_version / adapter_version: stamped on every sample (set by whoever writes the weights).
-        has_weights: whether :meth:`update_weights` has run.
 
     Raises:
         RolloutError: ``size`` < 1, or a worker could not build its engine (with its traceback).
@@ -138,7 +137,6 @@ class EnginePool:
         self.calls = 0
         self.policy_version: int | None = None
         self.adapter_version: int | None = None
-        self.has_weights = False
         self._staging: dict[str, torch.Tensor] | None = None
         self._workers: list[tuple[Any, Any]] = []
         ctx = mp.get_context("spawn")
@@ -234,7 +232,6 @@ class EnginePool:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the workers read the staging tensors on their own streams
         self._all("update")
-        self.has_weights = True
         return result
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
