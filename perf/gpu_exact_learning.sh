@@ -5,7 +5,7 @@
 # SmolLM2-135M-Instruct, GRPO on GSM8K (parallel_configs/gpu_1xh200_smollm2_gsm8k.yaml, the GPU main job) at 16
 # prompts x 8 samples a step for 100 steps, twice with the same seed: `plain` (vLLM's log-probs against the
 # trainer's, the default) and `exact` (rollout.exact=true). Each validates greedily on 256 GSM8K test problems
-# (256 new tokens) before step 1 and after step 100, and writes its report and plots. Needs what
+# (256 new tokens) before step 1 and every 25 steps, and writes its report and plots. Needs what
 # perf/gpu_dapo.sh needs: the vLLM wheels (perf/install_wheels.sh: chunks uploaded to /tmp/whl, .whl carried),
 # the SmolLM2 GGUF (SMOL_GGUF, default /tmp/smol.gguf, else joined from /tmp/smol.gguf.part-aa and -ab) and GSM8K
 # (GSM8K_DIR, default /tmp/gsm8k, else the carried .gpu/smol/p2/gsm8k). Stages:
@@ -33,7 +33,8 @@ arm() {  # arm NAME [overrides...]: the 100-step run NAME (train_resumable), not
   if [ -f "$RUNS/$name/summary.json" ]; then echo "$name finished in an earlier call"; copy_run "$name"; return 0; fi
   train_resumable "$name" "$CONFIG" data.gsm8k_source="$GSM8K_DIR" "data.train_files=[$DATA/train.parquet]" \
     "validation.files=[$DATA/test.parquet]" validation.num_prompts=256 validation.max_new_tokens=256 \
-    data.prompts_per_step=16 actor.ppo_mini_batch_size=64 trainer.steps=100 trainer.save_every=25 run.seed=1 "$@"
+    validation.every=25 data.prompts_per_step=16 actor.ppo_mini_batch_size=64 trainer.steps=100 trainer.save_every=25 \
+    run.seed=1 "$@"
 }
 
 compare() {
