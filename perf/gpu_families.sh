@@ -8,7 +8,7 @@
 # check is its own stage (its own pytest, ~40 s each: one vLLM start), so that a failure prints its traceback
 # (--tb=short) and a call cut by the budget keeps what ran: KINDS "decode" (vLLM, with the reshard's weights,
 # decodes greedily as the Megatron actor does, parting only at bf16 ties, and its sampled-token log-probs near
-# the actor's) and "grpo" (two GRPO steps of `megarl train` with vLLM rollouts, the mismatch logged). The ten
+# the actor's) and "grpo" (two GRPO steps of `megarl train` with vLLM rollouts, the mismatch logged). The eleven
 # cases and both kinds take about two 10-minute calls: KINDS=decode, then KINDS=grpo. Logs go to $OUT (default
 # runs/gpu_families); the lines the tests print (per family: greedy agreement, ties in bf16 steps, log-prob
 # difference, reward and mismatch of the GRPO steps) are collected at the end. Last line: "gpu_families: PASS" or
@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 source perf/gpu_lib.sh  # begin, stage, finish, install_wheels
 begin gpu_families 585
 
-FAMILIES=${FAMILIES:-"qwen3 qwen3_untied phi3 phi4 gemma3 deepseek_v3 glm4_moe gpt_oss qwen3_5 qwen3_next"}
+FAMILIES=${FAMILIES:-"qwen3 qwen3_untied phi3 phi4 gemma3 deepseek_v3 glm4_moe gpt_oss qwen3_5 qwen3_5_moe qwen3_next"}
 KINDS=${KINDS:-"decode grpo"}
 export TEST=tests/test_gpu_families.py
 

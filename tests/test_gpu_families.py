@@ -56,14 +56,14 @@ def _glm4_moe() -> ModelSpec:
         eos_token_id=3999, num_nextn_predict_layers=0))
 
 
-def _qwen3_5(**moe) -> ModelSpec:
-    """Qwen3.5 (dense) or, with ``moe``, Qwen3-Next: a gated DeltaNet layer then a gated full-attention one;
-    DeltaNet head dims of 64 (vLLM's FLA kernels), attention heads of 64 with a quarter rotated."""
+def _qwen3_5(family: str = "qwen3_5", **moe) -> ModelSpec:
+    """Qwen3.5 (dense) or, with ``moe``, Qwen3-Next or Qwen3.5-MoE (``family``): a gated DeltaNet layer then a gated
+    full-attention one; DeltaNet head dims of 64 (vLLM's FLA kernels), attention heads of 64 with a quarter rotated."""
     from megarl.models.qwen3_5_spec import GatedDeltaNetShape
 
     gdn = GatedDeltaNetShape((1, 0), num_key_heads=2, num_value_heads=4, key_head_dim=64, value_head_dim=64,
                              conv_kernel=4, partial_rotary_factor=0.25)
-    return ModelSpec("qwen3_next" if moe else "qwen3_5", rope_theta=1e7, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    return ModelSpec(family, rope_theta=1e7, rms_norm_eps=1e-6, tie_word_embeddings=False,
                      gdn=gdn, **COMMON, **moe)
 
 
@@ -72,6 +72,8 @@ def _qwen3(tied: bool) -> ModelSpec:
     return ModelSpec("qwen3", rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied, **COMMON)
 
 
+QWEN3_NEXT_MOE = dict(num_experts=8, moe_top_k=2, moe_ffn_hidden_size=128, shared_expert_ffn_hidden_size=256,
+                      moe_norm_topk_prob=True)
 # family -> (spec factory, build_model keyword arguments, megarl train overrides the family needs)
 FAMILIES = {
     "qwen3": (lambda: _qwen3(tied=True), {}, []),
@@ -97,9 +99,11 @@ FAMILIES = {
                 {"attention": "local", "moe_experts": "sequential"},
                 ["actor.kernels.attention=local", "actor.kernels.moe_experts=sequential"]),
     "qwen3_5": (_qwen3_5, {}, []),
-    "qwen3_next": (lambda: _qwen3_5(num_experts=8, moe_top_k=2, moe_ffn_hidden_size=128,
-                                    shared_expert_ffn_hidden_size=256, moe_norm_topk_prob=True),
-                   {"moe_experts": "sequential"}, ["actor.kernels.moe_experts=sequential"]),
+    "qwen3_next": (lambda: _qwen3_5("qwen3_next", **QWEN3_NEXT_MOE), {"moe_experts": "sequential"},
+                   ["actor.kernels.moe_experts=sequential"]),
+    # Qwen3.5-MoE: Qwen3.5's projections with Qwen3-Next's MoE; vLLM runs it as megarl's registered text class
+    "qwen3_5_moe": (lambda: _qwen3_5("qwen3_5_moe", **QWEN3_NEXT_MOE), {"moe_experts": "sequential"},
+                    ["actor.kernels.moe_experts=sequential"]),
 }
 PROMPT_LENGTHS = (5, 17, 40)
 GREEDY_TOKENS = 24
