@@ -29,6 +29,9 @@
 #   7b. step_engines2: step_after's step with rollout.engines_per_gpu=2 (two engines on the GPU, each in a
 #      process of its own: megarl/rollout/engine_pool.py), against stage 4 in the summary. One call:
 #      OUT=/tmp/gen STAGES="step_after step_engines2" bash perf/gpu_generation.sh
+#   7c. gen_fp8kv, step_fp8kv: gen_after's generation and step_after's step with rollout.kv_cache_dtype=fp8
+#      (vLLM's FP8 KV cache; token TIS by default), against stages 3 and 4 in the summary. One call:
+#      OUT=/tmp/gen STAGES="gen_after gen_fp8kv step_after step_fp8kv" bash perf/gpu_generation.sh
 #   8. gen_logprobs: the RL generate call (variant megarl) with AFTER and rollout.logprobs=output (vLLM's
 #      logprobs=0 output) then =sampler (megarl.rollout.vllm_logprobs: gathered in vLLM's sampler on the GPU), back
 #      to back -> $OUT/gen_lp_output.json, gen_lp_sampler.json; gen_logprobs_v1: the same on the V1 model runner
@@ -120,11 +123,14 @@ step_after() {
 }
 step_fp8() { step fp8 $AFTER rollout.quantization=fp8 --steps 2 --warmup 1; }
 step_engines2() { step engines2 $AFTER rollout.engines_per_gpu=2 --steps 3 --warmup 1; }
+gen_fp8kv() { generation fp8kv megarl $AFTER rollout.kv_cache_dtype=fp8; }
+step_fp8kv() { step fp8kv $AFTER rollout.kv_cache_dtype=fp8 --steps 3 --warmup 1; }
 step_before() { step before $BEFORE --steps 3 --warmup 1; }
 fp8_kernel() { python3 -m pytest -q -s -rfE --tb=short -p no:cacheprovider -m gpu tests/test_gpu_fp8.py; }
 
 export -f install_wheels build_extension synthetic_task generation step hf_config gen_before gen_after gen_fp8 gen_hf gen_sync \
-  gen_7b gen_7b_fp8 step_after step_fp8 step_engines2 step_before fp8_kernel gen_logprobs gen_logprobs_v1 \
+  gen_7b gen_7b_fp8 step_after step_fp8 step_engines2 gen_fp8kv step_fp8kv step_before fp8_kernel gen_logprobs \
+  gen_logprobs_v1 \
   logprobs_test
 
 stage install 200 install_wheels
@@ -137,6 +143,8 @@ if [ $failed -eq 0 ]; then  # the rest runs whatever one of them does, so that o
   stage gen_fp8 200 gen_fp8
   stage step_fp8 150 step_fp8
   stage step_engines2 200 step_engines2
+  stage gen_fp8kv 150 gen_fp8kv
+  stage step_fp8kv 200 step_fp8kv
   stage gen_logprobs 200 gen_logprobs
   stage gen_logprobs_v1 200 gen_logprobs_v1
   stage logprobs_test 400 logprobs_test

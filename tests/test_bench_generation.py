@@ -116,7 +116,14 @@ def test_the_summary_states_the_goals(tmp_path):
     (tmp_path / "step_fp8.json").write_text(json.dumps({"status": "error"}))  # a failed run is left out
     two = {**step, "step_time_s": 5.0, "phases": {"generate": {"time_s": 1.45}}, "standalone_vllm": None}
     (tmp_path / "step_engines2.json").write_text(json.dumps(two))  # rollout.engines_per_gpu=2
+    kv = _gen("fp8kv", 60_000, True)
+    kv["vllm"]["kv_cache_dtype"] = "fp8"
+    (tmp_path / "gen_fp8kv.json").write_text(json.dumps(kv))  # rollout.kv_cache_dtype=fp8
+    (tmp_path / "step_fp8kv.json").write_text(json.dumps({**two, "step_time_s": 6.0}))
     text = summary_table(tmp_path)
+    assert "FP8 vs bf16 KV cache, generation (after settings): 60,000 vs 48,000 tokens/s (1.25x)" in text
+    assert "bf16, KV fp8 |" in text
+    assert "FP8 KV cache vs bf16, the step: 6.00 vs 6.50 s, generate 1.45 vs 2.90 s" in text
     assert "2.00x (goal >= 1.8x: met)" in text
     assert "bare: 2.00x" in text and "V2 runner" in text and "idle 60%" in text
     assert "6.50 s (goal <= 7.0 s: met)" in text and "spread 4.0% (goal <= 5%: met)" in text

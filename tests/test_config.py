@@ -73,6 +73,8 @@ VLLM = ["rollout.engine=vllm"]
 @pytest.mark.parametrize("overrides,field,says", [
     (["rollout.quantization=fp8"], "rollout.quantization", "need rollout.engine=vllm"),
     (VLLM + ["rollout.quantization=int4"], "rollout.quantization", "one of \\['fp8'\\]"),
+    (["rollout.kv_cache_dtype=fp8"], "rollout.kv_cache_dtype", "needs rollout.engine=vllm"),
+    (VLLM + ["rollout.kv_cache_dtype=int8"], "rollout.kv_cache_dtype", "one of \\['fp8'\\]"),
     (VLLM + ["rollout.model_runner=v3"], "rollout.model_runner", "one of \\['v1', 'v2'\\]"),
     (["rollout.model_runner=v2"], "rollout.model_runner", "is a vLLM knob, but rollout.engine=hf"),
     (["rollout.request_seeds=false"], "rollout.request_seeds", "is a vLLM knob"),
@@ -108,6 +110,17 @@ def test_fp8_rollouts_default_to_token_tis_which_preset_none_turns_off():
                         gpu_memory_utilization=0.5)
     assert kwargs["compilation_config"] == {"cudagraph_capture_sizes": [1, 8, 512]}
     assert (kwargs["async_scheduling"], kwargs["max_num_seqs"]) == (False, 512) and "max_num_batched_tokens" not in kwargs
+    assert "kv_cache_dtype" not in kwargs  # vLLM's default: the model dtype
+
+
+def test_an_fp8_kv_cache_reaches_vllm_and_defaults_to_token_tis():
+    from megarl.rollout.vllm_engine import VLLMSettings, llm_kwargs
+
+    cfg = load_config(None, VLLM + ["rollout.kv_cache_dtype=fp8"])
+    assert cfg.algorithm.rollout_correction.settings() == ("token", "truncate", 2.0, 0.0)
+    kwargs = llm_kwargs(VLLMSettings.from_config(cfg.rollout), model_dir="m", context=64, seed=0, enforce_eager=True,
+                        gpu_memory_utilization=0.5)
+    assert kwargs["kv_cache_dtype"] == "fp8"
 
 
 def test_fp8_rollouts_need_whole_128_blocks_at_the_rollout_tp():

@@ -47,6 +47,8 @@ def tiny(tmp_path_factory):
 REFUSALS = [  # (overrides beside rollout.exact=true, what the one error line must say)
     (["rollout.engine=vllm", "rollout.quantization=fp8", "model.dtype=bfloat16"],
      "rollout.quantization: fp8 rollouts cannot be exact"),
+    (["rollout.engine=vllm", "rollout.kv_cache_dtype=fp8", "model.dtype=bfloat16"],
+     "rollout.kv_cache_dtype: fp8 cannot be exact"),
     (["rollout.engine=vllm", "rollout.tp=2", "model.dtype=bfloat16"], "rollout.tp: 2 cannot be exact yet"),
     (["rollout.engine=vllm", "rollout.model_runner=v2", "model.dtype=bfloat16"],
      "rollout.model_runner: v2 cannot be exact yet"),

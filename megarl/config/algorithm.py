@@ -50,7 +50,8 @@ class KLConfig:
 class RolloutCorrectionConfig:
     """Importance weights between the actor's old log-probs and the rollout engine's, applied to every policy
     loss (``megarl.algos.rollout_correction``). Off by default (``level: null``), except with FP8 rollouts
-    (``rollout.quantization: fp8``: token-level TIS, ``preset: token_tis``, as verl and NVIDIA's FP8 recipes); the
+    (``rollout.quantization: fp8`` or ``rollout.kv_cache_dtype: fp8``: token-level TIS, ``preset: token_tis``, as
+    verl and NVIDIA's FP8 recipes); the
     metrics ``rollout_corr/...`` (k3 KL rollout vs old, ratio mean/min/max, fractions truncated or masked) are
     logged every step whatever the setting.
 

@@ -13,6 +13,7 @@ from megarl.config.errors import require
 QUANTIZATIONS = ("fp8",)  # rollout.quantization besides null: the engine weight formats (megarl.models.fp8)
 MODEL_RUNNERS = ("v1", "v2")  # rollout.model_runner besides null (megarl.rollout.vllm_engine: VLLM_USE_V2_MODEL_RUNNER)
 LOGPROBS_SOURCES = ("output", "sampler")  # rollout.logprobs (megarl.rollout.vllm_logprobs)
+KV_CACHE_DTYPES = ("fp8",)  # rollout.kv_cache_dtype besides null: vLLM's kv_cache_dtype (fp8: E4M3 on CUDA)
 # The smallest reshard bucket, MiB (reshard.bucket_mb, megarl bench reshard --bucket-mb): 64 KiB, a floor that
 # catches a size given in the wrong unit; buckets of a few MiB and less already spend most of each round on
 # the round's synchronisation, not on moving bytes.
@@ -118,6 +119,12 @@ class RolloutConfig:
             TP shards are whole 128-blocks (:func:`megarl.models.layout_vllm.check_vllm_fp8`). Its rollout log-probs
             are those of the FP8 model: ``algorithm.rollout_correction`` then defaults to token-level TIS
             (``preset: token_tis``; ``preset: none`` turns it off).
+        kv_cache_dtype: the rollout engine's KV cache: null (the model dtype) or "fp8" (vLLM's ``kv_cache_dtype=
+            "fp8"``: E4M3 keys and values, scale 1.0, and on Hopper FlashAttention 3 attends in FP8): half the
+            bytes per cached token, so twice the tokens in the same ``gpu_memory_utilization`` and half the KV reads
+            of each decode step. vllm engine. Its rollout log-probs are those of the FP8 cache: as with
+            ``quantization``, ``algorithm.rollout_correction`` then defaults to token-level TIS. Not yet measured on
+            a GPU (``perf/gpu_generation.sh``'s ``gen_fp8kv`` and ``step_fp8kv``).
         model_runner: vLLM's model runner: "v1", "v2" or null: V2 for Qwen2 (vLLM 0.24's default there is V1;
             V2 measured faster, perf/RESULTS.md), V1 with ``exact``, else vLLM's choice for the architecture (V2
             for Llama, Mistral, Qwen3; V1 where V2 lacks a feature the engine uses). V2 samples seeded requests
@@ -180,6 +187,7 @@ class RolloutConfig:
     max_model_len: Optional[int] = None
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     quantization: Optional[str] = None
+    kv_cache_dtype: Optional[str] = None
     model_runner: Optional[str] = None
     async_scheduling: Optional[bool] = None
     max_num_seqs: Optional[int] = None
@@ -200,6 +208,9 @@ class RolloutConfig:
             require(self.quantization is None, "rollout.quantization",
                     f"{self.quantization} rollouts cannot be exact: the engine samples from the quantised model, the "
                     "trainer computes the bf16 one; set rollout.quantization=null or rollout.exact=false")
+            require(self.kv_cache_dtype is None, "rollout.kv_cache_dtype",
+                    f"{self.kv_cache_dtype} cannot be exact: the engine attends over the {self.kv_cache_dtype} cache, "
+                    "the trainer over the bf16 keys and values; set rollout.kv_cache_dtype=null or rollout.exact=false")
             require(self.engine == "hf" or self.tp == 1, "rollout.tp",
                     f"{self.tp} cannot be exact yet: vLLM's row-parallel layers all-reduce partial sums over the TP "
                     "ranks, another reduction order than the trainer's one matmul (TP-invariant reductions are not "
@@ -254,6 +265,10 @@ class RolloutConfig:
                 f"must be null (bf16) or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         require(self.quantization is None or self.engine == "vllm", "rollout.quantization",
                 f"{self.quantization} rollouts need rollout.engine=vllm (the hf engine runs the model dtype)")
+        require(self.kv_cache_dtype in (None, *KV_CACHE_DTYPES), "rollout.kv_cache_dtype",
+                f"must be null (the model dtype) or one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        require(self.kv_cache_dtype is None or self.engine == "vllm", "rollout.kv_cache_dtype",
+                f"{self.kv_cache_dtype} needs rollout.engine=vllm (the hf engine caches the model dtype)")
         require(self.model_runner in (None, *MODEL_RUNNERS), "rollout.model_runner",
                 f"must be null (V2 for Qwen2, else vLLM's choice) or one of {list(MODEL_RUNNERS)}, "
                 f"got {self.model_runner!r}")

@@ -284,8 +284,9 @@ class Config:
         if self.rollout.engines_per_gpu > 1:
             self._check_engine_pool()
         rc = alg.rollout_correction
-        if self.rollout.quantization is not None and rc.preset is None and rc.level is None:
-            rc.preset = "token_tis"  # the FP8 model's log-probs differ from the bf16 actor's (RolloutCorrectionConfig)
+        fp8 = self.rollout.quantization is not None or self.rollout.kv_cache_dtype is not None
+        if fp8 and rc.preset is None and rc.level is None:
+            rc.preset = "token_tis"  # FP8 weights or cache: the log-probs differ from the bf16 actor's (RolloutCorrectionConfig)
 
     def _check_exact(self) -> None:
         """What ``rollout.exact`` cannot make exact, each refused with its reason and fix (docs/DESIGN.md, "Exact

@@ -196,6 +196,7 @@ class VLLMSettings:
         request_seeds: seed every request (:func:`~megarl.rollout.base.sample_seed`: samples independent of
             batching); False: vLLM's generator, seeded once by ``run.seed`` (samples then depend on the batch).
         quantization: None (the model dtype) or "fp8" (block-FP8 weights, module docstring).
+        kv_cache_dtype: None (the model dtype) or "fp8" (vLLM's FP8 KV cache, ``rollout.kv_cache_dtype``).
         logprobs: "output" (vLLM's ``logprobs=0`` output) or "sampler" (the same values from vLLM's sampler on the
             GPU, :mod:`megarl.rollout.vllm_logprobs`), in ``generate`` and request by request; None: "sampler",
             and "output" where the model runner lacks the sampler's hooks (a vLLM other than 0.24.0).
@@ -212,6 +213,7 @@ class VLLMSettings:
     max_cudagraph_capture_size: int | None = None
     request_seeds: bool = True
     quantization: str | None = None
+    kv_cache_dtype: str | None = None
     logprobs: str | None = None
     exact: bool = False
 
@@ -256,7 +258,7 @@ def llm_kwargs(settings: VLLMSettings, *, model_dir: str, context: int, seed: in
                                   seed=seed, max_model_len=context, logprobs_mode="processed_logprobs",
                                   enable_prefix_caching=True)  # exact: the KV page the trainer's attention reads
     kwargs.update({"block_size": EXACT_KV_BLOCK_SIZE} if settings.exact else {})  # (kernels.batch_invariant)
-    for name in ("async_scheduling", "max_num_seqs", "max_num_batched_tokens"):
+    for name in ("async_scheduling", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype"):
         if getattr(settings, name) is not None:
             kwargs[name] = getattr(settings, name)
     compilation = {name: list(v) if isinstance(v, tuple) else v
