@@ -1,6 +1,7 @@
 """Model classes megarl adds to vLLM 0.24.0's registry (``vllm.ModelRegistry.register_model``, vLLM's interface for
-models outside its tree): the architectures vLLM builds only inside another class. Importing this module imports
-vLLM; :class:`~megarl.rollout.vllm_engine.VLLMRolloutEngine` calls :func:`register` before it starts vLLM.
+models outside its tree): the architectures vLLM builds only inside another class.
+:class:`~megarl.rollout.vllm_engine.VLLMRolloutEngine` calls :func:`register` before it starts vLLM; vLLM is imported
+only there, for an architecture of :data:`ARCHITECTURES`.
 
 Qwen3.5, dense and MoE, text only (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``: the transformers classes of
 ``qwen3_5_text`` / ``qwen3_5_moe_text``, what megarl trains and writes into the engine's config.json). vLLM 0.24
@@ -19,38 +20,35 @@ has them).
 
 from __future__ import annotations
 
-from vllm import ModelRegistry
-from vllm.model_executor.models.interfaces import IsHybrid
-from vllm.model_executor.models.qwen3_5 import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
-                                                Qwen3_5MoeForCausalLM)
+import functools
+
+ARCHITECTURES = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"})  # those megarl registers a class for
 
 
-def _from_vision_language(name: str) -> classmethod:
-    """Class method ``name`` of vLLM's Qwen3.5 vision-language class, as a class method of another class."""
-    return classmethod(getattr(Qwen3_5ForConditionalGeneration, name).__func__)
+@functools.cache
+def _text_models() -> dict[str, type]:
+    """The classes of :data:`ARCHITECTURES`: vLLM's Qwen3.5 language models with ``IsHybrid`` (module docstring)."""
+    from vllm.model_executor.models.interfaces import IsHybrid
+    from vllm.model_executor.models.qwen3_5 import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
+                                                    Qwen3_5MoeForCausalLM)
 
-
-class _GatedDeltaNetState(IsHybrid):
-    """vLLM's ``IsHybrid`` for a Qwen3.5 text model (module docstring)."""
-
-    get_mamba_state_dtype_from_config = _from_vision_language("get_mamba_state_dtype_from_config")
-    get_mamba_state_shape_from_config = _from_vision_language("get_mamba_state_shape_from_config")
-    get_mamba_state_copy_func = _from_vision_language("get_mamba_state_copy_func")
-
-
-class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM, _GatedDeltaNetState):
-    """vLLM's Qwen3.5 language model, run alone."""
-
-
-class Qwen3_5MoeTextForCausalLM(Qwen3_5MoeForCausalLM, _GatedDeltaNetState):
-    """vLLM's Qwen3.5-MoE language model, run alone."""
-
-
-TEXT_MODELS = {"Qwen3_5ForCausalLM": Qwen3_5TextForCausalLM, "Qwen3_5MoeForCausalLM": Qwen3_5MoeTextForCausalLM}
+    # the gated DeltaNet's state as vLLM's hybrid KV-cache manager asks the model class for it, computed by the
+    # vision-language class from hf_text_config alone
+    state = {name: classmethod(getattr(Qwen3_5ForConditionalGeneration, name).__func__)
+             for name in ("get_mamba_state_dtype_from_config", "get_mamba_state_shape_from_config",
+                          "get_mamba_state_copy_func")}
+    doc = "vLLM's Qwen3.5{} language model, run alone (megarl.rollout.vllm_models)."
+    return {"Qwen3_5ForCausalLM": type("Qwen3_5TextForCausalLM", (Qwen3_5ForCausalLM, IsHybrid),
+                                       {**state, "__doc__": doc.format("")}),
+            "Qwen3_5MoeForCausalLM": type("Qwen3_5MoeTextForCausalLM", (Qwen3_5MoeForCausalLM, IsHybrid),
+                                          {**state, "__doc__": doc.format("-MoE")})}
 
 
 def register(architecture: str) -> None:
     """Register megarl's class for ``architecture`` (a Hugging Face ``architectures[0]``) with vLLM's model registry
-    of this process, where :data:`TEXT_MODELS` has one; nothing otherwise (vLLM's own class serves it)."""
-    if architecture in TEXT_MODELS:
-        ModelRegistry.register_model(architecture, TEXT_MODELS[architecture])
+    of this process, where :data:`ARCHITECTURES` has it; nothing otherwise (vLLM's own class serves it, and vLLM is
+    not imported here)."""
+    if architecture in ARCHITECTURES:
+        from vllm import ModelRegistry
+
+        ModelRegistry.register_model(architecture, _text_models()[architecture])
