@@ -119,12 +119,20 @@ def _peak_logits(actor, spec: ModelSpec) -> None:
         weight.mul_(4.0 / (weight.float().std().item() * spec.hidden_size ** 0.5))
 
 
-def _decode(rank, world, family):
+def engine_plan(actor, spec: ModelSpec, mesh, engine_layout):
+    """The reshard plan from ``actor`` (built here, its experts as its layer spec made them: ``megarl_moe_experts``)
+    into an engine's layout (``tests/test_reshard_bf16_families.py`` runs it on the CPU for every family)."""
     from megarl.models.layout_megatron import megatron_layout
+    from megarl.reshard.planner import plan_reshard
+
+    return plan_reshard(megatron_layout(spec, mesh, padded_vocab=actor.vocab_size,
+                                        moe_experts=actor.megarl_moe_experts), engine_layout)
+
+
+def _decode(rank, world, family):
     from megarl.models.megatron import build_model
     from megarl.parallel.mesh import ParallelLayout, initialize_model_parallel
     from megarl.reshard.executor import execute_plan
-    from megarl.reshard.planner import plan_reshard
     from megarl.rollout.base import SamplingConfig
     from megarl.rollout.vllm_engine import VLLMRolloutEngine
 
@@ -135,7 +143,7 @@ def _decode(rank, world, family):
     actor = build_model(spec, mesh, params_dtype=torch.bfloat16, **build_kwargs).cuda().eval()
     _peak_logits(actor, spec)
     engine = VLLMRolloutEngine(spec, tp=1, gpu_memory_utilization=0.3, seed=0, enforce_eager=True)
-    plan = plan_reshard(megatron_layout(spec, mesh, padded_vocab=actor.vocab_size), engine.weight_layout([0]))
+    plan = engine_plan(actor, spec, mesh, engine.weight_layout([0]))
     src = {n: p.detach() for n, p in actor.named_parameters()}
     engine.update_weights(lambda dst: execute_plan(plan, src, dst))
     g = torch.Generator().manual_seed(0)
