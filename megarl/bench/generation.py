@@ -347,9 +347,10 @@ def summary_table(folder: str | os.PathLike) -> str:
            + " | other | GPU util % |", "|" + "---|" * (10 + len(STEP_PARTS))]
     for label, r in gens.items():
         v = r["vllm"]
+        kv = v.get("kv_cache_dtype", "auto")  # reports before 2026-12-07 lack it
         resolved = (f"{'V2' if v['v2_model_runner'] else 'V1'} runner, async {'on' if v['async_scheduling'] else 'off'}, "
                     f"{v['max_num_seqs']} seqs, graphs to {v['max_cudagraph_capture_size']}, {v['quantization'] or 'bf16'}"
-                    f"{', KV ' + v['kv_cache_dtype'] if v.get('kv_cache_dtype', 'auto') != 'auto' else ''}")
+                    + (f", KV {kv}" if kv != "auto" else ""))
         for name, x in r["variants"].items():
             p = x["per_step_ms"]
             out.append(f"| {label} | {resolved} | {name} | {x['tokens_per_s']:,.0f} | {x['seconds']:.2f} | {x['steps']} | "

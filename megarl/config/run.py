@@ -285,8 +285,8 @@ class Config:
             self._check_engine_pool()
         rc = alg.rollout_correction
         fp8 = self.rollout.quantization is not None or self.rollout.kv_cache_dtype is not None
-        if fp8 and rc.preset is None and rc.level is None:
-            rc.preset = "token_tis"  # FP8 weights or cache: the log-probs differ from the bf16 actor's (RolloutCorrectionConfig)
+        if fp8 and rc.preset is None and rc.level is None:  # FP8 weights or cache: the log-probs differ from the
+            rc.preset = "token_tis"                          # bf16 actor's (RolloutCorrectionConfig)
 
     def _check_exact(self) -> None:
         """What ``rollout.exact`` cannot make exact, each refused with its reason and fix (docs/DESIGN.md, "Exact
