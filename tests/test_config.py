@@ -75,6 +75,8 @@ VLLM = ["rollout.engine=vllm"]
     (VLLM + ["rollout.quantization=int4"], "rollout.quantization", "one of \\['fp8'\\]"),
     (["rollout.kv_cache_dtype=fp8"], "rollout.kv_cache_dtype", "needs rollout.engine=vllm"),
     (VLLM + ["rollout.kv_cache_dtype=int8"], "rollout.kv_cache_dtype", "one of \\['fp8'\\]"),
+    (VLLM + ["rollout.kv_cache_dtype=fp8", "rollout.quantization=fp8"], "rollout.kv_cache_dtype",
+     "scales from the engine's dummy weights"),
     (VLLM + ["rollout.model_runner=v3"], "rollout.model_runner", "one of \\['v1', 'v2'\\]"),
     (["rollout.model_runner=v2"], "rollout.model_runner", "is a vLLM knob, but rollout.engine=hf"),
     (["rollout.request_seeds=false"], "rollout.request_seeds", "is a vLLM knob"),

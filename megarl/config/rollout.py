@@ -124,7 +124,8 @@ class RolloutConfig:
             bytes per cached token, so twice the tokens in the same ``gpu_memory_utilization`` and half the KV reads
             of each decode step. vllm engine. Its rollout log-probs are those of the FP8 cache: as with
             ``quantization``, ``algorithm.rollout_correction`` then defaults to token-level TIS. Not yet measured on
-            a GPU (``perf/gpu_generation.sh``'s ``gen_fp8kv`` and ``step_fp8kv``).
+            a GPU (``perf/gpu_generation.sh``'s ``gen_fp8kv`` and ``step_fp8kv``). Not with ``quantization``: vLLM
+            reads an FP8 model's cache scales from its checkpoint, which an engine of megarl's does not have.
         model_runner: vLLM's model runner: "v1", "v2" or null: V2 for Qwen2 (vLLM 0.24's default there is V1;
             V2 measured faster, perf/RESULTS.md), V1 with ``exact``, else vLLM's choice for the architecture (V2
             for Llama, Mistral, Qwen3; V1 where V2 lacks a feature the engine uses). V2 samples seeded requests
@@ -269,6 +270,12 @@ class RolloutConfig:
                 f"must be null (the model dtype) or one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         require(self.kv_cache_dtype is None or self.engine == "vllm", "rollout.kv_cache_dtype",
                 f"{self.kv_cache_dtype} needs rollout.engine=vllm (the hf engine caches the model dtype)")
+        # vLLM 0.24 gives an FP8 checkpoint's attention layers k/v scale parameters, read from the checkpoint; an
+        # engine of megarl's starts from dummy weights (random values, model_loader/weight_utils.py
+        # initialize_dummy_weights), which its FP8 cache would then take as scales (quantization/kv_cache.py)
+        require(self.kv_cache_dtype is None or self.quantization is None, "rollout.kv_cache_dtype",
+                f"{self.kv_cache_dtype} with rollout.quantization={self.quantization}: vLLM would take the cache's "
+                "scales from the engine's dummy weights (megarl writes none); set one of the two to null")
         require(self.model_runner in (None, *MODEL_RUNNERS), "rollout.model_runner",
                 f"must be null (V2 for Qwen2, else vLLM's choice) or one of {list(MODEL_RUNNERS)}, "
                 f"got {self.model_runner!r}")
