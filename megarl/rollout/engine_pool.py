@@ -248,9 +248,9 @@ class EnginePool:
         prompts = [list(p) for p in prompt_token_ids]
         versions = (self.policy_version, self.adapter_version)
         shares = [shard_bounds(len(prompts), k, self.size) for k in range(self.size)]
-        busy = [k for k, (lo, hi) in enumerate(shares) if hi > lo] or [0]  # fewer prompts than engines: not all
+        # the engines with a share (fewer prompts than engines: the first ones), and the first one without prompts
         outputs = self._ask({k: ("generate", (prompts[lo:hi], sampling, prompt_offset + lo, self.calls, versions))
-                             for k, (lo, hi) in ((k, shares[k]) for k in busy)})
+                             for k, (lo, hi) in enumerate(shares) if hi > lo or k == 0})
         self.calls += 1
         stats = RolloutStats(prompt_tokens=sum(o.stats.prompt_tokens for o in outputs),
                              generated_tokens=sum(o.stats.generated_tokens for o in outputs),
