@@ -15,7 +15,9 @@ has two halves, read in its source:
   residual a Triton kernel of one program per row; with one, which every norm after the first layer's input norm
   has, the ``fused_add_rms_norm`` CUDA op, which is not batch-invariant in 0.24: see
   :func:`enable_batch_invariant_mode`), ``SiluAndMul`` the ``silu_and_mul`` CUDA op, attention with one KV split
-  (``num_splits=1``, no cascade attention).
+  (``num_splits=1``, no cascade attention) but a tile that follows the step's longest query, which is not
+  batch-invariant either for head_dim 64 (:data:`EXACT_MIN_QUERY_LEN`; :func:`enable_batch_invariant_mode` fixes
+  it).
 
 The engine runs in the training process (:mod:`megarl.rollout.vllm_engine`), so the overrides of the first half
 act on the trainer's forward too once :func:`enable_batch_invariant_mode` has run (it runs them itself, before
@@ -51,7 +53,8 @@ def enable_batch_invariant_mode() -> bool:
     """Put this process in vLLM's batch-invariant mode (the overrides of the module docstring) where a GPU is
     there (the trainer calls it for ``rollout.exact`` with ``rollout.engine=vllm``), with vLLM's norms that take
     the residual pinned to the add then its row-wise Triton kernel (:func:`residual_then_norm`; the comment in
-    the body says why); a no-op on the CPU (returns False), where the old-log-prob pass is made batch-invariant
+    the body says why) and its FlashAttention calls held to one tile (:func:`fixed_attention_tile`); a no-op on
+    the CPU (returns False), where the old-log-prob pass is made batch-invariant
     by running each sample alone (:meth:`megarl.workers.engine.MegatronWorker.forward_response_frame`).
 
     Returns:
@@ -76,8 +79,45 @@ def enable_batch_invariant_mode() -> bool:
     # #40413; ~2% of its latency there), and the trainer's exact pass calls the same kernel.
     if not getattr(layernorm.rms_norm_batch_invariant, "adds_the_residual_first", False):
         layernorm.rms_norm_batch_invariant = residual_then_norm(layernorm.rms_norm_batch_invariant)
+    from vllm.v1.attention.backends import flash_attn
+
+    # FlashAttention 3 picks its tile from the call's max_seqlen_q: one of its KV-tile widths for a step of
+    # short queries (decode), another for prefill (EXACT_MIN_QUERY_LEN says which and why); every call of the
+    # engine's FLASH_ATTN backend and of the exact pass then runs the same tile.
+    if not getattr(flash_attn.flash_attn_varlen_func, "fixes_the_tile", False):
+        flash_attn.flash_attn_varlen_func = fixed_attention_tile(flash_attn.flash_attn_varlen_func)
     _ENABLED = True
     return True
+
+
+# The least max_seqlen_q the exact mode passes to FlashAttention 3. Read in vllm-flash-attention (hopper/
+# flash_api.cpp, heuristics.h, tile_size.h; the same since 2026-02, so in vLLM 0.24): FA3 takes its tile
+# (kBlockM x kBlockN) from the call's max_seqlen_q, not from each sequence. With max_seqlen_q x (query heads per
+# KV head) <= 64 it runs one MMA warp group (`use_one_mma_wg`: for head_dim 64 a 64 x 192 tile), and with
+# max_seqlen_q == 1 it drops the causal flag for head_dim <= 64 or > 128; a causal prefill of head_dim 64 runs
+# 192 x 128. kBlockN is where the online softmax rescales and rounds P to bf16, so a query over more than 128
+# keys comes out in other bits in a decode step (192) than in a prefill step or the trainer's pass (128): vLLM's
+# batch-invariant mode is not invariant there (head_dim 64: SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B; for head_dim
+# 128 both tiles are 128 wide over a paged cache). Measured 2026-12-07 on an H100: SmolLM2-135M on GSM8K (prompts
+# of ~100-200 tokens, 256 new) with rollout.exact had ~0.0001 of its tokens equal, against 1.0 for sequences
+# under 128 tokens. A floor of 65 keeps every call causal and off the one-warp-group tile, whatever the heads.
+EXACT_MIN_QUERY_LEN = 65
+
+
+def fixed_attention_tile(attention: Callable[..., object]) -> Callable[..., object]:
+    """``flash_attn_varlen_func`` (vLLM's, ``vllm/vllm_flash_attn``) with ``max_seqlen_q`` raised to at least
+    :data:`EXACT_MIN_QUERY_LEN`: a bound on the queries' length, which FA3 reads only to size its grid and pick
+    its tile, so each query row is computed as in a prefill whatever else the step holds (the comment at
+    :data:`EXACT_MIN_QUERY_LEN`). :func:`enable_batch_invariant_mode` puts it in vLLM's FLASH_ATTN backend; the
+    exact pass's attention (:func:`_vllm_attention`) calls vLLM's function through it."""
+    def with_fixed_tile(*args, **kwargs):
+        if "max_seqlen_q" in kwargs:
+            kwargs["max_seqlen_q"] = max(int(kwargs["max_seqlen_q"]), EXACT_MIN_QUERY_LEN)
+        elif len(args) > 3:  # (q, k, v, max_seqlen_q, ...)
+            args = (*args[:3], max(int(args[3]), EXACT_MIN_QUERY_LEN), *args[4:])
+        return attention(*args, **kwargs)
+    with_fixed_tile.fixes_the_tile = True
+    return with_fixed_tile
 
 
 def residual_then_norm(norm: Callable[..., torch.Tensor]) -> Callable[..., "torch.Tensor | tuple"]:
@@ -125,6 +165,10 @@ def vllm_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int
     return torch.log_softmax(z, dim=-1, dtype=torch.float32).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
+# The float32 logits ([rows, tokens, vocab] x 4 bytes) one micro-batch of the exact pass holds on a GPU
+# (MegatronWorker._exact_micro_batches): vllm_logprobs makes two more of that size, the bf16 logits half of it.
+EXACT_LOGIT_BYTES = 2 * 2**30
+
 EXACT_KV_BLOCK_SIZE = 16  # the KV cache's page, in tokens, of an exact engine (vLLM's default; llm_kwargs pins it)
 
 
@@ -150,15 +194,17 @@ def _vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     vLLM's FLASH_ATTN backend as its batch-invariant mode calls it (``vllm/v1/attention/backends/flash_attn.py``,
     ``FlashAttentionImpl.forward``): the keys and values read from a paged cache of ``EXACT_KV_BLOCK_SIZE``-token
     pages through a block table (:func:`paged_kv`; FlashAttention 3 picks its tiles and packs GQA heads by whether
-    the KV is paged), one KV split, the FlashAttention version vLLM picks."""
+    the KV is paged), one KV split, the FlashAttention version vLLM picks, and the tile of a prefill
+    (:func:`fixed_attention_tile`), which the engine then runs for every step."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
     s = q.shape[0]
     k_cache, v_cache, table, used = paged_kv(k, v)
     cu = torch.tensor([0, s], dtype=torch.int32, device=q.device)
-    return flash_attn_varlen_func(q.contiguous(), k_cache, v_cache, max_seqlen_q=s, cu_seqlens_q=cu,
-                                  max_seqlen_k=s, seqused_k=used, block_table=table, softmax_scale=scale,
-                                  causal=True, num_splits=1, fa_version=get_flash_attn_version(head_size=q.shape[-1]))
+    return fixed_attention_tile(flash_attn_varlen_func)(
+        q.contiguous(), k_cache, v_cache, max_seqlen_q=s, cu_seqlens_q=cu, max_seqlen_k=s, seqused_k=used,
+        block_table=table, softmax_scale=scale, causal=True, num_splits=1,
+        fa_version=get_flash_attn_version(head_size=q.shape[-1]))
 
 
 def vllm_rotary(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: torch.Tensor | None = None,

@@ -29,6 +29,8 @@
 # by more than 15% (GATE_TOLERANCE, e.g. 0.1 or step_time_s=0.1) fails the case; no such run: not compared. With
 # GATE_APPEND=1 a passing run is appended to a copy of the history, $OUT/bench_step_history.jsonl (bring it back
 # and commit it as perf/history/bench_step.jsonl to make the run a baseline).
+# STANDALONE=0 leaves out the standalone-vLLM baseline of grpo-1.5b-fast and smollm2 (a second engine start and
+# three passes, ~3 minutes on an H100), for a pair of runs that compares the RL step alone (perf/gpu_exact.sh).
 # Prints the bench table; the last line is "gpu_bench_step CASE: PASS|FAIL (N s)".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +42,7 @@ OUT=${OUT:-runs/gpu_bench_step}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 source perf/gpu_env.sh
 START=$SECONDS
+STANDALONE_VLLM=$([ "${STANDALONE:-1}" = 0 ] || echo --standalone-vllm)
 
 bash perf/install_wheels.sh > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 bash perf/build_C.sh > "$OUT/build_C.log" 2>&1 || { tail -20 "$OUT/build_C.log"; exit 1; }
@@ -72,13 +75,13 @@ case $CASE in
               actor.kernels.attention=local "$@" --steps 3 --warmup 1 ;;
   grpo-1.5b-fast) set -- model.path=preset:qwen2.5-1.5b "${SYN[@]}" $GRPO rollout.enforce_eager=false \
               actor.micro_batch_size=32 actor.logprob_micro_batch_size=64 "$@" --steps 3 --warmup 1 \
-              --standalone-vllm ;;
+              $STANDALONE_VLLM ;;
   qwen3-8b) set -- "model.path=preset:qwen3-8b?layers=4" "${SYN[@]}" $GRPO rollout.enforce_eager=false \
               actor.micro_batch_size=8 actor.logprob_micro_batch_size=16 "$@" --steps 3 --warmup 1 ;;
   smollm2) source perf/gpu_smollm2_gsm8k.sh  # SMOL_GGUF, GSM8K_DIR
            set -- parallel_configs/gpu_1xh200_smollm2_gsm8k.yaml data.gsm8k_source="$GSM8K_DIR" \
               "data.train_files=[$OUT/gsm8k/train.parquet]" trainer.progress=false run.output_dir="$OUT" \
-              run.name="$CASE" "$@" --steps 3 --warmup 1 --standalone-vllm ;;
+              run.name="$CASE" "$@" --steps 3 --warmup 1 $STANDALONE_VLLM ;;
   *) echo "unknown case $CASE ($CASES)"; exit 2 ;;
 esac
 python3 -m megarl.cli bench step "$@" --json "$OUT/$CASE.json" --overwrite 2>&1 | tee "$OUT/$CASE.log" \

@@ -31,8 +31,9 @@ begin gpu_exact 570
 bench_pair() {  # the 1.5B bench step without, then with rollout.exact, on this machine (megarl._C built first)
   local status=0
   build_extension || return 1
-  OUT=$OUT/bench_plain bash perf/gpu_bench_step.sh grpo-1.5b-fast || status=1
-  OUT=$OUT/bench_exact bash perf/gpu_bench_step.sh grpo-1.5b-fast rollout.exact=true || status=1
+  # without the standalone-vLLM baseline (STANDALONE=0): with it the pair outran a 10-minute call (2026-12-07)
+  STANDALONE=0 OUT=$OUT/bench_plain bash perf/gpu_bench_step.sh grpo-1.5b-fast || status=1
+  STANDALONE=0 OUT=$OUT/bench_exact bash perf/gpu_bench_step.sh grpo-1.5b-fast rollout.exact=true || status=1
   python3 - "$OUT/bench_plain/grpo-1.5b-fast.json" "$OUT/bench_exact/grpo-1.5b-fast.json" <<'EOF' || status=1
 import json
 import sys
@@ -145,7 +146,7 @@ stage install 200 install_wheels
 if [ $failed -eq 0 ]; then  # all run, so that one GPU session reports on each
   stage test_gpu_exact 330 "python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_exact.py"
   stage seeded_pair 300 seeded_pair
-  stage bench_pair 400 bench_pair
+  stage bench_pair 540 bench_pair
   stage refits_1p5b 400 refits_1p5b
 fi
 grep -h -A24 "exact on GPU\|exact probe" "$OUT/test_gpu_exact.log" 2>/dev/null | grep -v "^--$" | head -40

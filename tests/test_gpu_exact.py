@@ -34,7 +34,8 @@ def _overrides(case: str, root) -> list[str]:
                 "data.prompts_per_step=8", "rollout.n=8", "actor.ppo_mini_batch_size=32", "actor.optim.lr=3e-3"]
     return [f"model.path={os.environ.get('SMOL_GGUF', 'default')}", f"run.output_dir={root / 'runs'}",
             "run.name=smollm2",  # the arithmetic task; SMOL_GGUF: the GGUF where build.sh did not install it
-            "data.train_files=[" + str(root / "arithmetic" / "train.parquet") + "]", "actor.optim.lr=1e-5"]
+            "data.train_files=[" + str(root / "arithmetic" / "train.parquet") + "]", "actor.optim.lr=1e-5",
+            "rollout.max_new_tokens=192"]  # sequences past 128 keys (FA3's prefill tile at head_dim 64)
 
 
 @pytest.mark.parametrize("case", ["tiny", "smollm2"])
@@ -155,14 +156,18 @@ def _probe(rank, world, case):
     # the sampled tokens' log-probs three ways: vLLM's decode (the rollout's), the trainer's exact pass, and
     # vLLM's own prefill of prompt + response (prompt_logprobs): where the trainer equals vLLM's prefill but not
     # its decode, decode attention over the paged KV cache is what differs. Eight prompts prefilled in one step
-    # (320 tokens), each scored alone by the trainer (88): vLLM 0.24's fused add + RMSNorm changes its reduction
-    # at 256 tokens a step, which the exact mode must take out of the engine
+    # (820 tokens), each scored alone by the trainer: vLLM 0.24's fused add + RMSNorm changes its reduction at 256
+    # tokens a step, which the exact mode must take out of the engine; and four of them long enough (150-190
+    # tokens, 96 new ones) that queries see more than 128 and 192 keys, where FlashAttention 3's tile for a decode
+    # step (192 keys wide at head_dim 64, both models here) parts from its prefill tile (128) unless the exact mode
+    # holds it (kernels/batch_invariant.py, EXACT_MIN_QUERY_LEN)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     g = torch.Generator().manual_seed(1)
-    prompts = [prompt] + [torch.randint(0, spec.vocab_size - 1, (40,), generator=g).tolist() for _ in range(7)]
-    sampled = engine.generate(prompts, SamplingConfig(n=1, temperature=1.0, max_new_tokens=48, seed=7))
+    prompts = [prompt] + [torch.randint(0, spec.vocab_size - 1, (n,), generator=g).tolist()
+                          for n in (40, 40, 40, 150, 150, 170, 190)]
+    sampled = engine.generate(prompts, SamplingConfig(n=1, temperature=1.0, max_new_tokens=96, seed=7))
     counts = {"trainer_vs_decode": [0, 0.0], "trainer_vs_prefill": [0, 0.0], "prefill_vs_decode": [0, 0.0]}
     total = 0
     for s in sampled.samples:

@@ -38,8 +38,8 @@ def old_logprob_pass(cfg: Config, *, rows: int, step: int, moe: bool) -> str | N
     The pass runs where any of these holds (in this order; the reason says which):
 
     - ``actor.old_logprob_pass="always"``;
-    - ``rollout.exact``: the old log-probs come from the batch-invariant pass (one sample per micro-batch, the
-      engine's kernels), not the update's micro-batches;
+    - ``rollout.exact``: the old log-probs come from the batch-invariant pass (the engine's batch-invariant kernels,
+      or one sample per micro-batch without them), not the update's micro-batches;
     - ``actor.ppo_epochs > 1`` or more than one mini-batch (``actor.ppo_mini_batch_size`` < ``rows``): the later
       updates need the weights before the first;
     - the KL penalty is in the reward (``algorithm.kl.coef > 0``, ``kl.in_loss=false``), or the rollout

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megarl.kernels.batch_invariant import batch_invariant_mode, vllm_kernels
+from megarl.kernels.batch_invariant import EXACT_LOGIT_BYTES, batch_invariant_mode, vllm_kernels
 from megarl.kernels.context_parallel import gather_from_cp_ranks
 from megarl.algos.nonfinite import NonFiniteError
 from megarl.config import ActorConfig, OptimConfig
@@ -232,9 +232,9 @@ class MegatronWorker:
         instead of a pass of its own where the weights are still these (:attr:`pass_routing`).
 
         ``exact`` (``rollout.exact``'s old-log-prob pass): batch-invariant, a sample's outputs do not depend on the
-        other samples of the batch, their number or its padding: every sample is a micro-batch of its own, cut to
-        its own length (:meth:`_exact_micro_batches`), and in vLLM's batch-invariant mode (a GPU run with vLLM) the
-        linear layers, norms and attention run vLLM's kernels (:func:`megarl.kernels.batch_invariant.vllm_kernels`)."""
+        other samples of the batch, their number or its padding (:meth:`_exact_micro_batches`): in vLLM's
+        batch-invariant mode (a GPU run with vLLM) the linear layers, norms and attention run vLLM's kernels
+        (:func:`megarl.kernels.batch_invariant.vllm_kernels`), elsewhere every sample is a micro-batch of its own."""
         found = routers(self.model) if count_routes else []
         moe_names = ("response_lens",) if needs_batch_stats(found) else ()
         if exact:
@@ -314,12 +314,28 @@ class MegatronWorker:
         return micro, [torch.cat(p) for p in packed]
 
     def _exact_micro_batches(self, batch: RolloutBatch, names: tuple[str, ...]
-                             ) -> tuple[list[dict[str, torch.Tensor]], None]:
-        """This rank's DP share of ``batch`` as micro-batches of one row each, each cut to its own length (padded
-        to a multiple of ``8 * tp``, as the batch is: :func:`~megarl.workers.packing.trim_to_longest`), in order;
-        the rows are None (:meth:`_micro_batches`). The shapes a sample runs at are then its own, and so are the
-        positions whose logits the chunked output layer computes (its response's, not the batch's response width:
-        ``logit_positions``, :meth:`_with_logit_positions`), which its chunks of tokens cut."""
+                             ) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor] | None]:
+        """This rank's DP share of ``batch`` in micro-batches whose outputs do not depend on which samples share
+        them (:meth:`_micro_batches`' return).
+
+        In vLLM's batch-invariant mode (:func:`~megarl.kernels.batch_invariant.batch_invariant_mode`) every kernel
+        of the pass computes a token's row alone and attention a sequence alone, whatever the batch: rows of
+        similar length share micro-batches (:func:`~megarl.workers.packing.pack_shares`, each cut to its longest
+        row) of at most :data:`EXACT_LOGIT_BYTES` of float32 logits, since the pass keeps the model's whole logits
+        (:func:`~megarl.kernels.batch_invariant.vllm_logprobs`). Elsewhere (the CPU, whose matmuls are not
+        batch-invariant) every sample is a micro-batch of its own, cut to its own length (padded to a multiple of
+        ``8 * tp``, as the batch is), in order (the rows are None), so that the positions whose logits the
+        chunked output layer computes are its response's, not the batch's response width (``logit_positions``,
+        :meth:`_with_logit_positions`), which its chunks of tokens cut."""
+        if batch_invariant_mode():
+            lengths = batch["prompt_lens"] + batch["response_lens"]
+            multiple = 8 * self.mesh.tp
+            budget = max(1, EXACT_LOGIT_BYTES // (4 * self.spec.vocab_size))  # tokens
+            packed = pack_shares(lengths, self.dp_size, budget, multiple=multiple,
+                                 count_multiple=self.mesh.microbatch_multiple)
+            micro = [self._with_logit_positions(self._to_device(trim_to_longest(
+                {k: batch[k][idx] for k in names}, lengths[idx], multiple))) for idx in packed[self.dp_rank]]
+            return micro, [torch.cat(p) for p in packed]
         share = dp_share(batch, self.dp_rank, self.dp_size)
         lengths = share["prompt_lens"] + share["response_lens"]
         micro = []
