@@ -84,8 +84,9 @@ def enable_batch_invariant_mode() -> bool:
     # FlashAttention 3 picks its tile from the call's max_seqlen_q: one of its KV-tile widths for a step of
     # short queries (decode), another for prefill (EXACT_MIN_QUERY_LEN says which and why); every call of the
     # engine's FLASH_ATTN backend and of the exact pass then runs the same tile.
-    if not getattr(flash_attn.flash_attn_varlen_func, "fixes_the_tile", False):
-        flash_attn.flash_attn_varlen_func = fixed_attention_tile(flash_attn.flash_attn_varlen_func)
+    attention = getattr(flash_attn, "flash_attn_varlen_func", None)  # None where vLLM has no FlashAttention here
+    if attention is not None and not getattr(attention, "fixes_the_tile", False):
+        flash_attn.flash_attn_varlen_func = fixed_attention_tile(attention)
     _ENABLED = True
     return True
 

@@ -444,3 +444,37 @@ def test_the_exact_pass_shares_micro_batches_where_vllms_kernels_are_batch_invar
     assert r["order"] == list(range(8)) and len(r["rows"]) < 8 and max(r["rows"]) > 1, r
     assert all(t <= 160 for t in r["tokens"]), r
     assert r["diff"] < 1e-5, r
+
+
+def test_batch_invariant_mode_holds_vllms_attention_to_one_tile_once(monkeypatch):
+    """:func:`enable_batch_invariant_mode` (here with stand-ins for the vLLM modules it touches and a GPU faked)
+    wraps the FLASH_ATTN backend's ``flash_attn_varlen_func`` with :func:`fixed_attention_tile` and the residual
+    norm with :func:`residual_then_norm`, each once however often it runs."""
+    import sys
+    import types
+
+    import megarl.kernels.batch_invariant as bi
+
+    def module(name, **attrs):  # the module and its packages (a package already there is kept)
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+        parent, _, child = name.rpartition(".")
+        if parent not in sys.modules:
+            module(parent, __path__=[])
+        monkeypatch.setattr(sys.modules[parent], child, m, raising=False)
+        return m
+
+    layernorm = module("vllm.model_executor.layers.layernorm", rms_norm_batch_invariant=lambda x, w, eps: x)
+    module("vllm.model_executor.layers.batch_invariant", init_batch_invariance=lambda: None)
+    calls = []
+    flash_attn = module("vllm.v1.attention.backends.flash_attn",
+                        flash_attn_varlen_func=lambda *a, **kw: calls.append(kw["max_seqlen_q"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bi.os, "environ", {})
+    monkeypatch.setattr(bi, "_ENABLED", False)
+    assert bi.enable_batch_invariant_mode() and bi.enable_batch_invariant_mode() and bi.batch_invariant_mode()
+    flash_attn.flash_attn_varlen_func(max_seqlen_q=1)
+    assert calls == [bi.EXACT_MIN_QUERY_LEN] and flash_attn.flash_attn_varlen_func.fixes_the_tile
+    assert layernorm.rms_norm_batch_invariant.adds_the_residual_first
+    assert bi.os.environ == bi.BATCH_INVARIANT_ENV
