@@ -81,6 +81,8 @@ VLLM = ["rollout.engine=vllm"]
     (["rollout.model_runner=v2"], "rollout.model_runner", "is a vLLM knob, but rollout.engine=hf"),
     (["rollout.request_seeds=false"], "rollout.request_seeds", "is a vLLM knob"),
     (VLLM + ["rollout.max_num_seqs=0"], "rollout.max_num_seqs", ">= 1"),
+    (VLLM + ["rollout.kv_cache_memory_bytes=0"], "rollout.kv_cache_memory_bytes", ">= 1"),
+    (["rollout.kv_cache_memory_bytes=1000000"], "rollout.kv_cache_memory_bytes", "is a vLLM knob"),
     (VLLM + ["rollout.max_num_seqs=512", "rollout.max_num_batched_tokens=256"], "rollout.max_num_batched_tokens",
      "below rollout.max_num_seqs=512"),
     (VLLM + ["rollout.cudagraph_capture_sizes=[1,8]"], "rollout.cudagraph_capture_sizes", "enforce_eager=true"),
@@ -112,7 +114,7 @@ def test_fp8_rollouts_default_to_token_tis_which_preset_none_turns_off():
                         gpu_memory_utilization=0.5)
     assert kwargs["compilation_config"] == {"cudagraph_capture_sizes": [1, 8, 512]}
     assert (kwargs["async_scheduling"], kwargs["max_num_seqs"]) == (False, 512) and "max_num_batched_tokens" not in kwargs
-    assert "kv_cache_dtype" not in kwargs  # vLLM's default: the model dtype
+    assert "kv_cache_dtype" not in kwargs and "kv_cache_memory_bytes" not in kwargs  # vLLM's defaults
 
 
 def test_an_fp8_kv_cache_reaches_vllm_and_defaults_to_token_tis():

@@ -19,6 +19,7 @@ CASES = {  # name -> (VLLMSettings fields, family of tests/test_gpu_families.py,
     "fp8_kv_cache": ({"kv_cache_dtype": "fp8"}, "qwen3", True),
     "fp8_weights": ({"quantization": "fp8"}, "qwen3", True),
     "knobs": ({"async_scheduling": True, "max_num_seqs": 512, "max_num_batched_tokens": 4096,
+               "kv_cache_memory_bytes": 3 << 30,
                "cudagraph_capture_sizes": (1, 8, 64), "max_cudagraph_capture_size": 64}, "qwen3", False),
     "exact_compiled": ({"exact": True}, "qwen3", False),
     "qwen3_5": ({}, "qwen3_5", True),
@@ -53,7 +54,8 @@ def _configs(rank, world):
             "architecture": m.architecture, "dtype": str(m.dtype), "max_model_len": m.max_model_len, "seed": m.seed,
             "load_format": c.load_config.load_format, "logprobs_mode": m.logprobs_mode,
             "quantization": m.quantization, "prefix_caching": cache.enable_prefix_caching,
-            "cache_dtype": cache.cache_dtype, "block_size": cache.block_size, "mamba": cache.mamba_cache_mode,
+            "cache_dtype": cache.cache_dtype, "kv_bytes": cache.kv_cache_memory_bytes, "block_size": cache.block_size,
+            "mamba": cache.mamba_cache_mode,
             "hybrid": m.is_hybrid, "mla": m.use_mla, "sleep": m.enable_sleep_mode,
             "async_scheduling": sched.async_scheduling, "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
@@ -86,6 +88,7 @@ def test_the_fp8_settings_reach_vllm(configs):
 def test_the_speed_knobs_reach_vllm(configs):
     k = configs["knobs"]
     assert (k["async_scheduling"], k["max_num_seqs"], k["max_num_batched_tokens"]) == (True, 512, 4096)
+    assert (k["kv_bytes"], configs["defaults"]["kv_bytes"]) == (3 << 30, None)  # set: vLLM skips its profile
     assert (k["capture_sizes"], k["max_capture"]) == ([1, 8, 64], 64)
 
 

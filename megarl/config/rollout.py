@@ -136,6 +136,11 @@ class RolloutConfig:
             70 GiB); a rollout batch above it decodes in waves.
         max_num_batched_tokens: tokens per vLLM step (prefill chunks); null = vLLM's default (16384 on an
             H200, 8192 under 70 GiB); at least max_num_seqs.
+        kv_cache_memory_bytes: each vLLM engine's KV cache, bytes (vLLM's ``kv_cache_memory_bytes``); null = what
+            ``gpu_memory_utilization`` leaves after vLLM's start-up memory profile. Set, vLLM skips that profile,
+            which fails ("Error in memory profiling") when another process on the GPU frees memory meanwhile, such
+            as a second job's engine going to sleep, and the cache is the same size on every start; vLLM still
+            wants ``gpu_memory_utilization`` of the GPU free when it starts.
         cudagraph_capture_sizes: decode batch sizes vLLM captures as CUDA graphs (enforce_eager=false); null =
             vLLM's (1, 2, 4, multiples of 8 to 248, of 16 up to max_cudagraph_capture_size).
         max_cudagraph_capture_size: the largest captured batch (enforce_eager=false); null = vLLM's
@@ -193,6 +198,7 @@ class RolloutConfig:
     async_scheduling: Optional[bool] = None
     max_num_seqs: Optional[int] = None
     max_num_batched_tokens: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
     cudagraph_capture_sizes: Optional[list[int]] = None
     max_cudagraph_capture_size: Optional[int] = None
     request_seeds: bool = True
@@ -285,7 +291,8 @@ class RolloutConfig:
         require(self.logprobs != "sampler" or self.engine == "vllm", "rollout.logprobs",
                 f"{self.logprobs} reads vLLM's sampler, but rollout.engine={self.engine}; use rollout.engine=vllm or "
                 "leave rollout.logprobs null")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_cudagraph_capture_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                     "max_cudagraph_capture_size"):
             value = getattr(self, name)
             require(value is None or value >= 1, f"rollout.{name}", f"must be null (vLLM's default) or >= 1, got {value}")
         require(None in (self.max_num_seqs, self.max_num_batched_tokens)
@@ -301,8 +308,8 @@ class RolloutConfig:
                 "rollout.max_cudagraph_capture_size", f"{self.max_cudagraph_capture_size} differs from the largest of "
                 f"rollout.cudagraph_capture_sizes ({max(sizes or [0])}); vLLM refuses both given and unequal, set one")
         vllm_only = {name: getattr(self, name) for name in ("model_runner", "async_scheduling", "max_num_seqs",
-                                                            "max_num_batched_tokens", "cudagraph_capture_sizes",
-                                                            "max_cudagraph_capture_size")}
+                                                            "max_num_batched_tokens", "kv_cache_memory_bytes",
+                                                            "cudagraph_capture_sizes", "max_cudagraph_capture_size")}
         set_fields = [f"rollout.{k}" for k, v in vllm_only.items() if v is not None]
         set_fields += [] if self.request_seeds else ["rollout.request_seeds"]
         require(self.engine == "vllm" or not set_fields, set_fields[0] if set_fields else "rollout",

@@ -189,6 +189,8 @@ class VLLMSettings:
             ``LLM`` on GPUs of >= 70 GiB; 256 on smaller ones).
         max_num_batched_tokens: tokens per engine step (prefill chunks); None: 16384 on an H200 (8192 on GPUs
             under 70 GiB).
+        kv_cache_memory_bytes: the KV cache, bytes; None: what ``gpu_memory_utilization`` leaves after vLLM's
+            start-up memory profile (which a set value skips: ``rollout.kv_cache_memory_bytes``).
         cudagraph_capture_sizes: batch sizes captured as CUDA graphs (``compilation_config``); None: vLLM's
             1, 2, 4, 8, ..., 248 by 8, then by 16 up to ``max_cudagraph_capture_size``.
         max_cudagraph_capture_size: the largest captured batch; None: ``min(2 * max_num_seqs, 512)`` (a decode
@@ -209,6 +211,7 @@ class VLLMSettings:
     async_scheduling: bool | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     max_cudagraph_capture_size: int | None = None
     request_seeds: bool = True
@@ -258,7 +261,8 @@ def llm_kwargs(settings: VLLMSettings, *, model_dir: str, context: int, seed: in
                                   seed=seed, max_model_len=context, logprobs_mode="processed_logprobs",
                                   enable_prefix_caching=True)  # exact: the KV page the trainer's attention reads
     kwargs.update({"block_size": EXACT_KV_BLOCK_SIZE} if settings.exact else {})  # (kernels.batch_invariant)
-    for name in ("async_scheduling", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype"):
+    for name in ("async_scheduling", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype",
+                 "kv_cache_memory_bytes"):
         if getattr(settings, name) is not None:
             kwargs[name] = getattr(settings, name)
     compilation = {name: list(v) if isinstance(v, tuple) else v
