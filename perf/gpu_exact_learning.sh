@@ -10,8 +10,12 @@
 # the SmolLM2 GGUF (SMOL_GGUF, default /tmp/smol.gguf, else joined from /tmp/smol.gguf.part-aa and -ab) and GSM8K
 # (GSM8K_DIR, default /tmp/gsm8k, else the carried .gpu/smol/p2/gsm8k). Stages:
 #   1. install, build (skipped when done);
-#   2. plain, exact: the two runs, each stopped cleanly (SIGINT) 30 s before the budget ends and resumed from its
-#      last checkpoint (every 25 steps) by the next call on the same machine; a finished run is not repeated;
+#   2. arms: the two runs at once on the GPU (a 100-step run takes ~6 minutes alone on an H100, and a GPU call
+#      ten), each with a KV cache of a set size (rollout.kv_cache_memory_bytes: vLLM's start-up memory profile
+#      fails when another process frees memory meanwhile, as the other run's engine does going to sleep), each
+#      stopped cleanly (SIGINT) 30 s before the budget ends and resumed from its last checkpoint (every 25 steps)
+#      by the next call on the same machine; a finished run is not repeated. Their logs: $OUT/plain.log and
+#      $OUT/exact.log. Their step times are those of two runs sharing a GPU;
 #   3. compare: $OUT/exact_learning.md, by 10 steps side by side: reward, accuracy, response length,
 #      token_mult_prob_error, gen_kl_error, the share of tokens whose two log-probs are equal, step and
 #      generation time; then both validations. It fails unless both runs finished and every exact step has
@@ -79,13 +83,27 @@ assert all(f == 1.0 for f in fracs), f"exact: log-probs differ at steps {[i + 1 
 EOF
 }
 
-export -f install_wheels build_extension copy_run train_until train_resumable arm compare
+arms() {  # both runs at once (the exact one started 30 s later, so that the two engines do not compile at once)
+  local share=rollout.kv_cache_memory_bytes=$(( 4 << 30 ))  # 128 sequences of 640 tokens take ~1.9 GiB
+  arm plain "$share" > "$OUT/plain.log" 2>&1 &
+  local plain=$!
+  sleep 30
+  arm exact "$share" rollout.exact=true > "$OUT/exact.log" 2>&1 &
+  local exact=$!
+  wait $plain
+  local rc_plain=$?
+  wait $exact
+  local rc_exact=$?
+  echo "plain: exit $rc_plain ($(tail -n 1 "$OUT/plain.log")); exact: exit $rc_exact ($(tail -n 1 "$OUT/exact.log"))"
+  [ $rc_plain -eq 0 ] && [ $rc_exact -eq 0 ]
+}
+
+export -f install_wheels build_extension copy_run train_until train_resumable arm arms compare
 
 stage install 200 install_wheels
 [ $failed -eq 0 ] && stage build 200 build_extension
 if [ $failed -eq 0 ]; then  # whatever is left of the budget; a cut run resumes in the next call
-  stage plain 600 "arm plain"
-  [ $failed -eq 0 ] && stage exact 600 "arm exact rollout.exact=true"
+  stage arms 600 arms
   [ $failed -eq 0 ] && stage compare 60 compare
 fi
 [ -f "$OUT/exact_learning.md" ] && cat "$OUT/exact_learning.md"
