@@ -144,7 +144,7 @@ export -f install_wheels build_extension synthetic_task bench_pair seeded_pair r
 smol_gguf  # the smollm2 case of the test
 stage install 200 install_wheels
 if [ $failed -eq 0 ]; then  # all run, so that one GPU session reports on each
-  stage test_gpu_exact 330 "python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_exact.py"
+  stage test_gpu_exact 480 "python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_exact.py"
   stage seeded_pair 300 seeded_pair
   stage bench_pair 540 bench_pair
   stage refits_1p5b 400 refits_1p5b

@@ -94,7 +94,7 @@ def _capture(model, names: set[str], which: dict[str, set[str]], into: dict):
     return [modules[n].register_forward_hook(hook(n), with_kwargs=True) for n in names if n in modules]
 
 
-def _probe(rank, world, case):
+def _probe(rank, world, case, eager=True):
     from megarl.kernels.batch_invariant import enable_batch_invariant_mode, vllm_kernels, vllm_logprobs
     from megarl.models.checkpoint import load_weights, source_spec
     from megarl.models.layout_megatron import megatron_layout
@@ -120,7 +120,7 @@ def _probe(rank, world, case):
         actor = build_model(spec, mesh, params_dtype=torch.bfloat16, attention="sdpa").cuda().eval()
         with torch.no_grad():
             actor.embedding.word_embeddings.weight.mul_(3)
-    engine = VLLMRolloutEngine(spec, tp=1, gpu_memory_utilization=0.3, seed=0, enforce_eager=True,
+    engine = VLLMRolloutEngine(spec, tp=1, gpu_memory_utilization=0.3, seed=0, enforce_eager=eager,
                                settings=VLLMSettings(exact=True))
     plan = plan_reshard(megatron_layout(spec, mesh, padded_vocab=actor.vocab_size), engine.weight_layout([0]))
     src = {n: p.detach() for n, p in actor.named_parameters()}
@@ -130,7 +130,7 @@ def _probe(rank, world, case):
     prompt = torch.randint(0, spec.vocab_size - 1, (200,), generator=torch.Generator().manual_seed(0)).tolist()
 
     which_v, which_m = {}, {}
-    points_wanted = probe_points(spec.num_layers)
+    points_wanted = probe_points(spec.num_layers) if eager else []  # compiled, vLLM's modules run no hooks
     for v, m, w in points_wanted:
         which_v.setdefault(v, set()).add(w)
         which_m.setdefault(m, set()).add(w)
@@ -196,9 +196,11 @@ def _probe(rank, world, case):
     return {"points": points, "total": total, "total_long": total_long, "counts": counts}
 
 
-@pytest.mark.parametrize("case", ["qwen2-random", "smollm2"])
+# smollm2-compiled: vLLM with torch.compile and CUDA graphs (the GPU main job's engine, where SmolLM2 on GSM8K was
+# not exact, 2026-12-07; every earlier bit-for-bit check of SmolLM2 ran eager): the sampled tokens only
+@pytest.mark.parametrize("case", ["qwen2-random", "smollm2", "smollm2-compiled"])
 def test_the_exact_pass_equals_vllms_forward_tensor_by_tensor(case):
-    r = run_world(_probe, 1, case, timeout_s=600)[0]
+    r = run_world(_probe, 1, case.removesuffix("-compiled"), not case.endswith("-compiled"), timeout_s=600)[0]
     print(f"\nexact probe (vLLM prefill vs the trainer's exact pass, {case}, bf16):")
     shown = 0
     for name, which, ndiff, note in r["points"]:
