@@ -408,10 +408,10 @@ def _shared_micro_batches(rank, world):
     from megarl.workers.actor import PolicyWorker
     from megarl.workers.engine import MODEL_INPUTS
 
-    initialize_model_parallel(ParallelLayout(), seed=0)
+    mesh = ParallelLayout(dp=world)
+    initialize_model_parallel(mesh, seed=0)
     rc = ActorConfig(micro_batch_size=4, ppo_mini_batch_size=8, kernels=KernelsConfig(logprob_chunk_tokens=7))
-    w = PolicyWorker(SPEC, ParallelLayout(), "actor", "preset:random", torch.float32, rc, trainable=False,
-                     temperature=0.9)
+    w = PolicyWorker(SPEC, mesh, "actor", "preset:random", torch.float32, rc, trainable=False, temperature=0.9)
     b = _batch(range(8))
     alone = w.compute_logprobs(b, exact=True)["logprobs"]
 
@@ -435,13 +435,14 @@ def _shared_micro_batches(rank, world):
             "order": sorted(torch.cat(rows).tolist()), "diff": (shared - alone)[mask].abs().max().item()}
 
 
-def test_the_exact_pass_shares_micro_batches_where_vllms_kernels_are_batch_invariant():
+@pytest.mark.parametrize("dp", [1, 2])
+def test_the_exact_pass_shares_micro_batches_where_vllms_kernels_are_batch_invariant(dp):
     """On the GPU (vLLM's batch-invariant mode) the exact pass runs rows of similar length together, at most
     EXACT_LOGIT_BYTES of float32 logits a micro-batch, not one sample at a time (8 s against 0.2 s a step for
-    SmolLM2's 128 samples on an H100); the rows come back in the batch's order (a mix-up would move log-probs by
-    far more than the tolerance)."""
-    r = run_world(_shared_micro_batches, 1)[0]
-    assert r["order"] == list(range(8)) and len(r["rows"]) < 8 and max(r["rows"]) > 1, r
+    SmolLM2's 128 samples on an H100); the rows come back in the batch's order, over DP ranks too (a mix-up would
+    move log-probs by far more than the tolerance)."""
+    r = run_world(_shared_micro_batches, dp)[0]
+    assert r["order"] == list(range(8)) and len(r["rows"]) < 8 // dp and max(r["rows"]) > 1, r
     assert all(t <= 160 for t in r["tokens"]), r
     assert r["diff"] < 1e-5, r
 
