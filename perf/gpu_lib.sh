@@ -95,10 +95,13 @@ from tests.rl_tasks import make_tiny_model, write_prompts
 make_tiny_model(Path('$1/tok')); write_prompts(Path('$1/prompts.jsonl'), ${2:-4096})"
 }
 
-smol_gguf() {  # export SMOL_GGUF (default /tmp/smol.gguf), joined from its two uploaded halves where needed
-  # (/tmp/smol.gguf.part-aa and -ab: the uploads of .gpu/smol/p1 and p2, made by perf/stage_uploads.sh)
+smol_gguf() {  # export SMOL_GGUF (default /tmp/smol.gguf), joined from its uploaded pieces where needed: the
+  # slices in /tmp/sm once the last, with its checksum, is there (.gpu/up/sNN), or /tmp/smol.gguf.part-aa and -ab
+  # (.gpu/smol/p1 and p2); both made by perf/stage_uploads.sh
   export SMOL_GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
-  if [ ! -f "$SMOL_GGUF" ] && [ -f /tmp/smol.gguf.part-aa ] && [ -f /tmp/smol.gguf.part-ab ]; then
+  if [ ! -f "$SMOL_GGUF" ] && [ -f /tmp/sm/smol.sha256 ]; then
+    cat /tmp/sm/smol.part[0-9]* > /tmp/smol.gguf && sha256sum -c --quiet /tmp/sm/smol.sha256 || rm -f /tmp/smol.gguf
+  elif [ ! -f "$SMOL_GGUF" ] && [ -f /tmp/smol.gguf.part-aa ] && [ -f /tmp/smol.gguf.part-ab ]; then
     cat /tmp/smol.gguf.part-aa /tmp/smol.gguf.part-ab > "$SMOL_GGUF"
   fi
 }

