@@ -38,13 +38,13 @@ class PolicyWorker(MegatronWorker):
         self.routes = (RouteReplay(self.chunks, replay=self.rc.moe.router_replay)
                        if self.spec.is_moe and self.optimizer is not None else None)
 
-    def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int):
+    def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int, budget: int | None = None):
         """:meth:`~megarl.workers.engine.MegatronWorker._micro_batches`, with the batch's routes in each
         micro-batch, handed to :attr:`routes` (which finds each micro-batch of the passes that follow by its
         ``input_ids``)."""
         if self.routes is None:
-            return super()._micro_batches(batch, names, size)
-        micro, rows = super()._micro_batches(batch, names + ((ROUTES,) if ROUTES in batch else ()), size)
+            return super()._micro_batches(batch, names, size, budget)
+        micro, rows = super()._micro_batches(batch, names + ((ROUTES,) if ROUTES in batch else ()), size, budget)
         self.routes.queue(micro)
         return micro, rows
 

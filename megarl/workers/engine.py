@@ -278,12 +278,13 @@ class MegatronWorker:
         return max(d for d in range(1, min(want, share) + 1)
                    if share % d == 0 and (share // d) % self.mesh.microbatch_multiple == 0)
 
-    def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int
+    def _micro_batches(self, batch: RolloutBatch, names: tuple[str, ...], size: int, budget: int | None = None
                        ) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor] | None]:
         """This rank's DP share of ``batch`` cut into micro-batches of tensors ``names``, on the device.
 
-        ``rc.max_tokens_per_micro_batch == 0``: rows ``[r * B/dp, (r + 1) * B/dp)`` in consecutive micro-batches
-        of ``size`` rows, each as wide as the batch; the rows are None. Otherwise rows dealt to the DP ranks
+        ``budget``: padded tokens per micro-batch; None: ``rc.max_tokens_per_micro_batch``. A budget of 0: rows
+        ``[r * B/dp, (r + 1) * B/dp)`` in consecutive micro-batches of ``size`` rows, each as wide as the batch; the
+        rows are None. Otherwise rows dealt to the DP ranks
         balanced by tokens and packed into micro-batches by token count (:func:`~megarl.workers.packing.
         pack_shares`), as many on every DP rank (with VPP a multiple of ``pp``, for megatron's interleaved
         schedule: micro-batches are split until it is); the rows are, per DP rank, the batch rows of its micro-batches
@@ -292,7 +293,7 @@ class MegatronWorker:
         rows' tokens, padded at the tail to a multiple of TP under sequence parallelism and, with PP > 1, to
         the longest micro-batch of the batch (the pipeline schedule sends one shape).
         """
-        budget = self.rc.max_tokens_per_micro_batch
+        budget = self.rc.max_tokens_per_micro_batch if budget is None else budget
         if not budget:
             share = dp_share(batch, self.dp_rank, self.dp_size)
             return [self._with_logit_positions(self._to_device(m)) for m in share.micro_batches(size, names)], None
@@ -327,15 +328,8 @@ class MegatronWorker:
         ``8 * tp``, as the batch is), in order (the rows are None), so that the positions whose logits the
         chunked output layer computes are its response's, not the batch's response width (``logit_positions``,
         :meth:`_with_logit_positions`), which its chunks of tokens cut."""
-        if batch_invariant_mode():
-            lengths = batch["prompt_lens"] + batch["response_lens"]
-            multiple = 8 * self.mesh.tp
-            budget = max(1, EXACT_LOGIT_BYTES // (4 * self.spec.vocab_size))  # tokens
-            packed = pack_shares(lengths, self.dp_size, budget, multiple=multiple,
-                                 count_multiple=self.mesh.microbatch_multiple)
-            micro = [self._with_logit_positions(self._to_device(trim_to_longest(
-                {k: batch[k][idx] for k in names}, lengths[idx], multiple))) for idx in packed[self.dp_rank]]
-            return micro, [torch.cat(p) for p in packed]
+        if batch_invariant_mode():  # (exact refuses sequence packing: padded rows, each micro-batch its longest)
+            return self._micro_batches(batch, names, 1, budget=max(1, EXACT_LOGIT_BYTES // (4 * self.spec.vocab_size)))
         share = dp_share(batch, self.dp_rank, self.dp_size)
         lengths = share["prompt_lens"] + share["response_lens"]
         micro = []
