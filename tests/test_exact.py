@@ -31,6 +31,18 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A torch stand-in for vLLM's ``rms_norm_batch_invariant`` (without a residual)."""
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """A torch stand-in for the exact pass's FlashAttention: one sequence ``[s, n, d]``, grouped KV heads."""
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                           is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny Llama, its prompts, a tiny MoE model and the Llama as a Mistral with an 8-token window."""
@@ -204,21 +216,10 @@ def _passes(rank, world, exact):
     w, b = workers[0], _batch(range(8))
     plain = w.compute_logprobs(b)["logprobs"]
 
-    def linear(x, weight, bias):
-        return torch.nn.functional.linear(x, weight, bias)
-
-    def norm(x, weight, eps):
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-
-    def attention(q, k, v, scale):  # [s, n, d] one sequence, grouped KV heads
-        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                               is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
-
-    with vllm_kernels(w.chunks, linear, norm, swiglu, attention) as rerouted:
+    with vllm_kernels(w.chunks, torch.nn.functional.linear, rms_norm, swiglu, causal_attention) as rerouted:
         routed = w.compute_logprobs(b)["logprobs"]
     zero = lambda x, weight, bias: torch.zeros(*x.shape[:-1], weight.shape[0])  # noqa: E731
-    with vllm_kernels(w.chunks, zero, norm, swiglu, attention):
+    with vllm_kernels(w.chunks, zero, rms_norm, swiglu, causal_attention):
         zeroed = w.compute_logprobs(b)["logprobs"]
     restored = w.compute_logprobs(b)["logprobs"]
     mask = b["response_mask"].bool()
@@ -271,13 +272,7 @@ def _tied_logits(rank, world):
     ids = list(range(2, 30))
     plain = actor_logits(model, ids)
 
-    def attention(q, k, v, scale):
-        return torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                                is_causal=True, scale=scale,
-                                                                enable_gqa=True).transpose(0, 1)
-
-    norm = lambda x, w, eps: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
-    with vllm_kernels([model], torch.nn.functional.linear, norm, swiglu, attention):
+    with vllm_kernels([model], torch.nn.functional.linear, rms_norm, swiglu, causal_attention):
         routed = actor_logits(model, ids)
     return (routed - plain).abs().max().item()
 
@@ -335,13 +330,10 @@ def _routed_calls(rank, world):
             return fn(*args, **kwargs)
         return call
 
-    norm = lambda x, w, eps: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
     ids = list(range(2, 30))
     plain = actor_logits(model, ids)
-    with vllm_kernels([model], torch.nn.functional.linear, counted("norm", norm), counted("swiglu", swiglu),
-                      lambda q, k, v, scale: torch.nn.functional.scaled_dot_product_attention(
-                          q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
-                          enable_gqa=True).transpose(0, 1), counted("rotary", vllm_rotary)):
+    with vllm_kernels([model], torch.nn.functional.linear, counted("norm", rms_norm), counted("swiglu", swiglu),
+                      causal_attention, counted("rotary", vllm_rotary)):
         routed = actor_logits(model, ids)
     return calls, megatron_attention.apply_rotary_pos_emb is before, (routed - plain).abs().max().item()
 
@@ -415,19 +407,11 @@ def _shared_micro_batches(rank, world):
     b = _batch(range(8))
     alone = w.compute_logprobs(b, exact=True)["logprobs"]
 
-    def attention(q, k, v, scale):
-        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                               is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
-
-    def norm(x, weight, eps):
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-
     budget_tokens = 160
     engine_module.EXACT_LOGIT_BYTES = budget_tokens * 4 * SPEC.vocab_size
     engine_module.batch_invariant_mode = actor_module.batch_invariant_mode = lambda: True
-    engine_module.vllm_kernels = functools.partial(vllm_kernels, linear=torch.nn.functional.linear, rms_norm=norm,
-                                                   silu_and_mul=swiglu, attention=attention)
+    engine_module.vllm_kernels = functools.partial(vllm_kernels, linear=torch.nn.functional.linear, rms_norm=rms_norm,
+                                                   silu_and_mul=swiglu, attention=causal_attention)
     micro, rows = w._exact_micro_batches(b, MODEL_INPUTS)
     shared = w.compute_logprobs(b, exact=True)["logprobs"]
     mask = b["response_mask"].bool()
