@@ -100,7 +100,8 @@ smol_gguf() {  # export SMOL_GGUF (default /tmp/smol.gguf), joined from its uplo
   # (.gpu/smol/p1 and p2); both made by perf/stage_uploads.sh
   export SMOL_GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
   if [ ! -f "$SMOL_GGUF" ] && [ -f /tmp/sm/smol.sha256 ]; then
-    cat /tmp/sm/smol.part[0-9]* > /tmp/smol.gguf && sha256sum -c --quiet /tmp/sm/smol.sha256 || rm -f /tmp/smol.gguf
+    cat /tmp/sm/smol.part[0-9]* > "$SMOL_GGUF"
+    [ "$(sha256sum < "$SMOL_GGUF" | cut -d' ' -f1)" = "$(cut -d' ' -f1 /tmp/sm/smol.sha256)" ] || rm -f "$SMOL_GGUF"
   elif [ ! -f "$SMOL_GGUF" ] && [ -f /tmp/smol.gguf.part-aa ] && [ -f /tmp/smol.gguf.part-ab ]; then
     cat /tmp/smol.gguf.part-aa /tmp/smol.gguf.part-ab > "$SMOL_GGUF"
   fi
